@@ -1,0 +1,1 @@
+"""kvtrail.alerts: see docs/architecture.md."""

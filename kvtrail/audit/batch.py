@@ -1,0 +1,177 @@
+"""Columnar event batches: the Arrow form every producer path converges on.
+
+Three ways in, one way to the store: the in-process recorder's writer, JSON lines and Arrow IPC all
+produce a :class:`pyarrow.Table` with :data:`BATCH_SCHEMA` (one row per event, page lists as list
+columns), which :func:`kvtrail.audit.validate.validate_batch` checks before the store commits it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Iterable, Mapping
+
+import pyarrow as pa
+
+from kvtrail.audit.events import ALL_FIELDS, ENVELOPE_NAMES, FIELDS, PRODUCER_FIELDS, REQUEST_FIELDS
+from kvtrail.errors import ValidationError
+
+_ARROW_TYPES = {
+    "str": pa.string(),
+    "enum": pa.string(),
+    "int32": pa.int32(),
+    "int64": pa.int64(),
+    "uint64": pa.uint64(),
+    "bool": pa.bool_(),
+    "pages": pa.list_(pa.int32()),
+    "u64list": pa.list_(pa.uint64()),
+    "i64list": pa.list_(pa.int64()),
+}
+
+
+def arrow_type(type_name: str) -> pa.DataType:
+    return _ARROW_TYPES[type_name]
+
+
+BATCH_SCHEMA = pa.schema(
+    [pa.field(f.name, arrow_type(f.type), nullable=f.name not in ENVELOPE_NAMES) for f in ALL_FIELDS]
+)
+
+_PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
+_REQUEST_NAMES = tuple(f.name for f in REQUEST_FIELDS)
+
+
+def _flatten(event: Mapping, index: int) -> dict:
+    """Turn one wire event (producer and request as nested objects) into flat columns."""
+    if not isinstance(event, Mapping):
+        raise ValidationError("(event)", f"must be a JSON object, got {type(event).__name__}", event=index)
+    row = {}
+    for key, value in event.items():
+        if key in ("producer", "request"):
+            names = _PRODUCER_NAMES if key == "producer" else _REQUEST_NAMES
+            if not isinstance(value, Mapping):
+                raise ValidationError(key, "must be an object", event=index, kind=event.get("kind"))
+            for sub, subval in value.items():
+                if sub not in names:
+                    raise ValidationError(f"{key}.{sub}", "unknown field", event=index, kind=event.get("kind"))
+                row[sub] = subval
+        elif key in FIELDS and key not in _PRODUCER_NAMES and key not in _REQUEST_NAMES:
+            row[key] = value
+        else:
+            raise ValidationError(key, "unknown field", event=index, kind=event.get("kind"))
+    return row
+
+
+_TYPE_WORDS = {"str": "a string", "enum": "a string", "bool": "true or false", "int32": "an integer",
+               "int64": "an integer", "uint64": "an integer", "pages": "a list of integer page ids",
+               "u64list": "a list of integers", "i64list": "a list of integers"}
+
+
+def _check_python_type(name: str, value, index: int, kind) -> None:
+    spec = FIELDS[name]
+    if value is None:
+        return
+    if spec.type in ("str", "enum"):
+        ok = isinstance(value, str)
+    elif spec.type == "bool":
+        ok = isinstance(value, bool)
+    elif spec.is_list:
+        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    else:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    if not ok:
+        raise ValidationError(name, f"wrong type: expected {_TYPE_WORDS[spec.type]}, got {type(value).__name__}"
+                              + (" with a non-integer entry" if isinstance(value, list) else ""), event=index, kind=kind)
+
+
+def from_dicts(events: Iterable[Mapping]) -> pa.Table:
+    """Build a batch from wire-format events (dicts as decoded from JSON).
+
+    Type errors are reported here with the event's index; value rules are checked by
+    :func:`kvtrail.audit.validate.validate_batch`.
+    """
+    columns: dict[str, list] = {f.name: [] for f in ALL_FIELDS}
+    n = 0
+    for i, event in enumerate(events):
+        row = _flatten(event, i)
+        kind = row.get("kind")
+        for name, col in columns.items():
+            value = row.get(name)
+            _check_python_type(name, value, i, kind)
+            col.append(value)
+        n += 1
+    arrays = []
+    for f in BATCH_SCHEMA:
+        try:
+            arrays.append(pa.array(columns[f.name], type=f.type))
+        except (pa.ArrowInvalid, OverflowError) as exc:
+            bad = first_bad_index(columns[f.name], f.type)
+            raise ValidationError(f.name, f"value out of range for {f.type}: {exc}", event=bad) from None
+    return pa.Table.from_arrays(arrays, schema=pa.schema([f.with_nullable(True) for f in BATCH_SCHEMA]))
+
+
+def first_bad_index(values: list, type_: pa.DataType) -> int | None:
+    """Index of the first value Arrow cannot convert to ``type_`` (None if all convert)."""
+    for i, v in enumerate(values):
+        try:
+            pa.array([v], type=type_)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
+            return i
+    return None
+
+
+def parse_jsonl(data: bytes | str) -> pa.Table:
+    """Decode JSON lines (one event per line; blank lines ignored) into a batch."""
+    if isinstance(data, bytes):
+        data = data.decode("utf-8")
+    events = []
+    for lineno, line in enumerate(data.splitlines()):
+        if not line.strip():
+            continue
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ValidationError("(json)", f"line {lineno + 1} is not valid JSON: {exc.msg}", event=len(events)) from None
+    return from_dicts(events)
+
+
+def to_dicts(table: pa.Table) -> list[dict]:
+    """Inverse of :func:`from_dicts`: wire-format events with nulls left out."""
+    out = []
+    for row in table.to_pylist():
+        event = {}
+        producer, request = {}, {}
+        for name, value in row.items():
+            if value is None:
+                continue
+            if name in _PRODUCER_NAMES:
+                producer[name] = value
+            elif name in _REQUEST_NAMES:
+                request[name] = value
+            else:
+                event[name] = value
+        event["producer"] = producer
+        if request:
+            event["request"] = request
+        out.append(event)
+    return out
+
+
+def to_jsonl(table: pa.Table) -> str:
+    return "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in to_dicts(table))
+
+
+def read_ipc(data: bytes) -> pa.Table:
+    """Decode an Arrow IPC stream (the bulk wire format) into a batch."""
+    try:
+        reader = pa.ipc.open_stream(io.BytesIO(data))
+        return reader.read_all()
+    except pa.ArrowInvalid as exc:
+        raise ValidationError("(arrow)", f"not a valid Arrow IPC stream: {exc}") from None
+
+
+def write_ipc(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue()

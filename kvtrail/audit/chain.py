@@ -1,0 +1,129 @@
+"""Tamper evidence: a SHA-256 chain over each producer's committed batches, optionally signed.
+
+A batch digest is ``SHA-256(prev_digest || header || canonical(events) || canonical(page_runs))``.
+The canonical form is computed from the rows as stored (ordered by sequence number, then list and
+position), so ``kvtrail audit verify`` can recompute it from the database alone: an edited, deleted,
+inserted or reordered row changes the digest; a deleted batch breaks the next link.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kvtrail.errors import ChainError
+
+GENESIS = bytes(32)
+assert sys.byteorder == "little", "canonical encoding assumes a little-endian host"
+
+
+def _column_bytes(h, arr: pa.Array) -> None:
+    valid = pc.is_valid(arr).to_numpy(zero_copy_only=False)
+    h.update(np.packbits(valid).tobytes())
+    t = arr.type
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t):
+        filled = pc.fill_null(arr, "" if not pa.types.is_binary(t) else b"").cast(pa.large_binary())
+        offsets = np.frombuffer(filled.buffers()[1], dtype=np.int64)[filled.offset: filled.offset + len(filled) + 1]
+        h.update(np.diff(offsets).astype(np.int64).tobytes())
+        data = filled.buffers()[2]
+        if data is not None and len(offsets):
+            h.update(memoryview(data)[offsets[0]: offsets[-1]])
+    elif pa.types.is_list(t) or pa.types.is_large_list(t):
+        lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        h.update(lengths.tobytes())
+        _column_bytes(h, pc.list_flatten(arr))
+    elif pa.types.is_boolean(t):
+        h.update(pc.fill_null(arr, False).to_numpy(zero_copy_only=False).astype(np.uint8).tobytes())
+    else:
+        h.update(pc.fill_null(arr, 0).to_numpy(zero_copy_only=False).tobytes())
+
+
+def table_digest(h, table: pa.Table, schema: pa.Schema) -> None:
+    """Feed ``table`` into hash ``h`` in canonical form: columns of ``schema`` in its order and types."""
+    h.update(struct.pack("<q", table.num_rows))
+    for f in schema:
+        col = table.column(f.name)
+        if col.type != f.type:
+            col = col.cast(f.type)
+        col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        h.update(f.name.encode() + b"\0")
+        _column_bytes(h, col)
+
+
+def batch_digest(prev: bytes, header: tuple[int, ...], events: pa.Table, events_schema: pa.Schema,
+                 runs: pa.Table, runs_schema: pa.Schema) -> bytes:
+    h = hashlib.sha256()
+    h.update(prev)
+    h.update(struct.pack(f"<{len(header)}q", *header))
+    table_digest(h, events, events_schema)
+    table_digest(h, runs, runs_schema)
+    return h.digest()
+
+
+class Signer:
+    """Signs batch digests with an Ed25519 private key the operator supplies (PEM, PKCS#8)."""
+
+    def __init__(self, private_key_pem: bytes):
+        from cryptography.hazmat.primitives import serialization
+
+        try:
+            self._key = serialization.load_pem_private_key(private_key_pem, password=None)
+        except (ValueError, TypeError) as exc:
+            raise ChainError(f"signing key: not a PEM private key without password ({exc})") from None
+        pub = self._key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        self.key_id = hashlib.sha256(pub).hexdigest()[:16]
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Signer":
+        try:
+            return cls(Path(path).read_bytes())
+        except FileNotFoundError:
+            raise ChainError(f"signing key: file not found: {path}") from None
+
+    def sign(self, digest: bytes) -> bytes:
+        return self._key.sign(digest)
+
+
+class SignatureChecker:
+    """Checks signatures with the matching Ed25519 public key (PEM)."""
+
+    def __init__(self, public_key_pem: bytes):
+        from cryptography.hazmat.primitives import serialization
+
+        try:
+            self._key = serialization.load_pem_public_key(public_key_pem)
+        except (ValueError, TypeError) as exc:
+            raise ChainError(f"public key: not a PEM public key ({exc})") from None
+        pub = self._key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        self.key_id = hashlib.sha256(pub).hexdigest()[:16]
+
+    def check(self, digest: bytes, signature: bytes | None) -> bool:
+        from cryptography.exceptions import InvalidSignature
+
+        if signature is None:
+            return False
+        try:
+            self._key.verify(signature, digest)
+            return True
+        except InvalidSignature:
+            return False
+
+
+def generate_keypair(private_path: Path, public_path: Path) -> str:
+    """Write a new Ed25519 key pair as PEM files; returns the key id."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key = Ed25519PrivateKey.generate()
+    private_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+    private_path.chmod(0o600)
+    public_path.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                          serialization.PublicFormat.SubjectPublicKeyInfo))
+    return Signer(private_path.read_bytes()).key_id

@@ -1,0 +1,283 @@
+"""The audit store: a DuckDB file holding events, run-encoded page lists and the batch chain.
+
+One :class:`AuditStore` owns the write connection (the recorder's writer thread, or the ingest
+service). Each :meth:`AuditStore.append` validates a whole batch, then commits it in one transaction
+with one chained digest per producer: a batch is stored whole or not at all. Readers open their own
+connections with :func:`connect_readonly` or :meth:`AuditStore.cursor`.
+
+Tables (see ``docs/events.md`` for the columns):
+  producers   one row per producer instance (identity, latest pool size)
+  events      one row per event; page lists live in page_runs
+  page_runs   (producer_id, seq, list, pos, page_start, num_pages): list 0 = pages, 1 = dst_pages
+  batches     one row per committed batch: seq range, counts, prev digest, digest, signature
+  prunes, prune_batches, legal_holds   retention records (see kvtrail.audit.retention)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kvtrail.audit import chain
+from kvtrail.audit.batch import arrow_type
+from kvtrail.audit.events import ALL_FIELDS, KIND_NAMES, KINDS, PAGE_LIST_FIELDS, PRODUCER_FIELDS
+from kvtrail.audit.pagelist import decode_runs, encode_runs
+from kvtrail.audit.validate import ProducerState, ValidatedBatch, validate_batch
+from kvtrail.errors import StoreError
+
+STORE_FORMAT = "1"
+_SQL_TYPES = {"str": "VARCHAR", "enum": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "uint64": "UBIGINT",
+              "bool": "BOOLEAN", "u64list": "UBIGINT[]", "i64list": "BIGINT[]"}
+_PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
+# Stored event columns: everything but the producer identity (normalised into producers) and the
+# page lists (run-encoded into page_runs), plus the key and the list lengths.
+EVENT_VALUE_FIELDS = tuple(f for f in ALL_FIELDS if f.name not in _PRODUCER_NAMES and f.name not in PAGE_LIST_FIELDS)
+EVENTS_SCHEMA = pa.schema(
+    [pa.field("producer_id", pa.int64()), pa.field("batch_no", pa.int64())]
+    + [pa.field(f.name, arrow_type(f.type)) for f in EVENT_VALUE_FIELDS]
+    + [pa.field("num_pages", pa.int32()), pa.field("num_dst_pages", pa.int32())]
+)
+RUNS_SCHEMA = pa.schema([
+    pa.field("producer_id", pa.int64()), pa.field("batch_no", pa.int64()), pa.field("seq", pa.uint64()),
+    pa.field("list", pa.int8()), pa.field("pos", pa.int32()), pa.field("page_start", pa.int32()),
+    pa.field("num_pages", pa.int32()),
+])
+EVENT_COLUMNS = ", ".join(f.name for f in EVENTS_SCHEMA)
+RUN_COLUMNS = ", ".join(f.name for f in RUNS_SCHEMA)
+
+
+def _ddl() -> list[str]:
+    event_cols = ["producer_id BIGINT NOT NULL", "batch_no BIGINT NOT NULL"]
+    event_cols += [f"{f.name} {_SQL_TYPES[f.type]}" for f in EVENT_VALUE_FIELDS]
+    event_cols += ["num_pages INTEGER NOT NULL", "num_dst_pages INTEGER NOT NULL"]
+    return [
+        "CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS producers (producer_id BIGINT PRIMARY KEY, "
+        + ", ".join(f"{n} VARCHAR NOT NULL" for n in _PRODUCER_NAMES)
+        + ", pool_pages BIGINT, first_seen_ns BIGINT NOT NULL)",
+        f"CREATE TABLE IF NOT EXISTS events ({', '.join(event_cols)})",
+        "CREATE TABLE IF NOT EXISTS page_runs (producer_id BIGINT NOT NULL, batch_no BIGINT NOT NULL, "
+        "seq UBIGINT NOT NULL, list TINYINT NOT NULL, pos INTEGER NOT NULL, page_start INTEGER NOT NULL, "
+        "num_pages INTEGER NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS batches (producer_id BIGINT NOT NULL, batch_no BIGINT NOT NULL, "
+        "first_seq UBIGINT NOT NULL, last_seq UBIGINT NOT NULL, num_events BIGINT NOT NULL, "
+        "num_runs BIGINT NOT NULL, num_page_events BIGINT NOT NULL, min_wall_ns BIGINT NOT NULL, "
+        "max_wall_ns BIGINT NOT NULL, committed_ns BIGINT NOT NULL, prev_digest BLOB NOT NULL, "
+        "digest BLOB NOT NULL, signature BLOB, key_id VARCHAR, pruned_by BIGINT, "
+        "PRIMARY KEY (producer_id, batch_no))",
+        "CREATE TABLE IF NOT EXISTS prunes (prune_id BIGINT PRIMARY KEY, wall_ns BIGINT NOT NULL, "
+        "before_ns BIGINT NOT NULL, num_batches BIGINT NOT NULL, num_events BIGINT NOT NULL, "
+        "num_held_batches BIGINT NOT NULL, note VARCHAR, prev_digest BLOB NOT NULL, digest BLOB NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS prune_batches (prune_id BIGINT NOT NULL, producer_id BIGINT NOT NULL, "
+        "batch_no BIGINT NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS legal_holds (hold_id BIGINT PRIMARY KEY, created_ns BIGINT NOT NULL, "
+        "from_ns BIGINT NOT NULL, to_ns BIGINT NOT NULL, tenant_id VARCHAR, node VARCHAR, "
+        "reason VARCHAR NOT NULL, released_ns BIGINT)",
+        # Convenience view for readers: events with their producer identity.
+        "CREATE OR REPLACE VIEW events_v AS SELECT p.cluster, p.node, p.role, p.engine, p.engine_version, "
+        "p.instance, e.* FROM events e JOIN producers p USING (producer_id)",
+    ]
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    num_events: int
+    num_page_events: int
+    num_runs: int
+    batches: tuple[tuple[int, int], ...]  # (producer_id, batch_no) committed
+
+
+def connect_readonly(path: str | Path) -> duckdb.DuckDBPyConnection:
+    """A read-only connection for readers in another process (the writer must not hold the file)."""
+    if not Path(path).exists():
+        raise StoreError(f"store not found: {path}")
+    return duckdb.connect(str(path), read_only=True)
+
+
+class AuditStore:
+    """Owns the DuckDB write connection of one store file. Not thread-safe: one writer at a time."""
+
+    def __init__(self, path: str | Path, *, signer: chain.Signer | None = None, create: bool = True):
+        self.path = Path(path)
+        if not create and not self.path.exists():
+            raise StoreError(f"store not found: {path}")
+        try:
+            self.con = duckdb.connect(str(self.path))
+        except duckdb.Error as exc:
+            raise StoreError(f"cannot open store {path}: {exc}") from None
+        self.signer = signer
+        for stmt in _ddl():
+            self.con.execute(stmt)
+        fmt = self.con.execute("SELECT value FROM meta WHERE key = 'store_format'").fetchone()
+        if fmt is None:
+            self.con.execute("INSERT INTO meta VALUES ('store_format', ?), ('created_ns', ?)",
+                             [STORE_FORMAT, str(time.time_ns())])
+        elif fmt[0] != STORE_FORMAT:
+            raise StoreError(f"store {path} has format {fmt[0]}; this kvtrail reads format {STORE_FORMAT}")
+        self._load_state()
+
+    def _load_state(self) -> None:
+        self._state: dict[int, ProducerState] = {}
+        self._chain: dict[int, tuple[int, bytes]] = {}  # producer -> (last batch_no, last digest)
+        for pid, pool in self.con.execute("SELECT producer_id, pool_pages FROM producers").fetchall():
+            self._state[pid] = ProducerState(None, pool)
+        rows = self.con.execute(
+            "SELECT producer_id, batch_no, last_seq, digest FROM batches "
+            "QUALIFY row_number() OVER (PARTITION BY producer_id ORDER BY batch_no DESC) = 1").fetchall()
+        for pid, batch_no, last_seq, digest in rows:
+            self._state.setdefault(pid, ProducerState()).last_seq = int(last_seq)
+            self._chain[pid] = (batch_no, bytes(digest))
+
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        """A second connection to the same database, for a reader thread in this process."""
+        return self.con.cursor()
+
+    def close(self) -> None:
+        self.con.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- writing -------------------------------------------------------------------------------
+
+    def append(self, table: pa.Table) -> AppendResult:
+        """Validate and commit a batch (any number of producers). Raises ValidationError, writing nothing."""
+        vb = validate_batch(table, self._state)
+        if vb.table.num_rows == 0:
+            return AppendResult(0, 0, 0, ())
+        return self._commit(vb)
+
+    def _runs(self, vb: ValidatedBatch, seq: np.ndarray) -> pa.Table:
+        parts = []
+        for list_no, name in enumerate(PAGE_LIST_FIELDS):
+            col = vb.table.column(name)
+            lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+            offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            flat = pc.list_flatten(col).to_numpy(zero_copy_only=False)
+            row, pos, start, length = encode_runs(flat, offsets)
+            parts.append((row, np.full(len(row), list_no, np.int8), pos, start, length))
+        row, lst, pos, start, length = (np.concatenate(x) for x in zip(*parts))
+        order = np.lexsort((pos, lst, row))  # rows are already in seq order within a producer
+        return row[order], lst[order], pos[order], start[order], length[order]
+
+    def _commit(self, vb: ValidatedBatch) -> AppendResult:
+        t = vb.table
+        n = t.num_rows
+        seq = t.column("seq").to_numpy(zero_copy_only=False).astype(np.uint64)
+        wall = t.column("wall_ns").to_numpy(zero_copy_only=False)
+        pid_per_row = np.asarray(vb.producer_ids, dtype=np.int64)[vb.producer_index]
+        run_row, run_list, run_pos, run_start, run_len = self._runs(vb, seq)
+        num_pages = pc.fill_null(pc.list_value_length(t.column("pages")), 0).cast(pa.int32())
+        num_dst = pc.fill_null(pc.list_value_length(t.column("dst_pages")), 0).cast(pa.int32())
+        now = time.time_ns()
+        batch_rows, new_producers, new_pools = [], [], {}
+        ev_parts, run_parts, committed = [], [], []
+        state_after = {}
+        for g, pid in enumerate(vb.producer_ids):
+            rows = np.flatnonzero(vb.producer_index == g) if len(vb.producer_ids) > 1 else np.arange(n)
+            last_no, prev = self._chain.get(pid, (-1, chain.GENESIS))
+            batch_no = last_no + 1
+            cols = {"producer_id": pa.array(np.full(len(rows), pid, np.int64)),
+                    "batch_no": pa.array(np.full(len(rows), batch_no, np.int64))}
+            sub = t.take(pa.array(rows)) if len(rows) != n else t
+            for f in EVENT_VALUE_FIELDS:
+                cols[f.name] = sub.column(f.name)
+            cols["num_pages"] = num_pages.take(pa.array(rows)) if len(rows) != n else num_pages
+            cols["num_dst_pages"] = num_dst.take(pa.array(rows)) if len(rows) != n else num_dst
+            ev = pa.table(cols, schema=EVENTS_SCHEMA)
+            rsel = np.flatnonzero(vb.producer_index[run_row] == g) if len(vb.producer_ids) > 1 else np.arange(len(run_row))
+            runs = pa.table({
+                "producer_id": np.full(len(rsel), pid, np.int64), "batch_no": np.full(len(rsel), batch_no, np.int64),
+                "seq": seq[run_row[rsel]], "list": run_list[rsel], "pos": run_pos[rsel],
+                "page_start": run_start[rsel], "num_pages": run_len[rsel]}, schema=RUNS_SCHEMA)
+            first_seq, last_seq = int(seq[rows[0]]), int(seq[rows[-1]])
+            npe = int(run_len[rsel].astype(np.int64).sum())
+            header = (pid, batch_no, first_seq, last_seq, len(rows), len(rsel))
+            digest = chain.batch_digest(prev, header, ev, EVENTS_SCHEMA, runs, RUNS_SCHEMA)
+            sig = self.signer.sign(digest) if self.signer else None
+            batch_rows.append((pid, batch_no, first_seq, last_seq, len(rows), len(rsel), npe,
+                               int(wall[rows].min()), int(wall[rows].max()), now, prev, digest, sig,
+                               self.signer.key_id if self.signer else None))
+            ev_parts.append(ev)
+            run_parts.append(runs)
+            committed.append((pid, batch_no))
+            if pid not in self._state:
+                new_producers.append((pid, *(getattr(vb.producers[g], k) for k in _PRODUCER_NAMES), now))
+            cfg_rows = rows[vb.kind_code[rows] == 0]
+            if len(cfg_rows):
+                new_pools[pid] = int(t.column("pool_pages")[int(cfg_rows[-1])].as_py())
+            state_after[pid] = (last_seq, (batch_no, digest))
+        events_tbl = pa.concat_tables(ev_parts) if len(ev_parts) > 1 else ev_parts[0]
+        runs_tbl = pa.concat_tables(run_parts) if len(run_parts) > 1 else run_parts[0]
+        con = self.con
+        con.begin()
+        try:
+            if new_producers:
+                con.executemany(f"INSERT INTO producers VALUES (?, {', '.join('?' * len(_PRODUCER_NAMES))}, NULL, ?)",
+                                new_producers)
+            for pid, pool in new_pools.items():
+                con.execute("UPDATE producers SET pool_pages = ? WHERE producer_id = ?", [pool, pid])
+            con.register("_kv_ev", events_tbl)
+            con.execute(f"INSERT INTO events ({EVENT_COLUMNS}) SELECT {EVENT_COLUMNS} FROM _kv_ev")
+            con.register("_kv_runs", runs_tbl)
+            con.execute(f"INSERT INTO page_runs ({RUN_COLUMNS}) SELECT {RUN_COLUMNS} FROM _kv_runs")
+            con.executemany("INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)", batch_rows)
+            con.commit()
+        except BaseException:
+            con.rollback()
+            raise
+        finally:
+            con.unregister("_kv_ev")
+            con.unregister("_kv_runs")
+        for pid, (last_seq, link) in state_after.items():
+            st = self._state.setdefault(pid, ProducerState())
+            st.last_seq = last_seq
+            if pid in new_pools:
+                st.pool_pages = new_pools[pid]
+            self._chain[pid] = link
+        return AppendResult(n, int(run_len.astype(np.int64).sum()), len(run_row), tuple(committed))
+
+    def checkpoint(self) -> None:
+        self.con.execute("CHECKPOINT")
+
+
+def arrow_query(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> pa.Table:
+    """Run a query and return its result as an Arrow table."""
+    return con.sql(sql, params=params or None).to_arrow_table()
+
+
+def read_events(con: duckdb.DuckDBPyConnection, where: str = "TRUE", params: list | None = None) -> pa.Table:
+    """Read events back as a wire-shaped batch (producer identity and page lists restored).
+
+    ``where`` filters the ``events_v`` view (events with producer identity). Rows come in
+    (producer_id, seq) order.
+    """
+    ev = arrow_query(con, f"SELECT * FROM events_v WHERE {where} ORDER BY producer_id, seq", params)
+    runs = arrow_query(con, 
+        f"WITH e AS (SELECT producer_id, seq, row_number() OVER (ORDER BY producer_id, seq) - 1 AS row "
+        f"FROM events_v WHERE {where}) "
+        f"SELECT e.row, r.list, r.page_start, r.num_pages FROM page_runs r JOIN e USING (producer_id, seq) "
+        f"ORDER BY e.row, r.list, r.pos", params)
+    out = {f.name: ev.column(f.name) for f in ALL_FIELDS if f.name not in PAGE_LIST_FIELDS}
+    row = runs.column("row").to_numpy().astype(np.int64)
+    lists = runs.column("list").to_numpy()
+    for list_no, name in enumerate(PAGE_LIST_FIELDS):
+        m = lists == list_no
+        flat, offsets = decode_runs(ev.num_rows, row[m], runs.column("page_start").to_numpy()[m],
+                                    runs.column("num_pages").to_numpy()[m])
+        # A kind that requires a list always carries one (possibly empty); other kinds carry none.
+        needs = [k for k in KIND_NAMES if name in KINDS[k].required]
+        present = pc.is_in(ev.column("kind"), value_set=pa.array(needs)).to_numpy(zero_copy_only=False)
+        out[name] = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, pa.int32()),
+                                             mask=pa.array(~present))
+    return pa.table({f.name: out[f.name] for f in ALL_FIELDS})

@@ -1,0 +1,242 @@
+"""Validation of a whole batch before anything is written.
+
+Every rule of the event model is checked here, vectorised over the batch, and the first violation
+raises :class:`~kvtrail.errors.ValidationError` naming the event (its index in the batch), its kind,
+the field and the reason. A batch is accepted whole or not at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kvtrail.audit.batch import BATCH_SCHEMA
+from kvtrail.audit.events import (
+    ENVELOPE_NAMES,
+    FIELDS,
+    KIND_CODES,
+    KIND_NAMES,
+    KINDS,
+    OPTIONAL_NAMES,
+    PRODUCER_FIELDS,
+    SUPPORTED_SCHEMA_VERSIONS,
+    Producer,
+)
+from kvtrail.errors import ValidationError
+
+PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
+_KEY_SEP = "\x1f"
+
+
+def producer_id(p: Producer) -> int:
+    """Stable 63-bit id of a producer identity (the same on every machine and after export/import)."""
+    key = _KEY_SEP.join(getattr(p, n) for n in PRODUCER_NAMES).encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
+
+
+@dataclass
+class ProducerState:
+    """What the store already knows of a producer, needed to validate its next batch."""
+
+    last_seq: int | None = None
+    pool_pages: int | None = None
+
+
+@dataclass
+class ValidatedBatch:
+    table: pa.Table  # normalised to BATCH_SCHEMA
+    kind_code: np.ndarray  # uint8 per row
+    producer_ids: list[int]  # one per distinct producer, in order of first appearance
+    producers: list[Producer]
+    producer_index: np.ndarray  # per row: index into producer_ids
+    num_page_events: int
+
+
+def _normalise(table: pa.Table) -> pa.Table:
+    names = set(table.column_names)
+    for name in table.column_names:
+        if name not in FIELDS:
+            raise ValidationError(name, "unknown field")
+    for name in ENVELOPE_NAMES:
+        if name not in names:
+            raise ValidationError(name, "missing (required on every event)")
+    arrays = []
+    for f in BATCH_SCHEMA:
+        if f.name not in names:
+            arrays.append(pa.nulls(table.num_rows, type=f.type))
+            continue
+        col = table.column(f.name)
+        if col.type != f.type:
+            if pa.types.is_dictionary(col.type):
+                col = col.cast(col.type.value_type)
+            try:
+                col = col.cast(f.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+                raise ValidationError(f.name, f"wrong type: expected {FIELDS[f.name].type}, got {col.type} ({exc})") from None
+        if isinstance(col, pa.ChunkedArray):
+            col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+        arrays.append(col)
+    return pa.Table.from_arrays(arrays, schema=pa.schema([f.with_nullable(True) for f in BATCH_SCHEMA]))
+
+
+def _valid_mask(col) -> np.ndarray:
+    return pc.is_valid(col).to_numpy(zero_copy_only=False)
+
+
+def _fail(mask: np.ndarray, field: str, reason: str, kinds: np.ndarray | None) -> None:
+    idx = int(np.flatnonzero(mask)[0])
+    kind = KIND_NAMES[kinds[idx]] if kinds is not None and kinds[idx] < len(KIND_NAMES) else None
+    raise ValidationError(field, reason, event=idx, kind=kind)
+
+
+def _check_envelope(t: pa.Table) -> np.ndarray:
+    for name in ENVELOPE_NAMES:
+        valid = _valid_mask(t.column(name))
+        if not valid.all():
+            _fail(~valid, name, "missing (required on every event)", None)
+    versions = t.column("schema_version").to_numpy()
+    bad = ~np.isin(versions, SUPPORTED_SCHEMA_VERSIONS)
+    if bad.any():
+        v = int(versions[np.flatnonzero(bad)[0]])
+        _fail(bad, "schema_version", f"unknown schema version {v}; supported: {list(SUPPORTED_SCHEMA_VERSIONS)}", None)
+    kind_dict = pc.dictionary_encode(t.column("kind")).combine_chunks()
+    known = np.array([KIND_CODES.get(k, 255) for k in kind_dict.dictionary.to_pylist()], dtype=np.uint8)
+    codes = known[kind_dict.indices.to_numpy(zero_copy_only=False)] if len(known) else np.empty(0, np.uint8)
+    if (codes == 255).any():
+        bad = codes == 255
+        name = t.column("kind")[int(np.flatnonzero(bad)[0])].as_py()
+        _fail(bad, "kind", f"unknown kind {name!r}; known: {', '.join(KIND_NAMES)}", None)
+    return codes
+
+
+def _check_kind_fields(t: pa.Table, codes: np.ndarray) -> None:
+    nkinds = len(KIND_NAMES)
+    for name in OPTIONAL_NAMES:
+        valid = _valid_mask(t.column(name))
+        required = np.array([name in KINDS[k].required for k in KIND_NAMES], dtype=bool)
+        allowed = np.array([name in KINDS[k].allowed for k in KIND_NAMES], dtype=bool)
+        assert len(required) == nkinds
+        missing = required[codes] & ~valid
+        if missing.any():
+            _fail(missing, name, "missing (required for this kind)", codes)
+        extra = ~allowed[codes] & valid
+        if extra.any():
+            _fail(extra, name, "not allowed for this kind", codes)
+
+
+def _check_values(t: pa.Table, codes: np.ndarray) -> None:
+    for name in ENVELOPE_NAMES + OPTIONAL_NAMES:
+        spec = FIELDS[name]
+        col = t.column(name)
+        if spec.type == "enum" and spec.choices:
+            bad = (pc.is_valid(col).to_numpy(zero_copy_only=False)
+                   & ~pc.fill_null(pc.is_in(col, value_set=pa.array(spec.choices)), True).to_numpy(zero_copy_only=False))
+            if bad.any():
+                value = col[int(np.flatnonzero(bad)[0])].as_py()
+                _fail(bad, name, f"{value!r} is not one of {', '.join(spec.choices)}", codes)
+        elif spec.type in ("str",) and name in PRODUCER_NAMES:
+            bad = pc.equal(pc.utf8_length(col), 0).to_numpy(zero_copy_only=False)
+            if bad.any():
+                _fail(bad, name, "must be a non-empty string", codes)
+        elif spec.minimum is not None and spec.type in ("int32", "int64"):
+            bad = pc.fill_null(pc.less(col, spec.minimum), False).to_numpy(zero_copy_only=False)
+            if bad.any():
+                _fail(bad, name, f"must be >= {spec.minimum}, got {col[int(np.flatnonzero(bad)[0])].as_py()}", codes)
+    for kind in KINDS.values():
+        for a, b in kind.same_length:
+            la, lb = pc.list_value_length(t.column(a)), pc.list_value_length(t.column(b))
+            bad = (codes == KIND_CODES[kind.name]) & pc.fill_null(pc.not_equal(la, lb), False).to_numpy(zero_copy_only=False)
+            if bad.any():
+                _fail(bad, b, f"must have one entry per entry of '{a}'", codes)
+    prefix_hit = (codes == KIND_CODES["pages_allocated"]) & (
+        pc.fill_null(pc.equal(t.column("purpose"), "prefix_hit"), False).to_numpy(zero_copy_only=False))
+    no_hashes = prefix_hit & ~_valid_mask(t.column("block_hashes"))
+    if no_hashes.any():
+        _fail(no_hashes, "block_hashes", "required when purpose is prefix_hit", codes)
+    backwards = pc.fill_null(pc.less(t.column("token_end"), t.column("token_start")), False).to_numpy(zero_copy_only=False)
+    if backwards.any():
+        _fail(backwards, "token_end", "must be >= token_start", codes)
+    for name in ("pages", "dst_pages", "page_digests", "block_hashes"):
+        col = t.column(name)
+        flat = pc.list_flatten(col)
+        if flat.null_count:
+            lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False)
+            row_of = np.repeat(np.arange(t.num_rows), lengths)
+            r = row_of[np.flatnonzero(~_valid_mask(flat))[0]]
+            _fail(np.arange(t.num_rows) == r, name, "list entries must not be null", codes)
+
+
+def _group_producers(t: pa.Table) -> tuple[list[int], list[Producer], np.ndarray]:
+    key = pc.binary_join_element_wise(*[t.column(n) for n in PRODUCER_NAMES], _KEY_SEP)
+    enc = pc.dictionary_encode(key).combine_chunks()
+    producers = [Producer(*k.split(_KEY_SEP)) for k in enc.dictionary.to_pylist()]
+    return [producer_id(p) for p in producers], producers, enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def validate_batch(table: pa.Table, state: dict[int, ProducerState]) -> ValidatedBatch:
+    """Check every rule; return the normalised batch grouped by producer, or raise ValidationError.
+
+    ``state`` maps producer id to what the store already holds for it (last sequence number, pool
+    size from its latest node_config). It is not modified.
+    """
+    t = _normalise(table)
+    codes = _check_envelope(t)
+    _check_kind_fields(t, codes)
+    _check_values(t, codes)
+    pids, producers, pindex = _group_producers(t)
+    seq = t.column("seq").to_numpy(zero_copy_only=False).astype(np.uint64)
+    pool = t.column("pool_pages").to_numpy(zero_copy_only=False)
+    is_config = codes == KIND_CODES["node_config"]
+    bound = np.full(t.num_rows, -1, dtype=np.int64)  # -1: pool size unknown
+    for g, pid in enumerate(pids):
+        rows = np.flatnonzero(pindex == g)
+        st = state.get(pid, ProducerState())
+        s = seq[rows]
+        if len(s) > 1 and not (s[1:] > s[:-1]).all():
+            bad_at = rows[1:][~(s[1:] > s[:-1])][0]
+            mask = np.zeros(t.num_rows, dtype=bool)
+            mask[bad_at] = True
+            _fail(mask, "seq", f"sequence number going backwards or repeated ({int(seq[bad_at])})", codes)
+        if st.last_seq is not None and len(s) and int(s[0]) <= st.last_seq:
+            mask = np.zeros(t.num_rows, dtype=bool)
+            mask[rows[0]] = True
+            _fail(mask, "seq", f"sequence number going backwards: {int(s[0])} <= last stored {st.last_seq}", codes)
+        # Pool bound per row: the latest node_config at or before it, else what the store knows.
+        cfg_pos = np.where(is_config[rows], np.arange(len(rows)), -1)
+        last_cfg = np.maximum.accumulate(cfg_pos) if len(rows) else cfg_pos
+        b = np.where(last_cfg >= 0, pool[rows[np.maximum(last_cfg, 0)]], st.pool_pages if st.pool_pages is not None else -1)
+        bound[rows] = np.nan_to_num(b.astype(np.float64), nan=-1).astype(np.int64)
+    total_pages = 0
+    rows_idx = np.arange(t.num_rows)
+    for name in ("pages", "dst_pages"):
+        col = t.column(name)
+        lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False)
+        flat = pc.list_flatten(col).to_numpy(zero_copy_only=False)
+        if name == "pages":
+            total_pages = int(lengths.sum())
+        if flat.size == 0:
+            continue
+        # Per-list min and max in one pass (reduceat), then one comparison per event, not per page.
+        nonempty = np.flatnonzero(lengths)
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))[nonempty]
+        lo = np.minimum.reduceat(flat, starts)
+        low = lo < 1
+        if low.any():
+            r = nonempty[np.flatnonzero(low)[0]]
+            _fail(rows_idx == r, name, f"page id {int(lo[low][0])} out of pool (page ids start at 1; 0 is the padding page)", codes)
+        if name == "pages":
+            row_bound = bound[nonempty]
+            unknown = row_bound < 0
+            if unknown.any():
+                _fail(rows_idx == nonempty[np.flatnonzero(unknown)[0]], name,
+                      "pool size unknown: the producer has no node_config event before this one", codes)
+            hi = np.maximum.reduceat(flat, starts)
+            high = hi > row_bound
+            if high.any():
+                i = np.flatnonzero(high)[0]
+                _fail(rows_idx == nonempty[i], name, f"page id {int(hi[i])} out of pool (pool has {int(row_bound[i])} pages)", codes)
+    return ValidatedBatch(t, codes, pids, producers, pindex, total_pages)

@@ -1,0 +1,219 @@
+"""The recorder's background writer: the one thread that owns the sink (the DuckDB store).
+
+It drains the recorder's buffer every ``flush_interval_s`` (or at once on ``flush``), turns the
+tuples into one columnar batch and commits it. An event the store rejects is taken out of its batch
+and counted (the rest of the batch still lands); the count becomes a ``recorder_gap`` event. A sink
+that fails (disk full, I/O error) is retried, then the batch is counted as lost: the serving path is
+never blocked by the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from itertools import chain
+
+import numpy as np
+import pyarrow as pa
+
+from kvtrail.audit.batch import BATCH_SCHEMA, first_bad_index
+from kvtrail.audit.events import KIND_NAMES, PRODUCER_FIELDS, SCHEMA_VERSION
+from kvtrail.errors import ValidationError
+
+log = logging.getLogger("kvtrail.audit")
+_NULLABLE_SCHEMA = pa.schema([f.with_nullable(True) for f in BATCH_SCHEMA])
+_TYPES = {f.name: f.type for f in BATCH_SCHEMA}
+_RETRY_DELAYS_S = (0.05, 0.25, 1.0)
+_INT32_MAX = 2**31 - 1
+
+
+def _list_column(values: list, type_: pa.DataType, field: str) -> pa.Array:
+    """Build a list column from per-event tuples/arrays (None for absent) in a few C-level passes."""
+    n = len(values)
+    lengths = np.fromiter((0 if v is None else len(v) for v in values), dtype=np.int64, count=n)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    present = [v for v in values if v is not None and len(v)]
+    wide = np.uint64 if pa.types.is_uint64(type_.value_type) else np.int64
+    if not present:
+        flat = np.empty(0, dtype=wide)
+    elif all(type(v) is np.ndarray for v in present):
+        flat = np.concatenate(present).astype(wide, copy=False)
+    else:
+        flat = np.fromiter(chain.from_iterable(present), dtype=wide, count=int(offsets[-1]))
+    if pa.types.is_int32(type_.value_type) and flat.size:
+        bad = (flat > _INT32_MAX) | (flat < -_INT32_MAX)
+        if bad.any():
+            row = int(np.searchsorted(offsets, np.flatnonzero(bad)[0], side="right") - 1)
+            raise ValidationError(field, f"page id {int(flat[bad][0])} out of range", event=row)
+    mask = np.fromiter((v is None for v in values), dtype=bool, count=n)
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, type_.value_type),
+                                    mask=pa.array(mask) if mask.any() else None)
+
+
+def wall_offset_ns() -> int:
+    """Current wall-clock minus monotonic clock, both in ns (read back to back)."""
+    return time.time_ns() - time.monotonic_ns()
+
+
+def build_batch(producer, items: list, layouts: tuple, wall_offset: int | None = None) -> pa.Table:
+    """Turn recorder tuples ``(code, seq, mono_ns, req, pages, dst, payload)`` into a batch table.
+
+    ``wall_ns`` is ``mono_ns + wall_offset`` (offset read now unless given).
+    """
+    n = len(items)
+    codes, seqs, monos, reqs, pages, dsts, payloads = zip(*items)
+    mono = np.fromiter(monos, dtype=np.int64, count=n)
+    offset = wall_offset_ns() if wall_offset is None else wall_offset
+    cols: dict[str, pa.Array] = {
+        "schema_version": pa.repeat(pa.scalar(SCHEMA_VERSION, pa.int32()), n),
+        "seq": pa.array(seqs, pa.uint64()),
+        "wall_ns": pa.array(mono + offset),
+        "mono_ns": pa.array(mono),
+        "kind": pa.DictionaryArray.from_arrays(pa.array(codes, pa.int8()), pa.array(KIND_NAMES)).cast(pa.string()),
+    }
+    for f in PRODUCER_FIELDS:
+        cols[f.name] = pa.repeat(pa.scalar(getattr(producer, f.name), pa.string()), n)
+    for name in ("request_id", "transfer_id", "tenant_id", "api_key_id"):
+        cols[name] = pa.array([None if r is None else getattr(r, name) for r in reqs], _TYPES[name])
+    cols["pages"] = _list_column(pages, _TYPES["pages"], "pages")
+    cols["dst_pages"] = _list_column(dsts, _TYPES["dst_pages"], "dst_pages")
+    payload_cols: dict[str, list] = {}
+    for i, (code, payload) in enumerate(zip(codes, payloads)):
+        for name, value in zip(layouts[code], payload):
+            if value is not None:
+                col = payload_cols.get(name)
+                if col is None:
+                    col = payload_cols[name] = [None] * n
+                col[i] = value
+    for f in BATCH_SCHEMA:
+        if f.name in cols:
+            continue
+        values = payload_cols.get(f.name)
+        if values is None:
+            cols[f.name] = pa.nulls(n, f.type)
+        elif pa.types.is_list(f.type):
+            cols[f.name] = _list_column(values, f.type, f.name)
+        else:
+            try:
+                cols[f.name] = pa.array(values, f.type)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
+                raise ValidationError(f.name, f"wrong type or out of range for {f.type}: {exc}",
+                                      event=first_bad_index(values, f.type)) from None
+    return pa.Table.from_arrays([cols[f.name] for f in BATCH_SCHEMA], schema=_NULLABLE_SCHEMA)
+
+
+class Writer(threading.Thread):
+    """Drains one recorder into one sink. Started by the recorder; stopped by ``Recorder.close``."""
+
+    def __init__(self, recorder, sink):
+        super().__init__(name=f"kvtrail-writer-{recorder.producer.node}", daemon=True)
+        from kvtrail.audit.recorder import LAYOUT_BY_CODE
+
+        self._rec = recorder
+        self._sink = sink
+        self._layouts = LAYOUT_BY_CODE
+        self._wake = threading.Event()
+        self._stopping = False
+        self._pending_gaps: list[tuple[str, int, int, str]] = []
+        self._offset = wall_offset_ns()
+        self.invalid_total = 0
+        self.error_total = 0
+        self.committed_events = 0
+        self.committed_page_events = 0
+        self.committed_batches = 0
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self, timeout: float | None) -> None:
+        self._stopping = True
+        self._wake.set()
+        self.join(timeout)
+
+    def run(self) -> None:
+        interval = self._rec.config.flush_interval_s
+        try:
+            while not self._stopping:
+                self._wake.wait(interval)
+                self._wake.clear()
+                self._cycle()
+            self._cycle()
+        finally:
+            close = getattr(self._sink, "close", None)
+            if close is not None:
+                close()
+
+    def _cycle(self) -> None:
+        self._offset = wall_offset_ns()
+        markers: list[threading.Event] = []
+        while True:
+            items, new_markers = self._rec._drain(self._pending_gaps)
+            markers += new_markers
+            step = self._rec.config.max_batch_events
+            for i in range(0, len(items), step):
+                self._commit(items[i:i + step])
+            if not self._pending_gaps:
+                break  # losses found while committing become gap events in one more drain
+        for m in markers:
+            m.set()
+
+    def _commit(self, items: list) -> None:
+        invalid: list[str] = []
+        while items:
+            try:
+                result = self._append(items)
+            except ValidationError as exc:
+                if exc.event is None or len(items) == 1:
+                    invalid.append(str(exc))
+                    items = self._one_by_one(items, invalid) if len(items) > 1 else []
+                    continue
+                invalid.append(str(exc))
+                items = items[:exc.event] + items[exc.event + 1:]
+                continue
+            except Exception as exc:  # noqa: BLE001 - sink failure: retried, then counted as lost
+                if self._retry(items, exc):
+                    break
+                lost = len(items)
+                self.error_total += lost
+                self._pending_gaps.append(("writer_error", lost, _pages_in(items), f"{type(exc).__name__}: {exc}"))
+                log.error("kvtrail recorder: %d events lost, store failed: %s", lost, exc)
+                break
+            self._count(result)
+            break
+        if invalid:
+            self.invalid_total += len(invalid)
+            self._pending_gaps.append(("invalid", len(invalid), 0, invalid[0][:500]))
+            log.warning("kvtrail recorder: %d invalid events not stored; first: %s", len(invalid), invalid[0])
+
+    def _append(self, items: list):
+        return self._sink.append(build_batch(self._rec.producer, items, self._layouts, self._offset))
+
+    def _count(self, result) -> None:
+        self.committed_events += result.num_events
+        self.committed_page_events += result.num_page_events
+        self.committed_batches += len(result.batches)
+
+    def _one_by_one(self, items: list, invalid: list[str]) -> list:
+        for item in items:
+            try:
+                self._count(self._append([item]))
+            except ValidationError as exc:
+                invalid.append(str(exc))
+        return []
+
+    def _retry(self, items: list, first_exc: Exception) -> bool:
+        log.warning("kvtrail recorder: store append failed (%s); retrying", first_exc)
+        for delay in _RETRY_DELAYS_S:
+            time.sleep(delay)
+            try:
+                self._count(self._append(items))
+                return True
+            except Exception:  # noqa: BLE001 - keep retrying; the final failure is counted by the caller
+                continue
+        return False
+
+
+def _pages_in(items: list) -> int:
+    return sum(len(it[4]) for it in items if it[4] is not None)

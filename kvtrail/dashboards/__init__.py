@@ -1,0 +1,1 @@
+"""kvtrail.dashboards: see docs/architecture.md."""

@@ -1,0 +1,43 @@
+"""The small error hierarchy that user and wire input errors are raised with.
+
+Internal invariants use ``assert``; anything that came from outside (a CLI flag, an event on the
+wire, a file) raises a :class:`KvtrailError` subclass naming the offending field. The CLI turns these
+into exit code 2 and one line; the HTTP service turns them into 4xx JSON.
+"""
+
+from __future__ import annotations
+
+
+class KvtrailError(Exception):
+    """Base class of every error kvtrail raises for bad input or state."""
+
+    http_status = 400
+
+
+class ValidationError(KvtrailError, ValueError):
+    """An event (or a batch of them) broke the event model.
+
+    ``event`` is the position of the offending event in its batch (or ``None`` for batch-level
+    problems), ``field`` the field at fault, ``reason`` a short human explanation.
+    """
+
+    def __init__(self, field: str, reason: str, *, event: int | None = None, kind: str | None = None):
+        self.field = field
+        self.reason = reason
+        self.event = event
+        self.kind = kind
+        where = f"event {event}" if event is not None else "batch"
+        if kind:
+            where += f" ({kind})"
+        super().__init__(f"{where}: field '{field}': {reason}")
+
+    def to_dict(self) -> dict:
+        return {"event": self.event, "kind": self.kind, "field": self.field, "reason": self.reason}
+
+
+class StoreError(KvtrailError):
+    """The audit store cannot do what was asked (missing file, wrong schema, bad argument)."""
+
+
+class ChainError(KvtrailError):
+    """The tamper-evidence chain could not be verified or signed."""

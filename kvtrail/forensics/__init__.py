@@ -1,0 +1,1 @@
+"""kvtrail.forensics: see docs/architecture.md."""

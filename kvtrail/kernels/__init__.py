@@ -1,0 +1,1 @@
+"""kvtrail.kernels: see docs/architecture.md."""

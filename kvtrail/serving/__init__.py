@@ -1,0 +1,1 @@
+"""kvtrail.serving: see docs/architecture.md."""
