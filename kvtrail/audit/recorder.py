@@ -38,6 +38,7 @@ PAYLOAD_LAYOUT: dict[str, tuple[str, ...]] = {
     "recorder_gap": ("dropped_events", "dropped_pages", "gap_reason", "detail"),
 }
 LAYOUT_BY_CODE = tuple(PAYLOAD_LAYOUT[k] for k in KIND_CODES)
+GAP_CODE = KIND_CODES["recorder_gap"]
 
 _C = KIND_CODES
 _NDARRAY = np.ndarray

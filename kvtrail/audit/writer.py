@@ -138,24 +138,33 @@ class Writer(threading.Thread):
             while not self._stopping:
                 self._wake.wait(interval)
                 self._wake.clear()
-                self._cycle()
-            self._cycle()
+                self._safe_cycle()
+            self._safe_cycle()
         finally:
             close = getattr(self._sink, "close", None)
             if close is not None:
                 close()
 
+    def _safe_cycle(self) -> None:
+        try:
+            self._cycle()
+        except Exception:  # noqa: BLE001 - the writer thread must outlive any bug; the loss is logged and counted
+            self.error_total += 1
+            log.exception("kvtrail recorder: writer cycle failed")
+
     def _cycle(self) -> None:
         self._offset = wall_offset_ns()
         markers: list[threading.Event] = []
-        while True:
+        # Losses found while committing become gap events in one more drain; if the store is failing
+        # they stay pending for the next cycle rather than looping here.
+        for _ in range(2):
             items, new_markers = self._rec._drain(self._pending_gaps)
             markers += new_markers
             step = self._rec.config.max_batch_events
             for i in range(0, len(items), step):
                 self._commit(items[i:i + step])
             if not self._pending_gaps:
-                break  # losses found while committing become gap events in one more drain
+                break
         for m in markers:
             m.set()
 
@@ -165,43 +174,54 @@ class Writer(threading.Thread):
             try:
                 result = self._append(items)
             except ValidationError as exc:
-                if exc.event is None or len(items) == 1:
+                if len(items) == 1:
                     invalid.append(str(exc))
-                    items = self._one_by_one(items, invalid) if len(items) > 1 else []
-                    continue
+                    break
+                if exc.event is None:  # cannot tell which event: isolate them one at a time
+                    self._one_by_one(items, invalid)
+                    break
                 invalid.append(str(exc))
                 items = items[:exc.event] + items[exc.event + 1:]
                 continue
             except Exception as exc:  # noqa: BLE001 - sink failure: retried, then counted as lost
                 if self._retry(items, exc):
                     break
-                lost = len(items)
+                lost, lost_pages = _lost_counts(items)
                 self.error_total += lost
-                self._pending_gaps.append(("writer_error", lost, _pages_in(items), f"{type(exc).__name__}: {exc}"))
+                self._pending_gaps.append(("writer_error", lost, lost_pages, f"{type(exc).__name__}: {exc}"))
                 log.error("kvtrail recorder: %d events lost, store failed: %s", lost, exc)
                 break
             self._count(result)
             break
         if invalid:
             self.invalid_total += len(invalid)
-            self._pending_gaps.append(("invalid", len(invalid), 0, invalid[0][:500]))
+            detail = "; ".join(dict.fromkeys(invalid[:5]))[:1000]
+            self._pending_gaps.append(("invalid", len(invalid), 0, detail))
             log.warning("kvtrail recorder: %d invalid events not stored; first: %s", len(invalid), invalid[0])
 
     def _append(self, items: list):
-        return self._sink.append(build_batch(self._rec.producer, items, self._layouts, self._offset))
+        try:
+            table = build_batch(self._rec.producer, items, self._layouts, self._offset)
+        except ValidationError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - garbage from the caller is invalid input, not a store failure
+            raise ValidationError("(event)", f"cannot encode: {type(exc).__name__}: {exc}") from None
+        return self._sink.append(table)
 
     def _count(self, result) -> None:
         self.committed_events += result.num_events
         self.committed_page_events += result.num_page_events
         self.committed_batches += len(result.batches)
 
-    def _one_by_one(self, items: list, invalid: list[str]) -> list:
+    def _one_by_one(self, items: list, invalid: list[str]) -> None:
         for item in items:
             try:
                 self._count(self._append([item]))
             except ValidationError as exc:
                 invalid.append(str(exc))
-        return []
+            except Exception as exc:  # noqa: BLE001 - counted like any store failure
+                self.error_total += 1
+                self._pending_gaps.append(("writer_error", *_lost_counts([item]), f"{type(exc).__name__}: {exc}"))
 
     def _retry(self, items: list, first_exc: Exception) -> bool:
         log.warning("kvtrail recorder: store append failed (%s); retrying", first_exc)
@@ -215,5 +235,17 @@ class Writer(threading.Thread):
         return False
 
 
-def _pages_in(items: list) -> int:
-    return sum(len(it[4]) for it in items if it[4] is not None)
+def _lost_counts(items: list) -> tuple[int, int]:
+    """Events and pages a failed batch loses; a lost gap event carries the losses it was reporting."""
+    from kvtrail.audit.recorder import GAP_CODE
+
+    events = pages = 0
+    for it in items:
+        if it[0] == GAP_CODE:
+            events += it[6][0]
+            pages += it[6][1] or 0
+        else:
+            events += 1
+            if isinstance(it[4], (tuple, np.ndarray)) and np.ndim(it[4]) == 1:
+                pages += len(it[4])
+    return events, pages

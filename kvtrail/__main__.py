@@ -1,0 +1,5 @@
+import sys
+
+from kvtrail.cli import main
+
+sys.exit(main())

@@ -1,0 +1,250 @@
+"""``kvtrail audit ...``: ingest, verify, chain heads, stats, retention, export/import, keys, schema."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from kvtrail.errors import KvtrailError, StoreError
+from kvtrail.timeutil import format_utc, parse_utc
+
+DB_OPTION = click.option("--db", "db", default="kvtrail.duckdb", show_default=True,
+                         type=click.Path(dir_okay=False), help="DuckDB audit store file.")
+
+
+def _progress(total: int | None, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="batch", file=sys.stderr, disable=None, leave=False)
+
+
+def _existing(db: str) -> str:
+    if not Path(db).exists():
+        raise StoreError(f"--db: store not found: {db}")
+    return db
+
+
+@click.group()
+def audit() -> None:
+    """The audit store: ingest events, verify the tamper-evidence chain, retention, export."""
+
+
+@audit.command()
+@DB_OPTION
+@click.option("--signing-key", type=click.Path(exists=True, dir_okay=False), help="Ed25519 private key (PEM) to sign batches.")
+@click.argument("files", nargs=-1, required=True, type=click.Path(allow_dash=True))
+def ingest(db: str, signing_key: str | None, files: tuple[str, ...]) -> None:
+    """Ingest event files: JSON lines (.jsonl, '-' for stdin) or Arrow IPC streams (.arrow). One file = one batch."""
+    from kvtrail.audit.batch import parse_jsonl, read_ipc
+    from kvtrail.audit.chain import Signer
+    from kvtrail.audit.store import AuditStore
+
+    batches = []
+    for name in files:  # parse everything first so a bad file rejects before anything is written
+        data = sys.stdin.buffer.read() if name == "-" else _read(name)
+        try:
+            table = read_ipc(data) if name.endswith((".arrow", ".arrows", ".ipc")) else parse_jsonl(data)
+        except KvtrailError as exc:
+            raise KvtrailError(f"{name}: {exc}") from None
+        batches.append((name, table))
+    with AuditStore(db, signer=Signer.from_file(signing_key) if signing_key else None) as store:
+        for name, table in batches:
+            try:
+                res = store.append(table)
+            except KvtrailError as exc:
+                raise KvtrailError(f"{name}: {exc} (nothing from this file was stored)") from None
+            click.echo(f"{name}: stored {res.num_events} events, {res.num_page_events} page-events "
+                       f"in {res.num_runs} runs, {len(res.batches)} batch(es)")
+
+
+def _read(name: str) -> bytes:
+    try:
+        return Path(name).read_bytes()
+    except OSError as exc:
+        raise KvtrailError(f"{name}: cannot read ({exc.strerror})") from None
+
+
+@audit.command()
+@DB_OPTION
+@click.option("--public-key", type=click.Path(exists=True, dir_okay=False), help="Also check every batch's Ed25519 signature.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def verify(db: str, public_key: str | None, as_json: bool) -> None:
+    """Recompute the hash chain; name the first broken or missing link. Exit 1 if anything fails."""
+    from kvtrail.audit.chain import SignatureChecker
+    from kvtrail.audit.store import connect_readonly
+    from kvtrail.audit.verify import verify_store
+
+    checker = SignatureChecker(Path(public_key).read_bytes()) if public_key else None
+    con = connect_readonly(_existing(db))
+    total = con.execute("SELECT count(*) FROM batches").fetchone()[0]
+    with _progress(total, "verify") as bar:
+        report = verify_store(con, checker=checker, progress=bar.update)
+    con.close()
+    if as_json:
+        click.echo(json.dumps({
+            "ok": report.ok, "batches_checked": report.batches_checked, "batches_pruned": report.batches_pruned,
+            "events_checked": report.events_checked, "signatures_checked": report.signatures_checked,
+            "problems": [str(p) for p in report.problems],
+            "coverage": [dict(c.__dict__, unexplained=c.unexplained) for c in report.coverage]}, indent=2))
+    else:
+        click.echo(f"checked {report.batches_checked} batches ({report.batches_pruned} pruned), "
+                   f"{report.events_checked} events, {report.signatures_checked} signatures")
+        for c in report.coverage:
+            click.echo(f"  {c.node} producer {c.producer_id}: seq {c.first_seq}..{c.last_seq}, {c.stored_events} stored, "
+                       f"{c.pruned_events} pruned, {c.missing_events} missing ({c.explained_by_gaps} reported by "
+                       f"recorder_gap, {c.unexplained} unexplained)")
+        if report.ok:
+            click.echo("OK: every link and every batch digest verifies")
+        else:
+            click.echo(f"FAILED: first problem: {report.first_problem}")
+            for p in report.problems[1:10]:
+                click.echo(f"  also: {p}")
+    if not report.ok:
+        sys.exit(1)
+
+
+@audit.command()
+@DB_OPTION
+def head(db: str) -> None:
+    """Print each producer's chain head (last batch and digest) to anchor outside the store."""
+    from kvtrail.audit.store import connect_readonly
+
+    con = connect_readonly(_existing(db))
+    rows = con.execute("SELECT p.node, b.producer_id, b.batch_no, b.last_seq, hex(b.digest) FROM batches b "
+                       "JOIN producers p USING (producer_id) QUALIFY row_number() OVER "
+                       "(PARTITION BY b.producer_id ORDER BY b.batch_no DESC) = 1 ORDER BY p.node").fetchall()
+    for node, pid, batch_no, last_seq, digest in rows:
+        click.echo(f"{node}\t{pid}\tbatch {batch_no}\tseq {last_seq}\t{digest.lower()}")
+
+
+@audit.command()
+@DB_OPTION
+def stats(db: str) -> None:
+    """What the store holds: events and page-events per node and kind, time span."""
+    from kvtrail.audit.store import connect_readonly
+
+    con = connect_readonly(_existing(db))
+    rows = con.execute("SELECT node, role, kind, count(*), sum(num_pages + num_dst_pages), min(wall_ns), max(wall_ns) "
+                       "FROM events_v GROUP BY ALL ORDER BY node, kind").fetchall()
+    click.echo(f"{'node':<16}{'role':<9}{'kind':<20}{'events':>10}{'page-events':>14}  first .. last (UTC)")
+    for node, role, kind, n, pages, t0, t1 in rows:
+        click.echo(f"{node:<16}{role:<9}{kind:<20}{n:>10}{int(pages or 0):>14}  {format_utc(t0)} .. {format_utc(t1)}")
+
+
+@audit.command(name="prune")
+@DB_OPTION
+@click.option("--before", "before", required=True, help="UTC time; batches entirely before it are removed.")
+@click.option("--note", help="Why (kept in the prune record).")
+@click.option("--dry-run", is_flag=True, help="Only count what would be removed.")
+def prune_cmd(db: str, before: str, note: str | None, dry_run: bool) -> None:
+    """Remove data older than --before, except data under a legal hold; the prune is recorded and chained."""
+    from kvtrail.audit.retention import prune
+    from kvtrail.audit.store import AuditStore
+
+    before_ns = parse_utc(before, field="--before")
+    with AuditStore(_existing(db)) as store:
+        res = prune(store, before_ns, note=note, dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    rec = f" (prune record {res.prune_id})" if res.prune_id else ""
+    click.echo(f"{verb} {res.num_batches} batches, {res.num_events} events before {format_utc(before_ns)}; "
+               f"kept {res.num_held_batches} batches under legal hold{rec}")
+
+
+@audit.group()
+def hold() -> None:
+    """Legal holds: data they cover is never pruned."""
+
+
+@hold.command("add")
+@DB_OPTION
+@click.option("--from", "from_", required=True, help="UTC start of the held window.")
+@click.option("--to", "to", required=True, help="UTC end of the held window.")
+@click.option("--tenant", help="Only this tenant's requests.")
+@click.option("--node", help="Only this node.")
+@click.option("--reason", required=True, help="Case or ticket reference.")
+def hold_add(db: str, from_: str, to: str, tenant: str | None, node: str | None, reason: str) -> None:
+    """Place a legal hold."""
+    from kvtrail.audit.retention import add_hold
+    from kvtrail.audit.store import AuditStore
+
+    with AuditStore(_existing(db)) as store:
+        hold_id = add_hold(store, parse_utc(from_, field="--from"), parse_utc(to, field="--to"), reason,
+                           tenant_id=tenant, node=node)
+    click.echo(f"hold {hold_id} placed")
+
+
+@hold.command("list")
+@DB_OPTION
+def hold_list(db: str) -> None:
+    """List legal holds."""
+    from kvtrail.audit.retention import list_holds
+    from kvtrail.audit.store import AuditStore
+
+    with AuditStore(_existing(db)) as store:
+        for h in list_holds(store):
+            state = f"released {format_utc(h.released_ns)}" if h.released_ns else "active"
+            click.echo(f"{h.hold_id}\t{format_utc(h.from_ns)} .. {format_utc(h.to_ns)}\ttenant={h.tenant_id or '*'}\t"
+                       f"node={h.node or '*'}\t{state}\t{h.reason}")
+
+
+@hold.command("release")
+@DB_OPTION
+@click.argument("hold_id", type=int)
+def hold_release(db: str, hold_id: int) -> None:
+    """Release a legal hold (its data becomes prunable)."""
+    from kvtrail.audit.retention import release_hold
+    from kvtrail.audit.store import AuditStore
+
+    with AuditStore(_existing(db)) as store:
+        release_hold(store, hold_id)
+    click.echo(f"hold {hold_id} released")
+
+
+@audit.command()
+@DB_OPTION
+@click.option("--format", "fmt", type=click.Choice(["parquet"]), default="parquet", show_default=True)
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory (new or empty).")
+def export(db: str, fmt: str, out: str) -> None:
+    """Export to Hive-partitioned Parquet (date=/node=), the layout fleet-scale querying uses."""
+    from kvtrail.audit.export import export_parquet
+
+    with _progress(None, "export") as bar:
+        res = export_parquet(_existing(db), out, progress=lambda step: bar.set_postfix_str(step))
+    click.echo(f"exported {res.events} events, {res.page_runs} page runs, {res.batches} batches to {out}")
+
+
+@audit.command(name="import")
+@DB_OPTION
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+def import_cmd(db: str, src: str) -> None:
+    """Import a Parquet export into a store, losslessly (the chain still verifies)."""
+    from kvtrail.audit.export import import_parquet
+
+    with _progress(None, "import") as bar:
+        res = import_parquet(src, db, progress=lambda step: bar.set_postfix_str(step))
+    click.echo(f"imported {res.events} events, {res.page_runs} page runs, {res.batches} batches into {db}")
+
+
+@audit.command()
+@click.option("--private", "private", required=True, type=click.Path(dir_okay=False), help="Where to write the private key.")
+@click.option("--public", "public", required=True, type=click.Path(dir_okay=False), help="Where to write the public key.")
+def keygen(private: str, public: str) -> None:
+    """Create an Ed25519 key pair for signing batch digests."""
+    from kvtrail.audit.chain import generate_keypair
+
+    for p in (private, public):
+        if Path(p).exists():
+            raise KvtrailError(f"{p}: already exists; refusing to overwrite a key")
+    click.echo(f"key id {generate_keypair(Path(private), Path(public))}")
+
+
+@audit.command()
+@click.option("--markdown", is_flag=True, help="Print the field and kind tables instead of the JSON Schema.")
+def schema(markdown: bool) -> None:
+    """Print the event model (JSON Schema of one wire event)."""
+    from kvtrail.audit.spec import json_schema, render_markdown
+
+    click.echo(render_markdown() if markdown else json.dumps(json_schema(), indent=2))

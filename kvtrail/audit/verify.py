@@ -1,0 +1,171 @@
+"""``kvtrail audit verify``: recompute every producer's batch chain from the stored rows.
+
+For each producer, batch numbers must run 0..n-1 without a hole, each batch's ``prev_digest`` must be
+the previous batch's digest, and each batch's digest must match its rows recomputed in canonical
+form. Pruned batches keep their header (so the links still check) and must be listed by a prune
+record whose own chain verifies. The report also states sequence coverage: events missing from a
+producer's numbering, and how many of them ``recorder_gap`` events account for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from kvtrail.audit import chain
+from kvtrail.audit.retention import prune_digest
+from kvtrail.audit.store import EVENT_COLUMNS, EVENTS_SCHEMA, RUN_COLUMNS, RUNS_SCHEMA, arrow_query, connect_readonly
+
+
+@dataclass(frozen=True)
+class Problem:
+    producer_id: int | None
+    node: str | None
+    batch_no: int | None
+    what: str
+
+    def __str__(self) -> str:
+        where = f"producer {self.producer_id} ({self.node}) batch {self.batch_no}" if self.producer_id is not None else "store"
+        return f"{where}: {self.what}"
+
+
+@dataclass(frozen=True)
+class Coverage:
+    producer_id: int
+    node: str
+    first_seq: int
+    last_seq: int
+    stored_events: int
+    pruned_events: int
+    missing_events: int
+    explained_by_gaps: int
+
+    @property
+    def unexplained(self) -> int:
+        return max(0, self.missing_events - self.explained_by_gaps)
+
+
+@dataclass
+class VerifyReport:
+    batches_checked: int = 0
+    batches_pruned: int = 0
+    events_checked: int = 0
+    signatures_checked: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    coverage: list[Coverage] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def first_problem(self) -> Problem | None:
+        return self.problems[0] if self.problems else None
+
+
+def verify_store(db: str | Path | duckdb.DuckDBPyConnection, *, checker: chain.SignatureChecker | None = None,
+                 progress=None) -> VerifyReport:
+    """Verify a store (path or open connection). ``progress(n)`` is called after each batch checked."""
+    con = connect_readonly(db) if isinstance(db, (str, Path)) else db
+    report = VerifyReport()
+    producers = con.execute("SELECT producer_id, node FROM producers ORDER BY producer_id").fetchall()
+    for pid, node in producers:
+        _verify_producer(con, pid, node, report, checker, progress)
+    stray = con.execute(
+        "SELECT e.producer_id, e.batch_no, count(*) FROM events e ANTI JOIN batches b USING (producer_id, batch_no) "
+        "GROUP BY ALL ORDER BY ALL LIMIT 5").fetchall()
+    stray += con.execute(
+        "SELECT r.producer_id, r.batch_no, count(*) FROM page_runs r ANTI JOIN batches b USING (producer_id, batch_no) "
+        "GROUP BY ALL ORDER BY ALL LIMIT 5").fetchall()
+    for pid, batch_no, n in stray:
+        report.problems.append(Problem(pid, None, batch_no, f"{n} rows belong to no committed batch (inserted?)"))
+    _verify_prunes(con, report)
+    if isinstance(db, (str, Path)):
+        con.close()
+    return report
+
+
+def _verify_producer(con, pid: int, node: str, report: VerifyReport, checker, progress) -> None:
+    batches = con.execute(
+        "SELECT batch_no, first_seq, last_seq, num_events, num_runs, prev_digest, digest, signature, pruned_by "
+        "FROM batches WHERE producer_id = ? ORDER BY batch_no", [pid]).fetchall()
+    events = arrow_query(con, f"SELECT {EVENT_COLUMNS} FROM events WHERE producer_id = ? ORDER BY batch_no, seq", [pid])
+    runs = arrow_query(con, f"SELECT {RUN_COLUMNS} FROM page_runs WHERE producer_id = ? "
+                            f"ORDER BY batch_no, seq, list, pos", [pid])
+    ev_batch = events.column("batch_no").to_numpy()
+    run_batch = runs.column("batch_no").to_numpy()
+    prev_digest, prev_last_seq, broken = chain.GENESIS, None, False
+    stored = pruned_events = 0
+    for expect_no, (batch_no, first_seq, last_seq, n_ev, n_runs, prev, digest, sig, pruned_by) in enumerate(batches):
+        prev, digest = bytes(prev), bytes(digest)
+
+        def problem(what: str, _no=batch_no) -> None:
+            report.problems.append(Problem(pid, node, _no, what))
+
+        if batch_no != expect_no and not broken:
+            problem(f"missing link: batch {expect_no} is absent (deleted?)")
+            broken = True
+        elif prev != prev_digest and not broken:
+            problem("broken link: prev_digest does not equal the previous batch's digest")
+            broken = True
+        if prev_last_seq is not None and first_seq <= prev_last_seq:
+            problem(f"sequence range overlaps the previous batch (first_seq {first_seq} <= {prev_last_seq})")
+        lo, hi = np.searchsorted(ev_batch, batch_no, "left"), np.searchsorted(ev_batch, batch_no, "right")
+        rlo, rhi = np.searchsorted(run_batch, batch_no, "left"), np.searchsorted(run_batch, batch_no, "right")
+        if pruned_by is not None:
+            report.batches_pruned += 1
+            pruned_events += n_ev
+            if hi > lo or rhi > rlo:
+                problem("marked pruned but still has rows")
+        else:
+            header = (pid, batch_no, int(first_seq), int(last_seq), n_ev, n_runs)
+            ev_slice, run_slice = events.slice(lo, hi - lo), runs.slice(rlo, rhi - rlo)
+            recomputed = chain.batch_digest(prev, header, ev_slice, EVENTS_SCHEMA, run_slice, RUNS_SCHEMA)
+            if recomputed != digest:
+                detail = "rows edited, reordered or replaced"
+                if hi - lo != n_ev:
+                    detail = f"{n_ev} events committed, {hi - lo} present (deleted or inserted rows)"
+                elif rhi - rlo != n_runs:
+                    detail = f"{n_runs} page runs committed, {rhi - rlo} present"
+                problem(f"content does not match its digest: {detail}")
+            stored += hi - lo
+            report.events_checked += hi - lo
+        if checker is not None:
+            report.signatures_checked += 1
+            if not checker.check(digest, None if sig is None else bytes(sig)):
+                problem("signature missing or invalid for the given public key")
+        report.batches_checked += 1
+        prev_digest, prev_last_seq = digest, last_seq
+        if progress:
+            progress(1)
+    if batches:
+        first, last = int(batches[0][1]), int(batches[-1][2])
+        gaps = con.execute("SELECT coalesce(sum(dropped_events), 0) FROM events WHERE producer_id = ? "
+                           "AND kind = 'recorder_gap'", [pid]).fetchone()[0]
+        span = last - first + 1
+        report.coverage.append(Coverage(pid, node, first, last, int(stored), int(pruned_events),
+                                        int(span - stored - pruned_events), int(gaps)))
+
+
+def _verify_prunes(con, report: VerifyReport) -> None:
+    prunes = con.execute("SELECT prune_id, wall_ns, before_ns, num_batches, num_events, num_held_batches, note, "
+                         "prev_digest, digest FROM prunes ORDER BY prune_id").fetchall()
+    prev = chain.GENESIS
+    for prune_id, wall_ns, before_ns, nb, ne, nh, note, prev_d, digest in prunes:
+        listed = con.execute("SELECT producer_id, batch_no FROM prune_batches WHERE prune_id = ? "
+                             "ORDER BY producer_id, batch_no", [prune_id]).fetchall()
+        expect = prune_digest(prev, prune_id, wall_ns, before_ns, nb, ne, nh, note, listed)
+        if bytes(prev_d) != prev or bytes(digest) != expect:
+            report.problems.append(Problem(None, None, None, f"prune record {prune_id} does not match its digest"))
+        prev = bytes(digest)
+    orphans = con.execute(
+        "SELECT b.producer_id, b.batch_no, b.pruned_by FROM batches b LEFT JOIN prune_batches pb "
+        "ON pb.producer_id = b.producer_id AND pb.batch_no = b.batch_no AND pb.prune_id = b.pruned_by "
+        "LEFT JOIN prunes p ON p.prune_id = b.pruned_by "
+        "WHERE b.pruned_by IS NOT NULL AND (pb.prune_id IS NULL OR b.max_wall_ns >= p.before_ns) LIMIT 5").fetchall()
+    for pid, batch_no, prune_id in orphans:
+        report.problems.append(Problem(pid, None, batch_no, f"marked pruned by {prune_id} but no prune record covers it"))

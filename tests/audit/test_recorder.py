@@ -1,0 +1,209 @@
+"""The recorder: every call lands in the store, losses are counted and visible, the caller never sees an error."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvtrail.audit.batch import to_dicts
+from kvtrail.audit.events import Producer, RequestRef
+from kvtrail.audit.recorder import Recorder, RecorderConfig
+from kvtrail.audit.store import AuditStore, connect_readonly, read_events
+from kvtrail.audit.verify import verify_store
+
+PROD = Producer("c1", "decode-0", "decode", "kvtrail-reference", "0.1", "inst-1")
+REQ = RequestRef("r1", 77, "acme", "k:1")
+
+
+def _config(rec, pool_pages=128):
+    rec.node_config(pool_tokens=pool_pages * 16, pool_pages=pool_pages, page_size=16, context_tokens=4096,
+                    deferred_release=True, config_source="test")
+
+
+def _events(path):
+    con = connect_readonly(path)
+    try:
+        return to_dicts(read_events(con))
+    finally:
+        con.close()
+
+
+def test_every_method_lands_with_its_fields(tmp_path):
+    path = tmp_path / "a.duckdb"
+    with Recorder(path, PROD) as rec:
+        _config(rec)
+        rec.request_received(REQ, prompt_tokens=100, max_new_tokens=8)
+        rec.pages_allocated(REQ, np.array([3, 4, 5], dtype=np.int32), "decode_reservation")
+        rec.pages_allocated(REQ, [9], "prefix_hit", block_hashes=[-5])
+        rec.transfer_reserved(REQ, range(3, 6), num_tokens=100)
+        rec.transfer_received(REQ, [3, 4, 5], num_tokens=100, status="ok", digest=2**64 - 1, digest_algo="adler32")
+        rec.kv_written(REQ, [3, 4, 5], 0, 100, "transfer_in", page_digests=np.array([1, 2, 3], dtype=np.uint64))
+        rec.kv_read(REQ, [3, 4, 5, 9])
+        rec.transfer_sent(REQ, [1], [3], num_tokens=1, is_last_chunk=True)
+        rec.request_aborted(REQ, "decode", "transfer length mismatch", 500, prompt_tokens=100)
+        rec.response_sent(REQ, 500, 100, 0, latency_ns=10, ttft_ns=None, finish_reason="abort")
+        rec.pages_freed(REQ, [3, 4, 5], "deferred_release")
+        rec.pages_freed(None, [9], "eviction")
+        assert rec.flush(10)
+    evs = _events(path)
+    assert [e["seq"] for e in evs] == list(range(13))
+    by_kind = {}
+    for e in evs:
+        by_kind.setdefault(e["kind"], []).append(e)
+    assert by_kind["node_config"][0]["deferred_release"] is True
+    assert by_kind["pages_allocated"][0]["pages"] == [3, 4, 5]
+    assert by_kind["pages_allocated"][1]["block_hashes"] == [-5]
+    assert by_kind["transfer_reserved"][0]["pages"] == [3, 4, 5]
+    assert by_kind["transfer_received"][0]["digest"] == 2**64 - 1
+    assert by_kind["kv_written"][0]["page_digests"] == [1, 2, 3]
+    assert by_kind["transfer_sent"][0]["dst_pages"] == [3]
+    assert by_kind["request_aborted"][0]["abort_reason"] == "transfer length mismatch"
+    assert by_kind["response_sent"][0]["http_status"] == 500
+    assert "request" not in by_kind["pages_freed"][1]
+    assert by_kind["kv_read"][0]["request"] == {"request_id": "r1", "transfer_id": 77, "tenant_id": "acme", "api_key_id": "k:1"}
+    walls = [e["wall_ns"] for e in evs]
+    assert walls == sorted(walls) and all(w > 1_700_000_000 * 10**9 for w in walls)
+
+
+def test_caller_buffer_reuse_does_not_change_what_was_recorded(tmp_path):
+    path = tmp_path / "a.duckdb"
+    pages = np.array([1, 2, 3], dtype=np.int32)
+    plist = [4, 5]
+    with Recorder(path, PROD) as rec:
+        _config(rec)
+        rec.pages_allocated(REQ, pages, "decode_growth")
+        rec.pages_allocated(REQ, plist, "decode_growth")
+        pages[:] = 99
+        plist.append(100)
+    got = [e["pages"] for e in _events(path) if e["kind"] == "pages_allocated"]
+    assert got == [[1, 2, 3], [4, 5]]
+
+
+class BlockingSink:
+    """Wraps a store; the first append waits until released, so the recorder's buffer fills."""
+
+    def __init__(self, path):
+        self.store = AuditStore(path)
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def append(self, table):
+        self.entered.set()
+        self.release.wait(30)
+        return self.store.append(table)
+
+    def close(self):
+        self.store.close()
+
+
+def test_full_buffer_drops_are_counted_and_become_a_gap_event(tmp_path):
+    path = tmp_path / "a.duckdb"
+    sink = BlockingSink(path)
+    rec = Recorder(sink, PROD, RecorderConfig(capacity_events=50, flush_interval_s=0.005))
+    _config(rec)
+    assert sink.entered.wait(10)  # the writer is now stuck inside append with the config event
+    for i in range(500):
+        rec.pages_allocated(REQ, [1 + i % 100], "decode_growth")
+    assert rec.stats()["dropped_events_total"] == 450
+    sink.release.set()
+    assert rec.flush(30)
+    rec.close()
+    evs = _events(path)
+    gaps = [e for e in evs if e["kind"] == "recorder_gap"]
+    assert len(gaps) == 1 and gaps[0]["dropped_events"] == 450 and gaps[0]["dropped_pages"] == 450
+    assert gaps[0]["gap_reason"] == "buffer_full"
+    report = verify_store(path)
+    assert report.ok
+    (cov,) = report.coverage
+    assert cov.missing_events == 450 and cov.explained_by_gaps == 450 and cov.unexplained == 0
+
+
+def test_invalid_events_are_isolated_counted_and_good_ones_kept(tmp_path):
+    path = tmp_path / "a.duckdb"
+    with Recorder(path, PROD) as rec:
+        _config(rec, pool_pages=16)
+        rec.pages_allocated(REQ, [1, 2], "decode_growth")
+        rec.pages_allocated(REQ, [17], "decode_growth")  # beyond the pool
+        rec.pages_allocated(REQ, [3], "not-a-purpose")
+        rec.transfer_reserved(REQ, [4], num_tokens="many")  # wrong type
+        rec.pages_allocated(REQ, [5, 6], "decode_growth")
+        assert rec.flush(10)
+        assert rec.stats()["invalid_events_total"] == 3
+    evs = _events(path)
+    assert [e["pages"] for e in evs if e["kind"] == "pages_allocated"] == [[1, 2], [5, 6]]
+    (gap,) = [e for e in evs if e["kind"] == "recorder_gap"]
+    assert gap["gap_reason"] == "invalid" and gap["dropped_events"] == 3
+    assert "pages" in gap["detail"] and "pool has 16 pages" in gap["detail"]
+    report = verify_store(path)
+    assert report.ok and report.coverage[0].unexplained == 0
+
+
+class FailingSink:
+    def __init__(self):
+        self.calls = 0
+
+    def append(self, table):
+        self.calls += 1
+        raise OSError("disk full")
+
+
+def test_a_failing_store_never_reaches_the_caller(tmp_path, monkeypatch):
+    monkeypatch.setattr("kvtrail.audit.writer._RETRY_DELAYS_S", (0.0, 0.0))
+    sink = FailingSink()
+    rec = Recorder(sink, PROD, RecorderConfig(flush_interval_s=0.005))
+    for i in range(20):
+        rec.pages_allocated(REQ, [1], "decode_growth")
+    assert rec.flush(10)
+    stats = rec.stats()
+    assert stats["writer_errors_total"] >= 20 and stats["committed_events_total"] == 0
+    assert sink.calls >= 3  # first try plus retries
+    rec.close()
+
+
+def test_garbage_arguments_never_raise(tmp_path):
+    path = tmp_path / "a.duckdb"
+    with Recorder(path, PROD) as rec:
+        _config(rec)
+        rec.pages_allocated(REQ, None, "decode_growth")
+        rec.pages_allocated(REQ, object(), "decode_growth")
+        rec.kv_read(None, [1])
+        rec.pages_allocated(REQ, [2], "decode_growth")
+        assert rec.flush(10)
+        s = rec.stats()
+    assert s["invalid_events_total"] + s["internal_errors_total"] == 3
+    assert [e["pages"] for e in _events(path) if e["kind"] == "pages_allocated"] == [[2]]
+
+
+def test_concurrent_threads_keep_sequence_contiguous(tmp_path):
+    path = tmp_path / "a.duckdb"
+    rec = Recorder(path, PROD, RecorderConfig(flush_interval_s=0.001))
+    _config(rec)
+
+    def work(t):
+        for i in range(2000):
+            rec.pages_allocated(RequestRef(f"r{t}-{i}"), [1 + (i % 100), 101], "decode_growth")
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rec.close()
+    report = verify_store(path)
+    assert report.ok
+    (cov,) = report.coverage
+    assert cov.stored_events == 8001 and cov.missing_events == 0
+
+
+def test_close_is_idempotent_and_flush_after_close_returns_false(tmp_path):
+    rec = Recorder(tmp_path / "a.duckdb", PROD)
+    _config(rec)
+    rec.close()
+    rec.close()
+    assert rec.flush(0.1) is False
+    rec.pages_allocated(REQ, [1], "decode_growth")  # still never raises
+
+
+def test_bad_config_is_a_value_error():
+    with pytest.raises(ValueError, match="capacity_events"):
+        RecorderConfig(capacity_events=0)

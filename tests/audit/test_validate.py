@@ -1,0 +1,96 @@
+"""Bad input is rejected with the event, field and reason named; a rejected batch writes nothing."""
+
+import pyarrow as pa
+import pytest
+
+from kvtrail.audit.batch import from_dicts, parse_jsonl, write_ipc, read_ipc
+from kvtrail.errors import ValidationError
+from tests.conftest import alloc, config, event, producer
+
+
+def _count(store):
+    return store.con.execute("SELECT (SELECT count(*) FROM events) + (SELECT count(*) FROM page_runs) "
+                             "+ (SELECT count(*) FROM batches) + (SELECT count(*) FROM producers)").fetchone()[0]
+
+
+@pytest.fixture
+def seeded(store):
+    store.append(from_dicts([config(0), alloc(1, [1, 2, 3])]))
+    return store
+
+
+BAD = [
+    # (description, events builder, field, reason fragment, event index)
+    ("wrong type", lambda: [alloc(2, [4, 5]), dict(alloc(3, [6]), pages="six")], "pages", "wrong type", 1),
+    ("missing field", lambda: [{k: v for k, v in alloc(2, [4]).items() if k != "purpose"}], "purpose", "missing", 0),
+    ("missing envelope", lambda: [{k: v for k, v in alloc(2, [4]).items() if k != "wall_ns"}], "wall_ns", "missing", 0),
+    ("negative page", lambda: [alloc(2, [4, -1])], "pages", "out of pool", 0),
+    ("padding page", lambda: [alloc(2, [0])], "pages", "padding page", 0),
+    ("page beyond pool", lambda: [alloc(2, [4]), alloc(3, [64, 65])], "pages", "pool has 64 pages", 1),
+    ("unknown kind", lambda: [event(2, "pages_stolen")], "kind", "unknown kind", 0),
+    ("seq backwards vs store", lambda: [alloc(1, [4])], "seq", "going backwards", 0),
+    ("seq backwards in batch", lambda: [alloc(5, [4]), alloc(4, [5])], "seq", "going backwards", 1),
+    ("seq repeated in batch", lambda: [alloc(5, [4]), alloc(5, [5])], "seq", "repeated", 1),
+    ("unknown schema version", lambda: [dict(alloc(2, [4]), schema_version=2)], "schema_version", "unknown schema version", 0),
+    ("unknown field", lambda: [dict(alloc(2, [4]), prompt="secret text")], "prompt", "unknown field", 0),
+    ("field not allowed for kind", lambda: [dict(alloc(2, [4]), http_status=200)], "http_status", "not allowed", 0),
+    ("bad enum", lambda: [alloc(2, [4], purpose="because")], "purpose", "not one of", 0),
+    ("bad role", lambda: [alloc(2, [4], prod=producer(role="cache"))], "role", "not one of", 0),
+    ("prefix hit without hashes", lambda: [alloc(2, [4], purpose="prefix_hit")], "block_hashes", "required", 0),
+    ("hash count mismatch", lambda: [alloc(2, [4, 5], purpose="prefix_hit", block_hashes=[1])], "block_hashes", "one entry per", 0),
+    ("token_end before start", lambda: [event(2, "kv_written", request={"request_id": "r"}, pages=[4], token_start=9,
+                                              token_end=3, source="forward")], "token_end", ">= token_start", 0),
+    ("uint64 overflow", lambda: [event(2, "transfer_reserved", request={"request_id": "r", "transfer_id": 2**64},
+                                       pages=[4], num_tokens=3)], "transfer_id", "out of range", 0),
+    ("negative count", lambda: [event(2, "transfer_reserved", request={"request_id": "r", "transfer_id": 1},
+                                      pages=[4], num_tokens=-3)], "num_tokens", ">= 0", 0),
+    ("no pool known", lambda: [alloc(0, [1], prod=producer(node="other"))], "pages", "pool size unknown", 0),
+]
+
+
+@pytest.mark.parametrize("desc,build,field,reason,index", BAD, ids=[b[0] for b in BAD])
+def test_bad_event_rejected_naming_event_field_reason_and_batch_writes_nothing(seeded, desc, build, field, reason, index):
+    before = _count(seeded)
+    with pytest.raises(ValidationError) as err:
+        seeded.append(from_dicts(build()))
+    assert err.value.field == field, str(err.value)
+    assert reason in err.value.reason, str(err.value)
+    assert err.value.event == index
+    assert f"field '{field}'" in str(err.value)
+    assert _count(seeded) == before
+    # the store still accepts the next good batch
+    seeded.append(from_dicts([alloc(100, [9])]))
+
+
+def test_good_events_in_a_rejected_batch_are_not_half_written(seeded):
+    batch = [alloc(2, [4, 5]), alloc(3, [6]), alloc(4, [99])]
+    with pytest.raises(ValidationError):
+        seeded.append(from_dicts(batch))
+    assert seeded.con.execute("SELECT count(*) FROM events WHERE seq >= 2").fetchone()[0] == 0
+    seeded.append(from_dicts(batch[:2]))
+    assert seeded.con.execute("SELECT count(*) FROM events WHERE seq >= 2").fetchone()[0] == 2
+
+
+def test_malformed_json_line_is_named():
+    with pytest.raises(ValidationError, match="line 2 is not valid JSON"):
+        parse_jsonl('{"a": 1}\n{not json\n')
+
+
+def test_arrow_ipc_with_wrong_column_type_is_rejected(store):
+    t = from_dicts([config(0), alloc(1, [1, 2])])
+    t = t.set_column(t.schema.get_field_index("seq"), "seq", pa.array(["zero", "one"]))
+    with pytest.raises(ValidationError) as err:
+        store.append(read_ipc(write_ipc(t)))
+    assert err.value.field == "seq" and "wrong type" in err.value.reason
+
+
+def test_garbage_ipc_is_rejected():
+    with pytest.raises(ValidationError, match="Arrow IPC"):
+        read_ipc(b"not arrow at all")
+
+
+def test_node_config_in_same_batch_sets_the_pool_bound(store):
+    store.append(from_dicts([config(0, pool_pages=8), alloc(1, [8])]))
+    with pytest.raises(ValidationError, match="pool has 8 pages"):
+        store.append(from_dicts([alloc(2, [9])]))
+    store.append(from_dicts([config(3, pool_pages=16), alloc(4, [9])]))  # pool grown by a new config
