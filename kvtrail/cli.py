@@ -28,7 +28,7 @@ cli.add_command(audit)
 @click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False),
               help="DuckDB audit store to write (created if missing).")
 @click.option("--seed", default=0, show_default=True, help="Seed of the generated traffic.")
-@click.option("--page-events", default=5_000_000, show_default=True, help="Page-events to generate per node.")
+@click.option("--page-events", default=40_000_000, show_default=True, help="Page-events to generate per node.")
 def demo(db: str, seed: int, page_events: int) -> None:
     """The main job: record allocator-shaped traffic from a prefill and a decode node, then verify and summarise."""
     from kvtrail.demo import run_demo

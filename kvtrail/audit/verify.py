@@ -133,7 +133,7 @@ def _verify_producer(con, pid: int, node: str, report: VerifyReport, checker, pr
                     detail = f"{n_runs} page runs committed, {rhi - rlo} present"
                 problem(f"content does not match its digest: {detail}")
             stored += hi - lo
-            report.events_checked += hi - lo
+            report.events_checked += int(hi - lo)
         if checker is not None:
             report.signatures_checked += 1
             if not checker.check(digest, None if sig is None else bytes(sig)):
