@@ -16,6 +16,7 @@ target file); meta keys the target lacks are copied from the export.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -32,7 +33,6 @@ from kvtrail.audit.store import STORE_FORMAT, AuditStore
 from kvtrail.errors import StoreError
 
 FORMAT_VERSION = 1
-PARTITIONED = ("events", "page_runs")
 # Import order: producers first, so a duplicate producer is refused before any heavy reading.
 TABLES = ("producers", "meta", "batches", "events", "page_runs", "prunes", "prune_batches", "legal_holds")
 TABLE_KEYS = {
@@ -90,7 +90,8 @@ _PARTITION_QUERIES = {
 def _copy_sql(table: str, out: Path) -> str:
     if table in _PARTITION_QUERIES:
         return f"COPY ({_PARTITION_QUERIES[table]}) TO {_lit(out / table)} (FORMAT parquet, PARTITION_BY (date, node))"
-    return f"COPY (SELECT * FROM {table} ORDER BY {TABLE_KEYS[table]}) TO {_lit(out / f'{table}.parquet')} (FORMAT parquet)"
+    query = f"SELECT * FROM {table} ORDER BY {TABLE_KEYS[table]}"
+    return f"COPY ({query}) TO {_lit(out / f'{table}.parquet')} (FORMAT parquet)"
 
 
 def export_parquet(db_path: str | Path, out_dir: str | Path, *, progress: Progress = None) -> ExportResult:
@@ -167,12 +168,13 @@ def _read_manifest(in_dir: Path) -> dict:
                          f"this kvtrail reads {STORE_FORMAT}")
     counts, heads = manifest.get("row_counts"), manifest.get("chain_heads")
     if not isinstance(counts, dict) or set(counts) != set(TABLES) or not isinstance(heads, dict):
-        raise StoreError(f"{path}: row_counts must name exactly the tables {', '.join(TABLES)}, chain_heads must be given")
+        raise StoreError(f"{path}: row_counts must name exactly the tables {', '.join(TABLES)}, "
+                         "and chain_heads must be given")
     return manifest
 
 
 def _files(in_dir: Path, table: str) -> list[str]:
-    if table in PARTITIONED:
+    if table in _PARTITION_QUERIES:
         return sorted(str(p) for p in (in_dir / table).glob("date=*/node=*/*.parquet"))
     path = in_dir / f"{table}.parquet"
     if not path.is_file():
@@ -195,7 +197,7 @@ def _import_table(con: duckdb.DuckDBPyConnection, in_dir: Path, table: str, expe
         raise StoreError(f"{table}: exported columns do not match the store's ({diff})")
     cols = ", ".join(name for name, _ in table_cols)
     # Columns are selected by name, which drops the partition columns (and any key=value segment of in_dir).
-    src = (f"read_parquet(?, hive_partitioning={'true' if table in PARTITIONED else 'false'}, "
+    src = (f"read_parquet(?, hive_partitioning={'true' if table in _PARTITION_QUERIES else 'false'}, "
            "hive_types_autocast=false)")
     if table == "meta":
         n = con.execute(f"SELECT count(*) FROM {src}", [files]).fetchone()[0]
@@ -208,55 +210,57 @@ def _import_table(con: duckdb.DuckDBPyConnection, in_dir: Path, table: str, expe
     return n
 
 
+def _import_all(con: duckdb.DuckDBPyConnection, in_dir: Path, manifest: dict, progress: Progress) -> dict:
+    counts = manifest["row_counts"]
+    pids = [r[0] for r in con.execute("SELECT producer_id FROM read_parquet(?, hive_partitioning=false)",
+                                      [_files(in_dir, "producers")]).fetchall()]
+    dup = con.execute("SELECT producer_id, node, instance FROM producers WHERE producer_id IN (SELECT unnest(?)) "
+                      "ORDER BY producer_id LIMIT 1", [pids]).fetchone()
+    if dup:
+        raise StoreError(f"target store already holds producer {dup[0]} (node {dup[1]}, instance {dup[2]})")
+    for table in ("prunes", "legal_holds"):
+        if counts[table] and con.execute(f"SELECT count(*) FROM {table}").fetchone()[0]:
+            raise StoreError(f"target store already has {table} rows; retention records of two stores cannot be merged")
+    got = {}
+    for table in TABLES:
+        if progress:
+            progress(table)
+        got[table] = _import_table(con, in_dir, table, counts[table])
+    heads, expected = _chain_heads(con, pids), manifest["chain_heads"]
+    if heads != expected:
+        pid = next(p for p in sorted(set(heads) | set(expected)) if heads.get(p) != expected.get(p))
+        raise StoreError(f"chain head of producer {pid} differs from the manifest")
+    return got
+
+
 def import_parquet(in_dir: str | Path, db_path: str | Path, *, progress: Progress = None) -> ImportResult:
     """Load an export made by :func:`export_parquet` into the store at ``db_path`` (created if missing).
 
     Everything is inserted in one transaction: on any error nothing is written, and a store file
     this call created is removed again. Refuses (StoreError) a missing or unsupported manifest, row
     counts or chain heads that disagree with the files, a producer the target already holds, and
-    retention records when the target already has its own.
+    retention records when the target already has its own. ``progress`` is called with each table name.
     """
     in_dir, db_path = Path(in_dir), Path(db_path)
     manifest = _read_manifest(in_dir)
-    counts = manifest["row_counts"]
     created = not db_path.exists()
     AuditStore(db_path).close()
     done = False
     try:
         con = duckdb.connect(str(db_path))
-    except duckdb.Error as exc:
-        raise StoreError(f"cannot open store {db_path}: {exc}") from None
-    try:
-        con.begin()
         try:
-            pids = [r[0] for r in con.execute("SELECT producer_id FROM read_parquet(?, hive_partitioning=false)",
-                                              [_files(in_dir, "producers")]).fetchall()]
-            dup = con.execute("SELECT producer_id, node, instance FROM producers WHERE producer_id IN "
-                              "(SELECT unnest(?)) ORDER BY producer_id LIMIT 1", [pids]).fetchone()
-            if dup:
-                raise StoreError(f"target store already holds producer {dup[0]} (node {dup[1]}, instance {dup[2]})")
-            for table in ("prunes", "legal_holds"):
-                if counts[table] and con.execute(f"SELECT count(*) FROM {table}").fetchone()[0]:
-                    raise StoreError(f"target store already has {table} rows; retention records of two stores "
-                                     "cannot be merged")
-            got = {}
-            for table in TABLES:
-                if progress:
-                    progress(table)
-                got[table] = _import_table(con, in_dir, table, counts[table])
-            heads, expected = _chain_heads(con, pids), manifest["chain_heads"]
-            if heads != expected:
-                pid = next(p for p in sorted(set(heads) | set(expected)) if heads.get(p) != expected.get(p))
-                raise StoreError(f"chain head of producer {pid} differs from the manifest")
+            con.begin()
+            got = _import_all(con, in_dir, manifest, progress)
             con.commit()
             done = True
-        except BaseException:
-            con.rollback()
-            raise
+        finally:
+            if not done:
+                with contextlib.suppress(duckdb.Error):  # a failed commit has already rolled back
+                    con.rollback()
+            con.close()
     except duckdb.Error as exc:
         raise StoreError(f"import into {db_path} failed: {exc}") from None
     finally:
-        con.close()
         if created and not done:
             for path in (db_path, Path(f"{db_path}.wal")):
                 path.unlink(missing_ok=True)

@@ -110,17 +110,34 @@ class AuditStore:
         try:
             self.con = duckdb.connect(str(self.path))
         except duckdb.Error as exc:
-            raise StoreError(f"cannot open store {path}: {exc}") from None
+            raise StoreError(f"cannot open store {path}: {str(exc).splitlines()[0]}") from None
         self.signer = signer
+        try:
+            self._init_schema()
+            self._load_state()
+        except BaseException:
+            self.con.close()
+            raise
+
+    def _init_schema(self) -> None:
+        # Check the format before touching anything, so a foreign store is refused unchanged.
+        has_meta = self.con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'meta' "
+                                    "AND schema_name = 'main'").fetchone()[0]
+        fmt = self.con.execute("SELECT value FROM meta WHERE key = 'store_format'").fetchone() if has_meta else None
+        if has_meta and (fmt is None or fmt[0] != STORE_FORMAT):
+            found = fmt[0] if fmt else "unknown"
+            raise StoreError(f"store {self.path} has format {found}; this kvtrail reads format {STORE_FORMAT}")
+        if not has_meta:
+            others = self.con.execute("SELECT count(*) FROM duckdb_tables()").fetchone()[0]
+            if others:
+                raise StoreError(f"{self.path} is a DuckDB database but not a kvtrail store")
+        self.con.begin()
         for stmt in _ddl():
             self.con.execute(stmt)
-        fmt = self.con.execute("SELECT value FROM meta WHERE key = 'store_format'").fetchone()
         if fmt is None:
             self.con.execute("INSERT INTO meta VALUES ('store_format', ?), ('created_ns', ?)",
                              [STORE_FORMAT, str(time.time_ns())])
-        elif fmt[0] != STORE_FORMAT:
-            raise StoreError(f"store {path} has format {fmt[0]}; this kvtrail reads format {STORE_FORMAT}")
-        self._load_state()
+        self.con.commit()
 
     def _load_state(self) -> None:
         self._state: dict[int, ProducerState] = {}
@@ -156,7 +173,8 @@ class AuditStore:
             return AppendResult(0, 0, 0, ())
         return self._commit(vb)
 
-    def _runs(self, vb: ValidatedBatch, seq: np.ndarray) -> pa.Table:
+    def _runs(self, vb: ValidatedBatch) -> tuple[np.ndarray, ...]:
+        """Run-encode both page-list columns: (row, list, pos, start, length), ordered by row, list, pos."""
         parts = []
         for list_no, name in enumerate(PAGE_LIST_FIELDS):
             col = vb.table.column(name)
@@ -176,7 +194,7 @@ class AuditStore:
         seq = t.column("seq").to_numpy(zero_copy_only=False).astype(np.uint64)
         wall = t.column("wall_ns").to_numpy(zero_copy_only=False)
         pid_per_row = np.asarray(vb.producer_ids, dtype=np.int64)[vb.producer_index]
-        run_row, run_list, run_pos, run_start, run_len = self._runs(vb, seq)
+        run_row, run_list, run_pos, run_start, run_len = self._runs(vb)
         num_pages = pc.fill_null(pc.list_value_length(t.column("pages")), 0).cast(pa.int32())
         num_dst = pc.fill_null(pc.list_value_length(t.column("dst_pages")), 0).cast(pa.int32())
         now = time.time_ns()
@@ -253,7 +271,19 @@ class AuditStore:
 
 def arrow_query(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> pa.Table:
     """Run a query and return its result as an Arrow table."""
+    con.complete()  # DuckDB refuses a new query while an earlier execute() result is still open
     return con.sql(sql, params=params or None).to_arrow_table()
+
+
+def _read_events_snapshot(con, where: str, params: list | None) -> tuple[pa.Table, pa.Table]:
+    ev = arrow_query(con, f"SELECT * FROM events_v WHERE {where} ORDER BY producer_id, seq", params)
+    runs = arrow_query(
+        con,
+        f"WITH e AS (SELECT producer_id, seq, row_number() OVER (ORDER BY producer_id, seq) - 1 AS row "
+        f"FROM events_v WHERE {where}) "
+        f"SELECT e.row, r.list, r.page_start, r.num_pages FROM page_runs r JOIN e USING (producer_id, seq) "
+        f"ORDER BY e.row, r.list, r.pos", params)
+    return ev, runs
 
 
 def read_events(con: duckdb.DuckDBPyConnection, where: str = "TRUE", params: list | None = None) -> pa.Table:
@@ -262,13 +292,14 @@ def read_events(con: duckdb.DuckDBPyConnection, where: str = "TRUE", params: lis
     ``where`` filters the ``events_v`` view (events with producer identity). Rows come in
     (producer_id, seq) order.
     """
-    ev = arrow_query(con, f"SELECT * FROM events_v WHERE {where} ORDER BY producer_id, seq", params)
-    runs = arrow_query(con, 
-        f"WITH e AS (SELECT producer_id, seq, row_number() OVER (ORDER BY producer_id, seq) - 1 AS row "
-        f"FROM events_v WHERE {where}) "
-        f"SELECT e.row, r.list, r.page_start, r.num_pages FROM page_runs r JOIN e USING (producer_id, seq) "
-        f"ORDER BY e.row, r.list, r.pos", params)
+    con.complete()
+    con.begin()  # both queries must see the same snapshot, or page lists could attach to wrong events
+    try:
+        ev, runs = _read_events_snapshot(con, where, params)
+    finally:
+        con.commit()
     out = {f.name: ev.column(f.name) for f in ALL_FIELDS if f.name not in PAGE_LIST_FIELDS}
+
     row = runs.column("row").to_numpy().astype(np.int64)
     lists = runs.column("list").to_numpy()
     for list_no, name in enumerate(PAGE_LIST_FIELDS):

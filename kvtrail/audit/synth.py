@@ -262,12 +262,14 @@ def synth_batches(*, producer: Producer, num_pages: int, page_size: int, seed: i
     but the last holds exactly ``events_per_batch`` events.
 
     The workload, per simulated step: the request at the head of the prefill queue gets one chunk
-    (``chunk_tokens``, a multiple of ``page_size``) of pages and writes it; then about
-    ``growth_picks_per_step`` random running requests are picked: a request with decode budget left
-    grows by one page (``decode_growth``), one without finishes (``abort`` with ``abort_prob``).
-    ``decode_fraction`` of requests decode at all (the rest model PD prefill: freed after the
-    transfer), ``mean_decode_pages`` pages on average. When the pool runs out, random running
-    requests are retracted until the allocation fits.
+    (``chunk_tokens``, a multiple of ``page_size``) of pages and writes it; then every running request
+    decodes ``decode_tokens_per_step`` tokens, so about ``running * decode_tokens_per_step / page_size``
+    of them, picked at random, cross into a new page: a request with decode budget left grows by one
+    page (``decode_growth``), one without finishes (``abort`` with probability ``abort_prob``).
+    ``decode_fraction`` of requests decode at all, ``mean_decode_tokens`` on average (the rest model
+    PD prefill: freed after the transfer). When the pool runs out, random running requests are
+    retracted until the allocation fits. Decode pages interleave between requests, so freed lists
+    leave single-page holes, and sorted reuse hands those holes to the next prompts.
 
     Before anything is emitted the simulation churns unrecorded for ``warmup_page_events`` allocated
     pages (default: four times the pool) so that the recorded page lists are fragmented from the start;

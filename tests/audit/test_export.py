@@ -16,20 +16,20 @@ import pytest
 from kvtrail.audit import chain
 from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.export import TABLE_KEYS, TABLES, export_parquet, import_parquet
-from kvtrail.audit.store import EVENT_COLUMNS, EVENTS_SCHEMA, RUN_COLUMNS, RUNS_SCHEMA, AuditStore, arrow_query, read_events
+from kvtrail.audit.retention import add_hold, prune, release_hold
+from kvtrail.audit.store import (EVENT_COLUMNS, EVENTS_SCHEMA, RUN_COLUMNS, RUNS_SCHEMA, AuditStore, arrow_query,
+                                 read_events)
+from kvtrail.audit.verify import verify_store
 from kvtrail.errors import StoreError
 
-try:
-    from kvtrail.audit.verify import verify_store
-except ImportError:  # written separately; the digest recomputation below covers the chain meanwhile
-    verify_store = None
 
 MIDNIGHT = 1_700_006_400 * 10**9  # 2023-11-15T00:00:00Z
 DAY1, DAY2 = "2023-11-14", "2023-11-15"
 
 
 def producer(node, instance="i1", role="prefill", cluster="c"):
-    return {"cluster": cluster, "node": node, "role": role, "engine": "ref", "engine_version": "0", "instance": instance}
+    return {"cluster": cluster, "node": node, "role": role, "engine": "ref", "engine_version": "0",
+            "instance": instance}
 
 
 def ev(p, seq, wall_ns, kind, **fields):
@@ -75,9 +75,10 @@ def build_store(path: Path, *, signer=None) -> None:
         # The request straddles midnight: seq 8..10 on day 1 (the last at MIDNIGHT - 1), 11..14 on day 2.
         late = traffic(PREFILL, 8, MIDNIGHT - 3, "r2")
         store.append(from_dicts(late[:3]))
-        store.append(from_dicts([*late[3:], *traffic(DECODE, 1, MIDNIGHT + 10, "r3"),
-                                 ev(DECODE, 8, MIDNIGHT + 20, "recorder_gap", dropped_events=3, gap_reason="buffer_full")]))
-        store.append(from_dicts([config(PREFILL_RESTART, 0, MIDNIGHT + 30), *traffic(PREFILL_RESTART, 1, MIDNIGHT + 40, "r4"),
+        gap = ev(DECODE, 8, MIDNIGHT + 20, "recorder_gap", dropped_events=3, gap_reason="buffer_full")
+        store.append(from_dicts([*late[3:], *traffic(DECODE, 1, MIDNIGHT + 10, "r3"), gap]))
+        store.append(from_dicts([config(PREFILL_RESTART, 0, MIDNIGHT + 30),
+                                 *traffic(PREFILL_RESTART, 1, MIDNIGHT + 40, "r4"),
                                  ev(NUMERIC, 1, MIDNIGHT + 50, "request_aborted", request={"request_id": "r5"},
                                     stage="router", abort_reason="busy", http_status=503)]))
 
@@ -96,6 +97,10 @@ def expected_partitions(path: Path) -> tuple[set, set]:
 def signer(tmp_path):
     chain.generate_keypair(tmp_path / "key.pem", tmp_path / "key.pub")
     return chain.Signer.from_file(tmp_path / "key.pem")
+
+
+def scalar(con, sql):
+    return con.execute(sql).fetchall()[0][0]  # fetchall: DuckDB 2 keeps a half-read result open on the connection
 
 
 def table(con, name, where="TRUE"):
@@ -138,10 +143,10 @@ def test_round_trip_is_lossless(tmp_path, signer):
         assert (out / f"{name}.parquet").is_file()
     manifest = json.loads((out / "manifest.json").read_text())
     with duckdb.connect(str(src), read_only=True) as con:
-        counts = {t: con.execute(f"SELECT count(*) FROM {t}").fetchall()[0][0] for t in TABLES}
+        counts = {t: scalar(con, f"SELECT count(*) FROM {t}") for t in TABLES}
         heads = con.execute("SELECT producer_id, max(batch_no), arg_max(digest, batch_no) FROM batches "
                             "GROUP BY producer_id").fetchall()
-        assert con.execute("SELECT count(*) FROM batches WHERE signature IS NULL").fetchall()[0][0] == 0
+        assert scalar(con, "SELECT count(*) FROM batches WHERE signature IS NULL") == 0
     assert manifest["row_counts"] == counts
     assert manifest["chain_heads"] == {str(p): {"batch_no": n, "digest": bytes(d).hex()} for p, n, d in heads}
     assert manifest["format_version"] == 1 and manifest["exported_at"].endswith("+00:00")
@@ -158,37 +163,80 @@ def test_round_trip_is_lossless(tmp_path, signer):
             ta, tb = table(a, name, where), table(b, name, where)
             assert ta.schema == tb.schema, name
             assert ta.equals(tb), name
-        assert b.execute("SELECT count(*) FROM meta WHERE key = 'created_ns'").fetchall()[0][0] == 1
+        assert scalar(b, "SELECT count(*) FROM meta WHERE key = 'created_ns'") == 1
         assert table(b, "producers").column("node").to_pylist().count("123") == 1
         assert read_events(a).equals(read_events(b))
         assert_chain_recomputes(a)
         assert_chain_recomputes(b)
-    if verify_store is not None:
-        assert verify_store(dst).ok
+    assert verify_store(src).ok
+    report = verify_store(dst)
+    assert report.ok, report.first_problem
     with AuditStore(dst, create=False) as store:  # the imported store takes further batches on the chain
         store.append(from_dicts([traffic(DECODE, 9, MIDNIGHT + 100, "r6")[0]]))
     with duckdb.connect(str(dst), read_only=True) as con:
         assert_chain_recomputes(con)
 
 
-def test_retention_tables_and_empty_store_round_trip(tmp_path):
+def test_round_trip_after_prune_and_holds(tmp_path):
     src, out, dst = tmp_path / "src.duckdb", tmp_path / "export", tmp_path / "dst.duckdb"
-    AuditStore(src).close()
-    with duckdb.connect(str(src)) as con:
-        con.execute("INSERT INTO prunes VALUES (1, 5, 4, 2, 10, 1, NULL, ?, ?)", [bytes(32), b"\x01" * 32])
-        con.execute("INSERT INTO prune_batches VALUES (1, 42, 0), (1, 42, 1)")
-        con.execute("INSERT INTO legal_holds VALUES (1, 1, 0, 99, 't1', NULL, 'case 17', NULL), "
-                    "(2, 2, 0, 99, NULL, 'decode-0', 'case 18', 3)")
-    res = export_parquet(src, out)
-    assert (res.events, res.page_runs, res.batches, res.producers) == (0, 0, 0, 0)
+    build_store(src)
+    with AuditStore(src) as store:
+        add_hold(store, 0, MIDNIGHT, "case 17", node="decode-0")
+        release_hold(store, add_hold(store, 0, MIDNIGHT, "case 18", tenant_id="t1"))
+        result = prune(store, MIDNIGHT, note="day 1")
+    assert result.num_batches == 3 and result.num_held_batches == 1
+    export_parquet(src, out)
     import_parquet(out, dst)
     with duckdb.connect(str(src), read_only=True) as a, duckdb.connect(str(dst), read_only=True) as b:
-        for name in ("prunes", "prune_batches", "legal_holds", "events", "page_runs"):
-            assert table(a, name).equals(table(b, name)), name
-        assert b.execute("SELECT count(*) FROM legal_holds").fetchall()[0][0] == 2
-    # A second store's retention records cannot be merged into these.
-    with pytest.raises(StoreError, match="legal_holds|prunes"):
-        import_parquet(out, dst)
+        assert scalar(b, "SELECT count(*) FROM batches WHERE pruned_by IS NOT NULL") == 3
+        for name in TABLES:
+            where = "key <> 'created_ns'" if name == "meta" else "TRUE"
+            assert table(a, name, where).equals(table(b, name, where)), name
+    assert verify_store(src).ok
+    report = verify_store(dst)
+    assert report.ok, report.first_problem
+    assert report.batches_pruned == 3
+
+
+def test_retention_records_of_two_stores_are_not_merged(tmp_path):
+    a, b, dst = tmp_path / "a.duckdb", tmp_path / "b.duckdb", tmp_path / "dst.duckdb"
+    build_store(a)
+    with AuditStore(a) as store:
+        add_hold(store, 0, MIDNIGHT, "case 17")
+    other = producer("prefill-1", cluster="c2")
+    with AuditStore(b) as store:
+        store.append(from_dicts([config(other, 0, MIDNIGHT)]))
+        add_hold(store, 0, MIDNIGHT, "case 18")
+    export_parquet(a, tmp_path / "ea")
+    export_parquet(b, tmp_path / "eb")
+    import_parquet(tmp_path / "ea", dst)
+    with pytest.raises(StoreError, match="already has legal_holds rows"):
+        import_parquet(tmp_path / "eb", dst)
+
+
+def test_empty_store_round_trip(tmp_path):
+    src, out, dst = tmp_path / "src.duckdb", tmp_path / "export", tmp_path / "dst.duckdb"
+    AuditStore(src).close()
+    res = export_parquet(src, out)
+    assert (res.events, res.page_runs, res.batches, res.producers) == (0, 0, 0, 0)
+    imp = import_parquet(out, dst)
+    assert (imp.events, imp.page_runs, imp.batches, imp.producers) == (0, 0, 0, 0)
+    with duckdb.connect(str(dst), read_only=True) as con:
+        assert scalar(con, "SELECT value FROM meta WHERE key = 'store_format'") == "1"
+
+
+def test_import_refuses_a_column_of_another_type(tmp_path):
+    src, out = tmp_path / "src.duckdb", tmp_path / "export"
+    build_store(src)
+    export_parquet(src, out)
+    path = out / "batches.parquet"
+    with duckdb.connect() as con:
+        con.execute(f"COPY (SELECT * REPLACE (CAST(num_runs AS INTEGER) AS num_runs) FROM read_parquet('{path}')) "
+                    f"TO '{tmp_path / 'b.parquet'}' (FORMAT parquet)")
+    (tmp_path / "b.parquet").replace(path)
+    with pytest.raises(StoreError, match=r"batches: exported columns do not match.*num_runs"):
+        import_parquet(out, tmp_path / "dst.duckdb")
+    assert not (tmp_path / "dst.duckdb").exists()
 
 
 def test_two_exports_merge_into_one_store(tmp_path):

@@ -88,3 +88,26 @@ def test_random_page_lists_round_trip(tmp_path_factory, lists, seed):
     with AuditStore(path) as s:
         s.append(from_dicts(evs))
         assert to_dicts(read_events(s.con)) == evs
+
+
+def test_a_foreign_duckdb_file_is_refused_unchanged(tmp_path):
+    import duckdb
+    import pytest
+
+    from kvtrail.errors import StoreError
+
+    path = tmp_path / "other.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE sales (id INTEGER)")
+    con.close()
+    with pytest.raises(StoreError, match="not a kvtrail store"):
+        AuditStore(path)
+    con = duckdb.connect(str(path))
+    assert [r[0] for r in con.execute("SELECT table_name FROM duckdb_tables()").fetchall()] == ["sales"]
+    con.close()
+
+
+def test_read_events_after_an_open_result_on_the_same_connection(store):
+    store.append(from_dicts([config(0), alloc(1, [1, 2])]))
+    store.con.execute("SELECT count(*) FROM events").fetchone()  # leaves a result open (DuckDB 2)
+    assert len(to_dicts(read_events(store.con))) == 2
