@@ -1,0 +1,117 @@
+"""The CLI: exit codes (bad input 2, failed check 1), one-line errors, every command and flag documented."""
+
+import json
+from pathlib import Path
+
+import click
+import pytest
+
+from kvtrail.cli import cli, main
+from tests.conftest import alloc, config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _jsonl(path, events):
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    return str(path)
+
+
+def test_ingest_verify_head_stats(tmp_path, capsys):
+    db = str(tmp_path / "a.duckdb")
+    f = _jsonl(tmp_path / "ev.jsonl", [config(0), alloc(1, [1, 2, 3])])
+    assert main(["audit", "ingest", "--db", db, f]) == 0
+    assert "stored 2 events, 3 page-events in 1 runs" in capsys.readouterr().out
+    assert main(["audit", "verify", "--db", db]) == 0
+    assert "OK" in capsys.readouterr().out
+    assert main(["audit", "head", "--db", db]) == 0
+    assert "prefill-0" in capsys.readouterr().out
+    assert main(["audit", "stats", "--db", db]) == 0
+    assert "pages_allocated" in capsys.readouterr().out
+
+
+def test_bad_file_exits_2_with_one_line_and_stores_nothing(tmp_path, capsys):
+    db = str(tmp_path / "a.duckdb")
+    good = _jsonl(tmp_path / "good.jsonl", [config(0)])
+    bad = _jsonl(tmp_path / "bad.jsonl", [alloc(1, [1]), alloc(2, [999])])
+    assert main(["audit", "ingest", "--db", db, good, bad]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "bad.jsonl: event 1 (pages_allocated): field 'pages': page id 999 out of pool" in err[0]
+    assert main(["audit", "ingest", "--db", db, bad]) == 2  # still nothing of bad.jsonl stored
+    assert main(["audit", "verify", "--db", db, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["events_checked"] == 1
+
+
+def test_unparseable_file_rejects_before_writing_anything(tmp_path, capsys):
+    db = tmp_path / "a.duckdb"
+    good = _jsonl(tmp_path / "good.jsonl", [config(0)])
+    (tmp_path / "broken.jsonl").write_text("{nope\n")
+    assert main(["audit", "ingest", "--db", str(db), good, str(tmp_path / "broken.jsonl")]) == 2
+    assert "line 1 is not valid JSON" in capsys.readouterr().err
+    assert not db.exists()
+
+
+def test_tampered_store_exits_1_naming_the_link(tmp_path, capsys):
+    import duckdb
+
+    db = str(tmp_path / "a.duckdb")
+    main(["audit", "ingest", "--db", db, _jsonl(tmp_path / "e.jsonl", [config(0), alloc(1, [4])])])
+    con = duckdb.connect(db)
+    con.execute("UPDATE page_runs SET page_start = 5")
+    con.close()
+    capsys.readouterr()
+    assert main(["audit", "verify", "--db", db]) == 1
+    assert "FAILED: first problem: producer" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["audit", "verify", "--db", "missing.duckdb"], "store not found"),
+    (["audit", "prune", "--db", "x.duckdb", "--before", "last tuesday"], "--before"),
+    (["audit", "hold", "release", "--db", "x.duckdb", "7"], "store not found"),
+    (["audit", "nosuch"], "No such command"),
+])
+def test_bad_arguments_exit_2(tmp_path, monkeypatch, capsys, argv, needle):
+    monkeypatch.chdir(tmp_path)
+    if "prune" in argv:
+        main(["audit", "ingest", "--db", "x.duckdb", _jsonl(tmp_path / "e.jsonl", [config(0)])])
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_signed_ingest_and_verify(tmp_path, capsys):
+    db, priv, pub = str(tmp_path / "a.duckdb"), str(tmp_path / "k.pem"), str(tmp_path / "k.pub")
+    assert main(["audit", "keygen", "--private", priv, "--public", pub]) == 0
+    assert main(["audit", "keygen", "--private", priv, "--public", pub]) == 2  # never overwrites a key
+    f = _jsonl(tmp_path / "e.jsonl", [config(0)])
+    assert main(["audit", "ingest", "--db", db, "--signing-key", priv, f]) == 0
+    assert main(["audit", "verify", "--db", db, "--public-key", pub]) == 0
+
+
+def test_demo_runs_small_and_verifies(tmp_path, capsys):
+    db = str(tmp_path / "demo.duckdb")
+    assert main(["demo", "--db", db, "--page-events", "300000", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "chain:" in out and "verified: OK" in out
+    assert "pool smaller than advertised context" in out
+
+
+def _commands(group, prefix=()):
+    for name, cmd in group.commands.items():
+        path = prefix + (name,)
+        if isinstance(cmd, click.Group):
+            yield from _commands(cmd, path)
+        else:
+            yield path, cmd
+
+
+def test_every_command_and_flag_is_in_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    for path, cmd in _commands(cli):
+        line = "kvtrail " + " ".join(path)
+        assert line in readme, f"README does not document `{line}`"
+        for param in cmd.params:
+            for opt in getattr(param, "opts", []):
+                if opt.startswith("--"):
+                    assert opt in readme, f"README does not document {opt} of `{line}`"
