@@ -11,6 +11,7 @@ No prompt or output content is ever part of an event: ids, counts, page ids and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (1,)
@@ -223,11 +224,16 @@ class Producer:
                 raise ValueError(f"producer field '{name}': must be a non-empty string")
 
 
-@dataclass(frozen=True)
-class RequestRef:
-    """The identity of one request, created once when it arrives and passed to every recorder call."""
+class RequestRef(NamedTuple):
+    """The identity of one request, created once when it arrives and passed to every recorder call.
+
+    A named tuple (immutable) so the writer can split a batch of them into columns in one pass.
+    """
 
     request_id: str
     transfer_id: int | None = None
     tenant_id: str | None = None
     api_key_id: str | None = None
+
+
+NO_REQUEST = RequestRef(None)  # type: ignore[arg-type]  # placeholder for events without a request

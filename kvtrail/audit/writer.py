@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvtrail.audit.batch import BATCH_SCHEMA, first_bad_index
-from kvtrail.audit.events import KIND_NAMES, PRODUCER_FIELDS, SCHEMA_VERSION
+from kvtrail.audit.events import KIND_NAMES, NO_REQUEST, PRODUCER_FIELDS, SCHEMA_VERSION, RequestRef
 from kvtrail.errors import ValidationError
 
 log = logging.getLogger("kvtrail.audit")
@@ -75,8 +75,9 @@ def build_batch(producer, items: list, layouts: tuple, wall_offset: int | None =
     }
     for f in PRODUCER_FIELDS:
         cols[f.name] = pa.repeat(pa.scalar(getattr(producer, f.name), pa.string()), n)
-    for name in ("request_id", "transfer_id", "tenant_id", "api_key_id"):
-        cols[name] = pa.array([None if r is None else getattr(r, name) for r in reqs], _TYPES[name])
+    req_columns = zip(*[NO_REQUEST if r is None else r for r in reqs])
+    for name, values in zip(RequestRef._fields, req_columns):
+        cols[name] = pa.array(values, _TYPES[name])
     cols["pages"] = _list_column(pages, _TYPES["pages"], "pages")
     cols["dst_pages"] = _list_column(dsts, _TYPES["dst_pages"], "dst_pages")
     payload_cols: dict[str, list] = {}
