@@ -289,6 +289,7 @@ def synth_batches(*, producer: Producer, num_pages: int, page_size: int, seed: i
     pool_tokens = num_pages * page_size
     if max_prompt_tokens is None:
         max_prompt_tokens = max(page_size, min(65_536, pool_tokens // 8))
+    max_prompt_tokens = min(max_prompt_tokens, pool_tokens)  # a request alone always fits the pool
     min_prompt_tokens = min(min_prompt_tokens, max_prompt_tokens)
     if warmup_page_events is None:
         warmup_page_events = 4 * num_pages
@@ -298,7 +299,8 @@ def synth_batches(*, producer: Producer, num_pages: int, page_size: int, seed: i
     prompt_draw = _Draws(lambda k: np.clip(rng.lognormal(math.log(prompt_median_tokens), prompt_sigma, k),
                                            min_prompt_tokens, max_prompt_tokens).astype(np.int64))
     mean_decode_pages = max(mean_decode_tokens / page_size, 1.0)
-    budget_draw = _Draws(lambda k: np.where(rng.random(k) < decode_fraction, rng.geometric(1.0 / mean_decode_pages, k), 0))
+    budget_draw = _Draws(lambda k: np.where(rng.random(k) < decode_fraction,
+                                            rng.geometric(1.0 / mean_decode_pages, k), 0))
     # Each running request decodes decode_tokens_per_step tokens a step, so it crosses into a new page
     # with probability decode_tokens_per_step / page_size: the number of requests touched per step is
     # Poisson with that rate times the number running.
@@ -409,9 +411,9 @@ def synth_batches(*, producer: Producer, num_pages: int, page_size: int, seed: i
             i = int(u() * len(running))
             req = running[i]
             if req.budget > 0:
-                page = alloc_or_retract(1, req)
+                page = alloc_or_retract(1, req)  # may retract others, which moves req in the list
                 if page is None:
-                    release(take_running(i), _R_RETRACT)
+                    release(take_running(running.index(req)), _R_RETRACT)
                     continue
                 req.budget -= 1
                 req.pages.append(page)

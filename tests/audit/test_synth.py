@@ -136,7 +136,7 @@ def test_every_batch_appends_to_a_store(batches, tmp_path):
     assert total_pages == n_pages == runs_per_event(batches).pages
 
 
-def _check_ownership(batches, *, strict: bool) -> int:
+def _check_ownership(batches, *, strict: bool, num_pages: int = SMALL["num_pages"]) -> int:
     """Replay alloc/free in stream order; a page may be held by one live request at a time."""
     t = _all(batches)
     rid = pc.dictionary_encode(t.column("request_id")).combine_chunks()
@@ -146,7 +146,7 @@ def _check_ownership(batches, *, strict: bool) -> int:
     lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False)
     offsets = np.concatenate(([0], np.cumsum(lengths)))
     flat = pc.list_flatten(col).to_numpy()
-    owner = np.zeros(SMALL["num_pages"] + 1, dtype=np.int64)
+    owner = np.zeros(num_pages + 1, dtype=np.int64)
     checked = 0
     for i, kind in enumerate(kinds):
         pages = flat[offsets[i]:offsets[i + 1]]
@@ -173,6 +173,19 @@ def test_no_page_held_by_two_live_requests(batches):
 
 def test_no_page_held_by_two_live_requests_without_warmup():
     assert _check_ownership(_batches(warmup_page_events=0), strict=True) > 1000
+
+
+@pytest.mark.parametrize("reuse", ["lowest", "lifo"])
+@pytest.mark.parametrize("num_pages,page_size", [(1, 16), (5, 1), (64, 16)])
+def test_tiny_pool_under_pressure(reuse, num_pages, page_size, tmp_path):
+    """Pools barely larger than one request: constant retraction, still consistent and valid."""
+    bs = _batches(seed=3, num_pages=num_pages, page_size=page_size, reuse=reuse, target_page_events=3_000,
+                  events_per_batch=50, warmup_page_events=0, max_prompt_tokens=10**6)
+    assert _check_ownership(bs, strict=True, num_pages=num_pages) > 10
+    assert "retract" in set(pc.drop_null(_all(bs).column("free_reason")).to_pylist())
+    with AuditStore(tmp_path / "tiny.duckdb") as store:
+        for b in bs:
+            store.append(b)
 
 
 def test_fragmentation_after_churn(batches):

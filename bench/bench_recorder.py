@@ -1,0 +1,270 @@
+"""Hot-path cost of one recorder call, with the writer thread running.
+
+Times ``Recorder.pages_allocated(req, pages, "prefill_extend")`` for a 64-page allocation, once with
+a numpy int32 array and once with a Python list, each call wrapped in ``time.perf_counter_ns``. The
+recorder writes into a DuckDB file in a temporary directory with the default ``RecorderConfig``, so
+its writer thread drains and commits while the loop runs (and competes for the GIL, as it would in
+a serving process).
+
+Side by side in the same run, interleaved round by round so machine noise hits every row alike:
+  timer      the two perf_counter_ns calls around nothing: the timer's own overhead
+  floor      appending the same tuple shape to a collections.deque: what the call cannot beat
+  floor+copy the floor plus the page copy the recorder makes (ndarray.copy / tuple(list))
+
+The goal is a median of at most 2 us per call after the timer overhead is subtracted.
+
+    .venv/bin/python bench/bench_recorder.py            # ~200k timed calls per row
+    .venv/bin/python bench/bench_recorder.py --quick    # a few seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections import deque
+
+import numpy as np
+
+from kvtrail.audit.events import KIND_CODES, Producer, RequestRef
+from kvtrail.audit.recorder import Recorder, RecorderConfig
+from kvtrail.audit.synth import AllocatorSim
+
+GOAL_NS = 2_000
+PAGES_PER_CALL = 64
+_ALLOC = KIND_CODES["pages_allocated"]
+
+
+def make_allocations(count: int, num_pages: int, seed: int) -> list[np.ndarray]:
+    """``count`` 64-page allocations from the allocator simulation after some churn (fragmented)."""
+    sim = AllocatorSim(num_pages, 16, seed=seed)
+    rng = np.random.default_rng(seed)
+    live: list[np.ndarray] = []
+    out: list[np.ndarray] = []
+    while len(out) < count:
+        pages = sim.alloc(PAGES_PER_CALL)
+        if pages is None:
+            for i in sorted(rng.choice(len(live), size=len(live) // 2, replace=False), reverse=True):
+                sim.free(live.pop(i))
+            continue
+        live.append(pages)
+        if sim.merges:  # only record once freed pages are being reused
+            out.append(pages)
+    return out
+
+
+def timed_calls(fn, req, inputs: list, n: int) -> tuple[np.ndarray, int]:
+    """Call ``fn(req, pages, "prefill_extend")`` n times, timing each; returns (ns per call, loop ns)."""
+    clock = time.perf_counter_ns
+    m = len(inputs)
+    out = [0] * n
+    start = clock()
+    for i in range(n):
+        pages = inputs[i % m]
+        t0 = clock()
+        fn(req, pages, "prefill_extend")
+        t1 = clock()
+        out[i] = t1 - t0
+    loop = clock() - start
+    return np.array(out, dtype=np.int64), loop
+
+
+def timed_floor(dq: deque, req, inputs: list, n: int, copy: bool) -> tuple[np.ndarray, int]:
+    """The same loop appending the recorder's tuple shape to a deque (optionally copying the pages)."""
+    clock = time.perf_counter_ns
+    append = dq.append
+    m = len(inputs)
+    out = [0] * n
+    start = clock()
+    if copy:
+        nd = np.ndarray
+        for i in range(n):
+            pages = inputs[i % m]
+            t0 = clock()
+            append((_ALLOC, i, t0, req, pages.copy() if type(pages) is nd else tuple(pages), None,
+                    ("prefill_extend", None)))
+            t1 = clock()
+            out[i] = t1 - t0
+    else:
+        for i in range(n):
+            pages = inputs[i % m]
+            t0 = clock()
+            append((_ALLOC, i, t0, req, pages, None, ("prefill_extend", None)))
+            t1 = clock()
+            out[i] = t1 - t0
+    loop = clock() - start
+    dq.clear()
+    return np.array(out, dtype=np.int64), loop
+
+
+def timed_nothing(n: int) -> tuple[np.ndarray, int]:
+    clock = time.perf_counter_ns
+    out = [0] * n
+    start = clock()
+    for i in range(n):
+        t0 = clock()
+        t1 = clock()
+        out[i] = t1 - t0
+    loop = clock() - start
+    return np.array(out, dtype=np.int64), loop
+
+
+def untimed_calls(fn, req, inputs: list, n: int) -> int:
+    """The same calls without per-call timers: the loop's calls/s without timer cost."""
+    clock = time.perf_counter_ns
+    m = len(inputs)
+    start = clock()
+    for i in range(n):
+        fn(req, inputs[i % m], "prefill_extend")
+    return clock() - start
+
+
+def summarise(samples: list[np.ndarray], loop_ns: int, calls: int) -> dict:
+    s = np.concatenate(samples)
+    return {"calls": int(s.size), "median_ns": float(np.median(s)), "mean_ns": float(s.mean()),
+            "p99_ns": float(np.percentile(s, 99)), "p999_ns": float(np.percentile(s, 99.9)),
+            "max_ns": int(s.max()), "loop_calls_per_s": calls / (loop_ns / 1e9)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=200_000, help="timed calls per row (default 200000)")
+    ap.add_argument("--rounds", type=int, default=10, help="rounds the calls are split into, rows interleaved")
+    ap.add_argument("--quick", action="store_true", help="20000 calls per row, a few seconds")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.calls = 20_000
+        args.rounds = 4
+    per_round = max(1, args.calls // args.rounds)
+    calls = per_round * args.rounds
+
+    arrays = make_allocations(1024, 200_000, args.seed)
+    lists = [a.tolist() for a in arrays]
+    assert all(a.dtype == np.int32 and a.size == PAGES_PER_CALL for a in arrays)
+    req = RequestRef("bench-req-000001", transfer_id=12345, tenant_id="tenant-00")
+    producer = Producer("bench", "node-0", "prefill", "kvtrail-bench", "0", f"bench-{os.getpid()}")
+    config = RecorderConfig()
+
+    rows = ("recorder ndarray", "recorder list", "floor ndarray", "floor list", "floor+copy ndarray",
+            "floor+copy list", "timer (no-op)")
+    samples: dict[str, list[np.ndarray]] = {r: [] for r in rows}
+    loops = {r: 0 for r in rows}
+    untimed = {"recorder ndarray": 0, "recorder list": 0}
+    dropped_in_row = {"recorder ndarray": 0, "recorder list": 0}
+    untimed_per_round = max(1, per_round // 2)
+    dq: deque = deque()
+
+    with tempfile.TemporaryDirectory(prefix="kvtrail-bench-") as tmp:
+        path = os.path.join(tmp, "recorder.duckdb")
+        rec = Recorder(path, producer, config)
+        rec.node_config(pool_tokens=200_000 * 16, pool_pages=200_000, page_size=16, context_tokens=131_072)
+        # Warm-up: code paths, the writer's first commits, the allocator of the deque.
+        timed_calls(rec.pages_allocated, req, arrays, 5_000)
+        timed_calls(rec.pages_allocated, req, lists, 5_000)
+        timed_floor(dq, req, arrays, 5_000, True)
+        timed_nothing(5_000)
+        if not rec.flush(timeout=120):
+            print("warning: warm-up flush timed out", file=sys.stderr)
+        stats0 = rec.stats()
+        gc.collect()
+
+        t_start = time.perf_counter()
+        for r in range(args.rounds):
+            order = list(rows)
+            k = r % len(order)
+            order = order[k:] + order[:k]  # rotate so no row always runs right after another
+            for row in order:
+                inputs = lists if row.endswith("list") else arrays
+                if row.startswith("recorder"):
+                    d0 = rec.total_dropped
+                    s, loop = timed_calls(rec.pages_allocated, req, inputs, per_round)
+                    dropped_in_row[row] += rec.total_dropped - d0
+                elif row.startswith("floor+copy"):
+                    s, loop = timed_floor(dq, req, inputs, per_round, True)
+                elif row.startswith("floor"):
+                    s, loop = timed_floor(dq, req, inputs, per_round, False)
+                else:
+                    s, loop = timed_nothing(per_round)
+                samples[row].append(s)
+                loops[row] += loop
+            for row in untimed:
+                untimed[row] += untimed_calls(rec.pages_allocated, req,
+                                              lists if row.endswith("list") else arrays, untimed_per_round)
+        loop_s = time.perf_counter() - t_start
+        before_flush = rec.stats()
+        t0 = time.perf_counter()
+        flushed = rec.flush(timeout=600)
+        drain_s = time.perf_counter() - t0
+        stats = rec.stats()
+        rec.close()
+        size = os.path.getsize(path)
+
+    res = {r: summarise(samples[r], loops[r], calls) for r in rows}
+    timer = res["timer (no-op)"]["median_ns"]
+    for r in rows:
+        res[r]["median_minus_timer_ns"] = res[r]["median_ns"] - timer
+        res[r]["per_page_event_ns"] = res[r]["median_minus_timer_ns"] / PAGES_PER_CALL
+    for r in untimed:
+        res[r]["untimed_calls_per_s"] = args.rounds * untimed_per_round / (untimed[r] / 1e9)
+        res[r]["dropped_calls"] = dropped_in_row[r]
+
+    recorded = stats["recorded_events"] - stats0["recorded_events"]
+    committed = stats["committed_events_total"] - stats0["committed_events_total"]
+    print(f"kvtrail recorder hot path: pages_allocated, {PAGES_PER_CALL} pages per call, writer running "
+          f"(default RecorderConfig), {calls} timed calls per row in {args.rounds} interleaved rounds")
+    print(f"machine: {os.cpu_count()} CPUs, Python {platform.python_version()}, numpy {np.__version__}")
+    print()
+    head = (f"{'row':<20} {'median':>8} {'mean':>8} {'p99':>8} {'p99.9':>8} {'med-timer':>10} "
+            f"{'ns/page':>8} {'loop calls/s':>13} {'untimed calls/s':>16}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        x = res[r]
+        unt = f"{x['untimed_calls_per_s']:>16,.0f}" if "untimed_calls_per_s" in x else f"{'':>16}"
+        print(f"{r:<20} {x['median_ns']:>8.0f} {x['mean_ns']:>8.0f} {x['p99_ns']:>8.0f} {x['p999_ns']:>8.0f} "
+              f"{x['median_minus_timer_ns']:>10.0f} {x['per_page_event_ns']:>8.2f} "
+              f"{x['loop_calls_per_s']:>13,.0f}{unt}")
+    print("(ns per call; med-timer = median minus the timer's median; ns/page = med-timer / 64)")
+    print()
+    for r in ("recorder ndarray", "recorder list"):
+        x = res[r]
+        verdict = "PASS" if x["median_minus_timer_ns"] <= GOAL_NS else "MISS"
+        floor = res["floor " + r.split()[1]]["median_minus_timer_ns"]
+        print(f"goal <= {GOAL_NS} ns/call (median - timer), {r}: {x['median_minus_timer_ns']:.0f} ns -> {verdict}"
+              f"  ({x['median_minus_timer_ns'] / max(floor, 1):.1f}x the deque floor; "
+              f"{x['dropped_calls'] / x['calls']:.0%} of its timed calls found the buffer full)")
+    print()
+    print(f"events recorded during the run: {recorded:,} (dropped, buffer full: "
+          f"{stats['dropped_events_total']:,}; invalid: {stats['invalid_events_total']}; "
+          f"writer errors: {stats['writer_errors_total']})")
+    print(f"buffered when the loop ended: {before_flush['buffered_events']:,} events; "
+          f"flush() drained in {drain_s * 1000:.0f} ms (ok={flushed})")
+    print(f"committed: {committed:,} events, {stats['committed_page_events_total']:,} page-events in total, "
+          f"{stats['committed_batches_total']} batches; store file {size / 1e6:.1f} MB; loop phase {loop_s:.1f} s")
+
+    if args.json:
+        out = {
+            "benchmark": "recorder", "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "pages_per_call": PAGES_PER_CALL, "calls_per_row": calls,
+            "rounds": args.rounds, "goal_ns": GOAL_NS, "rows": res,
+            "pass": {r: res[r]["median_minus_timer_ns"] <= GOAL_NS for r in ("recorder ndarray", "recorder list")},
+            "recorded_events": recorded, "dropped_events": stats["dropped_events_total"],
+            "invalid_events": stats["invalid_events_total"], "writer_errors": stats["writer_errors_total"],
+            "buffered_at_loop_end": before_flush["buffered_events"], "flush_s": drain_s, "flush_ok": flushed,
+            "committed_events": committed, "committed_batches": stats["committed_batches_total"],
+            "store_bytes": size,
+        }
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
