@@ -24,8 +24,15 @@ assert sys.byteorder == "little", "canonical encoding assumes a little-endian ho
 
 
 def _column_bytes(h, arr: pa.Array) -> None:
-    valid = pc.is_valid(arr).to_numpy(zero_copy_only=False)
-    h.update(np.packbits(valid).tobytes())
+    # Validity first: a tag for "all null" (most payload columns of a batch), "no null", or the bitmap.
+    n, nulls = len(arr), arr.null_count
+    if n and nulls == n:
+        h.update(b"N")
+        return
+    if nulls:
+        h.update(b"V" + np.packbits(pc.is_valid(arr).to_numpy(zero_copy_only=False)).tobytes())
+    else:
+        h.update(b"A")
     t = arr.type
     if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t):
         filled = pc.fill_null(arr, "" if not pa.types.is_binary(t) else b"").cast(pa.large_binary())

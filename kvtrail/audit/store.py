@@ -113,6 +113,11 @@ class AuditStore:
             raise StoreError(f"cannot open store {path}: {str(exc).splitlines()[0]}") from None
         self.signer = signer
         try:
+            # Row order inside a table carries no meaning here (every reader orders by key), so DuckDB
+            # may insert with both cores; and a recorder commits small batches often, so checkpoint
+            # the WAL in larger steps rather than rewriting row groups after every few batches.
+            self.con.execute("SET preserve_insertion_order = false")
+            self.con.execute("SET wal_autocheckpoint = '256MB'")
             self._init_schema()
             self._load_state()
         except BaseException:
@@ -193,7 +198,6 @@ class AuditStore:
         n = t.num_rows
         seq = t.column("seq").to_numpy(zero_copy_only=False).astype(np.uint64)
         wall = t.column("wall_ns").to_numpy(zero_copy_only=False)
-        pid_per_row = np.asarray(vb.producer_ids, dtype=np.int64)[vb.producer_index]
         run_row, run_list, run_pos, run_start, run_len = self._runs(vb)
         num_pages = pc.fill_null(pc.list_value_length(t.column("pages")), 0).cast(pa.int32())
         num_dst = pc.fill_null(pc.list_value_length(t.column("dst_pages")), 0).cast(pa.int32())
@@ -246,7 +250,10 @@ class AuditStore:
             for pid, pool in new_pools.items():
                 con.execute("UPDATE producers SET pool_pages = ? WHERE producer_id = ?", [pool, pid])
             con.register("_kv_ev", events_tbl)
-            con.execute(f"INSERT INTO events ({EVENT_COLUMNS}) SELECT {EVENT_COLUMNS} FROM _kv_ev")
+            # Columns null in every row of this batch are left to DuckDB's default (NULL): most of the
+            # payload columns belong to other kinds, and passing them costs as much as real data.
+            used = ", ".join(f.name for f in EVENTS_SCHEMA if events_tbl.column(f.name).null_count < n)
+            con.execute(f"INSERT INTO events ({used}) SELECT {used} FROM _kv_ev")
             con.register("_kv_runs", runs_tbl)
             con.execute(f"INSERT INTO page_runs ({RUN_COLUMNS}) SELECT {RUN_COLUMNS} FROM _kv_runs")
             con.executemany("INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)", batch_rows)

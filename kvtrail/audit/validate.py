@@ -113,13 +113,24 @@ def _check_envelope(t: pa.Table) -> np.ndarray:
     return codes
 
 
+_REQUIRED = {n: np.array([n in KINDS[k].required for k in KIND_NAMES], dtype=bool) for n in OPTIONAL_NAMES}
+_ALLOWED = {n: np.array([n in KINDS[k].allowed for k in KIND_NAMES], dtype=bool) for n in OPTIONAL_NAMES}
+
+
 def _check_kind_fields(t: pa.Table, codes: np.ndarray) -> None:
     nkinds = len(KIND_NAMES)
+    present = np.zeros(nkinds, dtype=bool)
+    present[np.unique(codes)] = True
     for name in OPTIONAL_NAMES:
-        valid = _valid_mask(t.column(name))
-        required = np.array([name in KINDS[k].required for k in KIND_NAMES], dtype=bool)
-        allowed = np.array([name in KINDS[k].allowed for k in KIND_NAMES], dtype=bool)
-        assert len(required) == nkinds
+        col = t.column(name)
+        required, allowed = _REQUIRED[name], _ALLOWED[name]
+        if col.null_count == t.num_rows:  # absent everywhere: only "required" can fail
+            if (required & present).any():
+                _fail(required[codes], name, "missing (required for this kind)", codes)
+            continue
+        if col.null_count == 0 and allowed[present].all():  # present everywhere and allowed for every kind here
+            continue
+        valid = _valid_mask(col)
         missing = required[codes] & ~valid
         if missing.any():
             _fail(missing, name, "missing (required for this kind)", codes)
@@ -129,37 +140,48 @@ def _check_kind_fields(t: pa.Table, codes: np.ndarray) -> None:
 
 
 def _check_values(t: pa.Table, codes: np.ndarray) -> None:
+    # Each rule first asks a cheap whole-column question (distinct values, minimum); only a batch that
+    # fails it pays for the per-row mask that names the first bad event.
+    n = t.num_rows
     for name in ENVELOPE_NAMES + OPTIONAL_NAMES:
         spec = FIELDS[name]
         col = t.column(name)
+        if col.null_count == n:
+            continue
         if spec.type == "enum" and spec.choices:
+            if set(pc.unique(col).drop_null().to_pylist()) <= set(spec.choices):
+                continue
             bad = (pc.is_valid(col).to_numpy(zero_copy_only=False)
                    & ~pc.fill_null(pc.is_in(col, value_set=pa.array(spec.choices)), True).to_numpy(zero_copy_only=False))
-            if bad.any():
-                value = col[int(np.flatnonzero(bad)[0])].as_py()
-                _fail(bad, name, f"{value!r} is not one of {', '.join(spec.choices)}", codes)
-        elif spec.type in ("str",) and name in PRODUCER_NAMES:
-            bad = pc.equal(pc.utf8_length(col), 0).to_numpy(zero_copy_only=False)
-            if bad.any():
-                _fail(bad, name, "must be a non-empty string", codes)
+            value = col[int(np.flatnonzero(bad)[0])].as_py()
+            _fail(bad, name, f"{value!r} is not one of {', '.join(spec.choices)}", codes)
+        elif spec.type == "str" and name in PRODUCER_NAMES:
+            if "" in pc.unique(col).to_pylist():
+                _fail(pc.equal(pc.utf8_length(col), 0).to_numpy(zero_copy_only=False), name,
+                      "must be a non-empty string", codes)
         elif spec.minimum is not None and spec.type in ("int32", "int64"):
-            bad = pc.fill_null(pc.less(col, spec.minimum), False).to_numpy(zero_copy_only=False)
-            if bad.any():
+            low = pc.min(col).as_py()
+            if low is not None and low < spec.minimum:
+                bad = pc.fill_null(pc.less(col, spec.minimum), False).to_numpy(zero_copy_only=False)
                 _fail(bad, name, f"must be >= {spec.minimum}, got {col[int(np.flatnonzero(bad)[0])].as_py()}", codes)
     for kind in KINDS.values():
         for a, b in kind.same_length:
+            if t.column(a).null_count == n or t.column(b).null_count == n:
+                continue
             la, lb = pc.list_value_length(t.column(a)), pc.list_value_length(t.column(b))
             bad = (codes == KIND_CODES[kind.name]) & pc.fill_null(pc.not_equal(la, lb), False).to_numpy(zero_copy_only=False)
             if bad.any():
                 _fail(bad, b, f"must have one entry per entry of '{a}'", codes)
-    prefix_hit = (codes == KIND_CODES["pages_allocated"]) & (
-        pc.fill_null(pc.equal(t.column("purpose"), "prefix_hit"), False).to_numpy(zero_copy_only=False))
-    no_hashes = prefix_hit & ~_valid_mask(t.column("block_hashes"))
-    if no_hashes.any():
-        _fail(no_hashes, "block_hashes", "required when purpose is prefix_hit", codes)
-    backwards = pc.fill_null(pc.less(t.column("token_end"), t.column("token_start")), False).to_numpy(zero_copy_only=False)
-    if backwards.any():
-        _fail(backwards, "token_end", "must be >= token_start", codes)
+    if t.column("purpose").null_count < n:
+        prefix_hit = (codes == KIND_CODES["pages_allocated"]) & (
+            pc.fill_null(pc.equal(t.column("purpose"), "prefix_hit"), False).to_numpy(zero_copy_only=False))
+        no_hashes = prefix_hit & ~_valid_mask(t.column("block_hashes"))
+        if no_hashes.any():
+            _fail(no_hashes, "block_hashes", "required when purpose is prefix_hit", codes)
+    if t.column("token_end").null_count < n:
+        backwards = pc.fill_null(pc.less(t.column("token_end"), t.column("token_start")), False).to_numpy(zero_copy_only=False)
+        if backwards.any():
+            _fail(backwards, "token_end", "must be >= token_start", codes)
     for name in ("pages", "dst_pages", "page_digests", "block_hashes"):
         col = t.column(name)
         flat = pc.list_flatten(col)
