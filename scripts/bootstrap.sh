@@ -7,12 +7,23 @@ cd "$(dirname "$0")/.."
 what=${1:-demo}
 [ $# -gt 0 ] && shift
 python=${PYTHON:-python3}
+
+# Debian libraries the Mooncake transfer engine links against (the reference serving stack).
+need_debs=()
+for pkg in libibverbs1 libnuma1 libcurl4; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need_debs+=("$pkg")
+done
+if [ ${#need_debs[@]} -gt 0 ]; then
+  sudo_cmd=(); [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+  "${sudo_cmd[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${need_debs[@]}" >/dev/null
+fi
 if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 case "$what" in
   demo)
-    .venv/bin/python -m pip install -q -e .
+    .venv/bin/python -m pip install -q -e ".[serving]"
     exec .venv/bin/kvtrail demo "$@"
     ;;
   test)
