@@ -1,0 +1,119 @@
+"""Relay: recorders in other processes send their batches to the one process that owns the store.
+
+DuckDB lets one process write a database file. In a multi-process deployment (the reference PD
+stack: router, prefill and decode workers) each worker's :class:`~kvtrail.audit.recorder.Recorder`
+uses a :class:`RelaySink`, which ships every batch as an Arrow IPC stream over a local socket to a
+:class:`RelayServer` thread in the store-owning process and waits for the commit. The batch format is
+the bulk wire format of the event model, so the HTTP ingest service can accept the same bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from multiprocessing.connection import Client, Connection, Listener
+
+from kvtrail.audit.batch import read_ipc, write_ipc
+from kvtrail.audit.store import AppendResult, AuditStore
+from kvtrail.errors import KvtrailError, StoreError, ValidationError
+
+log = logging.getLogger("kvtrail.audit")
+
+
+class RelayServer:
+    """Accepts batches from RelaySinks on 127.0.0.1 (port chosen by the OS) and appends them to a store.
+
+    Appends are serialised through one lock: the store's connection has one writer at a time.
+    """
+
+    def __init__(self, store: AuditStore, *, authkey: bytes | None = None):
+        self.store = store
+        self.authkey = authkey or secrets.token_bytes(16)
+        self._listener = Listener(("127.0.0.1", 0), authkey=self.authkey)
+        self.address = self._listener.address
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._conns: list[Connection] = []
+        self._closed = False
+        self._accepter = threading.Thread(target=self._accept, name="kvtrail-relay-accept", daemon=True)
+        self._accepter.start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn = self._listener.accept()
+            except (OSError, EOFError):
+                if self._closed:
+                    return
+                continue
+            self._conns.append(conn)
+            t = threading.Thread(target=self._serve, args=(conn,), name="kvtrail-relay", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _serve(self, conn: Connection) -> None:
+        while True:
+            try:
+                data = conn.recv_bytes()
+            except (EOFError, OSError):
+                return
+            try:
+                table = read_ipc(data)
+                with self._lock:
+                    res = self.store.append(table)
+                reply = ("ok", res.num_events, res.num_page_events, res.num_runs, list(res.batches))
+            except ValidationError as exc:
+                reply = ("invalid", exc.field, exc.reason, exc.event, exc.kind)
+            except Exception as exc:  # noqa: BLE001 - reported to the sender, which counts the loss
+                log.exception("kvtrail relay: append failed")
+                reply = ("error", f"{type(exc).__name__}: {exc}")
+            try:
+                conn.send(reply)
+            except (OSError, EOFError):
+                return
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            # Wake the blocking accept() so its thread can end.
+            Client(self.address, authkey=self.authkey).close()
+        except OSError:
+            pass
+        self._listener.close()
+        for c in self._conns:
+            c.close()
+        for t in self._threads:
+            t.join(5)
+        self._accepter.join(5)
+
+
+class RelaySink:
+    """A recorder sink that forwards batches to a RelayServer and returns its commit result.
+
+    Used by exactly one writer thread, like any sink. Raises ValidationError when the store rejected
+    the batch (so the writer isolates the bad event) and StoreError when the relay failed.
+    """
+
+    def __init__(self, address: tuple[str, int], authkey: bytes):
+        try:
+            self._conn = Client(tuple(address), authkey=authkey)
+        except OSError as exc:
+            raise StoreError(f"relay: cannot connect to {address}: {exc}") from None
+
+    def append(self, table) -> AppendResult:
+        try:
+            self._conn.send_bytes(write_ipc(table))
+            reply = self._conn.recv()
+        except (OSError, EOFError) as exc:
+            raise StoreError(f"relay: connection lost: {exc}") from None
+        if reply[0] == "ok":
+            _, events, pages, runs, batches = reply
+            return AppendResult(events, pages, runs, tuple(tuple(b) for b in batches))
+        if reply[0] == "invalid":
+            _, field, reason, event, kind = reply
+            raise ValidationError(field, reason, event=event, kind=kind)
+        raise KvtrailError(f"relay: store failed: {reply[1]}")
+
+    def close(self) -> None:
+        self._conn.close()
