@@ -1,10 +1,10 @@
 """An allocator-shaped synthetic event stream, for tests and benchmarks.
 
-A small, deterministic simulation of one node's paged KV allocator, shaped like SGLang's paged
-allocator in PD serving: free page ids ``1..num_pages`` (0 is the padding page); freed pages are
-*staged*, and only when an allocation runs short are they merged back into the free list and sorted,
-so the lowest page ids are reused first (``reuse="lowest"``). ``reuse="lifo"`` reuses the most
-recently freed pages first instead.
+A small, deterministic workload driving one node's paged KV allocator (the serving stack's own
+:class:`~kvtrail.serving.allocator.PageAllocator`), shaped like SGLang's in PD serving: free page ids
+``1..num_pages`` (0 is the padding page); freed pages are *staged*, and only when an allocation runs
+short are they merged back into the free list and sorted, so the lowest page ids are reused first
+(``reuse="lowest"``). ``reuse="lifo"`` reuses the most recently freed pages first instead.
 
 Requests arrive with long-context prompts (lognormal lengths, a few hundred to tens of thousands of
 tokens), are prefilled in chunks (``pages_allocated`` purpose ``prefill_extend`` plus ``kv_written``
@@ -31,8 +31,8 @@ import pyarrow.compute as pc
 from kvtrail.audit.batch import BATCH_SCHEMA
 from kvtrail.audit.events import FREE_REASONS, KIND_CODES, KIND_NAMES, SCHEMA_VERSION, Producer
 from kvtrail.audit.pagelist import encode_runs
+from kvtrail.serving.allocator import PageAllocator
 
-REUSE_POLICIES = ("lowest", "lifo")
 # 2026-11-29T00:00:00Z: a fixed start so that the stream does not depend on the clock.
 DEFAULT_START_WALL_NS = 1_795_910_400_000_000_000
 _NULLABLE_SCHEMA = pa.schema([f.with_nullable(True) for f in BATCH_SCHEMA])
@@ -48,97 +48,19 @@ _P_PREFILL, _P_GROWTH = 0, 1
 _R_FINISH, _R_ABORT, _R_RETRACT = (FREE_REASONS.index(r) for r in ("finish", "abort", "retract"))
 
 
-class AllocatorSim:
-    """A paged KV allocator over page ids ``1..num_pages`` plus the seeded generator of a workload.
+class AllocatorSim(PageAllocator):
+    """The serving stack's :class:`~kvtrail.serving.allocator.PageAllocator` plus what a simulated
+    workload needs: the page size and the seeded generator (``rng``) every draw comes from.
 
-    ``alloc(n)`` hands out ``n`` pages from the front of the free list. With ``reuse="lowest"``,
-    ``free(pages)`` stages the pages; when an allocation needs more than the free list holds, staged
-    pages are merged in and the list is sorted, so the lowest ids come out first. With
-    ``reuse="lifo"`` the free list is a stack and freed pages are handed out again first, in the
-    order they were freed.
-
-    The simulator keeps an ownership bitmap and refuses a double free or a free of a page it never
-    handed out (``ValueError``): it cannot produce a page held twice.
+    Reuse orders, ownership checks and ``merges`` are the allocator's own (one implementation).
     """
 
     def __init__(self, num_pages: int, page_size: int, seed: int = 0, reuse: str = "lowest"):
-        if num_pages < 1:
-            raise ValueError("num_pages: must be >= 1")
-        if num_pages > 2**31 - 2:
-            raise ValueError("num_pages: page ids must fit in int32")
         if page_size < 1:
             raise ValueError("page_size: must be >= 1")
-        if reuse not in REUSE_POLICIES:
-            raise ValueError(f"reuse: {reuse!r} is not one of {', '.join(REUSE_POLICIES)}")
-        self.num_pages = int(num_pages)
+        super().__init__(num_pages, reuse)
         self.page_size = int(page_size)
-        self.reuse = reuse
         self.rng = np.random.default_rng(seed)
-        self._in_use = np.zeros(self.num_pages + 1, dtype=bool)
-        self._in_use[0] = True  # the padding page is never handed out
-        self.used = 0
-        self.merges = 0  # times the staged pages were merged into the free list (reuse="lowest")
-        if reuse == "lowest":
-            self._free = np.arange(1, self.num_pages + 1, dtype=np.int32)
-            self._head = 0
-            self._staged: list[np.ndarray] = []
-            self._num_staged = 0
-        else:
-            # A stack whose top is at the end: pages come off the top in ascending order at first.
-            self._stack = np.arange(self.num_pages, 0, -1, dtype=np.int32)
-            self._top = self.num_pages
-
-    @property
-    def available(self) -> int:
-        """Pages that can be allocated now (free plus staged)."""
-        return self.num_pages - self.used
-
-    def alloc(self, n: int) -> np.ndarray | None:
-        """``n`` pages (int32, in page-table order), or None when the pool cannot supply them."""
-        if n < 0:
-            raise ValueError("alloc: n must be >= 0")
-        if n > self.num_pages - self.used:
-            return None
-        if self.reuse == "lowest":
-            if n > len(self._free) - self._head:
-                self._merge()
-            out = self._free[self._head:self._head + n].copy()
-            self._head += n
-        else:
-            top = self._top
-            out = self._stack[top - n:top][::-1].copy()
-            self._top = top - n
-        self._in_use[out] = True
-        self.used += n
-        return out
-
-    def free(self, pages: np.ndarray) -> None:
-        """Return pages to the pool (staged until the next merge with ``reuse="lowest"``)."""
-        pages = np.asarray(pages, dtype=np.int32)
-        if pages.size == 0:
-            return
-        held = self._in_use[pages]
-        if not held.all() or pages.min() < 1:
-            bad = int(pages[np.flatnonzero(~held)[0]]) if not held.all() else int(pages.min())
-            raise ValueError(f"free: page {bad} is not allocated")
-        if np.unique(pages).size != pages.size:
-            raise ValueError("free: a page appears twice in one free")
-        self._in_use[pages] = False
-        self.used -= pages.size
-        if self.reuse == "lowest":
-            self._staged.append(pages.copy())
-            self._num_staged += pages.size
-        else:
-            top = self._top
-            self._stack[top:top + pages.size] = pages[::-1]
-            self._top = top + pages.size
-
-    def _merge(self) -> None:
-        self._free = np.sort(np.concatenate([self._free[self._head:], *self._staged]))
-        self._head = 0
-        self._staged = []
-        self._num_staged = 0
-        self.merges += 1
 
 
 class _Draws:

@@ -11,6 +11,7 @@ from kvtrail.audit.batch import BATCH_SCHEMA
 from kvtrail.audit.events import Producer
 from kvtrail.audit.store import AuditStore
 from kvtrail.audit.synth import AllocatorSim, runs_per_event, synth_batches
+from kvtrail.serving.allocator import PageAllocator
 
 PRODUCER = Producer("test-cluster", "node-0", "unified", "kvtrail-synth", "0", "inst-0")
 SMALL = dict(num_pages=4_000, page_size=16, target_page_events=400_000, events_per_batch=3_000)
@@ -33,55 +34,15 @@ def _all(batches) -> pa.Table:
 # ---- the allocator ------------------------------------------------------------------------------
 
 
-def test_lowest_reuse_merges_staged_pages_sorted():
-    sim = AllocatorSim(10, 16, seed=0, reuse="lowest")
-    a = sim.alloc(4)
-    b = sim.alloc(4)
-    c = sim.alloc(2)
-    assert a.tolist() == [1, 2, 3, 4] and b.tolist() == [5, 6, 7, 8] and c.tolist() == [9, 10]
-    assert sim.alloc(1) is None and sim.available == 0
-    sim.free(np.array([7, 8], np.int32))
-    sim.free(np.array([2], np.int32))
-    sim.free(np.array([10, 9], np.int32))
-    assert sim.available == 5 and sim.merges == 0
-    # Staged pages come back only when an allocation runs short, sorted: lowest ids first.
-    assert sim.alloc(3).tolist() == [2, 7, 8]
-    assert sim.merges == 1
-    assert sim.alloc(2).tolist() == [9, 10]
-    assert sim.alloc(1) is None
-
-
-def test_lowest_reuse_keeps_unmerged_free_pages_first():
-    sim = AllocatorSim(8, 1, reuse="lowest")
-    sim.alloc(4)  # 1..4; 5..8 still on the free list
-    sim.free(np.array([1, 2], np.int32))  # staged, not reused while the free list suffices
-    assert sim.alloc(3).tolist() == [5, 6, 7]
-    assert sim.alloc(2).tolist() == [1, 2]  # short: merge [8] with staged [1, 2] -> 1, 2, 8
-    assert sim.alloc(1).tolist() == [8]
-
-
-def test_lifo_reuse_hands_out_most_recently_freed_first():
-    sim = AllocatorSim(10, 16, reuse="lifo")
+def test_simulator_is_the_serving_allocator_plus_a_workload_generator():
+    """Reuse orders and ownership checks are PageAllocator's (tests/serving/test_allocator.py)."""
+    sim = AllocatorSim(10, 16, seed=0, reuse="lifo")
+    assert isinstance(sim, PageAllocator) and sim.reuse == "lifo" and sim.page_size == 16
+    assert sim.rng.random() == np.random.default_rng(0).random()
     assert sim.alloc(3).tolist() == [1, 2, 3]
-    assert sim.alloc(3).tolist() == [4, 5, 6]
-    sim.free(np.array([1, 2, 3], np.int32))
-    sim.free(np.array([6, 4], np.int32))
-    assert sim.alloc(2).tolist() == [6, 4]
-    assert sim.alloc(4).tolist() == [1, 2, 3, 7]
-
-
-def test_allocator_refuses_double_free_and_foreign_pages():
-    sim = AllocatorSim(10, 16)
-    pages = sim.alloc(3)
-    sim.free(pages)
-    with pytest.raises(ValueError, match="not allocated"):
-        sim.free(pages)
-    with pytest.raises(ValueError, match="not allocated"):
-        sim.free(np.array([9], np.int32))
-    held = sim.alloc(2)
-    with pytest.raises(ValueError, match="twice"):
-        sim.free(np.array([held[0], held[0]], np.int32))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="page_size"):
+        AllocatorSim(10, 0)
+    with pytest.raises(ValueError, match="reuse"):
         AllocatorSim(10, 16, reuse="fifo")
 
 

@@ -1,0 +1,202 @@
+"""Decode worker: reserve pages for the prompt length the router announced, take prefill's KV, generate.
+
+Generation attends to every reserved page (``seq_len`` is the announced prompt length), one token
+per request per loop step, so requests interleave as in continuous batching. In ``patched`` mode
+decode checks tokens landed == tokens reserved before generating (500 otherwise) and releases the
+pages of an aborted request only once prefill confirms nothing is in flight (deferred release).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtrail.audit.events import RequestRef
+from kvtrail.serving.worker import WorkerBase
+
+
+@dataclass
+class _Req:
+    ref: RequestRef
+    prompt_len: int
+    max_new: int
+    pages: np.ndarray
+    arrived_ns: int
+    state: str = "waiting_kv"  # waiting_kv | running | aborted_waiting
+    table: np.ndarray | None = None
+    out: bytearray = field(default_factory=bytearray)
+    step: int = 1
+    freed: bool = False
+    ttft_ns: int | None = None
+
+
+class DecodeWorker(WorkerBase):
+    role = "decode"
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.reqs: dict[int, _Req] = {}
+        self.forgotten: dict[int, _Req] = {}  # aborted and released: a late write may still arrive
+        self.quarantine: list[tuple[float, _Req]] = []
+
+    def on_peer(self, _room, info: dict) -> None:
+        self.connect_peer(info)
+
+    # ---- admission and transfer ----------------------------------------------------------------
+
+    def on_decode(self, room: int, ref: RequestRef, prompt_len: int, max_new: int) -> None:
+        self.rec.request_received(ref, prompt_len, max_new)
+        need = -(-prompt_len // self.cfg.page_size)
+        pages = self._reserve(need)
+        if pages is None:
+            self.rec.request_aborted(ref, "decode_prealloc", "decode KV pool exhausted", 503, prompt_len)
+            self._respond(room, 503, error="decode KV pool exhausted")
+            return
+        self.rec.transfer_reserved(ref, pages, prompt_len)
+        self.rec.pages_allocated(ref, pages, "decode_reservation")
+        self.reqs[room] = _Req(ref, prompt_len, max_new, pages, time.monotonic_ns())
+        self.send_peer(("dst", room, pages, prompt_len))
+
+    def _reserve(self, need: int) -> np.ndarray | None:
+        victims = [r for r in self.reqs.values() if r.state == "running" and not r.freed]
+        if self.cfg.faults.double_alloc and victims and need > 1:
+            # Fault: one page still held by a running request is handed out again.
+            pages = self.alloc.alloc(need - 1)
+            if pages is None:
+                return None
+            stolen = int(victims[0].pages[-1])
+            self.alloc.force_alloc([stolen])
+            return np.append(pages, np.int32(stolen)).astype(np.int32)
+        return self.alloc.alloc(need)
+
+    def on_kv_done(self, room: int, first: int, tokens_sent: int, pages_sent: int) -> None:
+        r = self.reqs.get(room) or self.forgotten.pop(room, None)
+        if r is None:
+            return
+        landed = r.pages[:pages_sent]
+        if r.state == "aborted_waiting" or room not in self.reqs:
+            # The write of an aborted request finished. With deferred release its pages were still
+            # held (safe to release now); without, it landed in pages that may belong to someone else.
+            self.rec.transfer_received(r.ref, landed, tokens_sent, "aborted")
+            self.rec.kv_written(r.ref, landed, 0, tokens_sent, "transfer_in")
+            if room in self.reqs:
+                self._release(room, "deferred_release")
+            return
+        ok = tokens_sent == r.prompt_len
+        self.rec.transfer_received(r.ref, landed, tokens_sent, "ok" if ok else "mismatch")
+        self.rec.kv_written(r.ref, landed, 0, tokens_sent, "transfer_in")
+        if not ok and self.cfg.mode == "patched":
+            reason = f"transfer length mismatch: {tokens_sent} tokens landed, {r.prompt_len} reserved"
+            self.rec.request_aborted(r.ref, "decode", reason, 500, r.prompt_len)
+            self._release(room, "abort")
+            self._respond(room, 500, error=reason)
+            return
+        r.state = "running"
+        r.table = r.pages.copy()
+        r.out.append(first)
+        r.ttft_ns = time.monotonic_ns() - r.arrived_ns
+        if self.cfg.faults.premature_free:
+            self._free_pages(r, r.pages, "finish")  # fault: freed while the request goes on reading
+            r.freed = True
+        self.rec.kv_read(r.ref, r.table)
+
+    def on_kv_failed(self, room: int, error: str) -> None:
+        r = self.reqs.get(room)
+        if r is None:
+            return
+        self.rec.transfer_received(r.ref, r.pages[:0], 0, "failed")
+        self.rec.request_aborted(r.ref, "transfer", error[:200], 500, r.prompt_len)
+        if self.cfg.mode == "patched":
+            # A failed batch may still be writing: keep the pages out of the pool for the engine timeout.
+            self.quarantine.append((time.monotonic() + self.cfg.transfer_timeout_s, self.reqs.pop(room)))
+        else:
+            self._release(room, "abort")
+        self._respond(room, 500, error=f"KV transfer failed: {error}")
+
+    def on_abort(self, room: int) -> None:
+        r = self.reqs.get(room)
+        if r is None:
+            return
+        self.rec.request_aborted(r.ref, "decode", "aborted by the client", 499, r.prompt_len)
+        self._respond(room, 499, error="aborted by the client")
+        if r.state == "waiting_kv" and self.cfg.mode == "patched":
+            r.state = "aborted_waiting"  # deferred release: wait for prefill's kv_done or abort_ack
+            return
+        if r.state == "waiting_kv":
+            self.forgotten[room] = r
+        self._release(room, "abort")
+
+    def on_abort_ack(self, room: int) -> None:
+        r = self.reqs.get(room)
+        if r is not None and r.state == "aborted_waiting":
+            self._release(room, "deferred_release")
+
+    def on_peer_lost(self) -> None:
+        for room, r in list(self.reqs.items()):
+            if r.state in ("waiting_kv", "aborted_waiting"):
+                if r.state == "waiting_kv":
+                    self.rec.request_aborted(r.ref, "transfer", "prefill worker is gone", 502, r.prompt_len)
+                    self._respond(room, 502, error="prefill worker is gone")
+                self._release(room, "abort")  # the writer is dead: nothing more can land
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return any(r.state == "running" for r in self.reqs.values())
+
+    def step(self) -> None:
+        now = time.monotonic()
+        while self.quarantine and self.quarantine[0][0] <= now:
+            _, r = self.quarantine.pop(0)
+            self._free_pages(r, r.pages, "deferred_release")
+        running = [(room, r) for room, r in self.reqs.items() if r.state == "running"]
+        if not running:
+            return
+        if self.cfg.decode_step_delay_s:
+            time.sleep(self.cfg.decode_step_delay_s)  # the time a real decode step takes
+        ps = self.cfg.page_size
+        for room, r in running:
+            if len(r.out) >= r.max_new:
+                self._finish(room, r)
+                continue
+            token = self.model.decode_step(self.pool, r.table, r.prompt_len, r.step)
+            r.out.append(token)
+            pos = r.prompt_len + r.step - 1  # where this token's own K/V goes
+            if pos // ps >= len(r.table):
+                new = self.alloc.alloc(1)
+                if new is None:
+                    self.rec.request_aborted(r.ref, "decode", "decode KV pool exhausted while generating", 503,
+                                             r.prompt_len)
+                    self._release(room, "abort")
+                    self._respond(room, 503, error="decode KV pool exhausted")
+                    continue
+                self.rec.pages_allocated(r.ref, new, "decode_growth")
+                self.rec.kv_read(r.ref, new)
+                r.table = np.append(r.table, new).astype(np.int32)
+            self.model.write_token(self.pool, r.table, pos, token)
+            r.step += 1
+
+    def _finish(self, room: int, r: _Req) -> None:
+        text = bytes(r.out).decode("utf-8", errors="replace")
+        self._release(room, "finish")
+        self._respond(room, 200, text=text, completion_tokens=len(r.out), ttft_ns=r.ttft_ns, finish_reason="length")
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _release(self, room: int, reason: str) -> None:
+        r = self.reqs.pop(room)
+        own = r.table if r.table is not None else r.pages
+        if r.freed:  # prematurely freed reservation: only growth pages are still ours
+            own = own[len(r.pages):]
+        self._free_pages(r, own, reason)
+
+    def _free_pages(self, r: _Req, pages, reason: str) -> None:
+        if len(pages):
+            self.rec.pages_freed(r.ref, pages, reason)
+            self.alloc.free(pages)
+
+    def _respond(self, room: int, status: int, *, text: str = "", completion_tokens: int = 0, ttft_ns=None,
+                 finish_reason: str = "abort", error: str | None = None) -> None:
+        self.send_router(("response", room, status, text, completion_tokens, ttft_ns, finish_reason, error))

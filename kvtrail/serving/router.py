@@ -1,0 +1,147 @@
+"""The router: an OpenAI-style ``POST /v1/completions`` in front of one prefill and one decode worker.
+
+It resolves the tenant from the API key, enforces the advertised context length, assigns the
+transfer id (SGLang's bootstrap room), asks prefill to admit the prompt, tells decode the prompt
+length so it reserves pages, and returns decode's response. It never sees KV bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvtrail.audit.events import RequestRef
+from kvtrail.serving.config import StackConfig
+from kvtrail.serving.link import WorkerDown, WorkerLink
+
+
+class CompletionRequest(BaseModel):
+    """The subset of OpenAI's completion request the reference stack serves (other fields are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    stream: bool = False
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = {400: "invalid_request_error", 401: "authentication_error"}.get(status, "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param}}, status_code=status)
+
+
+def api_key_id(key: str) -> str:
+    """What the audit stores instead of the key: a short hash."""
+    return "k:" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+class RouterCore:
+    """Orchestrates one request across the workers and records what the client saw."""
+
+    def __init__(self, cfg: StackConfig, prefill: WorkerLink, decode: WorkerLink, recorder):
+        self.cfg = cfg
+        self.prefill = prefill
+        self.decode = decode
+        self.rec = recorder
+        self._tenants = cfg.tenants
+
+    async def complete(self, key: str | None, req: CompletionRequest, abort_after_s: float | None) -> JSONResponse:
+        tenant = self._tenants.get(key or "")
+        if tenant is None:
+            return _error(401, "unknown API key", "authorization")
+        if req.stream:
+            return _error(400, "field 'stream': streaming is not supported by the reference stack", "stream")
+        tokens = req.prompt.encode("utf-8")
+        max_new = req.max_tokens or self.cfg.max_new_tokens
+        if max_new > self.cfg.max_new_tokens:
+            return _error(400, f"field 'max_tokens': at most {self.cfg.max_new_tokens}", "max_tokens")
+        ref = RequestRef(uuid.uuid4().hex[:16], secrets.randbits(63), tenant, api_key_id(key))
+        started = time.monotonic_ns()
+        self.rec.request_received(ref, len(tokens), max_new)
+        if len(tokens) + max_new > self.cfg.context_tokens:
+            msg = (f"field 'prompt': {len(tokens)} prompt tokens + {max_new} max_tokens exceed the context "
+                   f"length of {self.cfg.context_tokens} tokens")
+            return self._finish(ref, started, len(tokens), _error(400, msg, "prompt"), stage="router")
+        try:
+            return await self._serve(ref, tokens, max_new, started, abort_after_s)
+        except WorkerDown as exc:
+            return self._finish(ref, started, len(tokens), _error(502, str(exc)), stage="router")
+        except asyncio.TimeoutError:
+            return self._finish(ref, started, len(tokens), _error(504, "timed out waiting for the workers"),
+                                stage="router")
+
+    async def _serve(self, ref: RequestRef, tokens: bytes, max_new: int, started: int, abort_after_s):
+        room = ref.transfer_id
+        timeout = self.cfg.transfer_timeout_s
+        admission = self.prefill.expect("admission", room)
+        self.prefill.send(("prefill", room, ref, tokens, abort_after_s is not None))
+        msg = await asyncio.wait_for(admission, timeout)
+        if msg[0] == "rejected":
+            _, _, status, error = msg
+            return self._finish(ref, started, len(tokens), _error(status, error, "prompt"))
+        response = self.decode.expect("response", room)
+        self.decode.send(("decode", room, ref, len(tokens), max_new))
+        if abort_after_s is not None:
+            # A client disconnect (or a load balancer) aborting the request while KV is in flight.
+            await asyncio.sleep(abort_after_s)
+            self.decode.send(("abort", room))
+            self.prefill.send(("abort", room))
+        _, _, status, text, completion_tokens, ttft_ns, finish_reason, error = await asyncio.wait_for(response, timeout)
+        latency = time.monotonic_ns() - started
+        self.rec.response_sent(ref, status, len(tokens), completion_tokens, latency, ttft_ns, finish_reason)
+        if status != 200:
+            return _error(status, error or "request failed")
+        return JSONResponse({
+            "id": f"cmpl-{ref.request_id}", "object": "text_completion", "created": int(time.time()),
+            "model": "kvtrail-reference",
+            "choices": [{"text": text, "index": 0, "finish_reason": finish_reason, "logprobs": None}],
+            "usage": {"prompt_tokens": len(tokens), "completion_tokens": completion_tokens,
+                      "total_tokens": len(tokens) + completion_tokens},
+        })
+
+    def _finish(self, ref: RequestRef, started: int, prompt_tokens: int, resp: JSONResponse, stage: str | None = None):
+        if stage is not None:
+            self.rec.request_aborted(ref, stage, resp.body.decode()[:200], resp.status_code, prompt_tokens)
+        self.rec.response_sent(ref, resp.status_code, prompt_tokens, 0, time.monotonic_ns() - started,
+                               finish_reason="abort")
+        return resp
+
+
+def create_app(core: RouterCore) -> FastAPI:
+    app = FastAPI(title="kvtrail reference router", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(request: Request, exc: RequestValidationError):
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "(body)"
+        return _error(400, f"field '{field}': {err.get('msg', 'invalid')}", field)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        auth = request.headers.get("authorization", "")
+        key = auth[7:] if auth.lower().startswith("bearer ") else None
+        abort_hdr = request.headers.get("x-kvtrail-abort-after-ms")
+        abort_after = None
+        if abort_hdr is not None:
+            if not core.cfg.faults.late_write:
+                return _error(400, "header 'x-kvtrail-abort-after-ms': only with the late_write fault enabled")
+            try:
+                abort_after = float(abort_hdr) / 1000
+            except ValueError:
+                return _error(400, "header 'x-kvtrail-abort-after-ms': not a number")
+        return await core.complete(key, body, abort_after)
+
+    @app.get("/health")
+    async def health():
+        ok = core.prefill.alive and core.decode.alive
+        return JSONResponse({"prefill": core.prefill.alive, "decode": core.decode.alive}, status_code=200 if ok else 503)
+
+    return app
