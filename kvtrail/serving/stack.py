@@ -98,6 +98,18 @@ class Stack:
         port = self._server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
 
+    def page_digest(self, role: str, pages) -> str:
+        """SHA-256 of the given pages' bytes in a worker's pool (all layers, K then V)."""
+        import asyncio
+
+        async def ask():
+            room = -1 - len(pages)
+            fut = self.links[role].expect("page_digest", room)
+            self.links[role].send(("page_digest", room, [int(p) for p in pages]))
+            return (await asyncio.wait_for(fut, 30))[2]
+
+        return asyncio.run(ask())
+
     def stop(self) -> None:
         """Stop the HTTP server, ask the workers to shut down (they flush and unregister), close the store."""
         if self._server is not None:

@@ -69,6 +69,12 @@ class WorkerBase:
     def on_shutdown(self, _room) -> None:
         self._running = False
 
+    def on_page_digest(self, room: int, pages) -> None:
+        """Inspection for tests and operators: SHA-256 of the pool bytes of ``pages`` (every buffer)."""
+        import hashlib
+
+        self.send_router(("page_digest", room, hashlib.sha256(self.pool.page_bytes(pages)).hexdigest()))
+
     def on_peer_lost(self) -> None:
         """The PD peer went away; subclasses fail what depended on it."""
 
