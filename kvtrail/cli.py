@@ -26,14 +26,14 @@ cli.add_command(audit)
 
 @cli.command()
 @click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False),
-              help="DuckDB audit store to write (created if missing).")
+              help="DuckDB audit store to write (created if missing; a rerun appends).")
 @click.option("--seed", default=0, show_default=True, help="Seed of the generated traffic.")
-@click.option("--page-events", default=40_000_000, show_default=True, help="Page-events to generate per node.")
-def demo(db: str, seed: int, page_events: int) -> None:
-    """The main job: record allocator-shaped traffic from a prefill and a decode node, then verify and summarise."""
+@click.option("--requests", default=60, show_default=True, type=click.IntRange(1), help="Requests per mode.")
+def demo(db: str, seed: int, requests: int) -> None:
+    """The main job: reproduce the incident on the reference PD stack, audit it, then run the fixed engine."""
     from kvtrail.demo import run_demo
 
-    run_demo(db, seed=seed, page_events=page_events)
+    run_demo(db, seed=seed, requests=requests)
 
 
 def main(argv: list[str] | None = None) -> int:

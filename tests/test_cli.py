@@ -89,12 +89,16 @@ def test_signed_ingest_and_verify(tmp_path, capsys):
     assert main(["audit", "verify", "--db", db, "--public-key", pub]) == 0
 
 
-def test_demo_runs_small_and_verifies(tmp_path, capsys):
+@pytest.mark.slow
+def test_demo_reproduces_the_incident_then_the_fix(tmp_path, capsys):
     db = str(tmp_path / "demo.duckdb")
-    assert main(["demo", "--db", db, "--page-events", "300000", "--seed", "3"]) == 0
+    assert main(["demo", "--db", db, "--requests", "16", "--seed", "1"]) == 0
     out = capsys.readouterr().out
-    assert "chain:" in out and "verified: OK" in out
-    assert "pool smaller than advertised context" in out
+    vulnerable, patched = out.split("== patched")
+    assert "== vulnerable" in vulnerable and "verified: OK" in patched
+    assert "over-long prompts:" in vulnerable
+    assert "0 responses carried another tenant's canary" in patched
+    assert "0 transfers where decode reserved more than prefill sent" in patched
 
 
 def _commands(group, prefix=()):

@@ -52,6 +52,7 @@ class DecodeWorker(WorkerBase):
         pages = self._reserve(need)
         if pages is None:
             self.rec.request_aborted(ref, "decode_prealloc", "decode KV pool exhausted", 503, prompt_len)
+            self.send_peer(("cancel", room))  # prefill admitted it and is waiting for page ids
             self._respond(room, 503, error="decode KV pool exhausted")
             return
         self.rec.transfer_reserved(ref, pages, prompt_len)

@@ -66,6 +66,12 @@ class PrefillWorker(WorkerBase):
         p.dst_pages = np.asarray(dst_pages, dtype=np.int32)
         p.due = time.monotonic() + (_LATE_WRITE_DELAY_S if p.held_back else 0.0)
 
+    def on_cancel(self, room: int) -> None:
+        """Decode could not reserve pages: the request ends before anything was allocated here."""
+        p = self.pending.pop(room, None)
+        if p is not None:
+            self.rec.request_aborted(p.ref, "bootstrap", "decode could not reserve pages", 503, len(p.tokens))
+
     def on_abort(self, room: int) -> None:
         p = self.pending.get(room)
         if p is None:
