@@ -235,3 +235,22 @@ class Recorder:
         if markers:
             items = [x for x in items if type(x) is not threading.Event]
         return list(items), markers
+
+
+class NullRecorder:
+    """The Recorder's API recording nothing: auditing switched off (the baseline of overhead benchmarks)."""
+
+    def _ignore(self, *args, **kwargs) -> None:
+        return None
+
+    node_config = request_received = pages_allocated = pages_freed = kv_written = kv_read = _ignore
+    transfer_reserved = transfer_sent = transfer_received = request_aborted = response_sent = _ignore
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        return None
+
+    def stats(self) -> dict:
+        return {}

@@ -12,7 +12,7 @@ import torch
 
 from kvtrail.kernels import cpu_kernels as k
 from kvtrail.kernels.adler import adler32_from_item_sums
-from kvtrail.kernels.layout import KernelError, KvLayout, as_page_ids
+from kvtrail.kernels.layout import KernelError, KvLayout, PageIds, as_page_ids
 from kvtrail.kernels.mixing import finish_request, page_seed, word_keys
 from kvtrail.kernels.reference import ReferenceBackend, tag_args
 
@@ -34,14 +34,14 @@ class CpuBackend(ReferenceBackend):
     def __init__(self, device: torch.device | str = "cpu"):
         super().__init__(device)
 
-    def _prepare(self, layout: KvLayout, page_ids):
+    def _prepare(self, layout: KvLayout, page_ids: PageIds):
         self.check_layout(layout)
         ids = as_page_ids(page_ids, "cpu").numpy()
         addrs = np.asarray(layout.data_ptrs, dtype=np.int64)
         lens = np.asarray(layout.item_lens, dtype=np.int64)
         return ids, addrs, lens
 
-    def _digest(self, layout: KvLayout, page_ids) -> tuple[np.ndarray, int]:
+    def _digest(self, layout: KvLayout, page_ids: PageIds) -> tuple[np.ndarray, int]:
         ids, addrs, lens = self._prepare(layout, page_ids)
         # 8-byte loads need 8-byte aligned pages; other buffers take the byte-assembling path
         aligned = ((addrs % 8) == 0) & ((lens % 8) == 0)
@@ -53,29 +53,29 @@ class CpuBackend(ReferenceBackend):
             _raise_bad_ids(bad, layout.num_pages)
         return out, int(total)
 
-    def page_digests(self, layout: KvLayout, page_ids) -> torch.Tensor:
+    def page_digests(self, layout: KvLayout, page_ids: PageIds) -> torch.Tensor:
         out, _ = self._digest(layout, page_ids)
         return torch.from_numpy(out.view(np.int64))
 
-    def request_digest(self, layout: KvLayout, page_ids) -> int:
+    def request_digest(self, layout: KvLayout, page_ids: PageIds) -> int:
         # the position terms are summed inside the digest kernel: one pass over the pages
         out, total = self._digest(layout, page_ids)
         return finish_request(out.shape[0], total)
 
-    def adler32(self, layout: KvLayout, page_ids) -> int:
+    def adler32(self, layout: KvLayout, page_ids: PageIds) -> int:
         ids, addrs, lens = self._prepare(layout, page_ids)
         n = ids.shape[0]
         out_s = np.empty(n * len(lens), dtype=np.uint64)
         out_w = np.empty(n * len(lens), dtype=np.uint64)
-        bad = k.adler_items(addrs, lens, ids, layout.num_pages, out_s, out_w)
-        if bad:
-            _raise_bad_ids(bad, layout.num_pages)
+        bad_items = k.adler_items(addrs, lens, ids, layout.num_pages, out_s, out_w)
+        if bad_items:
+            _raise_bad_ids(bad_items // len(lens), layout.num_pages)  # a bad page is bad in every buffer
         # sums are < 65521, so the int64 view is the same number
         return adler32_from_item_sums(torch.from_numpy(out_s.view(np.int64)),
                                       torch.from_numpy(out_w.view(np.int64)),
                                       torch.from_numpy(np.repeat(lens, n)))
 
-    def verify_tags(self, table: torch.Tensor, page_ids, held_tags) -> torch.Tensor:
+    def verify_tags(self, table: torch.Tensor, page_ids: PageIds, held_tags: PageIds) -> torch.Tensor:
         ids, held = tag_args(table, page_ids, held_tags)
         if not table.is_cpu:
             raise KernelError("table", f"is on {table.device}; the cpu backend runs on cpu")

@@ -16,7 +16,7 @@ from functools import lru_cache
 import torch
 
 from kvtrail.kernels.adler import adler32_from_item_sums
-from kvtrail.kernels.layout import KernelError, KvLayout
+from kvtrail.kernels.layout import KernelError, KvLayout, PageIds
 from kvtrail.kernels.mixing import combine_page_digests, page_seed, signed, word_keys_torch
 from kvtrail.kernels.reference import ReferenceBackend
 
@@ -54,13 +54,13 @@ class CudaBackend(ReferenceBackend):
     def uses_triton(self) -> bool:
         return self._tk is not None
 
-    def _prepare(self, layout: KvLayout, page_ids):
+    def _prepare(self, layout: KvLayout, page_ids: PageIds):
         ids = self._ids(layout, page_ids)
         addrs = torch.tensor(layout.data_ptrs, dtype=torch.int64, device=layout.device)
         lens = torch.tensor(layout.item_lens, dtype=torch.int64, device=layout.device)
         return ids, addrs, lens
 
-    def page_digests(self, layout: KvLayout, page_ids) -> torch.Tensor:
+    def page_digests(self, layout: KvLayout, page_ids: PageIds) -> torch.Tensor:
         if self._tk is None:
             return super().page_digests(layout, page_ids)
         ids, addrs, lens = self._prepare(layout, page_ids)
@@ -78,10 +78,10 @@ class CudaBackend(ReferenceBackend):
                                                           n, nb, BLOCK_N=_FOLD_BLOCK)
         return out
 
-    def request_digest(self, layout: KvLayout, page_ids) -> int:
+    def request_digest(self, layout: KvLayout, page_ids: PageIds) -> int:
         return combine_page_digests(self.page_digests(layout, page_ids))
 
-    def adler32(self, layout: KvLayout, page_ids) -> int:
+    def adler32(self, layout: KvLayout, page_ids: PageIds) -> int:
         if self._tk is None:
             return super().adler32(layout, page_ids)
         ids, addrs, lens = self._prepare(layout, page_ids)
@@ -95,7 +95,7 @@ class CudaBackend(ReferenceBackend):
                                                  BLOCK=_BYTES_PER_BLOCK)
         return adler32_from_item_sums(byte_sums, weighted, lens.repeat_interleave(n))
 
-    def verify_tags(self, table: torch.Tensor, page_ids, held_tags) -> torch.Tensor:
+    def verify_tags(self, table: torch.Tensor, page_ids: PageIds, held_tags: PageIds) -> torch.Tensor:
         if table.device.type != "cuda":
             raise KernelError("table", f"is on {table.device}; the cuda backend runs on cuda")
         return super().verify_tags(table, page_ids, held_tags)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Sequence, Union
 
 import numpy as np
 import torch
@@ -32,6 +32,10 @@ class KernelError(KvtrailError, ValueError):
         self.field = field
         self.reason = reason
         super().__init__(f"{field}: {reason}")
+
+
+PageIds = Union[torch.Tensor, np.ndarray, Sequence[int]]
+"""Page ids as callers hold them: a 1-D integer tensor (int32 or int64), ndarray or sequence."""
 
 
 # eq=False: two layouts are the same layout only if they are the same object (tensors have no value equality)
@@ -104,7 +108,7 @@ class KvLayout:
         return self.buffers[b].reshape(-1).view(torch.uint8).view(self.num_pages + 1, self.item_lens[b])
 
 
-def as_page_ids(page_ids, device: torch.device | str, field_name: str = "page_ids") -> torch.Tensor:
+def as_page_ids(page_ids: PageIds, device: torch.device | str, field_name: str = "page_ids") -> torch.Tensor:
     """``page_ids`` (tensor, ndarray or sequence of ints) as a contiguous 1-D int64 tensor on ``device``.
 
     Range is not checked here: the kernels check it in the same pass that reads the pages.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvtrail.kernels.adler import adler32_from_item_sums
-from kvtrail.kernels.layout import KernelError, KvLayout, as_page_ids, check_page_range
+from kvtrail.kernels.layout import KernelError, KvLayout, PageIds, as_page_ids, check_page_range
 from kvtrail.kernels.mixing import (
     LO32,
     _lsr,
@@ -22,7 +22,7 @@ from kvtrail.kernels.mixing import (
 )
 
 
-def tag_args(table: torch.Tensor, page_ids, held_tags) -> tuple[torch.Tensor, torch.Tensor]:
+def tag_args(table: torch.Tensor, page_ids: PageIds, held_tags: PageIds) -> tuple[torch.Tensor, torch.Tensor]:
     """Check a tag table and a request's (page, tag) pairs; the ids and tags as int64 on the table's device."""
     if not isinstance(table, torch.Tensor) or table.dim() != 1 or table.dtype != torch.int64:
         raise KernelError("table", "must be a 1-D int64 tensor (one generation tag per page)")
@@ -48,15 +48,16 @@ class ReferenceBackend:
         if not isinstance(layout, KvLayout):
             raise KernelError("layout", f"must be a KvLayout, got {type(layout).__name__}")
         if layout.device.type != self.device.type:
-            raise KernelError("layout", f"buffers are on {layout.device}; the {self.name} backend runs on {self.device.type}")
+            raise KernelError("layout", f"buffers are on {layout.device}; "
+                              f"the {self.name} backend runs on {self.device.type}")
 
-    def _ids(self, layout: KvLayout, page_ids) -> torch.Tensor:
+    def _ids(self, layout: KvLayout, page_ids: PageIds) -> torch.Tensor:
         self.check_layout(layout)
         ids = as_page_ids(page_ids, layout.device)
         check_page_range(ids, layout.num_pages)
         return ids
 
-    def page_digests(self, layout: KvLayout, page_ids) -> torch.Tensor:
+    def page_digests(self, layout: KvLayout, page_ids: PageIds) -> torch.Tensor:
         """One 64-bit digest per page (int64 bit patterns), in the order of ``page_ids``."""
         ids = self._ids(layout, page_ids)
         h = torch.full((ids.numel(),), signed(page_seed(layout.page_bytes)), dtype=torch.int64,
@@ -74,11 +75,11 @@ class ReferenceBackend:
             h = mix64_torch(mix64_torch(h ^ a) ^ c)
         return h
 
-    def request_digest(self, layout: KvLayout, page_ids) -> int:
+    def request_digest(self, layout: KvLayout, page_ids: PageIds) -> int:
         """The order-binding digest of the request's pages (an int in ``[0, 2**64)``)."""
         return combine_page_digests(self.page_digests(layout, page_ids))
 
-    def adler32(self, layout: KvLayout, page_ids) -> int:
+    def adler32(self, layout: KvLayout, page_ids: PageIds) -> int:
         """SGLang's KV checksum: ``zlib.adler32`` of every (buffer, page) item, buffer-major."""
         ids = self._ids(layout, page_ids)
         byte_sums, weighted, lens = [], [], []
@@ -90,7 +91,7 @@ class ReferenceBackend:
             lens.append(torch.full((ids.numel(),), item_len, dtype=torch.int64, device=layout.device))
         return adler32_from_item_sums(torch.cat(byte_sums), torch.cat(weighted), torch.cat(lens))
 
-    def verify_tags(self, table: torch.Tensor, page_ids, held_tags) -> torch.Tensor:
+    def verify_tags(self, table: torch.Tensor, page_ids: PageIds, held_tags: PageIds) -> torch.Tensor:
         """The page ids whose tag in ``table`` is not the tag the request holds (empty when all match)."""
         ids, held = tag_args(table, page_ids, held_tags)
         check_page_range(ids, table.numel() - 1)

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from kvtrail.kernels.layout import KernelError, KvLayout
+from kvtrail.kernels.layout import KernelError, KvLayout, PageIds
 
 # (device type, kind) -> "module:Class"; the module is imported on first use
 _BACKENDS: dict[tuple[str, str], str] = {
@@ -32,13 +32,13 @@ class Backend(Protocol):
     name: str
     device: torch.device
 
-    def page_digests(self, layout: KvLayout, page_ids) -> torch.Tensor: ...
+    def page_digests(self, layout: KvLayout, page_ids: PageIds) -> torch.Tensor: ...
 
-    def request_digest(self, layout: KvLayout, page_ids) -> int: ...
+    def request_digest(self, layout: KvLayout, page_ids: PageIds) -> int: ...
 
-    def adler32(self, layout: KvLayout, page_ids) -> int: ...
+    def adler32(self, layout: KvLayout, page_ids: PageIds) -> int: ...
 
-    def verify_tags(self, table: torch.Tensor, page_ids, held_tags) -> torch.Tensor: ...
+    def verify_tags(self, table: torch.Tensor, page_ids: PageIds, held_tags: PageIds) -> torch.Tensor: ...
 
 
 def supported_backends() -> list[str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtrail.kernels.layout import KernelError, as_page_ids
+from kvtrail.kernels.layout import KernelError, PageIds, as_page_ids
 
 
 class PageTags:
@@ -34,7 +34,7 @@ class PageTags:
     def __repr__(self) -> str:
         return f"PageTags(num_pages={self.num_pages}, device={str(self.table.device)!r})"
 
-    def _pages(self, page_ids, what: str) -> torch.Tensor:
+    def _pages(self, page_ids: PageIds, what: str) -> torch.Tensor:
         ids = as_page_ids(page_ids, self.table.device)
         if ids.numel() and (int(ids.min()) < 1 or int(ids.max()) > self.num_pages):
             raise KernelError("page_ids", f"can only {what} pages 1..{self.num_pages} (0 is the padding page)")
@@ -45,22 +45,22 @@ class PageTags:
         # even an allocator bug that hands out a page twice leaves every earlier holder stale.
         self.table.index_add_(0, ids, torch.ones_like(ids))
 
-    def allocate(self, page_ids) -> torch.Tensor:
+    def allocate(self, page_ids: PageIds) -> torch.Tensor:
         """Bump the pages' generations; returns the tags the new holder keeps (int64, same order)."""
         ids = self._pages(page_ids, "allocate")
         self._bump(ids)
         return self.table[ids]
 
-    def free(self, page_ids) -> None:
+    def free(self, page_ids: PageIds) -> None:
         """Bump the pages' generations again: a holder that reads a page after it was freed is caught
         even before the page is handed out anew."""
         self._bump(self._pages(page_ids, "free"))
 
-    def current(self, page_ids) -> torch.Tensor:
+    def current(self, page_ids: PageIds) -> torch.Tensor:
         """The pages' tags now (a copy)."""
         return self.table[self._pages(page_ids, "look up")]
 
-    def verify(self, page_ids, held_tags, backend=None) -> torch.Tensor:
+    def verify(self, page_ids: PageIds, held_tags: PageIds, backend=None) -> torch.Tensor:
         """The page ids whose tag differs from the one held (empty when the request may read them all).
 
         ``backend`` defaults to the fast backend of the table's device (see ``registry.get_backend``).

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from kvtrail.audit.recorder import RecorderConfig
+
 MODES = ("vulnerable", "patched")
 REUSE_ORDERS = ("lowest", "lifo")
 
@@ -51,6 +53,10 @@ class StackConfig:
     max_running_requests: int = 64
     transfer_timeout_s: float = 30.0
     decode_step_delay_s: float = 0.0  # simulated compute time of one decode step (widens race windows)
+    audit: bool = True  # False: every process records nothing (the baseline for overhead benchmarks)
+    # Each commit is a DuckDB transaction (~5-10 ms, mostly fixed cost) in the router process, shared
+    # by three producers: drain once a second rather than every 20 ms (flush() is still immediate).
+    recorder: RecorderConfig = field(default_factory=lambda: RecorderConfig(flush_interval_s=1.0))
     cluster: str = "reference"
     api_keys: tuple[tuple[str, str], ...] = (("key-acme", "acme"), ("key-globex", "globex"), ("key-initech", "initech"))
     faults: Faults = field(default_factory=Faults)

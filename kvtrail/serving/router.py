@@ -99,7 +99,8 @@ class RouterCore:
         self.rec.response_sent(ref, status, len(tokens), completion_tokens, latency, ttft_ns, finish_reason)
         if status != 200:
             return _error(status, error or "request failed")
-        return JSONResponse({
+        headers = {"x-kvtrail-ttft-ms": f"{ttft_ns / 1e6:.3f}"} if ttft_ns is not None else None
+        return JSONResponse(headers=headers, content={
             "id": f"cmpl-{ref.request_id}", "object": "text_completion", "created": int(time.time()),
             "model": "kvtrail-reference",
             "choices": [{"text": text, "index": 0, "finish_reason": finish_reason, "logprobs": None}],

@@ -84,8 +84,13 @@ class Stack:
 
         producer = Producer(self.cfg.cluster, "router-0", "router", "kvtrail-reference", __version__,
                             f"router-{uuid.uuid4().hex[:8]}")
-        self.recorder = Recorder(RelaySink(self.relay.address, self.relay.authkey), producer)
-        core = RouterCore(self.cfg, self.links["prefill"], self.links["decode"], self.recorder)
+        if self.cfg.audit:
+            self.recorder = Recorder(RelaySink(self.relay.address, self.relay.authkey), producer, self.cfg.recorder)
+        else:
+            from kvtrail.audit.recorder import NullRecorder
+
+            self.recorder = NullRecorder()
+        self.core = core = RouterCore(self.cfg, self.links["prefill"], self.links["decode"], self.recorder)
         config = uvicorn.Config(create_app(core), host="127.0.0.1", port=0, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="kvtrail-router-http", daemon=True)
@@ -109,6 +114,22 @@ class Stack:
             return (await asyncio.wait_for(fut, 30))[2]
 
         return asyncio.run(ask())
+
+    def set_audit(self, enabled: bool) -> None:
+        """Switch recording on or off in every process of the running stack (acknowledged by each worker)."""
+        import asyncio
+
+        from kvtrail.audit.recorder import NullRecorder
+
+        async def switch():
+            room = -7
+            futs = [self.links[r].expect("audit", room) for r in ("prefill", "decode")]
+            for r in ("prefill", "decode"):
+                self.links[r].send(("audit", room, enabled))
+            await asyncio.wait_for(asyncio.gather(*futs), 30)
+
+        asyncio.run(switch())
+        self.core.rec = self.recorder if enabled else NullRecorder()
 
     def stop(self) -> None:
         """Stop the HTTP server, ask the workers to shut down (they flush and unregister), close the store."""

@@ -69,6 +69,15 @@ class WorkerBase:
     def on_shutdown(self, _room) -> None:
         self._running = False
 
+    def on_audit(self, room: int, enabled: bool) -> None:
+        """Switch recording on or off at run time (the off side of overhead benchmarks; a kill switch)."""
+        from kvtrail.audit.recorder import NullRecorder
+
+        if not hasattr(self, "_recorder"):
+            self._recorder = self.rec
+        self.rec = self._recorder if enabled else NullRecorder()
+        self.send_router(("audit", room, enabled))
+
     def on_page_digest(self, room: int, pages) -> None:
         """Inspection for tests and operators: SHA-256 of the pool bytes of ``pages`` (every buffer)."""
         import hashlib
@@ -112,7 +121,12 @@ def worker_main(role: str, cfg, relay_address, relay_authkey: bytes, ready: Conn
         engine.register(buffers)
         producer = Producer(cfg.cluster, f"{role}-0", role, "kvtrail-reference", __version__,
                             f"{role}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-        recorder = Recorder(RelaySink(relay_address, relay_authkey), producer)
+        if cfg.audit:
+            recorder = Recorder(RelaySink(relay_address, relay_authkey), producer, cfg.recorder)
+        else:
+            from kvtrail.audit.recorder import NullRecorder
+
+            recorder = NullRecorder()
         recorder.node_config(
             pool_tokens=num_pages * cfg.page_size, pool_pages=num_pages, page_size=cfg.page_size,
             context_tokens=cfg.context_tokens, max_running_requests=cfg.max_running_requests,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtrail.kernels.layout import KernelError, KvLayout
 from kvtrail.kernels.mixing import combine_page_digests
@@ -39,6 +42,20 @@ def test_odd_item_lengths_and_unaligned_bases(row_bytes):
     assert layout.data_ptrs[0] % 8 == 3
     ids = [5, 0, 3, 3, 1, 2, 4]
     assert torch.equal(FAST.page_digests(layout, ids), REF.page_digests(layout, ids))
+
+
+@settings(max_examples=40, deadline=None)
+@given(num_buffers=st.integers(1, 4), item_len=st.integers(1, 200), num_pages=st.integers(1, 12),
+       offset=st.integers(0, 7), seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_fast_equals_reference_on_random_geometry(num_buffers, item_len, num_pages, offset, seed, data):
+    rng = np.random.default_rng(seed)
+    size = (num_pages + 1) * item_len
+    bufs = [torch.from_numpy(rng.integers(0, 256, size + offset, dtype=np.uint8))[offset:]
+            for _ in range(num_buffers)]
+    layout = KvLayout(bufs, num_pages)
+    ids = data.draw(st.lists(st.integers(0, num_pages), max_size=20))
+    assert torch.equal(FAST.page_digests(layout, ids), REF.page_digests(layout, ids))
+    assert FAST.request_digest(layout, ids) == REF.request_digest(layout, ids)
 
 
 def test_many_pages_cover_every_lockstep_tail():

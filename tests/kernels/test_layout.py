@@ -72,11 +72,13 @@ def test_layouts_compare_by_identity():
 
 
 def test_page_ids_forms():
-    for ids in ([3, 1, 2], np.array([3, 1, 2], dtype=np.int32), torch.tensor([3, 1, 2], dtype=torch.int32), (3, 1, 2)):
+    for ids in ([3, 1, 2], (3, 1, 2), np.array([3, 1, 2], dtype=np.int32),
+                torch.tensor([3, 1, 2], dtype=torch.int32), torch.tensor([9, 3, 1, 2])[1:]):
         out = as_page_ids(ids, "cpu")
         assert out.dtype == torch.int64 and out.tolist() == [3, 1, 2]
     assert as_page_ids([], "cpu").shape == (0,)
-    for bad in ([1.5], [True], ["a"], np.array([1.0]), torch.tensor([[1, 2]]), torch.tensor([0.5]), np.array(["x"])):
+    for bad in ([1.5], [True], ["a"], np.array([1.0]), np.array(["x"]),
+                torch.tensor([[1, 2]]), torch.tensor([0.5])):
         with pytest.raises(KernelError, match="page_ids"):
             as_page_ids(bad, "cpu")
     with pytest.raises(KernelError, match="held_tags"):
