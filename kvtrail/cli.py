@@ -36,6 +36,49 @@ def demo(db: str, seed: int, requests: int) -> None:
     run_demo(db, seed=seed, requests=requests)
 
 
+@cli.command()
+@click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False),
+              help="DuckDB audit store to write.")
+@click.option("--mode", type=click.Choice(["vulnerable", "patched"]), default="patched", show_default=True)
+@click.option("--incident", is_flag=True, help="Start from the incident's shape (prefill pool < context).")
+@click.option("--prefill-pool-tokens", type=click.IntRange(1), help="Prefill KV pool size in tokens.")
+@click.option("--decode-pool-tokens", type=click.IntRange(1), help="Decode KV pool size in tokens.")
+@click.option("--context-tokens", type=click.IntRange(1), help="Context length the router advertises.")
+@click.option("--page-size", type=click.IntRange(1), help="Tokens per KV page.")
+@click.option("--max-new-tokens", type=click.IntRange(1), help="Largest max_tokens a request may ask for.")
+@click.option("--reuse", type=click.Choice(["lowest", "lifo"]), help="Page reuse order of the allocators.")
+@click.option("--fault", "faults", multiple=True, type=click.Choice(["premature_free", "late_write", "double_alloc"]),
+              help="Enable a fault injection (repeatable).")
+def serve(db: str, mode: str, incident: bool, faults: tuple[str, ...], **sizes) -> None:
+    """Run the reference PD stack (router, prefill, decode) until interrupted; prints the router's URL.
+
+    Defaults come from StackConfig (or StackConfig.incident() with --incident).
+    """
+    import time
+
+    from kvtrail.serving.config import Faults, StackConfig
+    from kvtrail.serving.stack import Stack
+
+    changes = {k: v for k, v in sizes.items() if v is not None}
+    changes.update(mode=mode, faults=Faults(**{f: True for f in faults}))
+    try:
+        cfg = (StackConfig.incident if incident else StackConfig)(**changes)
+    except ValueError as exc:
+        raise KvtrailError(str(exc)) from None
+    with Stack(cfg, db) as stack:
+        click.echo(f"router: {stack.url}/v1/completions  (API keys: {', '.join(k for k, _ in cfg.api_keys)}); "
+                   f"audit: {db}; Ctrl-C stops")
+        try:
+            while all(p.is_alive() for p in stack.procs.values()):
+                time.sleep(0.5)
+            click.echo("a worker exited; stopping", err=True)
+        except KeyboardInterrupt:
+            click.echo("stopping")
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the flush short
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cli.main(args=argv, prog_name="kvtrail", standalone_mode=False)

@@ -48,6 +48,11 @@ class DecodeWorker(WorkerBase):
 
     def on_decode(self, room: int, ref: RequestRef, prompt_len: int, max_new: int) -> None:
         self.rec.request_received(ref, prompt_len, max_new)
+        if len(self.reqs) >= self.cfg.max_running_requests:
+            self.rec.request_aborted(ref, "decode_prealloc", "decode at max running requests", 503, prompt_len)
+            self.send_peer(("cancel", room))
+            self._respond(room, 503, error="decode is at its max running requests")
+            return
         need = -(-prompt_len // self.cfg.page_size)
         pages = self._reserve(need)
         if pages is None:

@@ -97,6 +97,10 @@ class WorkerBase:
 
 def worker_main(role: str, cfg, relay_address, relay_authkey: bytes, ready: Connection) -> None:
     """Process entry point (spawned by :class:`kvtrail.serving.stack.Stack`)."""
+    import signal
+
+    # Ctrl-C reaches the whole process group; the router decides when workers stop (so they flush).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     engine = recorder = None
     try:
         import torch
