@@ -2,7 +2,8 @@
 
 Importing this module imports numba (the registry does so only when the CPU fast path is asked
 for). Kernels run on numba's thread pool (``numba.set_num_threads`` / ``NUMBA_NUM_THREADS``) and
-release the GIL.
+release the GIL; calling them from several Python threads at once needs numba's OpenMP or TBB
+threading layer (its fallback "workqueue" layer aborts on concurrent use).
 """
 
 from __future__ import annotations
@@ -30,9 +31,6 @@ class CpuBackend(ReferenceBackend):
     """Numba (``parallel=True``) page digests, Adler-32 and tag checks; same results as the reference."""
 
     name = "cpu"
-
-    def __init__(self, device: torch.device | str = "cpu"):
-        super().__init__(device)
 
     def _prepare(self, layout: KvLayout, page_ids: PageIds):
         self.check_layout(layout)
