@@ -10,11 +10,18 @@ the bulk wire format of the event model, so the HTTP ingest service can accept t
 from __future__ import annotations
 
 import logging
+import queue
 import secrets
 import threading
+import time
 from multiprocessing.connection import Client, Connection, Listener
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from kvtrail.audit.batch import read_ipc, write_ipc
+from kvtrail.audit.events import Producer
+from kvtrail.audit.validate import PRODUCER_NAMES, producer_id
 from kvtrail.audit.store import AppendResult, AuditStore
 from kvtrail.errors import KvtrailError, StoreError, ValidationError
 
@@ -27,8 +34,12 @@ class RelayServer:
     Appends are serialised through one lock: the store's connection has one writer at a time.
     """
 
-    def __init__(self, store: AuditStore, *, authkey: bytes | None = None):
+    def __init__(self, store: AuditStore, *, authkey: bytes | None = None, coalesce_s: float = 0.05):
         self.store = store
+        self.coalesce_s = coalesce_s
+        self._queue: queue.Queue = queue.Queue()
+        self._committer = threading.Thread(target=self._commit_loop, name="kvtrail-relay-commit", daemon=True)
+        self._committer.start()
         self.authkey = authkey or secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=self.authkey)
         self.address = self._listener.address
@@ -60,6 +71,51 @@ class RelayServer:
                 return
             try:
                 table = read_ipc(data)
+            except ValidationError as exc:
+                self._reply(conn, ("invalid", exc.field, exc.reason, exc.event, exc.kind))
+                continue
+            self._queue.put((table, conn))
+
+    def _commit_loop(self) -> None:
+        """One committer: batches that arrive within ``coalesce_s`` of each other share a transaction."""
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            group = [first]
+            deadline = time.monotonic() + self.coalesce_s
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    item = self._queue.get(timeout=left)
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._queue.put(None)
+                    break
+                group.append(item)
+            self._commit_group(group)
+
+    def _commit_group(self, group: list) -> None:
+        if len(group) > 1:
+            try:
+                with self._lock:
+                    res = self.store.append(pa.concat_tables([t for t, _ in group], promote_options="permissive"))
+            except ValidationError:
+                pass  # some batch in the group is bad: commit them one by one so only it is refused
+            except Exception as exc:  # noqa: BLE001 - reported to every sender, which counts the loss
+                log.exception("kvtrail relay: append failed")
+                for _, conn in group:
+                    self._reply(conn, ("error", f"{type(exc).__name__}: {exc}"))
+                return
+            else:
+                committed = dict(res.batches)
+                for table, conn in group:
+                    pid = producer_id(Producer(*(table.column(n)[0].as_py() for n in PRODUCER_NAMES)))
+                    pages = int(pc.sum(pc.list_value_length(table.column("pages"))).as_py() or 0)
+                    self._reply(conn, ("ok", table.num_rows, pages, 0, [(pid, committed[pid])]))
+                return
+        for table, conn in group:
+            try:
                 with self._lock:
                     res = self.store.append(table)
                 reply = ("ok", res.num_events, res.num_page_events, res.num_runs, list(res.batches))
@@ -68,13 +124,19 @@ class RelayServer:
             except Exception as exc:  # noqa: BLE001 - reported to the sender, which counts the loss
                 log.exception("kvtrail relay: append failed")
                 reply = ("error", f"{type(exc).__name__}: {exc}")
-            try:
-                conn.send(reply)
-            except (OSError, EOFError):
-                return
+            self._reply(conn, reply)
+
+    @staticmethod
+    def _reply(conn: Connection, reply: tuple) -> None:
+        try:
+            conn.send(reply)
+        except (OSError, EOFError):
+            pass
 
     def close(self) -> None:
         self._closed = True
+        self._queue.put(None)
+        self._committer.join(10)
         try:
             # Wake the blocking accept() so its thread can end.
             Client(self.address, authkey=self.authkey).close()

@@ -170,7 +170,9 @@ class Writer(threading.Thread):
         interval = self._rec.config.flush_interval_s
         try:
             while not self._stopping:
-                self._wake.wait(interval)
+                # Wake on ticks of the system-wide monotonic clock, so writers in different processes
+                # drain together and a relay can commit their batches in one transaction.
+                self._wake.wait(interval - time.monotonic() % interval)
                 self._wake.clear()
                 self._safe_cycle()
             self._safe_cycle()
