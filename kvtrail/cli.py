@@ -47,7 +47,7 @@ def demo(db: str, seed: int, requests: int) -> None:
 @click.option("--page-size", type=click.IntRange(1), help="Tokens per KV page.")
 @click.option("--max-new-tokens", type=click.IntRange(1), help="Largest max_tokens a request may ask for.")
 @click.option("--reuse", type=click.Choice(["lowest", "lifo"]), help="Page reuse order of the allocators.")
-@click.option("--fault", "faults", multiple=True, type=click.Choice(["premature_free", "late_write", "double_alloc"]),
+@click.option("--fault", "faults", multiple=True, type=click.Choice(["premature_free", "late_write", "double_alloc", "corrupt_transfer"]),
               help="Enable a fault injection (repeatable).")
 def serve(db: str, mode: str, incident: bool, faults: tuple[str, ...], **sizes) -> None:
     """Run the reference PD stack (router, prefill, decode) until interrupted; prints the router's URL.

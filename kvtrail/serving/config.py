@@ -26,14 +26,17 @@ class Faults:
       request may own; ``patched`` mode's deferred release keeps them until the write is done.
     - ``double_alloc``: decode's allocator hands one page still held by a running request to the next
       request as well.
+    - ``corrupt_transfer``: one byte of the first page that lands on decode is flipped (corruption in
+      flight), which the per-page digests localise.
     """
 
     premature_free: bool = False
     late_write: bool = False
     double_alloc: bool = False
+    corrupt_transfer: bool = False
 
     def names(self) -> tuple[str, ...]:
-        return tuple(n for n in ("premature_free", "late_write", "double_alloc") if getattr(self, n))
+        return tuple(n for n in ("premature_free", "late_write", "double_alloc", "corrupt_transfer") if getattr(self, n))
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,9 @@ class StackConfig:
     transfer_timeout_s: float = 30.0
     decode_step_delay_s: float = 0.0  # simulated compute time of one decode step (widens race windows)
     audit: bool = True  # False: every process records nothing (the baseline for overhead benchmarks)
+    # Per-page KV digests on both roles (prefill records what it sends, decode compares what landed).
+    # Page ownership tags are checked before every attention read in patched mode.
+    kv_digests: bool = True
     # Each commit is a DuckDB transaction (~5-10 ms, mostly fixed cost) in the router process, shared
     # by three producers: drain once a second rather than every 20 ms (flush() is still immediate).
     recorder: RecorderConfig = field(default_factory=lambda: RecorderConfig(flush_interval_s=1.0))
@@ -73,6 +79,10 @@ class StackConfig:
         for name in ("prefill_pool_tokens", "decode_pool_tokens"):
             if getattr(self, name) % self.page_size:
                 raise ValueError(f"stack config '{name}': must be a multiple of page_size ({self.page_size})")
+
+    @property
+    def page_tags(self) -> bool:
+        return self.mode == "patched"
 
     @property
     def prefill_pages(self) -> int:

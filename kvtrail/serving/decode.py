@@ -12,8 +12,10 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from kvtrail.audit.events import RequestRef
+from kvtrail.serving.integrity import DIGEST_ALGO
 from kvtrail.serving.worker import WorkerBase
 
 
@@ -30,6 +32,7 @@ class _Req:
     step: int = 1
     freed: bool = False
     ttft_ns: int | None = None
+    tags: np.ndarray | None = None  # ownership tags this request holds, one per page of its table
 
 
 class DecodeWorker(WorkerBase):
@@ -62,7 +65,8 @@ class DecodeWorker(WorkerBase):
             return
         self.rec.transfer_reserved(ref, pages, prompt_len)
         self.rec.pages_allocated(ref, pages, "decode_reservation")
-        self.reqs[room] = _Req(ref, prompt_len, max_new, pages, time.monotonic_ns())
+        self.reqs[room] = _Req(ref, prompt_len, max_new, pages, time.monotonic_ns(),
+                               tags=self.integrity.allocate(pages))
         self.send_peer(("dst", room, pages, prompt_len))
 
     def _reserve(self, need: int) -> np.ndarray | None:
@@ -77,27 +81,37 @@ class DecodeWorker(WorkerBase):
             return np.append(pages, np.int32(stolen)).astype(np.int32)
         return self.alloc.alloc(need)
 
-    def on_kv_done(self, room: int, first: int, tokens_sent: int, pages_sent: int) -> None:
+    def on_kv_done(self, room: int, first: int, tokens_sent: int, pages_sent: int, sent_digests=None) -> None:
         r = self.reqs.get(room) or self.forgotten.pop(room, None)
         if r is None:
             return
         landed = r.pages[:pages_sent]
+        if self.cfg.faults.corrupt_transfer and len(landed):
+            self._corrupt(int(landed[0]))
+        digests = req_digest = None
+        bad = landed[:0]
+        if self.cfg.kv_digests and sent_digests is not None:
+            digests = self.integrity.page_digests(landed)
+            req_digest = self.integrity.request_digest(digests)
+            bad = landed[digests != np.asarray(sent_digests, dtype=np.uint64)]
+        algo = DIGEST_ALGO if digests is not None else None
         if r.state == "aborted_waiting" or room not in self.reqs:
             # The write of an aborted request finished. With deferred release its pages were still
             # held (safe to release now); without, it landed in pages that may belong to someone else.
-            self.rec.transfer_received(r.ref, landed, tokens_sent, "aborted")
-            self.rec.kv_written(r.ref, landed, 0, tokens_sent, "transfer_in")
+            self.rec.transfer_received(r.ref, landed, tokens_sent, "aborted", req_digest, algo)
+            self.rec.kv_written(r.ref, landed, 0, tokens_sent, "transfer_in", digests, algo)
             if room in self.reqs:
                 self._release(room, "deferred_release")
             return
-        ok = tokens_sent == r.prompt_len
-        self.rec.transfer_received(r.ref, landed, tokens_sent, "ok" if ok else "mismatch")
-        self.rec.kv_written(r.ref, landed, 0, tokens_sent, "transfer_in")
+        ok = tokens_sent == r.prompt_len and not len(bad)
+        self.rec.transfer_received(r.ref, landed, tokens_sent, "ok" if ok else "mismatch", req_digest, algo)
+        self.rec.kv_written(r.ref, landed, 0, tokens_sent, "transfer_in", digests, algo)
         if not ok and self.cfg.mode == "patched":
-            reason = f"transfer length mismatch: {tokens_sent} tokens landed, {r.prompt_len} reserved"
-            self.rec.request_aborted(r.ref, "decode", reason, 500, r.prompt_len)
-            self._release(room, "abort")
-            self._respond(room, 500, error=reason)
+            if len(bad):
+                reason = f"KV digest mismatch on pages {bad[:8].tolist()}"
+            else:
+                reason = f"transfer length mismatch: {tokens_sent} tokens landed, {r.prompt_len} reserved"
+            self._abort_running(room, r, reason)
             return
         r.state = "running"
         r.table = r.pages.copy()
@@ -106,7 +120,30 @@ class DecodeWorker(WorkerBase):
         if self.cfg.faults.premature_free:
             self._free_pages(r, r.pages, "finish")  # fault: freed while the request goes on reading
             r.freed = True
+        if not self._tags_hold(room, r):
+            return
         self.rec.kv_read(r.ref, r.table)
+
+    def _tags_hold(self, room: int, r: _Req) -> bool:
+        """Patched mode: every page must still carry the tag this request was given, or it is not read."""
+        if not self.cfg.page_tags:
+            return True
+        foreign = self.integrity.foreign_pages(r.table, r.tags)
+        if len(foreign):
+            self._abort_running(room, r, f"page ownership tag mismatch on pages {foreign[:8].tolist()}: "
+                                         "not attended")
+            return False
+        return True
+
+    def _abort_running(self, room: int, r: _Req, reason: str) -> None:
+        self.rec.request_aborted(r.ref, "decode", reason, 500, r.prompt_len)
+        self._release(room, "abort")
+        self._respond(room, 500, error=reason)
+
+    def _corrupt(self, page: int) -> None:
+        """Fault injection: flip one bit of a page that just landed (corruption in flight)."""
+        row = self.pool.buffers()[0][page].view(-1).view(torch.uint8)
+        row[0] ^= 1
 
     def on_kv_failed(self, room: int, error: str) -> None:
         r = self.reqs.get(room)
@@ -167,6 +204,8 @@ class DecodeWorker(WorkerBase):
             if len(r.out) >= r.max_new:
                 self._finish(room, r)
                 continue
+            if not self._tags_hold(room, r):
+                continue
             token = self.model.decode_step(self.pool, r.table, r.prompt_len, r.step)
             r.out.append(token)
             pos = r.prompt_len + r.step - 1  # where this token's own K/V goes
@@ -181,6 +220,7 @@ class DecodeWorker(WorkerBase):
                 self.rec.pages_allocated(r.ref, new, "decode_growth")
                 self.rec.kv_read(r.ref, new)
                 r.table = np.append(r.table, new).astype(np.int32)
+                r.tags = np.append(r.tags, self.integrity.allocate(new))
             self.model.write_token(self.pool, r.table, pos, token)
             r.step += 1
 
@@ -202,6 +242,7 @@ class DecodeWorker(WorkerBase):
         if len(pages):
             self.rec.pages_freed(r.ref, pages, reason)
             self.alloc.free(pages)
+            self.integrity.free(pages)
 
     def _respond(self, room: int, status: int, *, text: str = "", completion_tokens: int = 0, ttft_ns=None,
                  finish_reason: str = "abort", error: str | None = None) -> None:

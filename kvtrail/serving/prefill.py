@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtrail.audit.events import RequestRef
+from kvtrail.serving.integrity import DIGEST_ALGO
 from kvtrail.serving.transfer import TransferError
 from kvtrail.serving.worker import WorkerBase
 
@@ -103,7 +104,13 @@ class PrefillWorker(WorkerBase):
             return
         self.rec.pages_allocated(p.ref, pages, "prefill_extend")
         first = self.model.prefill(self.pool, p.tokens, pages)
-        self.rec.kv_written(p.ref, pages, 0, len(p.tokens), "forward")
+        digests, req_digest = None, None
+        if self.cfg.kv_digests:
+            digests = self.integrity.page_digests(pages)
+            req_digest = self.integrity.request_digest(digests)
+            self.rec.kv_written(p.ref, pages, 0, len(p.tokens), "forward", digests, DIGEST_ALGO)
+        else:
+            self.rec.kv_written(p.ref, pages, 0, len(p.tokens), "forward")
         dst = p.dst_pages[:need]
         try:
             self.engine.write_pages(self.peer_info["session"], self.src_buffers, self.dst_buffers, pages, dst)
@@ -112,9 +119,10 @@ class PrefillWorker(WorkerBase):
             self._free(p.ref, pages, "abort")
             self.send_peer(("kv_failed", room, str(exc)))
             return
-        self.rec.transfer_sent(p.ref, pages, dst, len(p.tokens), True)
+        self.rec.transfer_sent(p.ref, pages, dst, len(p.tokens), True, req_digest,
+                               DIGEST_ALGO if req_digest is not None else None)
         self._free(p.ref, pages, "finish")
-        self.send_peer(("kv_done", room, first, len(p.tokens), len(pages)))
+        self.send_peer(("kv_done", room, first, len(p.tokens), len(pages), digests))
 
     def _free(self, ref: RequestRef, pages, reason: str) -> None:
         self.rec.pages_freed(ref, pages, reason)

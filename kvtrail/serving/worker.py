@@ -134,13 +134,17 @@ def worker_main(role: str, cfg, relay_address, relay_authkey: bytes, ready: Conn
         recorder.node_config(
             pool_tokens=num_pages * cfg.page_size, pool_pages=num_pages, page_size=cfg.page_size,
             context_tokens=cfg.context_tokens, max_running_requests=cfg.max_running_requests,
-            checksum_enabled=False, canary_enabled=False,
-            deferred_release=role == "decode" and cfg.mode == "patched", page_tags=False, config_source="stack_config")
+            checksum_enabled=cfg.kv_digests, canary_enabled=False,
+            deferred_release=role == "decode" and cfg.mode == "patched",
+            page_tags=role == "decode" and cfg.page_tags, config_source="stack_config")
         if role == "prefill":
             from kvtrail.serving.prefill import PrefillWorker as cls
         else:
             from kvtrail.serving.decode import DecodeWorker as cls
+        from kvtrail.serving.integrity import PoolIntegrity
+
         worker = cls(cfg, pool, model, engine, recorder, allocator)
+        worker.integrity = PoolIntegrity(pool)
         authkey = secrets.token_bytes(16)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
         ready.send(("ready", {"address": listener.address, "authkey": authkey, "session": engine.session_id,

@@ -164,7 +164,7 @@ async def _two_requests(url, first, second, delay_s, first_headers=None):
 
 def test_premature_free_lets_a_running_request_read_anothers_pages(tmp_path):
     db = tmp_path / "uaf.duckdb"
-    cfg = StackConfig(mode="patched", faults=Faults(premature_free=True), **FAULT_CFG)
+    cfg = StackConfig(mode="vulnerable", faults=Faults(premature_free=True), **FAULT_CFG)
     with Stack(cfg, db) as st:
         (s1, b1), (s2, b2) = asyncio.run(_two_requests(
             st.url, ("acme", prompt("acme", 300 * 16)), ("globex", prompt("globex", 300 * 16)), 0.3))
@@ -208,7 +208,7 @@ def test_patched_deferred_release_defeats_the_late_write(tmp_path):
 
 def test_double_allocation_hands_a_held_page_to_a_second_request(tmp_path):
     db = tmp_path / "dbl.duckdb"
-    cfg = StackConfig(mode="patched", faults=Faults(double_alloc=True), **FAULT_CFG)
+    cfg = StackConfig(mode="vulnerable", faults=Faults(double_alloc=True), **FAULT_CFG)
     with Stack(cfg, db) as st:
         (s1, _), (s2, _) = asyncio.run(_two_requests(
             st.url, ("acme", prompt("acme", 100 * 16)), ("globex", prompt("globex", 100 * 16)), 0.3))
@@ -244,3 +244,35 @@ def test_a_worker_killed_mid_transfer_fails_its_requests_and_the_other_keeps_run
     # Decode released the stranded reservation, and nothing leaked.
     rows = query(db, "SELECT kind, free_reason FROM events_v WHERE node = 'decode-0' AND kind = 'pages_freed'")
     assert rows and all(reason == "abort" for _, reason in rows)
+
+
+def test_patched_page_tags_stop_use_after_free_and_double_allocation(tmp_path):
+    for fault in ("premature_free", "double_alloc"):
+        db = tmp_path / f"tags-{fault}.duckdb"
+        cfg = StackConfig(mode="patched", faults=Faults(**{fault: True}), **FAULT_CFG)
+        with Stack(cfg, db) as st:
+            (s1, b1), (s2, b2) = asyncio.run(_two_requests(
+                st.url, ("acme", prompt("acme", 300 * 16)), ("globex", prompt("globex", 200 * 16)), 0.3))
+        # acme's pages changed hands under it: it is stopped before it attends a foreign page.
+        assert s1 == 500 and "page ownership tag mismatch" in b1["error"]["message"], (fault, b1)
+        assert foreign("globex", b2) == [] and foreign("acme", b1) == []
+        reasons = [r for (r,) in query(db, "SELECT abort_reason FROM events_v WHERE kind = 'request_aborted'")]
+        assert any("page ownership tag mismatch" in r for r in reasons)
+
+
+def test_corrupted_transfer_is_localised_to_its_page_by_digests(tmp_path):
+    for mode, expect in (("patched", 500), ("vulnerable", 200)):
+        db = tmp_path / f"corrupt-{mode}.duckdb"
+        with Stack(StackConfig(mode=mode, faults=Faults(corrupt_transfer=True), **SMALL), db) as st:
+            status, body = complete(st.url, "initech", prompt("initech", 800))
+        assert status == expect, body
+        if mode == "patched":
+            assert "KV digest mismatch on pages" in body["error"]["message"]
+        (status_rec,) = query(db, "SELECT status FROM events_v WHERE kind = 'transfer_received'")[0]
+        assert status_rec == "mismatch"
+        # Prefill's and decode's per-page digests differ on exactly the corrupted (first) page.
+        sent, landed = query(db, """
+            SELECT (SELECT page_digests FROM events_v WHERE node = 'prefill-0' AND kind = 'kv_written'),
+                   (SELECT page_digests FROM events_v WHERE node = 'decode-0' AND kind = 'kv_written')""")[0]
+        assert len(sent) == len(landed) == 50
+        assert [i for i, (a, b) in enumerate(zip(sent, landed)) if a != b] == [0]
