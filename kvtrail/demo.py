@@ -5,7 +5,7 @@ in the incident's configuration: the prefill pool holds fewer tokens than the co
 advertises, and the engine behaves like SGLang before 0.5.20. Three tenants send traffic whose
 prompts carry tenant-unique canaries, a share of them longer than the prefill pool. It prints the
 responses that carried another tenant's canary (ground truth from content) beside what the audit
-alone shows, then repeats in ``patched`` mode. The DuckDB file stays for reports and dashboards.
+alone shows (evidence queries and the forensics replay's findings), then repeats in ``patched`` mode. The DuckDB file stays for reports and dashboards.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from tqdm import tqdm
 
 from kvtrail.audit.store import connect_readonly
 from kvtrail.audit.verify import verify_store
+from kvtrail.forensics.findings import AFFECTED_CODES
+from kvtrail.forensics.replay import replay_store
 from kvtrail.serving.config import StackConfig
 from kvtrail.serving.stack import Stack
 from kvtrail.serving.traffic import TrafficConfig, run_traffic
@@ -79,9 +81,31 @@ def _report(db: str, mode: str, cfg: StackConfig, outcomes, started_ns: int, ela
     try:
         mismatches = con.execute(_MISMATCH_SQL, [started_ns]).fetchall()
         served = con.execute(_REJECTED_SERVED_SQL, [started_ns]).fetchone()[0]
+        findings = replay_store(con, started_ns, time.time_ns())
     finally:
         con.close()
     click.echo(f"   audit alone: {len(mismatches)} transfers where decode reserved more than prefill sent; "
                f"{served} requests rejected by prefill yet answered 2xx")
     for rid, tenant, reserved, sent, status in mismatches[:8]:
         click.echo(f"     request {rid} ({tenant}): reserved {reserved} tokens, sent {sent}, client got HTTP {status}")
+    _report_findings(findings, outcomes)
+
+
+def _report_findings(findings, outcomes) -> None:
+    """What the forensics replay derived from the audit alone, beside the content ground truth."""
+    counts: dict[str, int] = {}
+    for f in findings:
+        counts[f.code] = counts.get(f.code, 0) + 1
+    affected: dict[str, set] = {}
+    for f in findings:
+        if f.code in AFFECTED_CODES:
+            victims = {t or "unknown (never written)" for t in f.victim_tenant_ids} or {"unknown"}
+            affected.setdefault((f.request_id, f.tenant_id), set()).update(victims)
+    click.echo("   forensics replay (audit only): findings "
+               + (", ".join(f"{c}: {n}" for c, n in sorted(counts.items())) or "none")
+               + f"; {len(affected)} affected responses (read foreign pages)")
+    for (rid, tenant), victims in sorted(affected.items(), key=lambda kv: str(kv[0]))[:8]:
+        click.echo(f"     request {rid} ({tenant}) read pages last written for: {', '.join(sorted(victims))}")
+    leaked = sum(1 for o in outcomes if o.foreign_canaries)
+    click.echo(f"   side by side: content shows {leaked} cross-tenant leaks; the audit flags {len(affected)} "
+               "affected responses (a superset: it also sees reads of never-written and same-tenant pages)")

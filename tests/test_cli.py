@@ -99,6 +99,7 @@ def test_demo_reproduces_the_incident_then_the_fix(tmp_path, capsys):
     assert "over-long prompts:" in vulnerable
     assert "0 responses carried another tenant's canary" in patched
     assert "0 transfers where decode reserved more than prefill sent" in patched
+    assert "0 affected responses" in patched and "F2:" in vulnerable and "F4:" in vulnerable
 
 
 def _commands(group, prefix=()):

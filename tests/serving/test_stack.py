@@ -82,6 +82,16 @@ def test_vulnerable_mode_leaks_another_tenants_canary_with_http_200(tmp_path):
     statuses = query(db, "SELECT http_status FROM events_v WHERE kind = 'response_sent' ORDER BY seq")
     assert [s for (s,) in statuses] == [200] * 6
     assert verify_store(db).ok
+    # The forensics replay, from the audit alone, names globex's response as affected and acme as victim.
+    from kvtrail.forensics.replay import replay_store
+
+    con = duckdb.connect(str(db), read_only=True)
+    findings = replay_store(con)
+    con.close()
+    f1 = [f for f in findings if f.code == "F1"]
+    assert f1 and {f.tenant_id for f in f1} == {"globex"}
+    assert "acme" in {v for f in f1 for v in f.victim_tenant_ids}
+    assert {f.code for f in findings} >= {"F1", "F2", "F4", "F8"}
 
 
 def test_patched_mode_rejects_and_nothing_crosses_tenants(tmp_path):

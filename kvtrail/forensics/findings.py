@@ -1,0 +1,103 @@
+"""Findings: what forensics concludes from the audit record, in the product's F1..F10 vocabulary.
+
+A :class:`Finding` names the request it concerns (the *recipient* for reads), the victims whose data
+was exposed, the pages on one node, the time span and the evidence: ``(producer_id, seq)`` keys of
+the events that prove it. ``docs/mission.md`` defines the codes; :data:`CODES` is their registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+
+@dataclass(frozen=True)
+class FindingCode:
+    code: str
+    title: str
+    severity: str  # critical / high / medium
+
+
+CODES: dict[str, FindingCode] = {
+    c.code: c
+    for c in (
+        FindingCode("F1", "foreign read", "critical"),
+        FindingCode("F2", "transfer length mismatch", "high"),
+        FindingCode("F3", "digest mismatch", "high"),
+        FindingCode("F4", "rejected but served", "high"),
+        FindingCode("F5", "read outside ownership", "critical"),
+        FindingCode("F6", "double ownership", "medium"),
+        FindingCode("F7", "late write", "critical"),
+        FindingCode("F8", "capacity misconfiguration", "medium"),
+        FindingCode("F9", "implausible latency", "high"),
+        FindingCode("F10", "cross-tenant prefix sharing", "medium"),
+    )
+}
+# A response is affected (it read foreign data) when its request has one of these.
+AFFECTED_CODES = frozenset({"F1", "F5", "F7"})
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One finding with its proof. ``evidence`` holds ``(producer_id, seq)`` event keys."""
+
+    code: str
+    node: str | None
+    request_id: str | None
+    tenant_id: str | None
+    victim_request_ids: tuple[str | None, ...]
+    victim_tenant_ids: tuple[str | None, ...]
+    pages: tuple[int, ...]
+    first_ns: int
+    last_ns: int
+    severity: str
+    evidence: tuple[tuple[int, int], ...]
+    detail: str
+
+    @property
+    def title(self) -> str:
+        return CODES[self.code].title
+
+
+def make_finding(code: str, **kw) -> Finding:
+    """A finding with the severity its code carries in :data:`CODES`."""
+    if code not in CODES:
+        raise ValueError(f"unknown finding code {code!r}; known: {', '.join(CODES)}")
+    kw.setdefault("pages", ())
+    kw.setdefault("victim_request_ids", ())
+    kw.setdefault("victim_tenant_ids", ())
+    return Finding(code=code, severity=CODES[code].severity, **kw)
+
+
+FINDINGS_SCHEMA = pa.schema([
+    pa.field("code", pa.string()),
+    pa.field("title", pa.string()),
+    pa.field("severity", pa.string()),
+    pa.field("node", pa.string()),
+    pa.field("request_id", pa.string()),
+    pa.field("tenant_id", pa.string()),
+    pa.field("victim_request_ids", pa.list_(pa.string())),
+    pa.field("victim_tenant_ids", pa.list_(pa.string())),
+    pa.field("pages", pa.list_(pa.int32())),
+    pa.field("first_ns", pa.int64()),
+    pa.field("last_ns", pa.int64()),
+    pa.field("evidence", pa.list_(pa.struct([("producer_id", pa.int64()), ("seq", pa.uint64())]))),
+    pa.field("detail", pa.string()),
+])
+
+
+def findings_table(findings: list[Finding]) -> pa.Table:
+    """Findings as an Arrow table with :data:`FINDINGS_SCHEMA` (one row per finding)."""
+    cols: dict[str, list] = {f.name: [] for f in FINDINGS_SCHEMA}
+    for f in findings:
+        cols["code"].append(f.code)
+        cols["title"].append(CODES[f.code].title)
+        cols["severity"].append(f.severity)
+        for name in ("node", "request_id", "tenant_id", "first_ns", "last_ns", "detail"):
+            cols[name].append(getattr(f, name))
+        cols["victim_request_ids"].append(list(f.victim_request_ids))
+        cols["victim_tenant_ids"].append(list(f.victim_tenant_ids))
+        cols["pages"].append(list(f.pages))
+        cols["evidence"].append([{"producer_id": p, "seq": s} for p, s in f.evidence])
+    return pa.table(cols, schema=FINDINGS_SCHEMA)
