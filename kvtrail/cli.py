@@ -13,6 +13,7 @@ import duckdb
 from kvtrail import __version__
 from kvtrail.audit.cli import audit
 from kvtrail.errors import KvtrailError
+from kvtrail.forensics.cli import forensics
 
 
 @click.group()
@@ -22,6 +23,7 @@ def cli() -> None:
 
 
 cli.add_command(audit)
+cli.add_command(forensics)
 
 
 @cli.command()

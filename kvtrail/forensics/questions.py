@@ -1,0 +1,107 @@
+"""The questions an incident responder asks, answered from the store (Polars DataFrames).
+
+``findings()`` lists every finding in a window; ``affected_responses()`` answers "which responses
+read foreign pages during this window, and whose data was it". Both report coverage gaps: events a
+producer numbered but the store does not hold (and that no ``recorder_gap`` event accounts for),
+because an answer over incomplete data must say so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import duckdb
+import polars as pl
+
+from kvtrail.errors import KvtrailError
+from kvtrail.forensics.findings import AFFECTED_CODES, findings_table
+from kvtrail.forensics.replay import replay_store
+
+
+@dataclass(frozen=True)
+class Window:
+    """A UTC window in ns, with optional tenant and node filters (validated against the store)."""
+
+    from_ns: int | None = None
+    to_ns: int | None = None
+    tenant: str | None = None
+    node: str | None = None
+
+
+def _check(con: duckdb.DuckDBPyConnection, w: Window) -> None:
+    if w.from_ns is not None and w.to_ns is not None and w.from_ns > w.to_ns:
+        raise KvtrailError("--from: is after --to")
+    for field, column, value in (("--tenant", "tenant_id", w.tenant), ("--node", "node", w.node)):
+        if value is None:
+            continue
+        known = [r[0] for r in con.execute(f"SELECT DISTINCT {column} FROM events_v WHERE {column} IS NOT NULL "
+                                           f"ORDER BY 1").fetchall()]
+        if value not in known:
+            raise KvtrailError(f"{field}: unknown {column.split('_')[0]} {value!r}; known: {', '.join(known[:20])}")
+
+
+def coverage_gaps(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
+    """Per producer: sequence numbers missing from the store that no recorder_gap event explains."""
+    rows = con.execute("""
+        SELECT p.node, p.instance, b.first_seq, b.last_seq, b.num_events, b.pruned,
+               coalesce(g.dropped, 0) AS reported
+        FROM (SELECT producer_id, min(first_seq) AS first_seq, max(last_seq) AS last_seq,
+                     sum(num_events) AS num_events, sum(num_events) FILTER (pruned_by IS NOT NULL) AS pruned
+              FROM batches GROUP BY producer_id) b
+        JOIN producers p USING (producer_id)
+        LEFT JOIN (SELECT producer_id, sum(dropped_events) AS dropped FROM events
+                   WHERE kind = 'recorder_gap' GROUP BY producer_id) g USING (producer_id)""").fetchall()
+    out = []
+    for node, instance, first, last, stored, _pruned, reported in rows:
+        missing = int(last - first + 1 - stored)
+        if missing > reported:
+            out.append({"node": node, "instance": instance, "missing_events": missing,
+                        "reported_by_producer": int(reported), "unexplained": missing - int(reported)})
+    return pl.DataFrame(out, schema={"node": pl.Utf8, "instance": pl.Utf8, "missing_events": pl.Int64,
+                                     "reported_by_producer": pl.Int64, "unexplained": pl.Int64})
+
+
+def findings(con: duckdb.DuckDBPyConnection, w: Window = Window(), codes: tuple[str, ...] = ()) -> pl.DataFrame:
+    """Every finding in the window (optionally only ``codes``), with evidence event ids."""
+    _check(con, w)
+    found = replay_store(con, w.from_ns, w.to_ns)
+    found = [f for f in found if (not codes or f.code in codes)
+             and (w.tenant is None or f.tenant_id == w.tenant or w.tenant in f.victim_tenant_ids)
+             and (w.node is None or f.node == w.node)]
+    return pl.from_arrow(findings_table(found))
+
+
+def affected_responses(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> pl.DataFrame:
+    """Responses whose request read foreign pages (F1, F5, F7): who, what the client got, whose data."""
+    _check(con, w)
+    found = [f for f in replay_store(con, w.from_ns, w.to_ns) if f.code in AFFECTED_CODES]
+    by_request: dict[str, dict] = {}
+    for f in found:
+        row = by_request.setdefault(f.request_id, {
+            "request_id": f.request_id, "tenant_id": f.tenant_id, "codes": set(), "foreign_pages": set(),
+            "victim_request_ids": set(), "victim_tenant_ids": set(), "first_ns": f.first_ns, "last_ns": f.last_ns})
+        row["codes"].add(f.code)
+        row["foreign_pages"].update((f.node, p) for p in f.pages)
+        row["victim_request_ids"].update(v for v in f.victim_request_ids if v)
+        row["victim_tenant_ids"].update(v if v else "(never written)" for v in f.victim_tenant_ids)
+        row["first_ns"], row["last_ns"] = min(row["first_ns"], f.first_ns), max(row["last_ns"], f.last_ns)
+    responses = {r[0]: r[1:] for r in con.execute(
+        "SELECT request_id, http_status, prompt_tokens, completion_tokens FROM events_v "
+        "WHERE kind = 'response_sent' AND request_id IS NOT NULL").fetchall()}
+    rows = []
+    for rid, row in by_request.items():
+        if w.tenant is not None and row["tenant_id"] != w.tenant and w.tenant not in row["victim_tenant_ids"]:
+            continue
+        if w.node is not None and w.node not in {n for n, _ in row["foreign_pages"]}:
+            continue
+        status, prompt, completion = responses.get(rid, (None, None, None))
+        rows.append({"request_id": rid, "tenant_id": row["tenant_id"], "http_status": status,
+                     "prompt_tokens": prompt, "completion_tokens": completion,
+                     "codes": ",".join(sorted(row["codes"])), "pages_read_foreign": len(row["foreign_pages"]),
+                     "victim_tenants": ",".join(sorted(row["victim_tenant_ids"])),
+                     "victim_requests": ",".join(sorted(row["victim_request_ids"])),
+                     "first_ns": row["first_ns"], "last_ns": row["last_ns"]})
+    schema = {"request_id": pl.Utf8, "tenant_id": pl.Utf8, "http_status": pl.Int32, "prompt_tokens": pl.Int64,
+              "completion_tokens": pl.Int64, "codes": pl.Utf8, "pages_read_foreign": pl.Int64,
+              "victim_tenants": pl.Utf8, "victim_requests": pl.Utf8, "first_ns": pl.Int64, "last_ns": pl.Int64}
+    return pl.DataFrame(rows, schema=schema).sort("first_ns")
