@@ -61,16 +61,38 @@ class KvtrailSink:
         self.store.close()
 
 
-class NaiveSink:
-    """One row per page: the layout a first attempt would use."""
+class _DuckSink:
+    """A baseline: one plain DuckDB table, rows inserted via Arrow, no validation, no chain."""
 
-    name = "naive"
+    name = ""
+    table = ""
+    ddl = ""
 
     def __init__(self, path):
         self.path = path
         self.con = duckdb.connect(path)
-        self.con.execute("CREATE TABLE page_rows (producer_id BIGINT NOT NULL, seq UBIGINT NOT NULL, "
-                         "pos INTEGER NOT NULL, page_id INTEGER NOT NULL)")
+        self.con.execute(f"CREATE TABLE {self.table} ({self.ddl})")
+
+    def _insert(self, rows: pa.Table) -> None:
+        self.con.register("_rows", rows)
+        try:
+            self.con.execute(f"INSERT INTO {self.table} SELECT * FROM _rows")
+        finally:
+            self.con.unregister("_rows")
+
+    def checkpoint(self) -> None:
+        self.con.execute("CHECKPOINT")
+
+    def close(self) -> None:
+        self.con.close()
+
+
+class NaiveSink(_DuckSink):
+    """One row per page: the layout a first attempt would use."""
+
+    name = "naive"
+    table = "page_rows"
+    ddl = "producer_id BIGINT NOT NULL, seq UBIGINT NOT NULL, pos INTEGER NOT NULL, page_id INTEGER NOT NULL"
 
     def append(self, batch: pa.Table, pid: int) -> None:
         col = batch.column("pages")
@@ -80,47 +102,21 @@ class NaiveSink:
         np.cumsum(lengths[:-1], out=starts[1:])
         seq = batch.column("seq").to_numpy()
         pos = np.arange(flat.size, dtype=np.int64) - np.repeat(starts, lengths)
-        rows = pa.table({"producer_id": pa.array(np.full(flat.size, pid, np.int64)),
-                         "seq": pa.array(np.repeat(seq, lengths)),
-                         "pos": pa.array(pos.astype(np.int32)), "page_id": pa.array(flat)})
-        self.con.register("_rows", rows)
-        try:
-            self.con.execute("INSERT INTO page_rows SELECT producer_id, seq, pos, page_id FROM _rows")
-        finally:
-            self.con.unregister("_rows")
-
-    def checkpoint(self) -> None:
-        self.con.execute("CHECKPOINT")
-
-    def close(self) -> None:
-        self.con.close()
+        self._insert(pa.table({"producer_id": pa.array(np.full(flat.size, pid, np.int64)),
+                               "seq": pa.array(np.repeat(seq, lengths)),
+                               "pos": pa.array(pos.astype(np.int32)), "page_id": pa.array(flat)}))
 
 
-class ListSink:
+class ListSink(_DuckSink):
     """One row per event with the page list as a plain INTEGER[] column (no run encoding)."""
 
     name = "list"
-
-    def __init__(self, path):
-        self.path = path
-        self.con = duckdb.connect(path)
-        self.con.execute("CREATE TABLE event_pages (producer_id BIGINT NOT NULL, seq UBIGINT NOT NULL, "
-                         "pages INTEGER[])")
+    table = "event_pages"
+    ddl = "producer_id BIGINT NOT NULL, seq UBIGINT NOT NULL, pages INTEGER[]"
 
     def append(self, batch: pa.Table, pid: int) -> None:
-        rows = pa.table({"producer_id": pa.array(np.full(batch.num_rows, pid, np.int64)),
-                         "seq": batch.column("seq"), "pages": batch.column("pages")})
-        self.con.register("_rows", rows)
-        try:
-            self.con.execute("INSERT INTO event_pages SELECT producer_id, seq, pages FROM _rows")
-        finally:
-            self.con.unregister("_rows")
-
-    def checkpoint(self) -> None:
-        self.con.execute("CHECKPOINT")
-
-    def close(self) -> None:
-        self.con.close()
+        self._insert(pa.table({"producer_id": pa.array(np.full(batch.num_rows, pid, np.int64)),
+                               "seq": batch.column("seq"), "pages": batch.column("pages")}))
 
 
 def file_bytes(path: str) -> int:
