@@ -375,12 +375,9 @@ def _grow(pool: _Pool, n: int) -> None:
             setattr(pool, name, new)
 
 
-def replay_store(con, from_ns: int | None = None, to_ns: int | None = None) -> list[Finding]:
-    """Findings of the events in [from_ns, to_ns] of an audit store (a DuckDB connection).
-
-    Each producer is replayed from its last ``node_config`` at or before ``from_ns`` so page state at
-    the window's start is known; findings that end before ``from_ns`` are left out.
-    """
+def window_filter(from_ns: int | None, to_ns: int | None) -> tuple[str, list]:
+    """SQL filter on ``events_v`` for a window: each producer from its last node_config at or before
+    ``from_ns`` (so page state at the window's start is known), up to ``to_ns``."""
     where, params = ["TRUE"], []
     if from_ns is not None:
         where.append("wall_ns >= coalesce((SELECT max(c.wall_ns) FROM events c WHERE c.kind = 'node_config' "
@@ -389,8 +386,18 @@ def replay_store(con, from_ns: int | None = None, to_ns: int | None = None) -> l
     if to_ns is not None:
         where.append("wall_ns <= ?")
         params.append(to_ns)
+    return " AND ".join(where), params
+
+
+def replay_store(con, from_ns: int | None = None, to_ns: int | None = None) -> list[Finding]:
+    """Findings of the events in [from_ns, to_ns] of an audit store (a DuckDB connection).
+
+    Each producer is replayed from its last ``node_config`` at or before ``from_ns`` so page state at
+    the window's start is known; findings that end before ``from_ns`` are left out.
+    """
+    where, params = window_filter(from_ns, to_ns)
     rows = con.execute(f"SELECT producer_id, {', '.join(_PRODUCER_NAMES)} FROM producers").fetchall()
     engine = ReplayEngine({tuple(r[1:]): r[0] for r in rows})
-    engine.feed(read_events(con, " AND ".join(where), params))
+    engine.feed(read_events(con, where, params))
     found = engine.findings()
     return [f for f in found if from_ns is None or f.last_ns >= from_ns]

@@ -28,6 +28,7 @@ engine promotes an arbitrary remaining holder (``set.pop``); F6 evidence here pr
 from __future__ import annotations
 
 from kvtrail.forensics.findings import Finding, make_finding
+from kvtrail.forensics.replay import window_filter
 
 _EVENT_COLS = ("producer_id, seq, wall_ns, kind, request_id, transfer_id, tenant_id, purpose, num_tokens, "
                "num_pages, num_dst_pages, status, http_status, stage, abort_reason, pool_tokens, "
@@ -308,18 +309,11 @@ def sql_findings(con, from_ns: int | None = None, to_ns: int | None = None) -> l
 
     Same window, same :class:`Finding` fields and ordering as :func:`replay_store`.
     """
-    where, params = ["TRUE"], []
-    if from_ns is not None:
-        where.append("wall_ns >= coalesce((SELECT max(c.wall_ns) FROM events c WHERE c.kind = 'node_config' "
-                     "AND c.producer_id = events_v.producer_id AND c.wall_ns <= ?), ?)")
-        params += [from_ns, from_ns]
-    if to_ns is not None:
-        where.append("wall_ns <= ?")
-        params.append(to_ns)
+    where, params = window_filter(from_ns, to_ns)
     con.complete()
     con.begin()  # one snapshot for every query
     try:
-        ctx = _Ctx(con, " AND ".join(where), params)
+        ctx = _Ctx(con, where, params)
         ctx.tenants = dict(ctx.query(
             "SELECT request_id, arg_min(tenant_id, ord) FROM ev WHERE request_id IS NOT NULL "
             "AND tenant_id IS NOT NULL GROUP BY request_id"))
