@@ -24,23 +24,6 @@ from kvtrail.serving.config import StackConfig
 from kvtrail.serving.stack import Stack
 from kvtrail.serving.traffic import TrafficConfig, run_traffic
 
-# Audit-only evidence, computed from events (no content): decode reserved more tokens than prefill
-# sent for the same transfer id, and a request prefill aborted that the client still got as a 2xx.
-_MISMATCH_SQL = """
-SELECT r.request_id, r.tenant_id, r.num_tokens AS reserved, s.num_tokens AS sent, o.http_status
-FROM events_v r
-JOIN events_v s ON s.kind = 'transfer_sent' AND s.transfer_id = r.transfer_id
-JOIN events_v o ON o.kind = 'response_sent' AND o.transfer_id = r.transfer_id AND o.node LIKE 'router%'
-WHERE r.kind = 'transfer_reserved' AND r.wall_ns >= ? AND r.num_tokens <> s.num_tokens
-ORDER BY r.wall_ns
-"""
-_REJECTED_SERVED_SQL = """
-SELECT count(*) FROM events_v a
-JOIN events_v o ON o.kind = 'response_sent' AND o.transfer_id = a.transfer_id AND o.node LIKE 'router%'
-WHERE a.kind = 'request_aborted' AND a.node LIKE 'prefill%' AND a.wall_ns >= ? AND o.http_status BETWEEN 200 AND 299
-"""
-
-
 def demo_config(mode: str) -> StackConfig:
     # Decode's pool is small enough that pages are reused within the demo's traffic.
     return StackConfig.incident(mode=mode, decode_pool_tokens=24 * 1024, max_new_tokens=48)
@@ -79,15 +62,17 @@ def _report(db: str, mode: str, cfg: StackConfig, outcomes, started_ns: int, ela
                    f"{', '.join(o.foreign_canaries)}'s data")
     con = connect_readonly(db)
     try:
-        mismatches = con.execute(_MISMATCH_SQL, [started_ns]).fetchall()
-        served = con.execute(_REJECTED_SERVED_SQL, [started_ns]).fetchone()[0]
         findings = replay_store(con, started_ns, time.time_ns())
     finally:
         con.close()
+    # The incident's two audit-only symptoms: F2 (decode reserved more than prefill sent for one
+    # transfer id) and F4 (a request a node aborted that the client still got as a 2xx).
+    mismatches = [f for f in findings if f.code == "F2"]
+    served = sum(1 for f in findings if f.code == "F4")
     click.echo(f"   audit alone: {len(mismatches)} transfers where decode reserved more than prefill sent; "
                f"{served} requests rejected by prefill yet answered 2xx")
-    for rid, tenant, reserved, sent, status in mismatches[:8]:
-        click.echo(f"     request {rid} ({tenant}): reserved {reserved} tokens, sent {sent}, client got HTTP {status}")
+    for f in mismatches[:8]:
+        click.echo(f"     request {f.request_id} ({f.tenant_id}): {f.detail}")
     _report_findings(findings, outcomes)
 
 
