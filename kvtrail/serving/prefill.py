@@ -9,7 +9,7 @@ rejects it with 400 before bootstrap, allocation or transfer.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,8 +28,6 @@ class _Pending:
     held_back: bool
     dst_pages: np.ndarray | None = None
     due: float = 0.0
-    aborted: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 class PrefillWorker(WorkerBase):
@@ -78,9 +76,7 @@ class PrefillWorker(WorkerBase):
         if p is None:
             return
         if p.held_back:
-            # Under the late_write fault the write is already posted and cannot be recalled.
-            p.aborted = True
-            return
+            return  # under the late_write fault the write is already posted and cannot be recalled
         del self.pending[room]
         self.rec.request_aborted(p.ref, "prefill", "aborted by the client", 499, len(p.tokens))
         if self.peer is not None:
