@@ -103,32 +103,27 @@ class Stack:
         port = self._server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
 
-    def page_digest(self, role: str, pages) -> str:
-        """SHA-256 of the given pages' bytes in a worker's pool (all layers, K then V)."""
+    def _control(self, roles: tuple[str, ...], op: str, *fields) -> list[tuple]:
+        """Send a control message to workers and wait for each one's reply (room -1: not a request)."""
         import asyncio
 
         async def ask():
-            room = -1 - len(pages)
-            fut = self.links[role].expect("page_digest", room)
-            self.links[role].send(("page_digest", room, [int(p) for p in pages]))
-            return (await asyncio.wait_for(fut, 30))[2]
+            futs = [self.links[r].expect(op, -1) for r in roles]
+            for r in roles:
+                self.links[r].send((op, -1, *fields))
+            return await asyncio.wait_for(asyncio.gather(*futs), 30)
 
         return asyncio.run(ask())
 
+    def page_digest(self, role: str, pages) -> str:
+        """SHA-256 of the given pages' bytes in a worker's pool (all layers, K then V)."""
+        return self._control((role,), "page_digest", [int(p) for p in pages])[0][2]
+
     def set_audit(self, enabled: bool) -> None:
         """Switch recording on or off in every process of the running stack (acknowledged by each worker)."""
-        import asyncio
-
         from kvtrail.audit.recorder import NullRecorder
 
-        async def switch():
-            room = -7
-            futs = [self.links[r].expect("audit", room) for r in ("prefill", "decode")]
-            for r in ("prefill", "decode"):
-                self.links[r].send(("audit", room, enabled))
-            await asyncio.wait_for(asyncio.gather(*futs), 30)
-
-        asyncio.run(switch())
+        self._control(("prefill", "decode"), "audit", enabled)
         self.core.rec = self.recorder if enabled else NullRecorder()
 
     def stop(self) -> None:
