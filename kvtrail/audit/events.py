@@ -77,7 +77,8 @@ PAYLOAD_FIELDS = (
     _f("pages", "pages", "Ordered page ids the event is about (source pages for transfer_sent).", minimum=0),
     _f("dst_pages", "pages", "Destination page ids on the decode node (transfer_sent).", minimum=0),
     _f("page_digests", "u64list", "Optional per-page digests, one per entry of 'pages', same order."),
-    _f("block_hashes", "i64list", "Prefix-cache content keys, one per entry of 'pages' (prefix_hit)."),
+    _f("block_hashes", "i64list", "Prefix-cache content keys, one per entry of 'pages' "
+       "(prefix_hit; on kv_written, the keys the writer stored)."),
     # allocation / free / write
     _f("purpose", "enum", "Why pages were allocated.", ALLOC_PURPOSES),
     _f("free_reason", "enum", "Why pages were freed.", FREE_REASONS),
@@ -160,8 +161,9 @@ KINDS: dict[str, KindSpec] = {
         KindSpec(
             "kv_written",
             "KV rows of these pages were written for the request (forward pass, transfer in, restore).",
-            (*_REQ, "pages", "token_start", "token_end", "source"), (*_REQ_OPT, "page_digests", "digest_algo"),
-            (("pages", "page_digests"),),
+            (*_REQ, "pages", "token_start", "token_end", "source"),
+            (*_REQ_OPT, "page_digests", "digest_algo", "block_hashes"), 
+            (("pages", "page_digests"), ("pages", "block_hashes")),
         ),
         KindSpec(
             "kv_read",
