@@ -54,6 +54,10 @@ class Finding:
     severity: str
     evidence: tuple[tuple[int, int], ...]
     detail: str
+    # Digest lineage (F1): of the foreign pages the reader digested, how many carry exactly the bytes
+    # their last writer recorded - proof of whose data the stale page held.
+    lineage_checked: int = 0
+    lineage_matched: int = 0
 
     @property
     def title(self) -> str:
@@ -84,6 +88,8 @@ FINDINGS_SCHEMA = pa.schema([
     pa.field("last_ns", pa.int64()),
     pa.field("evidence", pa.list_(pa.struct([("producer_id", pa.int64()), ("seq", pa.uint64())]))),
     pa.field("detail", pa.string()),
+    pa.field("lineage_checked", pa.int32()),
+    pa.field("lineage_matched", pa.int32()),
 ])
 
 
@@ -94,7 +100,8 @@ def findings_table(findings: list[Finding]) -> pa.Table:
         cols["code"].append(f.code)
         cols["title"].append(CODES[f.code].title)
         cols["severity"].append(f.severity)
-        for name in ("node", "request_id", "tenant_id", "first_ns", "last_ns", "detail"):
+        for name in ("node", "request_id", "tenant_id", "first_ns", "last_ns", "detail", "lineage_checked",
+                     "lineage_matched"):
             cols[name].append(getattr(f, name))
         cols["victim_request_ids"].append(list(f.victim_request_ids))
         cols["victim_tenant_ids"].append(list(f.victim_tenant_ids))

@@ -1,14 +1,17 @@
-"""Streaming replay of page ownership: audit events in, F1-F8 findings out.
+"""Streaming replay of page ownership: audit events in, F1-F10 findings out.
 
-:class:`ReplayEngine` walks events in time order and keeps, per node pool, numpy arrays indexed by
-page id: the exclusive holder, who last wrote the page (request, time, digest, event), a generation
-counter bumped on every allocation. The rare states (a page held twice, pages shared as prefix-cache
-hits, pages a request already released) live in small dicts beside them, so the common case of an
-event is a handful of vectorised array operations.
+:class:`ReplayEngine` walks events in time order and keeps, per node pool, a
+:class:`~kvtrail.forensics.pagestate.PageState`: numpy arrays indexed by page id (the exclusive holder,
+who last wrote the page - request, time, digest, block hash, event -, a generation counter bumped on
+every allocation).
 
-Page findings (F1, F5, F6, F7) and F8 are derived as events arrive; F2, F3 and F4 join events across
-nodes (by ``transfer_id`` or ``request_id``) and are derived when :meth:`ReplayEngine.findings` is
-called, so the order in which the two nodes' events arrive does not matter.
+Page findings (F1, F5, F6, F7, F10) and F8 are derived as events arrive; F2, F3, F4 and F9 join events
+across nodes (:mod:`kvtrail.forensics.joins`) and are derived when :meth:`ReplayEngine.findings` is
+called, so the order in which different nodes' events arrive does not matter.
+
+Rules beyond the mission's definitions: a prefix-cache read is legitimate (not F1) only when the page's
+last writer recorded a block hash equal to the hit's; a ``decode_growth`` page read before anyone wrote
+it since its allocation is filled by the very step that reads it (not F1).
 """
 
 from __future__ import annotations
@@ -20,82 +23,35 @@ import pyarrow.compute as pc
 from kvtrail.audit.events import PRODUCER_FIELDS
 from kvtrail.audit.store import read_events
 from kvtrail.forensics.findings import Finding, make_finding
+from kvtrail.forensics.joins import CrossNodeJoins
+from kvtrail.forensics.pagestate import PageState
+from kvtrail.forensics.policy import ForensicsPolicy
 
 _PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
 _SCALARS = ("kind", "seq", "wall_ns", "request_id", "transfer_id", "tenant_id", "purpose", "num_tokens",
             "digest", "digest_algo", "status", "http_status", "stage", "abort_reason", "pool_tokens",
-            "pool_pages", "context_tokens")
-_GROWTH = 1  # purpose code of decode_growth: a fresh page the request fills itself before reading it
-_OK_RECEIVED = ("ok", "mismatch")  # decode took the KV as landed; failed/aborted transfers serve nothing
-
-
-class _Pool:
-    """The page state of one node's KV pool, arrays indexed by page id (0 is padding)."""
-
-    def __init__(self, num_pages: int):
-        n = num_pages + 1
-        self.owner = np.full(n, -1, np.int32)      # exclusive holder (request index)
-        self.purpose = np.zeros(n, np.int8)        # 1 when the owner got the page as decode_growth
-        self.gen = np.zeros(n, np.int64)           # bumped on every exclusive allocation
-        self.alloc_ev = np.full((n, 2), -1, np.int64)
-        self.nshared = np.zeros(n, np.int32)       # prefix-cache holders
-        self.writer = np.full(n, -1, np.int32)
-        self.write_ns = np.zeros(n, np.int64)
-        self.write_gen = np.full(n, -1, np.int64)
-        self.write_ev = np.full((n, 2), -1, np.int64)
-        self.digest = np.zeros(n, np.uint64)
-        self.has_digest = np.zeros(n, bool)
-        self.extra: dict[int, set[int]] = {}       # further exclusive holders: double ownership (F6)
-        self.shared: dict[int, set[int]] = {}
-        self.released: dict[int, list[np.ndarray]] = {}  # request -> page arrays it freed
-
-    def holders(self, p: int) -> set[int]:
-        out = set(self.extra.get(p, ())) | self.shared.get(p, set())
-        if self.owner[p] >= 0:
-            out.add(int(self.owner[p]))
-        return out
-
-    def held_by(self, pages: np.ndarray, r: int) -> np.ndarray:
-        held = self.owner[pages] == r
-        for i in np.flatnonzero(~held):
-            p = int(pages[i])
-            held[i] = r in self.extra.get(p, ()) or r in self.shared.get(p, ())
-        return held
-
-    def drop(self, p: int, r: int) -> None:
-        """Remove request r from the holders of page p."""
-        if r in self.shared.get(p, ()):
-            self.shared[p].discard(r)
-            self.nshared[p] -= 1
-        if r in self.extra.get(p, ()):
-            self.extra[p].discard(r)
-        if self.owner[p] == r:
-            more = self.extra.get(p)
-            self.owner[p] = more.pop() if more else -1
-            self.purpose[p] = 0  # a promoted holder did not get the page as a fresh growth page
-        if not self.extra.get(p, True):
-            del self.extra[p]
-
-
+            "pool_pages", "context_tokens", "page_size", "source", "token_start", "token_end", "prompt_tokens",
+            "ttft_ns")
 class ReplayEngine:
     """Replays audit events (wire-shaped Arrow batches, in time order) and collects findings.
 
     ``producer_ids`` maps a producer identity tuple (cluster, node, role, engine, engine_version,
     instance) to its store id, so evidence names stored events; unknown producers get fresh ids.
+    ``policy`` decides F9's thresholds and whether cross-tenant prefix sharing is a finding (F10).
     """
 
-    def __init__(self, producer_ids: dict[tuple, int] | None = None):
+    def __init__(self, producer_ids: dict[tuple, int] | None = None, policy: ForensicsPolicy = ForensicsPolicy()):
         self.producer_ids = dict(producer_ids or {})
+        self.policy = policy
         self._next_pid = max(self.producer_ids.values(), default=-1) + 1
-        self._pools: dict[tuple[str, str], _Pool] = {}
+        self._pools: dict[tuple[str, str], PageState] = {}
         self._pool_instance: dict[tuple[str, str], str] = {}
         self._requests: list[str] = []
         self._request_index: dict[str, int] = {}
         self._tenant: dict[str, str] = {}
         self._found: list[Finding] = []
-        self._transfers: dict[int, dict] = {}
-        self._aborts: dict[tuple[str, object], list] = {}
-        self._responses: list[tuple] = []
+        self._joins = CrossNodeJoins(policy)
+        self._ord = 0
 
     # ---- input -------------------------------------------------------------------------------------
 
@@ -110,15 +66,21 @@ class ReplayEngine:
         pids = table.column("producer_id").to_pylist() if "producer_id" in table.column_names else None
         pages, poff = _flat(table.column("pages"), np.int64)
         digests, doff = _flat(table.column("page_digests"), np.uint64)
+        hashes, hoff = _flat(table.column("block_hashes"), np.int64)
         ndst = pc.fill_null(pc.list_value_length(table.column("dst_pages")), 0).to_pylist()
+        roles = self._joins.role
         for i in range(table.num_rows):
             pid = pids[i] if pids is not None else self._producer_id(ident[i])
             ev = {name: cols[name][i] for name in _SCALARS}
             ev["node_key"] = (ident[i][0], ident[i][1])
+            roles[ev["node_key"]] = ident[i][2]
             ev["instance"] = ident[i][5]
             ev["key"] = (pid, ev["seq"])
+            ev["ord"] = self._ord
+            self._ord += 1
             ev["pages"] = pages[poff[i]:poff[i + 1]]
             ev["digests"] = digests[doff[i]:doff[i + 1]] if doff[i + 1] > doff[i] else None
+            ev["hashes"] = hashes[hoff[i]:hoff[i + 1]] if hoff[i + 1] > hoff[i] else None
             ev["num_dst_pages"] = ndst[i]
             if ev["request_id"] is not None and ev["tenant_id"] is not None:
                 self._tenant.setdefault(ev["request_id"], ev["tenant_id"])
@@ -139,16 +101,23 @@ class ReplayEngine:
             self._requests.append(request_id)
         return r
 
-    def _pool(self, ev) -> _Pool | None:
-        return self._pools.get(ev["node_key"])
+    def _pool(self, ev) -> PageState | None:
+        pool = self._pools.get(ev["node_key"])
+        if pool is None or not len(ev["pages"]):
+            return None
+        pool.fit(ev["pages"])
+        return pool
 
-    def _emit(self, code, ev, *, request=None, victims=(), pages=(), first_ns=None, evidence=(), detail=""):
+    def _emit(self, code, ev, *, node=None, request=None, victims=(), pages=(), first_ns=None, evidence=(),
+              detail="", lineage=(0, 0)):
         vic = tuple(sorted({self._requests[v] if v >= 0 else None for v in victims}, key=lambda x: (x is None, x)))
         self._found.append(make_finding(
-            code, node=ev["node_key"][1], request_id=request, tenant_id=self._tenant.get(request),
-            victim_request_ids=vic, victim_tenant_ids=tuple(self._tenant.get(v) for v in vic),
-            pages=tuple(int(p) for p in pages), first_ns=ev["wall_ns"] if first_ns is None else int(first_ns),
-            last_ns=ev["wall_ns"], evidence=_keys([ev["key"], *evidence]), detail=detail))
+            code, node=ev["node_key"][1] if node is None else node, request_id=request,
+            tenant_id=self._tenant.get(request), victim_request_ids=vic,
+            victim_tenant_ids=tuple(self._tenant.get(v) for v in vic), pages=tuple(int(p) for p in pages),
+            first_ns=ev["wall_ns"] if first_ns is None else int(first_ns), last_ns=ev["wall_ns"],
+            evidence=_keys([ev["key"], *evidence]), detail=detail, lineage_checked=int(lineage[0]),
+            lineage_matched=int(lineage[1])))
 
     # ---- per-node events -----------------------------------------------------------------------------
 
@@ -156,25 +125,23 @@ class ReplayEngine:
         key, n = ev["node_key"], int(ev["pool_pages"])
         pool = self._pools.get(key)
         if pool is None or self._pool_instance.get(key) != ev["instance"]:
-            self._pools[key] = _Pool(n)  # a new producer instance starts with a new, unwritten pool
+            self._pools[key] = PageState(n)  # a new producer instance starts with a new, unwritten pool
             self._pool_instance[key] = ev["instance"]
         elif len(pool.owner) < n + 1:
-            _grow(pool, n + 1)
+            pool.grow(n + 1)
+        self._joins.page_size[key] = int(ev["page_size"])
         if ev["pool_tokens"] < ev["context_tokens"]:
             self._emit("F8", ev, detail=f"pool holds {ev['pool_tokens']} tokens, context is {ev['context_tokens']}")
 
     def _on_pages_allocated(self, ev) -> None:
         pool, pages = self._pool(ev), ev["pages"]
-        if pool is None or not len(pages):
+        if pool is None:
             return
-        _fit(pool, pages)
         r = self._req(ev["request_id"])
         if ev["purpose"] == "prefix_hit":  # shared radix-cache pages: many readers by design
-            for p in pages.tolist():
-                s = pool.shared.setdefault(p, set())
-                if r not in s:
-                    s.add(r)
-                    pool.nshared[p] += 1
+            for p, h in zip(pages.tolist(), ev["hashes"].tolist()):
+                pool.share(p, r, h)
+            self._joins.prefix_hit(ev, len(pages))
             return
         owner = pool.owner[pages]
         busy = ((owner >= 0) & (owner != r)) | (pool.nshared[pages] > 0)
@@ -192,16 +159,15 @@ class ReplayEngine:
         pool.owner[pages[free]] = r
         for p in pages[~free & (owner != r)].tolist():
             pool.extra.setdefault(p, set()).add(r)
-        mine = pages[free | (owner == r)]
-        pool.purpose[mine] = _GROWTH if ev["purpose"] == "decode_growth" else 0
-        pool.alloc_ev[mine] = ev["key"]
+        pool.alloc_ev[pages[free | (owner == r)]] = ev["key"]
+        pool.alloc_req[pages] = r
+        pool.alloc_growth[pages] = ev["purpose"] == "decode_growth"
         pool.gen[pages] += 1
 
     def _on_pages_freed(self, ev) -> None:
         pool, pages = self._pool(ev), ev["pages"]
-        if pool is None or not len(pages):
+        if pool is None:
             return
-        _fit(pool, pages)
         if ev["request_id"] is not None:
             holders = [self._req(ev["request_id"])]
         else:  # radix eviction: the page leaves every holder
@@ -211,19 +177,19 @@ class ReplayEngine:
         for r in holders:
             for p in pages.tolist():
                 pool.drop(p, r)
-            pool.released.setdefault(r, []).append(pages)
+            pool.remember_release(r, pages)
 
     def _on_kv_written(self, ev) -> None:
+        if ev["request_id"] is not None:
+            self._joins.written(ev)
         pool, pages = self._pool(ev), ev["pages"]
-        if pool is None or not len(pages):
+        if pool is None:
             return
-        _fit(pool, pages)
         r = self._req(ev["request_id"])
         outside = ~pool.held_by(pages, r)
         if outside.any():
             late = pages[outside]
-            released = pool.released.get(r)
-            was_held = np.isin(late, np.concatenate(released)) if released else np.zeros(len(late), bool)
+            was_held = pool.released_by(r, late)
             victims = set()
             for p in late.tolist():
                 victims |= pool.holders(p)
@@ -233,15 +199,17 @@ class ReplayEngine:
         pool.write_ns[pages] = ev["wall_ns"]
         pool.write_gen[pages] = pool.gen[pages]
         pool.write_ev[pages] = ev["key"]
+        pool.has_digest[pages] = ev["digests"] is not None
         if ev["digests"] is not None:
             pool.digest[pages] = ev["digests"]
-        pool.has_digest[pages] = ev["digests"] is not None
+        pool.has_bhash[pages] = ev["hashes"] is not None
+        if ev["hashes"] is not None:
+            pool.bhash[pages] = ev["hashes"]
 
     def _on_kv_read(self, ev) -> None:
         pool, pages = self._pool(ev), ev["pages"]
-        if pool is None or not len(pages):
+        if pool is None:
             return
-        _fit(pool, pages)
         r = self._req(ev["request_id"])
         held = pool.held_by(pages, r)
         if not held.all():
@@ -251,98 +219,79 @@ class ReplayEngine:
                 victims |= pool.holders(p)
             self._emit("F5", ev, request=ev["request_id"], victims=victims, pages=outside,
                        detail="read of pages the request does not hold")
-        shared = np.array([r in pool.shared.get(p, ()) for p in pages.tolist()], bool) \
-            if pool.nshared[pages].any() else np.zeros(len(pages), bool)
-        # A growth page not written since its allocation is filled by the very step that reads it.
-        fresh = (pool.owner[pages] == r) & (pool.purpose[pages] == _GROWTH) & (pool.write_gen[pages] < pool.gen[pages])
+        is_hit, hit_hash = pool.hit_hashes(pages, r)
+        # A prefix-cache hit is the radix cache working when the page still holds what it was keyed by.
+        cached = is_hit & pool.has_bhash[pages] & (pool.bhash[pages] == hit_hash)
+        # A growth page it holds, not written since its allocation, is filled by the step that reads it.
+        fresh = held & (pool.alloc_req[pages] == r) & pool.alloc_growth[pages] & (pool.write_gen[pages] < pool.gen[pages])
         writer = pool.writer[pages]
-        foreign = (writer != r) & ~shared & ~fresh
+        foreign = (writer != r) & ~cached & ~fresh
         for w in np.unique(writer[foreign]).tolist():
-            sel = pages[foreign & (writer == w)]
+            sel = foreign & (writer == w)
             if w < 0:
-                self._emit("F1", ev, request=ev["request_id"], victims=[-1], pages=sel,
+                self._emit("F1", ev, request=ev["request_id"], victims=[-1], pages=pages[sel],
                            detail="read of pages never written since the pool was created")
                 continue
-            evidence = {tuple(k) for k in pool.write_ev[sel].tolist()}
-            self._emit("F1", ev, request=ev["request_id"], victims=[w], pages=sel,
-                       first_ns=pool.write_ns[sel].min(), evidence=evidence,
-                       detail=f"read of pages last written by {self._requests[w]}")
+            self._emit("F1", ev, request=ev["request_id"], victims=[w], pages=pages[sel],
+                       first_ns=pool.write_ns[pages[sel]].min(), evidence=_write_keys(pool, pages[sel]),
+                       detail=f"read of pages last written by {self._requests[w]}",
+                       lineage=_lineage(pool, pages, sel, ev["digests"]))
+        cross = cached & (writer >= 0) & (writer != r)
+        if cross.any() and not self.policy.allow_tenant_cache_sharing:
+            mine = self._tenant.get(ev["request_id"])
+            for w in np.unique(writer[cross]).tolist():
+                theirs = self._tenant.get(self._requests[w])
+                if mine is None or theirs is None or mine == theirs:
+                    continue
+                sel = pages[cross & (writer == w)]
+                self._emit("F10", ev, request=ev["request_id"], victims=[w], pages=sel,
+                           first_ns=pool.write_ns[sel].min(), evidence=_write_keys(pool, sel),
+                           detail=f"prefix-cache pages written for tenant {theirs} served to tenant {mine}")
 
     # ---- cross-node events (joined when findings are asked for) ------------------------------------
 
-    def _transfer(self, ev) -> dict:
-        return self._transfers.setdefault(ev["transfer_id"], {"rid": ev["request_id"], "sent": []})
-
     def _on_transfer_reserved(self, ev) -> None:
-        self._transfer(ev)["reserved"] = ev
+        self._joins.transfer(ev)["reserved"] = ev
 
     def _on_transfer_sent(self, ev) -> None:
-        self._transfer(ev)["sent"].append(ev)
+        self._joins.transfer(ev)["sent"].append(ev)
 
     def _on_transfer_received(self, ev) -> None:
-        self._transfer(ev)["received"] = ev
+        self._joins.transfer(ev)["received"] = ev
 
     def _on_request_aborted(self, ev) -> None:
-        self._aborts.setdefault(("rid", ev["request_id"]), []).append(ev)
-        if ev["transfer_id"] is not None:
-            self._aborts.setdefault(("tid", ev["transfer_id"]), []).append(ev)
+        self._joins.aborted(ev)
+
+    def _on_request_received(self, ev) -> None:
+        self._joins.received(ev)
 
     def _on_response_sent(self, ev) -> None:
         if 200 <= ev["http_status"] < 300:
-            self._responses.append(ev)
-
-    def _joined(self) -> list[Finding]:
-        saved, self._found = self._found, []
-        try:
-            for t in self._transfers.values():
-                self._check_transfer(t)
-            for resp in self._responses:
-                aborts = {a["key"]: a for k in (("rid", resp["request_id"]), ("tid", resp["transfer_id"]))
-                          for a in self._aborts.get(k, ()) if k[1] is not None}
-                if aborts:
-                    first = min(a["wall_ns"] for a in aborts.values())
-                    what = "; ".join(sorted({f"{a['stage']}: {a['abort_reason']} ({a['http_status']})"
-                                             for a in aborts.values()}))
-                    self._emit("F4", resp, request=resp["request_id"], first_ns=first, evidence=aborts,
-                               detail=f"HTTP {resp['http_status']} after abort: {what}")
-            return self._found
-        finally:
-            self._found = saved
-
-    def _check_transfer(self, t: dict) -> None:
-        res, rec, sent = t.get("reserved"), t.get("received"), t["sent"]
-        if rec is None or rec["status"] not in _OK_RECEIVED:
-            return
-        evidence = [e["key"] for e in (res, *sent) if e is not None]
-        first = min(e["wall_ns"] for e in (res, rec, *sent) if e is not None)
-        if res is not None:
-            problems = []
-            if sent:
-                sent_tokens = sum(e["num_tokens"] for e in sent)
-                sent_pages = sum(e["num_dst_pages"] for e in sent)
-                if sent_tokens != res["num_tokens"] or sent_pages != len(res["pages"]):
-                    problems.append(f"sent {sent_tokens} tokens/{sent_pages} pages")
-            if rec["num_tokens"] != res["num_tokens"]:
-                problems.append(f"received {rec['num_tokens']} tokens")
-            if problems:
-                self._emit("F2", rec, request=rec["request_id"], pages=res["pages"], first_ns=first,
-                           evidence=evidence, detail=f"reserved {res['num_tokens']} tokens/{len(res['pages'])} "
-                                                     f"pages; " + ", ".join(problems))
-        with_digest = [e for e in sent if e["digest"] is not None]
-        src = with_digest[-1] if with_digest else None
-        comparable = src is not None and rec["digest"] is not None and src["digest_algo"] == rec["digest_algo"]
-        if (comparable and src["digest"] != rec["digest"]) or (not comparable and rec["status"] == "mismatch"):
-            detail = (f"prefill digest {src['digest']:#x} != decode digest {rec['digest']:#x} ({rec['digest_algo']})"
-                      if comparable else "decode reported a digest mismatch")
-            self._emit("F3", rec, request=rec["request_id"], pages=rec["pages"], first_ns=first,
-                       evidence=evidence, detail=detail)
+            self._joins.responses.append(ev)
 
     # ---- output ------------------------------------------------------------------------------------
 
     def findings(self) -> list[Finding]:
-        """All findings so far, ordered by (last_ns, code)."""
-        out = self._found + self._joined()
+        """All findings so far, ordered by (last_ns, first_ns, code, evidence)."""
+        saved, self._found = self._found, []
+        try:
+            self._joins.evaluate(self._emit)
+            out = saved + self._found
+        finally:
+            self._found = saved
         return sorted(out, key=lambda f: (f.last_ns, f.first_ns, int(f.code[1:]), f.evidence))
+
+
+def _write_keys(pool: PageState, pages: np.ndarray) -> set[tuple[int, int]]:
+    return {tuple(k) for k in pool.write_ev[pages].tolist()}
+
+
+def _lineage(pool: PageState, pages: np.ndarray, sel: np.ndarray, read_digests) -> tuple[int, int]:
+    """(pages checked, pages whose read digest equals what their last writer recorded)."""
+    if read_digests is None:
+        return 0, 0
+    checked = sel & pool.has_digest[pages]
+    return int(checked.sum()), int((checked & (pool.digest[pages] == read_digests)).sum())
 
 
 def _keys(items) -> tuple[tuple[int, int], ...]:
@@ -359,22 +308,6 @@ def _flat(col: pa.ChunkedArray, dtype) -> tuple[np.ndarray, np.ndarray]:
     return values.astype(dtype), offsets
 
 
-def _fit(pool: _Pool, pages: np.ndarray) -> None:
-    need = int(pages.max()) + 1
-    if need > len(pool.owner):
-        _grow(pool, need)
-
-
-def _grow(pool: _Pool, n: int) -> None:
-    """Extend every page array to n entries with the values of an unused page."""
-    fresh = _Pool(n - 1)
-    for name, arr in vars(pool).items():
-        if isinstance(arr, np.ndarray):
-            new = getattr(fresh, name)
-            new[: len(arr)] = arr
-            setattr(pool, name, new)
-
-
 def window_filter(from_ns: int | None, to_ns: int | None) -> tuple[str, list]:
     """SQL filter on ``events_v`` for a window: each producer from its last node_config at or before
     ``from_ns`` (so page state at the window's start is known), up to ``to_ns``."""
@@ -389,7 +322,8 @@ def window_filter(from_ns: int | None, to_ns: int | None) -> tuple[str, list]:
     return " AND ".join(where), params
 
 
-def replay_store(con, from_ns: int | None = None, to_ns: int | None = None) -> list[Finding]:
+def replay_store(con, from_ns: int | None = None, to_ns: int | None = None,
+                 policy: ForensicsPolicy = ForensicsPolicy()) -> list[Finding]:
     """Findings of the events in [from_ns, to_ns] of an audit store (a DuckDB connection).
 
     Each producer is replayed from its last ``node_config`` at or before ``from_ns`` so page state at
@@ -397,7 +331,7 @@ def replay_store(con, from_ns: int | None = None, to_ns: int | None = None) -> l
     """
     where, params = window_filter(from_ns, to_ns)
     rows = con.execute(f"SELECT producer_id, {', '.join(_PRODUCER_NAMES)} FROM producers").fetchall()
-    engine = ReplayEngine({tuple(r[1:]): r[0] for r in rows})
+    engine = ReplayEngine({tuple(r[1:]): r[0] for r in rows}, policy)
     engine.feed(read_events(con, where, params))
     found = engine.findings()
     return [f for f in found if from_ns is None or f.last_ns >= from_ns]

@@ -17,6 +17,7 @@ class Timeline:
 
     def __init__(self):
         self.events, self.seqs, self.prods = [], {}, {}
+        self.tenant_of: dict[str, str] = {}  # request -> tenant (default "t-" + request id)
 
     def node(self, name, role="decode", pool_pages=32, page_size=16, context_tokens=None, instance="i1"):
         prod = producer(name, role, instance=instance)
@@ -31,7 +32,7 @@ class Timeline:
     def add(self, node, kind, rid=None, tid=None, **payload):
         request = None
         if rid is not None:
-            request = {"request_id": rid, "tenant_id": "t-" + rid}
+            request = {"request_id": rid, "tenant_id": self.tenant_of.get(rid, "t-" + rid)}
             if tid is not None:
                 request["transfer_id"] = tid
         seq = self.seqs[node]
@@ -65,12 +66,12 @@ def wall(e):
 
 
 def pd_request(tl, rid, tid, src, dst, tokens, *, sent_tokens=None, sent_pages=None, received_tokens=None,
-               digest=7, received_digest=None, status="ok"):
+               digest=7, received_digest=None, status="ok", src_hashes=None):
     """One request's prefill -> decode transfer (nodes 'p' and 'd'), then decode reads its pages."""
     tl.add("d", "transfer_reserved", rid, tid, pages=dst, num_tokens=tokens)
     tl.alloc("d", rid, dst, "decode_reservation")
     tl.alloc("p", rid, src)
-    tl.write("p", rid, src)
+    tl.write("p", rid, src, **({"block_hashes": src_hashes} if src_hashes else {}))
     sp = src if sent_pages is None else src[:sent_pages]
     tl.add("p", "transfer_sent", rid, tid, pages=sp, dst_pages=dst[:len(sp)],
            num_tokens=tokens if sent_tokens is None else sent_tokens, is_last_chunk=True, digest=digest,
@@ -95,7 +96,8 @@ def pd_timeline():
 
 def test_clean_pd_history_with_prefix_hit_has_no_findings():
     tl = pd_timeline()
-    pd_request(tl, "r1", 11, [1, 2, 3], [5, 6, 7], 40)
+    tl.tenant_of["r2"] = "t-r1"  # same tenant: sharing its prefix cache is allowed
+    pd_request(tl, "r1", 11, [1, 2, 3], [5, 6, 7], 40, src_hashes=[101, 102, 103])
     tl.alloc("d", "r1", [8], "decode_growth")
     tl.read("d", "r1", [8])  # a fresh growth page is filled by the step that reads it
     tl.free("d", "r1", [5, 6, 7, 8])
@@ -287,6 +289,91 @@ def test_store_round_trip_and_window(tmp_path):
         late = replay_store(store.con, from_ns=mid, to_ns=end)
         assert [(f.code, f.request_id, f.victim_request_ids) for f in late] == [("F7", "r2", ("r3",))]
         assert [f.code for f in replay_store(store.con, to_ns=mid)] == ["F2", "F1"]
+
+
+def test_stale_prefix_hit_is_foreign_and_a_matching_one_is_not():
+    tl = Timeline()
+    tl.node("p", "prefill")
+    tl.tenant_of.update({"r2": "t-r1", "r4": "t-r1"})
+    tl.alloc("p", "r1", [1, 2])
+    tl.write("p", "r1", [1, 2], block_hashes=[11, 12])
+    tl.free("p", "r1", [1, 2])
+    tl.alloc("p", "r2", [1, 2], "prefix_hit", block_hashes=[11, 12])
+    tl.read("p", "r2", [1, 2])                       # the radix cache working: nothing
+    tl.free("p", "r2", [1, 2])
+    tl.alloc("p", "r3", [2])                         # page 2 reused and overwritten
+    w3 = tl.write("p", "r3", [2])
+    tl.free("p", "r3", [2])
+    tl.alloc("p", "r4", [1, 2], "prefix_hit", block_hashes=[11, 12])  # a stale radix entry for page 2
+    tl.read("p", "r4", [1, 2])
+    found = tl.findings()
+    assert [(f.code, f.request_id, f.pages, f.victim_request_ids) for f in found] == [("F1", "r4", (2,), ("r3",))]
+    assert (w3["producer"]["node"], found[0].first_ns) == ("p", w3["wall_ns"])
+
+
+def test_f10_cross_tenant_prefix_sharing_depends_on_policy():
+    from kvtrail.audit.batch import from_dicts
+    from kvtrail.forensics.policy import ForensicsPolicy
+
+    tl = Timeline()
+    tl.node("p", "prefill")
+    tl.alloc("p", "r1", [1, 2, 3])
+    w1 = tl.write("p", "r1", [1, 2, 3], block_hashes=[5, 6, 7])
+    tl.free("p", "r1", [1, 2, 3])
+    tl.alloc("p", "r2", [1, 2], "prefix_hit", block_hashes=[5, 6])   # another tenant, same content keys
+    rd = tl.read("p", "r2", [1, 2])
+    found = tl.findings()
+    assert [(f.code, f.request_id, f.tenant_id, f.pages, f.victim_tenant_ids) for f in found] == [
+        ("F10", "r2", "t-r2", (1, 2), ("t-r1",))]
+    assert found[0].evidence == ((0, w1["seq"]), (0, rd["seq"])) and found[0].severity == "medium"
+    allowed = ReplayEngine(policy=ForensicsPolicy(allow_tenant_cache_sharing=True))
+    allowed.feed(from_dicts(tl.events))
+    assert allowed.findings() == []
+
+
+def test_f9_implausible_latency_against_the_nodes_own_prefill_rate():
+    tl = pd_timeline()
+
+    def served(rid, tid, prompt, compute_us, ttft_us, aborted=False, hit_pages=0):
+        tl.add("p", "request_received", rid, tid, prompt_tokens=prompt)
+        if hit_pages:
+            tl.alloc("p", rid, list(range(20, 20 + hit_pages)), "prefix_hit", block_hashes=[0] * hit_pages)
+        if aborted:
+            tl.add("p", "request_aborted", rid, tid, stage="prefill_queue", abort_reason="too long", http_status=400)
+        start = tl.events[-1]["wall_ns"]
+        w = tl.add("p", "kv_written", rid, pages=[1], token_start=0, token_end=prompt - 16 * hit_pages
+                   if not aborted else 1, source="forward")
+        w["wall_ns"] = start + compute_us * 1000  # the forward pass took compute_us
+        tl.add("router", "response_sent", rid, tid, http_status=200, prompt_tokens=prompt, completion_tokens=4,
+               latency_ns=1, ttft_ns=ttft_us * 1000)
+
+    # three clean requests: ~1000 tokens per ms at best
+    for i, (prompt, us) in enumerate([(1000, 1000), (2000, 2500), (500, 1000)]):
+        served(f"ok{i}", 100 + i, prompt, us, us + 200)
+    served("fast", 200, 8000, 5, 300, aborted=True)            # placeholder: 1 token computed, 8000 claimed
+    served("cached", 201, 1600, 100, 150, hit_pages=95)        # 1520 tokens came from the prefix cache
+    tl.events.sort(key=lambda e: e["wall_ns"])
+    for node in tl.seqs:  # keep each producer's seq in time order after the edits above
+        for n, e in enumerate(e for e in tl.events if e["producer"]["node"] == node):
+            e["seq"] = n
+    f9 = [f for f in tl.findings() if f.code == "F9"]
+    assert [(f.request_id, f.node) for f in f9] == [("fast", "p")]
+    assert "8000 tokens" in f9[0].detail and len(f9[0].evidence) == 2
+
+
+def test_digest_lineage_names_whose_bytes_a_stale_page_held():
+    tl = Timeline()
+    tl.node("d")
+    tl.alloc("d", "r1", [1, 2, 3], "decode_reservation")
+    tl.write("d", "r1", [1, 2, 3], source="transfer_in", page_digests=[101, 102, 103], digest_algo="kvtrail-page64")
+    tl.free("d", "r1", [1, 2, 3])
+    tl.alloc("d", "r2", [1, 2, 3], "decode_reservation")
+    tl.write("d", "r2", [1], source="transfer_in", page_digests=[201], digest_algo="kvtrail-page64")
+    # decode digests what it reads: page 2 still holds r1's bytes, page 3 was changed by an unrecorded write
+    tl.add("d", "kv_read", "r2", pages=[1, 2, 3], page_digests=[201, 102, 999], digest_algo="kvtrail-page64")
+    (f1,) = tl.findings()
+    assert (f1.code, f1.pages, f1.victim_request_ids) == ("F1", (2, 3), ("r1",))
+    assert (f1.lineage_checked, f1.lineage_matched) == (2, 1)
 
 
 # ---- property: random valid single-node histories with planted violations ------------------------------

@@ -1,0 +1,151 @@
+"""The replay engine's cross-node findings: F2, F3, F4 and F9 join events of several producers.
+
+Events are collected as they stream by and joined when findings are asked for, so the order in which
+different nodes' batches arrive does not matter: by ``transfer_id`` (reservation, sends and receipt of
+one transfer: F2, F3), by ``request_id`` or ``transfer_id`` (an abort anywhere and a 2xx response: F4;
+a response and its prefill node's receipt: F9).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtrail.forensics.policy import ForensicsPolicy
+
+_OK_RECEIVED = ("ok", "mismatch")  # decode took the KV as landed; failed/aborted transfers serve nothing
+PREFILL_ROLES = ("prefill", "unified")
+
+
+class CrossNodeJoins:
+    """State for F2/F3/F4/F9, fed by the replay engine; ``evaluate`` emits through a callback."""
+
+    def __init__(self, policy: ForensicsPolicy):
+        self.policy = policy
+        self.transfers: dict[int, dict] = {}
+        self.aborts: dict[tuple[str, object], list] = {}
+        self.aborted_at: set[tuple] = set()
+        self.responses: list[dict] = []
+        self.receipts: dict[tuple, dict] = {}          # (node_key, request_id) -> first request_received
+        self.forward: dict[tuple, list[int]] = {}      # (node_key, request_id) -> [tokens, last wall_ns]
+        self.hit_pages: dict[tuple, int] = {}          # (node_key, request_id) -> prefix-hit pages
+        self.page_size: dict[tuple, int] = {}
+        self.role: dict[tuple, str] = {}
+
+    # ---- collection ---------------------------------------------------------------------------------
+
+    def transfer(self, ev) -> dict:
+        return self.transfers.setdefault(ev["transfer_id"], {"sent": []})
+
+    def aborted(self, ev) -> None:
+        self.aborts.setdefault(("rid", ev["request_id"]), []).append(ev)
+        if ev["transfer_id"] is not None:
+            self.aborts.setdefault(("tid", ev["transfer_id"]), []).append(ev)
+        self.aborted_at.add((ev["node_key"], ev["request_id"]))
+
+    def received(self, ev) -> None:
+        self.receipts.setdefault((ev["node_key"], ev["request_id"]), ev)
+
+    def written(self, ev) -> None:
+        if ev["source"] == "forward":
+            f = self.forward.setdefault((ev["node_key"], ev["request_id"]), [0, 0])
+            f[0] += ev["token_end"] - ev["token_start"]
+            f[1] = max(f[1], ev["wall_ns"])
+
+    def prefix_hit(self, ev, num_pages: int) -> None:
+        key = (ev["node_key"], ev["request_id"])
+        self.hit_pages[key] = self.hit_pages.get(key, 0) + num_pages
+
+    # ---- evaluation ---------------------------------------------------------------------------------
+
+    def evaluate(self, emit) -> None:
+        """Emit F2/F3 per transfer, F4 and F9 per 2xx response (``emit(code, ev, **kw)``)."""
+        for t in self.transfers.values():
+            _check_transfer(t, emit)
+        rates = self.prefill_rates()
+        receipts_by = self._receipts_by_id()
+        for resp in self.responses:
+            aborts = {a["key"]: a for k in (("rid", resp["request_id"]), ("tid", resp["transfer_id"]))
+                      for a in self.aborts.get(k, ()) if k[1] is not None}
+            if aborts:
+                first = min(a["wall_ns"] for a in aborts.values())
+                what = "; ".join(sorted({f"{a['stage']}: {a['abort_reason']} ({a['http_status']})"
+                                         for a in aborts.values()}))
+                emit("F4", resp, request=resp["request_id"], first_ns=first, evidence=aborts,
+                     detail=f"HTTP {resp['http_status']} after abort: {what}")
+            self._check_latency(resp, rates, receipts_by, emit)
+
+    def prefill_rates(self) -> dict[tuple, float]:
+        """Per prefill node: the policy's quantile of its clean requests' prefill rates (tokens/ns)."""
+        samples: dict[tuple, list[float]] = {}
+        for (nk, rid), rec in self.receipts.items():
+            fwd = self.forward.get((nk, rid))
+            if self.role.get(nk) not in PREFILL_ROLES or fwd is None or (nk, rid) in self.aborted_at:
+                continue
+            duration = fwd[1] - rec["wall_ns"]
+            if duration > 0 and fwd[0] > 0:
+                samples.setdefault(nk, []).append(fwd[0] / duration)
+        return {nk: float(np.quantile(np.array(xs), self.policy.latency_quantile))
+                for nk, xs in samples.items() if len(xs) >= self.policy.min_latency_samples}
+
+    def _receipts_by_id(self) -> dict[tuple, dict]:
+        """Earliest prefill-node receipt per ("rid", request_id) and ("tid", transfer_id)."""
+        out: dict[tuple, dict] = {}
+        for (nk, rid), rec in self.receipts.items():
+            if self.role.get(nk) not in PREFILL_ROLES:
+                continue
+            for key in (("rid", rid), ("tid", rec["transfer_id"])):
+                if key[1] is not None and (key not in out or rec["ord"] < out[key]["ord"]):
+                    out[key] = rec
+        return out
+
+    def _check_latency(self, resp, rates, receipts_by, emit) -> None:
+        if resp["ttft_ns"] is None or resp["prompt_tokens"] is None:
+            return
+        cands = [receipts_by.get(k) for k in (("rid", resp["request_id"]), ("tid", resp["transfer_id"]))
+                 if k[1] is not None]
+        cands = [c for c in cands if c is not None]
+        if not cands:
+            return
+        rec = min(cands, key=lambda c: c["ord"])
+        nk = rec["node_key"]
+        rate = rates.get(nk)
+        if rate is None:
+            return
+        need = resp["prompt_tokens"] - self.hit_pages.get((nk, rec["request_id"]), 0) * self.page_size.get(nk, 0)
+        if need <= 0:
+            return
+        floor_ns = need / rate / self.policy.latency_factor
+        if resp["ttft_ns"] < floor_ns:
+            emit("F9", resp, node=nk[1], request=resp["request_id"], evidence=[rec["key"]],
+                 detail=f"TTFT {resp['ttft_ns'] / 1e6:.3f} ms for {need} tokens to prefill; {nk[1]} prefills "
+                        f"at {rate * 1e9:.0f} tokens/s (q{self.policy.latency_quantile:g}), so at least "
+                        f"{floor_ns / 1e6:.3f} ms (factor {self.policy.latency_factor:g})")
+
+
+def _check_transfer(t: dict, emit) -> None:
+    res, rec, sent = t.get("reserved"), t.get("received"), t["sent"]
+    if rec is None or rec["status"] not in _OK_RECEIVED:
+        return
+    evidence = [e["key"] for e in (res, *sent) if e is not None]
+    first = min(e["wall_ns"] for e in (res, rec, *sent) if e is not None)
+    if res is not None:
+        problems = []
+        if sent:
+            sent_tokens = sum(e["num_tokens"] for e in sent)
+            sent_pages = sum(e["num_dst_pages"] for e in sent)
+            if sent_tokens != res["num_tokens"] or sent_pages != len(res["pages"]):
+                problems.append(f"sent {sent_tokens} tokens/{sent_pages} pages")
+        if rec["num_tokens"] != res["num_tokens"]:
+            problems.append(f"received {rec['num_tokens']} tokens")
+        if problems:
+            emit("F2", rec, request=rec["request_id"], pages=res["pages"], first_ns=first,
+                 evidence=evidence, detail=f"reserved {res['num_tokens']} tokens/{len(res['pages'])} "
+                                           f"pages; " + ", ".join(problems))
+    with_digest = [e for e in sent if e["digest"] is not None]
+    src = with_digest[-1] if with_digest else None
+    comparable = src is not None and rec["digest"] is not None and src["digest_algo"] == rec["digest_algo"]
+    if (comparable and src["digest"] != rec["digest"]) or (not comparable and rec["status"] == "mismatch"):
+        detail = (f"prefill digest {src['digest']:#x} != decode digest {rec['digest']:#x} ({rec['digest_algo']})"
+                  if comparable else "decode reported a digest mismatch")
+        emit("F3", rec, request=rec["request_id"], pages=rec["pages"], first_ns=first,
+             evidence=evidence, detail=detail)
