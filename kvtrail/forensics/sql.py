@@ -1,4 +1,4 @@
-"""A second, independent findings engine: DuckDB SQL over the audit store (F2, F4, F5, F6, F7, F8).
+"""A second, independent findings engine: DuckDB SQL over the audit store (F1-F10).
 
 Where :mod:`kvtrail.forensics.replay` walks events one by one, this module asks the store directly.
 Page questions are range joins over ``page_runs``: runs are joined by node, pool epoch and
@@ -16,7 +16,13 @@ Model (the replay engine's rules, restated over the record):
 * F5: a ``kv_read`` by R of a page R does not hold. F7: a ``kv_written`` attributed to R on a page R
   does not hold. F6: an allocation (not a prefix hit) of a page another request holds. Victims are
   the page's holders at that moment.
-* F2/F4/F8 mirror the replay engine's joins by ``transfer_id`` / ``request_id``.
+* F1: a page R reads whose last write before the read was by another request (or never happened),
+  unless R holds it as a prefix-cache hit whose block hash equals the one the last write stored, or it
+  is a fresh growth page (R holds it, the page's last exclusive allocation was R's ``decode_growth``,
+  and no write came after that allocation). F10: such a legitimate hit on a page another tenant wrote,
+  unless the policy allows tenants to share the cache.
+* F2/F3/F4/F8/F9 mirror the replay engine's joins by ``transfer_id`` / ``request_id``
+  (:mod:`kvtrail.forensics.joins`).
 
 The window is the replay engine's: each producer is read from its last ``node_config`` at or before
 ``from_ns``; findings ending before ``from_ns`` are dropped.
@@ -27,12 +33,17 @@ engine promotes an arbitrary remaining holder (``set.pop``); F6 evidence here pr
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvtrail.forensics.findings import Finding, make_finding
+from kvtrail.forensics.policy import ForensicsPolicy
+from kvtrail.forensics.sql_pages import f1_f10, f5_f7, f6
 from kvtrail.forensics.replay import window_filter
 
 _EVENT_COLS = ("producer_id, seq, wall_ns, kind, request_id, transfer_id, tenant_id, purpose, num_tokens, "
                "num_pages, num_dst_pages, status, http_status, stage, abort_reason, pool_tokens, "
-               "context_tokens, cluster, node, instance")
+               "context_tokens, cluster, node, instance, role, digest, digest_algo, source, token_start, "
+               "token_end, prompt_tokens, ttft_ns, page_size")
 _PAGE_KINDS = "('pages_allocated', 'pages_freed', 'kv_written', 'kv_read')"
 
 
@@ -60,38 +71,6 @@ def _base(where: str) -> str:
             FROM pr WHERE kind IN ('pages_allocated', 'pages_freed'))"""
 
 
-def _holders(probe: str, other_only: bool) -> str:
-    """CTE text: holders of each probed page at the probe's ord.
-
-    ``probe`` names a relation of page runs (probe_id, cluster, node, epoch, ord, request_id,
-    page_start, page_end); only pages where a probe run overlaps an earlier allocation run are
-    expanded. Yields (probe_id, page, holder, exclusive_holder). With ``other_only`` the probing
-    request itself is left out.
-    """
-    other = "AND m.request_id IS DISTINCT FROM q.request_id" if other_only else ""
-    return f"""
-    cand AS (SELECT q.probe_id, q.cluster, q.node, q.epoch, q.ord, g.page, m.request_id AS holder,
-                    max(m.ord) AS last_alloc
-             FROM {probe} q JOIN mem m
-               ON m.is_alloc AND m.cluster = q.cluster AND m.node = q.node AND m.epoch = q.epoch
-              AND m.ord < q.ord AND m.page_start <= q.page_end AND q.page_start <= m.page_end {other},
-             generate_series(greatest(q.page_start, m.page_start), least(q.page_end, m.page_end)) AS g(page)
-             GROUP BY ALL),
-    dropped AS (SELECT c.probe_id, c.page, c.holder, max(f.ord) AS last_drop
-                FROM cand c JOIN mem f
-                  ON NOT f.is_alloc AND f.cluster = c.cluster AND f.node = c.node AND f.epoch = c.epoch
-                 AND f.ord < c.ord AND c.page BETWEEN f.page_start AND f.page_end
-                 AND (f.request_id = c.holder OR f.request_id IS NULL)
-                GROUP BY ALL),
-    held AS (SELECT c.probe_id, c.page, c.holder,
-                    EXISTS (SELECT 1 FROM mem x WHERE x.exclusive AND x.request_id = c.holder
-                            AND x.cluster = c.cluster AND x.node = c.node AND x.epoch = c.epoch
-                            AND x.ord < c.ord AND x.ord > coalesce(d.last_drop, -1)
-                            AND c.page BETWEEN x.page_start AND x.page_end) AS exclusive_holder
-             FROM cand c LEFT JOIN dropped d USING (probe_id, page, holder)
-             WHERE d.last_drop IS NULL OR d.last_drop < c.last_alloc)"""
-
-
 def _sorted_ids(ids) -> tuple:
     return tuple(sorted(set(ids), key=lambda x: (x is None, x)))
 
@@ -100,31 +79,33 @@ def _keys(items) -> tuple[tuple[int, int], ...]:
     return tuple(sorted({(int(p), int(s)) for p, s in items}))
 
 
-class _Ctx:
+class Ctx:
     def __init__(self, con, where: str, params: list):
         self.con, self.where, self.params = con, where, params
         self.tenants: dict[str, str] = {}
 
-    def query(self, body: str, extra_ctes: str = "") -> list[tuple]:
+    def query(self, body: str, extra_ctes: str = "", params=()) -> list[tuple]:
         sql = "WITH " + _base(self.where) + ("," + extra_ctes if extra_ctes else "") + "\n" + body
-        return self.con.execute(sql, self.params).fetchall()
+        return self.con.execute(sql, self.params + list(params)).fetchall()
 
-    def finding(self, code, *, node, request=None, victims=(), pages=(), first_ns, last_ns, evidence, detail):
+    def finding(self, code, *, node, request=None, victims=(), pages=(), first_ns, last_ns, evidence, detail,
+                lineage=(0, 0)):
         vic = _sorted_ids(victims)
         return make_finding(code, node=node, request_id=request, tenant_id=self.tenants.get(request),
                             victim_request_ids=vic, victim_tenant_ids=tuple(self.tenants.get(v) for v in vic),
                             pages=tuple(int(p) for p in pages), first_ns=int(first_ns), last_ns=int(last_ns),
-                            evidence=_keys(evidence), detail=detail)
+                            evidence=_keys(evidence), detail=detail, lineage_checked=int(lineage[0]),
+                            lineage_matched=int(lineage[1]))
 
 
-def _f8(ctx: _Ctx) -> list[Finding]:
+def _f8(ctx: Ctx) -> list[Finding]:
     rows = ctx.query("SELECT node, wall_ns, producer_id, seq, pool_tokens, context_tokens FROM ev "
                      "WHERE kind = 'node_config' AND pool_tokens < context_tokens")
     return [ctx.finding("F8", node=n, first_ns=w, last_ns=w, evidence=[(p, s)],
                         detail=f"pool holds {pt} tokens, context is {ct}") for n, w, p, s, pt, ct in rows]
 
 
-def _f2(ctx: _Ctx) -> list[Finding]:
+def _f2(ctx: Ctx) -> list[Finding]:
     """Per transfer_id: the last reservation and receipt (by ord), every send; as the replay engine."""
     rows = ctx.query("""
     SELECT rec.node, rec.request_id, rec.wall_ns, res.num_tokens, res.num_pages, s.tokens, s.dst_pages, s.n,
@@ -158,7 +139,7 @@ def _f2(ctx: _Ctx) -> list[Finding]:
     return out
 
 
-def _f4(ctx: _Ctx) -> list[Finding]:
+def _f4(ctx: Ctx) -> list[Finding]:
     """A 2xx response whose request_id or transfer_id matches a request_aborted event."""
     rows = ctx.query("""
     SELECT r.node, r.request_id, r.wall_ns, r.http_status, r.producer_id, r.seq,
@@ -174,151 +155,111 @@ def _f4(ctx: _Ctx) -> list[Finding]:
             for n, rid, w, st, p, s, first, keys, what in rows]
 
 
-def _f5_f7(ctx: _Ctx) -> list[Finding]:
-    """Reads (F5) and writes (F7) of pages the request does not hold at that moment."""
-    ctes = """
-    acc AS (SELECT * FROM pr WHERE kind IN ('kv_read', 'kv_written')),
-    ov AS (SELECT a.producer_id, a.seq, g.page, arg_max(m.is_alloc, m.ord) AS held
-           FROM acc a JOIN mem m
-             ON m.cluster = a.cluster AND m.node = a.node AND m.epoch = a.epoch AND m.ord < a.ord
-            AND (m.request_id = a.request_id OR (NOT m.is_alloc AND m.request_id IS NULL))
-            AND m.page_start <= a.page_end AND a.page_start <= m.page_end,
-           generate_series(greatest(a.page_start, m.page_start), least(a.page_end, m.page_end)) AS g(page)
-           GROUP BY ALL),
-    bad_ev AS (SELECT a.producer_id, a.seq FROM (SELECT DISTINCT producer_id, seq, ev_pages FROM acc) a
-               LEFT JOIN (SELECT producer_id, seq, count(*) FILTER (WHERE held) AS n FROM ov GROUP BY ALL) h
-               USING (producer_id, seq)
-               WHERE coalesce(h.n, 0) < a.ev_pages),
-    outside AS (SELECT a.producer_id, a.seq, a.cluster, a.node, a.epoch, a.ord, a.request_id, a.kind,
-                       a.wall_ns, g.page, a.pos + g.page - a.page_start AS idx,
-                       a.producer_id || ':' || a.seq || ':' || g.page AS probe_id,
-                       g.page AS page_start, g.page AS page_end
-                FROM acc a SEMI JOIN bad_ev USING (producer_id, seq),
-                     generate_series(a.page_start, a.page_end) AS g(page)
-                ANTI JOIN (SELECT * FROM ov WHERE held) o
-                  ON o.producer_id = a.producer_id AND o.seq = a.seq AND o.page = g.page),
-    """ + _holders("outside", other_only=False) + """,
-    ever AS (SELECT DISTINCT o.producer_id, o.seq, o.page FROM outside o JOIN mem m
-               ON m.is_alloc AND m.request_id = o.request_id AND m.cluster = o.cluster AND m.node = o.node
-              AND m.epoch = o.epoch AND m.ord < o.ord AND o.page BETWEEN m.page_start AND m.page_end)"""
+def _f3(ctx: Ctx) -> list[Finding]:
+    """Per transfer_id: the last receipt (ok or mismatch) against the last send that carried a digest."""
     rows = ctx.query("""
-    SELECT o.kind, o.node, o.request_id, o.wall_ns, o.producer_id, o.seq,
-           list(o.page ORDER BY o.idx), list(h.holders) , bool_and(e.page IS NOT NULL)
-    FROM outside o
-    LEFT JOIN (SELECT probe_id, list(holder) AS holders FROM held GROUP BY probe_id) h USING (probe_id)
-    LEFT JOIN ever e ON e.producer_id = o.producer_id AND e.seq = o.seq AND e.page = o.page
-    GROUP BY o.kind, o.node, o.request_id, o.wall_ns, o.producer_id, o.seq""", ctes)
+    SELECT rec.node, rec.request_id, rec.wall_ns, rec.status, rec.digest, rec.digest_algo,
+           src.digest, src.digest_algo, src.producer_id IS NOT NULL,
+           least(rec.wall_ns, coalesce(res.wall_ns, rec.wall_ns), coalesce(s.first_ns, rec.wall_ns)),
+           [rec.producer_id, rec.seq::BIGINT], CASE WHEN res.producer_id IS NULL THEN NULL
+                                                    ELSE [res.producer_id, res.seq::BIGINT] END, s.keys,
+           (SELECT list(g.page ORDER BY r.pos, g.page) FROM page_runs r,
+                   generate_series(r.page_start, r.page_start + r.num_pages - 1) AS g(page)
+            WHERE r.producer_id = rec.producer_id AND r.seq = rec.seq AND r.list = 0) AS rec_pages
+    FROM (SELECT * FROM ev WHERE kind = 'transfer_received'
+          QUALIFY row_number() OVER (PARTITION BY transfer_id ORDER BY ord DESC) = 1) rec
+    LEFT JOIN (SELECT * FROM ev WHERE kind = 'transfer_reserved'
+               QUALIFY row_number() OVER (PARTITION BY transfer_id ORDER BY ord DESC) = 1) res
+      ON res.transfer_id = rec.transfer_id
+    LEFT JOIN (SELECT * FROM ev WHERE kind = 'transfer_sent' AND digest IS NOT NULL
+               QUALIFY row_number() OVER (PARTITION BY transfer_id ORDER BY ord DESC) = 1) src
+      ON src.transfer_id = rec.transfer_id
+    LEFT JOIN (SELECT transfer_id, min(wall_ns) AS first_ns, list([producer_id, seq::BIGINT]) AS keys
+               FROM ev WHERE kind = 'transfer_sent' GROUP BY transfer_id) s
+      ON s.transfer_id = rec.transfer_id
+    WHERE rec.status IN ('ok', 'mismatch')""")
     out = []
-    for kind, node, rid, wall, pid, seq, pages, holders, was_held in rows:
-        victims = [v for hs in holders if hs for v in hs]
-        if kind == "kv_read":
-            out.append(ctx.finding("F5", node=node, request=rid, victims=victims, pages=pages, first_ns=wall,
-                                   last_ns=wall, evidence=[(pid, seq)],
-                                   detail="read of pages the request does not hold"))
+    for (node, rid, wall, status, rdg, ralgo, sdg, salgo, has_src, first, rec_key, res_key, s_keys,
+         pages) in rows:
+        comparable = has_src and rdg is not None and salgo == ralgo
+        if comparable and sdg != rdg:
+            detail = f"prefill digest {sdg:#x} != decode digest {rdg:#x} ({ralgo})"
+        elif not comparable and status == "mismatch":
+            detail = "decode reported a digest mismatch"
         else:
-            why = "after the request released them" if was_held else "on pages the request never held"
-            out.append(ctx.finding("F7", node=node, request=rid, victims=victims, pages=pages, first_ns=wall,
-                                   last_ns=wall, evidence=[(pid, seq)], detail=f"write {why}"))
+            continue
+        out.append(ctx.finding("F3", node=node, request=rid, pages=pages or (), first_ns=first, last_ns=wall,
+                               evidence=[rec_key, *([res_key] if res_key else []), *(s_keys or ())], detail=detail))
     return out
 
 
-def _f6(ctx: _Ctx) -> list[Finding]:
-    """Exclusive allocations of pages another request still holds."""
+def _f9(ctx: Ctx, policy: ForensicsPolicy) -> list[Finding]:
+    """2xx responses faster than their prefill node's own measured rate allows (see ``ForensicsPolicy``)."""
     ctes = """
-    probe AS (SELECT *, producer_id || ':' || seq AS probe_id FROM mem WHERE exclusive),
-    """ + _holders("probe", other_only=True)
+    rcv AS (SELECT * FROM ev WHERE kind = 'request_received' AND role IN ('prefill', 'unified')
+            QUALIFY row_number() OVER (PARTITION BY cluster, node, request_id ORDER BY ord) = 1),
+    fwd AS (SELECT cluster, node, request_id, sum(token_end - token_start) AS tokens, max(wall_ns) AS last_ns
+            FROM ev WHERE kind = 'kv_written' AND source = 'forward' GROUP BY ALL),
+    samples AS (SELECT r.cluster, r.node, f.tokens::DOUBLE / (f.last_ns - r.wall_ns) AS rate
+                FROM rcv r JOIN fwd f USING (cluster, node, request_id)
+                WHERE f.last_ns > r.wall_ns AND f.tokens > 0
+                  AND NOT EXISTS (SELECT 1 FROM ev a WHERE a.kind = 'request_aborted' AND a.cluster = r.cluster
+                                  AND a.node = r.node AND a.request_id = r.request_id)),
+    hits AS (SELECT cluster, node, request_id, sum(num_pages) AS pages FROM pe
+             WHERE kind = 'pages_allocated' AND purpose = 'prefix_hit' AND num_pages > 0 GROUP BY ALL),
+    psize AS (SELECT cluster, node, arg_max(page_size, ord) AS page_size FROM ev WHERE kind = 'node_config'
+              GROUP BY ALL),
+    resp AS (SELECT * FROM ev WHERE kind = 'response_sent' AND http_status BETWEEN 200 AND 299
+             AND ttft_ns IS NOT NULL AND prompt_tokens IS NOT NULL),
+    matched AS (SELECT x.producer_id, x.seq, min_by(r, r.ord) AS r
+                FROM resp x JOIN rcv r ON r.request_id = x.request_id OR r.transfer_id = x.transfer_id
+                GROUP BY ALL)"""
+    rates = {}
+    for cluster, node, xs in ctx.query("SELECT cluster, node, list(rate) FROM samples GROUP BY ALL", ctes):
+        if len(xs) >= policy.min_latency_samples:
+            rates[(cluster, node)] = float(np.quantile(np.array(xs, dtype=np.float64), policy.latency_quantile))
     rows = ctx.query("""
-    SELECT p.producer_id, p.seq, p.node, p.cluster, p.epoch, p.ord, p.request_id, p.wall_ns, p.purpose,
-           list(DISTINCT h.page), list(DISTINCT h.holder)
-    FROM held h JOIN probe p ON p.probe_id = h.probe_id AND h.page BETWEEN p.page_start AND p.page_end
-    GROUP BY ALL""", ctes)
-    by_event: dict = {}
-    for pid, seq, node, cluster, epoch, ord_, rid, wall, purpose, pages, holders in rows:
-        e = by_event.setdefault((pid, seq), dict(node=node, cluster=cluster, epoch=epoch, ord=ord_, rid=rid,
-                                                 wall=wall, purpose=purpose, pages=[], holders=set()))
-        e["pages"] += pages
-        e["holders"] |= set(holders)
+    SELECT x.request_id, x.wall_ns, x.producer_id, x.seq, x.ttft_ns,
+           x.prompt_tokens - coalesce(h.pages, 0) * coalesce(ps.page_size, 0) AS need,
+           m.r.cluster, m.r.node, m.r.producer_id, m.r.seq
+    FROM resp x JOIN matched m USING (producer_id, seq)
+    LEFT JOIN hits h ON h.cluster = m.r.cluster AND h.node = m.r.node AND h.request_id = m.r.request_id
+    LEFT JOIN psize ps ON ps.cluster = m.r.cluster AND ps.node = m.r.node""", ctes)
     out = []
-    for key, e in by_event.items():
-        pages = _event_order(ctx, key, e["pages"])
-        evidence = [key, *_owner_alloc_events(ctx, e, pages)]
-        out.append(ctx.finding("F6", node=e["node"], request=e["rid"], victims=e["holders"], pages=pages,
-                               first_ns=e["wall"], last_ns=e["wall"], evidence=evidence,
-                               detail=f"allocated ({e['purpose']}) while still held"))
+    for rid, wall, pid, seq, ttft, need, cluster, node, rpid, rseq in rows:
+        rate = rates.get((cluster, node))
+        if rate is None or need <= 0:
+            continue
+        floor_ns = need / rate / policy.latency_factor
+        if ttft < floor_ns:
+            out.append(ctx.finding(
+                "F9", node=node, request=rid, first_ns=wall, last_ns=wall, evidence=[(pid, seq), (rpid, rseq)],
+                detail=f"TTFT {ttft / 1e6:.3f} ms for {need} tokens to prefill; {node} prefills at "
+                       f"{rate * 1e9:.0f} tokens/s (q{policy.latency_quantile:g}), so at least "
+                       f"{floor_ns / 1e6:.3f} ms (factor {policy.latency_factor:g})"))
     return out
 
 
-def _event_order(ctx: _Ctx, key, pages) -> list[int]:
-    """The given pages of one event in the order the event lists them."""
-    rows = ctx.con.execute(
-        "SELECT g.page FROM page_runs r, generate_series(r.page_start, r.page_start + r.num_pages - 1) AS g(page) "
-        "WHERE r.producer_id = ? AND r.seq = ? AND r.list = 0 AND list_contains(?, g.page) ORDER BY r.pos, g.page",
-        [key[0], key[1], list(pages)]).fetchall()
-    return [r[0] for r in rows]
-
-
-def _owner_alloc_events(ctx: _Ctx, e: dict, pages) -> list[tuple[int, int]]:
-    """For each busy page with an exclusive owner: the allocation that made the current owner own it.
-
-    Folds the page's earlier allocations and releases in order (owner, then further exclusive holders
-    in arrival order; a release by the owner promotes the earliest further holder, whose promotion
-    does not change the recorded allocation event).
-    """
-    rows = _fold_rows(ctx, e, pages)
-    out = []
-    state: dict[int, tuple] = {}
-    for page, _, is_alloc, exclusive, rid, pid, seq in rows:
-        owner, extra, alloc_ev = state.get(page, (None, [], None))
-        extra = list(extra)
-        if is_alloc:
-            if exclusive:
-                if owner is None or owner == rid:
-                    owner, alloc_ev = rid, (pid, seq)
-                elif rid not in extra:
-                    extra.append(rid)
-        elif rid is None:
-            owner, extra = None, []
-        else:
-            if rid in extra:
-                extra.remove(rid)
-            if owner == rid:
-                owner = extra.pop(0) if extra else None
-        state[page] = (owner, extra, alloc_ev)
-    for page in pages:
-        owner, _, alloc_ev = state.get(page, (None, [], None))
-        if owner is not None and alloc_ev is not None:
-            out.append(alloc_ev)
-    return out
-
-
-def _fold_rows(ctx: _Ctx, e: dict, pages) -> list[tuple]:
-    """Allocations and releases of the given pages before the event, page by page in order."""
-    lo, hi = min(pages), max(pages)
-    sql = ("WITH " + _base(ctx.where) + """
-    SELECT g.page, m.ord, m.is_alloc, m.exclusive, m.request_id, m.producer_id, m.seq
-    FROM mem m, generate_series(greatest(m.page_start, ?), least(m.page_end, ?)) AS g(page)
-    WHERE m.cluster = ? AND m.node = ? AND m.epoch = ? AND m.ord < ?
-      AND m.page_start <= ? AND ? <= m.page_end AND list_contains(?, g.page)
-    ORDER BY g.page, m.ord""")
-    params = ctx.params + [lo, hi, e["cluster"], e["node"], e["epoch"], e["ord"], hi, lo, list(pages)]
-    return ctx.con.execute(sql, params).fetchall()
-
-
-def sql_findings(con, from_ns: int | None = None, to_ns: int | None = None) -> list[Finding]:
-    """F2, F4, F5, F6, F7 and F8 findings of the events in [from_ns, to_ns], computed in SQL.
+def sql_findings(con, from_ns: int | None = None, to_ns: int | None = None,
+                 policy: ForensicsPolicy = ForensicsPolicy(), codes=None) -> list[Finding]:
+    """Findings F1-F10 of the events in [from_ns, to_ns], computed in SQL (``codes``: only these).
 
     Same window, same :class:`Finding` fields and ordering as :func:`replay_store`.
     """
+    want = set(codes) if codes else None
+    parts = [({"F8"}, _f8), ({"F2"}, _f2), ({"F3"}, _f3), ({"F4"}, _f4), ({"F5", "F7"}, f5_f7), ({"F6"}, f6),
+             ({"F1", "F10"}, lambda c: f1_f10(c, policy.allow_tenant_cache_sharing)),
+             ({"F9"}, lambda c: _f9(c, policy))]
     where, params = window_filter(from_ns, to_ns)
     con.complete()
     con.begin()  # one snapshot for every query
     try:
-        ctx = _Ctx(con, where, params)
+        ctx = Ctx(con, where, params)
         ctx.tenants = dict(ctx.query(
             "SELECT request_id, arg_min(tenant_id, ord) FROM ev WHERE request_id IS NOT NULL "
             "AND tenant_id IS NOT NULL GROUP BY request_id"))
-        found = _f8(ctx) + _f2(ctx) + _f4(ctx) + _f5_f7(ctx) + _f6(ctx)
+        found = [f for part_codes, fn in parts if want is None or part_codes & want for f in fn(ctx)]
     finally:
         con.commit()
-    found = [f for f in found if from_ns is None or f.last_ns >= from_ns]
+    found = [f for f in found if (from_ns is None or f.last_ns >= from_ns) and (want is None or f.code in want)]
     return sorted(found, key=lambda f: (f.last_ns, f.first_ns, int(f.code[1:]), f.evidence))

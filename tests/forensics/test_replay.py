@@ -337,7 +337,7 @@ def test_f9_implausible_latency_against_the_nodes_own_prefill_rate():
     def served(rid, tid, prompt, compute_us, ttft_us, aborted=False, hit_pages=0):
         tl.add("p", "request_received", rid, tid, prompt_tokens=prompt)
         if hit_pages:
-            tl.alloc("p", rid, list(range(20, 20 + hit_pages)), "prefix_hit", block_hashes=[0] * hit_pages)
+            tl.alloc("p", rid, list(range(5, 5 + hit_pages)), "prefix_hit", block_hashes=[0] * hit_pages)
         if aborted:
             tl.add("p", "request_aborted", rid, tid, stage="prefill_queue", abort_reason="too long", http_status=400)
         start = tl.events[-1]["wall_ns"]
@@ -351,7 +351,7 @@ def test_f9_implausible_latency_against_the_nodes_own_prefill_rate():
     for i, (prompt, us) in enumerate([(1000, 1000), (2000, 2500), (500, 1000)]):
         served(f"ok{i}", 100 + i, prompt, us, us + 200)
     served("fast", 200, 8000, 5, 300, aborted=True)            # placeholder: 1 token computed, 8000 claimed
-    served("cached", 201, 1600, 100, 150, hit_pages=95)        # 1520 tokens came from the prefix cache
+    served("cached", 201, 400, 100, 150, hit_pages=20)         # 320 tokens came from the prefix cache
     tl.events.sort(key=lambda e: e["wall_ns"])
     for node in tl.seqs:  # keep each producer's seq in time order after the edits above
         for n, e in enumerate(e for e in tl.events if e["producer"]["node"] == node):
