@@ -31,7 +31,7 @@ class _Req:
     out: bytearray = field(default_factory=bytearray)
     step: int = 1
     freed: bool = False
-    ttft_ns: int | None = None
+    first_token_mono_ns: int | None = None  # CLOCK_MONOTONIC is one clock for every process of the host
     tags: np.ndarray | None = None  # ownership tags this request holds, one per page of its table
 
 
@@ -116,13 +116,16 @@ class DecodeWorker(WorkerBase):
         r.state = "running"
         r.table = r.pages.copy()
         r.out.append(first)
-        r.ttft_ns = time.monotonic_ns() - r.arrived_ns
+        r.first_token_mono_ns = time.monotonic_ns()
         if self.cfg.faults.premature_free:
             self._free_pages(r, r.pages, "finish")  # fault: freed while the request goes on reading
             r.freed = True
         if not self._tags_hold(room, r):
             return
-        self.rec.kv_read(r.ref, r.table)
+        if self.cfg.kv_digests:  # what attention reads, digested: forensics' lineage evidence for stale pages
+            self.rec.kv_read(r.ref, r.table, self.integrity.page_digests(r.table), DIGEST_ALGO)
+        else:
+            self.rec.kv_read(r.ref, r.table)
 
     def _tags_hold(self, room: int, r: _Req) -> bool:
         """Patched mode: every page must still carry the tag this request was given, or it is not read."""
@@ -227,7 +230,8 @@ class DecodeWorker(WorkerBase):
     def _finish(self, room: int, r: _Req) -> None:
         text = bytes(r.out).decode("utf-8", errors="replace")
         self._release(room, "finish")
-        self._respond(room, 200, text=text, completion_tokens=len(r.out), ttft_ns=r.ttft_ns, finish_reason="length")
+        self._respond(room, 200, text=text, completion_tokens=len(r.out),
+                      first_token_mono_ns=r.first_token_mono_ns, finish_reason="length")
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -244,6 +248,7 @@ class DecodeWorker(WorkerBase):
             self.alloc.free(pages)
             self.integrity.free(pages)
 
-    def _respond(self, room: int, status: int, *, text: str = "", completion_tokens: int = 0, ttft_ns=None,
+    def _respond(self, room: int, status: int, *, text: str = "", completion_tokens: int = 0, first_token_mono_ns=None,
                  finish_reason: str = "abort", error: str | None = None) -> None:
-        self.send_router(("response", room, status, text, completion_tokens, ttft_ns, finish_reason, error))
+        self.send_router(("response", room, status, text, completion_tokens, first_token_mono_ns, finish_reason,
+                          error))

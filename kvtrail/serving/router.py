@@ -94,8 +94,11 @@ class RouterCore:
             await asyncio.sleep(abort_after_s)
             self.decode.send(("abort", room))
             self.prefill.send(("abort", room))
-        _, _, status, text, completion_tokens, ttft_ns, finish_reason, error = await asyncio.wait_for(response, timeout)
+        _, _, status, text, completion_tokens, first_token_ns, finish_reason, error = await asyncio.wait_for(
+            response, timeout)
         latency = time.monotonic_ns() - started
+        # TTFT as the client sees it: from arrival at the router (prefill and transfer included).
+        ttft_ns = first_token_ns - started if first_token_ns is not None else None
         self.rec.response_sent(ref, status, len(tokens), completion_tokens, latency, ttft_ns, finish_reason)
         if status != 200:
             return _error(status, error or "request failed")
