@@ -82,15 +82,24 @@ def _report_findings(findings, outcomes) -> None:
     for f in findings:
         counts[f.code] = counts.get(f.code, 0) + 1
     affected: dict[str, set] = {}
+    checked = matched = 0
     for f in findings:
         if f.code in AFFECTED_CODES:
             victims = {t or "unknown (never written)" for t in f.victim_tenant_ids} or {"unknown"}
             affected.setdefault((f.request_id, f.tenant_id), set()).update(victims)
+            checked, matched = checked + f.lineage_checked, matched + f.lineage_matched
     click.echo("   forensics replay (audit only): findings "
                + (", ".join(f"{c}: {n}" for c, n in sorted(counts.items())) or "none")
                + f"; {len(affected)} affected responses (read foreign pages)")
     for (rid, tenant), victims in sorted(affected.items(), key=lambda kv: str(kv[0]))[:8]:
         click.echo(f"     request {rid} ({tenant}) read pages last written for: {', '.join(sorted(victims))}")
+    if checked:
+        click.echo(f"   digest lineage: {matched} of {checked} foreign pages read carried exactly the bytes their "
+                   "previous writer recorded (proof of whose data it was)")
+    fast = [f for f in findings if f.code == "F9"]
+    if fast:
+        click.echo(f"   implausible latency (F9): {len(fast)} responses arrived faster than their prefill node "
+                   f"can compute the prompt, e.g. {fast[0].detail}")
     leaked = sum(1 for o in outcomes if o.foreign_canaries)
     click.echo(f"   side by side: content shows {leaked} cross-tenant leaks; the audit flags {len(affected)} "
                "affected responses (a superset: it also sees reads of never-written and same-tenant pages)")

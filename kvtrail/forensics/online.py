@@ -1,0 +1,73 @@
+"""Online forensics: the replay engine tailing a store, reporting findings as batches commit.
+
+:class:`StoreTail` reads the events of batches committed since its last poll (a per-producer
+``batch_no`` watermark, so nothing is read twice and nothing is skipped); :class:`OnlineReplay` feeds
+them to one long-lived :class:`~kvtrail.forensics.replay.ReplayEngine` and returns the findings not
+reported before. Page findings are final when reported. Cross-node findings (F2, F3, F4, F9) are
+re-judged on every poll and can be reported again with more evidence once the other node's batch
+lands, so online answers are provisional; a window re-run (``replay_store``) is authoritative.
+
+DuckDB lets one process write a store file: run this in the process that owns the store (beside the
+relay or an ingest service, through ``AuditStore.cursor()``), or against a file no writer holds.
+"""
+
+from __future__ import annotations
+
+import duckdb
+import pyarrow as pa
+
+from kvtrail.audit.events import PRODUCER_FIELDS
+from kvtrail.audit.store import read_events
+from kvtrail.forensics.findings import Finding
+from kvtrail.forensics.persist import finding_id
+from kvtrail.forensics.policy import ForensicsPolicy
+from kvtrail.forensics.replay import ReplayEngine
+
+_PRODUCER_NAMES = ", ".join(f.name for f in PRODUCER_FIELDS)
+
+
+class StoreTail:
+    """Events of batches committed since the previous :meth:`poll` (all of them on the first)."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection):
+        self.con = con
+        self.watermark: dict[int, int] = {}  # producer_id -> last batch_no read
+        self.producers: dict[tuple, int] = {}
+
+    def poll(self) -> pa.Table | None:
+        self.con.complete()
+        heads = self.con.execute("SELECT producer_id, max(batch_no) FROM batches GROUP BY producer_id").fetchall()
+        new = [(pid, head) for pid, head in heads if head > self.watermark.get(pid, -1)]
+        if not new:
+            return None
+        self.producers = {tuple(r[1:]): r[0] for r in self.con.execute(
+            f"SELECT producer_id, {_PRODUCER_NAMES} FROM producers").fetchall()}
+        where = " OR ".join("(producer_id = ? AND batch_no > ? AND batch_no <= ?)" for _ in new)
+        params = [x for pid, head in new for x in (pid, self.watermark.get(pid, -1), head)]
+        table = read_events(self.con, where, params)
+        self.watermark.update(new)
+        return table
+
+
+class OnlineReplay:
+    """A replay engine kept warm across polls of a store; :meth:`poll` returns findings new since the last."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, policy: ForensicsPolicy = ForensicsPolicy()):
+        self.tail = StoreTail(con)
+        self.engine = ReplayEngine(policy=policy)
+        self._reported: set[str] = set()
+        self.num_events = 0
+
+    def poll(self) -> list[Finding]:
+        table = self.tail.poll()
+        if table is not None:
+            self.engine.producer_ids.update(self.tail.producers)  # evidence must name stored producer ids
+            self.engine.feed(table)
+            self.num_events += table.num_rows
+        out = []
+        for f in self.engine.findings():
+            fid = finding_id(f)
+            if fid not in self._reported:
+                self._reported.add(fid)
+                out.append(f)
+        return out

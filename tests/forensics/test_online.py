@@ -1,0 +1,38 @@
+"""Online replay tailing a store: findings arrive as batches commit, each once, with stored event ids."""
+
+from __future__ import annotations
+
+from kvtrail.audit.batch import from_dicts
+from kvtrail.audit.store import AuditStore
+from kvtrail.forensics.online import OnlineReplay
+from kvtrail.forensics.replay import replay_store
+from tests.forensics.test_replay import pd_request, pd_timeline
+
+
+def _key(f):
+    return (f.code, f.request_id, f.pages, f.evidence)
+
+
+def test_findings_arrive_batch_by_batch_and_match_a_window_rerun(tmp_path):
+    tl = pd_timeline()
+    pd_request(tl, "r1", 42, [1], list(range(1, 9)), 120, sent_tokens=1, sent_pages=1)  # F1, F2
+    cut = len(tl.events)
+    tl.alloc("d", "r2", [20])
+    tl.free("d", "r2", [20], "abort")
+    tl.alloc("d", "r3", [20])
+    tl.write("d", "r2", [20])                                                           # F7
+    with AuditStore(tmp_path / "a.duckdb") as store:
+        online = OnlineReplay(store.cursor())
+        assert online.poll() == []                       # an empty store
+        store.append(from_dicts(tl.events[:cut]))
+        first = online.poll()
+        assert sorted(f.code for f in first) == ["F1", "F2"]
+        assert online.poll() == []                       # nothing new, nothing repeated
+        # the decode node's later batch: only the late write is new
+        store.append(from_dicts([e for e in tl.events[cut:]]))
+        second = online.poll()
+        assert [f.code for f in second] == ["F7"]
+        assert online.num_events == len(tl.events)
+        assert sorted(map(_key, first + second)) == sorted(map(_key, replay_store(store.con)))
+        stored = {tuple(r) for r in store.con.execute("SELECT producer_id, seq FROM events").fetchall()}
+        assert all(k in stored for f in first + second for k in f.evidence)
