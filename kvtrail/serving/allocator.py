@@ -43,6 +43,7 @@ class PageAllocator:
         self.num_pages = int(num_pages)
         self.reuse = reuse
         self._holds = np.zeros(self.num_pages + 1, dtype=np.int32)
+        self._slot = np.zeros(self.num_pages + 1, dtype=np.int32)  # scratch for the duplicate check
         self.used = 0  # distinct pages held
         self.merges = 0  # times the staged pages were merged into the free list (reuse="lowest")
         if reuse == "lowest":
@@ -127,7 +128,11 @@ class PageAllocator:
             # Range first: numpy would wrap a negative id and fail on one past the end.
             raise ValueError(f"{what}: page {lo if lo < 1 else hi} is out of range 1..{self.num_pages}")
         pages = pages.astype(np.int32, copy=False)
-        if np.unique(pages).size != pages.size:
+        # O(n) duplicate check (np.unique sorts; long-context frees list tens of thousands of pages):
+        # scatter each entry's position; a page listed twice keeps only its last position.
+        idx = np.arange(pages.size, dtype=np.int32)
+        self._slot[pages] = idx
+        if not np.array_equal(self._slot[pages], idx):
             raise ValueError(f"{what}: a page appears twice in one call")
         return pages
 
