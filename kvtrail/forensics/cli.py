@@ -1,4 +1,5 @@
-"""``kvtrail forensics ...``: findings and affected responses in a window, as a table or a file."""
+"""``kvtrail forensics ...``: findings, affected responses, exposure, thresholds and exploitation in a
+window (as a table or a file), and the disclosure report with its verification."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _emit(df, fmt: str, out: str | None, empty_msg: str, gaps) -> None:
             click.echo(empty_msg)
             return
         shown = df.with_columns([pl.col(c).map_elements(format_utc, return_dtype=pl.Utf8)
-                                 for c in ("first_ns", "last_ns") if c in df.columns])
+                                 for c in df.columns if c.endswith("_ns") and df[c].dtype == pl.Int64])
         shown = shown.drop([c for c in ("evidence",) if c in shown.columns])
         with pl.Config(tbl_rows=200, tbl_cols=20, fmt_str_lengths=60, tbl_width_chars=200):
             click.echo(shown)
@@ -76,6 +77,76 @@ def _options(f):
     return f
 
 
+def _exclusion_options(f):
+    for opt in reversed([
+        click.option("--exclude-tenant", "exclude_tenants", multiple=True, metavar="ID[=REASON]",
+                     help="Leave this tenant's responses out of every count (repeatable)."),
+        click.option("--exclude-file", type=click.Path(dir_okay=False),
+                     help="YAML file of exclusions: tenants/api_key_ids/request_ids, each a list of {id, reason}."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _exclusions(tenants: tuple[str, ...], file: str | None, base=None):
+    """The exclusions of the flags (plus ``base``, e.g. from incident.yaml)."""
+    from kvtrail.forensics.analysis import Exclusions
+    from kvtrail.forensics.context import load_exclusions
+
+    pairs = []
+    for t in tenants:
+        tenant, _, reason = t.partition("=")
+        if not tenant.strip():
+            raise KvtrailError(f"--exclude-tenant: empty tenant id in {t!r}")
+        pairs.append((tenant.strip(), reason.strip() or "excluded on the command line"))
+    excl = Exclusions(tenants=tuple(sorted(dict(pairs).items())))
+    if file:
+        excl = excl.merged(load_exclusions(file))
+    return excl.merged(base) if base is not None else excl
+
+
+def _say_excluded(dropped) -> None:
+    if len(dropped):
+        reasons = sorted({f"{by} ({why})" for by, why in zip(dropped["excluded_by"], dropped["reason"])})
+        click.echo(f"excluded: {len(dropped)} affected responses of {len(reasons)} account(s): "
+                   f"{'; '.join(reasons)}", err=True)
+
+
+def _probe_options(f):
+    for opt in reversed([
+        click.option("--baseline-from", help="UTC start of the baseline period (default: as long as the window, "
+                                            "right before --from)."),
+        click.option("--baseline-to", help="UTC end of the baseline period (default: --from)."),
+        click.option("--long-prompt-tokens", type=click.IntRange(1),
+                     help="Prompts longer than this are over-long (default: the smallest prefill pool)."),
+        click.option("--burst-minutes", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+                     help="Length of a probing burst."),
+        click.option("--burst-count", type=click.IntRange(1), default=5, show_default=True,
+                     help="Over-long prompts within --burst-minutes that count as repeated probing."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _report_options(from_ns, to_ns, excl, baseline_from, baseline_to, long_prompt_tokens, burst_minutes,
+                    burst_count):
+    from kvtrail.forensics.analysis import ProbeRules
+    from kvtrail.forensics.report import ReportOptions
+
+    if from_ns is None or to_ns is None:
+        raise KvtrailError(f"{'--from' if from_ns is None else '--to'}: required (the baseline and rates need a window)")
+    if from_ns > to_ns:
+        raise KvtrailError("--from: is after --to")
+    b_from = parse_utc(baseline_from, field="--baseline-from") if baseline_from else None
+    b_to = parse_utc(baseline_to, field="--baseline-to") if baseline_to else None
+    o = ReportOptions(from_ns, to_ns, excl, b_from, b_to, long_prompt_tokens,
+                      ProbeRules(burst_minutes=burst_minutes, burst_count=burst_count))
+    lo, hi = o.baseline
+    if lo > hi:
+        raise KvtrailError("--baseline-from: is after the end of the baseline period")
+    return o
+
+
 @click.group()
 def forensics() -> None:
     """Forensics over the audit store: findings F1-F10 with evidence, affected responses."""
@@ -84,31 +155,178 @@ def forensics() -> None:
 @forensics.command(name="findings")
 @_options
 @click.option("--code", "codes", multiple=True, help="Only these finding codes (repeatable), e.g. F1.")
-def findings_cmd(db, from_, to, tenant, node, fmt, out, codes) -> None:
-    """Every finding in the window, with the event ids that prove it."""
+@_exclusion_options
+def findings_cmd(db, from_, to, tenant, node, fmt, out, codes, exclude_tenants, exclude_file) -> None:
+    """Every finding in the window, with the event ids that prove it (excluded accounts' requests left out)."""
+    import polars as pl
+
+    from kvtrail.forensics.analysis import check_exclusions, excluded_requests
     from kvtrail.forensics.findings import CODES
     from kvtrail.forensics.questions import coverage_gaps, findings
 
     bad = [c for c in codes if c not in CODES]
     if bad:
         raise KvtrailError(f"--code: unknown finding code {bad[0]!r}; known: {', '.join(CODES)}")
+    excl = _exclusions(exclude_tenants, exclude_file)
     con, w = _window(db, from_, to, tenant, node)
     try:
-        df, gaps = findings(con, w, tuple(codes)), coverage_gaps(con)
+        check_exclusions(con, excl)
+        df, gaps, excluded = findings(con, w, tuple(codes)), coverage_gaps(con), excluded_requests(con, excl)
     finally:
         con.close()
-    _emit(df, fmt, out, "no findings in this window", gaps)
+    hit = (pl.col("request_id").is_in(excluded["request_id"].to_list())
+           | pl.col("tenant_id").is_in([t for t, _ in excl.tenants])).fill_null(False)
+    if len(df.filter(hit)):
+        click.echo(f"excluded: {len(df.filter(hit))} findings of excluded accounts", err=True)
+    _emit(df.filter(~hit), fmt, out, "no findings in this window", gaps)
 
 
 @forensics.command()
 @_options
-def affected(db, from_, to, tenant, node, fmt, out) -> None:
+@_exclusion_options
+def affected(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file) -> None:
     """Which responses read foreign pages in the window, and whose data it was."""
-    from kvtrail.forensics.questions import affected_responses, coverage_gaps
+    from kvtrail.forensics.analysis import affected_with_exclusions
+    from kvtrail.forensics.questions import coverage_gaps
 
+    excl = _exclusions(exclude_tenants, exclude_file)
     con, w = _window(db, from_, to, tenant, node)
     try:
-        df, gaps = affected_responses(con, w), coverage_gaps(con)
+        (df, dropped, _), gaps = affected_with_exclusions(con, w, excl), coverage_gaps(con)
     finally:
         con.close()
+    _say_excluded(dropped)
     _emit(df, fmt, out, "no affected responses in this window", gaps)
+
+
+@forensics.command()
+@_options
+@_exclusion_options
+def exposure(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file) -> None:
+    """Exposure matrix: recipient tenant x victim tenant, with responses, pages and victim requests."""
+    from kvtrail.forensics import analysis as an
+    from kvtrail.forensics.findings import AFFECTED_CODES
+    from kvtrail.forensics.questions import coverage_gaps, findings
+
+    excl = _exclusions(exclude_tenants, exclude_file)
+    con, w = _window(db, from_, to, tenant, node)
+    try:
+        kept, dropped, _ = an.affected_with_exclusions(con, w, excl)
+        found, gaps = findings(con, w, tuple(sorted(AFFECTED_CODES))), coverage_gaps(con)
+    finally:
+        con.close()
+    _say_excluded(dropped)
+    matrix = an.exposure_matrix(an.exposure_links(found, set(kept["request_id"])))
+    _emit(matrix, fmt, out, "no exposure in this window", gaps)
+
+
+@forensics.command()
+@_options
+@_exclusion_options
+def thresholds(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file) -> None:
+    """Pool vs advertised context per node, and affected vs unaffected prompts against the prefill pool."""
+    import polars as pl
+
+    from kvtrail.forensics import analysis as an
+    from kvtrail.forensics.questions import coverage_gaps
+
+    excl = _exclusions(exclude_tenants, exclude_file)
+    con, w = _window(db, from_, to, tenant, node)
+    try:
+        kept, dropped, excluded = an.affected_with_exclusions(con, w, excl)
+        capacity, gaps = an.node_capacity(con, w.from_ns, w.to_ns), coverage_gaps(con)
+        requests = an.requests_table(con, w.from_ns, w.to_ns, kept["request_id"].to_list())
+    finally:
+        con.close()
+    requests = requests.filter(~pl.col("request_id").is_in(excluded["request_id"].to_list()))
+    if tenant:
+        requests = requests.filter(pl.col("tenant_id") == tenant)
+    if node:
+        requests, capacity = requests.filter(pl.col("prefill_node") == node), capacity.filter(pl.col("node") == node)
+    by_node, summary = an.threshold_analysis(requests, set(kept["request_id"]))
+    table = capacity.join(by_node.rename({"prefill_node": "node", "prefill_pool_tokens": "pool_tokens"}),
+                          on=["node", "pool_tokens"], how="left")
+    _say_excluded(dropped)
+    _emit(table, fmt, out, "no node configuration in this window", gaps)
+    click.echo(an.threshold_sentence(summary), err=fmt != "table")
+
+
+@forensics.command()
+@_options
+@_exclusion_options
+@_probe_options
+def exploitation(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file, **probe) -> None:
+    """Per recipient tenant: over-long prompts in the window vs its own baseline, bursts, and a verdict."""
+    import polars as pl
+
+    from kvtrail.forensics.questions import coverage_gaps
+    from kvtrail.forensics.report import exploitation_for
+
+    excl = _exclusions(exclude_tenants, exclude_file)
+    con, w = _window(db, from_, to, tenant, node)
+    try:
+        options = _report_options(w.from_ns, w.to_ns, excl, **probe)
+        df, long_tokens = exploitation_for(con, options, w)
+        gaps = coverage_gaps(con)
+    finally:
+        con.close()
+    if tenant:
+        df = df.filter(pl.col("tenant_id") == tenant)
+    _emit(df, fmt, out, "no recipient tenant and no over-long prompt in this window", gaps)
+    click.echo(f"over-long: more than {long_tokens:,} tokens" if long_tokens is not None else
+               "over-long: unknown (no node configuration in the window)", err=fmt != "table")
+
+
+@forensics.command()
+@click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False))
+@click.option("--from", "from_", required=True, help="UTC start of the window (ISO 8601).")
+@click.option("--to", "to", required=True, help="UTC end of the window (ISO 8601).")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory to write the report into.")
+@click.option("--context", type=click.Path(dir_okay=False),
+              help="The operator's incident.yaml (contact, times, measures, exclusions, tenant names).")
+@_exclusion_options
+@_probe_options
+def report(db, from_, to, out, context, exclude_tenants, exclude_file, **probe) -> None:
+    """Write the disclosure report (Markdown, HTML, PDF, CSV/JSON, report.json manifest) for a window."""
+    from kvtrail.forensics.context import load_context
+    from kvtrail.forensics.report import build_report, write_report
+    from kvtrail.forensics.snapshot import open_snapshot
+
+    if not Path(db).exists():
+        raise KvtrailError(f"--db: store not found: {db}")
+    ctx = load_context(context) if context else None
+    excl = _exclusions(exclude_tenants, exclude_file, ctx.exclusions if ctx else None)
+    options = _report_options(parse_utc(from_, field="--from"), parse_utc(to, field="--to"), excl, **probe)
+    con, heads = open_snapshot(db)
+    try:
+        r = build_report(con, options, ctx, heads)
+    finally:
+        con.close()
+    manifest = write_report(r, out, Path(db).name)
+    if len(r.coverage):
+        click.echo(f"warning: coverage gap: {int(r.coverage['unexplained'].sum())} events missing from "
+                   f"{len(r.coverage)} producer(s) without a recorder_gap explaining them; the report says so", err=True)
+    c = r.counts
+    if c["events_in_window"] == 0:
+        click.echo("the store holds no events in this window", err=True)
+    click.echo(f"{c['affected_responses']} affected responses, {c['recipient_tenants']} recipient tenants, "
+               f"{c['victim_tenants']} victim tenants ({c['excluded_responses']} responses excluded)")
+    click.echo(f"wrote {len(manifest['files']) + 1} files to {out}; results digest {manifest['results_digest']}")
+
+
+@forensics.command(name="verify-report")
+@click.argument("report_dir", metavar="DIR")
+@click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False))
+@click.option("--strict", is_flag=True, help="Also fail when events committed after the report fall inside its window.")
+def verify_report_cmd(report_dir, db, strict) -> None:
+    """Re-run a report's queries on the store and confirm its numbers, chain heads and files. Exit 1 if not."""
+    from kvtrail.forensics.manifest import verify_report
+
+    check = verify_report(report_dir, db, strict=strict)
+    for note in check.notes:
+        click.echo(f"note: {note}")
+    if not check.ok:
+        for problem in check.problems:
+            click.echo(f"FAILED: {problem}")
+        sys.exit(1)
+    click.echo(f"confirmed: {report_dir} matches the store {Path(db).name} (results digest, chain heads, files)")

@@ -1,0 +1,213 @@
+"""The text of the disclosure report, as format-neutral blocks that ``render`` turns into MD/HTML/PDF.
+
+A block is a tuple: ``("h1"|"h2"|"p"|"warn"|"mono", text)``, ``("ul", [items])`` or
+``("table", headers, rows)``. Everything the report says is here, once; the numbers come from the
+:class:`~kvtrail.forensics.report.Report` model.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from kvtrail.forensics import analysis as an
+from kvtrail.forensics import notices
+from kvtrail.forensics.findings import AFFECTED_CODES, CODES
+from kvtrail.timeutil import format_utc
+
+MAX_ROWS = 50  # rows of a long table shown in the documents; the CSV/JSON files hold them all
+NOT_PROVIDED = "(not provided in the incident file)"
+
+
+def title(r) -> str:
+    ctx = r.context
+    text = "KV-cache isolation incident report"
+    if ctx:
+        text = f"{ctx.organisation}: {ctx.title or text}" + (f" ({ctx.incident_id})" if ctx.incident_id else "")
+    return text
+
+
+def _table(df: pl.DataFrame, columns: list[str], note_file: str | None = None) -> list[tuple]:
+    shown = df.head(MAX_ROWS)
+    rows = [[_cell(c, v) for c, v in zip(columns, row)] for row in shown.select(columns).iter_rows()]
+    headers = [c[:-3] + " (UTC)" if c.endswith("_ns") else c for c in columns]
+    out = [("table", headers, rows)]
+    if len(df) > MAX_ROWS:
+        out.append(("p", f"{len(df) - MAX_ROWS} more rows" + (f" in {note_file}." if note_file else ".")))
+    return out
+
+
+def _cell(column: str, v) -> str:
+    if v is None:
+        return ""
+    if column.endswith("_ns"):
+        return format_utc(v)
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, int) and column.endswith("tokens"):
+        return f"{v:,}"
+    return str(v)
+
+
+def report_blocks(r, store_name: str) -> list[tuple]:
+    """Every section of the report, in reading order."""
+    c = r.counts
+    b: list[tuple] = [("h1", title(r))]
+    b.append(("p", f"Window (UTC): {format_utc(r.options.from_ns)} to {format_utc(r.options.to_ns)}. "
+                   f"Generated {format_utc(r.generated_ns)} by kvtrail {r.version} from the audit store "
+                   f"'{store_name}'."))
+    if len(r.coverage):
+        b.append(("warn", f"Coverage gap: {int(r.coverage['unexplained'].sum())} audit events are missing from "
+                          f"{len(r.coverage)} producer(s) and no recorder_gap event accounts for them. Every count "
+                          "in this report may be too low."))
+        b += _table(r.coverage, r.coverage.columns)
+    if c["events_in_window"] == 0:
+        b.append(("warn", "The audit store holds no events in this window: nothing can be concluded about it."))
+    elif c["affected_responses"] == 0:
+        b.append(("p", "No affected responses were found in this window: no response read another request's "
+                       "KV-cache pages."))
+    b += _summary(r, c) + _categories(r) + _root_cause(r) + _thresholds(r) + _timeline(r) + _exploitation(r)
+    b += [("h2", "Affected responses")] + _table(
+        r.affected, ["request_id", "tenant_id", "http_status", "prompt_tokens", "codes", "pages_read_foreign",
+                     "victim_tenants", "last_ns"], "affected_responses.csv")
+    b += [("h2", "Exposed tenants (whose data was read)")] + _table(
+        r.exposed, ["victim_tenant", "recipient_tenants", "responses", "pages", "victim_requests"], "exposed_tenants.csv")
+    b += [("h2", "Exposure matrix (recipient tenant x victim tenant, responses / pages)")] + _matrix(r)
+    b += _measures(r) + notices.art33(r) + notices.tenant_notices(r) + _integrity(r, store_name)
+    return b
+
+
+def _summary(r, c) -> list[tuple]:
+    ex = r.excluded_affected
+    reasons = sorted({f"{by} ({reason})" for by, reason in zip(ex["excluded_by"], ex["reason"])})
+    items = [f"Affected responses: {c['affected_responses']} ({c['responses_served_2xx']} of them returned HTTP 2xx)",
+             f"Recipient tenants (received foreign data): {c['recipient_tenants']}",
+             f"Victim tenants (whose data was read): {c['victim_tenants']}",
+             f"Victim requests (whose KV was read): {c['victim_requests']}",
+             f"KV pages read foreign: {c['pages_read_foreign']}, of which {c['pages_no_known_origin']} had no known "
+             "origin (never written since their pool was created)",
+             f"Excluded: {c['excluded_responses']} affected responses of {c['excluded_accounts']} excluded "
+             f"account(s)" + (": " + "; ".join(reasons) if reasons else "")]
+    how = (f"How counted: a response is affected when its request has a finding {', '.join(sorted(AFFECTED_CODES))} "
+           "(it read KV pages another request wrote or held, or a write landed after ownership ended), from a "
+           "replay of every page allocation, write, transfer and read in the audit log. Recipient tenants are "
+           "the tenants of affected responses; victim tenants are the tenants of the requests whose pages they "
+           "read. Exclusions remove the excluded accounts' own responses from every count (their reads are not "
+           "exposure to a customer); data of an excluded account read by someone else still counts as exposed.")
+    if c["responses_without_victim"]:
+        how += f" {c['responses_without_victim']} affected responses read pages with no other holder or writer."
+    return [("h2", "Summary"), ("ul", items), ("p", how)]
+
+
+def _categories(r) -> list[tuple]:
+    extra = list(r.context.data_categories) if r.context else []
+    return [("h2", "What data was and was not exposed"), ("ul", [
+        "Exposed: KV-cache contents (attention keys and values) computed from other requests' prompts and "
+        "partial generations. A response that attended to them can repeat fragments of that text."]
+        + [f"Operator's description of that content: {x}" for x in extra] + [
+        "Not exposed through this mechanism: account and billing data, API keys, stored files; only KV-cache "
+        "pages of recent requests on the same node could be read.",
+        "kvtrail itself stores no prompt or output content: ids, counts, page ids and digests only (API keys as "
+        "hashes). This report therefore says which requests' data was exposed, not what it said."])]
+
+
+def _root_cause(r) -> list[tuple]:
+    f, ids = r.findings, set(r.affected["request_id"])
+    per_code = f.group_by("code").len().sort("code")
+    counts = dict(zip(per_code["code"], per_code["len"]))
+    b = [("h2", "Root-cause evidence from the audit"), ("p", "KV pool vs advertised context per node:")]
+    b += _table(r.capacity, ["node", "role", "instance", "effective_from_ns", "pool_tokens", "context_tokens",
+                             "pool_covers_context", "shortfall_tokens"])
+    short = r.capacity.filter(~pl.col("pool_covers_context"))
+    if len(short):
+        b.append(("p", f"{short['node'].n_unique()} node(s) advertised a longer context than their KV pool holds (F8)."))
+    rows = [[code, CODES[code].title, str(counts.get(code, 0)),
+             str(len(ids & set(f.filter(pl.col("code") == code)["request_id"].drop_nulls())))] for code in CODES]
+    b += [("p", "Findings in the window (excluded accounts removed) and how many affected responses share each:"),
+          ("table", ["code", "finding", "findings", "affected responses with it"], rows)]
+    for code, what in (("F2", "Reserved vs sent (F2): decode reserved more than prefill sent"),
+                       ("F4", "Rejected but served (F4): rejected on a node, still answered 2xx")):
+        sub = f.filter(pl.col("code") == code)
+        if len(sub):
+            b += [("p", f"{what}: {len(sub)} request(s).")] + _table(sub, ["request_id", "tenant_id", "node", "detail"])
+    return b
+
+
+def _thresholds(r) -> list[tuple]:
+    return [("h2", "Threshold analysis"), ("p", an.threshold_sentence(r.threshold_summary))] + _table(
+        r.thresholds, r.thresholds.columns)
+
+
+def _timeline(r) -> list[tuple]:
+    f, ctx = r.findings, r.context
+    aff = f.filter(pl.col("code").is_in(sorted(AFFECTED_CODES)) & pl.col("request_id").is_in(list(r.affected["request_id"])))
+    events = []
+    if len(f):
+        first = f.sort("last_ns").row(0, named=True)
+        events.append((first["last_ns"], f"first finding in the window ({first['code']} {first['title']}, node {first['node']})"))
+    if len(aff):
+        events += [(aff["last_ns"].min(), "first foreign read"), (aff["last_ns"].max(), "last foreign read")]
+    if ctx:
+        events += [(getattr(ctx, n), label) for n, label in (
+            ("detected_at", "detected" + (f": {ctx.detection}" if ctx.detection else "")),
+            ("declared_at", "incident declared"), ("mitigated_at", "mitigated"), ("fixed_at", "fixed"))
+            if getattr(ctx, n) is not None]
+        events += list(ctx.timeline)
+    rows = [[format_utc(t), what] for t, what in sorted(events, key=lambda e: e[0])]
+    b = [("h2", "Timeline (UTC)")]
+    if len(aff):
+        b.append(("p", f"Exposure window: {format_utc(aff['last_ns'].min())} to {format_utc(aff['last_ns'].max())} "
+                       "(first to last foreign read)."))
+    return b + [("table", ["time (UTC)", "event"], rows)]
+
+
+def _exploitation(r) -> list[tuple]:
+    e = r.exploitation
+    main, ex = e.filter(pl.col("excluded_by").is_null()), e.filter(pl.col("excluded_by").is_not_null())
+    out = main.filter(pl.col("verdict") == "stands out")
+    lo, hi = r.options.baseline
+    rules = r.options.rules
+    tokens = f"{r.long_prompt_tokens:,}" if r.long_prompt_tokens is not None else "unknown"
+    b = [("h2", "Exploitation assessment"),
+         ("p", f"Over-long prompt: more than {tokens} tokens. Baseline period: {format_utc(lo)} to {format_utc(hi)}. "
+               f"Repeated probing: {rules.burst_count} or more over-long prompts within {rules.burst_minutes:g} "
+               f"minutes; unusual volume: {rules.min_long_requests} or more at over {rules.rate_ratio:g}x the "
+               "tenant's own baseline rate."),
+         ("p", "No tenant stands out: the remaining requests are consistent, in timing and volume, with normal "
+               "long-context use; no evidence of deliberate exploitation." if len(main) and not len(out) else
+               f"{len(out)} tenant(s) stand out: " + "; ".join(f"{t}: {why}" for t, why in zip(out["tenant_id"], out["reason"]))
+               if len(out) else "No tenant to assess.")]
+    cols = ["tenant_id", "affected_responses", "long_requests", "long_per_hour", "baseline_long_requests",
+            "baseline_long_per_hour", "max_long_in_burst", "verdict", "reason"]
+    b += _table(main, cols)
+    if len(ex):
+        b += [("p", "Excluded accounts (not counted above):")] + _table(
+            ex, ["tenant_id", "excluded_by", "affected_responses", "long_requests", "max_long_in_burst", "reason"])
+    return b
+
+
+def _matrix(r) -> list[tuple]:
+    m = r.matrix
+    if m.is_empty():
+        return [("p", "No exposure.")]
+    victims = sorted(set(m["victim_tenant"]))
+    cells = {(a, v): f"{n} / {p}" for a, v, n, p in m.select("recipient_tenant", "victim_tenant", "responses", "pages").iter_rows()}
+    rows = [[a] + [cells.get((a, v), "") for v in victims] for a in sorted(set(m["recipient_tenant"]))]
+    return [("table", ["recipient \\ victim"] + victims, rows)]
+
+
+def _measures(r) -> list[tuple]:
+    ctx = r.context
+    return [("h2", "Measures taken and remediation"),
+            ("ul", (list(ctx.measures_taken) + list(ctx.remediation)) if ctx and (ctx.measures_taken or ctx.remediation)
+             else [NOT_PROVIDED])]
+
+
+def _integrity(r, store_name: str) -> list[tuple]:
+    heads = [[h["node"], h["instance"], str(h["producer_id"]), str(h["batch_no"]), str(h["last_seq"]), h["digest"]]
+             for h in r.chain_heads]
+    return [("h2", "Audit integrity"),
+            ("p", "The audit store is a hash chain of event batches per producer. At report time its heads were:"),
+            ("table", ["node", "instance", "producer", "batch", "last seq", "digest (SHA-256)"], heads),
+            ("p", f"SHA-256 of the canonical query results behind this report: {r.results_digest()}. "
+                  "report.json lists it with the hash of every file; to confirm the report against the store:"),
+            ("mono", f"kvtrail forensics verify-report REPORT_DIR --db {store_name}")]

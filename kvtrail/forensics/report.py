@@ -1,0 +1,202 @@
+"""The disclosure report: every answer for one window collected into one model, then written out.
+
+:func:`build_report` runs the questions (findings, affected responses) and the analyses (exclusions,
+exposure, thresholds, exploitation) on a store snapshot; :func:`write_report` writes Markdown, HTML
+and PDF (``kvtrail.forensics.render``, text from ``kvtrail.forensics.disclosure``), CSV/JSON of the
+affected responses and exposed tenants, and the ``report.json`` manifest that
+``kvtrail forensics verify-report`` checks (``kvtrail.forensics.manifest``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+import polars as pl
+
+from kvtrail import __version__
+from kvtrail.forensics import analysis as an
+from kvtrail.forensics.context import IncidentContext
+
+DATA_FILES = ("affected_responses", "exposed_tenants")
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    """What decides the report's numbers (recorded in the manifest so they can be recomputed)."""
+
+    from_ns: int
+    to_ns: int
+    exclusions: an.Exclusions = field(default_factory=an.Exclusions)
+    baseline_from_ns: int | None = None  # default: a period as long as the window, right before it
+    baseline_to_ns: int | None = None
+    long_prompt_tokens: int | None = None  # default: the smallest prefill pool in the window
+    rules: an.ProbeRules = field(default_factory=an.ProbeRules)
+
+    @property
+    def baseline(self) -> tuple[int, int]:
+        lo = self.baseline_from_ns if self.baseline_from_ns is not None else 2 * self.from_ns - self.to_ns
+        return lo, self.baseline_to_ns if self.baseline_to_ns is not None else self.from_ns
+
+    def to_dict(self) -> dict:
+        r = self.rules
+        return {"from_ns": self.from_ns, "to_ns": self.to_ns, "exclusions": self.exclusions.to_dict(),
+                "baseline_from_ns": self.baseline_from_ns, "baseline_to_ns": self.baseline_to_ns,
+                "long_prompt_tokens": self.long_prompt_tokens,
+                "rules": {"burst_minutes": r.burst_minutes, "burst_count": r.burst_count,
+                          "rate_ratio": r.rate_ratio, "min_long_requests": r.min_long_requests}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ReportOptions:
+        return cls(d["from_ns"], d["to_ns"], an.Exclusions.from_dict(d["exclusions"]), d["baseline_from_ns"],
+                   d["baseline_to_ns"], d["long_prompt_tokens"], an.ProbeRules(**d["rules"]))
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything a disclosure report says, as data (frames are Polars DataFrames)."""
+
+    options: ReportOptions
+    context: IncidentContext | None
+    generated_ns: int
+    events_in_window: int
+    affected: pl.DataFrame           # affected responses, exclusions applied
+    excluded_affected: pl.DataFrame  # affected responses of excluded accounts, with reason
+    findings: pl.DataFrame           # every finding of the window, excluded requests removed
+    excluded_findings: int
+    matrix: pl.DataFrame             # recipient tenant x victim tenant
+    exposed: pl.DataFrame            # per victim tenant
+    links: pl.DataFrame              # (response, victim, page) rows behind both
+    capacity: pl.DataFrame           # pool vs context per node configuration
+    thresholds: pl.DataFrame
+    threshold_summary: dict
+    exploitation: pl.DataFrame
+    long_prompt_tokens: int | None
+    coverage: pl.DataFrame
+    chain_heads: tuple[dict, ...]
+    version: str = __version__
+
+    @property
+    def counts(self) -> dict:
+        links = self.links
+        pages = links.select("request_id", "node", "page").unique()
+        unknown = links.filter(pl.col("victim_tenant") == an.NEVER_WRITTEN).select("request_id", "node", "page")
+        return {
+            "affected_responses": len(self.affected),
+            "recipient_tenants": self.affected["tenant_id"].drop_nulls().n_unique(),
+            "victim_tenants": len(self.exposed),
+            "victim_requests": links["victim_request_id"].drop_nulls().n_unique(),
+            "pages_read_foreign": len(pages),
+            "pages_no_known_origin": len(unknown.unique()),
+            "responses_without_victim": int((self.affected["victim_tenants"] == "").sum()),
+            "responses_served_2xx": int(self.affected["http_status"].is_between(200, 299).sum()),
+            "excluded_responses": len(self.excluded_affected),
+            "excluded_accounts": self.excluded_affected["excluded_by"].n_unique(),
+            "excluded_findings": self.excluded_findings,
+            "findings": len(self.findings),
+            "events_in_window": self.events_in_window,
+        }
+
+    def results(self) -> dict:
+        """The query results the report stands on, in a canonical order (see :func:`results_digest`)."""
+        def rows(df: pl.DataFrame) -> list[str]:
+            return sorted(json.dumps(r, sort_keys=True, separators=(",", ":"), default=str) for r in df.to_dicts())
+        return {"options": self.options.to_dict(), "events_in_window": self.events_in_window,
+                "affected": rows(self.affected), "excluded_affected": rows(self.excluded_affected),
+                "findings": rows(self.findings), "excluded_findings": self.excluded_findings,
+                "exposure": rows(self.matrix), "exposed_tenants": rows(self.exposed),
+                "capacity": rows(self.capacity), "thresholds": rows(self.thresholds),
+                "threshold_summary": self.threshold_summary, "exploitation": rows(self.exploitation),
+                "long_prompt_tokens": self.long_prompt_tokens, "coverage": rows(self.coverage)}
+
+    def results_digest(self) -> str:
+        """SHA-256 (hex) of :meth:`results` serialised as sorted-key, compact JSON."""
+        text = json.dumps(self.results(), sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def build_report(con: duckdb.DuckDBPyConnection, options: ReportOptions, context: IncidentContext | None = None,
+                 heads: list[dict] | None = None) -> Report:
+    """Run every question and analysis for the window (``con``: a store or a snapshot of one)."""
+    from kvtrail.forensics.questions import Window, coverage_gaps, findings
+    from kvtrail.forensics.snapshot import chain_heads
+
+    o = options
+    w = Window(o.from_ns, o.to_ns)
+    kept, dropped, excluded = an.affected_with_exclusions(con, w, o.exclusions)
+    found = findings(con, w)
+    is_excluded = (pl.col("request_id").is_in(excluded["request_id"].to_list())
+                   | pl.col("tenant_id").is_in([t for t, _ in o.exclusions.tenants])).fill_null(False)
+    found_kept = found.filter(~is_excluded)
+    links = an.exposure_links(found_kept, set(kept["request_id"]))
+    capacity = an.node_capacity(con, o.from_ns, o.to_ns)
+    requests = _requests(con, o, kept, dropped)
+    not_excluded = requests.filter(~pl.col("request_id").is_in(excluded["request_id"].to_list()))
+    thresholds, summary = an.threshold_analysis(not_excluded, set(kept["request_id"]))
+    exploitation, long_tokens = exploitation_for(con, o, w, (kept, dropped, excluded, capacity, requests))
+    events = con.execute("SELECT count(*) FROM events WHERE wall_ns BETWEEN ? AND ?", [o.from_ns, o.to_ns]).fetchone()[0]
+    return Report(o, context, time.time_ns(), int(events), kept, dropped, found_kept, len(found) - len(found_kept),
+                  an.exposure_matrix(links), an.exposed_tenants(links), links, capacity, thresholds, summary,
+                  exploitation, long_tokens, coverage_gaps(con),
+                  tuple(heads if heads is not None else chain_heads(con)))
+
+
+def _requests(con, o: ReportOptions, kept: pl.DataFrame, dropped: pl.DataFrame) -> pl.DataFrame:
+    """Requests of the window, plus affected ones received before it."""
+    ids = kept["request_id"].to_list() + dropped["request_id"].to_list()
+    return an.requests_table(con, o.from_ns, o.to_ns, ids)
+
+
+def exploitation_for(con: duckdb.DuckDBPyConnection, o: ReportOptions, w=None, pieces: tuple | None = None
+                     ) -> tuple[pl.DataFrame, int | None]:
+    """The exploitation assessment for the options' window and its over-long threshold (tokens).
+
+    ``pieces`` (kept, dropped, excluded, capacity, requests) saves recomputing what the caller has.
+    """
+    from kvtrail.forensics.questions import Window
+
+    if pieces is None:
+        kept, dropped, excluded = an.affected_with_exclusions(con, w or Window(o.from_ns, o.to_ns), o.exclusions)
+        pieces = (kept, dropped, excluded, an.node_capacity(con, o.from_ns, o.to_ns), _requests(con, o, kept, dropped))
+    kept, dropped, excluded, capacity, requests = pieces
+    long_tokens = o.long_prompt_tokens if o.long_prompt_tokens is not None else an.long_prompt_threshold(capacity)
+    b_from, b_to = o.baseline
+    everyone = pl.concat([kept, dropped.drop("excluded_by", "reason")])
+    df = an.exploitation_assessment(
+        requests, an.requests_table(con, b_from, b_to), everyone, excluded, window_ns=(o.from_ns, o.to_ns),
+        baseline_ns=(b_from, b_to), long_prompt_tokens=long_tokens, rules=o.rules)
+    return df, long_tokens
+
+
+def write_report(report: Report, out_dir: str | Path, store_name: str) -> dict:
+    """Write every report file into ``out_dir`` (created) and the manifest last; returns the manifest."""
+    from kvtrail.forensics import disclosure, manifest, render
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    # Excluded responses stay in the file, marked, so the exclusion itself can be reviewed.
+    unmarked = report.affected.with_columns(pl.lit(None, pl.Utf8).alias("excluded_by"), pl.lit(None, pl.Utf8).alias("reason"))
+    affected = _with_times(pl.concat([unmarked, report.excluded_affected], how="vertical_relaxed"))
+    for name, df in (("affected_responses", affected), ("exposed_tenants", report.exposed)):
+        df.write_csv(out / f"{name}.csv")
+        (out / f"{name}.json").write_text(json.dumps(df.to_dicts(), indent=1, default=str) + "\n")
+        written += [f"{name}.csv", f"{name}.json"]
+    blocks = disclosure.report_blocks(report, store_name)
+    (out / "report.md").write_text(render.markdown(blocks))
+    (out / "report.html").write_text(render.html(blocks, title=disclosure.title(report)))
+    render.pdf(blocks, out / "report.pdf", title=disclosure.title(report))
+    written += ["report.md", "report.html", "report.pdf"]
+    return manifest.write_manifest(report, out, written, store_name)
+
+
+def _with_times(df: pl.DataFrame) -> pl.DataFrame:
+    """Add UTC strings beside the ns columns (the files are read by people as well as programs)."""
+    from kvtrail.timeutil import format_utc
+
+    return df.with_columns([pl.col(c).map_elements(format_utc, return_dtype=pl.Utf8).alias(c[:-3] + "_utc")
+                            for c in ("first_ns", "last_ns") if c in df.columns])
