@@ -12,6 +12,7 @@ from kvtrail.errors import KvtrailError
 from kvtrail.timeutil import format_utc, parse_utc
 
 FORMATS = ("table", "csv", "json", "parquet")
+ENGINES = ("replay", "sql")
 
 
 def _window(db: str, from_: str | None, to: str | None, tenant: str | None, node: str | None):
@@ -152,28 +153,58 @@ def forensics() -> None:
     """Forensics over the audit store: findings F1-F10 with evidence, affected responses."""
 
 
+def _policy_options(f):
+    from kvtrail.forensics.policy import ForensicsPolicy
+
+    for opt in reversed([
+        click.option("--engine", type=click.Choice(ENGINES), default="replay", show_default=True,
+                     help="Findings engine: the streaming replay or the independent SQL engine."),
+        click.option("--allow-tenant-cache-sharing", is_flag=True,
+                     help="The deployment lets tenants share prefix-cache pages: no F10."),
+        click.option("--latency-factor", type=click.FloatRange(1.0), default=ForensicsPolicy.latency_factor,
+                     show_default=True, help="F9: how many times faster than its node's measured prefill "
+                                             "rate a response must be to be implausible."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _policy(allow_tenant_cache_sharing: bool, latency_factor: float):
+    from kvtrail.forensics.policy import ForensicsPolicy
+
+    return ForensicsPolicy(allow_tenant_cache_sharing=allow_tenant_cache_sharing, latency_factor=latency_factor)
+
+
 @forensics.command(name="findings")
 @_options
 @click.option("--code", "codes", multiple=True, help="Only these finding codes (repeatable), e.g. F1.")
 @_exclusion_options
-def findings_cmd(db, from_, to, tenant, node, fmt, out, codes, exclude_tenants, exclude_file) -> None:
+@_policy_options
+@click.option("--save", is_flag=True, help="Also keep the window's findings in the store (tables findings and "
+                                           "forensic_runs); re-running a window adds no duplicates.")
+def findings_cmd(db, from_, to, tenant, node, fmt, out, codes, exclude_tenants, exclude_file, engine,
+                 allow_tenant_cache_sharing, latency_factor, save) -> None:
     """Every finding in the window, with the event ids that prove it (excluded accounts' requests left out)."""
     import polars as pl
 
     from kvtrail.forensics.analysis import check_exclusions, excluded_requests
     from kvtrail.forensics.findings import CODES
-    from kvtrail.forensics.questions import coverage_gaps, findings
+    from kvtrail.forensics.questions import coverage_gaps, findings_of, findings_frame
 
     bad = [c for c in codes if c not in CODES]
     if bad:
         raise KvtrailError(f"--code: unknown finding code {bad[0]!r}; known: {', '.join(CODES)}")
     excl = _exclusions(exclude_tenants, exclude_file)
+    policy = _policy(allow_tenant_cache_sharing, latency_factor)
     con, w = _window(db, from_, to, tenant, node)
     try:
         check_exclusions(con, excl)
-        df, gaps, excluded = findings(con, w, tuple(codes)), coverage_gaps(con), excluded_requests(con, excl)
+        found = findings_of(con, w, engine=engine, policy=policy)
+        df, gaps, excluded = findings_frame(found, w, tuple(codes)), coverage_gaps(con), excluded_requests(con, excl)
     finally:
         con.close()
+    if save:
+        _save(db, found, w, engine, policy)
     hit = (pl.col("request_id").is_in(excluded["request_id"].to_list())
            | pl.col("tenant_id").is_in([t for t, _ in excl.tenants])).fill_null(False)
     if len(df.filter(hit)):
@@ -197,6 +228,71 @@ def affected(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_fil
         con.close()
     _say_excluded(dropped)
     _emit(df, fmt, out, "no affected responses in this window", gaps)
+
+
+def _save(db: str, found, w, engine: str, policy) -> None:
+    import duckdb
+
+    from kvtrail.forensics.persist import save_findings
+
+    try:
+        con = duckdb.connect(db)
+    except duckdb.Error as exc:
+        raise KvtrailError(f"--save: cannot open {db} for writing (another process holds it?): {exc}") from exc
+    try:
+        run = save_findings(con, found, from_ns=w.from_ns, to_ns=w.to_ns, engine=engine, policy=policy)
+    finally:
+        con.close()
+    click.echo(f"saved run {run.run_id}: {run.num_findings} findings, {run.num_new} new "
+               f"(results digest {run.results_digest[:16]})", err=True)
+
+
+@forensics.command()
+@click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False))
+@click.option("--interval", type=click.FloatRange(0.05), default=2.0, show_default=True,
+              help="Seconds between polls of the store.")
+@click.option("--polls", type=click.IntRange(0), default=0, show_default=True,
+              help="Stop after this many polls (0: until Ctrl-C).")
+@click.option("--allow-tenant-cache-sharing", is_flag=True, help="The deployment lets tenants share prefix-cache "
+                                                                 "pages: no F10.")
+def watch(db, interval, polls, allow_tenant_cache_sharing) -> None:
+    """Tail a store: print each new finding as its batch commits (online replay; cross-node findings are
+    provisional until their other half lands). The store is opened read-only for each poll only."""
+    import time
+
+    import duckdb
+
+    from kvtrail.audit.store import connect_readonly
+    from kvtrail.forensics.online import OnlineReplay
+
+    if not Path(db).exists():
+        raise KvtrailError(f"--db: store not found: {db}")
+    from kvtrail.forensics.policy import ForensicsPolicy
+
+    online = OnlineReplay(ForensicsPolicy(allow_tenant_cache_sharing=allow_tenant_cache_sharing))
+    done = 0
+    try:
+        while True:
+            try:
+                con = connect_readonly(db)
+            except duckdb.Error as exc:  # a writer holds the file right now: try again next poll
+                click.echo(f"note: store busy ({str(exc).splitlines()[0][:120]})", err=True)
+            else:
+                try:
+                    for f in online.poll(con):
+                        victims = ",".join(v or "(never written)" for v in f.victim_request_ids)
+                        click.echo(f"{format_utc(f.last_ns)} {f.code} {f.severity:<8} {f.node} request "
+                                   f"{f.request_id} ({f.tenant_id})" + (f" victims {victims}" if victims else "")
+                                   + f": {f.detail}")
+                finally:
+                    con.close()
+            done += 1
+            if polls and done >= polls:
+                break
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    click.echo(f"watched {online.num_events} events in {done} polls", err=True)
 
 
 @forensics.command()

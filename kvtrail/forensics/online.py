@@ -7,8 +7,10 @@ reported before. Page findings are final when reported. Cross-node findings (F2,
 re-judged on every poll and can be reported again with more evidence once the other node's batch
 lands, so online answers are provisional; a window re-run (``replay_store``) is authoritative.
 
-DuckDB lets one process write a store file: run this in the process that owns the store (beside the
-relay or an ingest service, through ``AuditStore.cursor()``), or against a file no writer holds.
+Every poll takes the connection to read through, so a watcher in another process can open the file
+read-only for one poll and close it again (DuckDB lets one process write a store file, and readers in
+other processes only while no writer holds it); in the process that owns the store, pass
+``AuditStore.cursor()``.
 """
 
 from __future__ import annotations
@@ -29,22 +31,21 @@ _PRODUCER_NAMES = ", ".join(f.name for f in PRODUCER_FIELDS)
 class StoreTail:
     """Events of batches committed since the previous :meth:`poll` (all of them on the first)."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection):
-        self.con = con
+    def __init__(self):
         self.watermark: dict[int, int] = {}  # producer_id -> last batch_no read
         self.producers: dict[tuple, int] = {}
 
-    def poll(self) -> pa.Table | None:
-        self.con.complete()
-        heads = self.con.execute("SELECT producer_id, max(batch_no) FROM batches GROUP BY producer_id").fetchall()
+    def poll(self, con: duckdb.DuckDBPyConnection) -> pa.Table | None:
+        con.complete()
+        heads = con.execute("SELECT producer_id, max(batch_no) FROM batches GROUP BY producer_id").fetchall()
         new = [(pid, head) for pid, head in heads if head > self.watermark.get(pid, -1)]
         if not new:
             return None
-        self.producers = {tuple(r[1:]): r[0] for r in self.con.execute(
+        self.producers = {tuple(r[1:]): r[0] for r in con.execute(
             f"SELECT producer_id, {_PRODUCER_NAMES} FROM producers").fetchall()}
         where = " OR ".join("(producer_id = ? AND batch_no > ? AND batch_no <= ?)" for _ in new)
         params = [x for pid, head in new for x in (pid, self.watermark.get(pid, -1), head)]
-        table = read_events(self.con, where, params)
+        table = read_events(con, where, params)
         self.watermark.update(new)
         return table
 
@@ -52,14 +53,14 @@ class StoreTail:
 class OnlineReplay:
     """A replay engine kept warm across polls of a store; :meth:`poll` returns findings new since the last."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, policy: ForensicsPolicy = ForensicsPolicy()):
-        self.tail = StoreTail(con)
+    def __init__(self, policy: ForensicsPolicy = ForensicsPolicy()):
+        self.tail = StoreTail()
         self.engine = ReplayEngine(policy=policy)
         self._reported: set[str] = set()
         self.num_events = 0
 
-    def poll(self) -> list[Finding]:
-        table = self.tail.poll()
+    def poll(self, con: duckdb.DuckDBPyConnection) -> list[Finding]:
+        table = self.tail.poll(con)
         if table is not None:
             self.engine.producer_ids.update(self.tail.producers)  # evidence must name stored producer ids
             self.engine.feed(table)

@@ -14,8 +14,10 @@ import duckdb
 import polars as pl
 
 from kvtrail.errors import KvtrailError
-from kvtrail.forensics.findings import AFFECTED_CODES, findings_table
+from kvtrail.forensics.findings import AFFECTED_CODES, Finding, findings_table
+from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay import replay_store
+from kvtrail.forensics.sql import sql_findings
 
 
 @dataclass(frozen=True)
@@ -61,14 +63,29 @@ def coverage_gaps(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
                                      "reported_by_producer": pl.Int64, "unexplained": pl.Int64})
 
 
-def findings(con: duckdb.DuckDBPyConnection, w: Window = Window(), codes: tuple[str, ...] = ()) -> pl.DataFrame:
-    """Every finding in the window (optionally only ``codes``), with evidence event ids."""
+def findings_of(con: duckdb.DuckDBPyConnection, w: Window = Window(), *, engine: str = "replay",
+                policy: ForensicsPolicy = ForensicsPolicy()) -> list[Finding]:
+    """Every finding of the window's events (tenant and node filters not applied), from either engine."""
     _check(con, w)
-    found = replay_store(con, w.from_ns, w.to_ns)
+    if engine == "replay":
+        return replay_store(con, w.from_ns, w.to_ns, policy)
+    if engine == "sql":
+        return sql_findings(con, w.from_ns, w.to_ns, policy)
+    raise ValueError(f"engine: {engine!r} is not one of replay, sql")
+
+
+def findings_frame(found: list[Finding], w: Window = Window(), codes: tuple[str, ...] = ()) -> pl.DataFrame:
+    """Findings as a DataFrame, keeping ``codes`` (all when empty) and the window's tenant/node filters."""
     found = [f for f in found if (not codes or f.code in codes)
              and (w.tenant is None or f.tenant_id == w.tenant or w.tenant in f.victim_tenant_ids)
              and (w.node is None or f.node == w.node)]
     return pl.from_arrow(findings_table(found))
+
+
+def findings(con: duckdb.DuckDBPyConnection, w: Window = Window(), codes: tuple[str, ...] = (), *,
+             engine: str = "replay", policy: ForensicsPolicy = ForensicsPolicy()) -> pl.DataFrame:
+    """Every finding in the window (optionally only ``codes``), with evidence event ids."""
+    return findings_frame(findings_of(con, w, engine=engine, policy=policy), w, codes)
 
 
 def affected_responses(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> pl.DataFrame:

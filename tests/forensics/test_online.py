@@ -22,15 +22,15 @@ def test_findings_arrive_batch_by_batch_and_match_a_window_rerun(tmp_path):
     tl.alloc("d", "r3", [20])
     tl.write("d", "r2", [20])                                                           # F7
     with AuditStore(tmp_path / "a.duckdb") as store:
-        online = OnlineReplay(store.cursor())
-        assert online.poll() == []                       # an empty store
+        online, con = OnlineReplay(), store.cursor()
+        assert online.poll(con) == []                       # an empty store
         store.append(from_dicts(tl.events[:cut]))
-        first = online.poll()
+        first = online.poll(con)
         assert sorted(f.code for f in first) == ["F1", "F2"]
-        assert online.poll() == []                       # nothing new, nothing repeated
+        assert online.poll(con) == []                       # nothing new, nothing repeated
         # the decode node's later batch: only the late write is new
         store.append(from_dicts([e for e in tl.events[cut:]]))
-        second = online.poll()
+        second = online.poll(con)
         assert [f.code for f in second] == ["F7"]
         assert online.num_events == len(tl.events)
         assert sorted(map(_key, first + second)) == sorted(map(_key, replay_store(store.con)))

@@ -79,3 +79,32 @@ def test_a_sequence_gap_is_reported_with_every_answer(tmp_path, capsys):
     assert main(["forensics", "affected", "--db", str(path)]) == 0
     err = capsys.readouterr().err
     assert "coverage gap: 5 events missing" in err and "decode-0" in err
+
+
+def test_both_engines_from_the_cli_and_saved_findings_are_idempotent(db, capsys):
+    assert main(["forensics", "findings", "--db", str(db), "--format", "json"]) == 0
+    replay = json.loads(capsys.readouterr().out)
+    assert main(["forensics", "findings", "--db", str(db), "--format", "json", "--engine", "sql"]) == 0
+    sql = json.loads(capsys.readouterr().out)
+    assert [(r["code"], r["pages"], r["evidence"]) for r in replay] == [(r["code"], r["pages"], r["evidence"])
+                                                                         for r in sql]
+    assert [r["code"] for r in replay] == ["F8", "F1"]  # the pool is smaller than the context; acme's pages
+    for n in (1, 2):
+        assert main(["forensics", "findings", "--db", str(db), "--save"]) == 0
+        err = capsys.readouterr().err
+        assert f"saved run {n}: 2 findings, {2 if n == 1 else 0} new" in err
+    import duckdb
+
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert con.execute("SELECT count(*) FROM findings").fetchall() == [(2,)]
+        assert con.execute("SELECT count(*) FROM forensic_runs").fetchall() == [(2,)]
+
+
+def test_watch_prints_findings_once(db, capsys):
+    assert main(["forensics", "watch", "--db", str(db), "--polls", "2", "--interval", "0.05"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert len(lines) == 2  # each finding once, although the store was read twice
+    assert " F8 " in lines[0] and " F1 " in lines[1] and "request g (globex) victims a" in lines[1]
+    assert "watched 8 events in 2 polls" in captured.err
+    assert main(["forensics", "watch", "--db", str(db) + ".missing", "--polls", "1"]) == 2
