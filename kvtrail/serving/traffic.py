@@ -44,7 +44,9 @@ class Outcome:
     @property
     def foreign_canaries(self) -> list[str]:
         """Tenants whose canary appears in this response though they did not send the prompt."""
-        return sorted({m.group(1) for m in CANARY_RE.finditer(self.text)} - {self.tenant})
+        # A splice of two pages can yield a canary-shaped string; only a whole, valid canary counts.
+        found = {m.group(1) for m in CANARY_RE.finditer(self.text) if m.group(0) == canary(m.group(1))}
+        return sorted(found - {self.tenant})
 
 
 def canary(tenant: str) -> str:
