@@ -91,7 +91,7 @@ def findings(con: duckdb.DuckDBPyConnection, w: Window = Window(), codes: tuple[
 def affected_responses(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> pl.DataFrame:
     """Responses whose request read foreign pages (F1, F5, F7): who, what the client got, whose data."""
     _check(con, w)
-    found = [f for f in replay_store(con, w.from_ns, w.to_ns) if f.code in AFFECTED_CODES]
+    found = replay_store(con, w.from_ns, w.to_ns, codes=AFFECTED_CODES)
     by_request: dict[str, dict] = {}
     for f in found:
         row = by_request.setdefault(f.request_id, {

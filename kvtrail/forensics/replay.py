@@ -16,6 +16,8 @@ it since its allocation is filled by the very step that reads it (not F1).
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -26,23 +28,29 @@ from kvtrail.forensics.findings import Finding, make_finding
 from kvtrail.forensics.joins import CrossNodeJoins
 from kvtrail.forensics.pagestate import PageState
 from kvtrail.forensics.policy import ForensicsPolicy
+from kvtrail.forensics.replay_batch import (JOIN_CODES, JOIN_KINDS, PAGE_KINDS, SCALARS, ReplayBatch, codes_of,
+                                            from_table, in_engine_order, register_requests, request_codes)
 
 _PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
-_SCALARS = ("kind", "seq", "wall_ns", "request_id", "transfer_id", "tenant_id", "purpose", "num_tokens",
-            "digest", "digest_algo", "status", "http_status", "stage", "abort_reason", "pool_tokens",
-            "pool_pages", "context_tokens", "page_size", "source", "token_start", "token_end", "prompt_tokens",
-            "ttft_ns")
+_SCALARS = SCALARS  # the fields the handlers read, one list for both paths
 class ReplayEngine:
     """Replays audit events (wire-shaped Arrow batches, in time order) and collects findings.
 
     ``producer_ids`` maps a producer identity tuple (cluster, node, role, engine, engine_version,
     instance) to its store id, so evidence names stored events; unknown producers get fresh ids.
     ``policy`` decides F9's thresholds and whether cross-tenant prefix sharing is a finding (F10).
+    ``codes``: the findings wanted (default all); without F2/F3/F4/F9 the cross-node joins are skipped.
+    ``fast``: replay finding-free page events in compiled runs (:mod:`kvtrail.forensics.replay_fast`,
+    needs numba); None uses it when numba is installed; False replays every event in Python (the
+    reference the fast path is tested against).
     """
 
-    def __init__(self, producer_ids: dict[tuple, int] | None = None, policy: ForensicsPolicy = ForensicsPolicy()):
+    def __init__(self, producer_ids: dict[tuple, int] | None = None, policy: ForensicsPolicy = ForensicsPolicy(),
+                 *, codes=None, fast: bool | None = None):
         self.producer_ids = dict(producer_ids or {})
         self.policy = policy
+        self.codes = None if codes is None else frozenset(codes)
+        self._need_joins = self.codes is None or bool(self.codes & JOIN_CODES)
         self._next_pid = max(self.producer_ids.values(), default=-1) + 1
         self._pools: dict[tuple[str, str], PageState] = {}
         self._pool_instance: dict[tuple[str, str], str] = {}
@@ -52,6 +60,11 @@ class ReplayEngine:
         self._found: list[Finding] = []
         self._joins = CrossNodeJoins(policy)
         self._ord = 0
+        self._fast = None
+        if fast or (fast is None and importlib.util.find_spec("numba") is not None):
+            from kvtrail.forensics.replay_fast import FastReplay
+
+            self._fast = FastReplay(self, self._need_joins)
 
     # ---- input -------------------------------------------------------------------------------------
 
@@ -59,8 +72,12 @@ class ReplayEngine:
         """Replay one batch; rows are taken in (wall_ns, cluster, node, instance, seq) order."""
         if table.num_rows == 0:
             return
-        table = table.sort_by([("wall_ns", "ascending"), ("cluster", "ascending"), ("node", "ascending"),
-                               ("instance", "ascending"), ("seq", "ascending")]).combine_chunks()
+        table = in_engine_order(table)
+        if self._fast is not None:
+            self._fast.feed(from_table(table, self._producer_id))
+            return
+        is_page_event = codes_of(table.column("kind"), PAGE_KINDS) >= 0
+        register_requests(self, is_page_event, *request_codes(table.column("request_id")))
         cols = {name: table.column(name).to_pylist() for name in _SCALARS}
         ident = list(zip(*(table.column(n).to_pylist() for n in _PRODUCER_NAMES)))
         pids = table.column("producer_id").to_pylist() if "producer_id" in table.column_names else None
@@ -84,9 +101,17 @@ class ReplayEngine:
             ev["num_dst_pages"] = ndst[i]
             if ev["request_id"] is not None and ev["tenant_id"] is not None:
                 self._tenant.setdefault(ev["request_id"], ev["tenant_id"])
+            if not self._need_joins and ev["kind"] in JOIN_KINDS:
+                continue
             handler = getattr(self, "_on_" + ev["kind"], None)
             if handler is not None:
                 handler(ev)
+
+    def feed_batch(self, batch: ReplayBatch) -> None:
+        """Replay a batch already in engine order (the fast path's input, e.g. read straight from a store)."""
+        if self._fast is None:
+            raise ValueError("feed_batch: needs the fast path (ReplayEngine(fast=True), numba installed)")
+        self._fast.feed(batch)
 
     def _producer_id(self, ident: tuple) -> int:
         if ident not in self.producer_ids:
@@ -276,7 +301,7 @@ class ReplayEngine:
         saved, self._found = self._found, []
         try:
             self._joins.evaluate(self._emit)
-            out = saved + self._found
+            out = [f for f in saved + self._found if self.codes is None or f.code in self.codes]
         finally:
             self._found = saved
         return sorted(out, key=lambda f: (f.last_ns, f.first_ns, int(f.code[1:]), f.evidence))
@@ -322,16 +347,24 @@ def window_filter(from_ns: int | None, to_ns: int | None) -> tuple[str, list]:
     return " AND ".join(where), params
 
 
-def replay_store(con, from_ns: int | None = None, to_ns: int | None = None,
-                 policy: ForensicsPolicy = ForensicsPolicy()) -> list[Finding]:
+def replay_store(con, from_ns: int | None = None, to_ns: int | None = None, policy: ForensicsPolicy = ForensicsPolicy(),
+                 *, codes=None, fast: bool | None = None) -> list[Finding]:
     """Findings of the events in [from_ns, to_ns] of an audit store (a DuckDB connection).
 
     Each producer is replayed from its last ``node_config`` at or before ``from_ns`` so page state at
-    the window's start is known; findings that end before ``from_ns`` are left out.
+    the window's start is known; findings that end before ``from_ns`` are left out. ``codes`` and
+    ``fast`` are :class:`ReplayEngine`'s.
     """
     where, params = window_filter(from_ns, to_ns)
     rows = con.execute(f"SELECT producer_id, {', '.join(_PRODUCER_NAMES)} FROM producers").fetchall()
-    engine = ReplayEngine({tuple(r[1:]): r[0] for r in rows}, policy)
-    engine.feed(read_events(con, where, params))
+    engine = ReplayEngine({tuple(r[1:]): r[0] for r in rows}, policy, codes=codes, fast=fast)
+    if engine._fast is not None:  # read in engine order, in bounded slices, straight into the fast path
+        from kvtrail.forensics.replay_kernels import warm_up
+        from kvtrail.forensics.replay_source import store_batches
+
+        for batch in store_batches(con, where, params, meanwhile=warm_up):
+            engine.feed_batch(batch)
+    else:
+        engine.feed(read_events(con, where, params))
     found = engine.findings()
     return [f for f in found if from_ns is None or f.last_ns >= from_ns]

@@ -1,0 +1,153 @@
+"""The measured parts of bench_forensics.py, each run in a process of its own (see that script's doc).
+
+``run_part(name, db, meta, args)`` returns the part's figures: ``wall_s`` and what it found (F1 pages,
+affected responses), plus the part's own page-event count where it replays only part of the history.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import tempfile
+import time
+
+NAIVE_SQL = """
+WITH pe AS (SELECT e.producer_id, e.seq, e.wall_ns, e.kind, e.request_id, p.cluster, p.node
+            FROM events e JOIN producers p USING (producer_id) WHERE e.kind IN ('kv_read', 'kv_written')),
+pages AS (SELECT pe.cluster, pe.node, pe.wall_ns, pe.kind, pe.request_id,
+                 unnest(generate_series(r.page_start, r.page_start + r.num_pages - 1)) AS page
+          FROM pe JOIN page_runs r ON r.producer_id = pe.producer_id AND r.seq = pe.seq AND r.list = 0),
+reads AS (SELECT * FROM pages WHERE kind = 'kv_read'),
+writes AS (SELECT * FROM pages WHERE kind = 'kv_written')
+SELECT count(*) AS read_pages,
+       count(*) FILTER (w.request_id IS DISTINCT FROM r.request_id) AS foreign_pages,
+       count(DISTINCT r.request_id) FILTER (w.request_id IS DISTINCT FROM r.request_id) AS recipients
+FROM reads r ASOF LEFT JOIN writes w
+  ON r.cluster = w.cluster AND r.node = w.node AND r.page = w.page AND r.wall_ns >= w.wall_ns
+"""
+
+
+def _summary(found) -> dict:
+    """F1 pages (summed over F1 findings) and affected responses (requests with F1, F5 or F7)."""
+    return {"f1_pages": sum(len(f.pages) for f in found if f.code == "F1"),
+            "affected": len({f.request_id for f in found if f.code in ("F1", "F5", "F7")})}
+
+
+def run_part(part: str, db: str, meta: dict, args) -> dict:
+    """One measured part, in this process. Returns its figures (wall_s and what it found).
+
+    Modules are imported before the clock starts (a process's start-up, not the question's cost);
+    loading the compiled kernels from numba's cache happens inside, on their first call.
+    """
+    import duckdb
+
+    from kvtrail.audit.store import connect_readonly
+    from kvtrail.forensics.findings import AFFECTED_CODES
+    from kvtrail.forensics.questions import Window, affected_responses
+    from kvtrail.forensics.replay import replay_store
+    from kvtrail.forensics.sql import sql_findings
+
+    if part == "online":
+        return _online(db)
+    if part == "split":
+        return _split(db)
+    out: dict = {}
+    to_ns = None
+    prefix = {"pure": args.pure_page_events, "sql": args.sql_page_events}.get(part, 0)
+    if prefix and prefix < meta["page_events"]:  # the history up to where it holds that many page-events
+        with connect_readonly(db) as con:
+            to_ns = con.execute("SELECT min(wall_ns) FROM (SELECT wall_ns, sum(num_pages) OVER (ORDER BY wall_ns "
+                                "ROWS UNBOUNDED PRECEDING) AS cum FROM events) WHERE cum >= ?",
+                                [int(prefix)]).fetchone()[0]
+            out["page_events"] = int(con.execute("SELECT sum(num_pages) FROM events WHERE wall_ns <= ?",
+                                                 [to_ns]).fetchone()[0])
+    t0 = time.perf_counter()
+    if part == "question":
+        with connect_readonly(db) as con:
+            df = affected_responses(con, Window())
+        out.update(affected=df.height)
+    elif part in ("engine", "pure"):
+        with connect_readonly(db) as con:
+            found = replay_store(con, to_ns=to_ns, codes=AFFECTED_CODES, fast=part == "engine")
+        out.update(_summary(found))
+    elif part == "sql":
+        with connect_readonly(db) as con:
+            found = sql_findings(con, to_ns=to_ns, codes=("F1",))
+        out.update(_summary(found))
+    elif part == "naive":
+        with duckdb.connect(db, read_only=True) as con:
+            read_pages, foreign, recipients = con.execute(NAIVE_SQL).fetchone()
+        out.update(read_pages=read_pages, f1_pages=foreign, affected=recipients)
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def _split(db: str) -> dict:
+    """The engine part in two halves: reading the store into batches, then replaying them from memory."""
+    import dataclasses
+
+    from kvtrail.audit.store import connect_readonly
+    from kvtrail.forensics.findings import AFFECTED_CODES
+    from kvtrail.forensics.replay import ReplayEngine, window_filter
+    from kvtrail.forensics.replay_kernels import warm_up
+    from kvtrail.forensics.replay_source import store_batches
+
+    warm_up()
+    with connect_readonly(db) as con:
+        ids = {tuple(r[1:]): r[0] for r in con.execute(
+            "SELECT producer_id, cluster, node, role, engine, engine_version, instance FROM producers").fetchall()}
+        t0 = time.perf_counter()
+        for _ in store_batches(con, *window_filter(None, None)):
+            pass
+        read_s = time.perf_counter() - t0
+        # again, untimed, keeping every batch (the reader reuses a batch's page buffer for a later one)
+        batches = [dataclasses.replace(b, pages=b.pages.copy()) for b in store_batches(con, *window_filter(None, None))]
+    engine = ReplayEngine(ids, codes=AFFECTED_CODES)
+    t0 = time.perf_counter()
+    for b in batches:
+        engine.feed_batch(b)
+    found = engine.findings()
+    return {"read_s": read_s, "wall_s": time.perf_counter() - t0, **_summary(found)}
+
+
+def _online(db: str) -> dict:
+    """Ingest vs online replay of the same wire batches, alternating who goes first, batch by batch."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from kvtrail.audit.store import AuditStore
+    from kvtrail.forensics.replay import ReplayEngine
+
+    clock = time.perf_counter
+    spent = {"ingest": 0.0, "replay": 0.0}
+    page_events = 0
+    with tempfile.TemporaryDirectory(prefix="kvtrail-bench-") as tmp, \
+            AuditStore(os.path.join(tmp, "online.duckdb")) as store, \
+            pa.ipc.open_stream(pa.OSFile(db + ".batches.arrow", "rb")) as reader:
+        engine = ReplayEngine()
+        for i, batch in enumerate(reader):
+            table = pa.Table.from_batches([batch])
+            page_events += pc.sum(pc.list_value_length(table.column("pages"))).as_py() or 0
+            steps = [("ingest", store.append), ("replay", engine.feed)]
+            for name, step in steps[i % 2:] + steps[:i % 2]:
+                t = clock()
+                step(table)
+                spent[name] += clock() - t
+        t = clock()
+        found = engine.findings()
+        spent["replay"] += clock() - t
+    return {"ingest_s": spent["ingest"], "replay_s": spent["replay"], "page_events": page_events,
+            "wall_s": spent["replay"], **_summary(found)}
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory. VmHWM belongs to the process image, so unlike ru_maxrss it
+    does not start at the parent's size when the parent forked this process."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

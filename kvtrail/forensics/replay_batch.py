@@ -1,0 +1,223 @@
+"""Events in the replay engine's order as flat columns: what the compiled fast path reads.
+
+A :class:`ReplayBatch` holds one batch of events sorted in engine order (``wall_ns``, cluster,
+node, instance, ``seq``): numpy arrays for everything the page kernel needs (producer id, clocks,
+page lists flattened with offsets) and the engine's scalar columns as Arrow, from which the few
+events that go through the Python handlers get their dicts. :func:`from_table` builds one from a
+wire-shaped Arrow batch; :mod:`kvtrail.forensics.replay_source` builds them straight from a store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kvtrail.audit.events import PRODUCER_FIELDS
+
+PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
+# The event fields the engine's handlers read (besides producer identity and the lists).
+SCALARS = ("kind", "seq", "wall_ns", "request_id", "transfer_id", "tenant_id", "purpose", "num_tokens",
+           "digest", "digest_algo", "status", "http_status", "stage", "abort_reason", "pool_tokens",
+           "pool_pages", "context_tokens", "page_size", "source", "token_start", "token_end", "prompt_tokens",
+           "ttft_ns")
+PAGE_KINDS = ("pages_allocated", "pages_freed", "kv_written", "kv_read")
+# Kinds whose only effect is on the cross-node joins (F2, F3, F4, F9).
+JOIN_KINDS = ("transfer_reserved", "transfer_sent", "transfer_received", "request_aborted", "request_received",
+              "response_sent")
+JOIN_CODES = frozenset({"F2", "F3", "F4", "F9"})
+ENGINE_ORDER = [("wall_ns", "ascending"), ("cluster", "ascending"), ("node", "ascending"),
+                ("instance", "ascending"), ("seq", "ascending")]
+
+
+@dataclass
+class ReplayBatch:
+    """One batch in engine order. Offsets have ``num_rows + 1`` entries; absent lists are empty."""
+
+    scalars: pa.Table  # SCALARS columns, one chunk each
+    pid: np.ndarray  # int64 producer id per row
+    producer: np.ndarray  # int64 index into idents per row
+    idents: list[tuple]  # identities (cluster, node, role, engine, engine_version, instance) in the batch
+    rcode: np.ndarray  # int32 index into request_ids per row (-1: no request id)
+    request_ids: list[str]  # the batch's distinct request ids
+    pages: np.ndarray  # int32 page ids of the 'pages' lists, back to back
+    poff: np.ndarray  # int64
+    digests: np.ndarray  # uint64 'page_digests'
+    doff: np.ndarray
+    hashes: np.ndarray  # int64 'block_hashes'
+    hoff: np.ndarray
+    num_dst_pages: np.ndarray  # int64 length of 'dst_pages'
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.pid)
+
+    @property
+    def num_page_events(self) -> int:
+        return int(self.poff[-1])
+
+    def column(self, name: str) -> pa.Array:
+        cols = self.__dict__.setdefault("_columns", {})  # the events handed to Python ask often
+        col = cols.get(name)
+        if col is None:
+            col = cols[name] = self.scalars.column(name).chunk(0)
+        return col
+
+    def ints(self, name: str) -> np.ndarray:
+        """An integer column as int64 (nulls as 0; uint64 values wrap)."""
+        return pc.fill_null(self.column(name), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+    def event(self, i: int, ord_: int) -> dict:
+        """Row ``i`` as the dict the engine's handlers take (the same values the pure path builds)."""
+        ev = {name: self.column(name)[i].as_py() for name in SCALARS}  # ~15 us: only for rare events
+        return self._complete(ev, i, ord_)
+
+    def events(self, rows: np.ndarray, ord0: int) -> dict[int, dict]:
+        """Dicts of many rows at once (row -> dict); ``ord0 + row`` is each one's order number."""
+        if not len(rows):
+            return {}
+        cols = self.scalars.take(pa.array(rows)).to_pydict()
+        lengths = self.poff[rows + 1] - self.poff[rows]
+        ends = np.cumsum(lengths)
+        flat = self.pages[np.arange(ends[-1]) + np.repeat(self.poff[rows] - (ends - lengths), lengths)].astype(np.int64)
+        node_keys = [(ident[0], ident[1]) for ident in self.idents]
+        out = {}
+        for vals, i, lo, hi, k, pid in zip(zip(*(cols[name] for name in SCALARS)), rows.tolist(),
+                                           (ends - lengths).tolist(), ends.tolist(), self.producer[rows].tolist(),
+                                           self.pid[rows].tolist()):
+            ev = out[i] = dict(zip(SCALARS, vals))
+            ev["node_key"] = node_keys[k]
+            ev["instance"] = self.idents[k][5]
+            ev["key"] = (pid, ev["seq"])
+            ev["ord"] = ord0 + i
+            ev["pages"] = flat[lo:hi]
+            self._lists(ev, i)
+        return out
+
+    def _complete(self, ev: dict, i: int, ord_: int) -> dict:
+        ident = self.idents[self.producer[i]]
+        ev["node_key"] = (ident[0], ident[1])
+        ev["instance"] = ident[5]
+        ev["key"] = (int(self.pid[i]), ev["seq"])
+        ev["ord"] = ord_
+        ev["pages"] = self.pages[self.poff[i]:self.poff[i + 1]].astype(np.int64)
+        self._lists(ev, i)
+        return ev
+
+    def _lists(self, ev: dict, i: int) -> None:
+        d0, d1, h0, h1 = self.doff[i], self.doff[i + 1], self.hoff[i], self.hoff[i + 1]
+        ev["digests"] = self.digests[d0:d1] if d1 > d0 else None
+        ev["hashes"] = self.hashes[h0:h1] if h1 > h0 else None
+        ev["num_dst_pages"] = int(self.num_dst_pages[i])
+
+
+def first_rows(codes: np.ndarray, k: int) -> np.ndarray:
+    """Row of each code's first occurrence (codes 0..k-1; ``len(codes)`` where a code never occurs)."""
+    first = np.full(k, len(codes), np.int64)
+    np.minimum.at(first, codes, np.arange(len(codes), dtype=np.int64))
+    return first
+
+
+def request_codes(col) -> tuple[np.ndarray, list[str]]:
+    """(index per row, -1 where null; the distinct request ids) of a request_id column."""
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    enc = col.dictionary_encode()
+    return pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False).astype(np.int32), enc.dictionary.to_pylist()
+
+
+def codes_of(col, names: tuple[str, ...]) -> np.ndarray:
+    """Index of each value in ``names`` (-1: null or not among them)."""
+    return pc.fill_null(pc.index_in(col, value_set=pa.array(names)), -1).to_numpy(zero_copy_only=False)
+
+
+def register_requests(engine, is_page_event: np.ndarray, rcode: np.ndarray, request_ids: list[str]) -> None:
+    """Give the request ids of a batch's page events their engine indices, in order of first appearance.
+
+    Both engine paths do this before replaying a batch, so that a request has the same index in
+    both (indices decide which extra holder a released page passes to). What ``ReplayEngine._req``
+    does for one id, done for the batch's new ids at once.
+    """
+    codes = rcode[is_page_event & (rcode >= 0)]
+    first = first_rows(codes, len(request_ids))
+    seen = np.flatnonzero(first < len(codes))
+    index = engine._request_index
+    new = [rid for rid in (request_ids[k] for k in seen[np.argsort(first[seen])].tolist()) if rid not in index]
+    index.update(zip(new, range(len(engine._requests), len(engine._requests) + len(new))))
+    engine._requests.extend(new)
+
+
+def flat_list(col, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Flat values and int64 offsets of a list column (null lists count as empty)."""
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = pc.list_flatten(col).to_numpy(zero_copy_only=False)
+    return values.astype(dtype, copy=False), offsets
+
+
+def in_engine_order(table: pa.Table) -> pa.Table:
+    """The table sorted in engine order, one chunk per column; an already sorted batch of one producer
+    (what a recorder sends) is taken as it is, without the sort."""
+    table = table.combine_chunks()
+    one_producer = all(pc.count_distinct(table.column(n), mode="all").as_py() <= 1
+                       for n in ("cluster", "node", "instance"))
+    if one_producer and table.column("wall_ns").null_count == 0 and table.column("seq").null_count == 0:
+        wall = table.column("wall_ns").to_numpy()
+        seq = table.column("seq").to_numpy()
+        if np.all((wall[1:] > wall[:-1]) | ((wall[1:] == wall[:-1]) & (seq[1:] > seq[:-1]))):
+            return table
+    return table.sort_by(ENGINE_ORDER).combine_chunks()
+
+
+def _identity_codes(table: pa.Table) -> np.ndarray:
+    """A code per row, equal for rows of the same producer identity (codes in any order)."""
+    key = np.zeros(table.num_rows, np.int64)
+    for name in PRODUCER_NAMES:
+        enc = table.column(name).combine_chunks().dictionary_encode()
+        if len(enc.dictionary) <= 1 and not enc.null_count:
+            continue
+        codes = pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64) + 1
+        key = key * (len(enc.dictionary) + 1) + codes
+        if key.max(initial=0) < 1 << 24:  # compact through a lookup table: O(rows), no sort
+            present = np.zeros(int(key.max(initial=0)) + 1, np.int64)
+            present[key] = 1
+            key = (np.cumsum(present) - 1)[key]
+        else:
+            key = np.unique(key, return_inverse=True)[1].astype(np.int64)
+    return key
+
+
+def _chunk(col) -> pa.Array:
+    return col.chunk(0) if isinstance(col, pa.ChunkedArray) and col.num_chunks == 1 else col.combine_chunks()
+
+
+def from_table(table: pa.Table, producer_id: Callable[[tuple], int]) -> ReplayBatch:
+    """A batch from a wire-shaped table already in engine order (see :func:`in_engine_order`).
+
+    Producer ids come from the table's ``producer_id`` column when it has one, else from
+    ``producer_id(identity)``, called in order of each identity's first row (as the pure path does).
+    """
+    codes = _identity_codes(table)
+    k = int(codes.max(initial=-1)) + 1
+    first = first_rows(codes, k)
+    order = np.argsort(first)  # identities in order of first appearance
+    rank = np.empty(k, np.int64)
+    rank[order] = np.arange(k)
+    producer = rank[codes]
+    idents = [tuple(table.column(name)[int(i)].as_py() for name in PRODUCER_NAMES) for i in first[order]]
+    if "producer_id" in table.column_names:
+        pid = table.column("producer_id").to_numpy(zero_copy_only=False).astype(np.int64)
+    else:
+        pid = np.array([producer_id(ident) for ident in idents], np.int64)[producer]
+    rcode, request_ids = request_codes(table.column("request_id"))
+    pages, poff = flat_list(table.column("pages"), np.int32)
+    digests, doff = flat_list(table.column("page_digests"), np.uint64)
+    hashes, hoff = flat_list(table.column("block_hashes"), np.int64)
+    ndst = pc.fill_null(pc.list_value_length(table.column("dst_pages")), 0).to_numpy(zero_copy_only=False)
+    scalars = pa.table({name: _chunk(table.column(name)) for name in SCALARS})
+    return ReplayBatch(scalars, pid, producer, idents, rcode, request_ids, pages, poff, digests, doff, hashes,
+                       hoff, ndst.astype(np.int64))

@@ -1,0 +1,233 @@
+"""The replay engine's fast path: compiled runs of page events, the Python handlers for the rest.
+
+:class:`FastReplay` drives :func:`~kvtrail.forensics.replay_kernels.replay_page_events` over a
+:class:`~kvtrail.forensics.replay_batch.ReplayBatch`. Pools (nodes) are independent, so each one's
+events are replayed by the kernel up to its next event that needs Python; those events go through the
+engine's own handlers (``ReplayEngine._on_<kind>``), with the same dicts the pure path builds, in row
+order across all pools (always the earliest waiting one), and that pool's kernel resumes after it.
+Findings are therefore the handlers' own, and the pure path (``ReplayEngine(fast=False)``) is the
+reference a test compares against on random histories.
+
+What the handlers do besides page state is done in bulk, with the same result: request indices are
+assigned per batch (:func:`register_requests`, both paths), tenants are registered in row order up
+to each event handed to Python, releases are remembered in order before it, and the prefill-rate
+samples of kernel-applied writes are summed per (node, request) at the end of the batch.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kvtrail.forensics import replay_kernels as K
+from kvtrail.forensics.replay_batch import (JOIN_KINDS, PAGE_KINDS, ReplayBatch, codes_of, first_rows,
+                                            register_requests)
+
+_INT64_MAX = 2**63 - 1
+_NO_POOL = tuple(np.zeros((0, 2) if name.endswith("_ev") else 0, dtype) for name, dtype in (
+    ("owner", np.int32), ("gen", np.int64), ("alloc_req", np.int32), ("alloc_growth", np.bool_),
+    ("alloc_ev", np.int64), ("nshared", np.int32), ("writer", np.int32), ("write_ns", np.int64),
+    ("write_gen", np.int64), ("write_ev", np.int64), ("digest", np.uint64), ("has_digest", np.bool_),
+    ("bhash", np.int64), ("has_bhash", np.bool_), ("multi", np.bool_), ("stamp", np.int64)))
+
+
+class _Slot:
+    """One node's pool as the kernel sees it: the PageState's arrays plus two of the kernel's own."""
+
+    def __init__(self, key: tuple):
+        self.key = key
+        self.pool = None
+        self.owner = None  # the pool's owner array when `arrays` were taken (grow() replaces it)
+        self.arrays = _NO_POOL
+        self.multi = None
+
+    def refresh(self, pools: dict) -> None:
+        """Follow the node's current pool (a node_config may replace it, ``PageState.fit`` grow it)."""
+        pool = pools.get(self.key)
+        if pool is self.pool and (pool is None or pool.owner is self.owner):
+            return
+        self.pool, self.owner = pool, None if pool is None else pool.owner
+        if pool is None:
+            self.arrays, self.multi = _NO_POOL, None
+            return
+        n = len(pool.owner)
+        self.multi = np.zeros(n, np.bool_)  # page has extra holders (double ownership, PageState.extra)
+        self.multi[[p for p in pool.extra if 0 <= p < n]] = True
+        self.arrays = (pool.owner, pool.gen, pool.alloc_req, pool.alloc_growth, pool.alloc_ev, pool.nshared,
+                       pool.writer, pool.write_ns, pool.write_gen, pool.write_ev, pool.digest, pool.has_digest,
+                       pool.bhash, pool.has_bhash, self.multi, np.full(n, -1, np.int64))
+
+    def after_handler(self, pools: dict, pages: np.ndarray) -> None:
+        """A handler ran on this pool: mirror 'has extra holders' for the pages it may have changed."""
+        self.refresh(pools)
+        if self.pool is None:
+            return
+        pages = pages[(pages >= 0) & (pages < len(self.multi))]
+        extra = self.pool.extra
+        self.multi[pages] = np.isin(pages, np.fromiter(extra, np.int64, len(extra))) if extra else False
+
+
+class FastReplay:
+    """Per-engine state of the fast path: one slot per node seen."""
+
+    def __init__(self, engine, need_joins: bool = True):
+        self.engine = engine
+        self.need_joins = need_joins
+        self.slot_of: dict[tuple, int] = {}
+        self.slots: list[_Slot] = []
+
+    def _slot(self, key: tuple) -> int:
+        s = self.slot_of.get(key)
+        if s is None:
+            s = self.slot_of[key] = len(self.slots)
+            self.slots.append(_Slot(key))
+        return s
+
+    # ---- one batch -----------------------------------------------------------------------------------
+
+    def ops(self, b: ReplayBatch, kind: np.ndarray) -> np.ndarray:
+        """The kernel operation of each row (``kind``: index in PAGE_KINDS + JOIN_KINDS + node_config)."""
+        purpose = codes_of(b.column("purpose"), ("decode_growth", "prefix_hit"))
+        # node_config and kinds this module does not know (their handler, if any, decides) go to Python
+        op = np.full(b.num_rows, K.OP_PYTHON, np.int8)
+        if not self.need_joins:
+            op[(kind >= len(PAGE_KINDS)) & (kind < len(PAGE_KINDS) + len(JOIN_KINDS))] = K.OP_SKIP
+        op[kind == 0] = np.where(purpose[kind == 0] == 0, K.OP_GROWTH,
+                                 np.where(purpose[kind == 0] == 1, K.OP_PYTHON, K.OP_ALLOC))
+        op[kind == 1] = K.OP_FREE
+        op[kind == 2] = K.OP_WRITE
+        op[kind == 3] = K.OP_READ
+        # Prefill-rate samples need both token bounds (the handler raises without them).
+        forward = codes_of(b.column("source"), ("forward",)) == 0
+        no_tokens = (b.column("token_start").is_null().to_numpy(zero_copy_only=False)
+                     | b.column("token_end").is_null().to_numpy(zero_copy_only=False))
+        op[(kind == 2) & forward & no_tokens] = K.OP_PYTHON
+        op[pc.fill_null(b.column("seq"), 0).to_numpy(zero_copy_only=False) > _INT64_MAX] = K.OP_PYTHON  # int64 keys
+        return op
+
+    def feed(self, b: ReplayBatch) -> None:
+        """Replay one batch (engine order) into the engine."""
+        eng = self.engine
+        n = b.num_rows
+        ord0 = eng._ord
+        eng._ord += n
+        kind = codes_of(b.column("kind"), PAGE_KINDS + JOIN_KINDS + ("node_config",))
+        register_requests(eng, (kind >= 0) & (kind < len(PAGE_KINDS)), b.rcode, b.request_ids)
+        op = self.ops(b, kind)
+        node_slot = np.array([self._slot((c, nd)) for c, nd, *_ in b.idents], np.int64)
+        slot = node_slot[b.producer] if n else np.zeros(0, np.int64)
+        index = eng._request_index
+        req = np.array([index.get(r, -1) for r in b.request_ids] + [-1], np.int32)[b.rcode]
+        run = _Run(self, b, op, req, ord0)
+        tenants = _TenantQueue(b)
+        known = b.events(np.flatnonzero(op == K.OP_PYTHON), ord0)
+        # One lane of rows per pool (page events and node_config), in order.
+        pooled = ((kind >= 0) & (kind < len(PAGE_KINDS))) | (kind == len(PAGE_KINDS) + len(JOIN_KINDS))
+        rows = np.flatnonzero(pooled)
+        by_slot = rows[np.argsort(slot[rows].astype(np.uint16 if len(self.slots) < 1 << 16 else np.int64),
+                                  kind="stable")]
+        lanes_slot = np.unique(slot[rows]).tolist()
+        counts = np.bincount(slot[rows], minlength=len(self.slots))[lanes_slot]
+        lanes = np.split(by_slot, np.cumsum(counts)[:-1]) if lanes_slot else []
+        pos = [run(lanes[k], 0, s) for k, s in enumerate(lanes_slot)]
+        waiting = [(int(lanes[k][pos[k]]), k) for k in range(len(lanes)) if pos[k] < len(lanes[k])]
+        heapq.heapify(waiting)  # each lane's next event for Python, earliest first
+        handled = np.zeros(n, np.bool_)
+        while waiting:
+            row, k = heapq.heappop(waiting)
+            tenants.register_upto(eng, row)
+            self._handle(known.pop(row, None) or b.event(row, ord0 + row))
+            handled[row] = True
+            self.slots[lanes_slot[k]].after_handler(eng._pools, b.pages[b.poff[row]:b.poff[row + 1]])
+            pos[k] = run(lanes[k], pos[k] + 1, lanes_slot[k])
+            if pos[k] < len(lanes[k]):
+                heapq.heappush(waiting, (int(lanes[k][pos[k]]), k))
+        tenants.register_upto(eng, n)
+        # The other kinds only feed the cross-node joins, which judge when findings are asked for: their
+        # order among themselves is kept, their place among the page events does not matter.
+        for row in np.flatnonzero(~pooled & (op == K.OP_PYTHON)).tolist():
+            self._handle(known.pop(row))
+        roles = eng._joins.role
+        last = n - 1 - first_rows(b.producer[::-1], len(b.idents))
+        for p in np.sort(last[last >= 0]).tolist():  # the last row's role wins, as row by row
+            ident = b.idents[b.producer[p]]
+            roles[(ident[0], ident[1])] = ident[2]
+        if self.need_joins:
+            self._forward_samples(b, op, handled, slot, run.wall)
+
+    def _handle(self, ev: dict) -> None:
+        handler = getattr(self.engine, "_on_" + ev["kind"], None)
+        if handler is not None:
+            handler(ev)
+
+    def _forward_samples(self, b: ReplayBatch, op, handled, slot, wall) -> None:
+        """What ``CrossNodeJoins.written`` records for the writes the kernel applied, summed per (node, request)."""
+        rows = np.flatnonzero((op == K.OP_WRITE) & ~handled & (b.rcode >= 0)
+                              & (codes_of(b.column("source"), ("forward",)) == 0))
+        if not len(rows):
+            return
+        width = len(b.request_ids)
+        group = slot[rows].astype(np.int64) * width + b.rcode[rows]
+        present = np.zeros(len(self.slots) * width, np.int64)
+        present[group] = 1
+        keys = np.flatnonzero(present)
+        inv = (np.cumsum(present) - 1)[group]
+        start = b.ints("token_start")[rows]
+        end = b.ints("token_end")[rows]
+        tokens = np.zeros(len(keys), np.int64)
+        np.add.at(tokens, inv, end - start)
+        last = np.full(len(keys), np.iinfo(np.int64).min, np.int64)
+        np.maximum.at(last, inv, wall[rows])
+        forward = self.engine._joins.forward
+        for k, t, w in zip(keys.tolist(), tokens.tolist(), last.tolist()):
+            f = forward.setdefault((self.slots[k // width].key, b.request_ids[k % width]), [0, 0])
+            f[0] += t
+            f[1] = max(f[1], w)
+
+
+class _TenantQueue:
+    """Each request's first (request_id, tenant_id) pair in the batch, registered in row order."""
+
+    def __init__(self, b: ReplayBatch):
+        rows = np.flatnonzero((b.rcode >= 0) & b.column("tenant_id").is_valid().to_numpy(zero_copy_only=False))
+        first = first_rows(b.rcode[rows], len(b.request_ids))
+        self.rows = np.sort(rows[first[first < len(rows)]])
+        tenants = b.column("tenant_id").take(pa.array(self.rows)).to_pylist()
+        self.pairs = [(b.request_ids[c], t) for c, t in zip(b.rcode[self.rows].tolist(), tenants)]
+        self.done = 0
+
+    def register_upto(self, engine, row: int) -> None:
+        """Register the pairs first seen at or before ``row``."""
+        end = int(np.searchsorted(self.rows, row, side="right"))
+        tenant = engine._tenant
+        for rid, t in self.pairs[self.done:end]:
+            tenant.setdefault(rid, t)
+        self.done = max(self.done, end)
+
+
+class _Run:
+    """Runs the kernel over one lane of a batch from a position; returns where it stopped."""
+
+    def __init__(self, fast: FastReplay, b: ReplayBatch, op, req, ord0: int):
+        self.fast, self.b, self.op, self.req, self.ord0 = fast, b, op, req, ord0
+        self.seq, self.wall = b.ints("seq"), b.ints("wall_ns")
+        self.freed = np.zeros(b.num_rows, np.int64)
+
+    def __call__(self, rows: np.ndarray, start: int, s: int) -> int:
+        b, slot = self.b, self.fast.slots[s]
+        slot.refresh(self.fast.engine._pools)
+        stop, nfreed = K.replay_page_events(rows, start, self.ord0, self.op, self.req, b.pid, self.seq, self.wall,
+                                            b.poff, b.pages, b.doff, b.digests, b.hoff, b.hashes,
+                                            slot.pool is not None, *slot.arrays, self.freed)
+        if nfreed:  # one copy of the released lists (the batch's buffer is reused), then a view per release
+            rows = self.freed[:nfreed]
+            starts, lengths = b.poff[rows], b.poff[rows + 1] - b.poff[rows]
+            ends = np.cumsum(lengths)
+            flat = b.pages[np.arange(ends[-1]) + np.repeat(starts - (ends - lengths), lengths)]
+            remember = slot.pool.remember_release
+            for r, lo, hi in zip(self.req[rows].tolist(), (ends - lengths).tolist(), ends.tolist()):
+                remember(r, flat[lo:hi])
+        return stop

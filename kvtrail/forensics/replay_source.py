@@ -1,0 +1,228 @@
+"""Reading a store window straight into :class:`ReplayBatch` slices, for the replay engine's fast path.
+
+The wire form (:func:`kvtrail.audit.store.read_events`) rebuilds every column and list of every event
+and sorts them again in the engine; for a forensic question over hours of a fleet that costs more
+than the replay itself. This reader asks DuckDB for the events already in engine order, only the
+columns the engine reads, in time slices of about ``page_events_per_slice`` page-events (so memory
+stays bounded however long the window), and expands each slice's page runs (``page_runs``) in a
+compiled merge on ``seq``, producer by producer. Events of kinds other than the page kinds, and the
+few events that carry digest or block-hash lists, are read in second queries in the same order.
+
+All slices are read in one transaction (one snapshot), by a helper thread one slice ahead of the
+replay (DuckDB and the numba kernel both release the GIL); the connection must not be used by
+anything else until the slices are consumed.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kvtrail.audit.batch import BATCH_SCHEMA
+from kvtrail.audit.events import KINDS
+from kvtrail.forensics.replay_batch import PAGE_KINDS, PRODUCER_NAMES, SCALARS, ReplayBatch, flat_list, request_codes
+from kvtrail.forensics.replay_kernels import gather_runs
+
+PAGE_EVENTS_PER_SLICE = 8_000_000
+_TYPES = {f.name: f.type for f in BATCH_SCHEMA}
+_GRID_POINTS = 4096
+
+
+def _slice_bounds(con, where: str, params: list, page_events_per_slice: int) -> list[int]:
+    """Cut points in wall_ns such that each slice holds about page_events_per_slice page-events.
+
+    Committed batches know their time span and page-events; each batch's page-events are taken as
+    spread evenly over its span, which is close enough for sizing slices.
+    """
+    lo, hi = con.execute(f"SELECT min(wall_ns), max(wall_ns) FROM events_v WHERE {where}", params).fetchone()
+    if lo is None:
+        return []
+    spans = con.execute("SELECT min_wall_ns, max_wall_ns, num_page_events FROM batches "
+                        "WHERE max_wall_ns >= ? AND min_wall_ns <= ? AND pruned_by IS NULL", [lo, hi]).fetchnumpy()
+    total = float(spans["num_page_events"].sum()) if len(spans["num_page_events"]) else 0.0
+    slices = int(total // page_events_per_slice) + 1
+    if slices <= 1 or hi <= lo:
+        return [lo, hi + 1]
+    grid = np.linspace(lo, hi, _GRID_POINTS)
+    start, end = spans["min_wall_ns"].astype(np.float64), spans["max_wall_ns"].astype(np.float64)
+    share = np.clip((grid[:, None] - start) / np.maximum(end - start, 1.0), 0.0, 1.0)
+    cum = share @ spans["num_page_events"].astype(np.float64)
+    cuts = np.interp(np.arange(1, slices) * total / slices, cum, grid).astype(np.int64)
+    return sorted({lo, *cuts.tolist(), hi + 1})
+
+
+# The columns a page event can have (validation refuses other fields on page kinds); events of the
+# other kinds are read with every column the handlers read, in a second query.
+_PAGE_EVENT_COLS = tuple(name for name in SCALARS if name in ("seq", "wall_ns", "kind")
+                         or any(name in KINDS[k].allowed for k in PAGE_KINDS))
+_PAGE_KINDS_SQL = "('pages_allocated', 'pages_freed', 'kv_written', 'kv_read')"
+
+
+class _SliceReader:
+    """Reads the slices of one window inside one transaction (a snapshot) of the caller's connection.
+
+    Not a cursor of its own: a cursor would not see the caller's temporary views (a report's snapshot
+    of the store is made of them).
+    """
+
+    def __init__(self, con, where: str, params: list):
+        self.con = con
+        self.where, self.params = where, params
+        self.con.begin()
+        rows = self.con.execute(f"SELECT producer_id, {', '.join(PRODUCER_NAMES)} FROM producers "
+                                "ORDER BY cluster, node, instance, producer_id").fetchall()
+        self.idents = [tuple(r[1:]) for r in rows]
+        pids = np.array([r[0] for r in rows], np.int64)  # store ids are hashes: map them by search
+        self.pid_order = np.argsort(pids)
+        self.sorted_pids = pids[self.pid_order]
+        self.spare: list[np.ndarray] = []  # page buffers of batches the caller is done with
+
+    def close(self) -> None:
+        self.con.commit()
+
+    def _events(self, cols, lo: int, hi: int, extra: str = "") -> pa.Table:
+        # Producers rank by (cluster, node, instance) as in the engine's sort; ties keep (producer_id, seq)
+        # order, as the sort of read_events' rows does.
+        return self.con.sql(
+            "WITH pr AS (SELECT producer_id, rank() OVER (ORDER BY cluster, node, instance) AS prank FROM producers) "
+            f"SELECT producer_id, {', '.join(cols)} FROM events_v JOIN pr USING (producer_id) "
+            f"WHERE {self.where} AND wall_ns >= ? AND wall_ns < ? {extra} ORDER BY wall_ns, prank, producer_id, seq",
+            params=[*self.params, lo, hi]).to_arrow_table().combine_chunks()
+
+    def _some_rows(self, ev: pa.Table, rows: np.ndarray, cols, lo: int, hi: int, extra: str) -> pa.Table:
+        """``cols`` of the slice's events matching ``extra`` (``rows`` of ``ev``), in the same order."""
+        part = self._events(("seq",) + tuple(cols), lo, hi, extra)
+        assert part.num_rows == len(rows) and np.array_equal(
+            part.column("producer_id").to_numpy(), ev.column("producer_id").to_numpy()[rows]) and np.array_equal(
+            part.column("seq").to_numpy(), ev.column("seq").to_numpy()[rows]), "two reads of one snapshot disagree"
+        return part
+
+    def read(self, lo: int, hi: int) -> ReplayBatch | None:
+        # No list columns in the main read: DuckDB sorts them slowly, and few events carry any.
+        ev = self._events(_PAGE_EVENT_COLS + ("page_digests IS NOT NULL OR block_hashes IS NOT NULL AS has_lists",),
+                          lo, hi)
+        n = ev.num_rows
+        if n == 0:
+            return None
+        pid = ev.column("producer_id").to_numpy().astype(np.int64)
+        producer = self.pid_order[np.searchsorted(self.sorted_pids, pid)]
+        pages, poff, num_dst = self._pages(_Keys(pid, ev.column("seq").to_numpy().astype(np.int64), producer), n)
+        rows = np.flatnonzero(ev.column("has_lists").to_numpy(zero_copy_only=False))
+        lists = self._some_rows(ev, rows, ("page_digests", "block_hashes"), lo, hi,
+                                "AND (page_digests IS NOT NULL OR block_hashes IS NOT NULL)")
+        digests, doff = _scatter_lists(n, rows, lists.column("page_digests"), np.uint64)
+        hashes, hoff = _scatter_lists(n, rows, lists.column("block_hashes"), np.int64)
+        rcode, request_ids = request_codes(ev.column("request_id"))
+        return ReplayBatch(self._scalars(ev, lo, hi), pid, producer, self.idents, rcode, request_ids, pages, poff,
+                           digests, doff, hashes, hoff, num_dst)
+
+    def _pages(self, keys: "_Keys", n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(flat 'pages' lists, offsets, 'dst_pages' lengths) of the slice's rows, from page_runs.
+
+        One pruned, ordered scan per producer; runs attach to events by a merge on seq and are
+        concatenated in (list, pos) order, exactly as :func:`~kvtrail.audit.store.read_events` does.
+        """
+        parts = [self.con.sql("SELECT seq, list, pos, page_start, num_pages FROM page_runs WHERE producer_id = ? "
+                              "AND seq BETWEEN ? AND ? ORDER BY seq, list, pos", params=[p, first, last]).fetchnumpy()
+                 for p, first, last in keys.ranges()]
+        run_seg = np.zeros(len(parts) + 1, np.int64)
+        np.cumsum([len(x["seq"]) for x in parts], out=run_seg[1:])
+        runs = {k: np.concatenate([x[k] for x in parts]).astype(np.int64) for k in ("seq", "list", "page_start",
+                                                                                    "num_pages")}
+        poff = np.zeros(n + 1, np.int64)
+        num_dst = np.zeros(n, np.int64)
+        args = (keys.order, keys.seq, keys.seg, runs["seq"], runs["list"], runs["page_start"], runs["num_pages"],
+                run_seg)
+        gather_runs(*args, poff, np.zeros(0, np.int32), num_dst)
+        np.cumsum(poff, out=poff)
+        pages = self._buffer(int(poff[-1]))
+        if len(pages):
+            gather_runs(*args, poff, pages, num_dst)
+        return pages, poff, num_dst
+
+    def _buffer(self, size: int) -> np.ndarray:
+        # Fresh memory costs page faults on every touch: reuse the buffers of batches already replayed.
+        for k, buf in enumerate(self.spare):
+            if len(buf) >= size:
+                return self.spare.pop(k)[:size]
+        return np.empty(size + size // 4, np.int32)[:size]
+
+    def recycle(self, batch: ReplayBatch) -> None:
+        """The caller is done with ``batch``: its page buffer may hold a later slice."""
+        self.spare.append(batch.pages if batch.pages.base is None else batch.pages.base)
+
+    def _scalars(self, ev: pa.Table, lo: int, hi: int) -> pa.Table:
+        """Every SCALARS column: page events' from ``ev``, the other kinds' from a query of their own."""
+        n = ev.num_rows
+        rows = np.flatnonzero(~pc.is_in(ev.column("kind"), value_set=pa.array(PAGE_KINDS)).to_numpy(
+            zero_copy_only=False))
+        rest = [name for name in SCALARS if name not in _PAGE_EVENT_COLS]
+        other = self._some_rows(ev, rows, rest, lo, hi, f"AND (kind IS NULL OR kind NOT IN {_PAGE_KINDS_SQL})") \
+            if len(rows) else None
+        at = np.full(n, -1, np.int64)
+        at[rows] = np.arange(len(rows))
+        take = pa.array(at, mask=at < 0)
+        cols = {}
+        for name in SCALARS:
+            if name in _PAGE_EVENT_COLS:
+                cols[name] = ev.column(name).chunk(0)
+            elif other is not None:
+                cols[name] = other.column(name).chunk(0).take(take)
+            else:
+                cols[name] = pa.nulls(n, _TYPES[name])
+        return pa.table(cols)
+
+
+class _Keys:
+    """The slice's rows sorted by (producer, seq), ``seg`` delimiting producers."""
+
+    def __init__(self, pid: np.ndarray, seq: np.ndarray, producer: np.ndarray):
+        self.order = np.lexsort((seq, producer))
+        self.pid, self.seq = pid[self.order], seq[self.order]
+        self.seg = np.flatnonzero(np.diff(producer[self.order], prepend=-1, append=-1))
+
+    def ranges(self) -> list[tuple[int, int, int]]:
+        """(producer_id, first seq, last seq) of each producer, in seg order."""
+        return [(int(self.pid[a]), int(self.seq[a]), int(self.seq[b - 1])) for a, b in zip(self.seg[:-1], self.seg[1:])]
+
+
+def _scatter_lists(n: int, rows: np.ndarray, col, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Flat values and offsets for n rows, given the lists of the (increasing) ``rows`` that may have any."""
+    values, offsets = flat_list(col, dtype)
+    lengths = np.zeros(n, np.int64)
+    lengths[rows] = np.diff(offsets)
+    out = np.zeros(n + 1, np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return values, out
+
+
+def store_batches(con, where: str, params: list, page_events_per_slice: int = PAGE_EVENTS_PER_SLICE,
+                  meanwhile: Callable[[], None] | None = None) -> Iterator[ReplayBatch]:
+    """The events of ``events_v`` matching ``where`` as ReplayBatches in engine order, slice by slice.
+
+    A batch's page buffer is reused for a later slice once the next batch is asked for: replay each
+    batch before asking for the next. ``meanwhile`` runs while the first slice is being read (e.g.
+    loading the replay kernels, which would otherwise wait for it).
+    """
+    con.complete()
+    reader = _SliceReader(con, where, params)
+    try:
+        bounds = _slice_bounds(con, where, params, page_events_per_slice)
+        with ThreadPoolExecutor(1) as pool:
+            ahead = None
+            for lo, hi in zip(bounds, bounds[1:]):
+                nxt = pool.submit(reader.read, lo, hi)
+                if ahead is None and meanwhile is not None:
+                    meanwhile()
+                if ahead is not None and (b := ahead.result()) is not None:
+                    yield b
+                    reader.recycle(b)
+                ahead = nxt
+            if ahead is not None and (b := ahead.result()) is not None:
+                yield b
+    finally:
+        reader.close()
