@@ -26,7 +26,7 @@ class CrossNodeJoins:
         self.aborted_at: set[tuple] = set()
         self.responses: list[dict] = []
         self.receipts: dict[tuple, dict] = {}          # (node_key, request_id) -> first request_received
-        self.forward: dict[tuple, list[int]] = {}      # (node_key, request_id) -> [tokens, last wall_ns]
+        self.forward_writes: list[tuple] = []  # (node_key, ord, wall_ns, request_id, tokens) per forward write
         self.hit_pages: dict[tuple, int] = {}          # (node_key, request_id) -> prefix-hit pages
         self.page_size: dict[tuple, int] = {}
         self.role: dict[tuple, str] = {}
@@ -47,9 +47,8 @@ class CrossNodeJoins:
 
     def written(self, ev) -> None:
         if ev["source"] == "forward":
-            f = self.forward.setdefault((ev["node_key"], ev["request_id"]), [0, 0])
-            f[0] += ev["token_end"] - ev["token_start"]
-            f[1] = max(f[1], ev["wall_ns"])
+            self.forward_writes.append((ev["node_key"], ev["ord"], ev["wall_ns"], ev["request_id"],
+                                        ev["token_end"] - ev["token_start"]))
 
     def prefix_hit(self, ev, num_pages: int) -> None:
         key = (ev["node_key"], ev["request_id"])
@@ -75,15 +74,28 @@ class CrossNodeJoins:
             self._check_latency(resp, rates, receipts_by, emit)
 
     def prefill_rates(self) -> dict[tuple, float]:
-        """Per prefill node: the policy's quantile of its clean requests' prefill rates (tokens/ns)."""
+        """Per prefill node: the policy's quantile of its forward writes' rates (tokens per ns).
+
+        A forward write is one sample: its tokens over the time since its compute could have started -
+        not before its request reached the node, nor before the node's previous forward write (so time
+        queued behind other requests does not count as compute on a busy node). Requests the node
+        aborted are left out: a placeholder forward pass says nothing about the node's speed.
+        """
+        by_node: dict[tuple, list[tuple]] = {}
+        for w in self.forward_writes:
+            by_node.setdefault(w[0], []).append(w)
         samples: dict[tuple, list[float]] = {}
-        for (nk, rid), rec in self.receipts.items():
-            fwd = self.forward.get((nk, rid))
-            if self.role.get(nk) not in PREFILL_ROLES or fwd is None or (nk, rid) in self.aborted_at:
+        for nk, writes in by_node.items():
+            if self.role.get(nk) not in PREFILL_ROLES:
                 continue
-            duration = fwd[1] - rec["wall_ns"]
-            if duration > 0 and fwd[0] > 0:
-                samples.setdefault(nk, []).append(fwd[0] / duration)
+            prev = None
+            for _, ord_, wall, rid, tokens in sorted(writes, key=lambda w: w[1]):
+                rec = self.receipts.get((nk, rid))
+                starts = [t for t in (prev, rec["wall_ns"] if rec is not None and rec["ord"] < ord_ else None)
+                          if t is not None]
+                prev = wall
+                if starts and tokens > 0 and wall > max(starts) and (nk, rid) not in self.aborted_at:
+                    samples.setdefault(nk, []).append(tokens / (wall - max(starts)))
         return {nk: float(np.quantile(np.array(xs), self.policy.latency_quantile))
                 for nk, xs in samples.items() if len(xs) >= self.policy.min_latency_samples}
 

@@ -18,8 +18,9 @@ class ForensicsPolicy:
 
     # Tenants may share prefix-cache pages (no F10) only when the deployment's policy says so.
     allow_tenant_cache_sharing: bool = False
-    # F9: a node's prefill rate is this quantile of its clean requests' rates (prefill tokens / time
-    # from the node's request_received to its last forward write) ...
+    # F9: a node's prefill rate is this quantile of its forward chunks' rates (tokens written / time
+    # since the later of the request's arrival at the node and the node's previous forward write),
+    # requests the node aborted left out ...
     latency_quantile: float = 0.9
     # ... and a response is implausible when its TTFT is below (tokens to prefill) / rate / factor.
     latency_factor: float = 2.0

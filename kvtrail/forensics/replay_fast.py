@@ -156,36 +156,24 @@ class FastReplay:
             ident = b.idents[b.producer[p]]
             roles[(ident[0], ident[1])] = ident[2]
         if self.need_joins:
-            self._forward_samples(b, op, handled, slot, run.wall)
+            self._forward_samples(b, op, handled, slot, run.wall, ord0)
 
     def _handle(self, ev: dict) -> None:
         handler = getattr(self.engine, "_on_" + ev["kind"], None)
         if handler is not None:
             handler(ev)
 
-    def _forward_samples(self, b: ReplayBatch, op, handled, slot, wall) -> None:
-        """What ``CrossNodeJoins.written`` records for the writes the kernel applied, summed per (node, request)."""
+    def _forward_samples(self, b: ReplayBatch, op, handled, slot, wall, ord0: int) -> None:
+        """What ``CrossNodeJoins.written`` records for the forward writes the kernel applied."""
         rows = np.flatnonzero((op == K.OP_WRITE) & ~handled & (b.rcode >= 0)
                               & (codes_of(b.column("source"), ("forward",)) == 0))
         if not len(rows):
             return
-        width = len(b.request_ids)
-        group = slot[rows].astype(np.int64) * width + b.rcode[rows]
-        present = np.zeros(len(self.slots) * width, np.int64)
-        present[group] = 1
-        keys = np.flatnonzero(present)
-        inv = (np.cumsum(present) - 1)[group]
-        start = b.ints("token_start")[rows]
-        end = b.ints("token_end")[rows]
-        tokens = np.zeros(len(keys), np.int64)
-        np.add.at(tokens, inv, end - start)
-        last = np.full(len(keys), np.iinfo(np.int64).min, np.int64)
-        np.maximum.at(last, inv, wall[rows])
-        forward = self.engine._joins.forward
-        for k, t, w in zip(keys.tolist(), tokens.tolist(), last.tolist()):
-            f = forward.setdefault((self.slots[k // width].key, b.request_ids[k % width]), [0, 0])
-            f[0] += t
-            f[1] = max(f[1], w)
+        tokens = (b.ints("token_end")[rows] - b.ints("token_start")[rows]).tolist()
+        out = self.engine._joins.forward_writes
+        for row, s, w, rc, t in zip(rows.tolist(), slot[rows].tolist(), wall[rows].tolist(),
+                                    b.rcode[rows].tolist(), tokens):
+            out.append((self.slots[s].key, ord0 + row, w, b.request_ids[rc], t))
 
 
 class _TenantQueue:

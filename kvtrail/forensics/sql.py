@@ -198,13 +198,19 @@ def _f9(ctx: Ctx, policy: ForensicsPolicy) -> list[Finding]:
     ctes = """
     rcv AS (SELECT * FROM ev WHERE kind = 'request_received' AND role IN ('prefill', 'unified')
             QUALIFY row_number() OVER (PARTITION BY cluster, node, request_id ORDER BY ord) = 1),
-    fwd AS (SELECT cluster, node, request_id, sum(token_end - token_start) AS tokens, max(wall_ns) AS last_ns
-            FROM ev WHERE kind = 'kv_written' AND source = 'forward' GROUP BY ALL),
-    samples AS (SELECT r.cluster, r.node, f.tokens::DOUBLE / (f.last_ns - r.wall_ns) AS rate
-                FROM rcv r JOIN fwd f USING (cluster, node, request_id)
-                WHERE f.last_ns > r.wall_ns AND f.tokens > 0
-                  AND NOT EXISTS (SELECT 1 FROM ev a WHERE a.kind = 'request_aborted' AND a.cluster = r.cluster
-                                  AND a.node = r.node AND a.request_id = r.request_id)),
+    fw AS (SELECT cluster, node, role, request_id, ord, wall_ns, token_end - token_start AS tokens,
+                  lag(wall_ns) OVER (PARTITION BY cluster, node ORDER BY ord) AS prev_ns
+           FROM ev WHERE kind = 'kv_written' AND source = 'forward'),
+    starts AS (SELECT fw.*, CASE WHEN r.ord < fw.ord THEN r.wall_ns END AS rcv_ns FROM fw
+               LEFT JOIN rcv r USING (cluster, node, request_id)),
+    samples AS (SELECT cluster, node,
+                       tokens::DOUBLE / (wall_ns - greatest(coalesce(prev_ns, rcv_ns), coalesce(rcv_ns, prev_ns)))
+                           AS rate
+                FROM starts s
+                WHERE role IN ('prefill', 'unified') AND tokens > 0
+                  AND wall_ns > greatest(coalesce(prev_ns, rcv_ns), coalesce(rcv_ns, prev_ns))
+                  AND NOT EXISTS (SELECT 1 FROM ev a WHERE a.kind = 'request_aborted' AND a.cluster = s.cluster
+                                  AND a.node = s.node AND a.request_id = s.request_id)),
     hits AS (SELECT cluster, node, request_id, sum(num_pages) AS pages FROM pe
              WHERE kind = 'pages_allocated' AND purpose = 'prefix_hit' AND num_pages > 0 GROUP BY ALL),
     psize AS (SELECT cluster, node, arg_max(page_size, ord) AS page_size FROM ev WHERE kind = 'node_config'

@@ -333,21 +333,29 @@ def test_f10_cross_tenant_prefix_sharing_depends_on_policy():
 
 def test_f9_implausible_latency_against_the_nodes_own_prefill_rate():
     tl = pd_timeline()
+    clock = [T0 + 10**9]
 
-    def served(rid, tid, prompt, compute_us, ttft_us, aborted=False, hit_pages=0):
-        tl.add("p", "request_received", rid, tid, prompt_tokens=prompt)
+    def at(e, t):
+        e["wall_ns"] = t
+        return e
+
+    def served(rid, tid, prompt, compute_us, ttft_us, aborted=False, hit_pages=0, queued_us=0):
+        """One request on prefill node p, prefilled one after another (the node computes one at a time)."""
+        t = clock[0]
+        at(tl.add("p", "request_received", rid, tid, prompt_tokens=prompt), t)
         if hit_pages:
-            tl.alloc("p", rid, list(range(5, 5 + hit_pages)), "prefix_hit", block_hashes=[0] * hit_pages)
+            at(tl.alloc("p", rid, list(range(5, 5 + hit_pages)), "prefix_hit", block_hashes=[0] * hit_pages), t + 1)
         if aborted:
-            tl.add("p", "request_aborted", rid, tid, stage="prefill_queue", abort_reason="too long", http_status=400)
-        start = tl.events[-1]["wall_ns"]
-        w = tl.add("p", "kv_written", rid, pages=[1], token_start=0, token_end=prompt - 16 * hit_pages
-                   if not aborted else 1, source="forward")
-        w["wall_ns"] = start + compute_us * 1000  # the forward pass took compute_us
-        tl.add("router", "response_sent", rid, tid, http_status=200, prompt_tokens=prompt, completion_tokens=4,
-               latency_ns=1, ttft_ns=ttft_us * 1000)
+            at(tl.add("p", "request_aborted", rid, tid, stage="prefill_queue", abort_reason="too long",
+                      http_status=400), t + 2)
+        done = t + (queued_us + compute_us) * 1000
+        at(tl.add("p", "kv_written", rid, pages=[1], token_start=0,
+                  token_end=1 if aborted else prompt - 16 * hit_pages, source="forward"), done)
+        at(tl.add("router", "response_sent", rid, tid, http_status=200, prompt_tokens=prompt, completion_tokens=4,
+                  latency_ns=1, ttft_ns=ttft_us * 1000), t + ttft_us * 1000)
+        clock[0] = done + 1000
 
-    # three clean requests: ~1000 tokens per ms at best
+    # clean requests at about 1000 tokens per ms; one queued behind another for 5 ms (queueing is not compute)
     for i, (prompt, us) in enumerate([(1000, 1000), (2000, 2500), (500, 1000)]):
         served(f"ok{i}", 100 + i, prompt, us, us + 200)
     served("fast", 200, 8000, 5, 300, aborted=True)            # placeholder: 1 token computed, 8000 claimed
@@ -359,6 +367,35 @@ def test_f9_implausible_latency_against_the_nodes_own_prefill_rate():
     f9 = [f for f in tl.findings() if f.code == "F9"]
     assert [(f.request_id, f.node) for f in f9] == [("fast", "p")]
     assert "8000 tokens" in f9[0].detail and len(f9[0].evidence) == 2
+
+
+def test_f9_rate_is_not_fooled_by_queueing_on_a_busy_node():
+    """20 requests arrive together and queue on a node computing 1000 tokens per ms; then one arrives at an
+    idle node and is answered in 1 ms. Measured from arrival, the queued requests would make the node look
+    3x slower than it is and flag the idle one; measured from the previous forward write, nothing is flagged."""
+    tl = pd_timeline()
+    t0 = T0 + 10**9
+
+    def request(rid, tid, arrive_ns, done_ns):
+        e = tl.add("p", "request_received", rid, tid, prompt_tokens=1000)
+        e["wall_ns"] = arrive_ns
+        w = tl.add("p", "kv_written", rid, pages=[1], token_start=0, token_end=1000, source="forward")
+        w["wall_ns"] = done_ns
+        r = tl.add("router", "response_sent", rid, tid, http_status=200, prompt_tokens=1000, completion_tokens=1,
+                   latency_ns=1, ttft_ns=done_ns - arrive_ns)
+        r["wall_ns"] = done_ns + 1
+
+    for i in range(20):
+        request(f"b{i}", 300 + i, t0 + i, t0 + (i + 1) * 10**6)
+    request("idle", 400, t0 + 10**9, t0 + 10**9 + 10**6)
+    tl.events.sort(key=lambda e: e["wall_ns"])
+    for node in tl.seqs:
+        for n, e in enumerate(e for e in tl.events if e["producer"]["node"] == node):
+            e["seq"] = n
+    assert [f for f in tl.findings() if f.code == "F9"] == []
+    # and the same idle request answered 4x faster than the node can compute is flagged
+    tl.events[-1]["ttft_ns"] = 10**6 // 4
+    assert [f.request_id for f in tl.findings() if f.code == "F9"] == ["idle"]
 
 
 def test_digest_lineage_names_whose_bytes_a_stale_page_held():

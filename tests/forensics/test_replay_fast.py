@@ -38,7 +38,7 @@ def assert_same(tables, **kw):
     assert fast._requests == pure._requests and fast._tenant == pure._tenant
     assert fast._joins.role == pure._joins.role
     if "codes" not in kw:  # without the joins, only the handlers run for Python events still feed them
-        assert fast._joins.forward == pure._joins.forward
+        assert sorted(fast._joins.forward_writes) == sorted(pure._joins.forward_writes)
     assert fast._pools.keys() == pure._pools.keys()
     for key, a in fast._pools.items():
         b = pure._pools[key]
