@@ -63,7 +63,7 @@ class AllocatorSim(PageAllocator):
         self.rng = np.random.default_rng(seed)
 
 
-class _Draws:
+class Draws:
     """Values of one distribution drawn in blocks from the shared generator (per-call cost ~50 ns)."""
 
     __slots__ = ("_draw", "_buf", "_i")
@@ -216,18 +216,18 @@ def synth_batches(*, producer: Producer, num_pages: int, page_size: int, seed: i
     if warmup_page_events is None:
         warmup_page_events = 4 * num_pages
 
-    u = _Draws(rng.random)
-    gap = _Draws(lambda k: rng.exponential(mean_gap_ns, k).astype(np.int64) + 1)
-    prompt_draw = _Draws(lambda k: np.clip(rng.lognormal(math.log(prompt_median_tokens), prompt_sigma, k),
+    u = Draws(rng.random)
+    gap = Draws(lambda k: rng.exponential(mean_gap_ns, k).astype(np.int64) + 1)
+    prompt_draw = Draws(lambda k: np.clip(rng.lognormal(math.log(prompt_median_tokens), prompt_sigma, k),
                                            min_prompt_tokens, max_prompt_tokens).astype(np.int64))
     mean_decode_pages = max(mean_decode_tokens / page_size, 1.0)
-    budget_draw = _Draws(lambda k: np.where(rng.random(k) < decode_fraction,
+    budget_draw = Draws(lambda k: np.where(rng.random(k) < decode_fraction,
                                             rng.geometric(1.0 / mean_decode_pages, k), 0))
     # Each running request decodes decode_tokens_per_step tokens a step, so it crosses into a new page
     # with probability decode_tokens_per_step / page_size: the number of requests touched per step is
     # Poisson with that rate times the number running.
     pick_rate = decode_tokens_per_step / page_size
-    xfer_draw = _Draws(lambda k: rng.integers(0, 2**63 - 1, k, dtype=np.int64))
+    xfer_draw = Draws(lambda k: rng.integers(0, 2**63 - 1, k, dtype=np.int64))
     # Tenants with skewed traffic: tenant k gets weight 1/(k+1).
     weights = np.cumsum(1.0 / np.arange(1, tenants + 1))
     cum = (weights / weights[-1]).tolist()

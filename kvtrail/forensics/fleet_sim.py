@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvtrail.audit.events import KIND_CODES, Producer
+from kvtrail.audit.synth import Draws
 from kvtrail.forensics.fleet import FleetConfig, config_json
 from kvtrail.forensics.fleet_decode import DecodeNode
 from kvtrail.forensics.fleet_log import ProducerLog
@@ -49,25 +50,6 @@ def mix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
-
-
-class _Draws:
-    """Values of one distribution, drawn in blocks from the shared generator (cheap per call)."""
-
-    __slots__ = ("_draw", "_buf", "_i")
-
-    def __init__(self, draw):
-        self._draw = draw
-        self._buf: list = []
-        self._i = 0
-
-    def __call__(self):
-        i = self._i
-        if i == len(self._buf):
-            self._buf = self._draw(4096).tolist()
-            i = 0
-        self._i = i + 1
-        return self._buf[i]
 
 
 def _cumulative_zipf(n: int) -> list[float]:
@@ -121,11 +103,11 @@ class FleetSim:
 
     def _init_traffic(self) -> None:
         cfg, rng = self.cfg, self.rng
-        self.u = _Draws(rng.random)
-        self.gap_ns = _Draws(lambda k: rng.exponential(1e9 / cfg.rate_per_s, k).astype(np.int64) + 1)
-        self.prompt_draw = _Draws(lambda k: np.maximum(rng.lognormal(
+        self.u = Draws(rng.random)
+        self.gap_ns = Draws(lambda k: rng.exponential(1e9 / cfg.rate_per_s, k).astype(np.int64) + 1)
+        self.prompt_draw = Draws(lambda k: np.maximum(rng.lognormal(
             math.log(cfg.prompt_median_tokens), cfg.prompt_sigma, k), cfg.min_prompt_tokens).astype(np.int64))
-        self.completion_draw = _Draws(lambda k: np.maximum(rng.lognormal(
+        self.completion_draw = Draws(lambda k: np.maximum(rng.lognormal(
             math.log(cfg.completion_median_tokens), cfg.completion_sigma, k), 1).astype(np.int64))
         # Clients ask for a few typical generation budgets, at most the configured one.
         budgets = [m for m in (256, 1024, 4096, 16384, 65536) if m < cfg.max_new_tokens]
