@@ -111,14 +111,15 @@ def split_excluded(df: pl.DataFrame, excluded: pl.DataFrame, excl: Exclusions,
     return df.filter(~hit), dropped
 
 
-def affected_with_exclusions(con: duckdb.DuckDBPyConnection, w, excl: Exclusions
+def affected_with_exclusions(con: duckdb.DuckDBPyConnection, w, excl: Exclusions, found=None
                              ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
-    """(kept affected responses, excluded ones with reason, every excluded request) for a window."""
+    """(kept affected responses, excluded ones with reason, every excluded request) for a window
+    (``found``: the window's findings, when the caller already has them)."""
     from kvtrail.forensics.questions import affected_responses
 
     check_exclusions(con, excl)
     excluded = excluded_requests(con, excl)
-    kept, dropped = split_excluded(affected_responses(con, w), excluded, excl)
+    kept, dropped = split_excluded(affected_responses(con, w, found), excluded, excl)
     return kept, dropped, excluded
 
 

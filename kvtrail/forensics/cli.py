@@ -302,13 +302,14 @@ def exposure(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_fil
     """Exposure matrix: recipient tenant x victim tenant, with responses, pages and victim requests."""
     from kvtrail.forensics import analysis as an
     from kvtrail.forensics.findings import AFFECTED_CODES
-    from kvtrail.forensics.questions import coverage_gaps, findings
+    from kvtrail.forensics.questions import coverage_gaps, findings_frame, findings_of
 
     excl = _exclusions(exclude_tenants, exclude_file)
     con, w = _window(db, from_, to, tenant, node)
     try:
-        kept, dropped, _ = an.affected_with_exclusions(con, w, excl)
-        found, gaps = findings(con, w, tuple(sorted(AFFECTED_CODES))), coverage_gaps(con)
+        affected_found = findings_of(con, w, codes=AFFECTED_CODES)  # one replay for both answers
+        kept, dropped, _ = an.affected_with_exclusions(con, w, excl, affected_found)
+        found, gaps = findings_frame(affected_found, w, tuple(sorted(AFFECTED_CODES))), coverage_gaps(con)
     finally:
         con.close()
     _say_excluded(dropped)

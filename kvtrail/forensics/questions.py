@@ -64,13 +64,14 @@ def coverage_gaps(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
 
 
 def findings_of(con: duckdb.DuckDBPyConnection, w: Window = Window(), *, engine: str = "replay",
-                policy: ForensicsPolicy = ForensicsPolicy()) -> list[Finding]:
-    """Every finding of the window's events (tenant and node filters not applied), from either engine."""
+                policy: ForensicsPolicy = ForensicsPolicy(), codes=None) -> list[Finding]:
+    """Every finding of the window's events (tenant and node filters not applied), from either engine;
+    ``codes`` limits the work to what a question needs."""
     _check(con, w)
     if engine == "replay":
-        return replay_store(con, w.from_ns, w.to_ns, policy)
+        return replay_store(con, w.from_ns, w.to_ns, policy, codes=codes)
     if engine == "sql":
-        return sql_findings(con, w.from_ns, w.to_ns, policy)
+        return sql_findings(con, w.from_ns, w.to_ns, policy, codes=codes)
     raise ValueError(f"engine: {engine!r} is not one of replay, sql")
 
 
@@ -88,10 +89,17 @@ def findings(con: duckdb.DuckDBPyConnection, w: Window = Window(), codes: tuple[
     return findings_frame(findings_of(con, w, engine=engine, policy=policy), w, codes)
 
 
-def affected_responses(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> pl.DataFrame:
-    """Responses whose request read foreign pages (F1, F5, F7): who, what the client got, whose data."""
-    _check(con, w)
-    found = replay_store(con, w.from_ns, w.to_ns, codes=AFFECTED_CODES)
+def affected_responses(con: duckdb.DuckDBPyConnection, w: Window = Window(),
+                       found: list[Finding] | None = None) -> pl.DataFrame:
+    """Responses whose request read foreign pages (F1, F5, F7): who, what the client got, whose data.
+
+    ``found``: the window's findings when the caller already has them (they are not replayed again).
+    """
+    if found is None:
+        found = findings_of(con, w, codes=AFFECTED_CODES)
+    else:
+        _check(con, w)
+    found = [f for f in found if f.code in AFFECTED_CODES]
     by_request: dict[str, dict] = {}
     for f in found:
         row = by_request.setdefault(f.request_id, {

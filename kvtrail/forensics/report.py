@@ -122,13 +122,14 @@ class Report:
 def build_report(con: duckdb.DuckDBPyConnection, options: ReportOptions, context: IncidentContext | None = None,
                  heads: list[dict] | None = None) -> Report:
     """Run every question and analysis for the window (``con``: a store or a snapshot of one)."""
-    from kvtrail.forensics.questions import Window, coverage_gaps, findings
+    from kvtrail.forensics.questions import Window, coverage_gaps, findings_frame, findings_of
     from kvtrail.forensics.snapshot import chain_heads
 
     o = options
     w = Window(o.from_ns, o.to_ns)
-    kept, dropped, excluded = an.affected_with_exclusions(con, w, o.exclusions)
-    found = findings(con, w)
+    every = findings_of(con, w)  # one replay serves the affected responses and the findings
+    kept, dropped, excluded = an.affected_with_exclusions(con, w, o.exclusions, every)
+    found = findings_frame(every, w)
     is_excluded = (pl.col("request_id").is_in(excluded["request_id"].to_list())
                    | pl.col("tenant_id").is_in([t for t, _ in o.exclusions.tenants])).fill_null(False)
     found_kept = found.filter(~is_excluded)
