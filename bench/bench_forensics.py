@@ -10,7 +10,7 @@ is its own), one after another, on the same store:
              batches kept in memory (the 'split' row is the replay alone; the read time is printed below)
   pure       the same engine with fast=False (every event through the Python handlers), over the first
              --pure-page-events of the history only (it is ~100x slower): its rate counts those
-  sql        kvtrail.forensics.sql.sql_findings(con, codes=("F1",)): the SQL engine's F1, over the first
+  sql        kvtrail.forensics.sql.engine.sql_findings(con, codes=("F1",)): the SQL engine's F1, over the first
              --sql-page-events of the history (its range joins grow faster than linearly)
   naive      one DuckDB query: every page of kv_read and kv_written exploded to a row (page_runs x
              generate_series), each read page ASOF-joined to the last write of its (node, page) at or

@@ -1,6 +1,6 @@
 """Sustained ingest into DuckDB of allocator-shaped page lists (kvtrail vs naive layouts).
 
-Batches come from :mod:`kvtrail.audit.synth` (one node's paged allocator after churn: contiguous runs
+Batches come from :mod:`kvtrail.sim.synth` (one node's paged allocator after churn: contiguous runs
 mixed with scattered pages) and are built before any timing starts. Each method then ingests the
 same batches into its own DuckDB file in a temporary directory; the methods take turns batch by
 batch (rotating who goes first) so that noise on a shared machine hits them alike:
@@ -38,7 +38,7 @@ import pyarrow.compute as pc
 
 from kvtrail.audit.events import Producer
 from kvtrail.audit.store import AuditStore
-from kvtrail.audit.synth import runs_per_event, synth_batches
+from kvtrail.sim.synth import runs_per_event, synth_batches
 from kvtrail.audit.validate import producer_id
 
 GOAL_PAGE_EVENTS_PER_S = 50e6

@@ -33,7 +33,7 @@ import numpy as np
 
 from kvtrail.audit.events import KIND_CODES, Producer, RequestRef
 from kvtrail.audit.recorder import Recorder, RecorderConfig
-from kvtrail.audit.synth import AllocatorSim
+from kvtrail.sim.synth import AllocatorSim
 
 GOAL_NS = 2_000
 PAGES_PER_CALL = 64

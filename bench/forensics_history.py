@@ -1,12 +1,12 @@
 """The simulated multi-node history bench_forensics.py questions, built once and cached on disk.
 
-Two sources. ``synth`` (default): one :func:`kvtrail.audit.synth.synth_batches` allocator per node
+Two sources. ``synth`` (default): one :func:`kvtrail.sim.synth.synth_batches` allocator per node
 (half of the nodes shaped like PD prefill nodes: long page lists, no decode; half like decode nodes:
 mostly one-page growth events), their clocks spread over ``hours``; every ``kv_written`` is followed
 by the writer's ``kv_read`` of the same pages (what attention reads), and a ``plant_rate`` share of
 the prefill-chunk writes is left out while its read stays: the incident's unwritten reserved pages,
 read by a request that gets another request's stale KV (F1, an affected response). ``fleet``: the
-fleet simulator (:mod:`kvtrail.forensics.fleet`), with its own planted bugs.
+fleet simulator (:mod:`kvtrail.sim.fleet.config`), with its own planted bugs.
 
 The store goes to ``db``; the same batches, as they were appended, to ``db + '.batches.arrow'`` (for
 the online part); what was built to ``db + '.json'`` (a rebuild happens when the parameters differ).
@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 from kvtrail.audit.batch import BATCH_SCHEMA
 from kvtrail.audit.events import Producer
 from kvtrail.audit.store import AuditStore
-from kvtrail.audit.synth import synth_batches
+from kvtrail.sim.synth import synth_batches
 
 NULLABLE_SCHEMA = pa.schema([f.with_nullable(True) for f in BATCH_SCHEMA])
 _SHAPES = {"prefill": 0.0, "decode": 0.6}  # decode_fraction per node shape
@@ -113,7 +113,7 @@ def build(db: str, params: dict, log=print) -> dict:
             pa.ipc.new_stream(sink, NULLABLE_SCHEMA, options=options) as writer:
         store.con.execute("SET enable_progress_bar = false")
         if params["source"] == "fleet":
-            from kvtrail.forensics.fleet import FleetConfig, fleet_batches
+            from kvtrail.sim.fleet.config import FleetConfig, fleet_batches
 
             source = ((0, b) for b in fleet_batches(FleetConfig(seed=params["seed"], rate_per_s=params["fleet_rate"],
                                                                 target_page_events=params["page_events"])))

@@ -44,8 +44,8 @@ def run_part(part: str, db: str, meta: dict, args) -> dict:
     from kvtrail.audit.store import connect_readonly
     from kvtrail.forensics.findings import AFFECTED_CODES
     from kvtrail.forensics.questions import Window, affected_responses
-    from kvtrail.forensics.replay import replay_store
-    from kvtrail.forensics.sql import sql_findings
+    from kvtrail.forensics.replay.engine import replay_store
+    from kvtrail.forensics.sql.engine import sql_findings
 
     if part == "online":
         return _online(db)
@@ -88,9 +88,9 @@ def _split(db: str) -> dict:
 
     from kvtrail.audit.store import connect_readonly
     from kvtrail.forensics.findings import AFFECTED_CODES
-    from kvtrail.forensics.replay import ReplayEngine, window_filter
-    from kvtrail.forensics.replay_kernels import warm_up
-    from kvtrail.forensics.replay_source import store_batches
+    from kvtrail.forensics.replay.engine import ReplayEngine, window_filter
+    from kvtrail.forensics.replay.kernels import warm_up
+    from kvtrail.forensics.replay.source import store_batches
 
     warm_up()
     with connect_readonly(db) as con:
@@ -116,7 +116,7 @@ def _online(db: str) -> dict:
     import pyarrow.compute as pc
 
     from kvtrail.audit.store import AuditStore
-    from kvtrail.forensics.replay import ReplayEngine
+    from kvtrail.forensics.replay.engine import ReplayEngine
 
     clock = time.perf_counter
     spent = {"ingest": 0.0, "replay": 0.0}

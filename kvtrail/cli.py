@@ -15,7 +15,7 @@ from kvtrail import __version__
 from kvtrail.audit.cli import audit
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics.cli import forensics
-from kvtrail.forensics.fleet import config_defaults
+from kvtrail.sim.fleet.config import config_defaults
 
 
 @click.group()
@@ -138,13 +138,13 @@ def simulate(db: str, nodes: int | None, bugs: str, rate: float, no_cache_namesp
     """Simulate a PD fleet's audit record (no model): churning per-node page pools, long prompts, tenants,
     prefix-cache sharing and planted bugs, written through the normal ingest path, plus a ground truth.
 
-    Defaults come from kvtrail.forensics.fleet.FleetConfig. Refuses a store that already holds the
+    Defaults come from kvtrail.sim.fleet.config.FleetConfig. Refuses a store that already holds the
     cluster unless --append is given.
     """
     import dataclasses
 
     from kvtrail.audit.store import AuditStore
-    from kvtrail.forensics.fleet import FAULT_CLASSES, PLANT_CLASSES, FleetConfig, write_fleet
+    from kvtrail.sim.fleet.config import FAULT_CLASSES, PLANT_CLASSES, FleetConfig, write_fleet
     from kvtrail.timeutil import format_utc, parse_utc
 
     ctx = click.get_current_context()

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from kvtrail.audit.store import connect_readonly
 from kvtrail.audit.verify import verify_store
 from kvtrail.forensics.findings import AFFECTED_CODES
-from kvtrail.forensics.replay import replay_store
+from kvtrail.forensics.replay.engine import replay_store
 from kvtrail.serving.config import StackConfig
 from kvtrail.serving.stack import Stack
 from kvtrail.serving.traffic import TrafficConfig, run_traffic

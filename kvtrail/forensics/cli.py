@@ -91,8 +91,8 @@ def _exclusion_options(f):
 
 def _exclusions(tenants: tuple[str, ...], file: str | None, base=None):
     """The exclusions of the flags (plus ``base``, e.g. from incident.yaml)."""
-    from kvtrail.forensics.analysis import Exclusions
-    from kvtrail.forensics.context import load_exclusions
+    from kvtrail.forensics.analysis.exposure import Exclusions
+    from kvtrail.forensics.report.context import load_exclusions
 
     pairs = []
     for t in tenants:
@@ -131,8 +131,8 @@ def _probe_options(f):
 
 def _report_options(from_ns, to_ns, excl, baseline_from, baseline_to, long_prompt_tokens, burst_minutes,
                     burst_count):
-    from kvtrail.forensics.analysis import ProbeRules
-    from kvtrail.forensics.report import ReportOptions
+    from kvtrail.forensics.analysis.exposure import ProbeRules
+    from kvtrail.forensics.report.build import ReportOptions
 
     if from_ns is None or to_ns is None:
         raise KvtrailError(f"{'--from' if from_ns is None else '--to'}: required (the baseline and rates need a window)")
@@ -187,7 +187,7 @@ def findings_cmd(db, from_, to, tenant, node, fmt, out, codes, exclude_tenants, 
     """Every finding in the window, with the event ids that prove it (excluded accounts' requests left out)."""
     import polars as pl
 
-    from kvtrail.forensics.analysis import check_exclusions, excluded_requests
+    from kvtrail.forensics.analysis.exposure import check_exclusions, excluded_requests
     from kvtrail.forensics.findings import CODES
     from kvtrail.forensics.questions import coverage_gaps, findings_of, findings_frame
 
@@ -217,7 +217,7 @@ def findings_cmd(db, from_, to, tenant, node, fmt, out, codes, exclude_tenants, 
 @_exclusion_options
 def affected(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file) -> None:
     """Which responses read foreign pages in the window, and whose data it was."""
-    from kvtrail.forensics.analysis import affected_with_exclusions
+    from kvtrail.forensics.analysis.exposure import affected_with_exclusions
     from kvtrail.forensics.questions import coverage_gaps
 
     excl = _exclusions(exclude_tenants, exclude_file)
@@ -300,7 +300,7 @@ def watch(db, interval, polls, allow_tenant_cache_sharing) -> None:
 @_exclusion_options
 def exposure(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file) -> None:
     """Exposure matrix: recipient tenant x victim tenant, with responses, pages and victim requests."""
-    from kvtrail.forensics import analysis as an
+    from kvtrail.forensics.analysis import exposure as an
     from kvtrail.forensics.findings import AFFECTED_CODES
     from kvtrail.forensics.questions import coverage_gaps, findings_frame, findings_of
 
@@ -324,7 +324,7 @@ def thresholds(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_f
     """Pool vs advertised context per node, and affected vs unaffected prompts against the prefill pool."""
     import polars as pl
 
-    from kvtrail.forensics import analysis as an
+    from kvtrail.forensics.analysis import exposure as an
     from kvtrail.forensics.questions import coverage_gaps
 
     excl = _exclusions(exclude_tenants, exclude_file)
@@ -357,7 +357,7 @@ def exploitation(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude
     import polars as pl
 
     from kvtrail.forensics.questions import coverage_gaps
-    from kvtrail.forensics.report import exploitation_for
+    from kvtrail.forensics.report.build import exploitation_for
 
     excl = _exclusions(exclude_tenants, exclude_file)
     con, w = _window(db, from_, to, tenant, node)
@@ -385,9 +385,9 @@ def exploitation(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude
 @_probe_options
 def report(db, from_, to, out, context, exclude_tenants, exclude_file, **probe) -> None:
     """Write the disclosure report (Markdown, HTML, PDF, CSV/JSON, report.json manifest) for a window."""
-    from kvtrail.forensics.context import load_context
-    from kvtrail.forensics.report import build_report, write_report
-    from kvtrail.forensics.snapshot import open_snapshot
+    from kvtrail.forensics.report.context import load_context
+    from kvtrail.forensics.report.build import build_report, write_report
+    from kvtrail.forensics.report.snapshot import open_snapshot
 
     if not Path(db).exists():
         raise KvtrailError(f"--db: store not found: {db}")
@@ -417,7 +417,7 @@ def report(db, from_, to, out, context, exclude_tenants, exclude_file, **probe) 
 @click.option("--strict", is_flag=True, help="Also fail when events committed after the report fall inside its window.")
 def verify_report_cmd(report_dir, db, strict) -> None:
     """Re-run a report's queries on the store and confirm its numbers, chain heads and files. Exit 1 if not."""
-    from kvtrail.forensics.manifest import verify_report
+    from kvtrail.forensics.report.manifest import verify_report
 
     check = verify_report(report_dir, db, strict=strict)
     for note in check.notes:

@@ -2,7 +2,7 @@
 
 :class:`StoreTail` reads the events of batches committed since its last poll (a per-producer
 ``batch_no`` watermark, so nothing is read twice and nothing is skipped); :class:`OnlineReplay` feeds
-them to one long-lived :class:`~kvtrail.forensics.replay.ReplayEngine` and returns the findings not
+them to one long-lived :class:`~kvtrail.forensics.replay.engine.ReplayEngine` and returns the findings not
 reported before. Page findings are final when reported. Cross-node findings (F2, F3, F4, F9) are
 re-judged on every poll and can be reported again with more evidence once the other node's batch
 lands, so online answers are provisional; a window re-run (``replay_store``) is authoritative.
@@ -23,7 +23,7 @@ from kvtrail.audit.store import read_events
 from kvtrail.forensics.findings import Finding
 from kvtrail.forensics.persist import finding_id
 from kvtrail.forensics.policy import ForensicsPolicy
-from kvtrail.forensics.replay import ReplayEngine
+from kvtrail.forensics.replay.engine import ReplayEngine
 
 _PRODUCER_NAMES = ", ".join(f.name for f in PRODUCER_FIELDS)
 

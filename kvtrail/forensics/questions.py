@@ -16,8 +16,8 @@ import polars as pl
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics.findings import AFFECTED_CODES, Finding, findings_table
 from kvtrail.forensics.policy import ForensicsPolicy
-from kvtrail.forensics.replay import replay_store
-from kvtrail.forensics.sql import sql_findings
+from kvtrail.forensics.replay.engine import replay_store
+from kvtrail.forensics.sql.engine import sql_findings
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.store import AuditStore
-from kvtrail.forensics.replay import replay_store
-from kvtrail.forensics.sql import sql_findings
+from kvtrail.forensics.replay.engine import replay_store
+from kvtrail.forensics.sql.engine import sql_findings
 from tests.forensics.test_replay import Oracle, Timeline, pd_timeline
 
 POOL = 10

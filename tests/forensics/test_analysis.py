@@ -7,9 +7,9 @@ import polars as pl
 import pytest
 
 from kvtrail.errors import KvtrailError
-from kvtrail.forensics import analysis as an
+from kvtrail.forensics.analysis import exposure as an
 from kvtrail.forensics.questions import Window, coverage_gaps, findings
-from kvtrail.forensics.report import ReportOptions, exploitation_for
+from kvtrail.forensics.report.build import ReportOptions, exploitation_for
 from tests.forensics.incident_fixture import MIN, PREFILL_POOL_TOKENS, RESEARCHER_KEY, W0, W1, build
 
 EXCL = an.Exclusions(tenants=(("internal-qa", "provider's own tests"),),
@@ -127,7 +127,7 @@ def test_exploitation_rules_and_baseline_choice(con):
 
 
 def test_max_within_a_span():
-    from kvtrail.forensics.exploitation import _max_within
+    from kvtrail.forensics.analysis.exploitation import _max_within
 
     assert _max_within([], 10) == 0
     assert _max_within([0, 5, 10, 11, 30], 10) == 3

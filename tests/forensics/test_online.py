@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.store import AuditStore
 from kvtrail.forensics.online import OnlineReplay
-from kvtrail.forensics.replay import replay_store
+from kvtrail.forensics.replay.engine import replay_store
 from tests.forensics.test_replay import pd_request, pd_timeline
 
 

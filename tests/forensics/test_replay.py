@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.store import AuditStore
 from kvtrail.forensics.findings import CODES, findings_table
-from kvtrail.forensics.replay import ReplayEngine, replay_store
+from kvtrail.forensics.replay.engine import ReplayEngine, replay_store
 from tests.conftest import T0, event, producer
 
 

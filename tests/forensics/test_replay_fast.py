@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.events import Producer
 from kvtrail.audit.store import AuditStore
-from kvtrail.audit.synth import synth_batches
+from kvtrail.sim.synth import synth_batches
 from kvtrail.forensics.findings import AFFECTED_CODES
-from kvtrail.forensics.replay import ReplayEngine, replay_store
-from kvtrail.forensics.replay_batch import ENGINE_ORDER, in_engine_order
+from kvtrail.forensics.replay.engine import ReplayEngine, replay_store
+from kvtrail.forensics.replay.batch import ENGINE_ORDER, in_engine_order
 from tests.forensics.test_replay import ACTIONS, POOL, Oracle, Timeline
 
 pytest.importorskip("numba")
@@ -203,7 +203,7 @@ def test_engine_order_keeps_a_sorted_batch_and_sorts_others():
 
 def test_store_slices_fast_equals_pure(tmp_path):
     """Many small slices (each read by the helper thread) replay exactly as one wire batch."""
-    from kvtrail.forensics.replay_source import store_batches  # needs numba
+    from kvtrail.forensics.replay.source import store_batches  # needs numba
 
     tables = [with_reads(pa.concat_tables(synth(node, seed, 20_000)).combine_chunks(), every=31)
               for node, seed in (("n1", 10), ("n2", 11))]

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.store import AuditStore
 from kvtrail.forensics.policy import ForensicsPolicy
-from kvtrail.forensics.replay import replay_store
-from kvtrail.forensics.sql import sql_findings
+from kvtrail.forensics.replay.engine import replay_store
+from kvtrail.forensics.sql.engine import sql_findings
 from tests.conftest import T0
 from tests.forensics import test_replay
 from tests.forensics.test_replay import ACTIONS, POOL, Oracle, Timeline, pd_request, pd_timeline

@@ -83,7 +83,7 @@ def test_vulnerable_mode_leaks_another_tenants_canary_with_http_200(tmp_path):
     assert [s for (s,) in statuses] == [200] * 6
     assert verify_store(db).ok
     # The forensics replay, from the audit alone, names globex's response as affected and acme as victim.
-    from kvtrail.forensics.replay import replay_store
+    from kvtrail.forensics.replay.engine import replay_store
 
     con = duckdb.connect(str(db), read_only=True)
     findings = replay_store(con)

@@ -1,4 +1,4 @@
-"""Render report blocks (see ``kvtrail.forensics.disclosure``) as Markdown, self-contained HTML and PDF.
+"""Render report blocks (see ``kvtrail.forensics.report.disclosure``) as Markdown, self-contained HTML and PDF.
 
 Markdown is the primary text; HTML escapes every value; the PDF uses fpdf2's core fonts, which only
 know Latin-1, so text is folded to it first (dashes, quotes and arrows to ASCII look-alikes).

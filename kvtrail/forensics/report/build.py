@@ -2,9 +2,9 @@
 
 :func:`build_report` runs the questions (findings, affected responses) and the analyses (exclusions,
 exposure, thresholds, exploitation) on a store snapshot; :func:`write_report` writes Markdown, HTML
-and PDF (``kvtrail.forensics.render``, text from ``kvtrail.forensics.disclosure``), CSV/JSON of the
+and PDF (``kvtrail.forensics.report.render``, text from ``kvtrail.forensics.report.disclosure``), CSV/JSON of the
 affected responses and exposed tenants, and the ``report.json`` manifest that
-``kvtrail forensics verify-report`` checks (``kvtrail.forensics.manifest``).
+``kvtrail forensics verify-report`` checks (``kvtrail.forensics.report.manifest``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import duckdb
 import polars as pl
 
 from kvtrail import __version__
-from kvtrail.forensics import analysis as an
-from kvtrail.forensics.context import IncidentContext
+from kvtrail.forensics.analysis import exposure as an
+from kvtrail.forensics.report.context import IncidentContext
 
 DATA_FILES = ("affected_responses", "exposed_tenants")
 
@@ -123,7 +123,7 @@ def build_report(con: duckdb.DuckDBPyConnection, options: ReportOptions, context
                  heads: list[dict] | None = None) -> Report:
     """Run every question and analysis for the window (``con``: a store or a snapshot of one)."""
     from kvtrail.forensics.questions import Window, coverage_gaps, findings_frame, findings_of
-    from kvtrail.forensics.snapshot import chain_heads
+    from kvtrail.forensics.report.snapshot import chain_heads
 
     o = options
     w = Window(o.from_ns, o.to_ns)
@@ -175,7 +175,7 @@ def exploitation_for(con: duckdb.DuckDBPyConnection, o: ReportOptions, w=None, p
 
 def write_report(report: Report, out_dir: str | Path, store_name: str) -> dict:
     """Write every report file into ``out_dir`` (created) and the manifest last; returns the manifest."""
-    from kvtrail.forensics import disclosure, manifest, render
+    from kvtrail.forensics.report import disclosure, manifest, render
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

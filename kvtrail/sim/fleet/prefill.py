@@ -16,8 +16,8 @@ from collections import deque
 import numpy as np
 
 from kvtrail.audit.events import KIND_CODES
-from kvtrail.forensics.fleet_log import ProducerLog
-from kvtrail.forensics.fleet_parts import (
+from kvtrail.sim.fleet.log import ProducerLog
+from kvtrail.sim.fleet.parts import (
     OK,
     PLACEHOLDER,
     PREFILL_REJECT,
@@ -34,7 +34,7 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 class PrefillNode:
-    """One prefill node of a running :class:`~kvtrail.forensics.fleet_sim.FleetSim`."""
+    """One prefill node of a running :class:`~kvtrail.sim.fleet.loop.FleetSim`."""
 
     def __init__(self, sim, name: str, log: ProducerLog, *, pool_tokens: int, rate_tokens_per_s: float,
                  vulnerable: bool):

@@ -2,8 +2,8 @@
 
 Runs of two events are joined by node, pool epoch and overlapping page ranges
 (``a.page_start <= b.page_end AND b.page_start <= a.page_end``); only the overlap of two runs is
-expanded to single pages. Each function takes the engine's query context (:class:`kvtrail.forensics.sql.Ctx`)
-and returns findings; the rules are restated in :mod:`kvtrail.forensics.sql`.
+expanded to single pages. Each function takes the engine's query context (:class:`kvtrail.forensics.sql.engine.Ctx`)
+and returns findings; the rules are restated in :mod:`kvtrail.forensics.sql.engine`.
 """
 
 from __future__ import annotations

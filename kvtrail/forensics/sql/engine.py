@@ -1,6 +1,6 @@
 """A second, independent findings engine: DuckDB SQL over the audit store (F1-F10).
 
-Where :mod:`kvtrail.forensics.replay` walks events one by one, this module asks the store directly.
+Where :mod:`kvtrail.forensics.replay.engine` walks events one by one, this module asks the store directly.
 Page questions are range joins over ``page_runs``: runs are joined by node, pool epoch and
 overlapping page ranges (``a.page_start <= b.page_end AND b.page_start <= a.page_end``) and only the
 overlap of two runs is expanded to single pages, so the store's pages are never exploded wholesale.
@@ -22,7 +22,7 @@ Model (the replay engine's rules, restated over the record):
   and no write came after that allocation). F10: such a legitimate hit on a page another tenant wrote,
   unless the policy allows tenants to share the cache.
 * F2/F3/F4/F8/F9 mirror the replay engine's joins by ``transfer_id`` / ``request_id``
-  (:mod:`kvtrail.forensics.joins`).
+  (:mod:`kvtrail.forensics.replay.joins`).
 
 The window is the replay engine's: each producer is read from its last ``node_config`` at or before
 ``from_ns``; findings ending before ``from_ns`` are dropped.
@@ -37,8 +37,8 @@ import numpy as np
 
 from kvtrail.forensics.findings import Finding, make_finding
 from kvtrail.forensics.policy import ForensicsPolicy
-from kvtrail.forensics.sql_pages import f1_f10, f5_f7, f6
-from kvtrail.forensics.replay import window_filter
+from kvtrail.forensics.sql.pages import f1_f10, f5_f7, f6
+from kvtrail.forensics.replay.engine import window_filter
 
 _EVENT_COLS = ("producer_id, seq, wall_ns, kind, request_id, transfer_id, tenant_id, purpose, num_tokens, "
                "num_pages, num_dst_pages, status, http_status, stage, abort_reason, pool_tokens, "

@@ -2,15 +2,15 @@
 
 A block is a tuple: ``("h1"|"h2"|"p"|"warn"|"mono", text)``, ``("ul", [items])`` or
 ``("table", headers, rows)``. Everything the report says is here, once; the numbers come from the
-:class:`~kvtrail.forensics.report.Report` model.
+:class:`~kvtrail.forensics.report.build.Report` model.
 """
 
 from __future__ import annotations
 
 import polars as pl
 
-from kvtrail.forensics import analysis as an
-from kvtrail.forensics import notices
+from kvtrail.forensics.analysis import exposure as an
+from kvtrail.forensics.report import notices
 from kvtrail.forensics.findings import AFFECTED_CODES, CODES
 from kvtrail.timeutil import format_utc
 

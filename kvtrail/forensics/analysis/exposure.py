@@ -4,7 +4,7 @@ Every function returns Polars DataFrames (or plain dicts of counts) so the CLI a
 report print and export the same numbers. Exclusions (internal test accounts, a researcher's
 reproduction) remove *recipients* from every count: their reads are not exposure of customer data
 to another customer. Data of an excluded account read by someone else still counts as exposed.
-The exploitation assessment (``kvtrail.forensics.exploitation``) is re-exported here.
+The exploitation assessment (``kvtrail.forensics.analysis.exploitation``) is re-exported here.
 """
 
 from __future__ import annotations
@@ -275,5 +275,5 @@ def threshold_sentence(s: dict) -> str:
 
 
 # Re-exported so the analyses have one import path.
-from kvtrail.forensics.exploitation import (  # noqa: E402, F401
+from kvtrail.forensics.analysis.exploitation import (  # noqa: E402, F401
     ProbeRules, exploitation_assessment, long_prompt_threshold)

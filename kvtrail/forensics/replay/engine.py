@@ -1,12 +1,12 @@
 """Streaming replay of page ownership: audit events in, F1-F10 findings out.
 
 :class:`ReplayEngine` walks events in time order and keeps, per node pool, a
-:class:`~kvtrail.forensics.pagestate.PageState`: numpy arrays indexed by page id (the exclusive holder,
+:class:`~kvtrail.forensics.replay.pagestate.PageState`: numpy arrays indexed by page id (the exclusive holder,
 who last wrote the page - request, time, digest, block hash, event -, a generation counter bumped on
 every allocation).
 
 Page findings (F1, F5, F6, F7, F10) and F8 are derived as events arrive; F2, F3, F4 and F9 join events
-across nodes (:mod:`kvtrail.forensics.joins`) and are derived when :meth:`ReplayEngine.findings` is
+across nodes (:mod:`kvtrail.forensics.replay.joins`) and are derived when :meth:`ReplayEngine.findings` is
 called, so the order in which different nodes' events arrive does not matter.
 
 Rules beyond the mission's definitions: a prefix-cache read is legitimate (not F1) only when the page's
@@ -25,10 +25,10 @@ import pyarrow.compute as pc
 from kvtrail.audit.events import PRODUCER_FIELDS
 from kvtrail.audit.store import read_events
 from kvtrail.forensics.findings import Finding, make_finding
-from kvtrail.forensics.joins import CrossNodeJoins
-from kvtrail.forensics.pagestate import PageState
+from kvtrail.forensics.replay.joins import CrossNodeJoins
+from kvtrail.forensics.replay.pagestate import PageState
 from kvtrail.forensics.policy import ForensicsPolicy
-from kvtrail.forensics.replay_batch import (JOIN_CODES, JOIN_KINDS, PAGE_KINDS, SCALARS, ReplayBatch, codes_of,
+from kvtrail.forensics.replay.batch import (JOIN_CODES, JOIN_KINDS, PAGE_KINDS, SCALARS, ReplayBatch, codes_of,
                                             from_table, in_engine_order, register_requests, request_codes)
 
 _PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
@@ -40,7 +40,7 @@ class ReplayEngine:
     instance) to its store id, so evidence names stored events; unknown producers get fresh ids.
     ``policy`` decides F9's thresholds and whether cross-tenant prefix sharing is a finding (F10).
     ``codes``: the findings wanted (default all); without F2/F3/F4/F9 the cross-node joins are skipped.
-    ``fast``: replay finding-free page events in compiled runs (:mod:`kvtrail.forensics.replay_fast`,
+    ``fast``: replay finding-free page events in compiled runs (:mod:`kvtrail.forensics.replay.fast`,
     needs numba); None uses it when numba is installed; False replays every event in Python (the
     reference the fast path is tested against).
     """
@@ -62,7 +62,7 @@ class ReplayEngine:
         self._ord = 0
         self._fast = None
         if fast or (fast is None and importlib.util.find_spec("numba") is not None):
-            from kvtrail.forensics.replay_fast import FastReplay
+            from kvtrail.forensics.replay.fast import FastReplay
 
             self._fast = FastReplay(self, self._need_joins)
 
@@ -359,8 +359,8 @@ def replay_store(con, from_ns: int | None = None, to_ns: int | None = None, poli
     rows = con.execute(f"SELECT producer_id, {', '.join(_PRODUCER_NAMES)} FROM producers").fetchall()
     engine = ReplayEngine({tuple(r[1:]): r[0] for r in rows}, policy, codes=codes, fast=fast)
     if engine._fast is not None:  # read in engine order, in bounded slices, straight into the fast path
-        from kvtrail.forensics.replay_kernels import warm_up
-        from kvtrail.forensics.replay_source import store_batches
+        from kvtrail.forensics.replay.kernels import warm_up
+        from kvtrail.forensics.replay.source import store_batches
 
         for batch in store_batches(con, where, params, meanwhile=warm_up):
             engine.feed_batch(batch)

@@ -30,7 +30,7 @@ from collections import Counter
 import numpy as np
 
 from kvtrail.audit.events import KIND_CODES
-from kvtrail.forensics.fleet_parts import OK
+from kvtrail.sim.fleet.parts import OK
 from kvtrail.timeutil import format_utc
 
 _FREED, _WRITTEN, _ABORTED = (KIND_CODES[k] for k in ("pages_freed", "kv_written", "request_aborted"))

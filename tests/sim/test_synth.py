@@ -10,7 +10,7 @@ import pytest
 from kvtrail.audit.batch import BATCH_SCHEMA
 from kvtrail.audit.events import Producer
 from kvtrail.audit.store import AuditStore
-from kvtrail.audit.synth import AllocatorSim, runs_per_event, synth_batches
+from kvtrail.sim.synth import AllocatorSim, runs_per_event, synth_batches
 from kvtrail.serving.allocator import PageAllocator
 
 PRODUCER = Producer("test-cluster", "node-0", "unified", "kvtrail-synth", "0", "inst-0")

@@ -5,9 +5,9 @@ their defaults from it). :func:`fleet_batches` yields the simulated producers' b
 engines directly); :func:`write_fleet` appends them to an :class:`~kvtrail.audit.store.AuditStore`
 through the normal ingest path and writes the ground truth of what was planted.
 
-The simulation itself lives in :mod:`kvtrail.forensics.fleet_sim` (arrivals, router, event loop),
-:mod:`kvtrail.forensics.fleet_prefill` and :mod:`kvtrail.forensics.fleet_decode` (the nodes); the bug
-classes and the ground truth in :mod:`kvtrail.forensics.plants`.
+The simulation itself lives in :mod:`kvtrail.sim.fleet.loop` (arrivals, router, event loop),
+:mod:`kvtrail.sim.fleet.prefill` and :mod:`kvtrail.sim.fleet.decode` (the nodes); the bug
+classes and the ground truth in :mod:`kvtrail.sim.fleet.plants`.
 """
 
 from __future__ import annotations
@@ -160,9 +160,9 @@ def fleet_batches(config: FleetConfig, truth: dict | None = None) -> Iterator[pa
 
     Batches of one producer come in ``seq`` order; batches of different producers interleave in
     the order they fill. When ``truth`` is a dict it is filled with the ground truth (see
-    :meth:`kvtrail.forensics.fleet_sim.FleetSim.truth`) once the generator is exhausted.
+    :meth:`kvtrail.sim.fleet.loop.FleetSim.truth`) once the generator is exhausted.
     """
-    from kvtrail.forensics.fleet_sim import FleetSim
+    from kvtrail.sim.fleet.loop import FleetSim
 
     sim = FleetSim(config)
     yield from sim.batches()
@@ -176,7 +176,7 @@ def write_fleet(config: FleetConfig, store, truth_path: str | Path | None = None
     Returns counts; the ground truth JSON goes to ``truth_path`` when given (one line: placeholder
     plants list tens of thousands of pages; ``jq .`` shows it indented).
     """
-    from kvtrail.forensics.fleet_sim import FleetSim
+    from kvtrail.sim.fleet.loop import FleetSim
 
     t0 = time.perf_counter()
     sim = FleetSim(config)

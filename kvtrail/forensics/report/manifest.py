@@ -88,8 +88,8 @@ def verify_report(report_dir: str | Path, db: str | Path, *, strict: bool = Fals
     inside its window are a problem (otherwise a note)."""
     from kvtrail.audit.store import connect_readonly
     from kvtrail.audit.verify import verify_store
-    from kvtrail.forensics.report import ReportOptions, build_report
-    from kvtrail.forensics.snapshot import chain_heads, open_snapshot
+    from kvtrail.forensics.report.build import ReportOptions, build_report
+    from kvtrail.forensics.report.snapshot import chain_heads, open_snapshot
 
     doc = load_manifest(report_dir)
     if not Path(db).exists():

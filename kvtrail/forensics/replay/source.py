@@ -24,8 +24,8 @@ import pyarrow.compute as pc
 
 from kvtrail.audit.batch import BATCH_SCHEMA
 from kvtrail.audit.events import KINDS
-from kvtrail.forensics.replay_batch import PAGE_KINDS, PRODUCER_NAMES, SCALARS, ReplayBatch, flat_list, request_codes
-from kvtrail.forensics.replay_kernels import gather_runs
+from kvtrail.forensics.replay.batch import PAGE_KINDS, PRODUCER_NAMES, SCALARS, ReplayBatch, flat_list, request_codes
+from kvtrail.forensics.replay.kernels import gather_runs
 
 PAGE_EVENTS_PER_SLICE = 8_000_000
 _TYPES = {f.name: f.type for f in BATCH_SCHEMA}

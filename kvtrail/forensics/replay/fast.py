@@ -1,7 +1,7 @@
 """The replay engine's fast path: compiled runs of page events, the Python handlers for the rest.
 
-:class:`FastReplay` drives :func:`~kvtrail.forensics.replay_kernels.replay_page_events` over a
-:class:`~kvtrail.forensics.replay_batch.ReplayBatch`. Pools (nodes) are independent, so each one's
+:class:`FastReplay` drives :func:`~kvtrail.forensics.replay.kernels.replay_page_events` over a
+:class:`~kvtrail.forensics.replay.batch.ReplayBatch`. Pools (nodes) are independent, so each one's
 events are replayed by the kernel up to its next event that needs Python; those events go through the
 engine's own handlers (``ReplayEngine._on_<kind>``), with the same dicts the pure path builds, in row
 order across all pools (always the earliest waiting one), and that pool's kernel resumes after it.
@@ -22,8 +22,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvtrail.forensics import replay_kernels as K
-from kvtrail.forensics.replay_batch import (JOIN_KINDS, PAGE_KINDS, ReplayBatch, codes_of, first_rows,
+from kvtrail.forensics.replay import kernels as K
+from kvtrail.forensics.replay.batch import (JOIN_KINDS, PAGE_KINDS, ReplayBatch, codes_of, first_rows,
                                             register_requests)
 
 _INT64_MAX = 2**63 - 1

@@ -2,7 +2,7 @@
 
 :func:`replay_page_events` applies consecutive page events (``pages_allocated``, ``pages_freed``,
 ``kv_written``, ``kv_read``) of a batch in engine order to the pools' :class:`PageState` arrays in
-place, exactly as :class:`~kvtrail.forensics.replay.ReplayEngine`'s handlers would, as long as each
+place, exactly as :class:`~kvtrail.forensics.replay.engine.ReplayEngine`'s handlers would, as long as each
 event is the common, finding-free case:
 
 * allocation (not a prefix hit) of pages no other request holds, none shared, no page twice;

@@ -19,8 +19,8 @@ from collections import deque
 import numpy as np
 
 from kvtrail.audit.events import KIND_CODES
-from kvtrail.forensics.fleet_log import ProducerLog
-from kvtrail.forensics.fleet_parts import OK, FleetAllocator, Request
+from kvtrail.sim.fleet.log import ProducerLog
+from kvtrail.sim.fleet.parts import OK, FleetAllocator, Request
 
 _ALLOC, _FREED, _WRITTEN, _READ, _RESERVED, _RECEIVED, _ABORTED = (
     KIND_CODES[k] for k in ("pages_allocated", "pages_freed", "kv_written", "kv_read", "transfer_reserved",
@@ -28,7 +28,7 @@ _ALLOC, _FREED, _WRITTEN, _READ, _RESERVED, _RECEIVED, _ABORTED = (
 
 
 class DecodeNode:
-    """One decode node of a running :class:`~kvtrail.forensics.fleet_sim.FleetSim`."""
+    """One decode node of a running :class:`~kvtrail.sim.fleet.loop.FleetSim`."""
 
     def __init__(self, sim, name: str, log: ProducerLog, *, pool_tokens: int):
         self.sim = sim

@@ -4,7 +4,7 @@ A :class:`ReplayBatch` holds one batch of events sorted in engine order (``wall_
 node, instance, ``seq``): numpy arrays for everything the page kernel needs (producer id, clocks,
 page lists flattened with offsets) and the engine's scalar columns as Arrow, from which the few
 events that go through the Python handlers get their dicts. :func:`from_table` builds one from a
-wire-shaped Arrow batch; :mod:`kvtrail.forensics.replay_source` builds them straight from a store.
+wire-shaped Arrow batch; :mod:`kvtrail.forensics.replay.source` builds them straight from a store.
 """
 
 from __future__ import annotations

@@ -6,13 +6,13 @@ rate, prefix-cache hits skipped) and sends each chunk, decode receives, reads it
 generates (one page of growth every ``page_size`` tokens), and the router answers. Page ids come
 from each node's own allocator, so concurrent requests interleave and pools fragment as they churn.
 
-The planted bugs (:mod:`kvtrail.forensics.plants`) hook into this lifecycle at three points: the
+The planted bugs (:mod:`kvtrail.sim.fleet.plants`) hook into this lifecycle at three points: the
 last chunk sent (late_write), the transfer received (use_after_free, double_alloc) and the next
 reservation on the same decode node (the partner request). The placeholder bug happens by itself
 when a prompt longer than a vulnerable prefill node's pool lands there; cross-tenant prefix hits
 when cache namespaces are off.
 
-Everything is seeded: the same :class:`~kvtrail.forensics.fleet.FleetConfig` gives the same batches.
+Everything is seeded: the same :class:`~kvtrail.sim.fleet.config.FleetConfig` gives the same batches.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ import numpy as np
 import pyarrow as pa
 
 from kvtrail.audit.events import KIND_CODES, Producer
-from kvtrail.audit.synth import Draws
-from kvtrail.forensics.fleet import FleetConfig, config_json
-from kvtrail.forensics.fleet_decode import DecodeNode
-from kvtrail.forensics.fleet_log import ProducerLog
-from kvtrail.forensics.fleet_parts import PLACEHOLDER, PREFILL_REJECT, ROUTER_REJECT, Request
-from kvtrail.forensics.fleet_prefill import PrefillNode
-from kvtrail.forensics.plants import PlantHooks, TruthBook
+from kvtrail.sim.synth import Draws
+from kvtrail.sim.fleet.config import FleetConfig, config_json
+from kvtrail.sim.fleet.decode import DecodeNode
+from kvtrail.sim.fleet.log import ProducerLog
+from kvtrail.sim.fleet.parts import PLACEHOLDER, PREFILL_REJECT, ROUTER_REJECT, Request
+from kvtrail.sim.fleet.prefill import PrefillNode
+from kvtrail.sim.fleet.plants import PlantHooks, TruthBook
 from kvtrail.timeutil import format_utc
 
 VULNERABLE_VERSION, PATCHED_VERSION = "0.5.19", "0.5.23"
