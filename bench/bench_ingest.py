@@ -38,8 +38,8 @@ import pyarrow.compute as pc
 
 from kvtrail.audit.events import Producer
 from kvtrail.audit.store import AuditStore
-from kvtrail.sim.synth import runs_per_event, synth_batches
 from kvtrail.audit.validate import producer_id
+from kvtrail.sim.synth import runs_per_event, synth_batches
 
 GOAL_PAGE_EVENTS_PER_S = 50e6
 

@@ -32,8 +32,13 @@ import zlib
 
 import numpy as np
 
-from kvtrail.serving.transfer import (EntryPlan, PoolBuffer, TransferConfig, TransferEngineHandle, merge_runs,
-                                      plan_entries)
+from kvtrail.serving.transfer import (
+    EntryPlan,
+    PoolBuffer,
+    TransferEngineHandle,
+    merge_runs,
+    plan_entries,
+)
 
 ROWS = ("scattered", "contiguous", "per-page")
 REPLY_S = 120

@@ -24,6 +24,7 @@ from kvtrail.serving.config import StackConfig
 from kvtrail.serving.stack import Stack
 from kvtrail.serving.traffic import TrafficConfig, run_traffic
 
+
 def demo_config(mode: str) -> StackConfig:
     # Decode's pool is small enough that pages are reused within the demo's traffic.
     return StackConfig.incident(mode=mode, decode_pool_tokens=24 * 1024, max_new_tokens=48)

@@ -162,7 +162,7 @@ KINDS: dict[str, KindSpec] = {
             "kv_written",
             "KV rows of these pages were written for the request (forward pass, transfer in, restore).",
             (*_REQ, "pages", "token_start", "token_end", "source"),
-            (*_REQ_OPT, "page_digests", "digest_algo", "block_hashes"), 
+            (*_REQ_OPT, "page_digests", "digest_algo", "block_hashes"),
             (("pages", "page_digests"), ("pages", "block_hashes")),
         ),
         KindSpec(

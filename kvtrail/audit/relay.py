@@ -21,8 +21,8 @@ import pyarrow.compute as pc
 
 from kvtrail.audit.batch import read_ipc, write_ipc
 from kvtrail.audit.events import Producer
-from kvtrail.audit.validate import PRODUCER_NAMES, producer_id
 from kvtrail.audit.store import AppendResult, AuditStore
+from kvtrail.audit.validate import PRODUCER_NAMES, producer_id
 from kvtrail.errors import KvtrailError, StoreError, ValidationError
 
 log = logging.getLogger("kvtrail.audit")

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
-import pyarrow as pa
 
 from kvtrail.audit import chain
 from kvtrail.audit.retention import prune_digest

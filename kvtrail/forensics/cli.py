@@ -91,7 +91,7 @@ def _exclusion_options(f):
 
 def _exclusions(tenants: tuple[str, ...], file: str | None, base=None):
     """The exclusions of the flags (plus ``base``, e.g. from incident.yaml)."""
-    from kvtrail.forensics.analysis.exposure import Exclusions
+    from kvtrail.forensics.analysis import Exclusions
     from kvtrail.forensics.report.context import load_exclusions
 
     pairs = []
@@ -131,7 +131,7 @@ def _probe_options(f):
 
 def _report_options(from_ns, to_ns, excl, baseline_from, baseline_to, long_prompt_tokens, burst_minutes,
                     burst_count):
-    from kvtrail.forensics.analysis.exposure import ProbeRules
+    from kvtrail.forensics.analysis import ProbeRules
     from kvtrail.forensics.report.build import ReportOptions
 
     if from_ns is None or to_ns is None:
@@ -187,9 +187,9 @@ def findings_cmd(db, from_, to, tenant, node, fmt, out, codes, exclude_tenants, 
     """Every finding in the window, with the event ids that prove it (excluded accounts' requests left out)."""
     import polars as pl
 
-    from kvtrail.forensics.analysis.exposure import check_exclusions, excluded_requests
+    from kvtrail.forensics.analysis import check_exclusions, excluded_requests
     from kvtrail.forensics.findings import CODES
-    from kvtrail.forensics.questions import coverage_gaps, findings_of, findings_frame
+    from kvtrail.forensics.questions import coverage_gaps, findings_frame, findings_of
 
     bad = [c for c in codes if c not in CODES]
     if bad:
@@ -217,7 +217,7 @@ def findings_cmd(db, from_, to, tenant, node, fmt, out, codes, exclude_tenants, 
 @_exclusion_options
 def affected(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file) -> None:
     """Which responses read foreign pages in the window, and whose data it was."""
-    from kvtrail.forensics.analysis.exposure import affected_with_exclusions
+    from kvtrail.forensics.questions import affected_with_exclusions
     from kvtrail.forensics.questions import coverage_gaps
 
     excl = _exclusions(exclude_tenants, exclude_file)
@@ -300,15 +300,15 @@ def watch(db, interval, polls, allow_tenant_cache_sharing) -> None:
 @_exclusion_options
 def exposure(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file) -> None:
     """Exposure matrix: recipient tenant x victim tenant, with responses, pages and victim requests."""
-    from kvtrail.forensics.analysis import exposure as an
+    from kvtrail.forensics import analysis as an
     from kvtrail.forensics.findings import AFFECTED_CODES
-    from kvtrail.forensics.questions import coverage_gaps, findings_frame, findings_of
+    from kvtrail.forensics.questions import affected_with_exclusions, coverage_gaps, findings_frame, findings_of
 
     excl = _exclusions(exclude_tenants, exclude_file)
     con, w = _window(db, from_, to, tenant, node)
     try:
         affected_found = findings_of(con, w, codes=AFFECTED_CODES)  # one replay for both answers
-        kept, dropped, _ = an.affected_with_exclusions(con, w, excl, affected_found)
+        kept, dropped, _ = affected_with_exclusions(con, w, excl, affected_found)
         found, gaps = findings_frame(affected_found, w, tuple(sorted(AFFECTED_CODES))), coverage_gaps(con)
     finally:
         con.close()
@@ -324,13 +324,13 @@ def thresholds(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_f
     """Pool vs advertised context per node, and affected vs unaffected prompts against the prefill pool."""
     import polars as pl
 
-    from kvtrail.forensics.analysis import exposure as an
-    from kvtrail.forensics.questions import coverage_gaps
+    from kvtrail.forensics import analysis as an
+    from kvtrail.forensics.questions import affected_with_exclusions, coverage_gaps
 
     excl = _exclusions(exclude_tenants, exclude_file)
     con, w = _window(db, from_, to, tenant, node)
     try:
-        kept, dropped, excluded = an.affected_with_exclusions(con, w, excl)
+        kept, dropped, excluded = affected_with_exclusions(con, w, excl)
         capacity, gaps = an.node_capacity(con, w.from_ns, w.to_ns), coverage_gaps(con)
         requests = an.requests_table(con, w.from_ns, w.to_ns, kept["request_id"].to_list())
     finally:
@@ -385,8 +385,8 @@ def exploitation(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude
 @_probe_options
 def report(db, from_, to, out, context, exclude_tenants, exclude_file, **probe) -> None:
     """Write the disclosure report (Markdown, HTML, PDF, CSV/JSON, report.json manifest) for a window."""
-    from kvtrail.forensics.report.context import load_context
     from kvtrail.forensics.report.build import build_report, write_report
+    from kvtrail.forensics.report.context import load_context
     from kvtrail.forensics.report.snapshot import open_snapshot
 
     if not Path(db).exists():

@@ -36,6 +36,10 @@ CODES: dict[str, FindingCode] = {
 }
 # A response is affected (it read foreign data) when its request has one of these.
 AFFECTED_CODES = frozenset({"F1", "F5", "F7"})
+# Pseudo-victims: a page read before anyone wrote it since the pool was created; a victim request
+# whose events carry no tenant.
+NEVER_WRITTEN = "(never written)"
+UNKNOWN_TENANT = "(unknown tenant)"
 
 
 @dataclass(frozen=True)

@@ -8,38 +8,15 @@ because an answer over incomplete data must say so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import duckdb
 import polars as pl
 
-from kvtrail.errors import KvtrailError
-from kvtrail.forensics.findings import AFFECTED_CODES, Finding, findings_table
+from kvtrail.forensics.analysis.exclusions import Exclusions, check_exclusions, excluded_requests, split_excluded
+from kvtrail.forensics.findings import AFFECTED_CODES, NEVER_WRITTEN, Finding, findings_table
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.engine import replay_store
 from kvtrail.forensics.sql.engine import sql_findings
-
-
-@dataclass(frozen=True)
-class Window:
-    """A UTC window in ns, with optional tenant and node filters (validated against the store)."""
-
-    from_ns: int | None = None
-    to_ns: int | None = None
-    tenant: str | None = None
-    node: str | None = None
-
-
-def _check(con: duckdb.DuckDBPyConnection, w: Window) -> None:
-    if w.from_ns is not None and w.to_ns is not None and w.from_ns > w.to_ns:
-        raise KvtrailError("--from: is after --to")
-    for field, column, value in (("--tenant", "tenant_id", w.tenant), ("--node", "node", w.node)):
-        if value is None:
-            continue
-        known = [r[0] for r in con.execute(f"SELECT DISTINCT {column} FROM events_v WHERE {column} IS NOT NULL "
-                                           f"ORDER BY 1").fetchall()]
-        if value not in known:
-            raise KvtrailError(f"{field}: unknown {column.split('_')[0]} {value!r}; known: {', '.join(known[:20])}")
+from kvtrail.forensics.window import Window, check_window
 
 
 def coverage_gaps(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
@@ -67,7 +44,7 @@ def findings_of(con: duckdb.DuckDBPyConnection, w: Window = Window(), *, engine:
                 policy: ForensicsPolicy = ForensicsPolicy(), codes=None) -> list[Finding]:
     """Every finding of the window's events (tenant and node filters not applied), from either engine;
     ``codes`` limits the work to what a question needs."""
-    _check(con, w)
+    check_window(con, w)
     if engine == "replay":
         return replay_store(con, w.from_ns, w.to_ns, policy, codes=codes)
     if engine == "sql":
@@ -98,7 +75,7 @@ def affected_responses(con: duckdb.DuckDBPyConnection, w: Window = Window(),
     if found is None:
         found = findings_of(con, w, codes=AFFECTED_CODES)
     else:
-        _check(con, w)
+        check_window(con, w)
     found = [f for f in found if f.code in AFFECTED_CODES]
     by_request: dict[str, dict] = {}
     for f in found:
@@ -108,7 +85,7 @@ def affected_responses(con: duckdb.DuckDBPyConnection, w: Window = Window(),
         row["codes"].add(f.code)
         row["foreign_pages"].update((f.node, p) for p in f.pages)
         row["victim_request_ids"].update(v for v in f.victim_request_ids if v)
-        row["victim_tenant_ids"].update(v if v else "(never written)" for v in f.victim_tenant_ids)
+        row["victim_tenant_ids"].update(v if v else NEVER_WRITTEN for v in f.victim_tenant_ids)
         row["first_ns"], row["last_ns"] = min(row["first_ns"], f.first_ns), max(row["last_ns"], f.last_ns)
     responses = {r[0]: r[1:] for r in con.execute(
         "SELECT request_id, http_status, prompt_tokens, completion_tokens FROM events_v "
@@ -130,3 +107,13 @@ def affected_responses(con: duckdb.DuckDBPyConnection, w: Window = Window(),
               "completion_tokens": pl.Int64, "codes": pl.Utf8, "pages_read_foreign": pl.Int64,
               "victim_tenants": pl.Utf8, "victim_requests": pl.Utf8, "first_ns": pl.Int64, "last_ns": pl.Int64}
     return pl.DataFrame(rows, schema=schema).sort("first_ns")
+
+
+def affected_with_exclusions(con: duckdb.DuckDBPyConnection, w: Window, excl: Exclusions,
+                             found: list[Finding] | None = None) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+    """(kept affected responses, excluded ones with reason, every excluded request) for a window
+    (``found``: the window's findings, when the caller already has them)."""
+    check_exclusions(con, excl)
+    excluded = excluded_requests(con, excl)
+    kept, dropped = split_excluded(affected_responses(con, w, found), excluded, excl)
+    return kept, dropped, excluded

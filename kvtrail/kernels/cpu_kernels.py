@@ -11,8 +11,8 @@ machine code from ``__pycache__``.
 from __future__ import annotations
 
 import numpy as np
-from numba import carray, njit, prange, types
 from llvmlite import ir
+from numba import carray, njit, prange, types
 from numba.extending import intrinsic
 
 # The constants are repeated here, not imported: numba bakes globals into the cached machine code

@@ -17,11 +17,17 @@ from kvtrail.audit import chain
 from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.export import TABLE_KEYS, TABLES, export_parquet, import_parquet
 from kvtrail.audit.retention import add_hold, prune, release_hold
-from kvtrail.audit.store import (EVENT_COLUMNS, EVENTS_SCHEMA, RUN_COLUMNS, RUNS_SCHEMA, AuditStore, arrow_query,
-                                 read_events)
+from kvtrail.audit.store import (
+    EVENT_COLUMNS,
+    EVENTS_SCHEMA,
+    RUN_COLUMNS,
+    RUNS_SCHEMA,
+    AuditStore,
+    arrow_query,
+    read_events,
+)
 from kvtrail.audit.verify import verify_store
 from kvtrail.errors import StoreError
-
 
 MIDNIGHT = 1_700_006_400 * 10**9  # 2023-11-15T00:00:00Z
 DAY1, DAY2 = "2023-11-14", "2023-11-15"

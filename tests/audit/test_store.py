@@ -60,6 +60,7 @@ def test_state_survives_reopen(tmp_path):
         s.append(from_dicts([alloc(2, [9])]))  # pool size and last seq known after reopen
         assert s.con.execute("SELECT max(batch_no) FROM batches").fetchone()[0] == 1
         import pytest
+
         from kvtrail.errors import ValidationError
         with pytest.raises(ValidationError, match="going backwards"):
             s.append(from_dicts([alloc(2, [9])]))

@@ -3,7 +3,7 @@
 import pyarrow as pa
 import pytest
 
-from kvtrail.audit.batch import from_dicts, parse_jsonl, write_ipc, read_ipc
+from kvtrail.audit.batch import from_dicts, parse_jsonl, read_ipc, write_ipc
 from kvtrail.errors import ValidationError
 from tests.conftest import alloc, config, event, producer
 

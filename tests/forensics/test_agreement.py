@@ -18,7 +18,7 @@ from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.store import AuditStore
 from kvtrail.forensics.replay.engine import replay_store
 from kvtrail.forensics.sql.engine import sql_findings
-from tests.forensics.test_replay import Oracle, Timeline, pd_timeline
+from tests.forensics.test_replay import Oracle, Timeline
 
 POOL = 10
 TENANTS = ("acme", "globex")

@@ -7,7 +7,7 @@ import polars as pl
 import pytest
 
 from kvtrail.errors import KvtrailError
-from kvtrail.forensics.analysis import exposure as an
+from kvtrail import forensics as an
 from kvtrail.forensics.questions import Window, coverage_gaps, findings
 from kvtrail.forensics.report.build import ReportOptions, exploitation_for
 from tests.forensics.incident_fixture import MIN, PREFILL_POOL_TOKENS, RESEARCHER_KEY, W0, W1, build

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.events import Producer
 from kvtrail.audit.store import AuditStore
-from kvtrail.sim.synth import synth_batches
 from kvtrail.forensics.findings import AFFECTED_CODES
-from kvtrail.forensics.replay.engine import ReplayEngine, replay_store
 from kvtrail.forensics.replay.batch import ENGINE_ORDER, in_engine_order
+from kvtrail.forensics.replay.engine import ReplayEngine, replay_store
+from kvtrail.sim.synth import synth_batches
 from tests.forensics.test_replay import ACTIONS, POOL, Oracle, Timeline
 
 pytest.importorskip("numba")

@@ -15,6 +15,7 @@ from tests.conftest import T0
 from tests.forensics import test_replay
 from tests.forensics.test_replay import ACTIONS, POOL, Oracle, Timeline, pd_request, pd_timeline
 
+
 def _key(f):
     return (f.code, f.node, f.request_id, f.pages, f.evidence)
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvtrail.kernels.layout import KernelError, KvLayout, as_page_ids, check_page_range
 from kvtrail.errors import KvtrailError
+from kvtrail.kernels.layout import KernelError, KvLayout, as_page_ids, check_page_range
 
 from .conftest import random_buffers
 

@@ -14,8 +14,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtrail.serving.transfer import (QUEUE_ENV, PoolBuffer, TransferConfig, TransferEngineHandle, TransferError,
-                                      merge_runs, plan_entries)
+from kvtrail.serving.transfer import (
+    QUEUE_ENV,
+    PoolBuffer,
+    TransferConfig,
+    TransferEngineHandle,
+    TransferError,
+    merge_runs,
+    plan_entries,
+)
 
 PAGES = 1024  # pool pages per buffer, plus the padding page 0
 ITEM = 512  # bytes per page: page_size 4 x 2 heads x head_dim 32 x bf16

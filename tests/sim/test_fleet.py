@@ -10,11 +10,11 @@ import duckdb
 import pytest
 
 from kvtrail.audit.store import AuditStore
-from kvtrail.sim.synth import runs_per_event
 from kvtrail.audit.verify import verify_store
 from kvtrail.cli import main
-from kvtrail.sim.fleet.config import FleetConfig, fleet_batches, write_fleet
 from kvtrail.forensics.replay.engine import replay_store
+from kvtrail.sim.fleet.config import FleetConfig, fleet_batches, write_fleet
+from kvtrail.sim.synth import runs_per_event
 
 # A small fleet that churns its pools within seconds: ~280 requests over 29 simulated seconds, prompts
 # around 1k tokens with a tail past the 16k-token prefill pool, every fault armed often. Prefill nodes

@@ -10,8 +10,8 @@ import pytest
 from kvtrail.audit.batch import BATCH_SCHEMA
 from kvtrail.audit.events import Producer
 from kvtrail.audit.store import AuditStore
-from kvtrail.sim.synth import AllocatorSim, runs_per_event, synth_batches
 from kvtrail.serving.allocator import PageAllocator
+from kvtrail.sim.synth import AllocatorSim, runs_per_event, synth_batches
 
 PRODUCER = Producer("test-cluster", "node-0", "unified", "kvtrail-synth", "0", "inst-0")
 SMALL = dict(num_pages=4_000, page_size=16, target_page_events=400_000, events_per_batch=3_000)

@@ -25,11 +25,22 @@ import pyarrow.compute as pc
 from kvtrail.audit.events import PRODUCER_FIELDS
 from kvtrail.audit.store import read_events
 from kvtrail.forensics.findings import Finding, make_finding
+from kvtrail.forensics.policy import ForensicsPolicy
+from kvtrail.forensics.replay.batch import (
+    JOIN_CODES,
+    JOIN_KINDS,
+    PAGE_KINDS,
+    SCALARS,
+    ReplayBatch,
+    codes_of,
+    from_table,
+    in_engine_order,
+    register_requests,
+    request_codes,
+)
 from kvtrail.forensics.replay.joins import CrossNodeJoins
 from kvtrail.forensics.replay.pagestate import PageState
-from kvtrail.forensics.policy import ForensicsPolicy
-from kvtrail.forensics.replay.batch import (JOIN_CODES, JOIN_KINDS, PAGE_KINDS, SCALARS, ReplayBatch, codes_of,
-                                            from_table, in_engine_order, register_requests, request_codes)
+from kvtrail.forensics.window import window_filter
 
 _PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
 _SCALARS = SCALARS  # the fields the handlers read, one list for both paths
@@ -331,20 +342,6 @@ def _flat(col: pa.ChunkedArray, dtype) -> tuple[np.ndarray, np.ndarray]:
     np.cumsum(lengths, out=offsets[1:])
     values = pc.list_flatten(col).to_numpy(zero_copy_only=False)
     return values.astype(dtype), offsets
-
-
-def window_filter(from_ns: int | None, to_ns: int | None) -> tuple[str, list]:
-    """SQL filter on ``events_v`` for a window: each producer from its last node_config at or before
-    ``from_ns`` (so page state at the window's start is known), up to ``to_ns``."""
-    where, params = ["TRUE"], []
-    if from_ns is not None:
-        where.append("wall_ns >= coalesce((SELECT max(c.wall_ns) FROM events c WHERE c.kind = 'node_config' "
-                     "AND c.producer_id = events_v.producer_id AND c.wall_ns <= ?), ?)")
-        params += [from_ns, from_ns]
-    if to_ns is not None:
-        where.append("wall_ns <= ?")
-        params.append(to_ns)
-    return " AND ".join(where), params
 
 
 def replay_store(con, from_ns: int | None = None, to_ns: int | None = None, policy: ForensicsPolicy = ForensicsPolicy(),

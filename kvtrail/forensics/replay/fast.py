@@ -23,8 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvtrail.forensics.replay import kernels as K
-from kvtrail.forensics.replay.batch import (JOIN_KINDS, PAGE_KINDS, ReplayBatch, codes_of, first_rows,
-                                            register_requests)
+from kvtrail.forensics.replay.batch import JOIN_KINDS, PAGE_KINDS, ReplayBatch, codes_of, first_rows, register_requests
 
 _INT64_MAX = 2**63 - 1
 _NO_POOL = tuple(np.zeros((0, 2) if name.endswith("_ev") else 0, dtype) for name, dtype in (

@@ -19,7 +19,8 @@ import duckdb
 import polars as pl
 
 from kvtrail import __version__
-from kvtrail.forensics.analysis import exposure as an
+from kvtrail.forensics import analysis as an
+from kvtrail.forensics.findings import NEVER_WRITTEN
 from kvtrail.forensics.report.context import IncidentContext
 
 DATA_FILES = ("affected_responses", "exposed_tenants")
@@ -84,7 +85,7 @@ class Report:
     def counts(self) -> dict:
         links = self.links
         pages = links.select("request_id", "node", "page").unique()
-        unknown = links.filter(pl.col("victim_tenant") == an.NEVER_WRITTEN).select("request_id", "node", "page")
+        unknown = links.filter(pl.col("victim_tenant") == NEVER_WRITTEN).select("request_id", "node", "page")
         return {
             "affected_responses": len(self.affected),
             "recipient_tenants": self.affected["tenant_id"].drop_nulls().n_unique(),
@@ -122,13 +123,13 @@ class Report:
 def build_report(con: duckdb.DuckDBPyConnection, options: ReportOptions, context: IncidentContext | None = None,
                  heads: list[dict] | None = None) -> Report:
     """Run every question and analysis for the window (``con``: a store or a snapshot of one)."""
-    from kvtrail.forensics.questions import Window, coverage_gaps, findings_frame, findings_of
+    from kvtrail.forensics.questions import Window, affected_with_exclusions, coverage_gaps, findings_frame, findings_of
     from kvtrail.forensics.report.snapshot import chain_heads
 
     o = options
     w = Window(o.from_ns, o.to_ns)
     every = findings_of(con, w)  # one replay serves the affected responses and the findings
-    kept, dropped, excluded = an.affected_with_exclusions(con, w, o.exclusions, every)
+    kept, dropped, excluded = affected_with_exclusions(con, w, o.exclusions, every)
     found = findings_frame(every, w)
     is_excluded = (pl.col("request_id").is_in(excluded["request_id"].to_list())
                    | pl.col("tenant_id").is_in([t for t, _ in o.exclusions.tenants])).fill_null(False)
@@ -158,10 +159,10 @@ def exploitation_for(con: duckdb.DuckDBPyConnection, o: ReportOptions, w=None, p
 
     ``pieces`` (kept, dropped, excluded, capacity, requests) saves recomputing what the caller has.
     """
-    from kvtrail.forensics.questions import Window
+    from kvtrail.forensics.questions import Window, affected_with_exclusions
 
     if pieces is None:
-        kept, dropped, excluded = an.affected_with_exclusions(con, w or Window(o.from_ns, o.to_ns), o.exclusions)
+        kept, dropped, excluded = affected_with_exclusions(con, w or Window(o.from_ns, o.to_ns), o.exclusions)
         pieces = (kept, dropped, excluded, an.node_capacity(con, o.from_ns, o.to_ns), _requests(con, o, kept, dropped))
     kept, dropped, excluded, capacity, requests = pieces
     long_tokens = o.long_prompt_tokens if o.long_prompt_tokens is not None else an.long_prompt_threshold(capacity)

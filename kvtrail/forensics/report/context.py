@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from kvtrail.errors import KvtrailError
-from kvtrail.forensics.analysis.exposure import Exclusions
+from kvtrail.forensics.analysis import Exclusions
 from kvtrail.timeutil import format_utc
 
 TIME_FIELDS = ("detected_at", "declared_at", "mitigated_at", "fixed_at")

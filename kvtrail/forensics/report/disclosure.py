@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import polars as pl
 
-from kvtrail.forensics.analysis import exposure as an
-from kvtrail.forensics.report import notices
+from kvtrail.forensics import analysis as an
 from kvtrail.forensics.findings import AFFECTED_CODES, CODES
+from kvtrail.forensics.report import notices
 from kvtrail.timeutil import format_utc
 
 MAX_ROWS = 50  # rows of a long table shown in the documents; the CSV/JSON files hold them all

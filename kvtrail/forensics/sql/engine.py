@@ -38,7 +38,7 @@ import numpy as np
 from kvtrail.forensics.findings import Finding, make_finding
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.sql.pages import f1_f10, f5_f7, f6
-from kvtrail.forensics.replay.engine import window_filter
+from kvtrail.forensics.window import window_filter
 
 _EVENT_COLS = ("producer_id, seq, wall_ns, kind, request_id, transfer_id, tenant_id, purpose, num_tokens, "
                "num_pages, num_dst_pages, status, http_status, stage, abort_reason, pool_tokens, "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from kvtrail.forensics.findings import Finding
 
+
 def holders_ctes(probe: str, other_only: bool) -> str:
     """CTE text: holders of each probed page at the probe's ord.
 

@@ -29,13 +29,13 @@ import numpy as np
 import pyarrow as pa
 
 from kvtrail.audit.events import KIND_CODES, Producer
-from kvtrail.sim.synth import Draws
 from kvtrail.sim.fleet.config import FleetConfig, config_json
 from kvtrail.sim.fleet.decode import DecodeNode
 from kvtrail.sim.fleet.log import ProducerLog
 from kvtrail.sim.fleet.parts import PLACEHOLDER, PREFILL_REJECT, ROUTER_REJECT, Request
-from kvtrail.sim.fleet.prefill import PrefillNode
 from kvtrail.sim.fleet.plants import PlantHooks, TruthBook
+from kvtrail.sim.fleet.prefill import PrefillNode
+from kvtrail.sim.synth import Draws
 from kvtrail.timeutil import format_utc
 
 VULNERABLE_VERSION, PATCHED_VERSION = "0.5.19", "0.5.23"
