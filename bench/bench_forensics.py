@@ -144,8 +144,6 @@ def median_run(runs: list[dict]) -> dict:
     out = dict(ranked[len(ranked) // 2])
     out["runs_wall_s"] = [r["wall_s"] for r in runs]
     return out
-    report(meta, results, args)
-    return 0
 
 
 def report(meta: dict, results: dict, args) -> None:

@@ -30,6 +30,8 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Protocol, TypedDict
 
 import duckdb
 import numpy as np
@@ -44,10 +46,37 @@ from kvtrail.sim.synth import runs_per_event, synth_batches
 GOAL_PAGE_EVENTS_PER_S = 50e6
 
 
+class Sink(Protocol):
+    """What every ingest method offers: one DuckDB file at ``path``, fed batch by batch."""
+
+    name: str
+    path: str
+
+    def append(self, batch: pa.Table, pid: int) -> None: ...
+
+    def checkpoint(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MethodFigures(TypedDict):
+    """One method's results (also its entry under ``methods`` in the JSON)."""
+
+    insert_s: float
+    checkpoint_s: float
+    page_events_per_s: float
+    page_events_per_s_incl_checkpoint: float
+    events_per_s: float
+    bytes: int
+    bytes_per_page_event: float
+
+
 class KvtrailSink:
+    """kvtrail itself: ``AuditStore.append`` (validation, run encoding, hash chain)."""
+
     name = "kvtrail"
 
-    def __init__(self, path):
+    def __init__(self, path: str) -> None:
         self.path = path
         self.store = AuditStore(path)
 
@@ -68,7 +97,7 @@ class _DuckSink:
     table = ""
     ddl = ""
 
-    def __init__(self, path):
+    def __init__(self, path: str) -> None:
         self.path = path
         self.con = duckdb.connect(path)
         self.con.execute(f"CREATE TABLE {self.table} ({self.ddl})")
@@ -123,7 +152,7 @@ def file_bytes(path: str) -> int:
     return sum(os.path.getsize(p) for p in (path, path + ".wal") if os.path.exists(p))
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--page-events", type=float, default=150e6,
                     help="page-events to ingest per method (default 1.5e8, about 1.5 minutes in all)")
@@ -145,7 +174,7 @@ def main(argv=None) -> int:
     if args.events_per_batch is None:
         args.events_per_batch = 50_000 if args.quick else 200_000
     target = int(args.page_events)
-    sinks = {"kvtrail": KvtrailSink, "naive": NaiveSink, "list": ListSink}
+    sinks: dict[str, Callable[[str], Sink]] = {"kvtrail": KvtrailSink, "naive": NaiveSink, "list": ListSink}
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in sinks:
@@ -176,7 +205,7 @@ def main(argv=None) -> int:
                               seed=args.seed + 1000, target_page_events=min(target, 3_000_000),
                               events_per_batch=args.events_per_batch, reuse=args.reuse,
                               decode_fraction=args.decode_fraction, warmup_page_events=args.num_pages))
-    results = {}
+    results: dict[str, MethodFigures] = {}
     with tempfile.TemporaryDirectory(prefix="kvtrail-bench-") as tmp:
         for m in methods:
             s = sinks[m](os.path.join(tmp, f"warm-{m}.duckdb"))

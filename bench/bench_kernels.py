@@ -33,6 +33,8 @@ import platform
 import statistics
 import time
 import zlib
+from collections.abc import Callable, Mapping
+from typing import TypedDict
 
 import numba
 import torch
@@ -47,10 +49,54 @@ PAGE_SIZE = 16
 TAG_SIZES = (1_000, 65_536, 1_000_000)
 
 
-def _time_rounds(rows: dict, rounds: int) -> dict[str, list[float]]:
+class DigestRow(TypedDict):
+    """One digest row's figures (an entry of ``digest`` in the JSON)."""
+
+    row: str
+    median_ms: float
+    best_ms: float
+    gb_per_s: float
+    best_gb_per_s: float
+
+
+class DigestConfig(TypedDict):
+    """The shape the digest rows read."""
+
+    layers: int
+    buffers: int
+    item_len: int
+    page_bytes: int
+    request_pages: int
+    pool_pages: int
+    bytes: int
+    rounds: int
+
+
+class DigestGoals(TypedDict):
+    """The digest rows' ratios against the goals (``goals`` in the JSON)."""
+
+    config: DigestConfig
+    reference_row: str
+    digest_vs_read: float
+    digest_vs_zlib: float
+    adler_fast_vs_zlib: float
+    digest_vs_read_pass: bool
+    digest_vs_zlib_pass: bool
+
+
+class TagRow(TypedDict):
+    """One tag-check row's figures (an entry of ``tags`` in the JSON)."""
+
+    pages: int
+    row: str
+    ns_per_page: float
+    us_per_call: float
+
+
+def _time_rounds(rows: Mapping[str, Callable[..., object]], rounds: int) -> dict[str, list[float]]:
     """Seconds per call of every row, one call per row per round, the row order rotating."""
     names = list(rows)
-    times = {name: [] for name in names}
+    times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             t0 = time.perf_counter()
@@ -59,7 +105,7 @@ def _time_rounds(rows: dict, rounds: int) -> dict[str, list[float]]:
     return times
 
 
-def bench_digest(layers: int, rounds: int, seed: int) -> tuple[list[dict], dict]:
+def bench_digest(layers: int, rounds: int, seed: int) -> tuple[list[DigestRow], DigestGoals]:
     g = torch.Generator().manual_seed(seed)
     num_pages = POOL_FACTOR * REQUEST_PAGES
     row_values = 16 * 1024 // 2 // (2 * layers) // PAGE_SIZE  # bf16 values per token row
@@ -74,10 +120,10 @@ def bench_digest(layers: int, rounds: int, seed: int) -> tuple[list[dict], dict]
     gathered = torch.cat([layout.byte_view(b)[ids] for b in range(len(layout.buffers))], 1).contiguous()
     as_i64, as_f32 = gathered.view(torch.int64), gathered.view(torch.float32)
     pages_i64 = [buf.view(num_pages + 1, -1).view(torch.int64) for buf in layout.buffers]
-    items = [memoryview(layout.byte_view(b).numpy()).cast("B") for b in range(len(layout.buffers))]
+    items = [layout.byte_view(b).numpy().data.cast("B") for b in range(len(layout.buffers))]
     id_list = ids.tolist()
 
-    def zlib_chain():
+    def zlib_chain() -> int:
         value = 1
         for b, mv in enumerate(items):
             n = layout.item_lens[b]
@@ -85,10 +131,10 @@ def bench_digest(layers: int, rounds: int, seed: int) -> tuple[list[dict], dict]
                 value = zlib.adler32(mv[p * n:(p + 1) * n], value)
         return value
 
-    def gather_sum():
+    def gather_sum() -> int:
         return sum(int(t[ids].sum()) for t in pages_i64)
 
-    rows = {
+    rows: dict[str, Callable[[], object]] = {
         "digest": lambda: fast.request_digest(layout, ids),
         "adler32 fast": lambda: fast.adler32(layout, ids),
         "zlib.adler32": zlib_chain,
@@ -104,42 +150,46 @@ def bench_digest(layers: int, rounds: int, seed: int) -> tuple[list[dict], dict]
         times = _time_rounds(rows, rounds)
     finally:
         gc.enable()
-    out = []
+    out: list[DigestRow] = []
     for name, ts in times.items():
         med = statistics.median(ts)
         out.append({"row": name, "median_ms": med * 1e3, "best_ms": min(ts) * 1e3,
                     "gb_per_s": nbytes / med / 1e9, "best_gb_per_s": nbytes / min(ts) / 1e9})
     by = {r["row"]: r["gb_per_s"] for r in out}
-    ref_row = max(("sum int64", "sum f32"), key=by.get)
-    goals = {
+    ref_row = max(("sum int64", "sum f32"), key=lambda row: by[row])
+    digest_vs_read = by["digest"] / by[ref_row]
+    digest_vs_zlib = by["digest"] / by["zlib.adler32"]
+    config: DigestConfig = {"layers": layers, "buffers": len(layout.buffers), "item_len": layout.item_lens[0],
+                            "page_bytes": layout.page_bytes, "request_pages": REQUEST_PAGES, "pool_pages": num_pages,
+                            "bytes": nbytes, "rounds": rounds}
+    goals: DigestGoals = {
+        "config": config,
         "reference_row": ref_row,
-        "digest_vs_read": by["digest"] / by[ref_row],
-        "digest_vs_zlib": by["digest"] / by["zlib.adler32"],
+        "digest_vs_read": digest_vs_read,
+        "digest_vs_zlib": digest_vs_zlib,
         "adler_fast_vs_zlib": by["adler32 fast"] / by["zlib.adler32"],
+        "digest_vs_read_pass": digest_vs_read >= 0.5,
+        "digest_vs_zlib_pass": digest_vs_zlib >= 3.0,
     }
-    goals["digest_vs_read_pass"] = goals["digest_vs_read"] >= 0.5
-    goals["digest_vs_zlib_pass"] = goals["digest_vs_zlib"] >= 3.0
-    config = {"layers": layers, "buffers": len(layout.buffers), "item_len": layout.item_lens[0],
-              "page_bytes": layout.page_bytes, "request_pages": REQUEST_PAGES, "pool_pages": num_pages,
-              "bytes": nbytes, "rounds": rounds}
-    return out, {"config": config, **goals}
+    return out, goals
 
 
-def bench_tags(rounds: int, seed: int, sizes=TAG_SIZES) -> list[dict]:
+def bench_tags(rounds: int, seed: int, sizes: tuple[int, ...] = TAG_SIZES) -> list[TagRow]:
     g = torch.Generator().manual_seed(seed)
     fast, ref = get_backend("cpu"), get_backend("cpu", "reference")
-    out = []
+    out: list[TagRow] = []
     for n in sizes:
         tags = PageTags(POOL_FACTOR * n)
         tags.allocate(torch.arange(1, POOL_FACTOR * n + 1))  # every page has been handed out once
         ids = torch.randperm(POOL_FACTOR * n, generator=g)[:n] + 1
         held = tags.allocate(ids)
-        rows = {"fast": lambda: fast.verify_tags(tags.table, ids, held),
-                "reference": lambda: ref.verify_tags(tags.table, ids, held)}
+        # bind this size's inputs now: the timed calls run after the loop variables move on
+        rows = {"fast": lambda tags=tags, ids=ids, held=held: fast.verify_tags(tags.table, ids, held),
+                "reference": lambda tags=tags, ids=ids, held=held: ref.verify_tags(tags.table, ids, held)}
         for fn in rows.values():
             assert fn().numel() == 0
         calls = max(1, min(200, 2_000_000 // n))  # batch small requests so one timing spans ~ms
-        batched = {k: (lambda fn=fn: [fn() for _ in range(calls)]) for k, fn in rows.items()}
+        batched = {k: (lambda fn=fn, calls=calls: [fn() for _ in range(calls)]) for k, fn in rows.items()}
         times = _time_rounds(batched, rounds)
         for name, ts in times.items():
             out.append({"pages": n, "row": name, "ns_per_page": statistics.median(ts) / calls / n * 1e9,
@@ -147,7 +197,7 @@ def bench_tags(rounds: int, seed: int, sizes=TAG_SIZES) -> list[dict]:
     return out
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default 30)")
     ap.add_argument("--quick", action="store_true", help="5 rounds, a few seconds")
@@ -176,8 +226,8 @@ def main(argv=None) -> int:
     print(f"adler32 fast vs zlib.adler32: {goals['adler_fast_vs_zlib']:.1f}x")
     print()
     print(f"{'tag check':<10} {'pages':>9} {'ns/page':>9} {'us/call':>10}")
-    for r in tag_rows:
-        print(f"{r['row']:<10} {r['pages']:>9,} {r['ns_per_page']:>9.2f} {r['us_per_call']:>10.1f}")
+    for t in tag_rows:
+        print(f"{t['row']:<10} {t['pages']:>9,} {t['ns_per_page']:>9.2f} {t['us_per_call']:>10.1f}")
 
     if args.json:
         with open(args.json, "w") as fh:

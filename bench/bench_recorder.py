@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from typing import NotRequired, TypedDict
 
 import numpy as np
 
@@ -38,6 +39,27 @@ from kvtrail.sim.synth import AllocatorSim
 GOAL_NS = 2_000
 PAGES_PER_CALL = 64
 _ALLOC = KIND_CODES["pages_allocated"]
+
+
+class Summary(TypedDict):
+    """One row's per-call timings, in ns."""
+
+    calls: int
+    median_ns: float
+    mean_ns: float
+    p99_ns: float
+    p999_ns: float
+    max_ns: int
+    loop_calls_per_s: float
+
+
+class RowFigures(Summary):
+    """A row's timings net of the timer (an entry of ``rows`` in the JSON); recorder rows add the untimed loop."""
+
+    median_minus_timer_ns: float
+    per_page_event_ns: float
+    untimed_calls_per_s: NotRequired[float]
+    dropped_calls: NotRequired[int]
 
 
 def make_allocations(count: int, num_pages: int, seed: int) -> list[np.ndarray]:
@@ -124,14 +146,14 @@ def untimed_calls(fn, req, inputs: list, n: int) -> int:
     return clock() - start
 
 
-def summarise(samples: list[np.ndarray], loop_ns: int, calls: int) -> dict:
+def summarise(samples: list[np.ndarray], loop_ns: int, calls: int) -> Summary:
     s = np.concatenate(samples)
     return {"calls": int(s.size), "median_ns": float(np.median(s)), "mean_ns": float(s.mean()),
             "p99_ns": float(np.percentile(s, 99)), "p999_ns": float(np.percentile(s, 99.9)),
             "max_ns": int(s.max()), "loop_calls_per_s": calls / (loop_ns / 1e9)}
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=200_000, help="timed calls per row (default 200000)")
     ap.add_argument("--rounds", type=int, default=10, help="rounds the calls are split into, rows interleaved")
@@ -176,9 +198,9 @@ def main(argv=None) -> int:
         gc.collect()
 
         t_start = time.perf_counter()
-        for r in range(args.rounds):
+        for round_index in range(args.rounds):
             order = list(rows)
-            k = r % len(order)
+            k = round_index % len(order)
             order = order[k:] + order[:k]  # rotate so no row always runs right after another
             for row in order:
                 inputs = lists if row.endswith("list") else arrays
@@ -206,11 +228,12 @@ def main(argv=None) -> int:
         rec.close()
         size = os.path.getsize(path)
 
-    res = {r: summarise(samples[r], loops[r], calls) for r in rows}
-    timer = res["timer (no-op)"]["median_ns"]
+    summaries = {r: summarise(samples[r], loops[r], calls) for r in rows}
+    timer = summaries["timer (no-op)"]["median_ns"]
+    res: dict[str, RowFigures] = {}
     for r in rows:
-        res[r]["median_minus_timer_ns"] = res[r]["median_ns"] - timer
-        res[r]["per_page_event_ns"] = res[r]["median_minus_timer_ns"] / PAGES_PER_CALL
+        net_ns = summaries[r]["median_ns"] - timer
+        res[r] = {**summaries[r], "median_minus_timer_ns": net_ns, "per_page_event_ns": net_ns / PAGES_PER_CALL}
     for r in untimed:
         res[r]["untimed_calls_per_s"] = args.rounds * untimed_per_round / (untimed[r] / 1e9)
         res[r]["dropped_calls"] = dropped_in_row[r]

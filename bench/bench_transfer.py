@@ -29,6 +29,8 @@ import platform
 import sys
 import time
 import zlib
+from collections.abc import Callable
+from typing import TypedDict
 
 import numpy as np
 
@@ -36,12 +38,29 @@ from kvtrail.serving.transfer import (
     EntryPlan,
     PoolBuffer,
     TransferEngineHandle,
+    TransferResult,
     merge_runs,
     plan_entries,
 )
 
 ROWS = ("scattered", "contiguous", "per-page")
 REPLY_S = 120
+
+
+class RowSummary(TypedDict):
+    """One row's figures over its rounds (an entry of ``rows`` in the JSON)."""
+
+    pages: int
+    runs: int
+    entries: int
+    batches: int
+    entries_per_batch: float
+    bytes: int
+    median_ms: float
+    median_mb_per_s: float
+    min_mb_per_s: float
+    max_mb_per_s: float
+    ratio_to_contiguous: float
 
 
 def fragmented(rng, pool_pages: int, count: int, mean_run: float) -> np.ndarray:
@@ -89,7 +108,7 @@ def per_page_plan(src_bufs, dst_bufs, src_pages, dst_pages) -> EntryPlan:
     return EntryPlan(src.ravel(), dst.ravel(), lens.ravel().copy(), len(src_pages), len(src_pages))
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pages", type=int, default=4096, help="pages written per buffer (default 4096)")
     ap.add_argument("--pool-pages", type=int, default=0, help="pages per pool buffer (default 2 x pages)")
@@ -135,7 +154,7 @@ def main(argv=None) -> int:
             plan_entries(src_specs, dst_specs, src_pages, dst_pages)
             plan_times.append(time.perf_counter() - t0)
         plan_s = min(plan_times[1:])
-        cases = {
+        cases: dict[str, Callable[[], TransferResult]] = {
             "scattered": lambda: handle.write_pages(peer, src_specs, dst_specs, src_pages, dst_pages),
             "contiguous": lambda: handle.write_pages(peer, src_specs, dst_specs, contiguous, contiguous),
             "per-page": lambda: handle.write_plan(peer, per_page_plan(src_specs, dst_specs, src_pages, dst_pages)),
@@ -143,7 +162,7 @@ def main(argv=None) -> int:
         lists = {"scattered": (src_pages, dst_pages), "contiguous": (contiguous, contiguous),
                  "per-page": (src_pages, dst_pages)}
 
-        def checked(row):
+        def checked(row: str) -> TransferResult:
             res = cases[row]()
             s, d = lists[row]
             conn.send(("crc", d))
@@ -153,7 +172,7 @@ def main(argv=None) -> int:
 
         for row in ROWS:  # warm-up: connections, first-touch costs
             checked(row)
-        results = {row: [] for row in ROWS}
+        results: dict[str, list[TransferResult]] = {row: [] for row in ROWS}
         for r in range(args.rounds):
             order = ROWS[r % 3:] + ROWS[:r % 3]
             for row in order:
@@ -166,21 +185,20 @@ def main(argv=None) -> int:
             proc.join(REPLY_S)
     handle.close()
 
-    summary = {}
+    summary: dict[str, RowSummary] = {}
+    mbs_by_row = {row: np.array([x.mb_per_s for x in results[row]]) for row in ROWS}
+    base = float(np.median(mbs_by_row["contiguous"]))
     for row in ROWS:
         rs = results[row]
-        mbs = np.array([x.mb_per_s for x in rs])
+        mbs = mbs_by_row[row]
         first = rs[0]
         summary[row] = {
             "pages": first.num_pages, "runs": first.num_runs, "entries": first.num_entries,
             "batches": first.num_batches, "entries_per_batch": first.num_entries / first.num_batches,
             "bytes": first.num_bytes, "median_ms": float(np.median([x.elapsed_s for x in rs]) * 1e3),
             "median_mb_per_s": float(np.median(mbs)), "min_mb_per_s": float(mbs.min()),
-            "max_mb_per_s": float(mbs.max()),
+            "max_mb_per_s": float(mbs.max()), "ratio_to_contiguous": float(np.median(mbs)) / base,
         }
-    base = summary["contiguous"]["median_mb_per_s"]
-    for row in ROWS:
-        summary[row]["ratio_to_contiguous"] = summary[row]["median_mb_per_s"] / base
 
     mean_src = args.pages / len(merge_runs(src_pages, src_pages))
     mean_dst = args.pages / len(merge_runs(dst_pages, dst_pages))

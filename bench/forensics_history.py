@@ -6,7 +6,7 @@ mostly one-page growth events), their clocks spread over ``hours``; every ``kv_w
 by the writer's ``kv_read`` of the same pages (what attention reads), and a ``plant_rate`` share of
 the prefill-chunk writes is left out while its read stays: the incident's unwritten reserved pages,
 read by a request that gets another request's stale KV (F1, an affected response). ``fleet``: the
-fleet simulator (:mod:`kvtrail.sim.fleet.config`), with its own planted bugs.
+fleet simulator (:mod:`kvtrail.sim.fleet`), with its own planted bugs.
 
 The store goes to ``db``; the same batches, as they were appended, to ``db + '.batches.arrow'`` (for
 the online part); what was built to ``db + '.json'`` (a rebuild happens when the parameters differ).
@@ -18,19 +18,28 @@ import heapq
 import json
 import os
 import time
+from typing import TypedDict
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvtrail.audit.batch import BATCH_SCHEMA
+from kvtrail.audit.batch import NULLABLE_BATCH_SCHEMA as NULLABLE_SCHEMA
 from kvtrail.audit.events import Producer
 from kvtrail.audit.store import AuditStore
 from kvtrail.sim.synth import synth_batches
 
-NULLABLE_SCHEMA = pa.schema([f.with_nullable(True) for f in BATCH_SCHEMA])
 _SHAPES = {"prefill": 0.0, "decode": 0.6}  # decode_fraction per node shape
 _READ_ONLY_FIELDS = ("token_start", "token_end", "source")  # kv_read allows none of them
+
+
+class _ShapeArgs(TypedDict):
+    """The synth_batches arguments a node's probe run and its real stream share."""
+
+    num_pages: int
+    page_size: int
+    seed: int
+    decode_fraction: float
 
 
 def with_reads(t: pa.Table, first_seq: int, rng: np.random.Generator, plant_rate: float) -> tuple[pa.Table, int]:
@@ -62,7 +71,7 @@ def _synth_streams(page_events: int, nodes: int, hours: float, seed: int, num_pa
     for k in range(nodes):
         shape = "prefill" if k < nodes // 2 else "decode"
         prod = Producer("bench-fleet", f"{shape}-{k}", shape, "kvtrail-synth", "0", f"{shape}-{k}-i0")
-        kw = dict(num_pages=num_pages, page_size=16, seed=seed + k, decode_fraction=_SHAPES[shape])
+        kw = _ShapeArgs(num_pages=num_pages, page_size=16, seed=seed + k, decode_fraction=_SHAPES[shape])
         # A short run tells how many events a page-event costs in this shape, to spread the clock.
         probe = pa.concat_tables(synth_batches(producer=prod, target_page_events=1_000_000,
                                                events_per_batch=1 << 20, **kw))
@@ -113,7 +122,7 @@ def build(db: str, params: dict, log=print) -> dict:
             pa.ipc.new_stream(sink, NULLABLE_SCHEMA, options=options) as writer:
         store.con.execute("SET enable_progress_bar = false")
         if params["source"] == "fleet":
-            from kvtrail.sim.fleet.config import FleetConfig, fleet_batches
+            from kvtrail.sim.fleet import FleetConfig, fleet_batches
 
             source = ((0, b) for b in fleet_batches(FleetConfig(seed=params["seed"], rate_per_s=params["fleet_rate"],
                                                                 target_page_events=params["page_events"])))
@@ -137,6 +146,7 @@ def build(db: str, params: dict, log=print) -> dict:
         store.checkpoint()
         span = store.con.execute("SELECT min(wall_ns), max(wall_ns), count(DISTINCT producer_id) "
                                  "FROM events").fetchone()
+        assert span is not None, "an aggregate query returns one row"
     meta = {"params": params, "events": events, "page_events": page_events, "batches": batches,
             "planted_unwritten_chunks": planted, "producers": span[2], "span_hours": (span[1] - span[0]) / 3600e9,
             "build_s": time.perf_counter() - t0, "db_bytes": os.path.getsize(db)}

@@ -56,11 +56,14 @@ def run_part(part: str, db: str, meta: dict, args) -> dict:
     prefix = {"pure": args.pure_page_events, "sql": args.sql_page_events}.get(part, 0)
     if prefix and prefix < meta["page_events"]:  # the history up to where it holds that many page-events
         with connect_readonly(db) as con:
-            to_ns = con.execute("SELECT min(wall_ns) FROM (SELECT wall_ns, sum(num_pages) OVER (ORDER BY wall_ns "
-                                "ROWS UNBOUNDED PRECEDING) AS cum FROM events) WHERE cum >= ?",
-                                [int(prefix)]).fetchone()[0]
-            out["page_events"] = int(con.execute("SELECT sum(num_pages) FROM events WHERE wall_ns <= ?",
-                                                 [to_ns]).fetchone()[0])
+            row = con.execute("SELECT min(wall_ns) FROM (SELECT wall_ns, sum(num_pages) OVER (ORDER BY wall_ns "
+                              "ROWS UNBOUNDED PRECEDING) AS cum FROM events) WHERE cum >= ?",
+                              [int(prefix)]).fetchone()
+            assert row is not None, "an aggregate query returns one row"
+            to_ns = row[0]
+            row = con.execute("SELECT sum(num_pages) FROM events WHERE wall_ns <= ?", [to_ns]).fetchone()
+            assert row is not None, "an aggregate query returns one row"
+            out["page_events"] = int(row[0])
     t0 = time.perf_counter()
     if part == "question":
         with connect_readonly(db) as con:
@@ -76,7 +79,9 @@ def run_part(part: str, db: str, meta: dict, args) -> dict:
         out.update(_summary(found))
     elif part == "naive":
         with duckdb.connect(db, read_only=True) as con:
-            read_pages, foreign, recipients = con.execute(NAIVE_SQL).fetchone()
+            row = con.execute(NAIVE_SQL).fetchone()
+            assert row is not None, "an aggregate query returns one row"
+            read_pages, foreign, recipients = row
         out.update(read_pages=read_pages, f1_pages=foreign, affected=recipients)
     out["wall_s"] = time.perf_counter() - t0
     return out
@@ -88,9 +93,10 @@ def _split(db: str) -> dict:
 
     from kvtrail.audit.store import connect_readonly
     from kvtrail.forensics.findings import AFFECTED_CODES
-    from kvtrail.forensics.replay.engine import ReplayEngine, window_filter
+    from kvtrail.forensics.replay.engine import ReplayEngine
     from kvtrail.forensics.replay.kernels import warm_up
     from kvtrail.forensics.replay.source import store_batches
+    from kvtrail.forensics.window import window_filter
 
     warm_up()
     with connect_readonly(db) as con:

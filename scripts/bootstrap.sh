@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything kvtrail needs in ./.venv, then run the main job or the whole test suite.
 #   scripts/bootstrap.sh demo [kvtrail demo flags]   -> records PD traffic into ./kvtrail.duckdb
-#   scripts/bootstrap.sh test [pytest flags]         -> the full test suite
+#   scripts/bootstrap.sh test [pytest flags]         -> ruff, mypy, then the full test suite
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-demo}
@@ -28,6 +28,9 @@ case "$what" in
     ;;
   test)
     .venv/bin/python -m pip install -q -e ".[test]"
+    # Lint and types first: they take seconds and name the line.
+    .venv/bin/ruff check .
+    .venv/bin/mypy
     exec .venv/bin/python -m pytest -q "$@"
     ;;
   *)

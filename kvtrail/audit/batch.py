@@ -13,6 +13,7 @@ from typing import Iterable, Mapping
 
 import pyarrow as pa
 
+from kvtrail.audit.arrowutil import nullable
 from kvtrail.audit.events import ALL_FIELDS, ENVELOPE_NAMES, FIELDS, PRODUCER_FIELDS, REQUEST_FIELDS
 from kvtrail.errors import ValidationError
 
@@ -36,6 +37,8 @@ def arrow_type(type_name: str) -> pa.DataType:
 BATCH_SCHEMA = pa.schema(
     [pa.field(f.name, arrow_type(f.type), nullable=f.name not in ENVELOPE_NAMES) for f in ALL_FIELDS]
 )
+# What builders produce before validation: the same columns, every one nullable.
+NULLABLE_BATCH_SCHEMA = nullable(BATCH_SCHEMA)
 
 _PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
 _REQUEST_NAMES = tuple(f.name for f in REQUEST_FIELDS)
@@ -81,7 +84,8 @@ def _check_python_type(name: str, value, index: int, kind) -> None:
         ok = isinstance(value, int) and not isinstance(value, bool)
     if not ok:
         raise ValidationError(name, f"wrong type: expected {_TYPE_WORDS[spec.type]}, got {type(value).__name__}"
-                              + (" with a non-integer entry" if isinstance(value, list) else ""), event=index, kind=kind)
+                              + (" with a non-integer entry" if isinstance(value, list) else ""),
+                              event=index, kind=kind)
 
 
 def from_dicts(events: Iterable[Mapping]) -> pa.Table:
@@ -107,7 +111,7 @@ def from_dicts(events: Iterable[Mapping]) -> pa.Table:
         except (pa.ArrowInvalid, OverflowError) as exc:
             bad = first_bad_index(columns[f.name], f.type)
             raise ValidationError(f.name, f"value out of range for {f.type}: {exc}", event=bad) from None
-    return pa.Table.from_arrays(arrays, schema=pa.schema([f.with_nullable(True) for f in BATCH_SCHEMA]))
+    return pa.Table.from_arrays(arrays, schema=NULLABLE_BATCH_SCHEMA)
 
 
 def first_bad_index(values: list, type_: pa.DataType) -> int | None:
@@ -131,7 +135,8 @@ def parse_jsonl(data: bytes | str) -> pa.Table:
         try:
             events.append(json.loads(line))
         except json.JSONDecodeError as exc:
-            raise ValidationError("(json)", f"line {lineno + 1} is not valid JSON: {exc.msg}", event=len(events)) from None
+            raise ValidationError("(json)", f"line {lineno + 1} is not valid JSON: {exc.msg}",
+                                  event=len(events)) from None
     return from_dicts(events)
 
 

@@ -78,11 +78,15 @@ class Signer:
 
     def __init__(self, private_key_pem: bytes):
         from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
         try:
-            self._key = serialization.load_pem_private_key(private_key_pem, password=None)
+            key = serialization.load_pem_private_key(private_key_pem, password=None)
         except (ValueError, TypeError) as exc:
             raise ChainError(f"signing key: not a PEM private key without password ({exc})") from None
+        if not isinstance(key, Ed25519PrivateKey):
+            raise ChainError(f"signing key: an Ed25519 key is required, got {type(key).__name__}")
+        self._key = key
         pub = self._key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         self.key_id = hashlib.sha256(pub).hexdigest()[:16]
 
@@ -102,11 +106,15 @@ class SignatureChecker:
 
     def __init__(self, public_key_pem: bytes):
         from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
         try:
-            self._key = serialization.load_pem_public_key(public_key_pem)
+            key = serialization.load_pem_public_key(public_key_pem)
         except (ValueError, TypeError) as exc:
             raise ChainError(f"public key: not a PEM public key ({exc})") from None
+        if not isinstance(key, Ed25519PublicKey):
+            raise ChainError(f"public key: an Ed25519 key is required, got {type(key).__name__}")
+        self._key = key
         pub = self._key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         self.key_id = hashlib.sha256(pub).hexdigest()[:16]
 

@@ -34,7 +34,8 @@ def audit() -> None:
 
 @audit.command()
 @DB_OPTION
-@click.option("--signing-key", type=click.Path(exists=True, dir_okay=False), help="Ed25519 private key (PEM) to sign batches.")
+@click.option("--signing-key", type=click.Path(exists=True, dir_okay=False),
+              help="Ed25519 private key (PEM) to sign batches.")
 @click.argument("files", nargs=-1, required=True, type=click.Path(allow_dash=True))
 def ingest(db: str, signing_key: str | None, files: tuple[str, ...]) -> None:
     """Ingest event files: JSON lines (.jsonl, '-' for stdin) or Arrow IPC streams (.arrow). One file = one batch."""
@@ -69,17 +70,18 @@ def _read(name: str) -> bytes:
 
 @audit.command()
 @DB_OPTION
-@click.option("--public-key", type=click.Path(exists=True, dir_okay=False), help="Also check every batch's Ed25519 signature.")
+@click.option("--public-key", type=click.Path(exists=True, dir_okay=False),
+              help="Also check every batch's Ed25519 signature.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def verify(db: str, public_key: str | None, as_json: bool) -> None:
     """Recompute the hash chain; name the first broken or missing link. Exit 1 if anything fails."""
     from kvtrail.audit.chain import SignatureChecker
-    from kvtrail.audit.store import connect_readonly
+    from kvtrail.audit.store import connect_readonly, fetch_row
     from kvtrail.audit.verify import verify_store
 
     checker = SignatureChecker(Path(public_key).read_bytes()) if public_key else None
     con = connect_readonly(_existing(db))
-    total = con.execute("SELECT count(*) FROM batches").fetchone()[0]
+    total = fetch_row(con, "SELECT count(*) FROM batches")[0]
     with _progress(total, "verify") as bar:
         report = verify_store(con, checker=checker, progress=bar.update)
     con.close()
@@ -93,7 +95,8 @@ def verify(db: str, public_key: str | None, as_json: bool) -> None:
         click.echo(f"checked {report.batches_checked} batches ({report.batches_pruned} pruned), "
                    f"{report.events_checked} events, {report.signatures_checked} signatures")
         for c in report.coverage:
-            click.echo(f"  {c.node} producer {c.producer_id}: seq {c.first_seq}..{c.last_seq}, {c.stored_events} stored, "
+            click.echo(f"  {c.node} producer {c.producer_id}: seq {c.first_seq}..{c.last_seq}, "
+                       f"{c.stored_events} stored, "
                        f"{c.pruned_events} pruned, {c.missing_events} missing ({c.explained_by_gaps} reported by "
                        f"recorder_gap, {c.unexplained} unexplained)")
         if report.ok:
@@ -229,8 +232,10 @@ def import_cmd(db: str, src: str) -> None:
 
 
 @audit.command()
-@click.option("--private", "private", required=True, type=click.Path(dir_okay=False), help="Where to write the private key.")
-@click.option("--public", "public", required=True, type=click.Path(dir_okay=False), help="Where to write the public key.")
+@click.option("--private", "private", required=True, type=click.Path(dir_okay=False),
+              help="Where to write the private key.")
+@click.option("--public", "public", required=True, type=click.Path(dir_okay=False),
+              help="Where to write the public key.")
 def keygen(private: str, public: str) -> None:
     """Create an Ed25519 key pair for signing batch digests."""
     from kvtrail.audit.chain import generate_keypair

@@ -50,7 +50,7 @@ def _f(name, type_, doc, choices=(), minimum=None) -> FieldSpec:
 
 # Envelope: present on every event. Producer fields identify who recorded it; one producer instance
 # numbers its events 0, 1, 2, ... with no gaps, so a missing number is a provable loss.
-PRODUCER_FIELDS = (
+PRODUCER_FIELDS: tuple[FieldSpec, ...] = (
     _f("cluster", "str", "Deployment or cluster name."),
     _f("node", "str", "Node name; page ids only mean something inside one node's pool."),
     _f("role", "enum", "What the node does in PD serving.", ROLES),
@@ -58,7 +58,7 @@ PRODUCER_FIELDS = (
     _f("engine_version", "str", "Serving engine version string."),
     _f("instance", "str", "Identifies one producer lifetime (a restart is a new instance, seq restarts at 0)."),
 )
-ENVELOPE_FIELDS = (
+ENVELOPE_FIELDS: tuple[FieldSpec, ...] = (
     _f("schema_version", "int32", "Event model version; this document describes version 1.", minimum=1),
     *PRODUCER_FIELDS,
     _f("seq", "uint64", "Per-producer sequence number: 0, 1, 2, ... with no gaps.", minimum=0),
@@ -66,13 +66,14 @@ ENVELOPE_FIELDS = (
     _f("mono_ns", "int64", "The producer's monotonic clock, nanoseconds (orders events within a producer).", minimum=0),
     _f("kind", "enum", "Event kind; decides which payload fields apply.", ()),  # choices filled below
 )
-REQUEST_FIELDS = (
+REQUEST_FIELDS: tuple[FieldSpec, ...] = (
     _f("request_id", "str", "Request id as the serving engine knows it (SGLang rid)."),
-    _f("transfer_id", "uint64", "Joins the prefill and decode halves of one request (SGLang bootstrap room).", minimum=0),
+    _f("transfer_id", "uint64", "Joins the prefill and decode halves of one request (SGLang bootstrap room).",
+       minimum=0),
     _f("tenant_id", "str", "Tenant (customer account) the request belongs to."),
     _f("api_key_id", "str", "Hashed API-key id (never the key itself)."),
 )
-PAYLOAD_FIELDS = (
+PAYLOAD_FIELDS: tuple[FieldSpec, ...] = (
     # page lists
     _f("pages", "pages", "Ordered page ids the event is about (source pages for transfer_sent).", minimum=0),
     _f("dst_pages", "pages", "Destination page ids on the decode node (transfer_sent).", minimum=0),
@@ -95,7 +96,8 @@ PAYLOAD_FIELDS = (
     _f("stage", "str", "Where an abort happened, e.g. 'router', 'prefill_queue', 'transfer', 'decode'."),
     _f("abort_reason", "str", "Engine's reason for an abort or rejection (error message class, no content)."),
     _f("http_status", "int32", "HTTP status returned or planned for the client.", minimum=100),
-    _f("prompt_tokens", "int64", "Prompt length in tokens (for aborts: before any placeholder replaced it).", minimum=0),
+    _f("prompt_tokens", "int64", "Prompt length in tokens (for aborts: before any placeholder replaced it).",
+       minimum=0),
     _f("completion_tokens", "int64", "Completion tokens reported to the client.", minimum=0),
     _f("max_new_tokens", "int64", "Requested generation budget.", minimum=0),
     _f("ttft_ns", "int64", "Time to first token, nanoseconds.", minimum=0),
@@ -120,6 +122,10 @@ PAYLOAD_FIELDS = (
 )
 
 
+REQUEST_NAMES = tuple(f.name for f in REQUEST_FIELDS)
+PAGE_LIST_FIELDS = ("pages", "dst_pages")
+
+
 @dataclass(frozen=True)
 class KindSpec:
     """One event kind: what it means, which fields it needs and which it may carry."""
@@ -134,6 +140,12 @@ class KindSpec:
     @property
     def allowed(self) -> frozenset[str]:
         return frozenset(self.required) | frozenset(self.optional)
+
+    @property
+    def payload(self) -> tuple[str, ...]:
+        """The fields besides the request identity and the page lists, required ones first, as declared."""
+        skip = (*REQUEST_NAMES, *PAGE_LIST_FIELDS)
+        return tuple(n for n in (*self.required, *self.optional) if n not in skip)
 
 
 _REQ = ("request_id",)
@@ -191,7 +203,10 @@ KINDS: dict[str, KindSpec] = {
 }
 KIND_NAMES = tuple(KINDS)
 KIND_CODES = {name: i for i, name in enumerate(KIND_NAMES)}
-PAGE_LIST_FIELDS = ("pages", "dst_pages")
+# The payload tuple of one recorded event holds its kind's payload fields in this order; the recorder
+# builds it and the writer scatters it into columns, both from this table (by kind name or kind code).
+PAYLOAD_LAYOUT: dict[str, tuple[str, ...]] = {k.name: k.payload for k in KINDS.values()}
+PAYLOAD_LAYOUT_BY_CODE: tuple[tuple[str, ...], ...] = tuple(PAYLOAD_LAYOUT[k] for k in KIND_NAMES)
 
 ENVELOPE_FIELDS = tuple(
     FieldSpec(f.name, f.type, f.doc, KIND_NAMES, f.minimum) if f.name == "kind" else f for f in ENVELOPE_FIELDS

@@ -29,7 +29,7 @@ from typing import Callable
 import duckdb
 
 from kvtrail import __version__
-from kvtrail.audit.store import STORE_FORMAT, AuditStore
+from kvtrail.audit.store import STORE_FORMAT, AuditStore, fetch_row
 from kvtrail.errors import StoreError
 
 FORMAT_VERSION = 1
@@ -116,7 +116,7 @@ def export_parquet(db_path: str | Path, out_dir: str | Path, *, progress: Progre
             if not _NODE_RE.fullmatch(node):
                 raise StoreError(f"node name {node!r} cannot be a partition directory "
                                  "(only letters, digits, '.', '_' and '-' are allowed)")
-        counts = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in TABLES}
+        counts = {t: fetch_row(con, f"SELECT count(*) FROM {t}")[0] for t in TABLES}
         fmt = con.execute("SELECT value FROM meta WHERE key = 'store_format'").fetchone()
         manifest = {
             "format_version": FORMAT_VERSION, "kvtrail_version": __version__,
@@ -130,7 +130,7 @@ def export_parquet(db_path: str | Path, out_dir: str | Path, *, progress: Progre
             for table in TABLES:
                 if progress:
                     progress(table)
-                written = con.execute(_copy_sql(table, tmp)).fetchone()[0]
+                written = fetch_row(con, _copy_sql(table, tmp))[0]
                 if written != counts[table]:
                     # Only the joins of a partitioned table can drop rows: ones without their event or producer.
                     raise StoreError(f"{table}: {counts[table] - written} rows have no event or producer to "
@@ -200,11 +200,11 @@ def _import_table(con: duckdb.DuckDBPyConnection, in_dir: Path, table: str, expe
     src = (f"read_parquet(?, hive_partitioning={'true' if table in _PARTITION_QUERIES else 'false'}, "
            "hive_types_autocast=false)")
     if table == "meta":
-        n = con.execute(f"SELECT count(*) FROM {src}", [files]).fetchone()[0]
+        n = fetch_row(con, f"SELECT count(*) FROM {src}", [files])[0]
         con.execute(f"INSERT INTO meta SELECT {cols} FROM {src} WHERE key NOT IN (SELECT key FROM meta)", [files])
     else:
-        n = con.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {src} ORDER BY {TABLE_KEYS[table]}",
-                        [files]).fetchone()[0]
+        n = fetch_row(con, f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {src} ORDER BY {TABLE_KEYS[table]}",
+                      [files])[0]
     if n != expected:
         raise StoreError(f"{table}: manifest says {expected} rows, the export holds {n}")
     return n
@@ -219,7 +219,7 @@ def _import_all(con: duckdb.DuckDBPyConnection, in_dir: Path, manifest: dict, pr
     if dup:
         raise StoreError(f"target store already holds producer {dup[0]} (node {dup[1]}, instance {dup[2]})")
     for table in ("prunes", "legal_holds"):
-        if counts[table] and con.execute(f"SELECT count(*) FROM {table}").fetchone()[0]:
+        if counts[table] and fetch_row(con, f"SELECT count(*) FROM {table}")[0]:
             raise StoreError(f"target store already has {table} rows; retention records of two stores cannot be merged")
     got = {}
     for table in TABLES:

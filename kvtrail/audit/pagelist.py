@@ -38,7 +38,8 @@ def encode_runs(flat: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.n
     return row.astype(np.int64, copy=False), pos, start, length
 
 
-def decode_runs(num_lists: int, row: np.ndarray, start: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def decode_runs(num_lists: int, row: np.ndarray, start: np.ndarray,
+                length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Inverse of :func:`encode_runs` (runs must be in list order, then position).
 
     Returns ``(flat, offsets)`` with ``offsets`` of length ``num_lists + 1``.

@@ -1,44 +1,30 @@
 """The in-process recorder the serving code calls on its hot path.
 
-A call takes a sequence number and both clocks, copies the page array and appends a tuple to a
-bounded buffer: O(1) Python work plus the copy, no I/O, never an exception into the caller. One
-background :class:`~kvtrail.audit.writer.Writer` thread drains the buffer into columnar batches and
-commits them. When the buffer is full the event is dropped *and counted*; the count reaches the
-store as a ``recorder_gap`` event and :meth:`Recorder.stats`, so a gap is always visible. Dropped
-events still consume their sequence number, so the store can prove how many are missing.
+A call copies the page array and hands one tuple to the recorder's
+:class:`~kvtrail.audit.buffer.EventBuffer`, which numbers it and reads the monotonic clock: O(1)
+Python work plus the copy, no I/O, never an exception into the caller. One background
+:class:`~kvtrail.audit.writer.Writer` thread drains the buffer into columnar batches and commits
+them. When the buffer is full the event is dropped *and counted*; the count reaches the store as a
+``recorder_gap`` event and :meth:`Recorder.stats`, so a gap is always visible. Dropped events still
+consume their sequence number, so the store can prove how many are missing.
+
+Each method's payload tuple holds its kind's fields in the order of
+:data:`kvtrail.audit.events.PAYLOAD_LAYOUT`, which the writer reads them back with.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from time import monotonic_ns
+from typing import Callable
 
 import numpy as np
 
+from kvtrail.audit.buffer import EventBuffer
+from kvtrail.audit.contract import AuditRecorder, PageIds, Sink
 from kvtrail.audit.events import KIND_CODES, Producer, RequestRef
-
-# Field order of the payload tuple each recorder method builds, by kind. The writer scatters
-# payload values into columns with this table; tests round-trip every method through the store.
-PAYLOAD_LAYOUT: dict[str, tuple[str, ...]] = {
-    "node_config": ("pool_tokens", "pool_pages", "page_size", "context_tokens", "max_running_requests",
-                    "checksum_enabled", "canary_enabled", "deferred_release", "page_tags", "config_source"),
-    "request_received": ("prompt_tokens", "max_new_tokens"),
-    "pages_allocated": ("purpose", "block_hashes"),
-    "pages_freed": ("free_reason",),
-    "kv_written": ("token_start", "token_end", "source", "page_digests", "digest_algo"),
-    "kv_read": ("page_digests", "digest_algo"),
-    "transfer_reserved": ("num_tokens",),
-    "transfer_sent": ("num_tokens", "is_last_chunk", "digest", "digest_algo"),
-    "transfer_received": ("num_tokens", "status", "digest", "digest_algo"),
-    "request_aborted": ("stage", "abort_reason", "http_status", "prompt_tokens"),
-    "response_sent": ("http_status", "prompt_tokens", "completion_tokens", "latency_ns", "ttft_ns", "finish_reason"),
-    "recorder_gap": ("dropped_events", "dropped_pages", "gap_reason", "detail"),
-}
-LAYOUT_BY_CODE = tuple(PAYLOAD_LAYOUT[k] for k in KIND_CODES)
-GAP_CODE = KIND_CODES["recorder_gap"]
+from kvtrail.audit.writer import Writer
 
 _C = KIND_CODES
 _NDARRAY = np.ndarray
@@ -77,50 +63,27 @@ class Recorder:
     Every public recording method is safe to call from any thread and never raises.
     """
 
-    def __init__(self, sink, producer: Producer, config: RecorderConfig = RecorderConfig(), *, signer=None):
-        from kvtrail.audit.writer import Writer  # keeps the hot-path module free of DuckDB imports
-
+    def __init__(self, sink: Sink | str | Path, producer: Producer, config: RecorderConfig = RecorderConfig(), *,
+                 signer=None):
         self.producer = producer
         self.config = config
-        self._lock = threading.Lock()
-        self._buf: deque = deque()
-        self._cap = config.capacity_events
-        self._seq = 0
-        self.dropped_events = 0  # buffer full, since the last gap event
-        self.dropped_pages = 0
-        self.internal_errors = 0  # exceptions caught on the hot path
-        self.total_dropped = 0
-        self.total_recorded = 0
+        self._buffer = EventBuffer(config.capacity_events)
+        # Bound once: the hot path pays one attribute lookup, as for a method of this class.
+        self._put = self._buffer.put
         if isinstance(sink, (str, Path)):
-            from kvtrail.audit.store import AuditStore
+            from kvtrail.audit.store import AuditStore  # DuckDB only where the recorder owns the store
 
             sink = AuditStore(sink, signer=signer)
-        self._writer = Writer(self, sink)
+        self._writer = Writer(self._buffer, sink, producer, flush_interval_s=config.flush_interval_s,
+                              max_batch_events=config.max_batch_events)
         self._writer.start()
 
-    # ---- hot path ------------------------------------------------------------------------------
+    @property
+    def total_dropped(self) -> int:
+        """Events dropped because the buffer was full, since the recorder started."""
+        return self._buffer.total_dropped
 
-    def _put(self, code: int, req, pages, dst, payload: tuple) -> None:
-        # Only the monotonic clock is read here; the writer derives wall_ns from it with a wall-clock
-        # offset it re-reads at every drain, which saves a clock read per event.
-        try:
-            lock = self._lock
-            lock.acquire()
-            try:
-                seq = self._seq
-                self._seq = seq + 1
-                buf = self._buf
-                if len(buf) < self._cap:
-                    buf.append((code, seq, monotonic_ns(), req, pages, dst, payload))
-                else:
-                    self.dropped_events += 1
-                    self.total_dropped += 1
-                    if pages is not None:
-                        self.dropped_pages += len(pages)
-            finally:
-                lock.release()
-        except Exception:  # noqa: BLE001 - the serving path must never see an auditing failure; counted
-            self.internal_errors += 1
+    # ---- hot path ------------------------------------------------------------------------------
 
     def node_config(self, *, pool_tokens: int, pool_pages: int, page_size: int, context_tokens: int,
                     max_running_requests: int | None = None, checksum_enabled: bool | None = None,
@@ -133,32 +96,35 @@ class Recorder:
     def request_received(self, req: RequestRef, prompt_tokens: int, max_new_tokens: int | None = None) -> None:
         self._put(_C["request_received"], req, None, None, (prompt_tokens, max_new_tokens))
 
-    def pages_allocated(self, req: RequestRef, pages, purpose: str, block_hashes=None) -> None:
+    def pages_allocated(self, req: RequestRef, pages: PageIds, purpose: str,
+                        block_hashes: PageIds | None = None) -> None:
         self._put(_C["pages_allocated"], req, _copy_pages(pages), None,
                   (purpose, None if block_hashes is None else _copy_pages(block_hashes)))
 
-    def pages_freed(self, req: RequestRef | None, pages, reason: str) -> None:
+    def pages_freed(self, req: RequestRef | None, pages: PageIds, reason: str) -> None:
         self._put(_C["pages_freed"], req, _copy_pages(pages), None, (reason,))
 
-    def kv_written(self, req: RequestRef, pages, token_start: int, token_end: int, source: str,
-                   page_digests=None, digest_algo: str | None = None) -> None:
+    def kv_written(self, req: RequestRef, pages: PageIds, token_start: int, token_end: int, source: str,
+                   page_digests: PageIds | None = None, digest_algo: str | None = None,
+                   block_hashes: PageIds | None = None) -> None:
         self._put(_C["kv_written"], req, _copy_pages(pages), None,
                   (token_start, token_end, source, None if page_digests is None else _copy_pages(page_digests),
-                   digest_algo))
+                   digest_algo, None if block_hashes is None else _copy_pages(block_hashes)))
 
-    def kv_read(self, req: RequestRef, pages, page_digests=None, digest_algo: str | None = None) -> None:
+    def kv_read(self, req: RequestRef, pages: PageIds, page_digests: PageIds | None = None,
+                digest_algo: str | None = None) -> None:
         self._put(_C["kv_read"], req, _copy_pages(pages), None,
                   (None if page_digests is None else _copy_pages(page_digests), digest_algo))
 
-    def transfer_reserved(self, req: RequestRef, pages, num_tokens: int) -> None:
+    def transfer_reserved(self, req: RequestRef, pages: PageIds, num_tokens: int) -> None:
         self._put(_C["transfer_reserved"], req, _copy_pages(pages), None, (num_tokens,))
 
-    def transfer_sent(self, req: RequestRef, pages, dst_pages, num_tokens: int, is_last_chunk: bool,
-                      digest: int | None = None, digest_algo: str | None = None) -> None:
+    def transfer_sent(self, req: RequestRef, pages: PageIds, dst_pages: PageIds, num_tokens: int,
+                      is_last_chunk: bool, digest: int | None = None, digest_algo: str | None = None) -> None:
         self._put(_C["transfer_sent"], req, _copy_pages(pages), _copy_pages(dst_pages),
                   (num_tokens, is_last_chunk, digest, digest_algo))
 
-    def transfer_received(self, req: RequestRef, pages, num_tokens: int, status: str,
+    def transfer_received(self, req: RequestRef, pages: PageIds, num_tokens: int, status: str,
                           digest: int | None = None, digest_algo: str | None = None) -> None:
         self._put(_C["transfer_received"], req, _copy_pages(pages), None, (num_tokens, status, digest, digest_algo))
 
@@ -179,8 +145,7 @@ class Recorder:
         Returns False if ``timeout`` (seconds) passed first or the writer has stopped.
         """
         done = threading.Event()
-        with self._lock:
-            self._buf.append(done)  # a marker; bypasses the capacity check on purpose
+        self._buffer.mark(done)
         self._writer.wake()
         return self._writer.is_alive() and done.wait(timeout)
 
@@ -190,16 +155,16 @@ class Recorder:
             self.flush(timeout)
             self._writer.stop(timeout)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """Counters for metrics and reports (what was recorded, lost, committed)."""
-        w = self._writer
+        w, b = self._writer, self._buffer
         return {
-            "recorded_events": self._seq,
-            "buffered_events": len(self._buf),
-            "dropped_events_total": self.total_dropped,
+            "recorded_events": b.next_seq,
+            "buffered_events": len(b),
+            "dropped_events_total": b.total_dropped,
             "invalid_events_total": w.invalid_total,
             "writer_errors_total": w.error_total,
-            "internal_errors_total": self.internal_errors,
+            "internal_errors_total": b.internal_errors,
             "committed_events_total": w.committed_events,
             "committed_page_events_total": w.committed_page_events,
             "committed_batches_total": w.committed_batches,
@@ -211,40 +176,53 @@ class Recorder:
     def __exit__(self, *exc):
         self.close()
 
-    # ---- used by the writer --------------------------------------------------------------------
-
-    def _drain(self, gap_rows: list) -> tuple[list, list]:
-        """Take everything buffered; emit gap events for losses so far. Returns (items, markers).
-
-        Runs under the recorder lock so every sequence number below a gap event's is either in
-        ``items`` or already lost: batches stay in sequence order.
-        """
-        with self._lock:
-            items, self._buf = self._buf, deque()
-            if self.dropped_events:
-                gap_rows.append(("buffer_full", self.dropped_events, self.dropped_pages,
-                                 f"recorder buffer full (capacity {self._cap} events)"))
-                self.dropped_events = self.dropped_pages = 0
-            for reason, events, pages, detail in gap_rows:
-                seq = self._seq
-                self._seq = seq + 1
-                items.append((_C["recorder_gap"], seq, monotonic_ns(), None, None, None,
-                              (events, pages, reason, detail)))
-            gap_rows.clear()
-        markers = [x for x in items if type(x) is threading.Event]
-        if markers:
-            items = [x for x in items if type(x) is not threading.Event]
-        return list(items), markers
-
 
 class NullRecorder:
     """The Recorder's API recording nothing: auditing switched off (the baseline of overhead benchmarks)."""
 
-    def _ignore(self, *args, **kwargs) -> None:
+    def node_config(self, *, pool_tokens: int, pool_pages: int, page_size: int, context_tokens: int,
+                    max_running_requests: int | None = None, checksum_enabled: bool | None = None,
+                    canary_enabled: bool | None = None, deferred_release: bool | None = None,
+                    page_tags: bool | None = None, config_source: str | None = None) -> None:
         return None
 
-    node_config = request_received = pages_allocated = pages_freed = kv_written = kv_read = _ignore
-    transfer_reserved = transfer_sent = transfer_received = request_aborted = response_sent = _ignore
+    def request_received(self, req: RequestRef, prompt_tokens: int, max_new_tokens: int | None = None) -> None:
+        return None
+
+    def pages_allocated(self, req: RequestRef, pages: PageIds, purpose: str,
+                        block_hashes: PageIds | None = None) -> None:
+        return None
+
+    def pages_freed(self, req: RequestRef | None, pages: PageIds, reason: str) -> None:
+        return None
+
+    def kv_written(self, req: RequestRef, pages: PageIds, token_start: int, token_end: int, source: str,
+                   page_digests: PageIds | None = None, digest_algo: str | None = None,
+                   block_hashes: PageIds | None = None) -> None:
+        return None
+
+    def kv_read(self, req: RequestRef, pages: PageIds, page_digests: PageIds | None = None,
+                digest_algo: str | None = None) -> None:
+        return None
+
+    def transfer_reserved(self, req: RequestRef, pages: PageIds, num_tokens: int) -> None:
+        return None
+
+    def transfer_sent(self, req: RequestRef, pages: PageIds, dst_pages: PageIds, num_tokens: int,
+                      is_last_chunk: bool, digest: int | None = None, digest_algo: str | None = None) -> None:
+        return None
+
+    def transfer_received(self, req: RequestRef, pages: PageIds, num_tokens: int, status: str,
+                          digest: int | None = None, digest_algo: str | None = None) -> None:
+        return None
+
+    def request_aborted(self, req: RequestRef, stage: str, reason: str, http_status: int,
+                        prompt_tokens: int | None = None) -> None:
+        return None
+
+    def response_sent(self, req: RequestRef, http_status: int, prompt_tokens: int, completion_tokens: int,
+                      latency_ns: int, ttft_ns: int | None = None, finish_reason: str | None = None) -> None:
+        return None
 
     def flush(self, timeout: float | None = None) -> bool:
         return True
@@ -252,5 +230,16 @@ class NullRecorder:
     def close(self, timeout: float | None = 30.0) -> None:
         return None
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         return {}
+
+
+def make_recorder(enabled: bool, sink: Callable[[], Sink], producer: Producer,
+                  config: RecorderConfig | None = None) -> AuditRecorder:
+    """A :class:`Recorder` committing into ``sink()`` when ``enabled``, else a :class:`NullRecorder`.
+
+    ``sink`` is a factory so that a switched-off process never opens a store or a relay connection.
+    """
+    if not enabled:
+        return NullRecorder()
+    return Recorder(sink(), producer, config if config is not None else RecorderConfig())

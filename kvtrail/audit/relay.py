@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import queue
 import secrets
+import socket
 import threading
 import time
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 
 import pyarrow as pa
@@ -23,9 +25,13 @@ from kvtrail.audit.batch import read_ipc, write_ipc
 from kvtrail.audit.events import Producer
 from kvtrail.audit.store import AppendResult, AuditStore
 from kvtrail.audit.validate import PRODUCER_NAMES, producer_id
-from kvtrail.errors import KvtrailError, StoreError, ValidationError
+from kvtrail.errors import StoreError, ValidationError
 
 log = logging.getLogger("kvtrail.audit")
+# Replies, one per batch: ("ok", events, page_events, runs, [(producer_id, batch_no), ...]),
+# ("invalid", field, reason, event, kind) when the store refused the batch (nothing of it stored),
+# ("error", message) when the store failed.
+Reply = tuple
 
 
 class RelayServer:
@@ -54,6 +60,10 @@ class RelayServer:
         while not self._closed:
             try:
                 conn = self._listener.accept()
+            except AuthenticationError as exc:
+                # A peer with the wrong key is refused; the relay keeps serving the others.
+                log.warning("kvtrail relay: refused a connection: %s", exc)
+                continue
             except (OSError, EOFError):
                 if self._closed:
                     return
@@ -110,11 +120,12 @@ class RelayServer:
             else:
                 committed = dict(res.batches)
                 for table, conn in group:
-                    pid = producer_id(Producer(*(table.column(n)[0].as_py() for n in PRODUCER_NAMES)))
+                    batches = [(pid, committed[pid]) for pid in _producer_ids(table)]
                     pages = int(pc.sum(pc.list_value_length(table.column("pages"))).as_py() or 0)
-                    self._reply(conn, ("ok", table.num_rows, pages, 0, [(pid, committed[pid])]))
+                    self._reply(conn, ("ok", table.num_rows, pages, 0, batches))
                 return
         for table, conn in group:
+            reply: Reply
             try:
                 with self._lock:
                     res = self.store.append(table)
@@ -127,7 +138,7 @@ class RelayServer:
             self._reply(conn, reply)
 
     @staticmethod
-    def _reply(conn: Connection, reply: tuple) -> None:
+    def _reply(conn: Connection, reply: Reply) -> None:
         try:
             conn.send(reply)
         except (OSError, EOFError):
@@ -143,25 +154,47 @@ class RelayServer:
         except OSError:
             pass
         self._listener.close()
+        # Shut the sockets down first: a serving thread blocked in recv then sees end-of-stream, where
+        # closing the connection under it would pull its handle away mid-read.
         for c in self._conns:
-            c.close()
+            _shutdown(c)
         for t in self._threads:
             t.join(5)
+        for c in self._conns:
+            c.close()
         self._accepter.join(5)
+
+
+def _shutdown(conn: Connection) -> None:
+    try:
+        with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # closed already, or the peer hung up: nothing left to wake
+
+
+def _producer_ids(table: pa.Table) -> list[int]:
+    """Ids of the producers in a batch, in order of first appearance (none for an empty batch)."""
+    names = list(PRODUCER_NAMES)
+    keys = table.select(names).group_by(names, use_threads=False).aggregate([])
+    return [producer_id(Producer(**row)) for row in keys.to_pylist()]
 
 
 class RelaySink:
     """A recorder sink that forwards batches to a RelayServer and returns its commit result.
 
     Used by exactly one writer thread, like any sink. Raises ValidationError when the store rejected
-    the batch (so the writer isolates the bad event) and StoreError when the relay failed.
+    the batch (so the writer isolates the bad event) and StoreError when the relay or its store failed.
     """
 
     def __init__(self, address: tuple[str, int], authkey: bytes):
+        host, port = address  # any pair: a tuple, or a list after a round trip through JSON
         try:
-            self._conn = Client(tuple(address), authkey=authkey)
+            self._conn = Client((host, port), authkey=authkey)
         except OSError as exc:
             raise StoreError(f"relay: cannot connect to {address}: {exc}") from None
+        except AuthenticationError:
+            raise StoreError(f"relay: {address} refused the authkey") from None
 
     def append(self, table) -> AppendResult:
         try:
@@ -175,7 +208,7 @@ class RelaySink:
         if reply[0] == "invalid":
             _, field, reason, event, kind = reply
             raise ValidationError(field, reason, event=event, kind=kind)
-        raise KvtrailError(f"relay: store failed: {reply[1]}")
+        raise StoreError(f"relay: store failed: {reply[1]}")
 
     def close(self) -> None:
         self._conn.close()

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from kvtrail.audit import chain
-from kvtrail.audit.store import AuditStore
+from kvtrail.audit.store import AuditStore, fetch_row
 from kvtrail.errors import StoreError
 
 
@@ -57,7 +57,7 @@ def add_hold(store: AuditStore, from_ns: int, to_ns: int, reason: str, *, tenant
     if not reason.strip():
         raise StoreError("hold: --reason must not be empty")
     con = store.con
-    hold_id = con.execute("SELECT coalesce(max(hold_id), 0) + 1 FROM legal_holds").fetchone()[0]
+    hold_id = fetch_row(con, "SELECT coalesce(max(hold_id), 0) + 1 FROM legal_holds")[0]
     con.execute("INSERT INTO legal_holds VALUES (?, ?, ?, ?, ?, ?, ?, NULL)",
                 [hold_id, time.time_ns(), from_ns, to_ns, tenant_id, node, reason])
     return hold_id
@@ -106,10 +106,10 @@ def prune(store: AuditStore, before_ns: int, *, note: str | None = None, dry_run
     try:
         con.execute(_CANDIDATES, [before_ns])
         con.execute(_HELD)
-        held = con.execute("SELECT count(*) FROM _prune_held").fetchone()[0]
+        held = fetch_row(con, "SELECT count(*) FROM _prune_held")[0]
         con.execute("CREATE OR REPLACE TEMP TABLE _pruned AS SELECT producer_id, batch_no, num_events FROM _prune_cand "
                     "ANTI JOIN _prune_held USING (producer_id, batch_no)")
-        nb, ne = con.execute("SELECT count(*), coalesce(sum(num_events), 0) FROM _pruned").fetchone()
+        nb, ne = fetch_row(con, "SELECT count(*), coalesce(sum(num_events), 0) FROM _pruned")
         if dry_run or nb == 0:
             con.rollback()
             return PruneResult(None, nb, int(ne), held, dry_run)

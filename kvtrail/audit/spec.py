@@ -27,6 +27,7 @@ _INT64_MAX = 2**63 - 1
 
 
 def _field_schema(f: FieldSpec) -> dict:
+    s: dict[str, object]
     if f.type in ("str",):
         s = {"type": "string"}
     elif f.type == "enum":

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvtrail.audit import chain
+from kvtrail.audit.arrowutil import flat_list, list_array
 from kvtrail.audit.batch import arrow_type
 from kvtrail.audit.events import ALL_FIELDS, KIND_NAMES, KINDS, PAGE_LIST_FIELDS, PRODUCER_FIELDS
 from kvtrail.audit.pagelist import decode_runs, encode_runs
@@ -93,6 +94,13 @@ class AppendResult:
     batches: tuple[tuple[int, int], ...]  # (producer_id, batch_no) committed
 
 
+def fetch_row(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> tuple:
+    """The one row of a query that always yields one (an aggregate, or the row count of COPY / INSERT)."""
+    row = con.execute(sql, params).fetchone()
+    assert row is not None, f"query yielded no row: {sql[:80]}"
+    return row
+
+
 def connect_readonly(path: str | Path) -> duckdb.DuckDBPyConnection:
     """A read-only connection for readers in another process (the writer must not hold the file)."""
     if not Path(path).exists():
@@ -126,14 +134,14 @@ class AuditStore:
 
     def _init_schema(self) -> None:
         # Check the format before touching anything, so a foreign store is refused unchanged.
-        has_meta = self.con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'meta' "
-                                    "AND schema_name = 'main'").fetchone()[0]
+        has_meta = fetch_row(self.con, "SELECT count(*) FROM duckdb_tables() WHERE table_name = 'meta' "
+                                       "AND schema_name = 'main'")[0]
         fmt = self.con.execute("SELECT value FROM meta WHERE key = 'store_format'").fetchone() if has_meta else None
         if has_meta and (fmt is None or fmt[0] != STORE_FORMAT):
             found = fmt[0] if fmt else "unknown"
             raise StoreError(f"store {self.path} has format {found}; this kvtrail reads format {STORE_FORMAT}")
         if not has_meta:
-            others = self.con.execute("SELECT count(*) FROM duckdb_tables()").fetchone()[0]
+            others = fetch_row(self.con, "SELECT count(*) FROM duckdb_tables()")[0]
             if others:
                 raise StoreError(f"{self.path} is a DuckDB database but not a kvtrail store")
         self.con.begin()
@@ -182,11 +190,7 @@ class AuditStore:
         """Run-encode both page-list columns: (row, list, pos, start, length), ordered by row, list, pos."""
         parts = []
         for list_no, name in enumerate(PAGE_LIST_FIELDS):
-            col = vb.table.column(name)
-            lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False).astype(np.int64)
-            offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-            np.cumsum(lengths, out=offsets[1:])
-            flat = pc.list_flatten(col).to_numpy(zero_copy_only=False)
+            flat, offsets = flat_list(vb.table.column(name))
             row, pos, start, length = encode_runs(flat, offsets)
             parts.append((row, np.full(len(row), list_no, np.int8), pos, start, length))
         row, lst, pos, start, length = (np.concatenate(x) for x in zip(*parts))
@@ -217,7 +221,10 @@ class AuditStore:
             cols["num_pages"] = num_pages.take(pa.array(rows)) if len(rows) != n else num_pages
             cols["num_dst_pages"] = num_dst.take(pa.array(rows)) if len(rows) != n else num_dst
             ev = pa.table(cols, schema=EVENTS_SCHEMA)
-            rsel = np.flatnonzero(vb.producer_index[run_row] == g) if len(vb.producer_ids) > 1 else np.arange(len(run_row))
+            if len(vb.producer_ids) > 1:
+                rsel = np.flatnonzero(vb.producer_index[run_row] == g)
+            else:
+                rsel = np.arange(len(run_row))
             runs = pa.table({
                 "producer_id": np.full(len(rsel), pid, np.int64), "batch_no": np.full(len(rsel), batch_no, np.int64),
                 "seq": seq[run_row[rsel]], "list": run_list[rsel], "pos": run_pos[rsel],
@@ -317,6 +324,5 @@ def read_events(con: duckdb.DuckDBPyConnection, where: str = "TRUE", params: lis
         # A kind that requires a list always carries one (possibly empty); other kinds carry none.
         needs = [k for k in KIND_NAMES if name in KINDS[k].required]
         present = pc.is_in(ev.column("kind"), value_set=pa.array(needs)).to_numpy(zero_copy_only=False)
-        out[name] = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, pa.int32()),
-                                             mask=pa.array(~present))
+        out[name] = list_array(flat, offsets, pa.int32(), ~present, field=name)
     return pa.table({f.name: out[f.name] for f in ALL_FIELDS})

@@ -14,7 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvtrail.audit.batch import BATCH_SCHEMA
+from kvtrail.audit.arrowutil import flat_list, list_lengths
+from kvtrail.audit.batch import BATCH_SCHEMA, NULLABLE_BATCH_SCHEMA
 from kvtrail.audit.events import (
     ENVELOPE_NAMES,
     FIELDS,
@@ -76,11 +77,12 @@ def _normalise(table: pa.Table) -> pa.Table:
             try:
                 col = col.cast(f.type)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-                raise ValidationError(f.name, f"wrong type: expected {FIELDS[f.name].type}, got {col.type} ({exc})") from None
+                raise ValidationError(f.name, f"wrong type: expected {FIELDS[f.name].type}, got {col.type} "
+                                              f"({exc})") from None
         if isinstance(col, pa.ChunkedArray):
             col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
         arrays.append(col)
-    return pa.Table.from_arrays(arrays, schema=pa.schema([f.with_nullable(True) for f in BATCH_SCHEMA]))
+    return pa.Table.from_arrays(arrays, schema=NULLABLE_BATCH_SCHEMA)
 
 
 def _valid_mask(col) -> np.ndarray:
@@ -152,7 +154,8 @@ def _check_values(t: pa.Table, codes: np.ndarray) -> None:
             if set(pc.unique(col).drop_null().to_pylist()) <= set(spec.choices):
                 continue
             bad = (pc.is_valid(col).to_numpy(zero_copy_only=False)
-                   & ~pc.fill_null(pc.is_in(col, value_set=pa.array(spec.choices)), True).to_numpy(zero_copy_only=False))
+                   & ~pc.fill_null(pc.is_in(col, value_set=pa.array(spec.choices)), True)
+                   .to_numpy(zero_copy_only=False))
             value = col[int(np.flatnonzero(bad)[0])].as_py()
             _fail(bad, name, f"{value!r} is not one of {', '.join(spec.choices)}", codes)
         elif spec.type == "str" and name in PRODUCER_NAMES:
@@ -169,7 +172,8 @@ def _check_values(t: pa.Table, codes: np.ndarray) -> None:
             if t.column(a).null_count == n or t.column(b).null_count == n:
                 continue
             la, lb = pc.list_value_length(t.column(a)), pc.list_value_length(t.column(b))
-            bad = (codes == KIND_CODES[kind.name]) & pc.fill_null(pc.not_equal(la, lb), False).to_numpy(zero_copy_only=False)
+            differ = pc.fill_null(pc.not_equal(la, lb), False).to_numpy(zero_copy_only=False)
+            bad = (codes == KIND_CODES[kind.name]) & differ
             if bad.any():
                 _fail(bad, b, f"must have one entry per entry of '{a}'", codes)
     if t.column("purpose").null_count < n:
@@ -179,14 +183,15 @@ def _check_values(t: pa.Table, codes: np.ndarray) -> None:
         if no_hashes.any():
             _fail(no_hashes, "block_hashes", "required when purpose is prefix_hit", codes)
     if t.column("token_end").null_count < n:
-        backwards = pc.fill_null(pc.less(t.column("token_end"), t.column("token_start")), False).to_numpy(zero_copy_only=False)
+        less = pc.less(t.column("token_end"), t.column("token_start"))
+        backwards = pc.fill_null(less, False).to_numpy(zero_copy_only=False)
         if backwards.any():
             _fail(backwards, "token_end", "must be >= token_start", codes)
     for name in ("pages", "dst_pages", "page_digests", "block_hashes"):
         col = t.column(name)
         flat = pc.list_flatten(col)
         if flat.null_count:
-            lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False)
+            lengths = list_lengths(col)
             row_of = np.repeat(np.arange(t.num_rows), lengths)
             r = row_of[np.flatnonzero(~_valid_mask(flat))[0]]
             _fail(np.arange(t.num_rows) == r, name, "list entries must not be null", codes)
@@ -230,26 +235,27 @@ def validate_batch(table: pa.Table, state: dict[int, ProducerState]) -> Validate
         # Pool bound per row: the latest node_config at or before it, else what the store knows.
         cfg_pos = np.where(is_config[rows], np.arange(len(rows)), -1)
         last_cfg = np.maximum.accumulate(cfg_pos) if len(rows) else cfg_pos
-        b = np.where(last_cfg >= 0, pool[rows[np.maximum(last_cfg, 0)]], st.pool_pages if st.pool_pages is not None else -1)
+        known = st.pool_pages if st.pool_pages is not None else -1
+        b = np.where(last_cfg >= 0, pool[rows[np.maximum(last_cfg, 0)]], known)
         bound[rows] = np.nan_to_num(b.astype(np.float64), nan=-1).astype(np.int64)
     total_pages = 0
     rows_idx = np.arange(t.num_rows)
     for name in ("pages", "dst_pages"):
-        col = t.column(name)
-        lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False)
-        flat = pc.list_flatten(col).to_numpy(zero_copy_only=False)
+        flat, offsets = flat_list(t.column(name))
+        lengths = np.diff(offsets)
         if name == "pages":
             total_pages = int(lengths.sum())
         if flat.size == 0:
             continue
         # Per-list min and max in one pass (reduceat), then one comparison per event, not per page.
         nonempty = np.flatnonzero(lengths)
-        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))[nonempty]
+        starts = offsets[:-1][nonempty]
         lo = np.minimum.reduceat(flat, starts)
         low = lo < 1
         if low.any():
             r = nonempty[np.flatnonzero(low)[0]]
-            _fail(rows_idx == r, name, f"page id {int(lo[low][0])} out of pool (page ids start at 1; 0 is the padding page)", codes)
+            _fail(rows_idx == r, name,
+                  f"page id {int(lo[low][0])} out of pool (page ids start at 1; 0 is the padding page)", codes)
         if name == "pages":
             row_bound = bound[nonempty]
             unknown = row_bound < 0
@@ -260,5 +266,6 @@ def validate_batch(table: pa.Table, state: dict[int, ProducerState]) -> Validate
             high = hi > row_bound
             if high.any():
                 i = np.flatnonzero(high)[0]
-                _fail(rows_idx == nonempty[i], name, f"page id {int(hi[i])} out of pool (pool has {int(row_bound[i])} pages)", codes)
+                _fail(rows_idx == nonempty[i], name,
+                      f"page id {int(hi[i])} out of pool (pool has {int(row_bound[i])} pages)", codes)
     return ValidatedBatch(t, codes, pids, producers, pindex, total_pages)

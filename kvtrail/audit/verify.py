@@ -28,7 +28,10 @@ class Problem:
     what: str
 
     def __str__(self) -> str:
-        where = f"producer {self.producer_id} ({self.node}) batch {self.batch_no}" if self.producer_id is not None else "store"
+        if self.producer_id is None:
+            where = "store"
+        else:
+            where = f"producer {self.producer_id} ({self.node}) batch {self.batch_no}"
         return f"{where}: {self.what}"
 
 
@@ -167,4 +170,5 @@ def _verify_prunes(con, report: VerifyReport) -> None:
         "LEFT JOIN prunes p ON p.prune_id = b.pruned_by "
         "WHERE b.pruned_by IS NOT NULL AND (pb.prune_id IS NULL OR b.max_wall_ns >= p.before_ns) LIMIT 5").fetchall()
     for pid, batch_no, prune_id in orphans:
-        report.problems.append(Problem(pid, None, batch_no, f"marked pruned by {prune_id} but no prune record covers it"))
+        report.problems.append(Problem(pid, None, batch_no,
+                                       f"marked pruned by {prune_id} but no prune record covers it"))

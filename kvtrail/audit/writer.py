@@ -1,10 +1,11 @@
 """The recorder's background writer: the one thread that owns the sink (the DuckDB store).
 
-It drains the recorder's buffer every ``flush_interval_s`` (or at once on ``flush``), turns the
-tuples into one columnar batch and commits it. An event the store rejects is taken out of its batch
-and counted (the rest of the batch still lands); the count becomes a ``recorder_gap`` event. A sink
-that fails (disk full, I/O error) is retried, then the batch is counted as lost: the serving path is
-never blocked by the store.
+It drains the recorder's :class:`~kvtrail.audit.buffer.EventBuffer` every ``flush_interval_s`` (or at
+once on ``flush``), turns the tuples into one columnar batch and commits it. Payload tuples are read
+back with :data:`kvtrail.audit.events.PAYLOAD_LAYOUT_BY_CODE`, the table the recorder built them by.
+An event the store rejects is taken out of its batch and counted (the rest of the batch still
+lands); the count becomes a ``recorder_gap`` event. A sink that fails (disk full, I/O error) is
+retried, then the batch is counted as lost: the serving path is never blocked by the store.
 """
 
 from __future__ import annotations
@@ -12,45 +13,42 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from itertools import chain
 from operator import itemgetter
+from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
 
-from kvtrail.audit.batch import BATCH_SCHEMA, first_bad_index
-from kvtrail.audit.events import KIND_NAMES, NO_REQUEST, PRODUCER_FIELDS, SCHEMA_VERSION, RequestRef
+from kvtrail.audit.arrowutil import INT32_MAX, list_array, pack_lists
+from kvtrail.audit.batch import BATCH_SCHEMA, NULLABLE_BATCH_SCHEMA, first_bad_index
+from kvtrail.audit.buffer import GAP_CODE, GAP_EVENTS_AT, GAP_PAGES_AT, EventBuffer, GapRow
+from kvtrail.audit.contract import Sink
+from kvtrail.audit.events import (
+    KIND_NAMES,
+    NO_REQUEST,
+    PAYLOAD_LAYOUT_BY_CODE,
+    PRODUCER_FIELDS,
+    SCHEMA_VERSION,
+    Producer,
+    RequestRef,
+)
 from kvtrail.errors import ValidationError
 
 log = logging.getLogger("kvtrail.audit")
-_NULLABLE_SCHEMA = pa.schema([f.with_nullable(True) for f in BATCH_SCHEMA])
 _TYPES = {f.name: f.type for f in BATCH_SCHEMA}
 _RETRY_DELAYS_S = (0.05, 0.25, 1.0)
-_INT32_MAX = 2**31 - 1
 
 
-def _list_column(values: list, type_: pa.DataType, field: str) -> pa.Array:
+def _list_column(values: Sequence, type_: pa.DataType, field: str) -> pa.Array:
     """Build a list column from per-event tuples/arrays (None for absent) in a few C-level passes."""
-    n = len(values)
-    lengths = np.fromiter((0 if v is None else len(v) for v in values), dtype=np.int64, count=n)
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    present = [v for v in values if v is not None and len(v)]
     wide = np.uint64 if pa.types.is_uint64(type_.value_type) else np.int64
-    if not present:
-        flat = np.empty(0, dtype=wide)
-    elif all(type(v) is np.ndarray for v in present):
-        flat = np.concatenate(present).astype(wide, copy=False)
-    else:
-        flat = np.fromiter(chain.from_iterable(present), dtype=wide, count=int(offsets[-1]))
+    flat, offsets, absent = pack_lists(values, wide)
     if pa.types.is_int32(type_.value_type) and flat.size:
-        bad = (flat > _INT32_MAX) | (flat < -_INT32_MAX)
+        bad = (flat > INT32_MAX) | (flat < -INT32_MAX)
         if bad.any():
             row = int(np.searchsorted(offsets, np.flatnonzero(bad)[0], side="right") - 1)
             raise ValidationError(field, f"page id {int(flat[bad][0])} out of range", event=row)
-    mask = np.fromiter((v is None for v in values), dtype=bool, count=n)
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, type_.value_type),
-                                    mask=pa.array(mask) if mask.any() else None)
+    return list_array(flat, offsets, type_.value_type, absent, field=field)
 
 
 def _convert(values, f: pa.Field, rows: np.ndarray | None) -> pa.Array:
@@ -82,6 +80,7 @@ def _payload_columns(codes: tuple, payloads: tuple, layouts: tuple, n: int, done
             group = (payloads[int(rows[0])],)
         else:
             group = itemgetter(*rows.tolist())(payloads)
+        assert len(group[0]) == len(layouts[k]), f"kind {KIND_NAMES[k]}: payload tuple does not match its layout"
         for name, values in zip(layouts[k], zip(*group)):
             if any(v is not None for v in values):  # (tuple.count would compare arrays with ==)
                 parts.setdefault(name, []).append((rows, values))
@@ -111,8 +110,8 @@ def wall_offset_ns() -> int:
     return time.time_ns() - time.monotonic_ns()
 
 
-def build_batch(producer, items: list, layouts: tuple, wall_offset: int | None = None) -> pa.Table:
-    """Turn recorder tuples ``(code, seq, mono_ns, req, pages, dst, payload)`` into a batch table.
+def build_batch(producer: Producer, items: list, wall_offset: int | None = None) -> pa.Table:
+    """Turn buffered tuples ``(code, seq, mono_ns, req, pages, dst, payload)`` into a batch table.
 
     ``wall_ns`` is ``mono_ns + wall_offset`` (offset read now unless given).
     """
@@ -134,23 +133,24 @@ def build_batch(producer, items: list, layouts: tuple, wall_offset: int | None =
         cols[name] = pa.array(values, _TYPES[name])
     cols["pages"] = _list_column(pages, _TYPES["pages"], "pages")
     cols["dst_pages"] = _list_column(dsts, _TYPES["dst_pages"], "dst_pages")
-    cols.update(_payload_columns(codes, payloads, layouts, n, set(cols)))
-    return pa.Table.from_arrays([cols[f.name] for f in BATCH_SCHEMA], schema=_NULLABLE_SCHEMA)
+    cols.update(_payload_columns(codes, payloads, PAYLOAD_LAYOUT_BY_CODE, n, set(cols)))
+    return pa.Table.from_arrays([cols[f.name] for f in BATCH_SCHEMA], schema=NULLABLE_BATCH_SCHEMA)
 
 
 class Writer(threading.Thread):
-    """Drains one recorder into one sink. Started by the recorder; stopped by ``Recorder.close``."""
+    """Drains one producer's event buffer into one sink. Started by the recorder; stopped by ``Recorder.close``."""
 
-    def __init__(self, recorder, sink):
-        super().__init__(name=f"kvtrail-writer-{recorder.producer.node}", daemon=True)
-        from kvtrail.audit.recorder import LAYOUT_BY_CODE
-
-        self._rec = recorder
+    def __init__(self, buffer: EventBuffer, sink: Sink, producer: Producer, *, flush_interval_s: float,
+                 max_batch_events: int):
+        super().__init__(name=f"kvtrail-writer-{producer.node}", daemon=True)
+        self._buffer = buffer
         self._sink = sink
-        self._layouts = LAYOUT_BY_CODE
+        self._producer = producer
+        self._interval_s = flush_interval_s
+        self._max_batch_events = max_batch_events
         self._wake = threading.Event()
         self._stopping = False
-        self._pending_gaps: list[tuple[str, int, int, str]] = []
+        self._pending_gaps: list[GapRow] = []
         self._offset = wall_offset_ns()
         self.invalid_total = 0
         self.error_total = 0
@@ -167,7 +167,7 @@ class Writer(threading.Thread):
         self.join(timeout)
 
     def run(self) -> None:
-        interval = self._rec.config.flush_interval_s
+        interval = self._interval_s
         try:
             while not self._stopping:
                 # Wake on ticks of the system-wide monotonic clock, so writers in different processes
@@ -194,9 +194,9 @@ class Writer(threading.Thread):
         # Losses found while committing become gap events in one more drain; if the store is failing
         # they stay pending for the next cycle rather than looping here.
         for _ in range(2):
-            items, new_markers = self._rec._drain(self._pending_gaps)
+            items, new_markers = self._buffer.drain(self._pending_gaps)
             markers += new_markers
-            step = self._rec.config.max_batch_events
+            step = self._max_batch_events
             for i in range(0, len(items), step):
                 self._commit(items[i:i + step])
             if not self._pending_gaps:
@@ -237,7 +237,7 @@ class Writer(threading.Thread):
 
     def _append(self, items: list):
         try:
-            table = build_batch(self._rec.producer, items, self._layouts, self._offset)
+            table = build_batch(self._producer, items, self._offset)
         except ValidationError:
             raise
         except Exception as exc:  # noqa: BLE001 - garbage from the caller is invalid input, not a store failure
@@ -273,13 +273,11 @@ class Writer(threading.Thread):
 
 def _lost_counts(items: list) -> tuple[int, int]:
     """Events and pages a failed batch loses; a lost gap event carries the losses it was reporting."""
-    from kvtrail.audit.recorder import GAP_CODE
-
     events = pages = 0
     for it in items:
         if it[0] == GAP_CODE:
-            events += it[6][0]
-            pages += it[6][1] or 0
+            events += it[6][GAP_EVENTS_AT]
+            pages += it[6][GAP_PAGES_AT] or 0
         else:
             events += 1
             if isinstance(it[4], (tuple, np.ndarray)) and np.ndim(it[4]) == 1:

@@ -4,35 +4,74 @@ window (as a table or a file), and the disclosure report with its verification."
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
+import duckdb
 
 from kvtrail.errors import KvtrailError
+from kvtrail.forensics import (
+    NEVER_WRITTEN,
+    Exclusions,
+    ForensicsPolicy,
+    OnlineReplay,
+    ProbeRules,
+    ReportOptions,
+    Window,
+    ask_affected,
+    ask_exploitation,
+    ask_exposure,
+    ask_findings,
+    ask_thresholds,
+    build_report,
+    check_window,
+    load_context,
+    load_exclusions,
+    open_snapshot,
+    open_store,
+    require_store,
+    save_findings,
+    verify_report,
+    write_report,
+)
 from kvtrail.timeutil import format_utc, parse_utc
 
 FORMATS = ("table", "csv", "json", "parquet")
 ENGINES = ("replay", "sql")
 
 
-def _window(db: str, from_: str | None, to: str | None, tenant: str | None, node: str | None):
-    from kvtrail.audit.store import connect_readonly
-    from kvtrail.forensics.questions import Window
+def _window(from_: str | None, to: str | None, tenant: str | None = None, node: str | None = None) -> Window:
+    return Window(parse_utc(from_, field="--from") if from_ else None, parse_utc(to, field="--to") if to else None,
+                  tenant, node)
 
-    if not Path(db).exists():
-        raise KvtrailError(f"--db: store not found: {db}")
-    w = Window(parse_utc(from_, field="--from") if from_ else None, parse_utc(to, field="--to") if to else None,
-               tenant, node)
-    return connect_readonly(db), w
+
+def _db(db: str) -> str:
+    """The store's path, refused here (exit 2, naming --db) when there is no such file."""
+    return require_store(db)
+
+
+@contextmanager
+def _store(db: str) -> Iterator[duckdb.DuckDBPyConnection]:
+    con = open_store(db)
+    try:
+        yield con
+    finally:
+        con.close()
+
+
+def _warn_gaps(gaps) -> None:
+    if len(gaps):
+        click.echo(f"warning: coverage gap: {int(gaps['unexplained'].sum())} events missing from "
+                   f"{len(gaps)} producer(s) without a recorder_gap explaining them "
+                   f"({', '.join(gaps['node'].to_list()[:5])}); answers may be incomplete", err=True)
 
 
 def _emit(df, fmt: str, out: str | None, empty_msg: str, gaps) -> None:
     import polars as pl
 
-    if len(gaps):
-        click.echo(f"warning: coverage gap: {int(gaps['unexplained'].sum())} events missing from "
-                   f"{len(gaps)} producer(s) without a recorder_gap explaining them "
-                   f"({', '.join(gaps['node'].to_list()[:5])}); answers may be incomplete", err=True)
+    _warn_gaps(gaps)
     if fmt == "parquet" and not out:
         raise KvtrailError("--out: required with --format parquet")
     if fmt == "table":
@@ -50,7 +89,8 @@ def _emit(df, fmt: str, out: str | None, empty_msg: str, gaps) -> None:
         if fmt == "csv" and "evidence" in df.columns else df
     for c in ("victim_request_ids", "victim_tenant_ids", "pages"):
         if fmt == "csv" and c in flat.columns:
-            flat = flat.with_columns(pl.col(c).map_elements(lambda v: ",".join(str(x) for x in v), return_dtype=pl.Utf8))
+            flat = flat.with_columns(pl.col(c).map_elements(lambda v: ",".join(str(x) for x in v),
+                                                            return_dtype=pl.Utf8))
     target = out or sys.stdout
     if fmt == "csv":
         text = flat.write_csv()
@@ -91,8 +131,6 @@ def _exclusion_options(f):
 
 def _exclusions(tenants: tuple[str, ...], file: str | None, base=None):
     """The exclusions of the flags (plus ``base``, e.g. from incident.yaml)."""
-    from kvtrail.forensics.analysis import Exclusions
-    from kvtrail.forensics.report.context import load_exclusions
 
     pairs = []
     for t in tenants:
@@ -131,11 +169,10 @@ def _probe_options(f):
 
 def _report_options(from_ns, to_ns, excl, baseline_from, baseline_to, long_prompt_tokens, burst_minutes,
                     burst_count):
-    from kvtrail.forensics.analysis import ProbeRules
-    from kvtrail.forensics.report.build import ReportOptions
 
     if from_ns is None or to_ns is None:
-        raise KvtrailError(f"{'--from' if from_ns is None else '--to'}: required (the baseline and rates need a window)")
+        flag = "--from" if from_ns is None else "--to"
+        raise KvtrailError(f"{flag}: required (the baseline and rates need a window)")
     if from_ns > to_ns:
         raise KvtrailError("--from: is after --to")
     b_from = parse_utc(baseline_from, field="--baseline-from") if baseline_from else None
@@ -154,7 +191,6 @@ def forensics() -> None:
 
 
 def _policy_options(f):
-    from kvtrail.forensics.policy import ForensicsPolicy
 
     for opt in reversed([
         click.option("--engine", type=click.Choice(ENGINES), default="replay", show_default=True,
@@ -170,7 +206,6 @@ def _policy_options(f):
 
 
 def _policy(allow_tenant_cache_sharing: bool, latency_factor: float):
-    from kvtrail.forensics.policy import ForensicsPolicy
 
     return ForensicsPolicy(allow_tenant_cache_sharing=allow_tenant_cache_sharing, latency_factor=latency_factor)
 
@@ -185,31 +220,15 @@ def _policy(allow_tenant_cache_sharing: bool, latency_factor: float):
 def findings_cmd(db, from_, to, tenant, node, fmt, out, codes, exclude_tenants, exclude_file, engine,
                  allow_tenant_cache_sharing, latency_factor, save) -> None:
     """Every finding in the window, with the event ids that prove it (excluded accounts' requests left out)."""
-    import polars as pl
-
-    from kvtrail.forensics.analysis import check_exclusions, excluded_requests
-    from kvtrail.forensics.findings import CODES
-    from kvtrail.forensics.questions import coverage_gaps, findings_frame, findings_of
-
-    bad = [c for c in codes if c not in CODES]
-    if bad:
-        raise KvtrailError(f"--code: unknown finding code {bad[0]!r}; known: {', '.join(CODES)}")
     excl = _exclusions(exclude_tenants, exclude_file)
     policy = _policy(allow_tenant_cache_sharing, latency_factor)
-    con, w = _window(db, from_, to, tenant, node)
-    try:
-        check_exclusions(con, excl)
-        found = findings_of(con, w, engine=engine, policy=policy)
-        df, gaps, excluded = findings_frame(found, w, tuple(codes)), coverage_gaps(con), excluded_requests(con, excl)
-    finally:
-        con.close()
+    w = _window(from_, to, tenant, node)
+    answer = ask_findings(_db(db), w, codes=tuple(codes), engine=engine, policy=policy, exclusions=excl)
     if save:
-        _save(db, found, w, engine, policy)
-    hit = (pl.col("request_id").is_in(excluded["request_id"].to_list())
-           | pl.col("tenant_id").is_in([t for t, _ in excl.tenants])).fill_null(False)
-    if len(df.filter(hit)):
-        click.echo(f"excluded: {len(df.filter(hit))} findings of excluded accounts", err=True)
-    _emit(df.filter(~hit), fmt, out, "no findings in this window", gaps)
+        _save(db, list(answer.found), w, engine, policy)
+    if len(answer.excluded):
+        click.echo(f"excluded: {len(answer.excluded)} findings of excluded accounts", err=True)
+    _emit(answer.rows, fmt, out, "no findings in this window", answer.gaps)
 
 
 @forensics.command()
@@ -217,23 +236,14 @@ def findings_cmd(db, from_, to, tenant, node, fmt, out, codes, exclude_tenants, 
 @_exclusion_options
 def affected(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file) -> None:
     """Which responses read foreign pages in the window, and whose data it was."""
-    from kvtrail.forensics.questions import affected_with_exclusions
-    from kvtrail.forensics.questions import coverage_gaps
-
     excl = _exclusions(exclude_tenants, exclude_file)
-    con, w = _window(db, from_, to, tenant, node)
-    try:
-        (df, dropped, _), gaps = affected_with_exclusions(con, w, excl), coverage_gaps(con)
-    finally:
-        con.close()
-    _say_excluded(dropped)
-    _emit(df, fmt, out, "no affected responses in this window", gaps)
+    answer = ask_affected(_db(db), _window(from_, to, tenant, node), exclusions=excl)
+    _say_excluded(answer.excluded)
+    _emit(answer.rows, fmt, out, "no affected responses in this window", answer.gaps)
 
 
 def _save(db: str, found, w, engine: str, policy) -> None:
-    import duckdb
 
-    from kvtrail.forensics.persist import save_findings
 
     try:
         con = duckdb.connect(db)
@@ -260,27 +270,21 @@ def watch(db, interval, polls, allow_tenant_cache_sharing) -> None:
     provisional until their other half lands). The store is opened read-only for each poll only."""
     import time
 
-    import duckdb
 
-    from kvtrail.audit.store import connect_readonly
-    from kvtrail.forensics.online import OnlineReplay
 
-    if not Path(db).exists():
-        raise KvtrailError(f"--db: store not found: {db}")
-    from kvtrail.forensics.policy import ForensicsPolicy
-
+    _db(db)
     online = OnlineReplay(ForensicsPolicy(allow_tenant_cache_sharing=allow_tenant_cache_sharing))
     done = 0
     try:
         while True:
             try:
-                con = connect_readonly(db)
+                con = open_store(db)
             except duckdb.Error as exc:  # a writer holds the file right now: try again next poll
                 click.echo(f"note: store busy ({str(exc).splitlines()[0][:120]})", err=True)
             else:
                 try:
                     for f in online.poll(con):
-                        victims = ",".join(v or "(never written)" for v in f.victim_request_ids)
+                        victims = ",".join(v or NEVER_WRITTEN for v in f.victim_request_ids)
                         click.echo(f"{format_utc(f.last_ns)} {f.code} {f.severity:<8} {f.node} request "
                                    f"{f.request_id} ({f.tenant_id})" + (f" victims {victims}" if victims else "")
                                    + f": {f.detail}")
@@ -300,21 +304,10 @@ def watch(db, interval, polls, allow_tenant_cache_sharing) -> None:
 @_exclusion_options
 def exposure(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file) -> None:
     """Exposure matrix: recipient tenant x victim tenant, with responses, pages and victim requests."""
-    from kvtrail.forensics import analysis as an
-    from kvtrail.forensics.findings import AFFECTED_CODES
-    from kvtrail.forensics.questions import affected_with_exclusions, coverage_gaps, findings_frame, findings_of
-
     excl = _exclusions(exclude_tenants, exclude_file)
-    con, w = _window(db, from_, to, tenant, node)
-    try:
-        affected_found = findings_of(con, w, codes=AFFECTED_CODES)  # one replay for both answers
-        kept, dropped, _ = affected_with_exclusions(con, w, excl, affected_found)
-        found, gaps = findings_frame(affected_found, w, tuple(sorted(AFFECTED_CODES))), coverage_gaps(con)
-    finally:
-        con.close()
-    _say_excluded(dropped)
-    matrix = an.exposure_matrix(an.exposure_links(found, set(kept["request_id"])))
-    _emit(matrix, fmt, out, "no exposure in this window", gaps)
+    answer = ask_exposure(_db(db), _window(from_, to, tenant, node), exclusions=excl)
+    _say_excluded(answer.excluded)
+    _emit(answer.rows, fmt, out, "no exposure in this window", answer.gaps)
 
 
 @forensics.command()
@@ -322,30 +315,11 @@ def exposure(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_fil
 @_exclusion_options
 def thresholds(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file) -> None:
     """Pool vs advertised context per node, and affected vs unaffected prompts against the prefill pool."""
-    import polars as pl
-
-    from kvtrail.forensics import analysis as an
-    from kvtrail.forensics.questions import affected_with_exclusions, coverage_gaps
-
-    excl = _exclusions(exclude_tenants, exclude_file)
-    con, w = _window(db, from_, to, tenant, node)
-    try:
-        kept, dropped, excluded = affected_with_exclusions(con, w, excl)
-        capacity, gaps = an.node_capacity(con, w.from_ns, w.to_ns), coverage_gaps(con)
-        requests = an.requests_table(con, w.from_ns, w.to_ns, kept["request_id"].to_list())
-    finally:
-        con.close()
-    requests = requests.filter(~pl.col("request_id").is_in(excluded["request_id"].to_list()))
-    if tenant:
-        requests = requests.filter(pl.col("tenant_id") == tenant)
-    if node:
-        requests, capacity = requests.filter(pl.col("prefill_node") == node), capacity.filter(pl.col("node") == node)
-    by_node, summary = an.threshold_analysis(requests, set(kept["request_id"]))
-    table = capacity.join(by_node.rename({"prefill_node": "node", "prefill_pool_tokens": "pool_tokens"}),
-                          on=["node", "pool_tokens"], how="left")
-    _say_excluded(dropped)
-    _emit(table, fmt, out, "no node configuration in this window", gaps)
-    click.echo(an.threshold_sentence(summary), err=fmt != "table")
+    answer = ask_thresholds(_db(db), _window(from_, to, tenant, node),
+                            exclusions=_exclusions(exclude_tenants, exclude_file))
+    _say_excluded(answer.excluded)
+    _emit(answer.rows, fmt, out, "no node configuration in this window", answer.gaps)
+    click.echo(answer.notes[0], err=fmt != "table")
 
 
 @forensics.command()
@@ -354,24 +328,13 @@ def thresholds(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_f
 @_probe_options
 def exploitation(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file, **probe) -> None:
     """Per recipient tenant: over-long prompts in the window vs its own baseline, bursts, and a verdict."""
-    import polars as pl
-
-    from kvtrail.forensics.questions import coverage_gaps
-    from kvtrail.forensics.report.build import exploitation_for
-
-    excl = _exclusions(exclude_tenants, exclude_file)
-    con, w = _window(db, from_, to, tenant, node)
-    try:
-        options = _report_options(w.from_ns, w.to_ns, excl, **probe)
-        df, long_tokens = exploitation_for(con, options, w)
-        gaps = coverage_gaps(con)
-    finally:
-        con.close()
-    if tenant:
-        df = df.filter(pl.col("tenant_id") == tenant)
-    _emit(df, fmt, out, "no recipient tenant and no over-long prompt in this window", gaps)
-    click.echo(f"over-long: more than {long_tokens:,} tokens" if long_tokens is not None else
-               "over-long: unknown (no node configuration in the window)", err=fmt != "table")
+    w = _window(from_, to, tenant, node)
+    with _store(db) as con:
+        check_window(con, w)
+        options = _report_options(w.from_ns, w.to_ns, _exclusions(exclude_tenants, exclude_file), **probe)
+        answer = ask_exploitation(con, options, w)
+    _emit(answer.rows, fmt, out, "no recipient tenant and no over-long prompt in this window", answer.gaps)
+    click.echo(answer.notes[0], err=fmt != "table")
 
 
 @forensics.command()
@@ -385,12 +348,8 @@ def exploitation(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude
 @_probe_options
 def report(db, from_, to, out, context, exclude_tenants, exclude_file, **probe) -> None:
     """Write the disclosure report (Markdown, HTML, PDF, CSV/JSON, report.json manifest) for a window."""
-    from kvtrail.forensics.report.build import build_report, write_report
-    from kvtrail.forensics.report.context import load_context
-    from kvtrail.forensics.report.snapshot import open_snapshot
 
-    if not Path(db).exists():
-        raise KvtrailError(f"--db: store not found: {db}")
+    _db(db)
     ctx = load_context(context) if context else None
     excl = _exclusions(exclude_tenants, exclude_file, ctx.exclusions if ctx else None)
     options = _report_options(parse_utc(from_, field="--from"), parse_utc(to, field="--to"), excl, **probe)
@@ -402,7 +361,8 @@ def report(db, from_, to, out, context, exclude_tenants, exclude_file, **probe) 
     manifest = write_report(r, out, Path(db).name)
     if len(r.coverage):
         click.echo(f"warning: coverage gap: {int(r.coverage['unexplained'].sum())} events missing from "
-                   f"{len(r.coverage)} producer(s) without a recorder_gap explaining them; the report says so", err=True)
+                   f"{len(r.coverage)} producer(s) without a recorder_gap explaining them; the report says so",
+                   err=True)
     c = r.counts
     if c["events_in_window"] == 0:
         click.echo("the store holds no events in this window", err=True)
@@ -417,7 +377,6 @@ def report(db, from_, to, out, context, exclude_tenants, exclude_file, **probe) 
 @click.option("--strict", is_flag=True, help="Also fail when events committed after the report fall inside its window.")
 def verify_report_cmd(report_dir, db, strict) -> None:
     """Re-run a report's queries on the store and confirm its numbers, chain heads and files. Exit 1 if not."""
-    from kvtrail.forensics.report.manifest import verify_report
 
     check = verify_report(report_dir, db, strict=strict)
     for note in check.notes:

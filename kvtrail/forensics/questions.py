@@ -1,20 +1,44 @@
-"""The questions an incident responder asks, answered from the store (Polars DataFrames).
+"""The questions an incident responder asks, answered from the store: one function per question.
 
-``findings()`` lists every finding in a window; ``affected_responses()`` answers "which responses
-read foreign pages during this window, and whose data was it". Both report coverage gaps: events a
-producer numbered but the store does not hold (and that no ``recorder_gap`` event accounts for),
-because an answer over incomplete data must say so.
+Each ``ask_*`` function takes a store (its path, opened read-only, or an open DuckDB connection), a
+:class:`Window` and options, and returns an :class:`Answer`: the rows (a Polars DataFrame), the rows
+exclusions left out, the coverage gaps of the store and notes in words. The CLI only parses flags,
+calls one of them and formats; the HTTP API, the dashboard and the metrics call the same functions.
+
+Coverage gaps are events a producer numbered but the store does not hold (and that no
+``recorder_gap`` event accounts for): an answer over incomplete data must say so.
+
+The building blocks below them (``findings_of``, ``findings_frame``, ``affected_responses``,
+``affected_with_exclusions``) answer one step each, for callers that already hold findings.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
 import duckdb
 import polars as pl
 
+from kvtrail.audit.store import connect_readonly
+from kvtrail.errors import KvtrailError
+from kvtrail.forensics.analysis import (
+    exploitation_assessment,
+    exposure_links,
+    exposure_matrix,
+    long_prompt_threshold,
+    node_capacity,
+    requests_table,
+    threshold_analysis,
+    threshold_sentence,
+)
 from kvtrail.forensics.analysis.exclusions import Exclusions, check_exclusions, excluded_requests, split_excluded
-from kvtrail.forensics.findings import AFFECTED_CODES, NEVER_WRITTEN, Finding, findings_table
+from kvtrail.forensics.findings import AFFECTED_CODES, CODES, NEVER_WRITTEN, Finding, findings_table
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.engine import replay_store
+from kvtrail.forensics.report.options import ReportOptions
 from kvtrail.forensics.sql.engine import sql_findings
 from kvtrail.forensics.window import Window, check_window
 
@@ -57,7 +81,7 @@ def findings_frame(found: list[Finding], w: Window = Window(), codes: tuple[str,
     found = [f for f in found if (not codes or f.code in codes)
              and (w.tenant is None or f.tenant_id == w.tenant or w.tenant in f.victim_tenant_ids)
              and (w.node is None or f.node == w.node)]
-    return pl.from_arrow(findings_table(found))
+    return pl.DataFrame(findings_table(found))
 
 
 def findings(con: duckdb.DuckDBPyConnection, w: Window = Window(), codes: tuple[str, ...] = (), *,
@@ -79,6 +103,7 @@ def affected_responses(con: duckdb.DuckDBPyConnection, w: Window = Window(),
     found = [f for f in found if f.code in AFFECTED_CODES]
     by_request: dict[str, dict] = {}
     for f in found:
+        assert f.request_id is not None, f"{f.code} finding without a recipient request: {f.detail}"
         row = by_request.setdefault(f.request_id, {
             "request_id": f.request_id, "tenant_id": f.tenant_id, "codes": set(), "foreign_pages": set(),
             "victim_request_ids": set(), "victim_tenant_ids": set(), "first_ns": f.first_ns, "last_ns": f.last_ns})
@@ -117,3 +142,154 @@ def affected_with_exclusions(con: duckdb.DuckDBPyConnection, w: Window, excl: Ex
     excluded = excluded_requests(con, excl)
     kept, dropped = split_excluded(affected_responses(con, w, found), excluded, excl)
     return kept, dropped, excluded
+
+
+# --- one function per question ---------------------------------------------------------------------
+
+Store = str | Path | duckdb.DuckDBPyConnection
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A question's answer: ``rows``, the rows exclusions left out (``excluded``, with ``excluded_by``
+    and ``reason`` where known), the store's coverage gaps and notes in words (e.g. the threshold finding)."""
+
+    rows: pl.DataFrame
+    excluded: pl.DataFrame
+    gaps: pl.DataFrame
+    notes: tuple[str, ...] = ()
+    summary: dict = field(default_factory=dict)
+    found: tuple[Finding, ...] = ()  # the findings behind the rows, where the question replayed them
+
+
+def require_store(db: str | Path) -> str:
+    """``db`` as a string when a store file is there; a missing file is the caller's error (``--db``)."""
+    if not Path(db).exists():
+        raise KvtrailError(f"--db: store not found: {db}")
+    return str(db)
+
+
+def open_store(db: str | Path) -> duckdb.DuckDBPyConnection:
+    """A read-only connection to the store at ``db`` (see :func:`require_store`)."""
+    return connect_readonly(require_store(db))
+
+
+@contextmanager
+def _connected(store: Store) -> Iterator[duckdb.DuckDBPyConnection]:
+    if isinstance(store, duckdb.DuckDBPyConnection):
+        yield store
+        return
+    con = open_store(store)
+    try:
+        yield con
+    finally:
+        con.close()
+
+
+def _excluded_mask(excluded: pl.DataFrame, excl: Exclusions) -> pl.Expr:
+    """Rows of a frame with request_id/tenant_id that belong to an excluded request or tenant."""
+    return (pl.col("request_id").is_in(excluded["request_id"].to_list())
+            | pl.col("tenant_id").is_in([t for t, _ in excl.tenants])).fill_null(False)
+
+
+def ask_findings(store: Store, w: Window = Window(), *, codes: tuple[str, ...] = (), engine: str = "replay",
+                 policy: ForensicsPolicy = ForensicsPolicy(), exclusions: Exclusions = Exclusions(),
+                 found: list[Finding] | None = None) -> Answer:
+    """Every finding in the window (only ``codes`` when given) with evidence; excluded accounts' findings
+    left out. ``found``: the window's findings when the caller already replayed them."""
+    bad = [c for c in codes if c not in CODES]
+    if bad:
+        raise KvtrailError(f"--code: unknown finding code {bad[0]!r}; known: {', '.join(CODES)}")
+    with _connected(store) as con:
+        check_exclusions(con, exclusions)
+        if found is None:
+            found = findings_of(con, w, engine=engine, policy=policy)
+        else:
+            check_window(con, w)
+        df, excluded, gaps = findings_frame(found, w, codes), excluded_requests(con, exclusions), coverage_gaps(con)
+    hit = _excluded_mask(excluded, exclusions)
+    return Answer(df.filter(~hit), df.filter(hit), gaps, found=tuple(found))
+
+
+def ask_affected(store: Store, w: Window = Window(), *, exclusions: Exclusions = Exclusions()) -> Answer:
+    """Which responses read foreign pages in the window, and whose data it was (exclusions applied)."""
+    with _connected(store) as con:
+        kept, dropped, _ = affected_with_exclusions(con, w, exclusions)
+        return Answer(kept, dropped, coverage_gaps(con))
+
+
+def ask_exposure(store: Store, w: Window = Window(), *, exclusions: Exclusions = Exclusions()) -> Answer:
+    """Recipient tenant x victim tenant: responses, pages and victim requests (exclusions applied)."""
+    with _connected(store) as con:
+        found = findings_of(con, w, codes=AFFECTED_CODES)  # one replay for both answers
+        kept, dropped, _ = affected_with_exclusions(con, w, exclusions, found)
+        frame, gaps = findings_frame(found, w, tuple(sorted(AFFECTED_CODES))), coverage_gaps(con)
+    return Answer(exposure_matrix(exposure_links(frame, set(kept["request_id"]))), dropped, gaps)
+
+
+def ask_node_configurations(store: Store, w: Window = Window()) -> Answer:
+    """Pool vs advertised context of every node configuration in effect during the window (F8's numbers)."""
+    with _connected(store) as con:
+        check_window(con, w)
+        capacity, gaps = node_capacity(con, w.from_ns, w.to_ns), coverage_gaps(con)
+    if w.node:
+        capacity = capacity.filter(pl.col("node") == w.node)
+    return Answer(capacity, capacity.clear(), gaps)
+
+
+def ask_thresholds(store: Store, w: Window = Window(), *, exclusions: Exclusions = Exclusions()) -> Answer:
+    """Pool vs context per node joined with affected vs unaffected prompts against their prefill pool; the
+    threshold finding in words is the answer's note, its numbers its summary."""
+    with _connected(store) as con:
+        kept, dropped, excluded = affected_with_exclusions(con, w, exclusions)
+        capacity, gaps = node_capacity(con, w.from_ns, w.to_ns), coverage_gaps(con)
+        requests = requests_table(con, w.from_ns, w.to_ns, kept["request_id"].to_list())
+    requests = requests.filter(~pl.col("request_id").is_in(excluded["request_id"].to_list()))
+    if w.tenant:
+        requests = requests.filter(pl.col("tenant_id") == w.tenant)
+    if w.node:
+        requests = requests.filter(pl.col("prefill_node") == w.node)
+        capacity = capacity.filter(pl.col("node") == w.node)
+    by_node, summary = threshold_analysis(requests, set(kept["request_id"]))
+    table = capacity.join(by_node.rename({"prefill_node": "node", "prefill_pool_tokens": "pool_tokens"}),
+                          on=["node", "pool_tokens"], how="left")
+    return Answer(table, dropped, gaps, (threshold_sentence(summary),), summary)
+
+
+def ask_exploitation(store: Store, options: ReportOptions, w: Window | None = None) -> Answer:
+    """Per recipient tenant: over-long prompts in the window vs its own baseline, bursts, and a verdict.
+    The note names the over-long threshold; ``summary["long_prompt_tokens"]`` holds it."""
+    with _connected(store) as con:
+        df, long_tokens = exploitation_for(con, options, w)
+        gaps = coverage_gaps(con)
+    if w is not None and w.tenant:
+        df = df.filter(pl.col("tenant_id") == w.tenant)
+    note = (f"over-long: more than {long_tokens:,} tokens" if long_tokens is not None else
+            "over-long: unknown (no node configuration in the window)")
+    return Answer(df, df.clear(), gaps, (note,), {"long_prompt_tokens": long_tokens})
+
+
+def report_requests(con: duckdb.DuckDBPyConnection, o: ReportOptions, kept: pl.DataFrame,
+                    dropped: pl.DataFrame) -> pl.DataFrame:
+    """Requests of the window, plus affected ones received before it."""
+    return requests_table(con, o.from_ns, o.to_ns, kept["request_id"].to_list() + dropped["request_id"].to_list())
+
+
+def exploitation_for(con: duckdb.DuckDBPyConnection, o: ReportOptions, w: Window | None = None,
+                     pieces: tuple | None = None) -> tuple[pl.DataFrame, int | None]:
+    """The exploitation assessment for the options' window and its over-long threshold (tokens).
+
+    ``pieces`` (kept, dropped, excluded, capacity, requests) saves recomputing what the caller has.
+    """
+    if pieces is None:
+        kept, dropped, excluded = affected_with_exclusions(con, w or Window(o.from_ns, o.to_ns), o.exclusions)
+        pieces = (kept, dropped, excluded, node_capacity(con, o.from_ns, o.to_ns),
+                  report_requests(con, o, kept, dropped))
+    kept, dropped, excluded, capacity, requests = pieces
+    long_tokens = o.long_prompt_tokens if o.long_prompt_tokens is not None else long_prompt_threshold(capacity)
+    b_from, b_to = o.baseline
+    everyone = pl.concat([kept, dropped.drop("excluded_by", "reason")])
+    df = exploitation_assessment(
+        requests, requests_table(con, b_from, b_to), everyone, excluded, window_ns=(o.from_ns, o.to_ns),
+        baseline_ns=(b_from, b_to), long_prompt_tokens=long_tokens, rules=o.rules)
+    return df, long_tokens

@@ -14,38 +14,44 @@ churn the page lists a request gets are fragmented: contiguous runs mixed with s
 which is what the store's run encoding has to cope with.
 
 Everything is seeded (one :class:`numpy.random.Generator`); the same arguments give the same batches.
-Batches are built column by column with numpy and pyarrow: per-event Python work, never per-page.
+:class:`SynthStream` runs the workload, one method per phase of a scheduler step;
+:mod:`kvtrail.sim.synth_builder` builds the batches column by column (per-event Python work, never per-page).
 """
+
 
 from __future__ import annotations
 
 import math
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvtrail.audit.batch import BATCH_SCHEMA
-from kvtrail.audit.events import FREE_REASONS, KIND_CODES, KIND_NAMES, SCHEMA_VERSION, Producer
+from kvtrail.audit.arrowutil import flat_list
+from kvtrail.audit.events import Producer
 from kvtrail.audit.pagelist import encode_runs
 from kvtrail.serving.allocator import PageAllocator
+from kvtrail.sim.synth_builder import (
+    K_ALLOC,
+    K_CONFIG,
+    K_FREE,
+    K_WRITE,
+    P_GROWTH,
+    P_PREFILL,
+    R_ABORT,
+    R_FINISH,
+    R_RETRACT,
+    BatchBuilder,
+)
 
 # 2026-11-29T00:00:00Z: a fixed start so that the stream does not depend on the clock.
 DEFAULT_START_WALL_NS = 1_795_910_400_000_000_000
-_NULLABLE_SCHEMA = pa.schema([f.with_nullable(True) for f in BATCH_SCHEMA])
-_TYPES = {f.name: f.type for f in BATCH_SCHEMA}
-
-_K_CONFIG = KIND_CODES["node_config"]
-_K_ALLOC = KIND_CODES["pages_allocated"]
-_K_FREE = KIND_CODES["pages_freed"]
-_K_WRITE = KIND_CODES["kv_written"]
-# Index into the small dictionaries used to build enum columns.
-_PURPOSES = ("prefill_extend", "decode_growth")
-_P_PREFILL, _P_GROWTH = 0, 1
-_R_FINISH, _R_ABORT, _R_RETRACT = (FREE_REASONS.index(r) for r in ("finish", "abort", "retract"))
+# The producer's monotonic clock reads this at DEFAULT_START_WALL_NS, whatever start_wall_ns is (kept so
+# that existing streams stay byte-identical).
+_MONO_AT_DEFAULT_START_NS = 1_000_000_000_000
 
 
 class AllocatorSim(PageAllocator):
@@ -68,12 +74,12 @@ class Draws:
 
     __slots__ = ("_draw", "_buf", "_i")
 
-    def __init__(self, draw):
+    def __init__(self, draw: Callable[[int], np.ndarray]):
         self._draw = draw
         self._buf: list = []
         self._i = 0
 
-    def __call__(self):
+    def __call__(self) -> Any:
         i = self._i
         if i == len(self._buf):
             self._buf = self._draw(4096).tolist()
@@ -83,12 +89,10 @@ class Draws:
 
 
 class _Request:
-    __slots__ = ("rid", "tenant", "transfer_id", "prompt", "prefilled", "pages", "num_pages", "budget")
+    __slots__ = ("ident", "prompt", "prefilled", "pages", "num_pages", "budget")
 
-    def __init__(self, rid, tenant, transfer_id, prompt, budget):
-        self.rid = rid
-        self.tenant = tenant
-        self.transfer_id = transfer_id
+    def __init__(self, rid: str, tenant: str, transfer_id: int, prompt: int, budget: int):
+        self.ident = (rid, tenant, transfer_id)  # what every event of the request carries
         self.prompt = prompt
         self.prefilled = 0
         self.pages: list[np.ndarray] = []
@@ -96,87 +100,240 @@ class _Request:
         self.budget = budget  # decode growth pages left
 
 
-class _BatchBuilder:
-    """Collects events as a few Python lists and turns them into one Arrow batch."""
+@dataclass(frozen=True, kw_only=True)
+class SynthConfig:
+    """Every knob of one synthetic stream (see :func:`synth_batches` for what the workload does)."""
 
-    def __init__(self, producer: Producer, config: dict | None):
+    num_pages: int
+    page_size: int
+    seed: int
+    target_page_events: int  # stop after the batch in which the recorded page lists reach this many pages
+    events_per_batch: int
+    reuse: str = "lowest"
+    tenants: int = 8  # tenant k gets weight 1/(k+1)
+    chunk_tokens: int = 8192  # prefill tokens per step
+    prompt_median_tokens: int = 3000  # lognormal prompt lengths, clipped to the range below
+    prompt_sigma: float = 1.0
+    min_prompt_tokens: int = 256
+    max_prompt_tokens: int | None = None  # None: an eighth of the pool, at most 65,536
+    decode_fraction: float = 0.6  # requests that decode at all (the rest: freed after prefill)
+    mean_decode_tokens: float = 400.0
+    decode_tokens_per_step: float = 1.0
+    abort_prob: float = 0.03
+    warmup_page_events: int | None = None  # None: four times the pool
+    mean_gap_ns: int = 20_000  # mean time between events (exponential)
+    start_wall_ns: int = DEFAULT_START_WALL_NS
+
+    def __post_init__(self) -> None:
+        if self.events_per_batch < 1:
+            raise ValueError("events_per_batch: must be >= 1")
+        if self.target_page_events < 0:
+            raise ValueError("target_page_events: must be >= 0")
+        if self.tenants < 1:
+            raise ValueError("tenants: must be >= 1")
+        if self.page_size < 1:
+            raise ValueError("page_size: must be >= 1")
+        if self.chunk_tokens < self.page_size or self.chunk_tokens % self.page_size:
+            raise ValueError("chunk_tokens: must be a positive multiple of page_size")
+
+    @property
+    def prompt_range_tokens(self) -> tuple[int, int]:
+        """(min, max) prompt length; a request alone always fits the pool."""
+        pool_tokens = self.num_pages * self.page_size
+        top = self.max_prompt_tokens
+        if top is None:
+            top = max(self.page_size, min(65_536, pool_tokens // 8))
+        top = min(top, pool_tokens)
+        return min(self.min_prompt_tokens, top), top
+
+
+class SynthStream:
+    """One producer's synthetic allocator stream; iterating it (once) runs the workload and yields its batches.
+
+    A scheduler step is two phases: :meth:`_prefill_chunk` gives the head of the prefill queue one chunk
+    of pages, then :meth:`_decode_crossings` lets the running requests that cross into a new page grow
+    or finish. Every random draw comes from one generator in a fixed order, so a seed fixes the stream.
+    """
+
+    def __init__(self, producer: Producer, cfg: SynthConfig):
+        self.cfg = cfg
+        self.alloc = AllocatorSim(cfg.num_pages, cfg.page_size, cfg.seed, cfg.reuse)
+        rng = self.rng = self.alloc.rng
+        min_prompt, max_prompt = cfg.prompt_range_tokens
+        self.u = Draws(rng.random)
+        self.gap_ns = Draws(lambda k: rng.exponential(cfg.mean_gap_ns, k).astype(np.int64) + 1)
+        self.prompt_draw = Draws(lambda k: np.clip(rng.lognormal(math.log(cfg.prompt_median_tokens),
+                                                                 cfg.prompt_sigma, k),
+                                                   min_prompt, max_prompt).astype(np.int64))
+        mean_decode_pages = max(cfg.mean_decode_tokens / cfg.page_size, 1.0)
+        self.budget_draw = Draws(lambda k: np.where(rng.random(k) < cfg.decode_fraction,
+                                                    rng.geometric(1.0 / mean_decode_pages, k), 0))
+        # Each running request decodes decode_tokens_per_step tokens a step, so it crosses into a new page
+        # with probability decode_tokens_per_step / page_size: the number of requests touched per step is
+        # Poisson with that rate times the number running.
+        self.pick_rate = cfg.decode_tokens_per_step / cfg.page_size
+        self.xfer_draw = Draws(lambda k: rng.integers(0, 2**63 - 1, k, dtype=np.int64))
+        weights = np.cumsum(1.0 / np.arange(1, cfg.tenants + 1))
+        self.tenant_cum = (weights / weights[-1]).tolist()
+        self.tenant_names = [f"tenant-{k:02d}" for k in range(cfg.tenants)]
+        self.rid_prefix = f"{producer.instance}-r"
+        config = {"pool_tokens": cfg.num_pages * cfg.page_size, "pool_pages": cfg.num_pages,
+                  "page_size": cfg.page_size, "context_tokens": max_prompt, "max_running_requests": 4096,
+                  "config_source": "synth"}
         self.producer = producer
-        self.config = config  # node_config values when this batch starts with the config event
-        self.kind: list[int] = []
-        self.wall: list[int] = []
-        self.rid: list = []
-        self.tenant: list = []
-        self.xfer: list = []
-        self.pages: list = []
-        self.purpose: list[int] = []
-        self.reason: list[int] = []
-        self.tstart: list[int] = []
-        self.tend: list[int] = []
+        self.builder = BatchBuilder(producer, config)
+        self.wall_ns = cfg.start_wall_ns
+        self.recorded_pages = 0  # entries of the page lists emitted (while recording)
+        self.recording = False  # False during the warm-up
+        self.running: list[_Request] = []  # decoding (or finished-prefill) requests, random access
+        self.prefilling: _Request | None = None
+        self.num_requests = 0
+        self.started = False
 
-    def __len__(self) -> int:
-        return len(self.kind)
+    def __iter__(self) -> Iterator[pa.Table]:
+        if self.started:
+            raise RuntimeError("a SynthStream runs once; make a new one to replay it")
+        self.started = True
+        return self._batches()
 
-    def table(self, first_seq: int, mono_base: int) -> pa.Table:
-        n = len(self.kind)
-        kind = np.array(self.kind, dtype=np.int8)
-        wall = np.array(self.wall, dtype=np.int64)
-        cols: dict[str, pa.Array] = {
-            "schema_version": pa.repeat(pa.scalar(SCHEMA_VERSION, pa.int32()), n),
-            "seq": pa.array(np.arange(first_seq, first_seq + n, dtype=np.uint64)),
-            "wall_ns": pa.array(wall),
-            "mono_ns": pa.array(wall - DEFAULT_START_WALL_NS + mono_base),
-            "kind": pa.DictionaryArray.from_arrays(pa.array(kind), pa.array(KIND_NAMES)).cast(pa.string()),
-            "request_id": pa.array(self.rid, pa.string()),
-            "tenant_id": pa.array(self.tenant, pa.string()),
-            "transfer_id": pa.array(self.xfer, pa.uint64()),
-        }
-        for name in ("cluster", "node", "role", "engine", "engine_version", "instance"):
-            cols[name] = pa.repeat(pa.scalar(getattr(self.producer, name), pa.string()), n)
-        lengths = np.fromiter((0 if p is None else p.size for p in self.pages), dtype=np.int64, count=n)
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        if offsets[-1] > 2**31 - 1:
-            raise ValueError("events_per_batch too large: a batch holds more than 2**31 - 1 pages")
-        present = [p for p in self.pages if p is not None]
-        flat = np.concatenate(present) if present else np.empty(0, np.int32)
-        no_list = np.fromiter((p is None for p in self.pages), dtype=bool, count=n)
-        cols["pages"] = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, pa.int32()),
-                                                 mask=pa.array(no_list) if no_list.any() else None)
-        cols["purpose"] = _enum(self.purpose, _PURPOSES)
-        cols["free_reason"] = _enum(self.reason, FREE_REASONS)
-        is_write = kind == _K_WRITE
-        cols["source"] = _enum(np.where(is_write, 0, -1), ("forward",))
-        for name, values in (("token_start", self.tstart), ("token_end", self.tend)):
-            v = np.array(values, dtype=np.int64)
-            cols[name] = pa.array(v, mask=v < 0)
-        if self.config is not None:
-            # The node_config event is row 0 of the first batch.
-            first = np.zeros(n, dtype=bool)
-            first[0] = True
-            for name, value in self.config.items():
-                type_ = _TYPES[name]
-                if pa.types.is_string(type_):
-                    cols[name] = pa.array([value] + [None] * (n - 1), type_)
-                else:
-                    cols[name] = pa.array(np.full(n, value), type_, mask=~first)
-        arrays = [cols[f.name] if f.name in cols else pa.nulls(n, f.type) for f in BATCH_SCHEMA]
-        return pa.Table.from_arrays(arrays, schema=_NULLABLE_SCHEMA)
+    def _batches(self) -> Iterator[pa.Table]:
+        cfg = self.cfg
+        warmup = 4 * cfg.num_pages if cfg.warmup_page_events is None else cfg.warmup_page_events
+        allocated = 0
+        while allocated < warmup:
+            allocated += self._step()
+        self.recording = True
+        self._emit(K_CONFIG, None, None)
+        seq, per_batch = 0, cfg.events_per_batch
+        mono_offset_ns = _MONO_AT_DEFAULT_START_NS - DEFAULT_START_WALL_NS
+        while True:
+            self._step()
+            done = self.recorded_pages >= cfg.target_page_events
+            # One step emits several events: a full batch is cut at exactly per_batch, the rest carried on.
+            while len(self.builder) >= per_batch or (done and len(self.builder)):
+                batch = self.builder
+                self.builder = batch.split_off(per_batch) if len(batch) > per_batch else BatchBuilder(
+                    self.producer, None)
+                table = batch.table(seq, mono_offset_ns)
+                seq += table.num_rows
+                yield table
+            if done:
+                return
+
+    # ---- one scheduler step ----------------------------------------------------------------------
+
+    def _step(self) -> int:
+        """One scheduler step; returns the pages allocated."""
+        got = self._prefill_chunk()
+        return got + self._decode_crossings()
+
+    def _prefill_chunk(self) -> int:
+        """The head of the prefill queue (a new request if none) gets its next chunk, or is aborted."""
+        ps = self.cfg.page_size
+        if self.prefilling is None:
+            self.prefilling = self._new_request()
+        req = self.prefilling
+        n_tok = min(self.cfg.chunk_tokens, req.prompt - req.prefilled)
+        need = -(-(req.prefilled + n_tok) // ps) - req.num_pages
+        pages = self._alloc_or_retract(need, None) if need else np.empty(0, np.int32)
+        if pages is None:  # nothing left to retract: the request cannot fit, abort it
+            if req.num_pages:
+                self._release(req, R_ABORT)
+            self.prefilling = None
+            return 0
+        if need:
+            req.pages.append(pages)
+            req.num_pages += need
+            self._emit(K_ALLOC, req, pages, purpose=P_PREFILL)
+            self._emit(K_WRITE, req, pages, tstart=req.prefilled, tend=req.prefilled + n_tok)
+        req.prefilled += n_tok
+        if req.prefilled >= req.prompt:
+            self.running.append(req)
+            self.prefilling = None
+        return need
+
+    def _decode_crossings(self) -> int:
+        """Running requests crossing into a new page: those with budget left grow by one, the rest finish."""
+        running, ps, got = self.running, self.cfg.page_size, 0
+        for _ in range(int(self.rng.poisson(self.pick_rate * len(running))) if running else 0):
+            if not running:
+                break
+            i = int(self.u() * len(running))
+            req = running[i]
+            if req.budget <= 0:
+                self._take_running(i)
+                self._release(req, R_ABORT if self.u() < self.cfg.abort_prob else R_FINISH)
+                continue
+            page = self._alloc_or_retract(1, req)  # may retract others, which moves req in the list
+            if page is None:
+                self._release(self._take_running(running.index(req)), R_RETRACT)
+                continue
+            req.budget -= 1
+            req.pages.append(page)
+            start = req.num_pages * ps
+            req.num_pages += 1
+            got += 1
+            self._emit(K_ALLOC, req, page, purpose=P_GROWTH)
+            self._emit(K_WRITE, req, page, tstart=start, tend=start + ps)
+        return got
+
+    # ---- helpers -----------------------------------------------------------------------------------
+
+    def _new_request(self) -> _Request:
+        n = self.num_requests
+        self.num_requests = n + 1
+        names = self.tenant_names
+        tenant = names[bisect_right(self.tenant_cum, self.u())] if len(names) > 1 else names[0]
+        return _Request(f"{self.rid_prefix}{n:09d}", tenant, self.xfer_draw(), self.prompt_draw(),
+                        self.budget_draw())
+
+    def _alloc_or_retract(self, n: int, keep: _Request | None) -> np.ndarray | None:
+        """``n`` pages, retracting random running requests (never ``keep``) until they fit; None if they never do."""
+        running = self.running
+        out = self.alloc.alloc(n)
+        while out is None:
+            victims = len(running) - (1 if keep is not None and keep in running else 0)
+            if victims <= 0:
+                return None
+            i = int(self.u() * len(running))
+            if running[i] is keep:
+                continue
+            self._release(self._take_running(i), R_RETRACT)
+            out = self.alloc.alloc(n)
+        return out
+
+    def _release(self, req: _Request, reason: int) -> None:
+        pages = np.concatenate(req.pages) if len(req.pages) != 1 else req.pages[0]
+        self.alloc.free(pages)
+        self._emit(K_FREE, req, pages, reason=reason)
+        req.pages = []
+        req.num_pages = 0
+
+    def _take_running(self, i: int) -> _Request:
+        """Remove running request ``i`` in O(1) (the last one takes its place)."""
+        running = self.running
+        req = running[i]
+        last = running.pop()
+        if i < len(running):
+            running[i] = last
+        return req
+
+    def _emit(self, kind: int, req: _Request | None, pages: np.ndarray | None, purpose: int = -1,
+              reason: int = -1, tstart: int = -1, tend: int = -1) -> None:
+        # The clock advances during the warm-up too, so the recorded stream starts after it.
+        self.wall_ns += self.gap_ns()
+        if not self.recording:
+            return
+        self.builder.add(kind, self.wall_ns, None if req is None else req.ident, pages, purpose, reason, tstart, tend)
+        if pages is not None:
+            self.recorded_pages += pages.size
 
 
-def _enum(codes, choices: tuple[str, ...]) -> pa.Array:
-    """A string column from small integer codes (-1 = null)."""
-    idx = np.asarray(codes, dtype=np.int8)
-    return pa.DictionaryArray.from_arrays(pa.array(idx, mask=idx < 0), pa.array(choices)).cast(pa.string())
-
-
-def synth_batches(*, producer: Producer, num_pages: int, page_size: int, seed: int, target_page_events: int,
-                  events_per_batch: int, reuse: str = "lowest", tenants: int = 8, chunk_tokens: int = 8192,
-                  prompt_median_tokens: int = 3000, prompt_sigma: float = 1.0, min_prompt_tokens: int = 256,
-                  max_prompt_tokens: int | None = None, decode_fraction: float = 0.6,
-                  mean_decode_tokens: float = 400.0, decode_tokens_per_step: float = 1.0, abort_prob: float = 0.03,
-                  warmup_page_events: int | None = None, mean_gap_ns: int = 20_000,
-                  start_wall_ns: int = DEFAULT_START_WALL_NS) -> Iterator[pa.Table]:
+def synth_batches(*, producer: Producer, **knobs: Any) -> Iterator[pa.Table]:
     """Yield batches (exactly :data:`BATCH_SCHEMA` columns) of one producer's allocator events.
+
+    ``knobs`` are :class:`SynthConfig`'s fields (``num_pages``, ``page_size``, ``seed``,
+    ``target_page_events`` and ``events_per_batch`` are required).
 
     The first event is ``node_config`` (seq 0); then ``pages_allocated``, ``kv_written`` and
     ``pages_freed`` events with seq 1, 2, ... and strictly increasing ``wall_ns``. Generation stops
@@ -198,187 +355,7 @@ def synth_batches(*, producer: Producer, num_pages: int, page_size: int, seed: i
     requests still running at the end of the warm-up have their frees recorded without their
     allocations.
     """
-    if events_per_batch < 1:
-        raise ValueError("events_per_batch: must be >= 1")
-    if target_page_events < 0:
-        raise ValueError("target_page_events: must be >= 0")
-    if tenants < 1:
-        raise ValueError("tenants: must be >= 1")
-    if chunk_tokens < page_size or chunk_tokens % page_size:
-        raise ValueError("chunk_tokens: must be a positive multiple of page_size")
-    sim = AllocatorSim(num_pages, page_size, seed, reuse)
-    rng = sim.rng
-    pool_tokens = num_pages * page_size
-    if max_prompt_tokens is None:
-        max_prompt_tokens = max(page_size, min(65_536, pool_tokens // 8))
-    max_prompt_tokens = min(max_prompt_tokens, pool_tokens)  # a request alone always fits the pool
-    min_prompt_tokens = min(min_prompt_tokens, max_prompt_tokens)
-    if warmup_page_events is None:
-        warmup_page_events = 4 * num_pages
-
-    u = Draws(rng.random)
-    gap = Draws(lambda k: rng.exponential(mean_gap_ns, k).astype(np.int64) + 1)
-    prompt_draw = Draws(lambda k: np.clip(rng.lognormal(math.log(prompt_median_tokens), prompt_sigma, k),
-                                           min_prompt_tokens, max_prompt_tokens).astype(np.int64))
-    mean_decode_pages = max(mean_decode_tokens / page_size, 1.0)
-    budget_draw = Draws(lambda k: np.where(rng.random(k) < decode_fraction,
-                                            rng.geometric(1.0 / mean_decode_pages, k), 0))
-    # Each running request decodes decode_tokens_per_step tokens a step, so it crosses into a new page
-    # with probability decode_tokens_per_step / page_size: the number of requests touched per step is
-    # Poisson with that rate times the number running.
-    pick_rate = decode_tokens_per_step / page_size
-    xfer_draw = Draws(lambda k: rng.integers(0, 2**63 - 1, k, dtype=np.int64))
-    # Tenants with skewed traffic: tenant k gets weight 1/(k+1).
-    weights = np.cumsum(1.0 / np.arange(1, tenants + 1))
-    cum = (weights / weights[-1]).tolist()
-    tenant_names = [f"tenant-{k:02d}" for k in range(tenants)]
-    rid_prefix = f"{producer.instance}-r"
-
-    config = {"pool_tokens": pool_tokens, "pool_pages": num_pages, "page_size": page_size,
-              "context_tokens": max_prompt_tokens, "max_running_requests": 4096, "config_source": "synth"}
-    builder = _BatchBuilder(producer, config)
-    state = {"seq": 0, "wall": start_wall_ns, "pages": 0, "recording": False}
-    mono_base = 1_000_000_000_000
-    running: list[_Request] = []  # decoding (or finished-prefill) requests, random access
-    next_rid = [0]
-
-    def emit(kind, req, pages, purpose=-1, reason=-1, tstart=-1, tend=-1):
-        nonlocal builder
-        state["wall"] += gap()
-        if not state["recording"]:
-            return
-        b = builder
-        b.kind.append(kind)
-        b.wall.append(state["wall"])
-        if req is None:
-            b.rid.append(None)
-            b.tenant.append(None)
-            b.xfer.append(None)
-        else:
-            b.rid.append(req.rid)
-            b.tenant.append(req.tenant)
-            b.xfer.append(req.transfer_id)
-        b.pages.append(pages)
-        b.purpose.append(purpose)
-        b.reason.append(reason)
-        b.tstart.append(tstart)
-        b.tend.append(tend)
-        if pages is not None:
-            state["pages"] += pages.size
-
-    def release(req: _Request, reason: int) -> None:
-        pages = np.concatenate(req.pages) if len(req.pages) != 1 else req.pages[0]
-        sim.free(pages)
-        emit(_K_FREE, req, pages, reason=reason)
-        req.pages = []
-        req.num_pages = 0
-
-    def take_running(i: int) -> _Request:
-        req = running[i]
-        last = running.pop()
-        if i < len(running):
-            running[i] = last
-        return req
-
-    def alloc_or_retract(n: int, keep: _Request | None) -> np.ndarray | None:
-        out = sim.alloc(n)
-        while out is None:
-            victims = len(running) - (1 if keep is not None and keep in running else 0)
-            if victims <= 0:
-                return None
-            i = int(u() * len(running))
-            if running[i] is keep:
-                continue
-            release(take_running(i), _R_RETRACT)
-            out = sim.alloc(n)
-        return out
-
-    def new_request() -> _Request:
-        n = next_rid[0]
-        next_rid[0] = n + 1
-        tenant = tenant_names[bisect_right(cum, u())] if tenants > 1 else tenant_names[0]
-        return _Request(f"{rid_prefix}{n:09d}", tenant, xfer_draw(), prompt_draw(), budget_draw())
-
-    prefilling: _Request | None = None
-    allocated_in_warmup = 0
-
-    def step() -> int:
-        """One scheduler step; returns the pages allocated."""
-        nonlocal prefilling
-        got = 0
-        if prefilling is None:
-            prefilling = new_request()
-        req = prefilling
-        n_tok = min(chunk_tokens, req.prompt - req.prefilled)
-        need = -(-(req.prefilled + n_tok) // page_size) - req.num_pages
-        pages = alloc_or_retract(need, None) if need else np.empty(0, np.int32)
-        if pages is None:  # nothing left to retract: the request cannot fit, abort it
-            if req.num_pages:
-                release(req, _R_ABORT)
-            prefilling = None
-        else:
-            if need:
-                req.pages.append(pages)
-                req.num_pages += need
-                got += need
-                emit(_K_ALLOC, req, pages, purpose=_P_PREFILL)
-                emit(_K_WRITE, req, pages, tstart=req.prefilled, tend=req.prefilled + n_tok)
-            req.prefilled += n_tok
-            if req.prefilled >= req.prompt:
-                running.append(req)
-                prefilling = None
-        for _ in range(int(rng.poisson(pick_rate * len(running))) if running else 0):
-            if not running:
-                break
-            i = int(u() * len(running))
-            req = running[i]
-            if req.budget > 0:
-                page = alloc_or_retract(1, req)  # may retract others, which moves req in the list
-                if page is None:
-                    release(take_running(running.index(req)), _R_RETRACT)
-                    continue
-                req.budget -= 1
-                req.pages.append(page)
-                start = req.num_pages * page_size
-                req.num_pages += 1
-                got += 1
-                emit(_K_ALLOC, req, page, purpose=_P_GROWTH)
-                emit(_K_WRITE, req, page, tstart=start, tend=start + page_size)
-            else:
-                take_running(i)
-                release(req, _R_ABORT if u() < abort_prob else _R_FINISH)
-        return got
-
-    while allocated_in_warmup < warmup_page_events:
-        allocated_in_warmup += step()
-
-    state["recording"] = True
-    emit(_K_CONFIG, None, None)
-    seq = 0
-    while True:
-        step()
-        done = state["pages"] >= target_page_events
-        if len(builder) >= events_per_batch or done:
-            while len(builder) >= events_per_batch or (done and len(builder)):
-                table = builder.table(seq, mono_base)
-                if len(builder) > events_per_batch:
-                    head, rest = table.slice(0, events_per_batch), _split_tail(builder, events_per_batch)
-                    table = head
-                    builder = rest
-                else:
-                    builder = _BatchBuilder(producer, None)
-                seq += table.num_rows
-                yield table
-            if done:
-                return
-
-
-def _split_tail(b: _BatchBuilder, k: int) -> _BatchBuilder:
-    """A builder holding the events of ``b`` from index ``k`` on (carried into the next batch)."""
-    rest = _BatchBuilder(b.producer, None)
-    for name in ("kind", "wall", "rid", "tenant", "xfer", "pages", "purpose", "reason", "tstart", "tend"):
-        setattr(rest, name, getattr(b, name)[k:])
-    return rest
+    return iter(SynthStream(producer, SynthConfig(**knobs)))
 
 
 @dataclass(frozen=True)
@@ -421,10 +398,8 @@ def runs_per_event(tables: pa.Table | Iterable[pa.Table], column: str = "pages",
                 mask = pc.and_(mask, pc.fill_null(pc.equal(t.column("purpose"), purpose), False))
             t = t.filter(mask)
         col = t.column(column)
-        lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False).astype(np.int64)
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        flat = pc.list_flatten(col).to_numpy(zero_copy_only=False)
+        flat, offsets = flat_list(col)
+        lengths = np.diff(offsets)
         lists += int(np.count_nonzero(lengths))
         pages += int(flat.size)
         runs += len(encode_runs(flat, offsets)[0])

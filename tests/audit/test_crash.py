@@ -59,6 +59,7 @@ def test_sigkill_keeps_every_acknowledged_batch(tmp_path, extra_delay_s):
         assert max_seq + 1 == n  # nothing half-written: what is there is a gap-free prefix
         assert store.con.execute("SELECT count(*) FROM events WHERE kind = 'recorder_gap'").fetchone()[0] == 0
         # the reopened store keeps accepting data
-        store.append(from_dicts([config(0, producer(instance="after-crash")), alloc(1, [1], prod=producer(instance="after-crash"))]))
+        restarted = producer(instance="after-crash")
+        store.append(from_dicts([config(0, restarted), alloc(1, [1], prod=restarted)]))
     report = verify_store(db)
     assert report.ok, [str(p) for p in report.problems]

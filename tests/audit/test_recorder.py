@@ -60,7 +60,8 @@ def test_every_method_lands_with_its_fields(tmp_path):
     assert by_kind["request_aborted"][0]["abort_reason"] == "transfer length mismatch"
     assert by_kind["response_sent"][0]["http_status"] == 500
     assert "request" not in by_kind["pages_freed"][1]
-    assert by_kind["kv_read"][0]["request"] == {"request_id": "r1", "transfer_id": 77, "tenant_id": "acme", "api_key_id": "k:1"}
+    assert by_kind["kv_read"][0]["request"] == {"request_id": "r1", "transfer_id": 77, "tenant_id": "acme",
+                                                "api_key_id": "k:1"}
     walls = [e["wall_ns"] for e in evs]
     assert walls == sorted(walls) and all(w > 1_700_000_000 * 10**9 for w in walls)
 
@@ -151,7 +152,7 @@ def test_a_failing_store_never_reaches_the_caller(tmp_path, monkeypatch):
     monkeypatch.setattr("kvtrail.audit.writer._RETRY_DELAYS_S", (0.0, 0.0))
     sink = FailingSink()
     rec = Recorder(sink, PROD, RecorderConfig(flush_interval_s=0.005))
-    for i in range(20):
+    for _ in range(20):
         rec.pages_allocated(REQ, [1], "decode_growth")
     assert rec.flush(10)
     stats = rec.stats()
@@ -207,3 +208,14 @@ def test_close_is_idempotent_and_flush_after_close_returns_false(tmp_path):
 def test_bad_config_is_a_value_error():
     with pytest.raises(ValueError, match="capacity_events"):
         RecorderConfig(capacity_events=0)
+
+
+def test_kv_written_carries_the_block_hashes_the_writer_stored(tmp_path):
+    path = tmp_path / "a.duckdb"
+    with Recorder(path, PROD) as rec:
+        _config(rec)
+        rec.kv_written(REQ, [3, 4], 0, 32, "forward", block_hashes=np.array([-7, 2**62], dtype=np.int64))
+        rec.kv_written(REQ, [5], 32, 48, "forward")
+        assert rec.flush(10)
+    written = [e for e in _events(path) if e["kind"] == "kv_written"]
+    assert written[0]["block_hashes"] == [-7, 2**62] and "block_hashes" not in written[1]

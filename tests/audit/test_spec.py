@@ -22,7 +22,8 @@ def test_shipped_schema_is_the_generated_one():
 
 def test_docs_carry_the_generated_reference():
     text = (ROOT / "docs" / "events.md").read_text()
-    start = text.index("<!-- generated: kvtrail audit schema --markdown -->") + len("<!-- generated: kvtrail audit schema --markdown -->\n")
+    marker = "<!-- generated: kvtrail audit schema --markdown -->"
+    start = text.index(marker) + len(marker + "\n")
     end = text.index("<!-- end generated -->")
     assert text[start:end].strip() == render_markdown().strip(), "regenerate with: kvtrail audit schema --markdown"
     for f in ALL_FIELDS:

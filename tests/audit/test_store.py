@@ -12,9 +12,11 @@ from tests.conftest import alloc, config, event, producer
 def _all_kinds(seq0=1, prod=None):
     req = {"request_id": "r9", "transfer_id": 2**63 + 5, "tenant_id": "acme", "api_key_id": "k:3f2a"}
     evs = [
-        event(0, "request_received", prod, request={"request_id": "r9", "tenant_id": "acme"}, prompt_tokens=700, max_new_tokens=32),
+        event(0, "request_received", prod, request={"request_id": "r9", "tenant_id": "acme"}, prompt_tokens=700,
+              max_new_tokens=32),
         event(0, "pages_allocated", prod, request=req, pages=[5, 6, 7, 60, 2], purpose="prefill_extend"),
-        event(0, "pages_allocated", prod, request=req, pages=[9, 10], purpose="prefix_hit", block_hashes=[-(2**63), 2**63 - 1]),
+        event(0, "pages_allocated", prod, request=req, pages=[9, 10], purpose="prefix_hit",
+              block_hashes=[-(2**63), 2**63 - 1]),
         event(0, "kv_written", prod, request=req, pages=[5, 6], token_start=0, token_end=32, source="forward",
               page_digests=[0, 2**64 - 1], digest_algo="kvtrail-page64"),
         event(0, "kv_read", prod, request=req, pages=[7, 5, 6]),

@@ -32,14 +32,18 @@ def _pid(store, node):
 
 
 TAMPER = {
-    "edit a field": "UPDATE events SET tenant_id = 'mallory' WHERE seq = 4 AND kind = 'pages_allocated' AND producer_id = {a}",
+    "edit a field": "UPDATE events SET tenant_id = 'mallory' WHERE seq = 4 AND kind = 'pages_allocated' "
+                    "AND producer_id = {a}",
     "edit a page run": "UPDATE page_runs SET page_start = page_start + 1 WHERE seq = 5 AND producer_id = {a}",
     "delete an event row": "DELETE FROM events WHERE seq = 6 AND producer_id = {a}",
     "delete a page run": "DELETE FROM page_runs WHERE seq = 4 AND producer_id = {a} AND pos = 0",
-    "reorder two events": "UPDATE events SET seq = CASE seq WHEN 4 THEN 5 ELSE 4 END WHERE seq IN (4, 5) AND producer_id = {a}",
-    "reorder page runs": "UPDATE page_runs SET pos = CASE pos WHEN 0 THEN 2 ELSE 0 END WHERE seq = 4 AND pos IN (0, 2) AND producer_id = {a}",
+    "reorder two events": "UPDATE events SET seq = CASE seq WHEN 4 THEN 5 ELSE 4 END WHERE seq IN (4, 5) "
+                          "AND producer_id = {a}",
+    "reorder page runs": "UPDATE page_runs SET pos = CASE pos WHEN 0 THEN 2 ELSE 0 END WHERE seq = 4 "
+                         "AND pos IN (0, 2) AND producer_id = {a}",
     "move an event to another batch": "UPDATE events SET batch_no = 1 WHERE seq = 7 AND producer_id = {a}",
-    "insert a forged event": "INSERT INTO events SELECT * REPLACE (seq + 100 AS seq) FROM events WHERE seq = 4 AND producer_id = {a}",
+    "insert a forged event": "INSERT INTO events SELECT * REPLACE (seq + 100 AS seq) FROM events WHERE seq = 4 "
+                             "AND producer_id = {a}",
     "edit a batch header": "UPDATE batches SET num_events = num_events - 1 WHERE batch_no = 2 AND producer_id = {a}",
     "edit a digest": "UPDATE batches SET digest = sha256('x')::BLOB WHERE batch_no = 2 AND producer_id = {a}",
 }

@@ -79,7 +79,8 @@ class Incident:
         self.add("p", "transfer_sent", req, pages=src, dst_pages=dst[:len(src)], num_tokens=sent_tokens,
                  is_last_chunk=True, digest=7, digest_algo="adler32")
         self.add("p", "pages_freed", req, pages=src, free_reason="finish")
-        self.add("d", "kv_written", req, pages=dst[:len(src)], token_start=0, token_end=sent_tokens, source="transfer_in")
+        self.add("d", "kv_written", req, pages=dst[:len(src)], token_start=0, token_end=sent_tokens,
+                 source="transfer_in")
         self.add("d", "transfer_received", req, pages=dst[:len(src)], num_tokens=sent_tokens, status="ok",
                  digest=7, digest_algo="adler32")
         self.add("d", "kv_read", req, pages=dst)

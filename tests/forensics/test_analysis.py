@@ -6,10 +6,10 @@ import duckdb
 import polars as pl
 import pytest
 
-from kvtrail.errors import KvtrailError
 from kvtrail import forensics as an
+from kvtrail.errors import KvtrailError
+from kvtrail.forensics import ReportOptions, exploitation_for
 from kvtrail.forensics.questions import Window, coverage_gaps, findings
-from kvtrail.forensics.report.build import ReportOptions, exploitation_for
 from tests.forensics.incident_fixture import MIN, PREFILL_POOL_TOKENS, RESEARCHER_KEY, W0, W1, build
 
 EXCL = an.Exclusions(tenants=(("internal-qa", "provider's own tests"),),

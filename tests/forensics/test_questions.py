@@ -26,7 +26,8 @@ def _incident_store(path, gap=False):
         alloc(4, [1, 2, 3, 4], rid="g", tenant="globex", prod=D, purpose="decode_reservation"),
         event(5, "kv_written", D, request=req_g, pages=[1], token_start=0, token_end=1, source="transfer_in"),
         event(6, "kv_read", D, request=req_g, pages=[1, 2, 3, 4]),
-        event(7, "response_sent", D, request=req_g, http_status=200, prompt_tokens=64, completion_tokens=9, latency_ns=5),
+        event(7, "response_sent", D, request=req_g, http_status=200, prompt_tokens=64, completion_tokens=9,
+              latency_ns=5),
     ]
     if gap:
         evs[7]["seq"] = 12  # seq 7..11 never arrived and nothing reported them
@@ -48,7 +49,8 @@ def test_affected_names_recipient_victim_and_what_the_client_got(db):
     df = affected_responses(con)
     assert isinstance(df, pl.DataFrame) and len(df) == 1
     row = df.row(0, named=True)
-    assert (row["request_id"], row["tenant_id"], row["http_status"], row["completion_tokens"]) == ("g", "globex", 200, 9)
+    got = (row["request_id"], row["tenant_id"], row["http_status"], row["completion_tokens"])
+    assert got == ("g", "globex", 200, 9)
     assert row["victim_tenants"] == "acme" and row["victim_requests"] == "a" and row["pages_read_foreign"] == 3
     assert len(affected_responses(con, Window(tenant="acme"))) == 1  # acme as victim
     assert len(affected_responses(con, Window(T0 + 10**12, T0 + 2 * 10**12))) == 0  # empty window

@@ -14,13 +14,14 @@ from kvtrail.audit.store import AuditStore
 from kvtrail.forensics.findings import AFFECTED_CODES
 from kvtrail.forensics.replay.batch import ENGINE_ORDER, in_engine_order
 from kvtrail.forensics.replay.engine import ReplayEngine, replay_store
+from kvtrail.forensics.replay.handlers import EventHandlers
+from kvtrail.forensics.replay.pagestate import PAGE_ARRAYS
 from kvtrail.sim.synth import synth_batches
 from tests.forensics.test_replay import ACTIONS, POOL, Oracle, Timeline
 
 pytest.importorskip("numba")
 
-_STATE = ("owner", "gen", "alloc_req", "alloc_growth", "alloc_ev", "nshared", "writer", "write_ns", "write_gen",
-          "write_ev", "digest", "has_digest", "bhash", "has_bhash")
+_STATE = tuple(spec.name for spec in PAGE_ARRAYS)
 
 
 def replay(tables, fast, **kw):
@@ -33,15 +34,16 @@ def replay(tables, fast, **kw):
 def assert_same(tables, **kw):
     """Both paths over the same batches: equal findings, equal page state, equal bookkeeping."""
     fast, pure = replay(tables, True, **kw), replay(tables, False, **kw)
-    assert fast._fast is not None and pure._fast is None
+    assert fast.fast_path is not None and pure.fast_path is None
     assert fast.findings() == pure.findings()
-    assert fast._requests == pure._requests and fast._tenant == pure._tenant
-    assert fast._joins.role == pure._joins.role
+    fs, ps = fast.state, pure.state
+    assert fs.requests == ps.requests and fs.tenants == ps.tenants and fs.num_events == ps.num_events
+    assert fs.joins.role == ps.joins.role
     if "codes" not in kw:  # without the joins, only the handlers run for Python events still feed them
-        assert sorted(fast._joins.forward_writes) == sorted(pure._joins.forward_writes)
-    assert fast._pools.keys() == pure._pools.keys()
-    for key, a in fast._pools.items():
-        b = pure._pools[key]
+        assert sorted(fs.joins.forward_writes) == sorted(ps.joins.forward_writes)
+    assert fs.pools.keys() == ps.pools.keys()
+    for key, a in fs.pools.items():
+        b = ps.pools[key]
         for name in _STATE:
             np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=f"{key} {name}")
         assert a.extra == b.extra and a.shared == b.shared
@@ -173,8 +175,8 @@ def test_the_kernel_replays_the_common_case(monkeypatch):
     table = with_reads(pa.concat_tables(synth("n1", 4, 60_000, warmup_page_events=0)).combine_chunks())
     calls = []
     for kind in ("node_config", "pages_allocated", "pages_freed", "kv_written", "kv_read"):
-        handler = getattr(ReplayEngine, "_on_" + kind)
-        monkeypatch.setattr(ReplayEngine, "_on_" + kind,
+        handler = getattr(EventHandlers, "on_" + kind)
+        monkeypatch.setattr(EventHandlers, "on_" + kind,
                             lambda self, ev, _h=handler, _k=kind: (calls.append(_k), _h(self, ev))[1])
     replay([table], True)
     assert calls == ["node_config"] and table.num_rows > 1000

@@ -176,7 +176,8 @@ def test_analysis_commands(made, tmp_path, capsys):
     excl = tmp_path / "excl.yaml"
     excl.write_text(yaml.safe_dump({"tenants": [{"id": "internal-qa", "reason": "tests"}],
                                     "api_key_ids": [{"id": RESEARCHER_KEY, "reason": "researcher"}]}))
-    assert main(["forensics", "affected", "--db", str(db), *WINDOW, "--format", "csv", "--exclude-file", str(excl)]) == 0
+    args = ["forensics", "affected", "--db", str(db), *WINDOW, "--format", "csv", "--exclude-file", str(excl)]
+    assert main(args) == 0
     assert len(pl.read_csv(capsys.readouterr().out.encode())) == 13
     assert main(["forensics", "thresholds", "--db", str(db), *WINDOW]) == 0
     assert "Every affected prompt (20 of 20)" in capsys.readouterr().out

@@ -52,7 +52,8 @@ def check_exclusions(con: duckdb.DuckDBPyConnection, excl: Exclusions) -> None:
     """Refuse an excluded tenant the store has never seen (most likely a typo)."""
     if not excl.tenants:
         return
-    known = {r[0] for r in con.execute("SELECT DISTINCT tenant_id FROM events_v WHERE tenant_id IS NOT NULL").fetchall()}
+    rows = con.execute("SELECT DISTINCT tenant_id FROM events_v WHERE tenant_id IS NOT NULL").fetchall()
+    known = {r[0] for r in rows}
     for tenant, _ in excl.tenants:
         if tenant not in known:
             raise KvtrailError(f"exclusions: unknown tenant {tenant!r}; known: {', '.join(sorted(known)[:20])}")

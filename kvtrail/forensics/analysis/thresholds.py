@@ -19,7 +19,7 @@ def node_capacity(con: duckdb.DuckDBPyConnection, from_ns: int | None, to_ns: in
           AND wall_ns >= coalesce((SELECT max(wall_ns) FROM events x WHERE x.kind = 'node_config'
                                    AND x.producer_id = c.producer_id AND x.wall_ns <= ?), ?)
         ORDER BY node, wall_ns, instance""", [hi, lo, lo])
-    df = pl.from_arrow(t)
+    df = pl.DataFrame(t)
     return df.with_columns(
         (pl.col("pool_tokens") >= pl.col("context_tokens")).alias("pool_covers_context"),
         pl.max_horizontal(pl.col("context_tokens") - pl.col("pool_tokens"), pl.lit(0)).alias("shortfall_tokens"))
@@ -56,7 +56,7 @@ def requests_table(con: duckdb.DuckDBPyConnection, from_ns: int | None, to_ns: i
     """Requests received in [from_ns, to_ns) (plus the ids in ``also``): tenant, key, prompt tokens, the
     prefill node they went through and its pool (tokens) at that moment, and the client's HTTP status."""
     lo, hi = _MIN_NS if from_ns is None else from_ns, _MAX_NS if to_ns is None else to_ns
-    return pl.from_arrow(arrow_query(con, _REQUESTS_SQL, [lo, hi, list(also)]))
+    return pl.DataFrame(arrow_query(con, _REQUESTS_SQL, [lo, hi, list(also)]))
 
 
 def threshold_analysis(requests: pl.DataFrame, affected_ids: set[str]) -> tuple[pl.DataFrame, dict]:

@@ -3,32 +3,31 @@
 A :class:`ReplayBatch` holds one batch of events sorted in engine order (``wall_ns``, cluster,
 node, instance, ``seq``): numpy arrays for everything the page kernel needs (producer id, clocks,
 page lists flattened with offsets) and the engine's scalar columns as Arrow, from which the few
-events that go through the Python handlers get their dicts. :func:`from_table` builds one from a
-wire-shaped Arrow batch; :mod:`kvtrail.forensics.replay.source` builds them straight from a store.
+events that go through the Python handlers are built as
+:class:`~kvtrail.forensics.replay.event.ReplayEvent`. :func:`from_table` builds one from a wire-shaped
+Arrow batch; :mod:`kvtrail.forensics.replay.source` builds them straight from a store.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kvtrail.audit.arrowutil import flat_list
 from kvtrail.audit.events import PRODUCER_FIELDS
+from kvtrail.forensics.replay.event import SCALARS, ReplayEvent
 
 PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
-# The event fields the engine's handlers read (besides producer identity and the lists).
-SCALARS = ("kind", "seq", "wall_ns", "request_id", "transfer_id", "tenant_id", "purpose", "num_tokens",
-           "digest", "digest_algo", "status", "http_status", "stage", "abort_reason", "pool_tokens",
-           "pool_pages", "context_tokens", "page_size", "source", "token_start", "token_end", "prompt_tokens",
-           "ttft_ns")
 PAGE_KINDS = ("pages_allocated", "pages_freed", "kv_written", "kv_read")
 # Kinds whose only effect is on the cross-node joins (F2, F3, F4, F9).
 JOIN_KINDS = ("transfer_reserved", "transfer_sent", "transfer_received", "request_aborted", "request_received",
               "response_sent")
 JOIN_CODES = frozenset({"F2", "F3", "F4", "F9"})
+_SEQ = SCALARS.index("seq")
 ENGINE_ORDER = [("wall_ns", "ascending"), ("cluster", "ascending"), ("node", "ascending"),
                 ("instance", "ascending"), ("seq", "ascending")]
 
@@ -50,6 +49,7 @@ class ReplayBatch:
     hashes: np.ndarray  # int64 'block_hashes'
     hoff: np.ndarray
     num_dst_pages: np.ndarray  # int64 length of 'dst_pages'
+    _columns: dict[str, pa.Array] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_rows(self) -> int:
@@ -60,23 +60,25 @@ class ReplayBatch:
         return int(self.poff[-1])
 
     def column(self, name: str) -> pa.Array:
-        cols = self.__dict__.setdefault("_columns", {})  # the events handed to Python ask often
-        col = cols.get(name)
+        col = self._columns.get(name)  # the events handed to Python ask often
         if col is None:
-            col = cols[name] = self.scalars.column(name).chunk(0)
+            col = self._columns[name] = self.scalars.column(name).chunk(0)
         return col
 
     def ints(self, name: str) -> np.ndarray:
         """An integer column as int64 (nulls as 0; uint64 values wrap)."""
         return pc.fill_null(self.column(name), 0).to_numpy(zero_copy_only=False).astype(np.int64)
 
-    def event(self, i: int, ord_: int) -> dict:
-        """Row ``i`` as the dict the engine's handlers take (the same values the pure path builds)."""
-        ev = {name: self.column(name)[i].as_py() for name in SCALARS}  # ~15 us: only for rare events
-        return self._complete(ev, i, ord_)
+    def event(self, i: int, ord_: int) -> ReplayEvent:
+        """Row ``i`` as the handlers take it (the same values the pure path builds)."""
+        ident = self.idents[self.producer[i]]
+        scalars = [self.column(name)[i].as_py() for name in SCALARS]  # ~15 us: only for rare events
+        pages = self.pages[self.poff[i]:self.poff[i + 1]].astype(np.int64)
+        return ReplayEvent._make((*scalars, (ident[0], ident[1]), ident[5], (int(self.pid[i]), scalars[_SEQ]), ord_,
+                                  pages, *self._lists(i)))
 
-    def events(self, rows: np.ndarray, ord0: int) -> dict[int, dict]:
-        """Dicts of many rows at once (row -> dict); ``ord0 + row`` is each one's order number."""
+    def events(self, rows: np.ndarray, ord0: int) -> dict[int, ReplayEvent]:
+        """Events of many rows at once (row -> event); ``ord0 + row`` is each one's order number."""
         if not len(rows):
             return {}
         cols = self.scalars.take(pa.array(rows)).to_pydict()
@@ -84,34 +86,20 @@ class ReplayBatch:
         ends = np.cumsum(lengths)
         flat = self.pages[np.arange(ends[-1]) + np.repeat(self.poff[rows] - (ends - lengths), lengths)].astype(np.int64)
         node_keys = [(ident[0], ident[1]) for ident in self.idents]
+        instances = [ident[5] for ident in self.idents]
         out = {}
-        for vals, i, lo, hi, k, pid in zip(zip(*(cols[name] for name in SCALARS)), rows.tolist(),
-                                           (ends - lengths).tolist(), ends.tolist(), self.producer[rows].tolist(),
-                                           self.pid[rows].tolist()):
-            ev = out[i] = dict(zip(SCALARS, vals))
-            ev["node_key"] = node_keys[k]
-            ev["instance"] = self.idents[k][5]
-            ev["key"] = (pid, ev["seq"])
-            ev["ord"] = ord0 + i
-            ev["pages"] = flat[lo:hi]
-            self._lists(ev, i)
+        for vals, seq, i, lo, hi, k, pid in zip(zip(*(cols[name] for name in SCALARS)), cols["seq"], rows.tolist(),
+                                                (ends - lengths).tolist(), ends.tolist(), self.producer[rows].tolist(),
+                                                self.pid[rows].tolist()):
+            out[i] = ReplayEvent._make((*vals, node_keys[k], instances[k], (pid, seq), ord0 + i, flat[lo:hi],
+                                        *self._lists(i)))
         return out
 
-    def _complete(self, ev: dict, i: int, ord_: int) -> dict:
-        ident = self.idents[self.producer[i]]
-        ev["node_key"] = (ident[0], ident[1])
-        ev["instance"] = ident[5]
-        ev["key"] = (int(self.pid[i]), ev["seq"])
-        ev["ord"] = ord_
-        ev["pages"] = self.pages[self.poff[i]:self.poff[i + 1]].astype(np.int64)
-        self._lists(ev, i)
-        return ev
-
-    def _lists(self, ev: dict, i: int) -> None:
+    def _lists(self, i: int) -> tuple[np.ndarray | None, np.ndarray | None, int]:
+        """(digests, block hashes, dst_pages length) of row ``i``: ReplayEvent's last fields."""
         d0, d1, h0, h1 = self.doff[i], self.doff[i + 1], self.hoff[i], self.hoff[i + 1]
-        ev["digests"] = self.digests[d0:d1] if d1 > d0 else None
-        ev["hashes"] = self.hashes[h0:h1] if h1 > h0 else None
-        ev["num_dst_pages"] = int(self.num_dst_pages[i])
+        return (self.digests[d0:d1] if d1 > d0 else None, self.hashes[h0:h1] if h1 > h0 else None,
+                int(self.num_dst_pages[i]))
 
 
 def first_rows(codes: np.ndarray, k: int) -> np.ndarray:
@@ -131,32 +119,6 @@ def request_codes(col) -> tuple[np.ndarray, list[str]]:
 def codes_of(col, names: tuple[str, ...]) -> np.ndarray:
     """Index of each value in ``names`` (-1: null or not among them)."""
     return pc.fill_null(pc.index_in(col, value_set=pa.array(names)), -1).to_numpy(zero_copy_only=False)
-
-
-def register_requests(engine, is_page_event: np.ndarray, rcode: np.ndarray, request_ids: list[str]) -> None:
-    """Give the request ids of a batch's page events their engine indices, in order of first appearance.
-
-    Both engine paths do this before replaying a batch, so that a request has the same index in
-    both (indices decide which extra holder a released page passes to). What ``ReplayEngine._req``
-    does for one id, done for the batch's new ids at once.
-    """
-    codes = rcode[is_page_event & (rcode >= 0)]
-    first = first_rows(codes, len(request_ids))
-    seen = np.flatnonzero(first < len(codes))
-    index = engine._request_index
-    new = [rid for rid in (request_ids[k] for k in seen[np.argsort(first[seen])].tolist()) if rid not in index]
-    index.update(zip(new, range(len(engine._requests), len(engine._requests) + len(new))))
-    engine._requests.extend(new)
-
-
-def flat_list(col, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Flat values and int64 offsets of a list column (null lists count as empty)."""
-    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False).astype(np.int64)
-    offsets = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    values = pc.list_flatten(col).to_numpy(zero_copy_only=False)
-    return values.astype(dtype, copy=False), offsets
 
 
 def in_engine_order(table: pa.Table) -> pa.Table:

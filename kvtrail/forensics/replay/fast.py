@@ -3,15 +3,17 @@
 :class:`FastReplay` drives :func:`~kvtrail.forensics.replay.kernels.replay_page_events` over a
 :class:`~kvtrail.forensics.replay.batch.ReplayBatch`. Pools (nodes) are independent, so each one's
 events are replayed by the kernel up to its next event that needs Python; those events go through the
-engine's own handlers (``ReplayEngine._on_<kind>``), with the same dicts the pure path builds, in row
-order across all pools (always the earliest waiting one), and that pool's kernel resumes after it.
-Findings are therefore the handlers' own, and the pure path (``ReplayEngine(fast=False)``) is the
-reference a test compares against on random histories.
+:class:`~kvtrail.forensics.replay.handlers.EventHandlers` (the pure path's own), with the same
+:class:`~kvtrail.forensics.replay.event.ReplayEvent` the pure path builds, in row order across all pools
+(always the earliest waiting one), and that pool's kernel resumes after it. Findings are therefore the
+handlers' own, and the pure path (``ReplayEngine(fast=False)``) is the reference a test compares
+against on random histories. Both work on the one :class:`~kvtrail.forensics.replay.state.ReplayState`
+they are given.
 
 What the handlers do besides page state is done in bulk, with the same result: request indices are
-assigned per batch (:func:`register_requests`, both paths), tenants are registered in row order up
-to each event handed to Python, releases are remembered in order before it, and the prefill-rate
-samples of kernel-applied writes are summed per (node, request) at the end of the batch.
+assigned per batch (:meth:`ReplayState.register_requests`, both paths), tenants are registered in row
+order up to each event handed to Python, releases are remembered in order before it, and the
+prefill-rate samples of kernel-applied writes are summed per (node, request) at the end of the batch.
 """
 
 from __future__ import annotations
@@ -23,43 +25,41 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvtrail.forensics.replay import kernels as K
-from kvtrail.forensics.replay.batch import JOIN_KINDS, PAGE_KINDS, ReplayBatch, codes_of, first_rows, register_requests
+from kvtrail.forensics.replay.batch import JOIN_KINDS, PAGE_KINDS, ReplayBatch, codes_of, first_rows
+from kvtrail.forensics.replay.event import NodeKey
+from kvtrail.forensics.replay.handlers import EventHandlers
+from kvtrail.forensics.replay.pagestate import PageState
+from kvtrail.forensics.replay.state import ReplayState
 
 _INT64_MAX = 2**63 - 1
-_NO_POOL = tuple(np.zeros((0, 2) if name.endswith("_ev") else 0, dtype) for name, dtype in (
-    ("owner", np.int32), ("gen", np.int64), ("alloc_req", np.int32), ("alloc_growth", np.bool_),
-    ("alloc_ev", np.int64), ("nshared", np.int32), ("writer", np.int32), ("write_ns", np.int64),
-    ("write_gen", np.int64), ("write_ev", np.int64), ("digest", np.uint64), ("has_digest", np.bool_),
-    ("bhash", np.int64), ("has_bhash", np.bool_), ("multi", np.bool_), ("stamp", np.int64)))
+_NO_POOL = tuple(spec.allocate(0) for spec in K.KERNEL_ARRAYS)  # what the kernel gets for a node without a pool
 
 
 class _Slot:
-    """One node's pool as the kernel sees it: the PageState's arrays plus two of the kernel's own."""
+    """One node's pool as the kernel sees it: the PageState's arrays plus the kernel's own."""
 
-    def __init__(self, key: tuple):
+    def __init__(self, key: NodeKey):
         self.key = key
-        self.pool = None
-        self.owner = None  # the pool's owner array when `arrays` were taken (grow() replaces it)
-        self.arrays = _NO_POOL
-        self.multi = None
+        self.pool: PageState | None = None
+        self.owner: np.ndarray | None = None  # the pool's owner array when `arrays` were taken (grow() replaces it)
+        self.arrays: tuple[np.ndarray, ...] = _NO_POOL
+        self.multi = np.zeros(0, np.bool_)  # the kernel's "has extra holders" of this pool (multi)
 
-    def refresh(self, pools: dict) -> None:
+    def refresh(self, pools: dict[NodeKey, PageState]) -> None:
         """Follow the node's current pool (a node_config may replace it, ``PageState.fit`` grow it)."""
         pool = pools.get(self.key)
         if pool is self.pool and (pool is None or pool.owner is self.owner):
             return
         self.pool, self.owner = pool, None if pool is None else pool.owner
         if pool is None:
-            self.arrays, self.multi = _NO_POOL, None
+            self.arrays, self.multi = _NO_POOL, np.zeros(0, np.bool_)
             return
-        n = len(pool.owner)
-        self.multi = np.zeros(n, np.bool_)  # page has extra holders (double ownership, PageState.extra)
-        self.multi[[p for p in pool.extra if 0 <= p < n]] = True
-        self.arrays = (pool.owner, pool.gen, pool.alloc_req, pool.alloc_growth, pool.alloc_ev, pool.nshared,
-                       pool.writer, pool.write_ns, pool.write_gen, pool.write_ev, pool.digest, pool.has_digest,
-                       pool.bhash, pool.has_bhash, self.multi, np.full(n, -1, np.int64))
+        n = pool.num_entries
+        multi, stamp = (spec.allocate(n) for spec in K.SCRATCH_ARRAYS)
+        multi[[p for p in pool.extra if 0 <= p < n]] = True  # page has extra holders (double ownership)
+        self.arrays, self.multi = pool.arrays() + (multi, stamp), multi
 
-    def after_handler(self, pools: dict, pages: np.ndarray) -> None:
+    def after_handler(self, pools: dict[NodeKey, PageState], pages: np.ndarray) -> None:
         """A handler ran on this pool: mirror 'has extra holders' for the pages it may have changed."""
         self.refresh(pools)
         if self.pool is None:
@@ -70,15 +70,16 @@ class _Slot:
 
 
 class FastReplay:
-    """Per-engine state of the fast path: one slot per node seen."""
+    """The fast path of one replay: one slot per node seen, over the state and handlers it is given."""
 
-    def __init__(self, engine, need_joins: bool = True):
-        self.engine = engine
+    def __init__(self, state: ReplayState, handlers: EventHandlers, need_joins: bool = True):
+        self.state = state
+        self.handlers = handlers
         self.need_joins = need_joins
-        self.slot_of: dict[tuple, int] = {}
+        self.slot_of: dict[NodeKey, int] = {}
         self.slots: list[_Slot] = []
 
-    def _slot(self, key: tuple) -> int:
+    def _slot(self, key: NodeKey) -> int:
         s = self.slot_of.get(key)
         if s is None:
             s = self.slot_of[key] = len(self.slots)
@@ -108,21 +109,21 @@ class FastReplay:
         return op
 
     def feed(self, b: ReplayBatch) -> None:
-        """Replay one batch (engine order) into the engine."""
-        eng = self.engine
+        """Replay one batch (engine order) into the state."""
+        state = self.state
         n = b.num_rows
-        ord0 = eng._ord
-        eng._ord += n
+        ord0 = state.take_ords(n)
         kind = codes_of(b.column("kind"), PAGE_KINDS + JOIN_KINDS + ("node_config",))
-        register_requests(eng, (kind >= 0) & (kind < len(PAGE_KINDS)), b.rcode, b.request_ids)
+        state.register_requests((kind >= 0) & (kind < len(PAGE_KINDS)), b.rcode, b.request_ids)
         op = self.ops(b, kind)
         node_slot = np.array([self._slot((c, nd)) for c, nd, *_ in b.idents], np.int64)
         slot = node_slot[b.producer] if n else np.zeros(0, np.int64)
-        index = eng._request_index
+        index = state.request_index
         req = np.array([index.get(r, -1) for r in b.request_ids] + [-1], np.int32)[b.rcode]
         run = _Run(self, b, op, req, ord0)
         tenants = _TenantQueue(b)
         known = b.events(np.flatnonzero(op == K.OP_PYTHON), ord0)
+        handle = self.handlers.handle
         # One lane of rows per pool (page events and node_config), in order.
         pooled = ((kind >= 0) & (kind < len(PAGE_KINDS))) | (kind == len(PAGE_KINDS) + len(JOIN_KINDS))
         rows = np.flatnonzero(pooled)
@@ -137,19 +138,20 @@ class FastReplay:
         handled = np.zeros(n, np.bool_)
         while waiting:
             row, k = heapq.heappop(waiting)
-            tenants.register_upto(eng, row)
-            self._handle(known.pop(row, None) or b.event(row, ord0 + row))
+            tenants.register_upto(state.tenants, row)
+            ev = known.pop(row, None)
+            handle(ev if ev is not None else b.event(row, ord0 + row))
             handled[row] = True
-            self.slots[lanes_slot[k]].after_handler(eng._pools, b.pages[b.poff[row]:b.poff[row + 1]])
+            self.slots[lanes_slot[k]].after_handler(state.pools, b.pages[b.poff[row]:b.poff[row + 1]])
             pos[k] = run(lanes[k], pos[k] + 1, lanes_slot[k])
             if pos[k] < len(lanes[k]):
                 heapq.heappush(waiting, (int(lanes[k][pos[k]]), k))
-        tenants.register_upto(eng, n)
+        tenants.register_upto(state.tenants, n)
         # The other kinds only feed the cross-node joins, which judge when findings are asked for: their
         # order among themselves is kept, their place among the page events does not matter.
         for row in np.flatnonzero(~pooled & (op == K.OP_PYTHON)).tolist():
-            self._handle(known.pop(row))
-        roles = eng._joins.role
+            handle(known.pop(row))
+        roles = state.joins.role
         last = n - 1 - first_rows(b.producer[::-1], len(b.idents))
         for p in np.sort(last[last >= 0]).tolist():  # the last row's role wins, as row by row
             ident = b.idents[b.producer[p]]
@@ -157,19 +159,15 @@ class FastReplay:
         if self.need_joins:
             self._forward_samples(b, op, handled, slot, run.wall, ord0)
 
-    def _handle(self, ev: dict) -> None:
-        handler = getattr(self.engine, "_on_" + ev["kind"], None)
-        if handler is not None:
-            handler(ev)
-
-    def _forward_samples(self, b: ReplayBatch, op, handled, slot, wall, ord0: int) -> None:
+    def _forward_samples(self, b: ReplayBatch, op: np.ndarray, handled: np.ndarray, slot: np.ndarray,
+                         wall: np.ndarray, ord0: int) -> None:
         """What ``CrossNodeJoins.written`` records for the forward writes the kernel applied."""
         rows = np.flatnonzero((op == K.OP_WRITE) & ~handled & (b.rcode >= 0)
                               & (codes_of(b.column("source"), ("forward",)) == 0))
         if not len(rows):
             return
         tokens = (b.ints("token_end")[rows] - b.ints("token_start")[rows]).tolist()
-        out = self.engine._joins.forward_writes
+        out = self.state.joins.forward_writes
         for row, s, w, rc, t in zip(rows.tolist(), slot[rows].tolist(), wall[rows].tolist(),
                                     b.rcode[rows].tolist(), tokens):
             out.append((self.slots[s].key, ord0 + row, w, b.request_ids[rc], t))
@@ -186,10 +184,9 @@ class _TenantQueue:
         self.pairs = [(b.request_ids[c], t) for c, t in zip(b.rcode[self.rows].tolist(), tenants)]
         self.done = 0
 
-    def register_upto(self, engine, row: int) -> None:
-        """Register the pairs first seen at or before ``row``."""
+    def register_upto(self, tenant: dict[str, str], row: int) -> None:
+        """Register the pairs first seen at or before ``row`` (``ReplayState.tenants``)."""
         end = int(np.searchsorted(self.rows, row, side="right"))
-        tenant = engine._tenant
         for rid, t in self.pairs[self.done:end]:
             tenant.setdefault(rid, t)
         self.done = max(self.done, end)
@@ -198,22 +195,23 @@ class _TenantQueue:
 class _Run:
     """Runs the kernel over one lane of a batch from a position; returns where it stopped."""
 
-    def __init__(self, fast: FastReplay, b: ReplayBatch, op, req, ord0: int):
+    def __init__(self, fast: FastReplay, b: ReplayBatch, op: np.ndarray, req: np.ndarray, ord0: int):
         self.fast, self.b, self.op, self.req, self.ord0 = fast, b, op, req, ord0
         self.seq, self.wall = b.ints("seq"), b.ints("wall_ns")
         self.freed = np.zeros(b.num_rows, np.int64)
 
     def __call__(self, rows: np.ndarray, start: int, s: int) -> int:
         b, slot = self.b, self.fast.slots[s]
-        slot.refresh(self.fast.engine._pools)
-        stop, nfreed = K.replay_page_events(rows, start, self.ord0, self.op, self.req, b.pid, self.seq, self.wall,
-                                            b.poff, b.pages, b.doff, b.digests, b.hoff, b.hashes,
-                                            slot.pool is not None, *slot.arrays, self.freed)
+        slot.refresh(self.fast.state.pools)
+        stop, nfreed = K.replay_page_events(  # type: ignore[call-arg]  # numba's Dispatcher stub
+            rows, start, self.ord0, self.op, self.req, b.pid, self.seq, self.wall, b.poff, b.pages, b.doff,
+            b.digests, b.hoff, b.hashes, slot.pool is not None, *slot.arrays, self.freed)
         if nfreed:  # one copy of the released lists (the batch's buffer is reused), then a view per release
             rows = self.freed[:nfreed]
             starts, lengths = b.poff[rows], b.poff[rows + 1] - b.poff[rows]
             ends = np.cumsum(lengths)
             flat = b.pages[np.arange(ends[-1]) + np.repeat(starts - (ends - lengths), lengths)]
+            assert slot.pool is not None, "the kernel released pages of a node without a pool"
             remember = slot.pool.remember_release
             for r, lo, hi in zip(self.req[rows].tolist(), (ends - lengths).tolist(), ends.tolist()):
                 remember(r, flat[lo:hi])

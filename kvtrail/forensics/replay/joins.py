@@ -8,72 +8,108 @@ a response and its prefill node's receipt: F9).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable
+
 import numpy as np
 
 from kvtrail.forensics.policy import ForensicsPolicy
+from kvtrail.forensics.replay.event import NodeKey, ReplayEvent, required
 
 _OK_RECEIVED = ("ok", "mismatch")  # decode took the KV as landed; failed/aborted transfers serve nothing
 PREFILL_ROLES = ("prefill", "unified")
+# emit(code, event, **finding fields): EventHandlers.emit's signature
+Emit = Callable[..., None]
+# One forward write as a prefill-rate sample: (node_key, ord, wall_ns, request_id, tokens).
+ForwardWrite = tuple[NodeKey, int, int, str | None, int]
+
+
+@dataclass(eq=False, slots=True)
+class TransferEvents:
+    """The events of one transfer_id: the latest reservation and receipt, every send in order."""
+
+    reserved: ReplayEvent | None = None
+    sent: list[ReplayEvent] = field(default_factory=list)
+    received: ReplayEvent | None = None
 
 
 class CrossNodeJoins:
-    """State for F2/F3/F4/F9, fed by the replay engine; ``evaluate`` emits through a callback."""
+    """State for F2/F3/F4/F9, fed by the replay engine; ``evaluate`` emits through a callback.
+
+    The collecting methods named after an event kind are that kind's handlers.
+    """
 
     def __init__(self, policy: ForensicsPolicy):
         self.policy = policy
-        self.transfers: dict[int, dict] = {}
-        self.aborts: dict[tuple[str, object], list] = {}
-        self.aborted_at: set[tuple] = set()
-        self.responses: list[dict] = []
-        self.receipts: dict[tuple, dict] = {}          # (node_key, request_id) -> first request_received
-        self.forward_writes: list[tuple] = []  # (node_key, ord, wall_ns, request_id, tokens) per forward write
-        self.hit_pages: dict[tuple, int] = {}          # (node_key, request_id) -> prefix-hit pages
-        self.page_size: dict[tuple, int] = {}
-        self.role: dict[tuple, str] = {}
+        self.transfers: dict[int | None, TransferEvents] = {}
+        self.aborts: dict[tuple[str, object], list[ReplayEvent]] = {}
+        self.aborted_at: set[tuple[NodeKey, str | None]] = set()
+        self.responses: list[ReplayEvent] = []  # 2xx responses
+        self.receipts: dict[tuple[NodeKey, str | None], ReplayEvent] = {}  # first request_received per request
+        self.forward_writes: list[ForwardWrite] = []
+        self.hit_pages: dict[tuple[NodeKey, str | None], int] = {}  # (node_key, request_id) -> prefix-hit pages
+        self.page_size: dict[NodeKey, int] = {}
+        self.role: dict[NodeKey, str] = {}
 
     # ---- collection ---------------------------------------------------------------------------------
 
-    def transfer(self, ev) -> dict:
-        return self.transfers.setdefault(ev["transfer_id"], {"sent": []})
+    def _transfer(self, ev: ReplayEvent) -> TransferEvents:
+        t = self.transfers.get(ev.transfer_id)
+        if t is None:
+            t = self.transfers[ev.transfer_id] = TransferEvents()
+        return t
 
-    def aborted(self, ev) -> None:
-        self.aborts.setdefault(("rid", ev["request_id"]), []).append(ev)
-        if ev["transfer_id"] is not None:
-            self.aborts.setdefault(("tid", ev["transfer_id"]), []).append(ev)
-        self.aborted_at.add((ev["node_key"], ev["request_id"]))
+    def transfer_reserved(self, ev: ReplayEvent) -> None:
+        self._transfer(ev).reserved = ev
 
-    def received(self, ev) -> None:
-        self.receipts.setdefault((ev["node_key"], ev["request_id"]), ev)
+    def transfer_sent(self, ev: ReplayEvent) -> None:
+        self._transfer(ev).sent.append(ev)
 
-    def written(self, ev) -> None:
-        if ev["source"] == "forward":
-            self.forward_writes.append((ev["node_key"], ev["ord"], ev["wall_ns"], ev["request_id"],
-                                        ev["token_end"] - ev["token_start"]))
+    def transfer_received(self, ev: ReplayEvent) -> None:
+        self._transfer(ev).received = ev
 
-    def prefix_hit(self, ev, num_pages: int) -> None:
-        key = (ev["node_key"], ev["request_id"])
+    def request_aborted(self, ev: ReplayEvent) -> None:
+        self.aborts.setdefault(("rid", ev.request_id), []).append(ev)
+        if ev.transfer_id is not None:
+            self.aborts.setdefault(("tid", ev.transfer_id), []).append(ev)
+        self.aborted_at.add((ev.node_key, ev.request_id))
+
+    def request_received(self, ev: ReplayEvent) -> None:
+        self.receipts.setdefault((ev.node_key, ev.request_id), ev)
+
+    def response_sent(self, ev: ReplayEvent) -> None:
+        if 200 <= required(ev.http_status, "http_status") < 300:
+            self.responses.append(ev)
+
+    def written(self, ev: ReplayEvent) -> None:
+        """A kv_written with a request id (forward writes are prefill-rate samples)."""
+        if ev.source == "forward":
+            tokens = required(ev.token_end, "token_end") - required(ev.token_start, "token_start")
+            self.forward_writes.append((ev.node_key, ev.ord, ev.wall_ns, ev.request_id, tokens))
+
+    def prefix_hit(self, ev: ReplayEvent, num_pages: int) -> None:
+        key = (ev.node_key, ev.request_id)
         self.hit_pages[key] = self.hit_pages.get(key, 0) + num_pages
 
     # ---- evaluation ---------------------------------------------------------------------------------
 
-    def evaluate(self, emit) -> None:
+    def evaluate(self, emit: Emit) -> None:
         """Emit F2/F3 per transfer, F4 and F9 per 2xx response (``emit(code, ev, **kw)``)."""
         for t in self.transfers.values():
             _check_transfer(t, emit)
         rates = self.prefill_rates()
         receipts_by = self._receipts_by_id()
         for resp in self.responses:
-            aborts = {a["key"]: a for k in (("rid", resp["request_id"]), ("tid", resp["transfer_id"]))
+            aborts = {a.key: a for k in (("rid", resp.request_id), ("tid", resp.transfer_id))
                       for a in self.aborts.get(k, ()) if k[1] is not None}
             if aborts:
-                first = min(a["wall_ns"] for a in aborts.values())
-                what = "; ".join(sorted({f"{a['stage']}: {a['abort_reason']} ({a['http_status']})"
-                                         for a in aborts.values()}))
-                emit("F4", resp, request=resp["request_id"], first_ns=first, evidence=aborts,
-                     detail=f"HTTP {resp['http_status']} after abort: {what}")
+                first = min(a.wall_ns for a in aborts.values())
+                what = "; ".join(sorted({f"{a.stage}: {a.abort_reason} ({a.http_status})" for a in aborts.values()}))
+                emit("F4", resp, request=resp.request_id, first_ns=first, evidence=aborts,
+                     detail=f"HTTP {resp.http_status} after abort: {what}")
             self._check_latency(resp, rates, receipts_by, emit)
 
-    def prefill_rates(self) -> dict[tuple, float]:
+    def prefill_rates(self) -> dict[NodeKey, float]:
         """Per prefill node: the policy's quantile of its forward writes' rates (tokens per ns).
 
         A forward write is one sample: its tokens over the time since its compute could have started -
@@ -81,17 +117,17 @@ class CrossNodeJoins:
         queued behind other requests does not count as compute on a busy node). Requests the node
         aborted are left out: a placeholder forward pass says nothing about the node's speed.
         """
-        by_node: dict[tuple, list[tuple]] = {}
+        by_node: dict[NodeKey, list[ForwardWrite]] = {}
         for w in self.forward_writes:
             by_node.setdefault(w[0], []).append(w)
-        samples: dict[tuple, list[float]] = {}
+        samples: dict[NodeKey, list[float]] = {}
         for nk, writes in by_node.items():
             if self.role.get(nk) not in PREFILL_ROLES:
                 continue
             prev = None
             for _, ord_, wall, rid, tokens in sorted(writes, key=lambda w: w[1]):
                 rec = self.receipts.get((nk, rid))
-                starts = [t for t in (prev, rec["wall_ns"] if rec is not None and rec["ord"] < ord_ else None)
+                starts = [t for t in (prev, rec.wall_ns if rec is not None and rec.ord < ord_ else None)
                           if t is not None]
                 prev = wall
                 if starts and tokens > 0 and wall > max(starts) and (nk, rid) not in self.aborted_at:
@@ -99,65 +135,68 @@ class CrossNodeJoins:
         return {nk: float(np.quantile(np.array(xs), self.policy.latency_quantile))
                 for nk, xs in samples.items() if len(xs) >= self.policy.min_latency_samples}
 
-    def _receipts_by_id(self) -> dict[tuple, dict]:
+    def _receipts_by_id(self) -> dict[tuple[str, object], ReplayEvent]:
         """Earliest prefill-node receipt per ("rid", request_id) and ("tid", transfer_id)."""
-        out: dict[tuple, dict] = {}
+        out: dict[tuple[str, object], ReplayEvent] = {}
         for (nk, rid), rec in self.receipts.items():
             if self.role.get(nk) not in PREFILL_ROLES:
                 continue
-            for key in (("rid", rid), ("tid", rec["transfer_id"])):
-                if key[1] is not None and (key not in out or rec["ord"] < out[key]["ord"]):
+            for key in (("rid", rid), ("tid", rec.transfer_id)):
+                if key[1] is not None and (key not in out or rec.ord < out[key].ord):
                     out[key] = rec
         return out
 
-    def _check_latency(self, resp, rates, receipts_by, emit) -> None:
-        if resp["ttft_ns"] is None or resp["prompt_tokens"] is None:
+    def _check_latency(self, resp: ReplayEvent, rates: dict[NodeKey, float],
+                       receipts_by: dict[tuple[str, object], ReplayEvent], emit: Emit) -> None:
+        if resp.ttft_ns is None or resp.prompt_tokens is None:
             return
-        cands = [receipts_by.get(k) for k in (("rid", resp["request_id"]), ("tid", resp["transfer_id"]))
+        cands = [receipts_by.get(k) for k in (("rid", resp.request_id), ("tid", resp.transfer_id))
                  if k[1] is not None]
-        cands = [c for c in cands if c is not None]
-        if not cands:
+        found = [c for c in cands if c is not None]
+        if not found:
             return
-        rec = min(cands, key=lambda c: c["ord"])
-        nk = rec["node_key"]
+        rec = min(found, key=lambda c: c.ord)
+        nk = rec.node_key
         rate = rates.get(nk)
         if rate is None:
             return
-        need = resp["prompt_tokens"] - self.hit_pages.get((nk, rec["request_id"]), 0) * self.page_size.get(nk, 0)
+        need = resp.prompt_tokens - self.hit_pages.get((nk, rec.request_id), 0) * self.page_size.get(nk, 0)
         if need <= 0:
             return
         floor_ns = need / rate / self.policy.latency_factor
-        if resp["ttft_ns"] < floor_ns:
-            emit("F9", resp, node=nk[1], request=resp["request_id"], evidence=[rec["key"]],
-                 detail=f"TTFT {resp['ttft_ns'] / 1e6:.3f} ms for {need} tokens to prefill; {nk[1]} prefills "
+        if resp.ttft_ns < floor_ns:
+            emit("F9", resp, node=nk[1], request=resp.request_id, evidence=[rec.key],
+                 detail=f"TTFT {resp.ttft_ns / 1e6:.3f} ms for {need} tokens to prefill; {nk[1]} prefills "
                         f"at {rate * 1e9:.0f} tokens/s (q{self.policy.latency_quantile:g}), so at least "
                         f"{floor_ns / 1e6:.3f} ms (factor {self.policy.latency_factor:g})")
 
 
-def _check_transfer(t: dict, emit) -> None:
-    res, rec, sent = t.get("reserved"), t.get("received"), t["sent"]
-    if rec is None or rec["status"] not in _OK_RECEIVED:
+def _check_transfer(t: TransferEvents, emit: Emit) -> None:
+    res, rec, sent = t.reserved, t.received, t.sent
+    if rec is None or rec.status not in _OK_RECEIVED:
         return
-    evidence = [e["key"] for e in (res, *sent) if e is not None]
-    first = min(e["wall_ns"] for e in (res, rec, *sent) if e is not None)
+    evidence = [e.key for e in (res, *sent) if e is not None]
+    first = min(e.wall_ns for e in (res, rec, *sent) if e is not None)
     if res is not None:
         problems = []
         if sent:
-            sent_tokens = sum(e["num_tokens"] for e in sent)
-            sent_pages = sum(e["num_dst_pages"] for e in sent)
-            if sent_tokens != res["num_tokens"] or sent_pages != len(res["pages"]):
+            sent_tokens = sum(required(e.num_tokens, "num_tokens") for e in sent)
+            sent_pages = sum(e.num_dst_pages for e in sent)
+            if sent_tokens != res.num_tokens or sent_pages != len(res.pages):
                 problems.append(f"sent {sent_tokens} tokens/{sent_pages} pages")
-        if rec["num_tokens"] != res["num_tokens"]:
-            problems.append(f"received {rec['num_tokens']} tokens")
+        if rec.num_tokens != res.num_tokens:
+            problems.append(f"received {rec.num_tokens} tokens")
         if problems:
-            emit("F2", rec, request=rec["request_id"], pages=res["pages"], first_ns=first,
-                 evidence=evidence, detail=f"reserved {res['num_tokens']} tokens/{len(res['pages'])} "
+            emit("F2", rec, request=rec.request_id, pages=res.pages, first_ns=first,
+                 evidence=evidence, detail=f"reserved {res.num_tokens} tokens/{len(res.pages)} "
                                            f"pages; " + ", ".join(problems))
-    with_digest = [e for e in sent if e["digest"] is not None]
+    with_digest = [e for e in sent if e.digest is not None]
     src = with_digest[-1] if with_digest else None
-    comparable = src is not None and rec["digest"] is not None and src["digest_algo"] == rec["digest_algo"]
-    if (comparable and src["digest"] != rec["digest"]) or (not comparable and rec["status"] == "mismatch"):
-        detail = (f"prefill digest {src['digest']:#x} != decode digest {rec['digest']:#x} ({rec['digest_algo']})"
-                  if comparable else "decode reported a digest mismatch")
-        emit("F3", rec, request=rec["request_id"], pages=rec["pages"], first_ns=first,
-             evidence=evidence, detail=detail)
+    if src is not None and rec.digest is not None and src.digest_algo == rec.digest_algo:
+        if src.digest != rec.digest:
+            emit("F3", rec, request=rec.request_id, pages=rec.pages, first_ns=first, evidence=evidence,
+                 detail=f"prefill digest {src.digest:#x} != decode digest {rec.digest:#x} ({rec.digest_algo})")
+    elif rec.status == "mismatch":
+        emit("F3", rec, request=rec.request_id, pages=rec.pages, first_ns=first, evidence=evidence,
+             detail="decode reported a digest mismatch")
+

@@ -2,8 +2,8 @@
 
 :func:`replay_page_events` applies consecutive page events (``pages_allocated``, ``pages_freed``,
 ``kv_written``, ``kv_read``) of a batch in engine order to the pools' :class:`PageState` arrays in
-place, exactly as :class:`~kvtrail.forensics.replay.engine.ReplayEngine`'s handlers would, as long as each
-event is the common, finding-free case:
+place, exactly as :class:`~kvtrail.forensics.replay.handlers.EventHandlers` would, as long as each event
+is the common, finding-free case:
 
 * allocation (not a prefix hit) of pages no other request holds, none shared, no page twice;
 * release by a request of pages with no shared or extra holders (pages it does not hold stay as they are);
@@ -26,6 +26,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from kvtrail.forensics.replay.pagestate import PAGE_ARRAYS, ArraySpec
+
 # Event operations (the caller maps kinds and purposes to these).
 OP_PYTHON = 0  # always handled in Python (non-page kinds, prefix hits, ...)
 OP_SKIP = 1  # no effect on page state or findings (e.g. join-only kinds when joins are not needed)
@@ -35,6 +37,12 @@ OP_FREE = 4
 OP_WRITE = 5
 OP_READ = 6
 
+# The kernel's own per-page arrays, after the pool's (PAGE_ARRAYS) in its arguments: "has extra holders"
+# (mirroring PageState.extra) and the scratch stamps of repeated pages.
+SCRATCH_ARRAYS = (ArraySpec("multi", np.bool_, False), ArraySpec("stamp", np.int64, -1))
+# The per-page arrays replay_page_events takes, in order (a test checks its parameters follow this).
+KERNEL_ARRAYS = PAGE_ARRAYS + SCRATCH_ARRAYS
+
 
 @njit(cache=True, nogil=True)
 def replay_page_events(rows, start, marker0, op, req, pid, seq, wall_ns, poff, pages, doff, digests, hoff, hashes,
@@ -43,8 +51,9 @@ def replay_page_events(rows, start, marker0, op, req, pid, seq, wall_ns, poff, p
     """Apply the events ``rows[start:]`` of one pool until one needs Python.
 
     Returns (position in ``rows`` of that event, or ``len(rows)``; releases recorded in ``freed``).
-    The pool's arrays are :class:`PageState`'s; ``multi`` marks pages with extra holders and ``stamp``
-    is scratch for repeated pages (``marker0 + row`` stamps the pages of an allocation). ``freed``
+    The per-page arrays are :data:`KERNEL_ARRAYS`, in that order: the pool's :class:`PageState` arrays,
+    then ``multi`` marking pages with extra holders and ``stamp``, scratch for repeated pages
+    (``marker0 + row`` stamps the pages of an allocation). ``freed``
     receives the rows of the releases applied, in order: the caller records them with
     ``PageState.remember_release``.
     """
@@ -172,9 +181,8 @@ def gather_runs(ev_row, ev_seq, ev_seg, run_seq, run_list, run_start, run_len, r
 def warm_up() -> None:
     """Load both kernels (from numba's cache; the very first time, compile them): the first call of
     a process pays this, a few tenths of a second."""
-    i64, i32, b = np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.bool_)
+    i64, i32 = np.zeros(1, np.int64), np.zeros(0, np.int32)
     gather_runs(i64[:0], i64[:0], i64, i64[:0], i64[:0], i64[:0], i64[:0], i64, i64, i32, i64[:0])
-    ev2 = np.zeros((0, 2), np.int64)
-    replay_page_events(i64[:0], 0, 0, np.zeros(0, np.int8), i32, i64[:0], i64[:0], i64[:0], i64, i32, i64,
-                       np.zeros(0, np.uint64), i64, i64[:0], False, i32, i64[:0], i32, b, ev2, i32, i32, i64[:0],
-                       i64[:0], ev2, np.zeros(0, np.uint64), b, i64[:0], b, b, i64[:0], i64[:0])
+    replay_page_events(  # type: ignore[call-arg]  # numba's Dispatcher stub
+        i64[:0], 0, 0, np.zeros(0, np.int8), i32, i64[:0], i64[:0], i64[:0], i64, i32, i64, np.zeros(0, np.uint64),
+        i64, i64[:0], False, *(spec.allocate(0) for spec in KERNEL_ARRAYS), i64[:0])

@@ -5,11 +5,17 @@ event costs a few vectorised operations. The rare states live in small dicts bes
 held by several requests at once (double ownership), pages shared as prefix-cache hits (with the
 block hash each hit was keyed by), and the pages a request already released (for F7's wording, kept
 for the most recent requests only so that memory stays bounded on long histories).
+
+Each page array is declared once, as a field of :class:`PageState` carrying its dtype and the value of
+an unused page; :data:`PAGE_ARRAYS` lists those declarations in order, and allocation, growth and the
+compiled kernel's arguments (:mod:`kvtrail.forensics.replay.kernels`) are all derived from it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
@@ -17,29 +23,62 @@ import numpy as np
 RELEASED_CAP_PAGES = 1 << 22
 
 
-class PageState:
-    """Per-page arrays of one pool (index 0 is the padding page)."""
+@dataclass(frozen=True)
+class ArraySpec:
+    """One per-page array: its name, dtype, the value of an unused page and its entries per page.
 
-    def __init__(self, num_pages: int):
-        n = num_pages + 1
-        self.owner = np.full(n, -1, np.int32)      # exclusive holder (request index)
-        self.gen = np.zeros(n, np.int64)           # bumped on every exclusive allocation
-        self.alloc_req = np.full(n, -1, np.int32)  # request of the latest exclusive allocation
-        self.alloc_growth = np.zeros(n, bool)      # ... and whether it was a decode_growth page
-        self.alloc_ev = np.full((n, 2), -1, np.int64)
-        self.nshared = np.zeros(n, np.int32)       # prefix-cache holders
-        self.writer = np.full(n, -1, np.int32)
-        self.write_ns = np.zeros(n, np.int64)
-        self.write_gen = np.full(n, -1, np.int64)
-        self.write_ev = np.full((n, 2), -1, np.int64)
-        self.digest = np.zeros(n, np.uint64)       # page digest the last writer recorded
-        self.has_digest = np.zeros(n, bool)
-        self.bhash = np.zeros(n, np.int64)         # block hash (content key) the last writer stored
-        self.has_bhash = np.zeros(n, bool)
-        self.extra: dict[int, set[int]] = {}       # further exclusive holders: double ownership (F6)
-        self.shared: dict[int, dict[int, int]] = {}  # page -> {request: block hash of its hit}
-        self.released: OrderedDict[int, list[np.ndarray]] = OrderedDict()
-        self._released_pages = 0
+    ``width`` 2 is an event key per page: (producer_id, seq).
+    """
+
+    name: str
+    dtype: type
+    fill: int | bool
+    width: int = 1
+
+    def allocate(self, num_entries: int) -> np.ndarray:
+        shape = (num_entries,) if self.width == 1 else (num_entries, self.width)
+        return np.full(shape, self.fill, self.dtype)
+
+
+def _array(dtype: type, fill: int | bool, width: int = 1) -> Any:
+    """A PageState field holding a per-page array (its spec in the field's metadata)."""
+    return field(metadata={"page_array": (dtype, fill, width)})
+
+
+@dataclass(eq=False)
+class PageState:
+    """Per-page arrays of one pool (index 0 is the padding page); build one with :meth:`empty`."""
+
+    owner: np.ndarray = _array(np.int32, -1)  # exclusive holder (request index)
+    gen: np.ndarray = _array(np.int64, 0)  # bumped on every exclusive allocation
+    alloc_req: np.ndarray = _array(np.int32, -1)  # request of the latest exclusive allocation
+    alloc_growth: np.ndarray = _array(np.bool_, False)  # ... and whether it was a decode_growth page
+    alloc_ev: np.ndarray = _array(np.int64, -1, 2)
+    nshared: np.ndarray = _array(np.int32, 0)  # prefix-cache holders
+    writer: np.ndarray = _array(np.int32, -1)
+    write_ns: np.ndarray = _array(np.int64, 0)
+    write_gen: np.ndarray = _array(np.int64, -1)
+    write_ev: np.ndarray = _array(np.int64, -1, 2)
+    digest: np.ndarray = _array(np.uint64, 0)  # page digest the last writer recorded
+    has_digest: np.ndarray = _array(np.bool_, False)
+    bhash: np.ndarray = _array(np.int64, 0)  # block hash (content key) the last writer stored
+    has_bhash: np.ndarray = _array(np.bool_, False)
+    # further exclusive holders: double ownership (F6)
+    extra: dict[int, set[int]] = field(default_factory=dict, init=False)
+    # page -> {request: block hash of its hit}
+    shared: dict[int, dict[int, int]] = field(default_factory=dict, init=False)
+    released: OrderedDict[int, list[np.ndarray]] = field(default_factory=OrderedDict, init=False)
+    released_pages: int = field(default=0, init=False)  # entries in `released`
+
+    @classmethod
+    def empty(cls, num_pages: int) -> PageState:
+        """A pool of ``num_pages`` unused, unwritten pages (plus the padding page)."""
+        return cls(**{spec.name: spec.allocate(num_pages + 1) for spec in PAGE_ARRAYS})
+
+    @property
+    def num_entries(self) -> int:
+        """Entries of every page array (pages + the padding page)."""
+        return len(self.owner)
 
     def holders(self, p: int) -> set[int]:
         out = set(self.extra.get(p, ())) | set(self.shared.get(p, ()))
@@ -89,10 +128,10 @@ class PageState:
 
     def remember_release(self, r: int, pages: np.ndarray) -> None:
         self.released.setdefault(r, []).append(pages)
-        self._released_pages += len(pages)
-        while self._released_pages > RELEASED_CAP_PAGES and len(self.released) > 1:
+        self.released_pages += len(pages)
+        while self.released_pages > RELEASED_CAP_PAGES and len(self.released) > 1:
             _, old = self.released.popitem(last=False)
-            self._released_pages -= sum(len(a) for a in old)
+            self.released_pages -= sum(len(a) for a in old)
 
     def released_by(self, r: int, pages: np.ndarray) -> np.ndarray:
         lists = self.released.get(r)
@@ -100,14 +139,22 @@ class PageState:
 
     def fit(self, pages: np.ndarray) -> None:
         need = int(pages.max()) + 1
-        if need > len(self.owner):
+        if need > self.num_entries:
             self.grow(need)
 
-    def grow(self, n: int) -> None:
-        """Extend every page array to n entries with the values of an unused page."""
-        fresh = PageState(n - 1)
-        for name, arr in vars(self).items():
-            if isinstance(arr, np.ndarray):
-                new = getattr(fresh, name)
-                new[: len(arr)] = arr
-                setattr(self, name, new)
+    def grow(self, num_entries: int) -> None:
+        """Extend every page array to ``num_entries`` entries with the values of an unused page."""
+        for spec in PAGE_ARRAYS:
+            old = getattr(self, spec.name)
+            new = spec.allocate(num_entries)
+            new[: len(old)] = old
+            setattr(self, spec.name, new)
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """The page arrays in :data:`PAGE_ARRAYS` order (what the compiled kernel takes)."""
+        return tuple(getattr(self, spec.name) for spec in PAGE_ARRAYS)
+
+
+# The page arrays in declaration order: the one list allocation, growth and the kernel follow.
+PAGE_ARRAYS: tuple[ArraySpec, ...] = tuple(
+    ArraySpec(f.name, *f.metadata["page_array"]) for f in fields(PageState) if "page_array" in f.metadata)

@@ -22,9 +22,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kvtrail.audit.arrowutil import flat_list, offsets_from_lengths
 from kvtrail.audit.batch import BATCH_SCHEMA
 from kvtrail.audit.events import KINDS
-from kvtrail.forensics.replay.batch import PAGE_KINDS, PRODUCER_NAMES, SCALARS, ReplayBatch, flat_list, request_codes
+from kvtrail.forensics.replay.batch import PAGE_KINDS, PRODUCER_NAMES, ReplayBatch, request_codes
+from kvtrail.forensics.replay.event import SCALARS
 from kvtrail.forensics.replay.kernels import gather_runs
 
 PAGE_EVENTS_PER_SLICE = 8_000_000
@@ -195,9 +197,7 @@ def _scatter_lists(n: int, rows: np.ndarray, col, dtype) -> tuple[np.ndarray, np
     values, offsets = flat_list(col, dtype)
     lengths = np.zeros(n, np.int64)
     lengths[rows] = np.diff(offsets)
-    out = np.zeros(n + 1, np.int64)
-    np.cumsum(lengths, out=out[1:])
-    return values, out
+    return values, offsets_from_lengths(lengths)
 
 
 def store_batches(con, where: str, params: list, page_events_per_slice: int = PAGE_EVENTS_PER_SLICE,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
@@ -21,40 +21,19 @@ import polars as pl
 from kvtrail import __version__
 from kvtrail.forensics import analysis as an
 from kvtrail.forensics.findings import NEVER_WRITTEN
+from kvtrail.forensics.questions import (
+    Window,
+    affected_with_exclusions,
+    coverage_gaps,
+    exploitation_for,
+    findings_frame,
+    findings_of,
+    report_requests,
+)
 from kvtrail.forensics.report.context import IncidentContext
+from kvtrail.forensics.report.options import ReportOptions
 
 DATA_FILES = ("affected_responses", "exposed_tenants")
-
-
-@dataclass(frozen=True)
-class ReportOptions:
-    """What decides the report's numbers (recorded in the manifest so they can be recomputed)."""
-
-    from_ns: int
-    to_ns: int
-    exclusions: an.Exclusions = field(default_factory=an.Exclusions)
-    baseline_from_ns: int | None = None  # default: a period as long as the window, right before it
-    baseline_to_ns: int | None = None
-    long_prompt_tokens: int | None = None  # default: the smallest prefill pool in the window
-    rules: an.ProbeRules = field(default_factory=an.ProbeRules)
-
-    @property
-    def baseline(self) -> tuple[int, int]:
-        lo = self.baseline_from_ns if self.baseline_from_ns is not None else 2 * self.from_ns - self.to_ns
-        return lo, self.baseline_to_ns if self.baseline_to_ns is not None else self.from_ns
-
-    def to_dict(self) -> dict:
-        r = self.rules
-        return {"from_ns": self.from_ns, "to_ns": self.to_ns, "exclusions": self.exclusions.to_dict(),
-                "baseline_from_ns": self.baseline_from_ns, "baseline_to_ns": self.baseline_to_ns,
-                "long_prompt_tokens": self.long_prompt_tokens,
-                "rules": {"burst_minutes": r.burst_minutes, "burst_count": r.burst_count,
-                          "rate_ratio": r.rate_ratio, "min_long_requests": r.min_long_requests}}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ReportOptions:
-        return cls(d["from_ns"], d["to_ns"], an.Exclusions.from_dict(d["exclusions"]), d["baseline_from_ns"],
-                   d["baseline_to_ns"], d["long_prompt_tokens"], an.ProbeRules(**d["rules"]))
 
 
 @dataclass(frozen=True)
@@ -123,7 +102,6 @@ class Report:
 def build_report(con: duckdb.DuckDBPyConnection, options: ReportOptions, context: IncidentContext | None = None,
                  heads: list[dict] | None = None) -> Report:
     """Run every question and analysis for the window (``con``: a store or a snapshot of one)."""
-    from kvtrail.forensics.questions import Window, affected_with_exclusions, coverage_gaps, findings_frame, findings_of
     from kvtrail.forensics.report.snapshot import chain_heads
 
     o = options
@@ -136,42 +114,16 @@ def build_report(con: duckdb.DuckDBPyConnection, options: ReportOptions, context
     found_kept = found.filter(~is_excluded)
     links = an.exposure_links(found_kept, set(kept["request_id"]))
     capacity = an.node_capacity(con, o.from_ns, o.to_ns)
-    requests = _requests(con, o, kept, dropped)
+    requests = report_requests(con, o, kept, dropped)
     not_excluded = requests.filter(~pl.col("request_id").is_in(excluded["request_id"].to_list()))
     thresholds, summary = an.threshold_analysis(not_excluded, set(kept["request_id"]))
     exploitation, long_tokens = exploitation_for(con, o, w, (kept, dropped, excluded, capacity, requests))
-    events = con.execute("SELECT count(*) FROM events WHERE wall_ns BETWEEN ? AND ?", [o.from_ns, o.to_ns]).fetchone()[0]
+    row = con.execute("SELECT count(*) FROM events WHERE wall_ns BETWEEN ? AND ?", [o.from_ns, o.to_ns]).fetchone()
+    events = row[0] if row else 0
     return Report(o, context, time.time_ns(), int(events), kept, dropped, found_kept, len(found) - len(found_kept),
                   an.exposure_matrix(links), an.exposed_tenants(links), links, capacity, thresholds, summary,
                   exploitation, long_tokens, coverage_gaps(con),
                   tuple(heads if heads is not None else chain_heads(con)))
-
-
-def _requests(con, o: ReportOptions, kept: pl.DataFrame, dropped: pl.DataFrame) -> pl.DataFrame:
-    """Requests of the window, plus affected ones received before it."""
-    ids = kept["request_id"].to_list() + dropped["request_id"].to_list()
-    return an.requests_table(con, o.from_ns, o.to_ns, ids)
-
-
-def exploitation_for(con: duckdb.DuckDBPyConnection, o: ReportOptions, w=None, pieces: tuple | None = None
-                     ) -> tuple[pl.DataFrame, int | None]:
-    """The exploitation assessment for the options' window and its over-long threshold (tokens).
-
-    ``pieces`` (kept, dropped, excluded, capacity, requests) saves recomputing what the caller has.
-    """
-    from kvtrail.forensics.questions import Window, affected_with_exclusions
-
-    if pieces is None:
-        kept, dropped, excluded = affected_with_exclusions(con, w or Window(o.from_ns, o.to_ns), o.exclusions)
-        pieces = (kept, dropped, excluded, an.node_capacity(con, o.from_ns, o.to_ns), _requests(con, o, kept, dropped))
-    kept, dropped, excluded, capacity, requests = pieces
-    long_tokens = o.long_prompt_tokens if o.long_prompt_tokens is not None else an.long_prompt_threshold(capacity)
-    b_from, b_to = o.baseline
-    everyone = pl.concat([kept, dropped.drop("excluded_by", "reason")])
-    df = an.exploitation_assessment(
-        requests, an.requests_table(con, b_from, b_to), everyone, excluded, window_ns=(o.from_ns, o.to_ns),
-        baseline_ns=(b_from, b_to), long_prompt_tokens=long_tokens, rules=o.rules)
-    return df, long_tokens
 
 
 def write_report(report: Report, out_dir: str | Path, store_name: str) -> dict:
@@ -182,7 +134,8 @@ def write_report(report: Report, out_dir: str | Path, store_name: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     # Excluded responses stay in the file, marked, so the exclusion itself can be reviewed.
-    unmarked = report.affected.with_columns(pl.lit(None, pl.Utf8).alias("excluded_by"), pl.lit(None, pl.Utf8).alias("reason"))
+    unmarked = report.affected.with_columns(pl.lit(None, pl.Utf8).alias("excluded_by"),
+                                            pl.lit(None, pl.Utf8).alias("reason"))
     affected = _with_times(pl.concat([unmarked, report.excluded_affected], how="vertical_relaxed"))
     for name, df in (("affected_responses", affected), ("exposed_tenants", report.exposed)):
         df.write_csv(out / f"{name}.csv")

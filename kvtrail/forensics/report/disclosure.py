@@ -30,7 +30,7 @@ def _table(df: pl.DataFrame, columns: list[str], note_file: str | None = None) -
     shown = df.head(MAX_ROWS)
     rows = [[_cell(c, v) for c, v in zip(columns, row)] for row in shown.select(columns).iter_rows()]
     headers = [c[:-3] + " (UTC)" if c.endswith("_ns") else c for c in columns]
-    out = [("table", headers, rows)]
+    out: list[tuple] = [("table", headers, rows)]
     if len(df) > MAX_ROWS:
         out.append(("p", f"{len(df) - MAX_ROWS} more rows" + (f" in {note_file}." if note_file else ".")))
     return out
@@ -70,7 +70,8 @@ def report_blocks(r, store_name: str) -> list[tuple]:
         r.affected, ["request_id", "tenant_id", "http_status", "prompt_tokens", "codes", "pages_read_foreign",
                      "victim_tenants", "last_ns"], "affected_responses.csv")
     b += [("h2", "Exposed tenants (whose data was read)")] + _table(
-        r.exposed, ["victim_tenant", "recipient_tenants", "responses", "pages", "victim_requests"], "exposed_tenants.csv")
+        r.exposed, ["victim_tenant", "recipient_tenants", "responses", "pages", "victim_requests"],
+        "exposed_tenants.csv")
     b += [("h2", "Exposure matrix (recipient tenant x victim tenant, responses / pages)")] + _matrix(r)
     b += _measures(r) + notices.art33(r) + notices.tenant_notices(r) + _integrity(r, store_name)
     return b
@@ -114,12 +115,13 @@ def _root_cause(r) -> list[tuple]:
     f, ids = r.findings, set(r.affected["request_id"])
     per_code = f.group_by("code").len().sort("code")
     counts = dict(zip(per_code["code"], per_code["len"]))
-    b = [("h2", "Root-cause evidence from the audit"), ("p", "KV pool vs advertised context per node:")]
+    b: list[tuple] = [("h2", "Root-cause evidence from the audit"), ("p", "KV pool vs advertised context per node:")]
     b += _table(r.capacity, ["node", "role", "instance", "effective_from_ns", "pool_tokens", "context_tokens",
                              "pool_covers_context", "shortfall_tokens"])
     short = r.capacity.filter(~pl.col("pool_covers_context"))
     if len(short):
-        b.append(("p", f"{short['node'].n_unique()} node(s) advertised a longer context than their KV pool holds (F8)."))
+        b.append(("p", f"{short['node'].n_unique()} node(s) advertised a longer context than their KV pool "
+                       "holds (F8)."))
     rows = [[code, CODES[code].title, str(counts.get(code, 0)),
              str(len(ids & set(f.filter(pl.col("code") == code)["request_id"].drop_nulls())))] for code in CODES]
     b += [("p", "Findings in the window (excluded accounts removed) and how many affected responses share each:"),
@@ -139,11 +141,13 @@ def _thresholds(r) -> list[tuple]:
 
 def _timeline(r) -> list[tuple]:
     f, ctx = r.findings, r.context
-    aff = f.filter(pl.col("code").is_in(sorted(AFFECTED_CODES)) & pl.col("request_id").is_in(list(r.affected["request_id"])))
+    aff = f.filter(pl.col("code").is_in(sorted(AFFECTED_CODES))
+                   & pl.col("request_id").is_in(list(r.affected["request_id"])))
     events = []
     if len(f):
         first = f.sort("last_ns").row(0, named=True)
-        events.append((first["last_ns"], f"first finding in the window ({first['code']} {first['title']}, node {first['node']})"))
+        events.append((first["last_ns"], f"first finding in the window ({first['code']} {first['title']}, "
+                                          f"node {first['node']})"))
     if len(aff):
         events += [(aff["last_ns"].min(), "first foreign read"), (aff["last_ns"].max(), "last foreign read")]
     if ctx:
@@ -174,7 +178,8 @@ def _exploitation(r) -> list[tuple]:
                "tenant's own baseline rate."),
          ("p", "No tenant stands out: the remaining requests are consistent, in timing and volume, with normal "
                "long-context use; no evidence of deliberate exploitation." if len(main) and not len(out) else
-               f"{len(out)} tenant(s) stand out: " + "; ".join(f"{t}: {why}" for t, why in zip(out["tenant_id"], out["reason"]))
+               f"{len(out)} tenant(s) stand out: "
+               + "; ".join(f"{t}: {why}" for t, why in zip(out["tenant_id"], out["reason"]))
                if len(out) else "No tenant to assess.")]
     cols = ["tenant_id", "affected_responses", "long_requests", "long_per_hour", "baseline_long_requests",
             "baseline_long_per_hour", "max_long_in_burst", "verdict", "reason"]
@@ -190,7 +195,8 @@ def _matrix(r) -> list[tuple]:
     if m.is_empty():
         return [("p", "No exposure.")]
     victims = sorted(set(m["victim_tenant"]))
-    cells = {(a, v): f"{n} / {p}" for a, v, n, p in m.select("recipient_tenant", "victim_tenant", "responses", "pages").iter_rows()}
+    cols = m.select("recipient_tenant", "victim_tenant", "responses", "pages")
+    cells = {(a, v): f"{n} / {p}" for a, v, n, p in cols.iter_rows()}
     rows = [[a] + [cells.get((a, v), "") for v in victims] for a in sorted(set(m["recipient_tenant"]))]
     return [("table", ["recipient \\ victim"] + victims, rows)]
 

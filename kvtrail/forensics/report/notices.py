@@ -61,7 +61,7 @@ def tenant_notices(r) -> list[tuple]:
     contact = str(ctx.contact) if ctx else NOT_PROVIDED
     fix = _join(ctx.measures_taken) if ctx and ctx.measures_taken else "the cause has been identified and corrected"
     exposed = {row["victim_tenant"]: row for row in r.exposed.iter_rows(named=True)}
-    received = {}
+    received: dict[str | None, dict] = {}
     for row in r.affected.iter_rows(named=True):
         g = received.setdefault(row["tenant_id"], {"n": 0, "first": row["last_ns"], "last": row["last_ns"], "ids": []})
         g["n"] += 1

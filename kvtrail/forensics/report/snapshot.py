@@ -38,7 +38,8 @@ def open_snapshot(path: str | Path, heads: list[dict] | None = None) -> tuple[du
     con = duckdb.connect()
     try:
         con.execute("ATTACH ? AS src (READ_ONLY)", [str(path)])
-        has = {r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE database_name = 'src'").fetchall()}
+        rows = con.execute("SELECT table_name FROM duckdb_tables() WHERE database_name = 'src'").fetchall()
+        has = {r[0] for r in rows}
         if not {"events", "page_runs", "batches", "producers"} <= has:
             raise StoreError(f"{path} is not a kvtrail audit store")
         if heads is None:

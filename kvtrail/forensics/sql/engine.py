@@ -114,9 +114,9 @@ def _f2(ctx: Ctx) -> list[Finding]:
            (SELECT list(g.page ORDER BY r.pos, g.page) FROM page_runs r,
                    generate_series(r.page_start, r.page_start + r.num_pages - 1) AS g(page)
             WHERE r.producer_id = res.producer_id AND r.seq = res.seq AND r.list = 0) AS res_pages
-    FROM (SELECT * FROM ev WHERE kind = 'transfer_received' 
+    FROM (SELECT * FROM ev WHERE kind = 'transfer_received'
           QUALIFY row_number() OVER (PARTITION BY transfer_id ORDER BY ord DESC) = 1) rec
-    JOIN (SELECT * FROM ev WHERE kind = 'transfer_reserved' 
+    JOIN (SELECT * FROM ev WHERE kind = 'transfer_reserved'
           QUALIFY row_number() OVER (PARTITION BY transfer_id ORDER BY ord DESC) = 1) res
       ON res.transfer_id IS NOT DISTINCT FROM rec.transfer_id
     LEFT JOIN (SELECT transfer_id, sum(num_tokens) AS tokens, sum(num_dst_pages) AS dst_pages, count(*) AS n,

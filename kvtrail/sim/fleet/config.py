@@ -1,25 +1,17 @@
-"""The fleet trace simulator: realistic audit histories of a PD deployment, without a model.
+"""The fleet trace simulator's configuration: :class:`FleetConfig` is the one source of truth for every
+knob (the ``kvtrail simulate`` flags read their defaults from it), plus the bug class names.
 
-:class:`FleetConfig` is the one source of truth for every knob (the ``kvtrail simulate`` flags read
-their defaults from it). :func:`fleet_batches` yields the simulated producers' batches (for feeding
-engines directly); :func:`write_fleet` appends them to an :class:`~kvtrail.audit.store.AuditStore`
-through the normal ingest path and writes the ground truth of what was planted.
-
-The simulation itself lives in :mod:`kvtrail.sim.fleet.loop` (arrivals, router, event loop),
-:mod:`kvtrail.sim.fleet.prefill` and :mod:`kvtrail.sim.fleet.decode` (the nodes); the bug
-classes and the ground truth in :mod:`kvtrail.sim.fleet.plants`.
+Running a configuration is :mod:`kvtrail.sim.fleet.run`; the simulation itself lives in
+:mod:`kvtrail.sim.fleet.loop` (arrivals, router, event loop), :mod:`kvtrail.sim.fleet.prefill` and
+:mod:`kvtrail.sim.fleet.decode` (the nodes); the bug classes and the ground truth in
+:mod:`kvtrail.sim.fleet.plants`.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
 
-if TYPE_CHECKING:  # this module stays cheap to import: the CLI reads its defaults at start-up
-    import pyarrow as pa
+from kvtrail.timeutil import format_utc
 
 # 2026-09-01T00:00:00Z: a fixed start so that output never depends on the real clock.
 DEFAULT_START_NS = 1_788_220_800_000_000_000
@@ -76,7 +68,7 @@ class FleetConfig:
     events_per_batch: int = 50_000  # per producer
     max_pages_per_batch: int = 4_000_000  # page entries per producer batch (bounds memory)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _positive(self, "hours", "rate_per_s", "prefill_nodes", "decode_nodes", "page_size", "prefill_pool_tokens",
                   "decode_pool_tokens", "context_tokens", "chunk_tokens", "prefill_rate_min_tokens_per_s",
                   "decode_step_ms", "tenants", "prompt_median_tokens", "min_prompt_tokens",
@@ -110,23 +102,23 @@ class FleetConfig:
                 raise ValueError(f"bugs: {name!r} is not one of {', '.join(FAULT_CLASSES)}{hint}")
 
     @property
-    def plant_classes(self) -> tuple[str, ...]:
-        """The bug classes this configuration plants (faults plus cross-tenant sharing when namespaces are off)."""
-        return tuple(self.bugs) + (() if self.cache_namespaces else ("cross_tenant_prefix",))
-
-    @property
     def end_ns(self) -> int:
         """When arrivals stop (without target_page_events)."""
         return self.start_ns + int(self.hours * 3600e9)
 
+    @property
+    def instance(self) -> str:
+        """The producers' ``instance``: one per run (start and seed), so runs of one cluster stay apart."""
+        return f"{format_utc(self.start_ns)}-s{self.seed}"
 
-def _positive(cfg, *names):
+
+def _positive(cfg: FleetConfig, *names: str) -> None:
     for name in names:
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{name}: must be > 0, got {getattr(cfg, name)!r}")
 
 
-def _non_negative(cfg, *names):
+def _non_negative(cfg: FleetConfig, *names: str) -> None:
     for name in names:
         if not getattr(cfg, name) >= 0:
             raise ValueError(f"{name}: must be >= 0, got {getattr(cfg, name)!r}")
@@ -135,64 +127,6 @@ def _non_negative(cfg, *names):
 def config_defaults() -> dict:
     """Field name -> default value (the CLI's defaults)."""
     return {f.name: f.default for f in fields(FleetConfig)}
-
-
-@dataclass
-class FleetSummary:
-    """What one simulation produced (counts; the ground truth holds the details)."""
-
-    producers: int
-    events: int
-    page_events: int  # entries of 'pages' lists
-    requests: int
-    responses: dict[str, int]  # HTTP status -> count
-    plants: dict[str, int]  # class -> count
-    affected: int
-    from_ns: int
-    to_ns: int
-    elapsed_s: float = 0.0
-    truth_path: str | None = None
-    batches: int = 0
-
-
-def fleet_batches(config: FleetConfig, truth: dict | None = None) -> Iterator[pa.Table]:
-    """Yield the simulated producers' batches (BATCH_SCHEMA columns), one producer per batch.
-
-    Batches of one producer come in ``seq`` order; batches of different producers interleave in
-    the order they fill. When ``truth`` is a dict it is filled with the ground truth (see
-    :meth:`kvtrail.sim.fleet.loop.FleetSim.truth`) once the generator is exhausted.
-    """
-    from kvtrail.sim.fleet.loop import FleetSim
-
-    sim = FleetSim(config)
-    yield from sim.batches()
-    if truth is not None:
-        truth.update(sim.truth())
-
-
-def write_fleet(config: FleetConfig, store, truth_path: str | Path | None = None) -> FleetSummary:
-    """Simulate into ``store`` (an open AuditStore) through its normal ingest path; write the ground truth.
-
-    Returns counts; the ground truth JSON goes to ``truth_path`` when given (one line: placeholder
-    plants list tens of thousands of pages; ``jq .`` shows it indented).
-    """
-    from kvtrail.sim.fleet.loop import FleetSim
-
-    t0 = time.perf_counter()
-    sim = FleetSim(config)
-    batches = 0
-    for table in sim.batches():
-        store.append(table)
-        batches += 1
-    truth = sim.truth()
-    if truth_path is not None:
-        Path(truth_path).write_text(json.dumps(truth, separators=(",", ":")) + "\n")
-    s = truth["summary"]
-    return FleetSummary(producers=s["producers"], events=s["events"], page_events=s["page_events"],
-                        requests=s["requests"], responses=s["responses"], plants=s["plants"],
-                        affected=s["affected"], from_ns=truth["window"]["from_ns"], to_ns=truth["window"]["to_ns"],
-                        elapsed_s=time.perf_counter() - t0, truth_path=None if truth_path is None else str(truth_path),
-                        batches=batches)
 
 
 def config_json(config: FleetConfig) -> dict:

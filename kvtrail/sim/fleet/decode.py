@@ -19,8 +19,9 @@ from collections import deque
 import numpy as np
 
 from kvtrail.audit.events import KIND_CODES
+from kvtrail.serving.allocator import PageAllocator
 from kvtrail.sim.fleet.log import ProducerLog
-from kvtrail.sim.fleet.parts import OK, FleetAllocator, Request
+from kvtrail.sim.fleet.parts import OK, Request
 
 _ALLOC, _FREED, _WRITTEN, _READ, _RESERVED, _RECEIVED, _ABORTED = (
     KIND_CODES[k] for k in ("pages_allocated", "pages_freed", "kv_written", "kv_read", "transfer_reserved",
@@ -37,7 +38,7 @@ class DecodeNode:
         self.page_size = sim.cfg.page_size
         self.pool_pages = pool_tokens // self.page_size
         self.pool_tokens = self.pool_pages * self.page_size
-        self.alloc = FleetAllocator(self.pool_pages, "lowest")
+        self.alloc = PageAllocator(self.pool_pages, "lowest")
         self.writer = np.full(self.pool_pages + 1, -1, np.int32)  # last writer's request serial
         # Pages promised to admitted requests plus pages a plant keeps out of the pool.
         self.committed = 0
@@ -140,6 +141,7 @@ class DecodeNode:
     def _grow(self, req: Request) -> None:
         t, log = self.sim.now, self.log
         page = self.alloc.alloc(1)
+        assert page is not None, "admission commits the pages of the whole generation"
         pos = req.prompt_tokens + req.next_growth - 1
         log.add(t, _ALLOC, req, page, purpose="decode_growth")
         log.add(t, _WRITTEN, req, page, token_start=pos, token_end=pos + 1, source="forward")

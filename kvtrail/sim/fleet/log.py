@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from kvtrail.audit.batch import BATCH_SCHEMA
+from kvtrail.audit.arrowutil import list_from_items
+from kvtrail.audit.batch import BATCH_SCHEMA, NULLABLE_BATCH_SCHEMA
 from kvtrail.audit.events import KIND_NAMES, SCHEMA_VERSION, Producer
 
-_NULLABLE_SCHEMA = pa.schema([f.with_nullable(True) for f in BATCH_SCHEMA])
 _TYPES = {f.name: f.type for f in BATCH_SCHEMA}
 _NUMPY = {pa.int32(): np.int32, pa.int64(): np.int64, pa.uint64(): np.uint64, pa.bool_(): np.bool_}
 _KIND_DICT = pa.array(KIND_NAMES)
@@ -96,26 +96,12 @@ class ProducerLog:
                                                         pa.array([getattr(self.producer, name)])).cast(pa.string())
         for i, (name, type_) in enumerate(_REQUEST_COLUMNS):
             cols[name] = pa.array([r[i] if r is not None else None for r in self.req], type_)
-        cols["pages"] = _list_column(self.pages, n, pa.int32(), np.int32)
+        cols["pages"] = list_from_items(self.pages, pa.int32(), np.int32, field="max_pages_per_batch")
         for name, (rows, values) in self.sparse.items():
             cols[name] = _sparse_column(name, rows, values, n)
         self._reset()
         arrays = [cols[f.name] if f.name in cols else pa.nulls(n, f.type) for f in BATCH_SCHEMA]
-        return pa.Table.from_arrays(arrays, schema=_NULLABLE_SCHEMA)
-
-
-def _list_column(items: list, n: int, value_type: pa.DataType, dtype) -> pa.Array:
-    """A list column from per-row arrays (None = null list)."""
-    lengths = np.fromiter((0 if a is None else len(a) for a in items), dtype=np.int64, count=n)
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    if offsets[-1] > 2**31 - 1:
-        raise ValueError("max_pages_per_batch: a batch would hold more than 2**31 - 1 list entries")
-    present = [a for a in items if a is not None]
-    flat = np.concatenate(present).astype(dtype, copy=False) if present else np.empty(0, dtype)
-    absent = np.fromiter((a is None for a in items), dtype=bool, count=n)
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, value_type),
-                                    mask=pa.array(absent) if absent.any() else None)
+        return pa.Table.from_arrays(arrays, schema=NULLABLE_BATCH_SCHEMA)
 
 
 def _sparse_column(name: str, rows: list[int], values: list, n: int) -> pa.Array:
@@ -124,13 +110,13 @@ def _sparse_column(name: str, rows: list[int], values: list, n: int) -> pa.Array
         items: list = [None] * n
         for r, v in zip(rows, values, strict=True):
             items[r] = v
-        return _list_column(items, n, type_.value_type, _NUMPY[type_.value_type])
+        return list_from_items(items, type_.value_type, _NUMPY[type_.value_type], field="max_pages_per_batch")
     if pa.types.is_string(type_):
         items = [None] * n
         for r, v in zip(rows, values, strict=True):
             items[r] = v
         return pa.array(items, pa.string())
-    arr = np.zeros(n, dtype=_NUMPY[type_])
+    arr: np.ndarray = np.zeros(n, dtype=_NUMPY[type_])
     idx = np.array(rows, dtype=np.int64)
     arr[idx] = values
     mask = np.ones(n, dtype=bool)

@@ -77,10 +77,9 @@ class FleetSim:
         self.responses: Counter = Counter()
         self.tenant_of = array("i")
         self.logs: list[ProducerLog] = []
-        instance = f"{format_utc(cfg.start_ns)}-s{cfg.seed}"
 
         def log(node: str, role: str, version: str) -> ProducerLog:
-            lg = ProducerLog(Producer(cfg.cluster, node, role, "sglang", version, instance),
+            lg = ProducerLog(Producer(cfg.cluster, node, role, "sglang", version, cfg.instance),
                              start_wall_ns=cfg.start_ns, mono_base_ns=int(rng.integers(10**12, 10**14)))
             self.logs.append(lg)
             return lg

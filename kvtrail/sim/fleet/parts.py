@@ -1,8 +1,8 @@
-"""Parts the fleet simulator's nodes share: the request, the page allocator, the prefix-cache entries.
+"""Parts the fleet simulator's nodes share: the request, its fates, and the prefix cache.
 
-Every node owns one serving :class:`~kvtrail.serving.allocator.PageAllocator` (SGLang's lowest-first
-staged reuse; :class:`FleetAllocator` only drops a check the simulator does not need), so page churn
-and fragmentation come from the same allocator the reference stack uses.
+Nodes allocate pages with the serving stack's own :class:`~kvtrail.serving.allocator.PageAllocator`
+(one per node, SGLang's lowest-first staged reuse), so page churn and fragmentation come from the same
+allocator the reference stack uses.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import numpy as np
-
-from kvtrail.serving.allocator import PageAllocator
 
 # Request fates, decided at routing.
 OK, ROUTER_REJECT, PREFILL_REJECT, PLACEHOLDER = range(4)
@@ -21,7 +19,7 @@ class Request:
     """One simulated request and its progress through router, prefill and decode."""
 
     __slots__ = (
-        "serial", "rid", "tenant", "tenant_idx", "api_key", "transfer_id", "t_arrival_ns",
+        "serial", "rid", "tenant", "tenant_idx", "transfer_id", "t_arrival_ns",
         "prompt_tokens", "max_new_tokens", "completion_tokens", "abort_at_token", "fate",
         "doc_key", "doc_tokens", "prefill", "decode", "dst", "need_pages",
         "target_tokens", "progress", "hit", "hit_checked", "own", "land_ns", "sent_digest",
@@ -35,7 +33,6 @@ class Request:
         self.rid = rid
         self.tenant = tenant
         self.tenant_idx = tenant_idx
-        self.api_key = api_key
         self.transfer_id = transfer_id
         self.ident = (rid, tenant, api_key, transfer_id)  # what every event of the request carries
         self.t_arrival_ns = t_arrival_ns
@@ -69,10 +66,6 @@ class Request:
         self.on_first_landing = None  # plant continued when this (partner) request's KV first lands
         self.end_token = 0
         self.http_status = 0
-
-
-class FleetAllocator(PageAllocator):
-    """The serving stack's allocator, one per simulated node (same reuse order, same checks)."""
 
 
 class CacheEntry:

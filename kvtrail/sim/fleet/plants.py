@@ -30,7 +30,7 @@ from collections import Counter
 import numpy as np
 
 from kvtrail.audit.events import KIND_CODES
-from kvtrail.sim.fleet.parts import OK
+from kvtrail.sim.fleet.parts import OK, Request
 from kvtrail.timeutil import format_utc
 
 _FREED, _WRITTEN, _ABORTED = (KIND_CODES[k] for k in ("pages_freed", "kv_written", "request_aborted"))
@@ -55,17 +55,18 @@ class Plant:
         self.source_node = source_node
         self.time_ns = time_ns
         self.planted = planted  # serial of the request whose event carries the fault
-        self.recipient = None  # serial of the request that read foreign data (or got the foreign hit)
+        self.recipient: int | None = None  # serial of the request that read foreign data (or got the foreign hit)
         self.pages = np.empty(0, np.int32)
         self.victims: set[int] = set()  # serials of the F1 victims (-1: never written)
-        self.read_ns = None
+        self.read_ns: int | None = None
         self.expected: dict[int, set[str]] = {}
         self.detail: dict = {}  # class-specific facts (e.g. the placeholder's prompt, pool and TTFT)
         # mechanics while the plant is in progress
-        self.req = None  # the planted request
-        self.partner = None  # the partner request (use_after_free, late_write, double_alloc)
+        self.req: Request | None = None  # the planted request
+        self.partner: int | None = None  # serial of the partner request (use_after_free, late_write, double_alloc)
         self.limbo = np.empty(0, np.int32)  # pages freed in the record but kept out of the pool
-        self.chunk = None  # late_write: (token_start, token_end, dst pages) of the write in flight
+        # late_write: (token_start, token_end, dst pages) of the write in flight
+        self.chunk: tuple[int, int, np.ndarray] | None = None
         self.ready = False  # waiting for a partner reservation
         self.cancelled = False  # never completed (e.g. no partner came): not part of the truth
 
@@ -238,6 +239,7 @@ class PlantHooks:
 
     def _abort_in_flight(self, plant: Plant) -> None:
         sim, req = self.sim, plant.req
+        assert req is not None and plant.chunk is not None, "late_write: aborted once, while its write is in flight"
         d, t = req.decode, sim.now
         req.cancelled = True
         d.log.add(t, _ABORTED, req, stage="transfer", abort_reason="client_disconnected", http_status=499)
@@ -274,10 +276,12 @@ class PlantHooks:
     def continue_plant(self, plant: Plant) -> None:
         """The partner's KV landed (or no partner will come): the planted read or late write happens now."""
         sim, req = self.sim, plant.req
+        assert req is not None, f"{plant.cls}: continued once"
         d = req.decode
         if plant.partner is None and plant.cls == "double_alloc":
             plant.cancelled = True  # nothing was double-allocated
         if plant.cls == "late_write":
+            assert plant.chunk is not None, "late_write: planted with its write in flight"
             start, end, dst = plant.chunk
             d.log.add(sim.now, _WRITTEN, req, dst, token_start=start, token_end=end, source="transfer_in")
             d.writer[dst] = req.serial

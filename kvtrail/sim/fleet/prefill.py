@@ -16,13 +16,13 @@ from collections import deque
 import numpy as np
 
 from kvtrail.audit.events import KIND_CODES
+from kvtrail.serving.allocator import PageAllocator
 from kvtrail.sim.fleet.log import ProducerLog
 from kvtrail.sim.fleet.parts import (
     OK,
     PLACEHOLDER,
     PREFILL_REJECT,
     CacheEntry,
-    FleetAllocator,
     RadixCache,
     Request,
 )
@@ -48,7 +48,7 @@ class PrefillNode:
         self.rate_tokens_per_s = rate_tokens_per_s
         self.vulnerable = vulnerable  # runs the engine with the placeholder bug
         self.checksum = not vulnerable  # the patched release sends per-transfer checksums
-        self.alloc = FleetAllocator(self.pool_pages, "lowest")
+        self.alloc = PageAllocator(self.pool_pages, "lowest")
         self.cache = RadixCache(int(self.pool_pages * cfg.cache_max_fraction))
         self.queue: deque[Request] = deque()
         self.busy = False  # a forward step is in flight

@@ -1,0 +1,225 @@
+"""The replay engine's Python event handlers: the reference statement of the per-node findings rules.
+
+:class:`EventHandlers` applies one :class:`~kvtrail.forensics.replay.event.ReplayEvent` to a
+:class:`~kvtrail.forensics.replay.state.ReplayState` and emits the findings it proves: F1, F5, F6, F7,
+F8 and F10 as events arrive; the kinds that feed the cross-node joins (F2, F3, F4, F9) go to
+:class:`~kvtrail.forensics.replay.joins.CrossNodeJoins`. The pure path hands it every event, the
+compiled path (:mod:`kvtrail.forensics.replay.fast`) only the events its kernel does not replay.
+
+Rules beyond the mission's definitions: a prefix-cache read is legitimate (not F1) only when the page's
+last writer recorded a block hash equal to the hit's; a ``decode_growth`` page read before anyone wrote
+it since its allocation is filled by the very step that reads it (not F1).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import numpy as np
+
+from kvtrail.forensics.findings import Finding, make_finding
+from kvtrail.forensics.policy import ForensicsPolicy
+from kvtrail.forensics.replay.batch import JOIN_KINDS, PAGE_KINDS
+from kvtrail.forensics.replay.event import EventKey, ReplayEvent, required
+from kvtrail.forensics.replay.pagestate import PageState
+from kvtrail.forensics.replay.state import ReplayState
+
+# Kinds with a handler here (named on_<kind>); JOIN_KINDS are CrossNodeJoins' methods of the same name.
+POOL_KINDS = ("node_config",) + PAGE_KINDS
+
+
+class EventHandlers:
+    """Applies events to a replay's state, one at a time; ``policy`` decides F10 (and F9, in the joins)."""
+
+    def __init__(self, state: ReplayState, policy: ForensicsPolicy):
+        self.state = state
+        self.policy = policy
+        self._by_kind: dict[str, Callable[[ReplayEvent], None]] = {
+            **{kind: getattr(self, "on_" + kind) for kind in POOL_KINDS},
+            **{kind: getattr(state.joins, kind) for kind in JOIN_KINDS}}
+
+    def handle(self, ev: ReplayEvent) -> None:
+        """Apply one event (kinds without a handler change nothing)."""
+        handler = self._by_kind.get(ev.kind)
+        if handler is not None:
+            handler(ev)
+
+    def finding(self, code: str, ev: ReplayEvent, *, node: str | None = None, request: str | None = None,
+                victims: Iterable[int] = (), pages: Iterable[int] = (), first_ns: int | None = None,
+                evidence: Iterable[EventKey] = (), detail: str = "", lineage: tuple[int, int] = (0, 0)) -> Finding:
+        """The finding ``code`` proved by ``ev`` (victims are request indices, -1 for nobody)."""
+        requests, tenants = self.state.requests, self.state.tenants
+        vic = tuple(sorted({requests[v] if v >= 0 else None for v in victims}, key=lambda x: (x is None, x)))
+        return make_finding(
+            code, node=ev.node_key[1] if node is None else node, request_id=request,
+            tenant_id=tenants.get(request) if request is not None else None, victim_request_ids=vic,
+            victim_tenant_ids=tuple(tenants.get(v) if v is not None else None for v in vic),
+            pages=tuple(int(p) for p in pages), first_ns=ev.wall_ns if first_ns is None else int(first_ns),
+            last_ns=ev.wall_ns, evidence=_keys([ev.key, *evidence]), detail=detail, lineage_checked=int(lineage[0]),
+            lineage_matched=int(lineage[1]))
+
+    def emit(self, code: str, ev: ReplayEvent, **kw) -> None:
+        self.state.found.append(self.finding(code, ev, **kw))
+
+    def _pool(self, ev: ReplayEvent) -> PageState | None:
+        pool = self.state.pools.get(ev.node_key)
+        if pool is None or not len(ev.pages):
+            return None
+        pool.fit(ev.pages)
+        return pool
+
+    # ---- per-node events -----------------------------------------------------------------------------
+
+    def on_node_config(self, ev: ReplayEvent) -> None:
+        state, key, n = self.state, ev.node_key, int(required(ev.pool_pages, "pool_pages"))
+        pool = state.pools.get(key)
+        if pool is None or state.pool_instance.get(key) != ev.instance:
+            state.pools[key] = PageState.empty(n)  # a new producer instance starts with a new, unwritten pool
+            state.pool_instance[key] = ev.instance
+        elif pool.num_entries < n + 1:
+            pool.grow(n + 1)
+        state.joins.page_size[key] = int(required(ev.page_size, "page_size"))
+        pool_tokens = required(ev.pool_tokens, "pool_tokens")
+        context_tokens = required(ev.context_tokens, "context_tokens")
+        if pool_tokens < context_tokens:
+            self.emit("F8", ev, detail=f"pool holds {pool_tokens} tokens, context is {context_tokens}")
+
+    def on_pages_allocated(self, ev: ReplayEvent) -> None:
+        pool, pages = self._pool(ev), ev.pages
+        if pool is None:
+            return
+        r = self.state.req(ev.request_id)
+        if ev.purpose == "prefix_hit":  # shared radix-cache pages: many readers by design
+            if ev.hashes is None:
+                raise ValueError("replay: block_hashes missing on a prefix_hit allocation")
+            for p, h in zip(pages.tolist(), ev.hashes.tolist()):
+                pool.share(p, r, h)
+            self.state.joins.prefix_hit(ev, len(pages))
+            return
+        owner = pool.owner[pages]
+        busy = ((owner >= 0) & (owner != r)) | (pool.nshared[pages] > 0)
+        if busy.any():
+            victims: set[int] = set()
+            evidence = []
+            for p in pages[busy].tolist():
+                victims |= pool.holders(p) - {r}
+                if pool.owner[p] >= 0:
+                    evidence.append(tuple(pool.alloc_ev[p]))
+            busy_pages = [p for p in pages[busy].tolist() if pool.holders(p) - {r}]
+            if busy_pages:
+                self.emit("F6", ev, request=ev.request_id, victims=victims, pages=busy_pages,
+                          evidence=evidence, detail=f"allocated ({ev.purpose}) while still held")
+        free = owner < 0
+        pool.owner[pages[free]] = r
+        for p in pages[~free & (owner != r)].tolist():
+            pool.extra.setdefault(p, set()).add(r)
+        pool.alloc_ev[pages[free | (owner == r)]] = ev.key
+        pool.alloc_req[pages] = r
+        pool.alloc_growth[pages] = ev.purpose == "decode_growth"
+        pool.gen[pages] += 1
+
+    def on_pages_freed(self, ev: ReplayEvent) -> None:
+        pool, pages = self._pool(ev), ev.pages
+        if pool is None:
+            return
+        holders: Iterable[int]
+        if ev.request_id is not None:
+            holders = [self.state.req(ev.request_id)]
+        else:  # radix eviction: the page leaves every holder
+            everyone = {int(o) for o in pool.owner[pages] if o >= 0}
+            for p in pages.tolist():
+                everyone |= pool.holders(p)
+            holders = everyone
+        for r in holders:
+            for p in pages.tolist():
+                pool.drop(p, r)
+            pool.remember_release(r, pages)
+
+    def on_kv_written(self, ev: ReplayEvent) -> None:
+        if ev.request_id is not None:
+            self.state.joins.written(ev)
+        pool, pages = self._pool(ev), ev.pages
+        if pool is None:
+            return
+        r = self.state.req(ev.request_id)
+        outside = ~pool.held_by(pages, r)
+        if outside.any():
+            late = pages[outside]
+            was_held = pool.released_by(r, late)
+            victims: set[int] = set()
+            for p in late.tolist():
+                victims |= pool.holders(p)
+            why = "after the request released them" if was_held.all() else "on pages the request never held"
+            self.emit("F7", ev, request=ev.request_id, victims=victims, pages=late, detail=f"write {why}")
+        pool.writer[pages] = r
+        pool.write_ns[pages] = ev.wall_ns
+        pool.write_gen[pages] = pool.gen[pages]
+        pool.write_ev[pages] = ev.key
+        pool.has_digest[pages] = ev.digests is not None
+        if ev.digests is not None:
+            pool.digest[pages] = ev.digests
+        pool.has_bhash[pages] = ev.hashes is not None
+        if ev.hashes is not None:
+            pool.bhash[pages] = ev.hashes
+
+    def on_kv_read(self, ev: ReplayEvent) -> None:
+        pool, pages = self._pool(ev), ev.pages
+        if pool is None:
+            return
+        r = self.state.req(ev.request_id)
+        held = pool.held_by(pages, r)
+        if not held.all():
+            outside = pages[~held]
+            victims: set[int] = set()
+            for p in outside.tolist():
+                victims |= pool.holders(p)
+            self.emit("F5", ev, request=ev.request_id, victims=victims, pages=outside,
+                      detail="read of pages the request does not hold")
+        is_hit, hit_hash = pool.hit_hashes(pages, r)
+        # A prefix-cache hit is the radix cache working when the page still holds what it was keyed by.
+        cached = is_hit & pool.has_bhash[pages] & (pool.bhash[pages] == hit_hash)
+        # A growth page it holds, not written since its allocation, is filled by the step that reads it.
+        fresh = (held & (pool.alloc_req[pages] == r) & pool.alloc_growth[pages]
+                 & (pool.write_gen[pages] < pool.gen[pages]))
+        writer = pool.writer[pages]
+        foreign = (writer != r) & ~cached & ~fresh
+        for w in np.unique(writer[foreign]).tolist():
+            sel = foreign & (writer == w)
+            if w < 0:
+                self.emit("F1", ev, request=ev.request_id, victims=[-1], pages=pages[sel],
+                          detail="read of pages never written since the pool was created")
+                continue
+            self.emit("F1", ev, request=ev.request_id, victims=[w], pages=pages[sel],
+                      first_ns=pool.write_ns[pages[sel]].min(), evidence=_write_keys(pool, pages[sel]),
+                      detail=f"read of pages last written by {self.state.requests[w]}",
+                      lineage=_lineage(pool, pages, sel, ev.digests))
+        cross = cached & (writer >= 0) & (writer != r)
+        if cross.any() and not self.policy.allow_tenant_cache_sharing:
+            tenants = self.state.tenants
+            mine = tenants.get(ev.request_id) if ev.request_id is not None else None
+            for w in np.unique(writer[cross]).tolist():
+                rid = self.state.requests[w]
+                theirs = tenants.get(rid) if rid is not None else None
+                if mine is None or theirs is None or mine == theirs:
+                    continue
+                sel = pages[cross & (writer == w)]
+                self.emit("F10", ev, request=ev.request_id, victims=[w], pages=sel,
+                          first_ns=pool.write_ns[sel].min(), evidence=_write_keys(pool, sel),
+                          detail=f"prefix-cache pages written for tenant {theirs} served to tenant {mine}")
+
+
+def _write_keys(pool: PageState, pages: np.ndarray) -> set[EventKey]:
+    return {(k[0], k[1]) for k in pool.write_ev[pages].tolist()}
+
+
+def _lineage(pool: PageState, pages: np.ndarray, sel: np.ndarray, read_digests: np.ndarray | None) -> tuple[int, int]:
+    """(pages checked, pages whose read digest equals what their last writer recorded)."""
+    if read_digests is None:
+        return 0, 0
+    checked = sel & pool.has_digest[pages]
+    return int(checked.sum()), int((checked & (pool.digest[pages] == read_digests)).sum())
+
+
+def _keys(items: Iterable[EventKey]) -> tuple[EventKey, ...]:
+    return tuple(sorted({(int(p), int(s)) for p, s in items if p >= 0}))
+

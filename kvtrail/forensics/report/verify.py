@@ -1,0 +1,105 @@
+"""``verify-report``: is this report still what the store says?
+
+:func:`verify_report` re-runs the queries on the store *as of the heads its manifest recorded* (later
+batches are left out, so a store that kept growing still verifies, and the growth is reported), checks
+that every head is still in the store with the same digest and that the chain verifies, and that no
+report file changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+
+from kvtrail.audit.store import connect_readonly
+from kvtrail.audit.verify import verify_store
+from kvtrail.errors import KvtrailError
+from kvtrail.forensics.questions import require_store
+from kvtrail.forensics.report.build import build_report
+from kvtrail.forensics.report.manifest import load_manifest, sha256_file
+from kvtrail.forensics.report.options import ReportOptions
+from kvtrail.forensics.report.snapshot import chain_heads, open_snapshot
+
+
+@dataclass
+class ReportCheck:
+    """Outcome of :func:`verify_report`: problems (exit 1 when any) and notes (informational)."""
+
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_report(report_dir: str | Path, db: str | Path, *, strict: bool = False) -> ReportCheck:
+    """Re-run the report's queries and compare. ``strict``: events committed after the report that fall
+    inside its window are a problem (otherwise a note)."""
+    doc = load_manifest(report_dir)
+    require_store(db)
+    check = ReportCheck()
+    d = Path(report_dir)
+    for name, digest in sorted(doc["files"].items()):
+        if not (d / name).is_file():
+            check.problems.append(f"file {name}: missing")
+        elif sha256_file(d / name) != digest:
+            check.problems.append(f"file {name}: modified since the report was written")
+    options = ReportOptions.from_dict(doc["options"])
+    heads = doc["chain_heads"]
+    con = connect_readonly(db)
+    try:
+        try:
+            now = {h["producer_id"]: h for h in chain_heads(con)}
+        except duckdb.Error:
+            raise KvtrailError(f"--db: {db} is not a kvtrail audit store") from None
+        for h in heads:
+            row = con.execute("SELECT digest FROM batches WHERE producer_id = ? AND batch_no = ?",
+                              [h["producer_id"], h["batch_no"]]).fetchone()
+            where = f"chain head of producer {h['producer_id']} ({h['node']}) batch {h['batch_no']}"
+            if row is None:
+                check.problems.append(f"{where}: no longer in the store")
+            elif bytes(row[0]).hex() != h["digest"]:
+                check.problems.append(f"{where}: digest differs ({bytes(row[0]).hex()[:16]}... now, "
+                                      f"{h['digest'][:16]}... recorded)")
+        _growth(con, heads, now, options, check, strict)
+        chain = verify_store(con)
+        if not chain.ok:
+            more = f" (+{len(chain.problems) - 1} more)" if len(chain.problems) > 1 else ""
+            check.problems.append(f"audit chain: {chain.first_problem}{more}")
+    finally:
+        con.close()
+    snap, _ = open_snapshot(db, heads)
+    try:
+        digest = build_report(snap, options, None, heads).results_digest()
+    except Exception as exc:  # noqa: BLE001 - a tampered store may not even replay; that is a failed check
+        first_line = (str(exc).splitlines() or [""])[0]
+        check.problems.append(f"results could not be recomputed: {type(exc).__name__}: {first_line}")
+        return check
+    finally:
+        snap.close()
+    if digest != doc["results_digest"]:
+        check.problems.append(f"results digest differs: the store now answers differently for this window "
+                              f"({digest[:16]}... now, {doc['results_digest'][:16]}... recorded)")
+    return check
+
+
+def _growth(con, heads: list[dict], now: dict, options, check: ReportCheck, strict: bool) -> None:
+    """Say how the store grew after the report (batches past the heads, new producers)."""
+    recorded = {h["producer_id"]: h["batch_no"] for h in heads}
+    new_batches = sum(max(0, h["batch_no"] - recorded.get(pid, -1)) for pid, h in now.items())
+    if not new_batches:
+        return
+    late = con.execute(
+        "SELECT count(*) FROM events e LEFT JOIN (SELECT unnest(?::BIGINT[]) AS producer_id, "
+        "unnest(?::BIGINT[]) AS head) h USING (producer_id) "
+        "WHERE (h.head IS NULL OR e.batch_no > h.head) AND e.wall_ns BETWEEN ? AND ?",
+        [list(recorded), list(recorded.values()), options.from_ns, options.to_ns]).fetchone()[0]
+    check.notes.append(f"the store has grown since the report: {new_batches} batches after the recorded heads; "
+                       f"results were re-computed only from batches up to those heads")
+    if late:
+        msg = (f"{late} events committed after the report fall inside its window "
+               f"(late arrivals): the report does not include them; re-run it to include them")
+        (check.problems if strict else check.notes).append(msg)
