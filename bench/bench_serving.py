@@ -17,6 +17,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import TypedDict
 
 import httpx
 
@@ -25,10 +26,19 @@ from kvtrail.serving.stack import Stack
 from kvtrail.serving.traffic import TrafficConfig, make_prompt, plan
 
 
-async def _round(url: str, keys: dict[str, str], traffic: TrafficConfig) -> dict:
+class RoundFigures(TypedDict):
+    """One round of traffic against the stack (an entry of ``rounds`` in the JSON)."""
+
+    tokens_per_s: float
+    ttft_ms_median: float
+    elapsed_s: float
+
+
+async def _round(url: str, keys: dict[str, str], traffic: TrafficConfig) -> RoundFigures:
     requests = plan(traffic, sorted(keys))
     sem = asyncio.Semaphore(traffic.concurrency)
-    ttfts, tokens = [], 0
+    ttfts: list[float] = []
+    tokens = 0
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         async def one(tenant, n, _overlong):
             nonlocal tokens
@@ -59,19 +69,23 @@ def main() -> None:
     base = StackConfig(mode="patched", prefill_pool_tokens=16 * 1024, decode_pool_tokens=64 * 1024,
                        context_tokens=16 * 1024, max_new_tokens=48)
     keys = {t: k for k, t in base.api_keys}
-    results = {"off": [], "on": []}
+    results: dict[str, list[RoundFigures]] = {"off": [], "on": []}
     with tempfile.TemporaryDirectory() as tmp, Stack(base, Path(tmp) / "audit.duckdb") as stack:
+        url = stack.url
+        assert url is not None, "a started stack has a URL"
         for side in ("off", "on"):  # warm-up round each, not counted
             stack.set_audit(side == "on")
-            asyncio.run(_round(stack.url, keys, traffic))
+            asyncio.run(_round(url, keys, traffic))
         for r in range(rounds):
             for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
                 stack.set_audit(side == "on" or args.aa)
-                results[side].append(asyncio.run(_round(stack.url, keys, traffic)))
+                results[side].append(asyncio.run(_round(url, keys, traffic)))
         stack.set_audit(True)
+        assert stack.recorder is not None and stack.store is not None, "a started stack has both"
         stack.recorder.flush(30)
         time.sleep(2.5)  # the workers' writers drain once a second
         events = stack.store.cursor().execute("SELECT count(*), sum(num_pages + num_dst_pages) FROM events").fetchone()
+        assert events is not None, "an aggregate query returns one row"
     tps = {s: statistics.median(x["tokens_per_s"] for x in results[s]) for s in results}
     ttft = {s: statistics.median(x["ttft_ms_median"] for x in results[s]) for s in results}
     # Per-round pairs: the ratio of each on-round to the off-round beside it, then the median.

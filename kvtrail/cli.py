@@ -77,7 +77,10 @@ def serve(db: str, mode: str, incident: bool, faults: tuple[str, ...], **sizes) 
         try:
             while all(p.is_alive() for p in stack.procs.values()):
                 time.sleep(0.5)
-            click.echo("a worker exited; stopping", err=True)
+            failed = ", ".join(f"{role} (exit code {code})" for role, code in stack.failed_workers().items())
+            click.echo(f"a worker exited: {failed or 'unknown'}; stopping", err=True)
+            for line in stack.worker_log_tail():
+                click.echo(f"  {line}", err=True)
         except KeyboardInterrupt:
             click.echo("stopping")
         import signal

@@ -5,7 +5,8 @@ in the incident's configuration: the prefill pool holds fewer tokens than the co
 advertises, and the engine behaves like SGLang before 0.5.20. Three tenants send traffic whose
 prompts carry tenant-unique canaries, a share of them longer than the prefill pool. It prints the
 responses that carried another tenant's canary (ground truth from content) beside what the audit
-alone shows (evidence queries and the forensics replay's findings), then repeats in ``patched`` mode. The DuckDB file stays for reports and dashboards.
+alone shows (evidence queries and the forensics replay's findings), then repeats in ``patched`` mode.
+The DuckDB file stays for reports and dashboards.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ from tqdm import tqdm
 
 from kvtrail.audit.store import connect_readonly
 from kvtrail.audit.verify import verify_store
-from kvtrail.forensics.findings import AFFECTED_CODES
-from kvtrail.forensics.replay.engine import replay_store
+from kvtrail.forensics import AFFECTED_CODES, replay_store
 from kvtrail.serving.config import StackConfig
-from kvtrail.serving.stack import Stack
+from kvtrail.serving.stack import Stack, worker_log_path
 from kvtrail.serving.traffic import TrafficConfig, run_traffic
 
 
@@ -38,13 +38,24 @@ def run_demo(db: str, *, seed: int = 0, requests: int = 60) -> None:
         started_ns = time.time_ns()
         t0 = time.perf_counter()
         with Stack(cfg, db) as stack:
+            assert stack.url is not None, "a started stack has a router URL"
             with tqdm(total=requests, desc=mode, unit="req", file=sys.stderr, disable=None, leave=False) as bar:
                 outcomes = run_traffic(stack.url, {t: k for k, t in cfg.api_keys}, traffic, bar.update)
+        _report_failed_workers(stack)
         _report(db, mode, cfg, outcomes, started_ns, time.perf_counter() - t0)
     report = verify_store(db)
     verdict = "OK" if report.ok else f"FAILED: {report.first_problem}"
     click.echo(f"\naudit chain: {report.batches_checked} batches verified: {verdict}")
     click.echo(f"next: kvtrail audit stats --db {db}; kvtrail audit verify --db {db}")
+    click.echo(f"(the transfer engine's own log lines are in {worker_log_path(db)})")
+
+
+def _report_failed_workers(stack: Stack) -> None:
+    """A worker that died mid-run: say so, with the last lines of the engine log (the likely cause)."""
+    for role, code in stack.failed_workers().items():
+        click.echo(f"{role} worker exited with code {code}; last lines of {stack.worker_log_path}:", err=True)
+        for line in stack.worker_log_tail():
+            click.echo(f"  {line}", err=True)
 
 
 def _report(db: str, mode: str, cfg: StackConfig, outcomes, started_ns: int, elapsed_s: float) -> None:
@@ -82,7 +93,7 @@ def _report_findings(findings, outcomes) -> None:
     counts: dict[str, int] = {}
     for f in findings:
         counts[f.code] = counts.get(f.code, 0) + 1
-    affected: dict[str, set] = {}
+    affected: dict[tuple[str, str], set[str]] = {}
     checked = matched = 0
     for f in findings:
         if f.code in AFFECTED_CODES:

@@ -1,18 +1,13 @@
-"""The paged KV allocator and the request-to-token table, shaped like SGLang's.
+"""The paged KV allocator, shaped like SGLang's.
 
 :class:`PageAllocator` hands out page ids ``1..num_pages``; page 0 is the padding page and is never
 handed out. It moves ids only: the K/V buffers (:mod:`kvtrail.serving.kvpool`) are never zeroed, so a
 reused page still holds its last owner's K/V until someone writes it.
 
-:class:`ReqToTokenTable` is SGLang's ``req_to_token``: one row per request, giving the page behind
-each token position. Freed rows keep their contents, as in SGLang.
-
-This module needs numpy only (no torch), so the audit package's simulator can share the allocator.
+This module needs numpy only (no torch), so the fleet simulator (:mod:`kvtrail.sim`) can share the allocator.
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 import numpy as np
 
@@ -155,101 +150,3 @@ class PageAllocator:
         self._staged = []
         self.merges += 1
 
-
-class ReqToTokenTable:
-    """SGLang's ``req_to_token``: rows ``1..num_rows`` (row 0 is padding), one per running request.
-
-    A row is the request's ordered page list plus its ``seq_len``; token position ``p`` lives in slot
-    ``p % page_size`` of page ``pages[p // page_size]``. :meth:`free_row` does not clear the row and
-    :meth:`alloc_row` only resets the page count and ``seq_len``: the old page ids stay in the row
-    (see :meth:`raw_row`), as SGLang leaves freed rows' contents in place.
-    """
-
-    def __init__(self, num_rows: int, max_context_tokens: int, page_size: int):
-        if num_rows < 1:
-            raise ValueError("num_rows: must be >= 1")
-        if page_size < 1:
-            raise ValueError("page_size: must be >= 1")
-        if max_context_tokens < 1:
-            raise ValueError("max_context_tokens: must be >= 1")
-        self.num_rows = int(num_rows)
-        self.page_size = int(page_size)
-        self.max_pages = self.pages_for(max_context_tokens)
-        self._rows = np.zeros((self.num_rows + 1, self.max_pages), dtype=np.int32)
-        self._num_pages = np.zeros(self.num_rows + 1, dtype=np.int64)
-        self._seq_len = np.zeros(self.num_rows + 1, dtype=np.int64)
-        self._live = np.zeros(self.num_rows + 1, dtype=bool)
-        self._free_rows = deque(range(1, self.num_rows + 1))  # taken from the front, returned at the back
-
-    def pages_for(self, tokens: int) -> int:
-        """Pages needed to hold ``tokens`` tokens (``ceil(tokens / page_size)``)."""
-        if tokens < 0:
-            raise ValueError("tokens: must be >= 0")
-        return -(-int(tokens) // self.page_size)
-
-    def alloc_row(self) -> int | None:
-        """A free row (its page count and ``seq_len`` reset to 0), or None when all rows are taken."""
-        if not self._free_rows:
-            return None
-        row = self._free_rows.popleft()
-        self._live[row] = True
-        self._num_pages[row] = 0
-        self._seq_len[row] = 0
-        return row
-
-    def free_row(self, row: int) -> None:
-        """Return ``row``; its contents stay as they are."""
-        self._check_live(row)
-        self._live[row] = False
-        self._free_rows.append(row)
-
-    def append_pages(self, row: int, pages) -> None:
-        """Add pages at the end of the row's page list."""
-        self._check_live(row)
-        pages = np.asarray(pages, dtype=np.int32).reshape(-1)
-        n = int(self._num_pages[row])
-        if n + pages.size > self.max_pages:
-            raise ValueError(f"pages: row {row} would hold {n + pages.size} pages, max is {self.max_pages}")
-        self._rows[row, n:n + pages.size] = pages
-        self._num_pages[row] = n + pages.size
-
-    def set_seq_len(self, row: int, seq_len: int) -> None:
-        """Set the tokens the row covers; at most its pages' capacity."""
-        self._check_live(row)
-        cap = int(self._num_pages[row]) * self.page_size
-        if not 0 <= seq_len <= cap:
-            raise ValueError(f"seq_len: {seq_len} is outside 0..{cap} (row {row}'s pages)")
-        self._seq_len[row] = seq_len
-
-    def pages(self, row: int) -> np.ndarray:
-        """The row's page list (int32, a copy)."""
-        self._check_row(row)
-        return self._rows[row, :self._num_pages[row]].copy()
-
-    def seq_len(self, row: int) -> int:
-        self._check_row(row)
-        return int(self._seq_len[row])
-
-    def token_slots(self, row: int, start: int = 0, end: int | None = None) -> np.ndarray:
-        """Flat slot ids ``page * page_size + p % page_size`` of positions ``[start, end)`` (default: seq_len)."""
-        self._check_row(row)
-        end = int(self._seq_len[row]) if end is None else end
-        cap = int(self._num_pages[row]) * self.page_size
-        if not 0 <= start <= end <= cap:
-            raise ValueError(f"end: positions [{start}, {end}) are outside row {row}'s 0..{cap}")
-        pos = np.arange(start, end, dtype=np.int64)
-        return self._rows[row, pos // self.page_size].astype(np.int64) * self.page_size + pos % self.page_size
-
-    def raw_row(self, row: int) -> np.ndarray:
-        """Every entry of the row, stale ones past its page count included (for forensics)."""
-        self._check_row(row)
-        return self._rows[row].copy()
-
-    def _check_row(self, row: int) -> None:
-        if not 1 <= row <= self.num_rows:
-            raise ValueError(f"row: {row} is out of range 1..{self.num_rows}")
-
-    def _check_live(self, row: int) -> None:
-        self._check_row(row)
-        if not self._live[row]:
-            raise ValueError(f"row: {row} is not allocated")

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from kvtrail.audit.recorder import RecorderConfig
+from kvtrail.serving.allocator import REUSE_POLICIES
 
 MODES = ("vulnerable", "patched")
-REUSE_ORDERS = ("lowest", "lifo")
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,6 @@ class Faults:
     late_write: bool = False
     double_alloc: bool = False
     corrupt_transfer: bool = False
-
-    def names(self) -> tuple[str, ...]:
-        return tuple(n for n in ("premature_free", "late_write", "double_alloc", "corrupt_transfer") if getattr(self, n))
 
 
 @dataclass(frozen=True)
@@ -70,8 +67,8 @@ class StackConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"stack config 'mode': {self.mode!r} is not one of {', '.join(MODES)}")
-        if self.reuse not in REUSE_ORDERS:
-            raise ValueError(f"stack config 'reuse': {self.reuse!r} is not one of {', '.join(REUSE_ORDERS)}")
+        if self.reuse not in REUSE_POLICIES:
+            raise ValueError(f"stack config 'reuse': {self.reuse!r} is not one of {', '.join(REUSE_POLICIES)}")
         for name in ("page_size", "prefill_pool_tokens", "decode_pool_tokens", "context_tokens", "max_new_tokens",
                      "num_layers", "num_heads", "head_dim", "max_running_requests"):
             if getattr(self, name) < 1:
@@ -96,9 +93,6 @@ class StackConfig:
     def tenants(self) -> dict[str, str]:
         """API key -> tenant."""
         return dict(self.api_keys)
-
-    def with_(self, **changes) -> "StackConfig":
-        return replace(self, **changes)
 
     @classmethod
     def incident(cls, **changes) -> "StackConfig":

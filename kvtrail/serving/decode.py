@@ -10,13 +10,26 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from multiprocessing.connection import Client
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvtrail.audit.events import RequestRef
 from kvtrail.serving.integrity import DIGEST_ALGO
-from kvtrail.serving.worker import WorkerBase
+from kvtrail.serving.messages import (
+    Abort,
+    AbortAck,
+    Cancel,
+    ConnectPeer,
+    DecodeRequest,
+    DstPages,
+    KvDone,
+    KvFailed,
+    Response,
+)
+from kvtrail.serving.worker_base import WorkerBase
 
 
 @dataclass
@@ -36,38 +49,42 @@ class _Req:
 
 
 class DecodeWorker(WorkerBase):
+    """Reserves pages, takes prefill's KV into them and generates, one token per request per step."""
+
     role = "decode"
 
-    def __init__(self, *args):
+    def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.reqs: dict[int, _Req] = {}
         self.forgotten: dict[int, _Req] = {}  # aborted and released: a late write may still arrive
         self.quarantine: list[tuple[float, _Req]] = []
 
-    def on_peer(self, _room, info: dict) -> None:
-        self.connect_peer(info)
+    def on_connect_peer(self, msg: ConnectPeer) -> None:
+        """Decode dials prefill's listener: the channel page ids and KV completions travel on."""
+        self.peer = Client(msg.info.address, authkey=msg.info.authkey)
 
     # ---- admission and transfer ----------------------------------------------------------------
 
-    def on_decode(self, room: int, ref: RequestRef, prompt_len: int, max_new: int) -> None:
+    def on_decode(self, msg: DecodeRequest) -> None:
+        room, ref, prompt_len, max_new = msg.room, msg.ref, msg.prompt_tokens, msg.max_new_tokens
         self.rec.request_received(ref, prompt_len, max_new)
         if len(self.reqs) >= self.cfg.max_running_requests:
             self.rec.request_aborted(ref, "decode_prealloc", "decode at max running requests", 503, prompt_len)
-            self.send_peer(("cancel", room))
+            self.send_peer(Cancel(room))
             self._respond(room, 503, error="decode is at its max running requests")
             return
         need = -(-prompt_len // self.cfg.page_size)
         pages = self._reserve(need)
         if pages is None:
             self.rec.request_aborted(ref, "decode_prealloc", "decode KV pool exhausted", 503, prompt_len)
-            self.send_peer(("cancel", room))  # prefill admitted it and is waiting for page ids
+            self.send_peer(Cancel(room))  # prefill admitted it and is waiting for page ids
             self._respond(room, 503, error="decode KV pool exhausted")
             return
         self.rec.transfer_reserved(ref, pages, prompt_len)
         self.rec.pages_allocated(ref, pages, "decode_reservation")
         self.reqs[room] = _Req(ref, prompt_len, max_new, pages, time.monotonic_ns(),
                                tags=self.integrity.allocate(pages))
-        self.send_peer(("dst", room, pages, prompt_len))
+        self.send_peer(DstPages(room, pages, prompt_len))
 
     def _reserve(self, need: int) -> np.ndarray | None:
         victims = [r for r in self.reqs.values() if r.state == "running" and not r.freed]
@@ -81,11 +98,12 @@ class DecodeWorker(WorkerBase):
             return np.append(pages, np.int32(stolen)).astype(np.int32)
         return self.alloc.alloc(need)
 
-    def on_kv_done(self, room: int, first: int, tokens_sent: int, pages_sent: int, sent_digests=None) -> None:
+    def on_kv_done(self, msg: KvDone) -> None:
+        room, tokens_sent, sent_digests = msg.room, msg.tokens_sent, msg.page_digests
         r = self.reqs.get(room) or self.forgotten.pop(room, None)
         if r is None:
             return
-        landed = r.pages[:pages_sent]
+        landed = r.pages[:msg.pages_sent]
         if self.cfg.faults.corrupt_transfer and len(landed):
             self._corrupt(int(landed[0]))
         digests = req_digest = None
@@ -115,7 +133,7 @@ class DecodeWorker(WorkerBase):
             return
         r.state = "running"
         r.table = r.pages.copy()
-        r.out.append(first)
+        r.out.append(msg.first_token)
         r.first_token_mono_ns = time.monotonic_ns()
         if self.cfg.faults.premature_free:
             self._free_pages(r, r.pages, "finish")  # fault: freed while the request goes on reading
@@ -148,7 +166,8 @@ class DecodeWorker(WorkerBase):
         row = self.pool.buffers()[0][page].view(-1).view(torch.uint8)
         row[0] ^= 1
 
-    def on_kv_failed(self, room: int, error: str) -> None:
+    def on_kv_failed(self, msg: KvFailed) -> None:
+        room, error = msg.room, msg.error
         r = self.reqs.get(room)
         if r is None:
             return
@@ -161,7 +180,8 @@ class DecodeWorker(WorkerBase):
             self._release(room, "abort")
         self._respond(room, 500, error=f"KV transfer failed: {error}")
 
-    def on_abort(self, room: int) -> None:
+    def on_abort(self, msg: Abort) -> None:
+        room = msg.room
         r = self.reqs.get(room)
         if r is None:
             return
@@ -174,10 +194,10 @@ class DecodeWorker(WorkerBase):
             self.forgotten[room] = r
         self._release(room, "abort")
 
-    def on_abort_ack(self, room: int) -> None:
-        r = self.reqs.get(room)
+    def on_abort_ack(self, msg: AbortAck) -> None:
+        r = self.reqs.get(msg.room)
         if r is not None and r.state == "aborted_waiting":
-            self._release(room, "deferred_release")
+            self._release(msg.room, "deferred_release")
 
     def on_peer_lost(self) -> None:
         for room, r in list(self.reqs.items()):
@@ -209,6 +229,7 @@ class DecodeWorker(WorkerBase):
                 continue
             if not self._tags_hold(room, r):
                 continue
+            assert r.table is not None and r.tags is not None, "decode: a running request has a table and tags"
             token = self.model.decode_step(self.pool, r.table, r.prompt_len, r.step)
             r.out.append(token)
             pos = r.prompt_len + r.step - 1  # where this token's own K/V goes
@@ -250,5 +271,14 @@ class DecodeWorker(WorkerBase):
 
     def _respond(self, room: int, status: int, *, text: str = "", completion_tokens: int = 0, first_token_mono_ns=None,
                  finish_reason: str = "abort", error: str | None = None) -> None:
-        self.send_router(("response", room, status, text, completion_tokens, first_token_mono_ns, finish_reason,
-                          error))
+        self.send_router(Response(room, status, text, completion_tokens, first_token_mono_ns, finish_reason, error))
+
+    HANDLERS = {
+        **WorkerBase.HANDLERS,
+        ConnectPeer: on_connect_peer,
+        DecodeRequest: on_decode,
+        KvDone: on_kv_done,
+        KvFailed: on_kv_failed,
+        Abort: on_abort,
+        AbortAck: on_abort_ack,
+    }

@@ -1,8 +1,9 @@
-"""Control channel between the router and the workers (and between prefill and decode).
+"""The router's side of the control channel to one worker.
 
-Messages are tuples ``(op, transfer_id, *fields)`` over ``multiprocessing.connection`` sockets on
-127.0.0.1 with an auth key. :class:`WorkerLink` is the router's side: one reader thread matches
-replies to waiting callers by transfer id, and fails every waiter at once if the worker goes away.
+Messages are the typed dataclasses of :mod:`kvtrail.serving.messages` over ``multiprocessing.connection``
+sockets on 127.0.0.1 with an auth key. :class:`WorkerLink` has one reader thread that matches each
+reply to the callers waiting for its type and transfer id, and fails every waiter at once if the
+worker goes away (or sends something the router does not take).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import threading
 from multiprocessing.connection import Connection
 
 from kvtrail.errors import KvtrailError
+from kvtrail.serving.messages import ROUTER_INBOX, RouterReply, unexpected
 
 
 class WorkerDown(KvtrailError):
@@ -27,13 +29,14 @@ class WorkerLink:
         self.name = name
         self._conn = conn
         self._send_lock = threading.Lock()
-        self._waiters: dict[tuple[str, int], list] = {}
+        # transfer id -> [(reply types accepted, loop, future)]
+        self._waiters: dict[int, list[tuple[tuple[type, ...], asyncio.AbstractEventLoop, asyncio.Future]]] = {}
         self._lock = threading.Lock()
         self.alive = True
         self._reader = threading.Thread(target=self._read, name=f"kvtrail-link-{name}", daemon=True)
         self._reader.start()
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: object) -> None:
         if not self.alive:
             raise WorkerDown(f"{self.name} worker is down")
         try:
@@ -43,34 +46,46 @@ class WorkerLink:
             self.alive = False
             raise WorkerDown(f"{self.name} worker is down") from None
 
-    def expect(self, kind: str, transfer_id: int) -> asyncio.Future:
-        """A future resolved with the next message of ``kind`` (a reply group) for ``transfer_id``."""
+    def expect(self, transfer_id: int, *kinds: type) -> asyncio.Future:
+        """A future resolved with the next reply for ``transfer_id`` whose type is one of ``kinds``."""
+        if not kinds or not all(k in ROUTER_INBOX for k in kinds):
+            raise ValueError(f"kinds: {kinds!r} must be reply types of kvtrail.serving.messages (ROUTER_INBOX)")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         with self._lock:
             if not self.alive:
                 fut.set_exception(WorkerDown(f"{self.name} worker is down"))
                 return fut
-            self._waiters.setdefault((kind, transfer_id), []).append((loop, fut))
+            self._waiters.setdefault(transfer_id, []).append((kinds, loop, fut))
         return fut
 
     def _read(self) -> None:
+        error: KvtrailError = WorkerDown(f"{self.name} worker is down")
         while True:
             try:
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 break
-            kind = REPLY_KINDS.get(msg[0], msg[0])
+            if not isinstance(msg, RouterReply):
+                error = unexpected(f"router (from the {self.name} worker)", msg)
+                self._conn.close()  # the worker sees the router gone and exits its loop
+                break
             with self._lock:
-                waiters = self._waiters.pop((kind, msg[1]), [])
-            for loop, fut in waiters:
+                waiting = self._waiters.get(msg.room, [])
+                matched = [w for w in waiting if isinstance(msg, w[0])]
+                rest = [w for w in waiting if not isinstance(msg, w[0])]
+                if rest:
+                    self._waiters[msg.room] = rest
+                else:
+                    self._waiters.pop(msg.room, None)
+            for _, loop, fut in matched:
                 loop.call_soon_threadsafe(_resolve, fut, msg)
         self.alive = False
         with self._lock:
             pending, self._waiters = self._waiters, {}
         for waiters in pending.values():
-            for loop, fut in waiters:
-                loop.call_soon_threadsafe(_fail, fut, WorkerDown(f"{self.name} worker is down"))
+            for _, loop, fut in waiters:
+                loop.call_soon_threadsafe(_fail, fut, error)
 
     def close(self) -> None:
         try:
@@ -78,10 +93,6 @@ class WorkerLink:
         except OSError:
             pass
         self._reader.join(5)
-
-
-# Replies grouped by what the router waits for: prefill answers "admission" with one of two messages.
-REPLY_KINDS = {"admitted": "admission", "rejected": "admission", "response": "response"}
 
 
 def _resolve(fut: asyncio.Future, msg) -> None:

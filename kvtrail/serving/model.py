@@ -135,8 +135,11 @@ class CopyModel:
         self._check_pool(pool)
         if seq_len < 1:
             raise ValueError(f"seq_len: must be >= 1, got {seq_len}")
-        return [tuple(t.float() for t in pool.gather(layer, page_table, seq_len))
-                for layer in range(self.config.num_layers)]
+        out = []
+        for layer in range(self.config.num_layers):
+            k, v = pool.gather(layer, page_table, seq_len)
+            out.append((k.float(), v.float()))
+        return out
 
     def _attend(self, kv, seq_len: int, steps: torch.Tensor) -> torch.Tensor:
         """Tokens ``(m,)`` for decode ``steps`` ``(m,)`` over gathered per-layer K/V ``(seq_len, H, d)``."""

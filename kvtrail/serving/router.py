@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvtrail.audit.events import RequestRef
 from kvtrail.serving.config import StackConfig
 from kvtrail.serving.link import WorkerDown, WorkerLink
+from kvtrail.serving.messages import Abort, Admitted, DecodeRequest, PrefillRequest, ProtocolError, Rejected, Response
 
 
 class CompletionRequest(BaseModel):
@@ -63,7 +64,7 @@ class RouterCore:
         max_new = req.max_tokens or self.cfg.max_new_tokens
         if max_new > self.cfg.max_new_tokens:
             return _error(400, f"field 'max_tokens': at most {self.cfg.max_new_tokens}", "max_tokens")
-        ref = RequestRef(uuid.uuid4().hex[:16], secrets.randbits(63), tenant, api_key_id(key))
+        ref = RequestRef(uuid.uuid4().hex[:16], secrets.randbits(63), tenant, api_key_id(key or ""))
         started = time.monotonic_ns()
         self.rec.request_received(ref, len(tokens), max_new)
         if len(tokens) + max_new > self.cfg.context_tokens:
@@ -72,7 +73,7 @@ class RouterCore:
             return self._finish(ref, started, len(tokens), _error(400, msg, "prompt"), stage="router")
         try:
             return await self._serve(ref, tokens, max_new, started, abort_after_s)
-        except WorkerDown as exc:
+        except (WorkerDown, ProtocolError) as exc:
             return self._finish(ref, started, len(tokens), _error(502, str(exc)), stage="router")
         except asyncio.TimeoutError:
             return self._finish(ref, started, len(tokens), _error(504, "timed out waiting for the workers"),
@@ -80,22 +81,23 @@ class RouterCore:
 
     async def _serve(self, ref: RequestRef, tokens: bytes, max_new: int, started: int, abort_after_s):
         room = ref.transfer_id
+        assert room is not None, "router: every request it serves has a transfer id"
         timeout = self.cfg.transfer_timeout_s
-        admission = self.prefill.expect("admission", room)
-        self.prefill.send(("prefill", room, ref, tokens, abort_after_s is not None))
+        admission = self.prefill.expect(room, Admitted, Rejected)
+        self.prefill.send(PrefillRequest(room, ref, tokens, abort_after_s is not None))
         msg = await asyncio.wait_for(admission, timeout)
-        if msg[0] == "rejected":
-            _, _, status, error = msg
-            return self._finish(ref, started, len(tokens), _error(status, error, "prompt"))
-        response = self.decode.expect("response", room)
-        self.decode.send(("decode", room, ref, len(tokens), max_new))
+        if isinstance(msg, Rejected):
+            return self._finish(ref, started, len(tokens), _error(msg.http_status, msg.error, "prompt"))
+        response = self.decode.expect(room, Response)
+        self.decode.send(DecodeRequest(room, ref, len(tokens), max_new))
         if abort_after_s is not None:
             # A client disconnect (or a load balancer) aborting the request while KV is in flight.
             await asyncio.sleep(abort_after_s)
-            self.decode.send(("abort", room))
-            self.prefill.send(("abort", room))
-        _, _, status, text, completion_tokens, first_token_ns, finish_reason, error = await asyncio.wait_for(
-            response, timeout)
+            self.decode.send(Abort(room))
+            self.prefill.send(Abort(room))
+        reply: Response = await asyncio.wait_for(response, timeout)
+        status, text, completion_tokens = reply.http_status, reply.text, reply.completion_tokens
+        first_token_ns, finish_reason, error = reply.first_token_mono_ns, reply.finish_reason, reply.error
         latency = time.monotonic_ns() - started
         # TTFT as the client sees it: from arrival at the router (prefill and transfer included).
         ttft_ns = first_token_ns - started if first_token_ns is not None else None
@@ -113,7 +115,7 @@ class RouterCore:
 
     def _finish(self, ref: RequestRef, started: int, prompt_tokens: int, resp: JSONResponse, stage: str | None = None):
         if stage is not None:
-            self.rec.request_aborted(ref, stage, resp.body.decode()[:200], resp.status_code, prompt_tokens)
+            self.rec.request_aborted(ref, stage, bytes(resp.body).decode()[:200], resp.status_code, prompt_tokens)
         self.rec.response_sent(ref, resp.status_code, prompt_tokens, 0, time.monotonic_ns() - started,
                                finish_reason="abort")
         return resp
@@ -146,6 +148,7 @@ def create_app(core: RouterCore) -> FastAPI:
     @app.get("/health")
     async def health():
         ok = core.prefill.alive and core.decode.alive
-        return JSONResponse({"prefill": core.prefill.alive, "decode": core.decode.alive}, status_code=200 if ok else 503)
+        return JSONResponse({"prefill": core.prefill.alive, "decode": core.decode.alive},
+                            status_code=200 if ok else 503)
 
     return app

@@ -3,27 +3,59 @@
 This process owns the audit store: a :class:`~kvtrail.audit.relay.RelayServer` commits the workers'
 batches (and the router's own) into the DuckDB file. The router's HTTP server binds 127.0.0.1 on a
 port the OS picks; :attr:`Stack.url` says where it is.
+
+The workers' native stderr (Mooncake's glog lines) goes to :attr:`Stack.worker_log_path`, next to the
+store; a worker that fails to start, or exits with an error, is reported with that log's last lines.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import threading
 import time
 import uuid
 from multiprocessing.connection import Client
+from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtrail import __version__
+from kvtrail.audit.contract import AuditRecorder
 from kvtrail.audit.events import Producer
-from kvtrail.audit.recorder import Recorder
+from kvtrail.audit.recorder import NullRecorder, make_recorder
 from kvtrail.audit.relay import RelayServer, RelaySink
 from kvtrail.audit.store import AuditStore
 from kvtrail.errors import KvtrailError
 from kvtrail.serving.config import StackConfig
 from kvtrail.serving.link import WorkerLink
+from kvtrail.serving.messages import (
+    CONTROL_ROOM,
+    AuditSet,
+    ConnectPeer,
+    DigestPages,
+    PagesDigest,
+    SetAudit,
+    Shutdown,
+    WorkerFailed,
+    WorkerInfo,
+    WorkerReady,
+)
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from kvtrail.serving.router import RouterCore
 
 _START_TIMEOUT_S = 90.0
+_LOG_TAIL_LINES = 20
+_LOG_START_MARK = "==== kvtrail stack start"
+
+
+def worker_log_path(db_path: str | Path) -> Path:
+    """Where a stack writing ``db_path`` sends its workers' native stderr: ``<db>.workers.log`` beside it."""
+    db_path = Path(db_path)
+    return db_path.with_name(db_path.name + ".workers.log")
 
 
 class Stack:
@@ -32,10 +64,15 @@ class Stack:
     def __init__(self, cfg: StackConfig, db_path: str | Path):
         self.cfg = cfg
         self.db_path = Path(db_path)
+        self.worker_log_path = worker_log_path(self.db_path)
         self.url: str | None = None
-        self.procs: dict[str, mp.Process] = {}
+        self.procs: dict[str, BaseProcess] = {}
         self.links: dict[str, WorkerLink] = {}
-        self._server = None
+        self.store: AuditStore | None = None
+        self.relay: RelayServer | None = None
+        self.recorder: AuditRecorder | None = None
+        self.core: RouterCore | None = None
+        self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
     def start(self) -> "Stack":
@@ -43,104 +80,131 @@ class Stack:
 
         self.store = AuditStore(self.db_path)
         self.relay = RelayServer(self.store)
+        with open(self.worker_log_path, "a", encoding="utf-8") as log:
+            log.write(f"{_LOG_START_MARK} {time.strftime('%Y-%m-%dT%H:%M:%S%z')} (router pid {os.getpid()})\n")
         ctx = mp.get_context("spawn")
         ready = {}
         try:
             for role in ("prefill", "decode"):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=worker_main, name=f"kvtrail-{role}",
-                                   args=(role, self.cfg, self.relay.address, self.relay.authkey, child), daemon=True)
+                proc = ctx.Process(target=worker_main, name=f"kvtrail-{role}", daemon=True,
+                                   args=(role, self.cfg, self.relay.address, self.relay.authkey, child,
+                                         str(self.worker_log_path)))
                 proc.start()
                 child.close()
                 self.procs[role] = proc
                 ready[role] = parent
-            info = {}
-            for role, conn in ready.items():
-                if not conn.poll(_START_TIMEOUT_S):
-                    raise KvtrailError(f"{role} worker did not start within {_START_TIMEOUT_S:.0f} s")
-                try:
-                    msg = conn.recv()
-                except EOFError:
-                    raise KvtrailError(f"{role} worker exited during start (exit code {self.procs[role].exitcode})") from None
-                if msg[0] != "ready":
-                    raise KvtrailError(f"{role} worker failed to start: {msg[1]}")
-                info[role] = msg[1]
+            info = {role: self._await_ready(role, conn) for role, conn in ready.items()}
             for role in ("prefill", "decode"):
-                conn = Client(info[role]["address"], authkey=info[role]["authkey"])
+                conn = Client(info[role].address, authkey=info[role].authkey)
                 self.links[role] = WorkerLink(role, conn)
             # Wire prefill to decode: where to write KV, and the channel decode sends page ids on.
-            self.links["decode"].send(("peer", 0, info["prefill"]))
-            self.links["prefill"].send(("peer", 0, info["decode"]))
+            self.links["decode"].send(ConnectPeer(info["prefill"]))
+            self.links["prefill"].send(ConnectPeer(info["decode"]))
             self._start_router()
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _await_ready(self, role: str, conn) -> WorkerInfo:
+        if not conn.poll(_START_TIMEOUT_S):
+            raise KvtrailError(f"{role} worker did not start within {_START_TIMEOUT_S:.0f} s{self._log_tail()}")
+        try:
+            msg = conn.recv()
+        except EOFError:
+            raise KvtrailError(f"{role} worker exited during start (exit code {self.procs[role].exitcode})"
+                               f"{self._log_tail()}") from None
+        if isinstance(msg, WorkerFailed):
+            raise KvtrailError(f"{role} worker failed to start: {msg.error}{self._log_tail()}")
+        if not isinstance(msg, WorkerReady):
+            raise KvtrailError(f"{role} worker sent {type(msg).__name__} instead of WorkerReady at start")
+        return msg.info
+
+    def worker_log_tail(self, max_lines: int = _LOG_TAIL_LINES) -> list[str]:
+        """The last lines the workers' native stderr wrote since this stack started."""
+        try:
+            text = self.worker_log_path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return []
+        lines = text.splitlines()
+        starts = [i for i, line in enumerate(lines) if line.startswith(_LOG_START_MARK)]
+        since = lines[starts[-1] + 1:] if starts else lines
+        return since[-max_lines:]
+
+    def failed_workers(self) -> dict[str, int]:
+        """Workers that exited with a non-zero code (a kill by signal ``n`` reads ``-n``): role -> code."""
+        return {role: p.exitcode for role, p in self.procs.items() if p.exitcode not in (None, 0)}
+
+    def _log_tail(self) -> str:
+        tail = self.worker_log_tail()
+        if not tail:
+            return ""
+        return f"\nlast lines of {self.worker_log_path}:\n" + "\n".join(f"  {line}" for line in tail)
+
     def _start_router(self) -> None:
         import uvicorn
 
         from kvtrail.serving.router import RouterCore, create_app
 
+        assert self.relay is not None, "the relay starts before the router"
         producer = Producer(self.cfg.cluster, "router-0", "router", "kvtrail-reference", __version__,
                             f"router-{uuid.uuid4().hex[:8]}")
-        if self.cfg.audit:
-            self.recorder = Recorder(RelaySink(self.relay.address, self.relay.authkey), producer, self.cfg.recorder)
-        else:
-            from kvtrail.audit.recorder import NullRecorder
-
-            self.recorder = NullRecorder()
+        relay = self.relay
+        self.recorder = make_recorder(self.cfg.audit, lambda: RelaySink(relay.address, relay.authkey), producer,
+                                      self.cfg.recorder)
         self.core = core = RouterCore(self.cfg, self.links["prefill"], self.links["decode"], self.recorder)
         config = uvicorn.Config(create_app(core), host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="kvtrail-router-http", daemon=True)
-        self._thread.start()
+        self._server = server = uvicorn.Server(config)
+        self._thread = thread = threading.Thread(target=server.run, name="kvtrail-router-http", daemon=True)
+        thread.start()
         deadline = time.monotonic() + 30
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
                 raise KvtrailError("router HTTP server did not start")
             time.sleep(0.01)
-        port = self._server.servers[0].sockets[0].getsockname()[1]
+        port = server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
 
-    def _control(self, roles: tuple[str, ...], op: str, *fields) -> list[tuple]:
-        """Send a control message to workers and wait for each one's reply (room -1: not a request)."""
+    def _control(self, roles: tuple[str, ...], request: object, reply: type) -> list:
+        """Send a control request (room CONTROL_ROOM) to workers and wait for each one's ``reply``."""
         import asyncio
 
         async def ask():
-            futs = [self.links[r].expect(op, -1) for r in roles]
+            futs = [self.links[r].expect(CONTROL_ROOM, reply) for r in roles]
             for r in roles:
-                self.links[r].send((op, -1, *fields))
+                self.links[r].send(request)
             return await asyncio.wait_for(asyncio.gather(*futs), 30)
 
         return asyncio.run(ask())
 
     def page_digest(self, role: str, pages) -> str:
         """SHA-256 of the given pages' bytes in a worker's pool (all layers, K then V)."""
-        return self._control((role,), "page_digest", [int(p) for p in pages])[0][2]
+        request = DigestPages(CONTROL_ROOM, tuple(int(p) for p in pages))
+        return self._control((role,), request, PagesDigest)[0].sha256_hex
 
     def set_audit(self, enabled: bool) -> None:
         """Switch recording on or off in every process of the running stack (acknowledged by each worker)."""
-        from kvtrail.audit.recorder import NullRecorder
-
-        self._control(("prefill", "decode"), "audit", enabled)
+        assert self.core is not None, "set_audit: the stack is not running"
+        self._control(("prefill", "decode"), SetAudit(CONTROL_ROOM, enabled), AuditSet)
         self.core.rec = self.recorder if enabled else NullRecorder()
 
     def stop(self) -> None:
         """Stop the HTTP server, ask the workers to shut down (they flush and unregister), close the store."""
         if self._server is not None:
             self._server.should_exit = True
-            self._thread.join(10)
+            if self._thread is not None:
+                self._thread.join(10)
             self._server = None
-        if getattr(self, "recorder", None) is not None:
+        if self.recorder is not None:
             self.recorder.close()
             self.recorder = None
-        for role, link in self.links.items():
+        for link in self.links.values():
             try:
-                link.send(("shutdown", 0))
+                link.send(Shutdown())
             except KvtrailError:
                 pass
-        for role, proc in self.procs.items():
+        for proc in self.procs.values():
             proc.join(20)
             if proc.is_alive():  # only our own child, by its handle
                 proc.kill()
@@ -148,10 +212,10 @@ class Stack:
         for link in self.links.values():
             link.close()
         self.links = {}
-        if getattr(self, "relay", None) is not None:
+        if self.relay is not None:
             self.relay.close()
             self.relay = None
-        if getattr(self, "store", None) is not None:
+        if self.store is not None:
             self.store.close()
             self.store = None
 

@@ -77,7 +77,8 @@ async def _run(url: str, keys: dict[str, str], cfg: TrafficConfig, progress) -> 
         async def one(tenant: str, n: int, overlong: bool) -> Outcome:
             async with sem:
                 t0 = time.perf_counter()
-                r = await client.post("/v1/completions", json={"prompt": make_prompt(tenant, n), "max_tokens": cfg.max_tokens},
+                r = await client.post("/v1/completions",
+                                      json={"prompt": make_prompt(tenant, n), "max_tokens": cfg.max_tokens},
                                       headers={"Authorization": f"Bearer {keys[tenant]}"})
                 body = r.json()
                 text = body["choices"][0]["text"] if r.status_code == 200 else ""

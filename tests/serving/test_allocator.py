@@ -1,4 +1,4 @@
-"""PageAllocator (SGLang's reuse orders, ownership checks, force_alloc) and ReqToTokenTable."""
+"""PageAllocator: SGLang's reuse orders, ownership checks, force_alloc."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtrail.serving.allocator import PageAllocator, ReqToTokenTable
+from kvtrail.serving.allocator import PageAllocator
 
 
 def _pages(*ids):
@@ -161,54 +161,3 @@ def test_random_traffic_never_hands_out_a_held_page(reuse, ops):
             held -= set(pages.tolist())
         assert a.available == 12 - len(held)
 
-
-# ---- ReqToTokenTable ------------------------------------------------------------------------------
-
-
-def test_table_maps_positions_to_slots_across_pages():
-    t = ReqToTokenTable(num_rows=4, max_context_tokens=64, page_size=4)
-    assert t.pages_for(0) == 0 and t.pages_for(1) == 1 and t.pages_for(4) == 1 and t.pages_for(9) == 3
-    row = t.alloc_row()
-    assert row == 1  # row 0 is padding
-    t.append_pages(row, [7, 3])
-    t.append_pages(row, _pages(9))
-    t.set_seq_len(row, 10)
-    assert t.pages(row).tolist() == [7, 3, 9] and t.seq_len(row) == 10
-    assert t.token_slots(row).tolist() == [28, 29, 30, 31, 12, 13, 14, 15, 36, 37]
-    assert t.token_slots(row, 3, 6).tolist() == [31, 12, 13]
-    with pytest.raises(ValueError, match="seq_len"):
-        t.set_seq_len(row, 13)
-    with pytest.raises(ValueError, match="end"):
-        t.token_slots(row, 0, 13)
-
-
-def test_freed_rows_keep_their_contents():
-    t = ReqToTokenTable(num_rows=1, max_context_tokens=32, page_size=8)
-    row = t.alloc_row()
-    t.append_pages(row, [5, 6, 2])
-    t.set_seq_len(row, 20)
-    t.free_row(row)
-    assert t.pages(row).tolist() == [5, 6, 2] and t.seq_len(row) == 20  # not cleared, as in SGLang
-    assert t.alloc_row() == row
-    assert t.pages(row).tolist() == [] and t.seq_len(row) == 0
-    t.append_pages(row, [4])
-    assert t.raw_row(row).tolist() == [4, 6, 2, 0]  # the previous occupant's page ids are still there
-
-
-def test_table_rows_run_out_and_bad_rows_are_refused():
-    t = ReqToTokenTable(num_rows=2, max_context_tokens=8, page_size=4)
-    a, b = t.alloc_row(), t.alloc_row()
-    assert t.alloc_row() is None
-    t.free_row(a)
-    assert t.alloc_row() == a
-    with pytest.raises(ValueError, match="pages"):
-        t.append_pages(b, [1, 2, 3])  # max_context_tokens 8 = 2 pages
-    t.free_row(b)
-    with pytest.raises(ValueError, match="row: 2 is not allocated"):
-        t.free_row(b)
-    with pytest.raises(ValueError, match="row: 2 is not allocated"):
-        t.append_pages(b, [1])
-    with pytest.raises(ValueError, match="row: 0 is out of range"):
-        t.pages(0)
-    with pytest.raises(ValueError, match="page_size"):
-        ReqToTokenTable(2, 8, 0)

@@ -119,7 +119,8 @@ def test_bad_requests_get_clear_errors(tmp_path):
             r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 0},
                            headers={"Authorization": "Bearer key-acme"})
             assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-            r = httpx.post(f"{url}/v1/completions", json={"max_tokens": 3}, headers={"Authorization": "Bearer key-acme"})
+            r = httpx.post(f"{url}/v1/completions", json={"max_tokens": 3},
+                           headers={"Authorization": "Bearer key-acme"})
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
@@ -197,7 +198,8 @@ def test_late_write_after_abort_lands_in_reused_pages(tmp_path):
             first_headers={"x-kvtrail-abort-after-ms": "50"}))
     assert s1 == 499 and s2 == 200
     assert foreign("globex", b2) == ["acme"], b2["choices"][0]["text"]
-    rid = query(db, "SELECT request_id FROM events_v WHERE kind = 'request_received' AND tenant_id = 'acme' LIMIT 1")[0][0]
+    rid = query(db, "SELECT request_id FROM events_v WHERE kind = 'request_received' AND tenant_id = 'acme' "
+                    "LIMIT 1")[0][0]
     rows = query(db, "SELECT kind, source FROM events_v WHERE node = 'decode-0' AND request_id = ? "
                      "AND kind IN ('pages_freed', 'kv_written') ORDER BY seq", [rid])
     assert rows == [("pages_freed", None), ("kv_written", "transfer_in")]  # the write came after the free
@@ -212,7 +214,8 @@ def test_patched_deferred_release_defeats_the_late_write(tmp_path):
             st.url, ("acme", prompt("acme", 200 * 16)), ("globex", prompt("globex", 200 * 16)), 0.2,
             first_headers={"x-kvtrail-abort-after-ms": "50"}))
     assert s1 == 499 and s2 == 200 and foreign("globex", b2) == []
-    reasons = [r for (r,) in query(db, "SELECT free_reason FROM events_v WHERE node = 'decode-0' AND kind = 'pages_freed'")]
+    reasons = [r for (r,) in query(db, "SELECT free_reason FROM events_v WHERE node = 'decode-0' "
+                                       "AND kind = 'pages_freed'")]
     assert "deferred_release" in reasons
 
 
