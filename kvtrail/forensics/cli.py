@@ -4,8 +4,6 @@ window (as a table or a file), and the disclosure report with its verification."
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -26,7 +24,6 @@ from kvtrail.forensics import (
     ask_findings,
     ask_thresholds,
     build_report,
-    check_window,
     load_context,
     load_exclusions,
     open_snapshot,
@@ -45,20 +42,6 @@ ENGINES = ("replay", "sql")
 def _window(from_: str | None, to: str | None, tenant: str | None = None, node: str | None = None) -> Window:
     return Window(parse_utc(from_, field="--from") if from_ else None, parse_utc(to, field="--to") if to else None,
                   tenant, node)
-
-
-def _db(db: str) -> str:
-    """The store's path, refused here (exit 2, naming --db) when there is no such file."""
-    return require_store(db)
-
-
-@contextmanager
-def _store(db: str) -> Iterator[duckdb.DuckDBPyConnection]:
-    con = open_store(db)
-    try:
-        yield con
-    finally:
-        con.close()
 
 
 def _warn_gaps(gaps) -> None:
@@ -223,7 +206,7 @@ def findings_cmd(db, from_, to, tenant, node, fmt, out, codes, exclude_tenants, 
     excl = _exclusions(exclude_tenants, exclude_file)
     policy = _policy(allow_tenant_cache_sharing, latency_factor)
     w = _window(from_, to, tenant, node)
-    answer = ask_findings(_db(db), w, codes=tuple(codes), engine=engine, policy=policy, exclusions=excl)
+    answer = ask_findings(db, w, codes=tuple(codes), engine=engine, policy=policy, exclusions=excl)
     if save:
         _save(db, list(answer.found), w, engine, policy)
     if len(answer.excluded):
@@ -237,7 +220,7 @@ def findings_cmd(db, from_, to, tenant, node, fmt, out, codes, exclude_tenants, 
 def affected(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file) -> None:
     """Which responses read foreign pages in the window, and whose data it was."""
     excl = _exclusions(exclude_tenants, exclude_file)
-    answer = ask_affected(_db(db), _window(from_, to, tenant, node), exclusions=excl)
+    answer = ask_affected(db, _window(from_, to, tenant, node), exclusions=excl)
     _say_excluded(answer.excluded)
     _emit(answer.rows, fmt, out, "no affected responses in this window", answer.gaps)
 
@@ -272,7 +255,7 @@ def watch(db, interval, polls, allow_tenant_cache_sharing) -> None:
 
 
 
-    _db(db)
+    require_store(db)
     online = OnlineReplay(ForensicsPolicy(allow_tenant_cache_sharing=allow_tenant_cache_sharing))
     done = 0
     try:
@@ -305,7 +288,7 @@ def watch(db, interval, polls, allow_tenant_cache_sharing) -> None:
 def exposure(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file) -> None:
     """Exposure matrix: recipient tenant x victim tenant, with responses, pages and victim requests."""
     excl = _exclusions(exclude_tenants, exclude_file)
-    answer = ask_exposure(_db(db), _window(from_, to, tenant, node), exclusions=excl)
+    answer = ask_exposure(db, _window(from_, to, tenant, node), exclusions=excl)
     _say_excluded(answer.excluded)
     _emit(answer.rows, fmt, out, "no exposure in this window", answer.gaps)
 
@@ -315,7 +298,7 @@ def exposure(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_fil
 @_exclusion_options
 def thresholds(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file) -> None:
     """Pool vs advertised context per node, and affected vs unaffected prompts against the prefill pool."""
-    answer = ask_thresholds(_db(db), _window(from_, to, tenant, node),
+    answer = ask_thresholds(db, _window(from_, to, tenant, node),
                             exclusions=_exclusions(exclude_tenants, exclude_file))
     _say_excluded(answer.excluded)
     _emit(answer.rows, fmt, out, "no node configuration in this window", answer.gaps)
@@ -329,10 +312,9 @@ def thresholds(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_f
 def exploitation(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file, **probe) -> None:
     """Per recipient tenant: over-long prompts in the window vs its own baseline, bursts, and a verdict."""
     w = _window(from_, to, tenant, node)
-    with _store(db) as con:
-        check_window(con, w)
-        options = _report_options(w.from_ns, w.to_ns, _exclusions(exclude_tenants, exclude_file), **probe)
-        answer = ask_exploitation(con, options, w)
+    require_store(db)
+    options = _report_options(w.from_ns, w.to_ns, _exclusions(exclude_tenants, exclude_file), **probe)
+    answer = ask_exploitation(db, options, w)
     _emit(answer.rows, fmt, out, "no recipient tenant and no over-long prompt in this window", answer.gaps)
     click.echo(answer.notes[0], err=fmt != "table")
 
@@ -349,7 +331,7 @@ def exploitation(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude
 def report(db, from_, to, out, context, exclude_tenants, exclude_file, **probe) -> None:
     """Write the disclosure report (Markdown, HTML, PDF, CSV/JSON, report.json manifest) for a window."""
 
-    _db(db)
+    require_store(db)
     ctx = load_context(context) if context else None
     excl = _exclusions(exclude_tenants, exclude_file, ctx.exclusions if ctx else None)
     options = _report_options(parse_utc(from_, field="--from"), parse_utc(to, field="--to"), excl, **probe)

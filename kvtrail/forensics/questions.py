@@ -34,7 +34,13 @@ from kvtrail.forensics.analysis import (
     threshold_analysis,
     threshold_sentence,
 )
-from kvtrail.forensics.analysis.exclusions import Exclusions, check_exclusions, excluded_requests, split_excluded
+from kvtrail.forensics.analysis.exclusions import (
+    Exclusions,
+    check_exclusions,
+    excluded_mask,
+    excluded_requests,
+    split_excluded,
+)
 from kvtrail.forensics.findings import AFFECTED_CODES, CODES, NEVER_WRITTEN, Finding, findings_table
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.engine import replay_store
@@ -186,28 +192,18 @@ def _connected(store: Store) -> Iterator[duckdb.DuckDBPyConnection]:
         con.close()
 
 
-def _excluded_mask(excluded: pl.DataFrame, excl: Exclusions) -> pl.Expr:
-    """Rows of a frame with request_id/tenant_id that belong to an excluded request or tenant."""
-    return (pl.col("request_id").is_in(excluded["request_id"].to_list())
-            | pl.col("tenant_id").is_in([t for t, _ in excl.tenants])).fill_null(False)
-
-
 def ask_findings(store: Store, w: Window = Window(), *, codes: tuple[str, ...] = (), engine: str = "replay",
-                 policy: ForensicsPolicy = ForensicsPolicy(), exclusions: Exclusions = Exclusions(),
-                 found: list[Finding] | None = None) -> Answer:
+                 policy: ForensicsPolicy = ForensicsPolicy(), exclusions: Exclusions = Exclusions()) -> Answer:
     """Every finding in the window (only ``codes`` when given) with evidence; excluded accounts' findings
-    left out. ``found``: the window's findings when the caller already replayed them."""
+    left out. ``Answer.found`` keeps every finding of the window (e.g. to persist them)."""
     bad = [c for c in codes if c not in CODES]
     if bad:
         raise KvtrailError(f"--code: unknown finding code {bad[0]!r}; known: {', '.join(CODES)}")
     with _connected(store) as con:
         check_exclusions(con, exclusions)
-        if found is None:
-            found = findings_of(con, w, engine=engine, policy=policy)
-        else:
-            check_window(con, w)
+        found = findings_of(con, w, engine=engine, policy=policy)
         df, excluded, gaps = findings_frame(found, w, codes), excluded_requests(con, exclusions), coverage_gaps(con)
-    hit = _excluded_mask(excluded, exclusions)
+    hit = excluded_mask(excluded, exclusions)
     return Answer(df.filter(~hit), df.filter(hit), gaps, found=tuple(found))
 
 

@@ -4,13 +4,20 @@ Every function returns Polars DataFrames (or plain dicts of counts) so the CLI a
 report print and export the same numbers.
 """
 
-from kvtrail.forensics.analysis.exclusions import Exclusions, check_exclusions, excluded_requests, split_excluded
+from kvtrail.forensics.analysis.exclusions import (
+    Exclusions,
+    check_exclusions,
+    excluded_mask,
+    excluded_requests,
+    split_excluded,
+)
 from kvtrail.forensics.analysis.exploitation import ProbeRules, exploitation_assessment, long_prompt_threshold
 from kvtrail.forensics.analysis.exposure import PSEUDO_VICTIMS, exposed_tenants, exposure_links, exposure_matrix
 from kvtrail.forensics.analysis.thresholds import node_capacity, requests_table, threshold_analysis, threshold_sentence
 
 __all__ = [
-    "PSEUDO_VICTIMS", "Exclusions", "ProbeRules", "check_exclusions", "excluded_requests", "exploitation_assessment",
+    "PSEUDO_VICTIMS", "Exclusions", "ProbeRules", "check_exclusions", "excluded_mask", "excluded_requests",
+    "exploitation_assessment",
     "exposed_tenants", "exposure_links", "exposure_matrix", "long_prompt_threshold", "node_capacity",
     "requests_table", "split_excluded", "threshold_analysis", "threshold_sentence",
 ]

@@ -87,6 +87,13 @@ def excluded_requests(con: duckdb.DuckDBPyConnection, excl: Exclusions) -> pl.Da
     return pl.DataFrame(list(out.values()), schema=schema).sort("request_id")
 
 
+def excluded_mask(excluded: pl.DataFrame, excl: Exclusions) -> pl.Expr:
+    """Rows (with request_id and tenant_id) of an excluded request or tenant; ``excluded``: from
+    :func:`excluded_requests`."""
+    return (pl.col("request_id").is_in(excluded["request_id"].to_list())
+            | pl.col("tenant_id").is_in([t for t, _ in excl.tenants])).fill_null(False)
+
+
 def split_excluded(df: pl.DataFrame, excluded: pl.DataFrame, excl: Exclusions,
                    tenant_col: str = "tenant_id") -> tuple[pl.DataFrame, pl.DataFrame]:
     """(kept rows, excluded rows with ``excluded_by`` and ``reason``) of a frame with request_id/tenant."""

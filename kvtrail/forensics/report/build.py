@@ -109,9 +109,7 @@ def build_report(con: duckdb.DuckDBPyConnection, options: ReportOptions, context
     every = findings_of(con, w)  # one replay serves the affected responses and the findings
     kept, dropped, excluded = affected_with_exclusions(con, w, o.exclusions, every)
     found = findings_frame(every, w)
-    is_excluded = (pl.col("request_id").is_in(excluded["request_id"].to_list())
-                   | pl.col("tenant_id").is_in([t for t, _ in o.exclusions.tenants])).fill_null(False)
-    found_kept = found.filter(~is_excluded)
+    found_kept = found.filter(~an.excluded_mask(excluded, o.exclusions))
     links = an.exposure_links(found_kept, set(kept["request_id"]))
     capacity = an.node_capacity(con, o.from_ns, o.to_ns)
     requests = report_requests(con, o, kept, dropped)
