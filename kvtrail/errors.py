@@ -18,18 +18,27 @@ class ValidationError(KvtrailError, ValueError):
     """An event (or a batch of them) broke the event model.
 
     ``event`` is the position of the offending event in its batch (or ``None`` for batch-level
-    problems), ``field`` the field at fault, ``reason`` a short human explanation.
+    problems), ``kind`` its kind, ``line`` its line in the JSON-lines file it came from (when known),
+    ``field`` the field at fault (its name in the event schema), ``reason`` a short human explanation.
     """
 
-    def __init__(self, field: str, reason: str, *, event: int | None = None, kind: str | None = None):
+    def __init__(self, field: str, reason: str, *, event: int | None = None, kind: str | None = None,
+                 line: int | None = None):
         self.field = field
         self.reason = reason
         self.event = event
         self.kind = kind
+        self.line = line
         where = f"event {event}" if event is not None else "batch"
         if kind:
             where += f" ({kind})"
-        super().__init__(f"{where}: field '{field}': {reason}")
+        super().__init__(f"{where}: field '{field}': {reason}" + (f"; at line {line}" if line is not None else ""))
+
+    def at_lines(self, lines: list[int]) -> ValidationError:
+        """The same error naming its event's input line; ``lines[i]`` is the line number of event ``i``."""
+        if self.event is None or self.line is not None or not 0 <= self.event < len(lines):
+            return self
+        return ValidationError(self.field, self.reason, event=self.event, kind=self.kind, line=lines[self.event])
 
     def to_dict(self) -> dict:
         return {"event": self.event, "kind": self.kind, "field": self.field, "reason": self.reason}

@@ -44,24 +44,45 @@ _PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
 _REQUEST_NAMES = tuple(f.name for f in REQUEST_FIELDS)
 
 
-def _flatten(event: Mapping, index: int) -> dict:
-    """Turn one wire event (producer and request as nested objects) into flat columns."""
+_NULL = "must be left out when it has no value, not null"
+_NESTED = {"producer": _PRODUCER_NAMES, "request": _REQUEST_NAMES}
+
+
+def _flatten(event: Mapping, index: int, null_is_absent: bool) -> dict:
+    """Turn one wire event (producer and request as nested objects) into flat columns.
+
+    Errors name fields as the event schema does (``tenant_id``, not ``request.tenant_id``) and always
+    carry the event's index and, when it has one, its kind.
+    """
     if not isinstance(event, Mapping):
         raise ValidationError("(event)", f"must be a JSON object, got {type(event).__name__}", event=index)
+    kind = event.get("kind")
+    kind = kind if isinstance(kind, str) else None
+    if "producer" not in event:
+        raise ValidationError("producer", "missing (required on every event)", event=index, kind=kind)
     row = {}
     for key, value in event.items():
-        if key in ("producer", "request"):
-            names = _PRODUCER_NAMES if key == "producer" else _REQUEST_NAMES
+        # On the wire, absent means left out: a null there is a producer bug that would read as "absent".
+        if value is None and (key in _NESTED or not null_is_absent):
+            raise ValidationError(key, _NULL, event=index, kind=kind)
+        if key in _NESTED:
+            names = _NESTED[key]
             if not isinstance(value, Mapping):
-                raise ValidationError(key, "must be an object", event=index, kind=event.get("kind"))
+                raise ValidationError(key, f"must be an object, got {type(value).__name__}", event=index, kind=kind)
             for sub, subval in value.items():
                 if sub not in names:
-                    raise ValidationError(f"{key}.{sub}", "unknown field", event=index, kind=event.get("kind"))
+                    raise ValidationError(sub, f"unknown field in '{key}' (known: {', '.join(names)})",
+                                          event=index, kind=kind)
+                if subval is None and not null_is_absent:
+                    raise ValidationError(sub, _NULL, event=index, kind=kind)
                 row[sub] = subval
         elif key in FIELDS and key not in _PRODUCER_NAMES and key not in _REQUEST_NAMES:
             row[key] = value
+        elif key in FIELDS:
+            raise ValidationError(key, f"belongs inside '{'producer' if key in _PRODUCER_NAMES else 'request'}'",
+                                  event=index, kind=kind)
         else:
-            raise ValidationError(key, "unknown field", event=index, kind=event.get("kind"))
+            raise ValidationError(key, "unknown field", event=index, kind=kind)
     return row
 
 
@@ -88,17 +109,18 @@ def _check_python_type(name: str, value, index: int, kind) -> None:
                               event=index, kind=kind)
 
 
-def from_dicts(events: Iterable[Mapping]) -> pa.Table:
+def from_dicts(events: Iterable[Mapping], *, null_is_absent: bool = True) -> pa.Table:
     """Build a batch from wire-format events (dicts as decoded from JSON).
 
     Type errors are reported here with the event's index; value rules are checked by
-    :func:`kvtrail.audit.validate.validate_batch`.
+    :func:`kvtrail.audit.validate.validate_batch`. Python callers may pass ``None`` for an absent
+    field; :func:`parse_jsonl` passes ``null_is_absent=False``, since JSON input must leave it out.
     """
     columns: dict[str, list] = {f.name: [] for f in ALL_FIELDS}
     n = 0
     for i, event in enumerate(events):
-        row = _flatten(event, i)
-        kind = row.get("kind")
+        row = _flatten(event, i, null_is_absent)
+        kind = row.get("kind") if isinstance(row.get("kind"), str) else None
         for name, col in columns.items():
             value = row.get(name)
             _check_python_type(name, value, i, kind)
@@ -110,7 +132,9 @@ def from_dicts(events: Iterable[Mapping]) -> pa.Table:
             arrays.append(pa.array(columns[f.name], type=f.type))
         except (pa.ArrowInvalid, OverflowError) as exc:
             bad = first_bad_index(columns[f.name], f.type)
-            raise ValidationError(f.name, f"value out of range for {f.type}: {exc}", event=bad) from None
+            kind = columns["kind"][bad] if bad is not None else None
+            raise ValidationError(f.name, f"value out of range for {f.type}: {exc}", event=bad,
+                                  kind=kind if isinstance(kind, str) else None) from None
     return pa.Table.from_arrays(arrays, schema=NULLABLE_BATCH_SCHEMA)
 
 
@@ -126,18 +150,34 @@ def first_bad_index(values: list, type_: pa.DataType) -> int | None:
 
 def parse_jsonl(data: bytes | str) -> pa.Table:
     """Decode JSON lines (one event per line; blank lines ignored) into a batch."""
-    if isinstance(data, bytes):
-        data = data.decode("utf-8")
-    events = []
-    for lineno, line in enumerate(data.splitlines()):
-        if not line.strip():
+    return parse_jsonl_lines(data)[0]
+
+
+def parse_jsonl_lines(data: bytes | str) -> tuple[pa.Table, list[int]]:
+    """Like :func:`parse_jsonl`, also returning the line number (from 1) of each event, so that a
+    later validation error can name the line (:meth:`ValidationError.at_lines`)."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    events: list = []
+    lines: list[int] = []
+    # Split the bytes, not decoded text: str.splitlines would also split on U+2028 inside a JSON string.
+    for lineno, line in enumerate(raw.splitlines(), 1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValidationError("(json)", f"line {lineno} is not valid UTF-8 (byte 0x{line[exc.start]:02x} "
+                                            f"at column {exc.start + 1})", event=len(events)) from None
+        if not text.strip():
             continue
         try:
-            events.append(json.loads(line))
+            events.append(json.loads(text))
         except json.JSONDecodeError as exc:
-            raise ValidationError("(json)", f"line {lineno + 1} is not valid JSON: {exc.msg}",
+            raise ValidationError("(json)", f"line {lineno} is not valid JSON: {exc.msg}",
                                   event=len(events)) from None
-    return from_dicts(events)
+        lines.append(lineno)
+    try:
+        return from_dicts(events, null_is_absent=False), lines
+    except ValidationError as exc:
+        raise exc.at_lines(lines) from None
 
 
 def to_dicts(table: pa.Table) -> list[dict]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from kvtrail.errors import KvtrailError, StoreError
+from kvtrail.errors import KvtrailError, StoreError, ValidationError
 from kvtrail.timeutil import format_utc, parse_utc
 
 DB_OPTION = click.option("--db", "db", default="kvtrail.duckdb", show_default=True,
@@ -39,22 +39,31 @@ def audit() -> None:
 @click.argument("files", nargs=-1, required=True, type=click.Path(allow_dash=True))
 def ingest(db: str, signing_key: str | None, files: tuple[str, ...]) -> None:
     """Ingest event files: JSON lines (.jsonl, '-' for stdin) or Arrow IPC streams (.arrow). One file = one batch."""
-    from kvtrail.audit.batch import parse_jsonl, read_ipc
+    from kvtrail.audit.batch import parse_jsonl_lines, read_ipc
     from kvtrail.audit.chain import Signer
     from kvtrail.audit.store import AuditStore
 
     batches = []
     for name in files:  # parse everything first so a bad file rejects before anything is written
         data = sys.stdin.buffer.read() if name == "-" else _read(name)
+        lines: list[int] = []  # line number of each event, for JSON lines
         try:
-            table = read_ipc(data) if name.endswith((".arrow", ".arrows", ".ipc")) else parse_jsonl(data)
+            if name.endswith((".arrow", ".arrows", ".ipc")):
+                table = read_ipc(data) if data else None
+            else:
+                table, lines = parse_jsonl_lines(data)
         except KvtrailError as exc:
             raise KvtrailError(f"{name}: {exc}") from None
-        batches.append((name, table))
+        if table is None or table.num_rows == 0:
+            # Almost always a producer that wrote nothing or a wrong path; storing nothing silently hides it.
+            raise KvtrailError(f"no events in {name}")
+        batches.append((name, table, lines))
     with AuditStore(db, signer=Signer.from_file(signing_key) if signing_key else None) as store:
-        for name, table in batches:
+        for name, table, lines in batches:
             try:
                 res = store.append(table)
+            except ValidationError as exc:
+                raise KvtrailError(f"{name}: {exc.at_lines(lines)} (nothing from this file was stored)") from None
             except KvtrailError as exc:
                 raise KvtrailError(f"{name}: {exc} (nothing from this file was stored)") from None
             click.echo(f"{name}: stored {res.num_events} events, {res.num_page_events} page-events "
@@ -73,23 +82,32 @@ def _read(name: str) -> bytes:
 @click.option("--public-key", type=click.Path(exists=True, dir_okay=False),
               help="Also check every batch's Ed25519 signature.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def verify(db: str, public_key: str | None, as_json: bool) -> None:
-    """Recompute the hash chain; name the first broken or missing link. Exit 1 if anything fails."""
+@click.option("--expect-heads", type=click.Path(dir_okay=False),
+              help="JSON written earlier by 'kvtrail audit head --json': also fail if a producer's chain is "
+                   "behind (newest batches deleted) or forked from those heads.")
+def verify(db: str, public_key: str | None, as_json: bool, expect_heads: str | None) -> None:
+    """Recompute the hash chain; name the first broken or missing link. Exit 1 if anything fails.
+
+    With --expect-heads, also name each producer whose chain no longer reaches its saved head.
+    """
     from kvtrail.audit.chain import SignatureChecker
     from kvtrail.audit.store import connect_readonly, fetch_row
-    from kvtrail.audit.verify import verify_store
+    from kvtrail.audit.verify import compare_heads, load_heads, verify_store
 
+    saved = load_heads(expect_heads) if expect_heads else None  # a bad file fails before the long check
     checker = SignatureChecker(Path(public_key).read_bytes()) if public_key else None
     con = connect_readonly(_existing(db))
     total = fetch_row(con, "SELECT count(*) FROM batches")[0]
     with _progress(total, "verify") as bar:
         report = verify_store(con, checker=checker, progress=bar.update)
+    head_problems = compare_heads(con, saved) if saved is not None else []
     con.close()
+    ok = report.ok and not head_problems
     if as_json:
         click.echo(json.dumps({
-            "ok": report.ok, "batches_checked": report.batches_checked, "batches_pruned": report.batches_pruned,
+            "ok": ok, "batches_checked": report.batches_checked, "batches_pruned": report.batches_pruned,
             "events_checked": report.events_checked, "signatures_checked": report.signatures_checked,
-            "problems": [str(p) for p in report.problems],
+            "heads_checked": len(saved or []), "problems": [str(p) for p in report.problems + head_problems],
             "coverage": [dict(c.__dict__, unexplained=c.unexplained) for c in report.coverage]}, indent=2))
     else:
         click.echo(f"checked {report.batches_checked} batches ({report.batches_pruned} pruned), "
@@ -105,22 +123,31 @@ def verify(db: str, public_key: str | None, as_json: bool) -> None:
             click.echo(f"FAILED: first problem: {report.first_problem}")
             for p in report.problems[1:10]:
                 click.echo(f"  also: {p}")
-    if not report.ok:
+        if saved is not None and not head_problems:
+            click.echo(f"OK: the store still holds all {len(saved)} saved chain heads")
+        for p in head_problems:  # every one: each names a producer whose history was cut or rewritten
+            click.echo(f"FAILED: saved chain head: {p}")
+    if not ok:
         sys.exit(1)
 
 
 @audit.command()
 @DB_OPTION
-def head(db: str) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print {\"heads\": [...]} as JSON, the file 'kvtrail audit verify --expect-heads' reads.")
+def head(db: str, as_json: bool) -> None:
     """Print each producer's chain head (last batch and digest) to anchor outside the store."""
     from kvtrail.audit.store import connect_readonly
+    from kvtrail.audit.verify import chain_heads
 
     con = connect_readonly(_existing(db))
-    rows = con.execute("SELECT p.node, b.producer_id, b.batch_no, b.last_seq, hex(b.digest) FROM batches b "
-                       "JOIN producers p USING (producer_id) QUALIFY row_number() OVER "
-                       "(PARTITION BY b.producer_id ORDER BY b.batch_no DESC) = 1 ORDER BY p.node").fetchall()
-    for node, pid, batch_no, last_seq, digest in rows:
-        click.echo(f"{node}\t{pid}\tbatch {batch_no}\tseq {last_seq}\t{digest.lower()}")
+    heads = chain_heads(con)
+    con.close()
+    if as_json:
+        click.echo(json.dumps({"heads": heads}, indent=1))
+        return
+    for h in sorted(heads, key=lambda h: (h["node"], h["producer_id"])):
+        click.echo(f"{h['node']}\t{h['producer_id']}\tbatch {h['batch_no']}\tseq {h['last_seq']}\t{h['digest']}")
 
 
 @audit.command()

@@ -20,7 +20,18 @@ ROLES = ("prefill", "decode", "unified", "router")
 ALLOC_PURPOSES = ("prefill_extend", "decode_reservation", "decode_growth", "prefix_hit", "host_restore")
 FREE_REASONS = ("finish", "abort", "retract", "eviction", "deferred_release")
 WRITE_SOURCES = ("forward", "transfer_in", "restore")
-TRANSFER_STATUSES = ("ok", "failed", "mismatch", "aborted", "timeout")
+# What each value of an enum field means where its name alone does not say it; docs/events.md and the
+# JSON Schema render these. Keys are field names, then values, in the field's order of choices.
+VALUE_DOCS: dict[str, dict[str, str]] = {
+    "status": {
+        "ok": "All reserved KV landed and decode accepted it.",
+        "failed": "The transfer failed part-way: fewer tokens may have landed than were reserved or sent.",
+        "mismatch": "Decode's check (length or checksum) found a difference between what was sent and what landed.",
+        "aborted": "The request was aborted while its transfer was in flight.",
+        "timeout": "Decode gave up waiting for the transfer.",
+    },
+}
+TRANSFER_STATUSES = tuple(VALUE_DOCS["status"])
 GAP_REASONS = ("buffer_full", "invalid", "encode_error", "writer_error", "transport")
 
 
@@ -91,7 +102,9 @@ PAYLOAD_FIELDS: tuple[FieldSpec, ...] = (
     _f("digest", "uint64", "Digest over the request's transferred pages."),
     _f("digest_algo", "str", "Algorithm of 'digest' and 'page_digests', e.g. 'adler32' or 'kvtrail-page64'."),
     _f("is_last_chunk", "bool", "Whether this send completes the request's transfer."),
-    _f("status", "enum", "Outcome of a transfer as seen by the receiver.", TRANSFER_STATUSES),
+    _f("status", "enum", "Outcome of a transfer as seen by the receiver (decode). Forensics (F2) compares what "
+       "decode reserved, what prefill sent and what landed (`num_tokens` of the receipt) whatever the status; "
+       "the status is evidence of whether decode detected it.", TRANSFER_STATUSES),
     # request lifecycle
     _f("stage", "str", "Where an abort happened, e.g. 'router', 'prefill_queue', 'transfer', 'decode'."),
     _f("abort_reason", "str", "Engine's reason for an abort or rejection (error message class, no content)."),

@@ -18,6 +18,7 @@ from kvtrail.audit.events import (
     PRODUCER_FIELDS,
     REQUEST_FIELDS,
     SCHEMA_VERSION,
+    VALUE_DOCS,
     FieldSpec,
 )
 
@@ -51,8 +52,15 @@ def _field_schema(f: FieldSpec) -> dict:
         s["minimum"] = f.minimum
     if f.type in ("str",) and f in PRODUCER_FIELDS:
         s["minLength"] = 1
-    s["description"] = f.doc
+    s["description"] = f.doc + "".join(f" {value}: {doc}" for value, doc in _value_docs(f))
     return s
+
+
+def _value_docs(f: FieldSpec) -> list[tuple[str, str]]:
+    """(value, meaning) of each choice of ``f`` that :data:`VALUE_DOCS` documents (all of them or none)."""
+    docs = VALUE_DOCS.get(f.name, {})
+    assert not docs or tuple(docs) == f.choices, f"VALUE_DOCS['{f.name}'] must list exactly its choices, in order"
+    return list(docs.items())
 
 
 def json_schema() -> dict:
@@ -107,6 +115,9 @@ def render_markdown() -> str:
             type_ = f.type + (f" ({' / '.join(f.choices)})" if f.choices and f.name != "kind" else "")
             prefix = "producer." if f in PRODUCER_FIELDS else ("request." if group == "request" else "")
             lines.append(f"| `{prefix}{f.name}` | {type_} | {f.doc} |")
+    lines += ["", "### Values", "", "| field | value | meaning |", "|---|---|---|"]
+    for f in (*ENVELOPE_FIELDS, *REQUEST_FIELDS, *PAYLOAD_FIELDS):
+        lines += [f"| `{f.name}` | `{value}` | {doc} |" for value, doc in _value_docs(f)]
     lines += ["", "### Kinds", "", "| kind | meaning | required | optional |", "|---|---|---|---|"]
     for k in KINDS.values():
         req = ", ".join(f"`{n}`" for n in k.required)

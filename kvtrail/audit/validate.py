@@ -57,14 +57,34 @@ class ValidatedBatch:
     num_page_events: int
 
 
+def _column_error(t: pa.Table, field: str, reason: str, rows: np.ndarray) -> ValidationError:
+    """A whole-column problem, reported at the first event it shows in (``rows``), if any."""
+    if not rows.any():
+        return ValidationError(field, reason)
+    idx = int(np.flatnonzero(rows)[0])
+    return ValidationError(field, reason, event=idx, kind=_kind_at(t, idx))
+
+
+def _first_uncastable(col, type_: pa.DataType) -> np.ndarray:
+    """Mask of the first row of ``col`` that does not cast to ``type_`` (only run once a cast failed)."""
+    mask = np.zeros(len(col), dtype=bool)
+    for i in range(len(col)):
+        try:
+            col.slice(i, 1).cast(type_)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            mask[i] = True
+            break
+    return mask
+
+
 def _normalise(table: pa.Table) -> pa.Table:
     names = set(table.column_names)
     for name in table.column_names:
         if name not in FIELDS:
-            raise ValidationError(name, "unknown field")
+            raise _column_error(table, name, "unknown field", _valid_mask(table.column(name)))
     for name in ENVELOPE_NAMES:
         if name not in names:
-            raise ValidationError(name, "missing (required on every event)")
+            raise _column_error(table, name, "missing (required on every event)", np.ones(table.num_rows, bool))
     arrays = []
     for f in BATCH_SCHEMA:
         if f.name not in names:
@@ -77,8 +97,8 @@ def _normalise(table: pa.Table) -> pa.Table:
             try:
                 col = col.cast(f.type)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-                raise ValidationError(f.name, f"wrong type: expected {FIELDS[f.name].type}, got {col.type} "
-                                              f"({exc})") from None
+                raise _column_error(table, f.name, f"wrong type: expected {FIELDS[f.name].type}, got {col.type} "
+                                                   f"({exc})", _first_uncastable(col, f.type)) from None
         if isinstance(col, pa.ChunkedArray):
             col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
         arrays.append(col)
@@ -89,29 +109,36 @@ def _valid_mask(col) -> np.ndarray:
     return pc.is_valid(col).to_numpy(zero_copy_only=False)
 
 
-def _fail(mask: np.ndarray, field: str, reason: str, kinds: np.ndarray | None) -> None:
+def _kind_at(t: pa.Table, idx: int) -> str | None:
+    """The kind the event at ``idx`` claims (as sent, so an unknown kind is still named)."""
+    if "kind" not in t.column_names:
+        return None
+    value = t.column("kind")[idx].as_py()
+    return value if isinstance(value, str) else None
+
+
+def _fail(mask: np.ndarray, field: str, reason: str, t: pa.Table) -> None:
     idx = int(np.flatnonzero(mask)[0])
-    kind = KIND_NAMES[kinds[idx]] if kinds is not None and kinds[idx] < len(KIND_NAMES) else None
-    raise ValidationError(field, reason, event=idx, kind=kind)
+    raise ValidationError(field, reason, event=idx, kind=_kind_at(t, idx))
 
 
 def _check_envelope(t: pa.Table) -> np.ndarray:
     for name in ENVELOPE_NAMES:
         valid = _valid_mask(t.column(name))
         if not valid.all():
-            _fail(~valid, name, "missing (required on every event)", None)
+            _fail(~valid, name, "missing (required on every event)", t)
     versions = t.column("schema_version").to_numpy()
     bad = ~np.isin(versions, SUPPORTED_SCHEMA_VERSIONS)
     if bad.any():
         v = int(versions[np.flatnonzero(bad)[0]])
-        _fail(bad, "schema_version", f"unknown schema version {v}; supported: {list(SUPPORTED_SCHEMA_VERSIONS)}", None)
+        _fail(bad, "schema_version", f"unknown schema version {v}; supported: {list(SUPPORTED_SCHEMA_VERSIONS)}", t)
     kind_dict = pc.dictionary_encode(t.column("kind")).combine_chunks()
     known = np.array([KIND_CODES.get(k, 255) for k in kind_dict.dictionary.to_pylist()], dtype=np.uint8)
     codes = known[kind_dict.indices.to_numpy(zero_copy_only=False)] if len(known) else np.empty(0, np.uint8)
     if (codes == 255).any():
         bad = codes == 255
         name = t.column("kind")[int(np.flatnonzero(bad)[0])].as_py()
-        _fail(bad, "kind", f"unknown kind {name!r}; known: {', '.join(KIND_NAMES)}", None)
+        _fail(bad, "kind", f"unknown kind {name!r}; known: {', '.join(KIND_NAMES)}", t)
     return codes
 
 
@@ -128,17 +155,17 @@ def _check_kind_fields(t: pa.Table, codes: np.ndarray) -> None:
         required, allowed = _REQUIRED[name], _ALLOWED[name]
         if col.null_count == t.num_rows:  # absent everywhere: only "required" can fail
             if (required & present).any():
-                _fail(required[codes], name, "missing (required for this kind)", codes)
+                _fail(required[codes], name, "missing (required for this kind)", t)
             continue
         if col.null_count == 0 and allowed[present].all():  # present everywhere and allowed for every kind here
             continue
         valid = _valid_mask(col)
         missing = required[codes] & ~valid
         if missing.any():
-            _fail(missing, name, "missing (required for this kind)", codes)
+            _fail(missing, name, "missing (required for this kind)", t)
         extra = ~allowed[codes] & valid
         if extra.any():
-            _fail(extra, name, "not allowed for this kind", codes)
+            _fail(extra, name, "not allowed for this kind", t)
 
 
 def _check_values(t: pa.Table, codes: np.ndarray) -> None:
@@ -157,16 +184,16 @@ def _check_values(t: pa.Table, codes: np.ndarray) -> None:
                    & ~pc.fill_null(pc.is_in(col, value_set=pa.array(spec.choices)), True)
                    .to_numpy(zero_copy_only=False))
             value = col[int(np.flatnonzero(bad)[0])].as_py()
-            _fail(bad, name, f"{value!r} is not one of {', '.join(spec.choices)}", codes)
+            _fail(bad, name, f"{value!r} is not one of {', '.join(spec.choices)}", t)
         elif spec.type == "str" and name in PRODUCER_NAMES:
             if "" in pc.unique(col).to_pylist():
                 _fail(pc.equal(pc.utf8_length(col), 0).to_numpy(zero_copy_only=False), name,
-                      "must be a non-empty string", codes)
+                      "must be a non-empty string", t)
         elif spec.minimum is not None and spec.type in ("int32", "int64"):
             low = pc.min(col).as_py()
             if low is not None and low < spec.minimum:
                 bad = pc.fill_null(pc.less(col, spec.minimum), False).to_numpy(zero_copy_only=False)
-                _fail(bad, name, f"must be >= {spec.minimum}, got {col[int(np.flatnonzero(bad)[0])].as_py()}", codes)
+                _fail(bad, name, f"must be >= {spec.minimum}, got {col[int(np.flatnonzero(bad)[0])].as_py()}", t)
     for kind in KINDS.values():
         for a, b in kind.same_length:
             if t.column(a).null_count == n or t.column(b).null_count == n:
@@ -175,18 +202,18 @@ def _check_values(t: pa.Table, codes: np.ndarray) -> None:
             differ = pc.fill_null(pc.not_equal(la, lb), False).to_numpy(zero_copy_only=False)
             bad = (codes == KIND_CODES[kind.name]) & differ
             if bad.any():
-                _fail(bad, b, f"must have one entry per entry of '{a}'", codes)
+                _fail(bad, b, f"must have one entry per entry of '{a}'", t)
     if t.column("purpose").null_count < n:
         prefix_hit = (codes == KIND_CODES["pages_allocated"]) & (
             pc.fill_null(pc.equal(t.column("purpose"), "prefix_hit"), False).to_numpy(zero_copy_only=False))
         no_hashes = prefix_hit & ~_valid_mask(t.column("block_hashes"))
         if no_hashes.any():
-            _fail(no_hashes, "block_hashes", "required when purpose is prefix_hit", codes)
+            _fail(no_hashes, "block_hashes", "required when purpose is prefix_hit", t)
     if t.column("token_end").null_count < n:
         less = pc.less(t.column("token_end"), t.column("token_start"))
         backwards = pc.fill_null(less, False).to_numpy(zero_copy_only=False)
         if backwards.any():
-            _fail(backwards, "token_end", "must be >= token_start", codes)
+            _fail(backwards, "token_end", "must be >= token_start", t)
     for name in ("pages", "dst_pages", "page_digests", "block_hashes"):
         col = t.column(name)
         flat = pc.list_flatten(col)
@@ -194,7 +221,7 @@ def _check_values(t: pa.Table, codes: np.ndarray) -> None:
             lengths = list_lengths(col)
             row_of = np.repeat(np.arange(t.num_rows), lengths)
             r = row_of[np.flatnonzero(~_valid_mask(flat))[0]]
-            _fail(np.arange(t.num_rows) == r, name, "list entries must not be null", codes)
+            _fail(np.arange(t.num_rows) == r, name, "list entries must not be null", t)
 
 
 def _group_producers(t: pa.Table) -> tuple[list[int], list[Producer], np.ndarray]:
@@ -227,11 +254,11 @@ def validate_batch(table: pa.Table, state: dict[int, ProducerState]) -> Validate
             bad_at = rows[1:][~(s[1:] > s[:-1])][0]
             mask = np.zeros(t.num_rows, dtype=bool)
             mask[bad_at] = True
-            _fail(mask, "seq", f"sequence number going backwards or repeated ({int(seq[bad_at])})", codes)
+            _fail(mask, "seq", f"sequence number going backwards or repeated ({int(seq[bad_at])})", t)
         if st.last_seq is not None and len(s) and int(s[0]) <= st.last_seq:
             mask = np.zeros(t.num_rows, dtype=bool)
             mask[rows[0]] = True
-            _fail(mask, "seq", f"sequence number going backwards: {int(s[0])} <= last stored {st.last_seq}", codes)
+            _fail(mask, "seq", f"sequence number going backwards: {int(s[0])} <= last stored {st.last_seq}", t)
         # Pool bound per row: the latest node_config at or before it, else what the store knows.
         cfg_pos = np.where(is_config[rows], np.arange(len(rows)), -1)
         last_cfg = np.maximum.accumulate(cfg_pos) if len(rows) else cfg_pos
@@ -255,17 +282,17 @@ def validate_batch(table: pa.Table, state: dict[int, ProducerState]) -> Validate
         if low.any():
             r = nonempty[np.flatnonzero(low)[0]]
             _fail(rows_idx == r, name,
-                  f"page id {int(lo[low][0])} out of pool (page ids start at 1; 0 is the padding page)", codes)
+                  f"page id {int(lo[low][0])} out of pool (page ids start at 1; 0 is the padding page)", t)
         if name == "pages":
             row_bound = bound[nonempty]
             unknown = row_bound < 0
             if unknown.any():
                 _fail(rows_idx == nonempty[np.flatnonzero(unknown)[0]], name,
-                      "pool size unknown: the producer has no node_config event before this one", codes)
+                      "pool size unknown: the producer has no node_config event before this one", t)
             hi = np.maximum.reduceat(flat, starts)
             high = hi > row_bound
             if high.any():
                 i = np.flatnonzero(high)[0]
                 _fail(rows_idx == nonempty[i], name,
-                      f"page id {int(hi[i])} out of pool (pool has {int(row_bound[i])} pages)", codes)
+                      f"page id {int(hi[i])} out of pool (pool has {int(row_bound[i])} pages)", t)
     return ValidatedBatch(t, codes, pids, producers, pindex, total_pages)

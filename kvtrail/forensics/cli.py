@@ -3,6 +3,7 @@ window (as a table or a file), and the disclosure report with its verification."
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -33,6 +34,19 @@ from kvtrail.forensics import (
     verify_report,
     write_report,
 )
+from kvtrail.forensics.tables import (
+    AFFECTED,
+    EXPLOITATION,
+    EXPOSURE,
+    FINDINGS,
+    THRESHOLDS,
+    TableView,
+    csv_frame,
+    json_text,
+    printable,
+    render_table,
+    window_scope,
+)
 from kvtrail.timeutil import format_utc, parse_utc
 
 FORMATS = ("table", "csv", "json", "parquet")
@@ -44,45 +58,47 @@ def _window(from_: str | None, to: str | None, tenant: str | None = None, node: 
                   tenant, node)
 
 
-def _warn_gaps(gaps) -> None:
+def _warn(answer) -> None:
+    """Coverage gaps and integrity warnings go to stderr, whatever the format."""
+    gaps = answer.gaps
     if len(gaps):
         click.echo(f"warning: coverage gap: {int(gaps['unexplained'].sum())} events missing from "
                    f"{len(gaps)} producer(s) without a recorder_gap explaining them "
-                   f"({', '.join(gaps['node'].to_list()[:5])}); answers may be incomplete", err=True)
+                   f"({', '.join(printable(n) for n in gaps['node'].to_list()[:5])}); answers may be incomplete",
+                   err=True)
+    for text in answer.warnings:
+        click.echo(f"warning: {printable(text)}", err=True)
 
 
-def _emit(df, fmt: str, out: str | None, empty_msg: str, gaps) -> None:
-    import polars as pl
+def _terminal() -> tuple[int, bool]:
+    """(width in characters, colours?) of stdout: the terminal's, or 120 and none for a pipe or file."""
+    if sys.stdout.isatty():
+        return shutil.get_terminal_size((120, 24)).columns, True
+    return 120, False
 
-    _warn_gaps(gaps)
+
+def _emit(answer, fmt: str, out: str | None, view: TableView, w: Window) -> None:
+    """The answer's rows in ``fmt`` (to ``out`` or stdout), its notes, warnings on stderr."""
+    _warn(answer)
+    df = answer.rows
     if fmt == "parquet" and not out:
         raise KvtrailError("--out: required with --format parquet")
     if fmt == "table":
-        if df.is_empty():
-            click.echo(empty_msg)
-            return
-        shown = df.with_columns([pl.col(c).map_elements(format_utc, return_dtype=pl.Utf8)
-                                 for c in df.columns if c.endswith("_ns") and df[c].dtype == pl.Int64])
-        shown = shown.drop([c for c in ("evidence",) if c in shown.columns])
-        with pl.Config(tbl_rows=200, tbl_cols=20, fmt_str_lengths=60, tbl_width_chars=200):
-            click.echo(shown)
-        return
-    flat = df.with_columns(pl.col("evidence").map_elements(
-        lambda ev: ";".join(f"{e['producer_id']}:{e['seq']}" for e in ev), return_dtype=pl.Utf8)) \
-        if fmt == "csv" and "evidence" in df.columns else df
-    for c in ("victim_request_ids", "victim_tenant_ids", "pages"):
-        if fmt == "csv" and c in flat.columns:
-            flat = flat.with_columns(pl.col(c).map_elements(lambda v: ",".join(str(x) for x in v),
-                                                            return_dtype=pl.Utf8))
-    target = out or sys.stdout
-    if fmt == "csv":
-        text = flat.write_csv()
+        width, color = _terminal() if out is None else (120, False)
+        text = render_table(df, view, window_scope(w.from_ns, w.to_ns, w.tenant, w.node), notes=answer.notes,
+                            width_chars=width, color=color)
+        click.echo(text, nl=False) if out is None else Path(out).write_text(text)
+    elif fmt == "csv":
+        text = csv_frame(df).write_csv()
         click.echo(text, nl=False) if out is None else Path(out).write_text(text)
     elif fmt == "json":
-        text = df.write_json()
-        click.echo(text) if out is None else Path(out).write_text(text)
+        text = json_text(df)
+        click.echo(text) if out is None else Path(out).write_text(text + "\n")
     else:
-        df.write_parquet(target)
+        df.write_parquet(out)
+    if fmt != "table":
+        for note in answer.notes:
+            click.echo(note, err=True)
     if out:
         click.echo(f"wrote {len(df)} rows to {out}")
 
@@ -211,7 +227,7 @@ def findings_cmd(db, from_, to, tenant, node, fmt, out, codes, exclude_tenants, 
         _save(db, list(answer.found), w, engine, policy)
     if len(answer.excluded):
         click.echo(f"excluded: {len(answer.excluded)} findings of excluded accounts", err=True)
-    _emit(answer.rows, fmt, out, "no findings in this window", answer.gaps)
+    _emit(answer, fmt, out, FINDINGS, w)
 
 
 @forensics.command()
@@ -220,9 +236,10 @@ def findings_cmd(db, from_, to, tenant, node, fmt, out, codes, exclude_tenants, 
 def affected(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file) -> None:
     """Which responses read foreign pages in the window, and whose data it was."""
     excl = _exclusions(exclude_tenants, exclude_file)
-    answer = ask_affected(db, _window(from_, to, tenant, node), exclusions=excl)
+    w = _window(from_, to, tenant, node)
+    answer = ask_affected(db, w, exclusions=excl)
     _say_excluded(answer.excluded)
-    _emit(answer.rows, fmt, out, "no affected responses in this window", answer.gaps)
+    _emit(answer, fmt, out, AFFECTED, w)
 
 
 def _save(db: str, found, w, engine: str, policy) -> None:
@@ -288,9 +305,10 @@ def watch(db, interval, polls, allow_tenant_cache_sharing) -> None:
 def exposure(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file) -> None:
     """Exposure matrix: recipient tenant x victim tenant, with responses, pages and victim requests."""
     excl = _exclusions(exclude_tenants, exclude_file)
-    answer = ask_exposure(db, _window(from_, to, tenant, node), exclusions=excl)
+    w = _window(from_, to, tenant, node)
+    answer = ask_exposure(db, w, exclusions=excl)
     _say_excluded(answer.excluded)
-    _emit(answer.rows, fmt, out, "no exposure in this window", answer.gaps)
+    _emit(answer, fmt, out, EXPOSURE, w)
 
 
 @forensics.command()
@@ -298,11 +316,10 @@ def exposure(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_fil
 @_exclusion_options
 def thresholds(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file) -> None:
     """Pool vs advertised context per node, and affected vs unaffected prompts against the prefill pool."""
-    answer = ask_thresholds(db, _window(from_, to, tenant, node),
-                            exclusions=_exclusions(exclude_tenants, exclude_file))
+    w = _window(from_, to, tenant, node)
+    answer = ask_thresholds(db, w, exclusions=_exclusions(exclude_tenants, exclude_file))
     _say_excluded(answer.excluded)
-    _emit(answer.rows, fmt, out, "no node configuration in this window", answer.gaps)
-    click.echo(answer.notes[0], err=fmt != "table")
+    _emit(answer, fmt, out, THRESHOLDS, w)
 
 
 @forensics.command()
@@ -315,8 +332,7 @@ def exploitation(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude
     require_store(db)
     options = _report_options(w.from_ns, w.to_ns, _exclusions(exclude_tenants, exclude_file), **probe)
     answer = ask_exploitation(db, options, w)
-    _emit(answer.rows, fmt, out, "no recipient tenant and no over-long prompt in this window", answer.gaps)
-    click.echo(answer.notes[0], err=fmt != "table")
+    _emit(answer, fmt, out, EXPLOITATION, w)
 
 
 @forensics.command()

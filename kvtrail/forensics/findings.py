@@ -3,6 +3,11 @@
 A :class:`Finding` names the request it concerns (the *recipient* for reads), the victims whose data
 was exposed, the pages on one node, the time span and the evidence: ``(producer_id, seq)`` keys of
 the events that prove it. ``docs/mission.md`` defines the codes; :data:`CODES` is their registry.
+
+Direction of a late write (F7): its ``request_id`` is the late *writer* - the source of the data, not
+a recipient - and its victims are the requests holding the pages it landed on (whose KV it corrupts).
+The request that later reads such a page is the recipient: it gets the F1, with the late writer as
+victim. A response is affected only through F1 or F5 (:data:`AFFECTED_CODES`).
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ CODES: dict[str, FindingCode] = {
         FindingCode("F10", "cross-tenant prefix sharing", "medium"),
     )
 }
-# A response is affected (it read foreign data) when its request has one of these.
-AFFECTED_CODES = frozenset({"F1", "F5", "F7"})
+# A response is affected (it read data it did not own) when its request has one of these. F7's request
+# is the late writer, a source: the reader of its bytes has the F1.
+AFFECTED_CODES = frozenset({"F1", "F5"})
 # Pseudo-victims: a page read before anyone wrote it since the pool was created; a victim request
 # whose events carry no tenant.
 NEVER_WRITTEN = "(never written)"
@@ -69,13 +75,33 @@ class Finding:
 
 
 def make_finding(code: str, **kw) -> Finding:
-    """A finding with the severity its code carries in :data:`CODES`."""
+    """A finding with the severity its code carries in :data:`CODES` (unless ``severity`` is given)."""
     if code not in CODES:
         raise ValueError(f"unknown finding code {code!r}; known: {', '.join(CODES)}")
     kw.setdefault("pages", ())
     kw.setdefault("victim_request_ids", ())
     kw.setdefault("victim_tenant_ids", ())
-    return Finding(code=code, severity=CODES[code].severity, **kw)
+    kw.setdefault("severity", CODES[code].severity)
+    return Finding(code=code, **kw)
+
+
+# Finding details both engines word the same way.
+
+REPEAT_DETAIL = "page(s) listed more than once in one allocation: the allocator handed them out twice"
+
+def late_write_detail(why: str) -> str:
+    return f"write {why}: a source of foreign data; the next reader of these pages has the F1"
+
+
+def foreign_read_detail(writer: str | None, num_late: int, num_lost: int) -> str:
+    """F1 detail: whose write the reader saw; how many of the pages a late write (F7) filled, and on how
+    many of those the late bytes landed after the reader's own write (its own KV corrupted)."""
+    text = f"read of pages last written by {writer}"
+    if num_late:
+        text += f"; {num_late} page(s) written late by {writer} (F7)"
+    if num_lost:
+        text += f", {num_lost} of them over this request's own write: its own KV was corrupted"
+    return text
 
 
 FINDINGS_SCHEMA = pa.schema([
@@ -112,3 +138,12 @@ def findings_table(findings: list[Finding]) -> pa.Table:
         cols["pages"].append(list(f.pages))
         cols["evidence"].append([{"producer_id": p, "seq": s} for p, s in f.evidence])
     return pa.table(cols, schema=FINDINGS_SCHEMA)
+
+
+def transfer_mismatch_detail(reserved_tokens: int, reserved_pages: int, problems: list[str], status: str,
+                             responses: list[tuple[int, int]]) -> str:
+    """F2 detail: what was reserved, what differs, what decode reported (its receipt's status) and what
+    the client got (``responses``: (HTTP status, completion tokens) of the request's 2xx responses)."""
+    served = "; ".join(f"client got HTTP {h} with {c} completion tokens" for h, c in sorted(responses))
+    return (f"reserved {reserved_tokens} tokens/{reserved_pages} pages; " + ", ".join(problems)
+            + f"; decode reported {status}; " + (served or "no 2xx response"))

@@ -46,6 +46,7 @@ from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.engine import replay_store
 from kvtrail.forensics.report.options import ReportOptions
 from kvtrail.forensics.sql.engine import sql_findings
+from kvtrail.forensics.symptoms import empty_after_abort, empty_after_abort_note, integrity_warnings
 from kvtrail.forensics.window import Window, check_window
 
 
@@ -98,8 +99,10 @@ def findings(con: duckdb.DuckDBPyConnection, w: Window = Window(), codes: tuple[
 
 def affected_responses(con: duckdb.DuckDBPyConnection, w: Window = Window(),
                        found: list[Finding] | None = None) -> pl.DataFrame:
-    """Responses whose request read foreign pages (F1, F5, F7): who, what the client got, whose data.
+    """Responses whose request read data it did not own (F1, F5): who, what the client got, whose data.
 
+    ``codes``, ``victim_tenants`` and ``victim_requests`` are lists. A late writer (F7) is a source,
+    not a recipient: it is here only if it read foreign data itself.
     ``found``: the window's findings when the caller already has them (they are not replayed again).
     """
     if found is None:
@@ -130,13 +133,16 @@ def affected_responses(con: duckdb.DuckDBPyConnection, w: Window = Window(),
         status, prompt, completion = responses.get(rid, (None, None, None))
         rows.append({"request_id": rid, "tenant_id": row["tenant_id"], "http_status": status,
                      "prompt_tokens": prompt, "completion_tokens": completion,
-                     "codes": ",".join(sorted(row["codes"])), "pages_read_foreign": len(row["foreign_pages"]),
-                     "victim_tenants": ",".join(sorted(row["victim_tenant_ids"])),
-                     "victim_requests": ",".join(sorted(row["victim_request_ids"])),
+                     "codes": sorted(row["codes"], key=lambda c: int(c[1:])),
+                     "pages_read_foreign": len(row["foreign_pages"]),
+                     "victim_tenants": sorted(row["victim_tenant_ids"]),
+                     "victim_requests": sorted(row["victim_request_ids"]),
                      "first_ns": row["first_ns"], "last_ns": row["last_ns"]})
-    schema = {"request_id": pl.Utf8, "tenant_id": pl.Utf8, "http_status": pl.Int32, "prompt_tokens": pl.Int64,
-              "completion_tokens": pl.Int64, "codes": pl.Utf8, "pages_read_foreign": pl.Int64,
-              "victim_tenants": pl.Utf8, "victim_requests": pl.Utf8, "first_ns": pl.Int64, "last_ns": pl.Int64}
+    ids = pl.List(pl.Utf8)
+    schema: dict[str, pl.DataType | type[pl.DataType]] = {
+        "request_id": pl.Utf8, "tenant_id": pl.Utf8, "http_status": pl.Int32, "prompt_tokens": pl.Int64,
+        "completion_tokens": pl.Int64, "codes": ids, "pages_read_foreign": pl.Int64, "victim_tenants": ids,
+        "victim_requests": ids, "first_ns": pl.Int64, "last_ns": pl.Int64}
     return pl.DataFrame(rows, schema=schema).sort("first_ns")
 
 
@@ -158,12 +164,14 @@ Store = str | Path | duckdb.DuckDBPyConnection
 @dataclass(frozen=True)
 class Answer:
     """A question's answer: ``rows``, the rows exclusions left out (``excluded``, with ``excluded_by``
-    and ``reason`` where known), the store's coverage gaps and notes in words (e.g. the threshold finding)."""
+    and ``reason`` where known), the store's coverage gaps, notes in words (e.g. the threshold finding)
+    and integrity ``warnings`` about the record itself (e.g. a transfer id shared by several requests)."""
 
     rows: pl.DataFrame
     excluded: pl.DataFrame
     gaps: pl.DataFrame
     notes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
     summary: dict = field(default_factory=dict)
     found: tuple[Finding, ...] = ()  # the findings behind the rows, where the question replayed them
 
@@ -203,15 +211,16 @@ def ask_findings(store: Store, w: Window = Window(), *, codes: tuple[str, ...] =
         check_exclusions(con, exclusions)
         found = findings_of(con, w, engine=engine, policy=policy)
         df, excluded, gaps = findings_frame(found, w, codes), excluded_requests(con, exclusions), coverage_gaps(con)
+        notes, warnings = _symptom_notes(con, w), integrity_warnings(con, w)
     hit = excluded_mask(excluded, exclusions)
-    return Answer(df.filter(~hit), df.filter(hit), gaps, found=tuple(found))
+    return Answer(df.filter(~hit), df.filter(hit), gaps, notes, warnings, found=tuple(found))
 
 
 def ask_affected(store: Store, w: Window = Window(), *, exclusions: Exclusions = Exclusions()) -> Answer:
     """Which responses read foreign pages in the window, and whose data it was (exclusions applied)."""
     with _connected(store) as con:
         kept, dropped, _ = affected_with_exclusions(con, w, exclusions)
-        return Answer(kept, dropped, coverage_gaps(con))
+        return Answer(kept, dropped, coverage_gaps(con), _symptom_notes(con, w), integrity_warnings(con, w))
 
 
 def ask_exposure(store: Store, w: Window = Window(), *, exclusions: Exclusions = Exclusions()) -> Answer:
@@ -220,7 +229,8 @@ def ask_exposure(store: Store, w: Window = Window(), *, exclusions: Exclusions =
         found = findings_of(con, w, codes=AFFECTED_CODES)  # one replay for both answers
         kept, dropped, _ = affected_with_exclusions(con, w, exclusions, found)
         frame, gaps = findings_frame(found, w, tuple(sorted(AFFECTED_CODES))), coverage_gaps(con)
-    return Answer(exposure_matrix(exposure_links(frame, set(kept["request_id"]))), dropped, gaps)
+        warnings = integrity_warnings(con, w)
+    return Answer(exposure_matrix(exposure_links(frame, set(kept["request_id"]))), dropped, gaps, warnings=warnings)
 
 
 def ask_node_configurations(store: Store, w: Window = Window()) -> Answer:
@@ -228,9 +238,10 @@ def ask_node_configurations(store: Store, w: Window = Window()) -> Answer:
     with _connected(store) as con:
         check_window(con, w)
         capacity, gaps = node_capacity(con, w.from_ns, w.to_ns), coverage_gaps(con)
+        warnings = integrity_warnings(con, w)
     if w.node:
         capacity = capacity.filter(pl.col("node") == w.node)
-    return Answer(capacity, capacity.clear(), gaps)
+    return Answer(capacity, capacity.clear(), gaps, warnings=warnings)
 
 
 def ask_thresholds(store: Store, w: Window = Window(), *, exclusions: Exclusions = Exclusions()) -> Answer:
@@ -240,6 +251,7 @@ def ask_thresholds(store: Store, w: Window = Window(), *, exclusions: Exclusions
         kept, dropped, excluded = affected_with_exclusions(con, w, exclusions)
         capacity, gaps = node_capacity(con, w.from_ns, w.to_ns), coverage_gaps(con)
         requests = requests_table(con, w.from_ns, w.to_ns, kept["request_id"].to_list())
+        warnings = integrity_warnings(con, w)
     requests = requests.filter(~pl.col("request_id").is_in(excluded["request_id"].to_list()))
     if w.tenant:
         requests = requests.filter(pl.col("tenant_id") == w.tenant)
@@ -249,7 +261,7 @@ def ask_thresholds(store: Store, w: Window = Window(), *, exclusions: Exclusions
     by_node, summary = threshold_analysis(requests, set(kept["request_id"]))
     table = capacity.join(by_node.rename({"prefill_node": "node", "prefill_pool_tokens": "pool_tokens"}),
                           on=["node", "pool_tokens"], how="left")
-    return Answer(table, dropped, gaps, (threshold_sentence(summary),), summary)
+    return Answer(table, dropped, gaps, (threshold_sentence(summary),), warnings, summary)
 
 
 def ask_exploitation(store: Store, options: ReportOptions, w: Window | None = None) -> Answer:
@@ -258,11 +270,17 @@ def ask_exploitation(store: Store, options: ReportOptions, w: Window | None = No
     with _connected(store) as con:
         df, long_tokens = exploitation_for(con, options, w)
         gaps = coverage_gaps(con)
+        warnings = integrity_warnings(con, w or Window(options.from_ns, options.to_ns))
     if w is not None and w.tenant:
         df = df.filter(pl.col("tenant_id") == w.tenant)
     note = (f"over-long: more than {long_tokens:,} tokens" if long_tokens is not None else
             "over-long: unknown (no node configuration in the window)")
-    return Answer(df, df.clear(), gaps, (note,), {"long_prompt_tokens": long_tokens})
+    return Answer(df, df.clear(), gaps, (note,), warnings, {"long_prompt_tokens": long_tokens})
+
+
+def _symptom_notes(con: duckdb.DuckDBPyConnection, w: Window) -> tuple[str, ...]:
+    note = empty_after_abort_note(empty_after_abort(con, w))
+    return (note,) if note else ()
 
 
 def report_requests(con: duckdb.DuckDBPyConnection, o: ReportOptions, kept: pl.DataFrame,

@@ -5,8 +5,11 @@ hits (same tenant: legitimate; another tenant: F10; a stale radix entry: F1) and
 (read after free F5, late write F7, double allocation F6), with page digests on writes and reads so F1
 carries digest lineage. ``pd_history`` plays prefill -> decode transfers with planted length mismatches
 (F2), digest mismatches (F3), rejected-but-served responses (F4), the incident's placeholder path
-(F1 + F2 + F4 + F9) and a misconfigured pool (F8). Each run checks that the replay engine and the SQL
-engine both report exactly what the oracle planted: no more, no less.
+(F1 + F2 + F4 + F9) and a misconfigured pool (F8), under the clarified definitions: a late writer is a
+source (its reader's F1 names it and says when its own KV was overwritten), F4 needs output, F2 counts
+what landed whatever the receipt's status, and a transfer id shared by two requests joins neither with
+the other. Each run checks that the replay engine and the SQL engine both report exactly what the
+oracle planted: no more, no less.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from hypothesis import strategies as st
 
 from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.store import AuditStore
+from kvtrail.forensics.findings import foreign_read_detail
 from kvtrail.forensics.replay.engine import replay_store
 from kvtrail.forensics.sql.engine import sql_findings
 from tests.forensics.test_replay import Oracle, Timeline
@@ -23,7 +27,7 @@ from tests.forensics.test_replay import Oracle, Timeline
 POOL = 10
 TENANTS = ("acme", "globex")
 PAGE_ACTIONS = ("admit", "admit", "read", "free", "grow", "read_after_free", "late_write", "double_alloc",
-                "hit", "hit", "hit_cross", "hit_stale", "scribble")
+                "hit", "hit", "hit_cross", "hit_stale", "scribble", "late_then_read", "late_then_read")
 
 
 class PageOracle(Oracle):
@@ -37,6 +41,9 @@ class PageOracle(Oracle):
         self.content: dict[int, int] = {}    # page -> digest of what the page holds now
         self.hits: dict[tuple[str, int], int] = {}  # (request, page) -> block hash of its hit
         self.stamp = 0
+        self.gen: dict[int, int] = {}    # page -> exclusive allocations so far
+        self.wgen: dict[int, int] = {}   # page -> its allocation count when last written
+        self.late: dict[int, tuple] = {}  # page -> (writer, wgen) a late write overwrote; absent if on time
 
     def new_rid(self):
         rid = super().new_rid()
@@ -55,6 +62,12 @@ class PageOracle(Oracle):
         out = [p for p in pages if rid not in self.holders[p]]
         if out:
             self._expect("F7", rid, set().union(*(self.holders[p] for p in out)), out, e)
+        for p in pages:
+            if p in out:
+                self.late[p] = (self.writer.get(p), self.wgen.get(p))
+            else:
+                self.late.pop(p, None)
+            self.wgen[p] = self.gen.get(p, 0)
         for p, d, h in zip(pages, digests, hashes):
             self.writer[p], self.bhash[p], self.content[p] = rid, h, d
             if with_digests:
@@ -82,20 +95,25 @@ class PageOracle(Oracle):
                 continue
             foreign.setdefault(w, []).append(p)
         for w, ps in foreign.items():
-            lineage = (0, 0)
+            lineage, detail = (0, 0), None
             if w is not None:
                 checked = [p for p in ps if p in self.wdigest]
                 lineage = (len(checked), sum(self.wdigest[p] == self.content[p] for p in checked))
-            self.expected.append(("F1", rid, (w,), tuple(sorted(ps)), e["wall_ns"], lineage))
+                late = [p for p in ps if p in self.late]
+                lost = [p for p in late if self.late[p] == (rid, self.gen.get(p, 0))]
+                detail = foreign_read_detail(w, len(late), len(lost))
+            self.expected.append(("F1", rid, (w,), tuple(sorted(ps)), e["wall_ns"], lineage, detail))
         for w, ps in cross.items():
             self._expect("F10", rid, {w}, ps, e)
 
     def _expect(self, code, rid, victims, pages, e):
         super()._expect(code, rid, victims, pages, e)
-        self.expected[-1] = (*self.expected[-1], (0, 0))
+        self.expected[-1] = (*self.expected[-1], (0, 0), None)
 
     def alloc(self, rid, pages, purpose="prefill_extend"):
         super().alloc(rid, pages, purpose)
+        for p in set(pages):
+            self.gen[p] = self.gen.get(p, 0) + 1
 
     def hit(self, kind):
         written = sorted(p for p in self.writer if self.bhash.get(p) is not None)
@@ -126,6 +144,14 @@ class PageOracle(Oracle):
     def step(self, action, data):
         if action in ("hit", "hit_cross", "hit_stale"):
             return self.hit(action)
+        if action == "late_then_read" and self.freed:  # the late write's reader: the recipient
+            rid = data.draw(st.sampled_from(self.freed))
+            self.write(rid, self.pages[rid])
+            readers = sorted({h for p in self.pages[rid] for h in self.holders[p]})
+            if readers:
+                reader = data.draw(st.sampled_from(readers))
+                self.read(reader, self.pages[reader])
+            return True
         if action == "scribble" and self.content:  # bytes change with no event: lineage no longer matches
             p = data.draw(st.sampled_from(sorted(self.content)))
             self.content[p] += 1
@@ -143,7 +169,8 @@ def both_engines(events, from_ns=None, to_ns=None):
 
 def _as_expected(f):
     lineage = (f.lineage_checked, f.lineage_matched)
-    return (f.code, f.request_id, f.victim_request_ids, tuple(sorted(f.pages)), f.last_ns, lineage)
+    detail = f.detail if f.code == "F1" and f.victim_request_ids != (None,) else None
+    return (f.code, f.request_id, f.victim_request_ids, tuple(sorted(f.pages)), f.last_ns, lineage, detail)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -176,7 +203,7 @@ def test_legitimate_prefix_sharing_alone_is_clean(data):
 # ---- cross-node: transfers, aborts, latency, configuration ---------------------------------------------
 
 PD_KINDS = ("clean", "clean", "clean", "short_send", "bad_digest", "receiver_mismatch", "rejected_served",
-            "placeholder")
+            "placeholder", "failed_short", "aborted_empty", "collide", "collide_short")
 
 
 def pd_history(data):
@@ -193,6 +220,8 @@ def pd_history(data):
     placeholders = []
     for i, kind in enumerate(kinds):
         rid, tid = f"q{i}", 1000 + i
+        if kind.startswith("collide") and i > 0:  # the previous request's transfer id, reused
+            tid -= 1
         pages = data.draw(st.integers(1, 4))
         tokens = 16 * pages - data.draw(st.integers(0, 15))
         dst = list(range(next_page, next_page + pages))
@@ -200,14 +229,15 @@ def pd_history(data):
         recv = tl.add("p", "request_received", rid, tid, prompt_tokens=tokens)
         tl.add("d", "transfer_reserved", rid, tid, pages=dst, num_tokens=tokens)
         tl.alloc("d", rid, dst, "decode_reservation")
-        if kind in ("rejected_served", "placeholder"):
+        if kind in ("rejected_served", "placeholder", "aborted_empty"):
             tl.add("p", "request_aborted", rid, tid, stage="prefill_queue", abort_reason="too long", http_status=400)
         computed = 1 if kind == "placeholder" else tokens
         src = [1 + i % 60]
         tl.alloc("p", rid, src)
         w = tl.add("p", "kv_written", rid, pages=src, token_start=0, token_end=computed, source="forward")
         recv["wall_ns"] = w["wall_ns"] - computed  # prefill runs at 1 token/ns
-        sent_tokens = tokens - 1 if kind == "short_send" else (1 if kind == "placeholder" else tokens)
+        sent_tokens = tokens - 1 if kind in ("short_send", "collide_short") else (
+            1 if kind == "placeholder" else tokens)
         landed = dst[:1] if kind == "placeholder" else dst
         digest = 50 + i
         tl.add("p", "transfer_sent", rid, tid, pages=src * len(landed), dst_pages=landed, num_tokens=sent_tokens,
@@ -215,21 +245,22 @@ def pd_history(data):
         tl.free("p", rid, src)
         tl.write("d", rid, landed, source="transfer_in")
         got_digest = digest + 1 if kind == "bad_digest" else digest
-        status = "mismatch" if kind == "receiver_mismatch" else "ok"
-        rec = tl.add("d", "transfer_received", rid, tid, pages=landed, num_tokens=sent_tokens, status=status,
+        status = {"receiver_mismatch": "mismatch", "failed_short": "failed"}.get(kind, "ok")
+        landed_tokens = tokens // 2 if kind == "failed_short" else sent_tokens
+        rec = tl.add("d", "transfer_received", rid, tid, pages=landed, num_tokens=landed_tokens, status=status,
                      **({} if kind == "receiver_mismatch" else {"digest": got_digest, "digest_algo": "adler32"}))
         rd = tl.read("d", rid, dst)
         tl.free("d", rid, dst)
         ttft = 1 if kind == "placeholder" else int(tokens * 1.5) + 1000
         resp = tl.add("router", "response_sent", rid, tid, http_status=200, prompt_tokens=tokens,
-                      completion_tokens=3, latency_ns=ttft + 10, ttft_ns=ttft)
-        if sent_tokens != tokens:  # a placeholder of a 1-token prompt sends what was reserved
+                      completion_tokens=0 if kind == "aborted_empty" else 3, latency_ns=ttft + 10, ttft_ns=ttft)
+        if landed_tokens != tokens:  # a placeholder of a 1-token prompt sends what was reserved
             expected.append(("F2", rid, rec["wall_ns"]))
         if kind in ("bad_digest", "receiver_mismatch"):
             expected.append(("F3", rid, rec["wall_ns"]))
-        if kind in ("rejected_served", "placeholder"):
+        if kind in ("rejected_served", "placeholder"):  # an abort, then a 2xx with output
             expected.append(("F4", rid, resp["wall_ns"]))
-        else:
+        elif kind != "aborted_empty":  # an aborted request's forward pass is no rate sample
             clean_samples += 1
         if kind == "placeholder":
             if len(dst) > 1:

@@ -51,7 +51,7 @@ def test_affected_names_recipient_victim_and_what_the_client_got(db):
     row = df.row(0, named=True)
     got = (row["request_id"], row["tenant_id"], row["http_status"], row["completion_tokens"])
     assert got == ("g", "globex", 200, 9)
-    assert row["victim_tenants"] == "acme" and row["victim_requests"] == "a" and row["pages_read_foreign"] == 3
+    assert row["victim_tenants"] == ["acme"] and row["victim_requests"] == ["a"] and row["pages_read_foreign"] == 3
     assert len(affected_responses(con, Window(tenant="acme"))) == 1  # acme as victim
     assert len(affected_responses(con, Window(T0 + 10**12, T0 + 2 * 10**12))) == 0  # empty window
     assert "F1" in findings(con)["code"].to_list()

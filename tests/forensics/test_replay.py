@@ -205,11 +205,18 @@ def test_f2_transfer_length_mismatch_the_incident_shape():
     assert len({pid for pid, _ in f2[0].evidence}) == 2
 
 
-def test_f2_not_raised_for_failed_transfers():
+def test_f2_counts_what_landed_whatever_the_status():
     tl = pd_timeline()
     tl.add("d", "transfer_reserved", "r1", 5, pages=[1, 2], num_tokens=20)
     tl.add("d", "transfer_received", "r1", 5, pages=[], num_tokens=0, status="failed")
-    assert tl.findings() == []
+    (f2,) = tl.findings()
+    # decode detected it (failed) and nothing was served: the code's own severity
+    assert (f2.code, f2.severity) == ("F2", "high")
+    assert "decode reported failed" in f2.detail and "no 2xx response" in f2.detail
+    # a transfer that landed in full, whatever its status, is no mismatch
+    tl.add("d", "transfer_reserved", "r2", 6, pages=[3], num_tokens=10)
+    tl.add("d", "transfer_received", "r2", 6, pages=[3], num_tokens=10, status="timeout")
+    assert [f.request_id for f in tl.findings()] == ["r1"]
 
 
 def test_f3_digest_mismatch():
@@ -226,16 +233,24 @@ def test_f3_digest_mismatch():
     assert [f.request_id for f in tl.findings() if f.code == "F3"] == ["r1", "r4"]
 
 
-def test_f4_rejected_but_served_by_request_or_transfer_id():
+def test_f4_rejected_but_served_needs_the_same_request_and_output():
     tl = pd_timeline()
     ab = tl.add("p", "request_aborted", "r1", 77, stage="prefill_queue", abort_reason="input too long",
                 http_status=400)
-    resp = tl.add("router", "response_sent", "router-r1", 77, http_status=200, prompt_tokens=900_000,
+    resp = tl.add("router", "response_sent", "r1", 77, http_status=200, prompt_tokens=900_000,
                   completion_tokens=50, latency_ns=10)
     tl.add("d", "request_aborted", "r2", stage="decode", abort_reason="client", http_status=499)
     tl.add("router", "response_sent", "r2", http_status=499, prompt_tokens=1, completion_tokens=0, latency_ns=1)
+    # SGLang's "abort returns 200 with finish_reason length": a 2xx without output is no exposure
+    tl.add("p", "request_aborted", "r3", 78, stage="prefill_queue", abort_reason="input too long", http_status=400)
+    tl.add("router", "response_sent", "r3", 78, http_status=200, prompt_tokens=9, completion_tokens=0, latency_ns=1)
+    # another request that happens to carry the same transfer id is not this one (a collision)
+    tl.add("router", "response_sent", "r4", 77, http_status=200, prompt_tokens=9, completion_tokens=5, latency_ns=1)
+    # nor is another attempt of the same request under a new transfer id
+    tl.add("p", "request_aborted", "r5", 80, stage="bootstrap", abort_reason="no pages", http_status=503)
+    tl.add("router", "response_sent", "r5", 81, http_status=200, prompt_tokens=9, completion_tokens=5, latency_ns=1)
     found = tl.findings()
-    assert [(f.code, f.request_id, f.node) for f in found] == [("F4", "router-r1", "router")]
+    assert [(f.code, f.request_id, f.node) for f in found] == [("F4", "r1", "router")]
     assert (found[0].first_ns, found[0].last_ns) == (wall(ab), wall(resp))
     assert "input too long" in found[0].detail and len(found[0].evidence) == 2
 

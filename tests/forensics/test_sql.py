@@ -35,13 +35,6 @@ def compare(store, from_ns=None, to_ns=None, policy=ForensicsPolicy()):
     return got
 
 
-@pytest.fixture
-def mem_store():
-    s = AuditStore(":memory:")
-    yield s
-    s.close()
-
-
 def stored(store, tl):
     store.append(from_dicts(tl.events))
     return store
@@ -97,15 +90,17 @@ def test_pd_transfer_abort_and_config_findings(mem_store):
     pd_request(tl, "r2", 43, [2, 3], [10, 11], 20, received_tokens=12)                  # F2
     pd_request(tl, "r3", 44, [4], [12], 10)                                              # clean
     tl.add("d", "transfer_reserved", "r4", 5, pages=[20, 21], num_tokens=20)
-    tl.add("d", "transfer_received", "r4", 5, pages=[], num_tokens=0, status="failed")   # not F2
+    tl.add("d", "transfer_received", "r4", 5, pages=[], num_tokens=0, status="failed")   # F2 (nothing landed)
     tl.add("p", "request_aborted", "r5", 77, stage="prefill_queue", abort_reason="input too long", http_status=400)
+    tl.add("router", "response_sent", "r5", 77, http_status=200, prompt_tokens=9, completion_tokens=5,
+           latency_ns=10)                                                                # F4
     tl.add("router", "response_sent", "router-r5", 77, http_status=200, prompt_tokens=9, completion_tokens=5,
-           latency_ns=10)                                                                # F4 by transfer id
+           latency_ns=10)                                     # not F4: another request id (a collision)
     tl.add("d", "request_aborted", "r6", stage="decode", abort_reason="client", http_status=499)
     tl.add("router", "response_sent", "r6", http_status=499, prompt_tokens=1, completion_tokens=0, latency_ns=1)
     tl.add("router", "response_sent", "r6", http_status=200, prompt_tokens=1, completion_tokens=1, latency_ns=1)
     got = compare(stored(mem_store, tl))
-    assert sorted(f.code for f in got) == ["F1", "F2", "F2", "F4", "F4", "F8"]
+    assert sorted(f.code for f in got) == ["F1", "F2", "F2", "F2", "F4", "F4", "F8"]
 
 
 def test_restart_and_windows(mem_store):

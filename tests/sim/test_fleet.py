@@ -24,7 +24,7 @@ SMALL = FleetConfig(hours=0.008, rate_per_s=10, prefill_nodes=2, decode_nodes=2,
                     prefill_pool_tokens=16_384, decode_pool_tokens=69_632, context_tokens=65_536,
                     prefill_rate_min_tokens_per_s=40_000, prompt_median_tokens=1024, prompt_sigma=1.5,
                     completion_median_tokens=48, max_new_tokens=1024, doc_median_tokens=512, plants_per_hour=1500)
-AFFECTING = {"F1", "F5", "F7"}
+AFFECTING = {"F1", "F5"}
 POLICY_CODES = ("F9", "F10")  # findings that depend on engine policy; checked where the engine emits them
 
 

@@ -47,6 +47,7 @@ class ReplayEvent(NamedTuple):
     token_start: int | None
     token_end: int | None
     prompt_tokens: int | None
+    completion_tokens: int | None
     ttft_ns: int | None
     # ---- derived by the engine ----
     node_key: NodeKey

@@ -13,11 +13,12 @@ it since its allocation is filled by the very step that reads it (not F1).
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Iterable
 
 import numpy as np
 
-from kvtrail.forensics.findings import Finding, make_finding
+from kvtrail.forensics.findings import REPEAT_DETAIL, Finding, foreign_read_detail, late_write_detail, make_finding
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.batch import JOIN_KINDS, PAGE_KINDS
 from kvtrail.forensics.replay.event import EventKey, ReplayEvent, required
@@ -46,7 +47,8 @@ class EventHandlers:
 
     def finding(self, code: str, ev: ReplayEvent, *, node: str | None = None, request: str | None = None,
                 victims: Iterable[int] = (), pages: Iterable[int] = (), first_ns: int | None = None,
-                evidence: Iterable[EventKey] = (), detail: str = "", lineage: tuple[int, int] = (0, 0)) -> Finding:
+                evidence: Iterable[EventKey] = (), detail: str = "", lineage: tuple[int, int] = (0, 0),
+                severity: str | None = None) -> Finding:
         """The finding ``code`` proved by ``ev`` (victims are request indices, -1 for nobody)."""
         requests, tenants = self.state.requests, self.state.tenants
         vic = tuple(sorted({requests[v] if v >= 0 else None for v in victims}, key=lambda x: (x is None, x)))
@@ -56,7 +58,7 @@ class EventHandlers:
             victim_tenant_ids=tuple(tenants.get(v) if v is not None else None for v in vic),
             pages=tuple(int(p) for p in pages), first_ns=ev.wall_ns if first_ns is None else int(first_ns),
             last_ns=ev.wall_ns, evidence=_keys([ev.key, *evidence]), detail=detail, lineage_checked=int(lineage[0]),
-            lineage_matched=int(lineage[1]))
+            lineage_matched=int(lineage[1]), **({"severity": severity} if severity else {}))
 
     def emit(self, code: str, ev: ReplayEvent, **kw) -> None:
         self.state.found.append(self.finding(code, ev, **kw))
@@ -89,6 +91,7 @@ class EventHandlers:
         if pool is None:
             return
         r = self.state.req(ev.request_id)
+        self._check_repeats(ev, pages)
         if ev.purpose == "prefix_hit":  # shared radix-cache pages: many readers by design
             if ev.hashes is None:
                 raise ValueError("replay: block_hashes missing on a prefix_hit allocation")
@@ -117,6 +120,16 @@ class EventHandlers:
         pool.alloc_req[pages] = r
         pool.alloc_growth[pages] = ev.purpose == "decode_growth"
         pool.gen[pages] += 1
+
+    def _check_repeats(self, ev: ReplayEvent, pages: np.ndarray) -> None:
+        """A page listed twice in one allocation: the allocator handed it out twice (F6 on itself)."""
+        if len(pages) < 2 or (len(pages) == len(np.unique(pages))):
+            return
+        listed = pages.tolist()
+        counts = Counter(listed)
+        dups = list(dict.fromkeys(p for p in listed if counts[p] > 1))  # in order of first listing
+        self.emit("F6", ev, request=ev.request_id, victims=[self.state.req(ev.request_id)], pages=dups,
+                  detail=REPEAT_DETAIL)
 
     def on_pages_freed(self, ev: ReplayEvent) -> None:
         pool, pages = self._pool(ev), ev.pages
@@ -150,7 +163,8 @@ class EventHandlers:
             for p in late.tolist():
                 victims |= pool.holders(p)
             why = "after the request released them" if was_held.all() else "on pages the request never held"
-            self.emit("F7", ev, request=ev.request_id, victims=victims, pages=late, detail=f"write {why}")
+            self.emit("F7", ev, request=ev.request_id, victims=victims, pages=late, detail=late_write_detail(why))
+            pool.remember_late(late, ev.key)
         pool.writer[pages] = r
         pool.write_ns[pages] = ev.wall_ns
         pool.write_gen[pages] = pool.gen[pages]
@@ -189,9 +203,10 @@ class EventHandlers:
                 self.emit("F1", ev, request=ev.request_id, victims=[-1], pages=pages[sel],
                           detail="read of pages never written since the pool was created")
                 continue
+            num_late, num_lost = pool.late_writes(pages[sel], r)
             self.emit("F1", ev, request=ev.request_id, victims=[w], pages=pages[sel],
                       first_ns=pool.write_ns[pages[sel]].min(), evidence=_write_keys(pool, pages[sel]),
-                      detail=f"read of pages last written by {self.state.requests[w]}",
+                      detail=foreign_read_detail(self.state.requests[w], num_late, num_lost),
                       lineage=_lineage(pool, pages, sel, ev.digests))
         cross = cached & (writer >= 0) & (writer != r)
         if cross.any() and not self.policy.allow_tenant_cache_sharing:

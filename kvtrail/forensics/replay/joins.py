@@ -1,9 +1,16 @@
 """The replay engine's cross-node findings: F2, F3, F4 and F9 join events of several producers.
 
 Events are collected as they stream by and joined when findings are asked for, so the order in which
-different nodes' batches arrive does not matter: by ``transfer_id`` (reservation, sends and receipt of
-one transfer: F2, F3), by ``request_id`` or ``transfer_id`` (an abort anywhere and a 2xx response: F4;
-a response and its prefill node's receipt: F9).
+different nodes' batches arrive does not matter. A transfer id alone is no key (producers reuse and
+collide them): the reservation, sends and receipt of one transfer join on ``(transfer_id,
+request_id)`` (F2, F3); an abort anywhere and a 2xx response (F4), a response and its prefill node's
+receipt (F9) join on ``request_id``, and when both events carry a transfer id it must be the same one
+(another attempt of the request is not this one).
+
+F2 counts what landed (the receipt's ``num_tokens``) whatever status the receiver reported; the status
+and whether the client still got output are its evidence, and output raises its severity. F3 compares
+digests of receipts decode took as landed (``ok``, ``mismatch``). F4 needs output: a 2xx with no
+completion tokens after an abort is a symptom the questions report, not a finding.
 """
 
 from __future__ import annotations
@@ -13,15 +20,26 @@ from typing import Callable
 
 import numpy as np
 
+from kvtrail.forensics.findings import transfer_mismatch_detail
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.event import NodeKey, ReplayEvent, required
 
-_OK_RECEIVED = ("ok", "mismatch")  # decode took the KV as landed; failed/aborted transfers serve nothing
+_DIGESTED = ("ok", "mismatch")  # receipts decode took as landed: their digest is compared (F3)
 PREFILL_ROLES = ("prefill", "unified")
 # emit(code, event, **finding fields): EventHandlers.emit's signature
 Emit = Callable[..., None]
 # One forward write as a prefill-rate sample: (node_key, ord, wall_ns, request_id, tokens).
 ForwardWrite = tuple[NodeKey, int, int, str | None, int]
+TransferKey = tuple[int | None, str | None]  # (transfer_id, request_id)
+
+
+def same_attempt(a: ReplayEvent, b: ReplayEvent) -> bool:
+    """Two events of one request belong to the same attempt unless both name different transfer ids."""
+    return a.transfer_id is None or b.transfer_id is None or a.transfer_id == b.transfer_id
+
+
+def has_output(resp: ReplayEvent) -> bool:
+    return required(resp.completion_tokens, "completion_tokens") > 0
 
 
 @dataclass(eq=False, slots=True)
@@ -41,8 +59,8 @@ class CrossNodeJoins:
 
     def __init__(self, policy: ForensicsPolicy):
         self.policy = policy
-        self.transfers: dict[int | None, TransferEvents] = {}
-        self.aborts: dict[tuple[str, object], list[ReplayEvent]] = {}
+        self.transfers: dict[TransferKey, TransferEvents] = {}
+        self.aborts: dict[str | None, list[ReplayEvent]] = {}  # by request_id
         self.aborted_at: set[tuple[NodeKey, str | None]] = set()
         self.responses: list[ReplayEvent] = []  # 2xx responses
         self.receipts: dict[tuple[NodeKey, str | None], ReplayEvent] = {}  # first request_received per request
@@ -54,9 +72,10 @@ class CrossNodeJoins:
     # ---- collection ---------------------------------------------------------------------------------
 
     def _transfer(self, ev: ReplayEvent) -> TransferEvents:
-        t = self.transfers.get(ev.transfer_id)
+        key = (ev.transfer_id, ev.request_id)
+        t = self.transfers.get(key)
         if t is None:
-            t = self.transfers[ev.transfer_id] = TransferEvents()
+            t = self.transfers[key] = TransferEvents()
         return t
 
     def transfer_reserved(self, ev: ReplayEvent) -> None:
@@ -69,9 +88,7 @@ class CrossNodeJoins:
         self._transfer(ev).received = ev
 
     def request_aborted(self, ev: ReplayEvent) -> None:
-        self.aborts.setdefault(("rid", ev.request_id), []).append(ev)
-        if ev.transfer_id is not None:
-            self.aborts.setdefault(("tid", ev.transfer_id), []).append(ev)
+        self.aborts.setdefault(ev.request_id, []).append(ev)
         self.aborted_at.add((ev.node_key, ev.request_id))
 
     def request_received(self, ev: ReplayEvent) -> None:
@@ -95,14 +112,18 @@ class CrossNodeJoins:
 
     def evaluate(self, emit: Emit) -> None:
         """Emit F2/F3 per transfer, F4 and F9 per 2xx response (``emit(code, ev, **kw)``)."""
-        for t in self.transfers.values():
-            _check_transfer(t, emit)
-        rates = self.prefill_rates()
-        receipts_by = self._receipts_by_id()
+        by_request: dict[str | None, list[ReplayEvent]] = {}
         for resp in self.responses:
-            aborts = {a.key: a for k in (("rid", resp.request_id), ("tid", resp.transfer_id))
-                      for a in self.aborts.get(k, ()) if k[1] is not None}
-            if aborts:
+            by_request.setdefault(resp.request_id, []).append(resp)
+        for (_, rid), t in self.transfers.items():
+            if t.received is not None:
+                _check_transfer(t, [r for r in by_request.get(rid, ()) if same_attempt(r, t.received)], emit)
+        rates = self.prefill_rates()
+        receipts_by = self._receipts_by_request()
+        for resp in self.responses:
+            aborts = {a.key: a for a in self.aborts.get(resp.request_id, ())
+                      if resp.request_id is not None and same_attempt(a, resp)}
+            if aborts and has_output(resp):
                 first = min(a.wall_ns for a in aborts.values())
                 what = "; ".join(sorted({f"{a.stage}: {a.abort_reason} ({a.http_status})" for a in aborts.values()}))
                 emit("F4", resp, request=resp.request_id, first_ns=first, evidence=aborts,
@@ -135,24 +156,19 @@ class CrossNodeJoins:
         return {nk: float(np.quantile(np.array(xs), self.policy.latency_quantile))
                 for nk, xs in samples.items() if len(xs) >= self.policy.min_latency_samples}
 
-    def _receipts_by_id(self) -> dict[tuple[str, object], ReplayEvent]:
-        """Earliest prefill-node receipt per ("rid", request_id) and ("tid", transfer_id)."""
-        out: dict[tuple[str, object], ReplayEvent] = {}
+    def _receipts_by_request(self) -> dict[str, list[ReplayEvent]]:
+        """Prefill-node receipts per request_id."""
+        out: dict[str, list[ReplayEvent]] = {}
         for (nk, rid), rec in self.receipts.items():
-            if self.role.get(nk) not in PREFILL_ROLES:
-                continue
-            for key in (("rid", rid), ("tid", rec.transfer_id)):
-                if key[1] is not None and (key not in out or rec.ord < out[key].ord):
-                    out[key] = rec
+            if rid is not None and self.role.get(nk) in PREFILL_ROLES:
+                out.setdefault(rid, []).append(rec)
         return out
 
     def _check_latency(self, resp: ReplayEvent, rates: dict[NodeKey, float],
-                       receipts_by: dict[tuple[str, object], ReplayEvent], emit: Emit) -> None:
-        if resp.ttft_ns is None or resp.prompt_tokens is None:
+                       receipts_by: dict[str, list[ReplayEvent]], emit: Emit) -> None:
+        if resp.ttft_ns is None or resp.prompt_tokens is None or resp.request_id is None:
             return
-        cands = [receipts_by.get(k) for k in (("rid", resp.request_id), ("tid", resp.transfer_id))
-                 if k[1] is not None]
-        found = [c for c in cands if c is not None]
+        found = [c for c in receipts_by.get(resp.request_id, ()) if same_attempt(c, resp)]
         if not found:
             return
         rec = min(found, key=lambda c: c.ord)
@@ -171,10 +187,10 @@ class CrossNodeJoins:
                         f"{floor_ns / 1e6:.3f} ms (factor {self.policy.latency_factor:g})")
 
 
-def _check_transfer(t: TransferEvents, emit: Emit) -> None:
+def _check_transfer(t: TransferEvents, responses: list[ReplayEvent], emit: Emit) -> None:
+    """F2 and F3 of one transfer; ``responses``: the request's 2xx responses (what the client got)."""
     res, rec, sent = t.reserved, t.received, t.sent
-    if rec is None or rec.status not in _OK_RECEIVED:
-        return
+    assert rec is not None, "a transfer is checked at its receipt"
     evidence = [e.key for e in (res, *sent) if e is not None]
     first = min(e.wall_ns for e in (res, rec, *sent) if e is not None)
     if res is not None:
@@ -187,9 +203,16 @@ def _check_transfer(t: TransferEvents, emit: Emit) -> None:
         if rec.num_tokens != res.num_tokens:
             problems.append(f"received {rec.num_tokens} tokens")
         if problems:
+            served = [r for r in responses if has_output(r)]
             emit("F2", rec, request=rec.request_id, pages=res.pages, first_ns=first,
-                 evidence=evidence, detail=f"reserved {res.num_tokens} tokens/{len(res.pages)} "
-                                           f"pages; " + ", ".join(problems))
+                 evidence=evidence + [r.key for r in responses], severity="critical" if served else None,
+                 detail=transfer_mismatch_detail(
+                     int(required(res.num_tokens, "num_tokens")), len(res.pages), problems, str(rec.status),
+                     [(int(required(r.http_status, "http_status")), int(required(r.completion_tokens,
+                                                                                 "completion_tokens")))
+                      for r in responses]))
+    if rec.status not in _DIGESTED:
+        return
     with_digest = [e for e in sent if e.digest is not None]
     src = with_digest[-1] if with_digest else None
     if src is not None and rec.digest is not None and src.digest_algo == rec.digest_algo:

@@ -3,8 +3,9 @@
 The common case (one exclusive holder, one last writer) is a handful of array entries per page, so an
 event costs a few vectorised operations. The rare states live in small dicts beside the arrays: pages
 held by several requests at once (double ownership), pages shared as prefix-cache hits (with the
-block hash each hit was keyed by), and the pages a request already released (for F7's wording, kept
-for the most recent requests only so that memory stays bounded on long histories).
+block hash each hit was keyed by), the pages a request already released (for F7's wording, kept
+for the most recent requests only so that memory stays bounded on long histories), and the late writes
+(F7) with what they overwrote, so that the later reader's F1 can say its own KV was corrupted.
 
 Each page array is declared once, as a field of :class:`PageState` carrying its dtype and the value of
 an unused page; :data:`PAGE_ARRAYS` lists those declarations in order, and allocation, growth and the
@@ -68,6 +69,9 @@ class PageState:
     # page -> {request: block hash of its hit}
     shared: dict[int, dict[int, int]] = field(default_factory=dict, init=False)
     released: OrderedDict[int, list[np.ndarray]] = field(default_factory=OrderedDict, init=False)
+    # page -> (late write's event key, the page's writer before it, that write's allocation generation):
+    # a late write (F7) and what it overwrote; current while the page's write_ev is still that key.
+    late: dict[int, tuple[tuple[int, int], int, int]] = field(default_factory=dict, init=False)
     released_pages: int = field(default=0, init=False)  # entries in `released`
 
     @classmethod
@@ -125,6 +129,23 @@ class PageState:
             self.owner[p] = more.pop() if more else -1
         if not self.extra.get(p, True):
             del self.extra[p]
+
+    def remember_late(self, pages: np.ndarray, key: tuple[int, int]) -> None:
+        """Before a late write lands on ``pages``: remember what each page held (see ``late``)."""
+        for p, w, g in zip(pages.tolist(), self.writer[pages].tolist(), self.write_gen[pages].tolist()):
+            self.late[p] = (key, w, g)
+
+    def late_writes(self, pages: np.ndarray, reader: int) -> tuple[int, int]:
+        """Of ``pages``: (how many were last written by a late write, and on how many of those the late
+        write overwrote ``reader``'s own write of its current allocation of the page)."""
+        num_late = num_lost = 0
+        for p in pages.tolist():
+            entry = self.late.get(p)
+            if entry is None or entry[0] != (int(self.write_ev[p, 0]), int(self.write_ev[p, 1])):
+                continue
+            num_late += 1
+            num_lost += entry[1] == reader and entry[2] == int(self.gen[p])
+        return num_late, num_lost
 
     def remember_release(self, r: int, pages: np.ndarray) -> None:
         self.released.setdefault(r, []).append(pages)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import duckdb
@@ -32,6 +32,7 @@ from kvtrail.forensics.questions import (
 )
 from kvtrail.forensics.report.context import IncidentContext
 from kvtrail.forensics.report.options import ReportOptions
+from kvtrail.forensics.symptoms import empty_after_abort, shared_transfer_ids, shared_transfer_warning
 
 DATA_FILES = ("affected_responses", "exposed_tenants")
 
@@ -59,6 +60,15 @@ class Report:
     coverage: pl.DataFrame
     chain_heads: tuple[dict, ...]
     version: str = __version__
+    # what is not a finding but must be said (kvtrail.forensics.symptoms)
+    shared_transfer_ids: pl.DataFrame = field(default_factory=pl.DataFrame)
+    empty_after_abort: pl.DataFrame = field(default_factory=pl.DataFrame)
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """Integrity warnings about the record, as every answer carries them."""
+        text = shared_transfer_warning(self.shared_transfer_ids)
+        return (text,) if text else ()
 
     @property
     def counts(self) -> dict:
@@ -72,12 +82,14 @@ class Report:
             "victim_requests": links["victim_request_id"].drop_nulls().n_unique(),
             "pages_read_foreign": len(pages),
             "pages_no_known_origin": len(unknown.unique()),
-            "responses_without_victim": int((self.affected["victim_tenants"] == "").sum()),
+            "responses_without_victim": int((self.affected["victim_tenants"].list.len() == 0).sum()),
             "responses_served_2xx": int(self.affected["http_status"].is_between(200, 299).sum()),
             "excluded_responses": len(self.excluded_affected),
             "excluded_accounts": self.excluded_affected["excluded_by"].n_unique(),
             "excluded_findings": self.excluded_findings,
             "findings": len(self.findings),
+            "shared_transfer_ids": len(self.shared_transfer_ids),
+            "responses_2xx_empty_after_abort": len(self.empty_after_abort),
             "events_in_window": self.events_in_window,
         }
 
@@ -91,7 +103,9 @@ class Report:
                 "exposure": rows(self.matrix), "exposed_tenants": rows(self.exposed),
                 "capacity": rows(self.capacity), "thresholds": rows(self.thresholds),
                 "threshold_summary": self.threshold_summary, "exploitation": rows(self.exploitation),
-                "long_prompt_tokens": self.long_prompt_tokens, "coverage": rows(self.coverage)}
+                "long_prompt_tokens": self.long_prompt_tokens, "coverage": rows(self.coverage),
+                "shared_transfer_ids": rows(self.shared_transfer_ids),
+                "empty_after_abort": rows(self.empty_after_abort)}
 
     def results_digest(self) -> str:
         """SHA-256 (hex) of :meth:`results` serialised as sorted-key, compact JSON."""
@@ -102,7 +116,7 @@ class Report:
 def build_report(con: duckdb.DuckDBPyConnection, options: ReportOptions, context: IncidentContext | None = None,
                  heads: list[dict] | None = None) -> Report:
     """Run every question and analysis for the window (``con``: a store or a snapshot of one)."""
-    from kvtrail.forensics.report.snapshot import chain_heads
+    from kvtrail.audit.verify import chain_heads
 
     o = options
     w = Window(o.from_ns, o.to_ns)
@@ -121,7 +135,8 @@ def build_report(con: duckdb.DuckDBPyConnection, options: ReportOptions, context
     return Report(o, context, time.time_ns(), int(events), kept, dropped, found_kept, len(found) - len(found_kept),
                   an.exposure_matrix(links), an.exposed_tenants(links), links, capacity, thresholds, summary,
                   exploitation, long_tokens, coverage_gaps(con),
-                  tuple(heads if heads is not None else chain_heads(con)))
+                  tuple(heads if heads is not None else chain_heads(con)),
+                  shared_transfer_ids=shared_transfer_ids(con, w), empty_after_abort=empty_after_abort(con, w))
 
 
 def write_report(report: Report, out_dir: str | Path, store_name: str) -> dict:
@@ -136,7 +151,7 @@ def write_report(report: Report, out_dir: str | Path, store_name: str) -> dict:
                                             pl.lit(None, pl.Utf8).alias("reason"))
     affected = _with_times(pl.concat([unmarked, report.excluded_affected], how="vertical_relaxed"))
     for name, df in (("affected_responses", affected), ("exposed_tenants", report.exposed)):
-        df.write_csv(out / f"{name}.csv")
+        _joined(df).write_csv(out / f"{name}.csv")
         (out / f"{name}.json").write_text(json.dumps(df.to_dicts(), indent=1, default=str) + "\n")
         written += [f"{name}.csv", f"{name}.json"]
     blocks = disclosure.report_blocks(report, store_name)
@@ -145,6 +160,11 @@ def write_report(report: Report, out_dir: str | Path, store_name: str) -> dict:
     render.pdf(blocks, out / "report.pdf", title=disclosure.title(report))
     written += ["report.md", "report.html", "report.pdf"]
     return manifest.write_manifest(report, out, written, store_name)
+
+
+def _joined(df: pl.DataFrame) -> pl.DataFrame:
+    """List columns joined with "," (CSV has no lists; the JSON files keep them as arrays)."""
+    return df.with_columns([pl.col(c).list.join(",") for c, t in df.schema.items() if t == pl.List(pl.Utf8)])
 
 
 def _with_times(df: pl.DataFrame) -> pl.DataFrame:

@@ -45,6 +45,8 @@ def _cell(column: str, v) -> str:
         return "yes" if v else "NO"
     if isinstance(v, int) and column.endswith("tokens"):
         return f"{v:,}"
+    if isinstance(v, list):
+        return ", ".join(str(x) for x in v)
     return str(v)
 
 
@@ -60,6 +62,9 @@ def report_blocks(r, store_name: str) -> list[tuple]:
                           f"{len(r.coverage)} producer(s) and no recorder_gap event accounts for them. Every count "
                           "in this report may be too low."))
         b += _table(r.coverage, r.coverage.columns)
+    for text in r.warnings:
+        b.append(("warn", text[0].upper() + text[1:] + "."))
+        b += _table(r.shared_transfer_ids, ["transfer_id", "request_ids", "num_events"])
     if c["events_in_window"] == 0:
         b.append(("warn", "The audit store holds no events in this window: nothing can be concluded about it."))
     elif c["affected_responses"] == 0:
@@ -69,6 +74,13 @@ def report_blocks(r, store_name: str) -> list[tuple]:
     b += [("h2", "Affected responses")] + _table(
         r.affected, ["request_id", "tenant_id", "http_status", "prompt_tokens", "codes", "pages_read_foreign",
                      "victim_tenants", "last_ns"], "affected_responses.csv")
+    if len(r.empty_after_abort):
+        b += [("h2", "Served empty after an abort (not exposure)"),
+              ("p", f"{len(r.empty_after_abort)} response(s) got HTTP 2xx with no completion tokens after their "
+                    "request was aborted on some node (SGLang's abort-returns-200 pattern). No output reached "
+                    "the client, so they are neither rejected-but-served (F4) nor affected; they are listed "
+                    "because a 2xx here is not a success.")]
+        b += _table(r.empty_after_abort, ["request_id", "tenant_id", "http_status", "response_ns", "aborts"])
     b += [("h2", "Exposed tenants (whose data was read)")] + _table(
         r.exposed, ["victim_tenant", "recipient_tenants", "responses", "pages", "victim_requests"],
         "exposed_tenants.csv")

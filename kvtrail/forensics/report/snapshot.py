@@ -13,21 +13,11 @@ from pathlib import Path
 
 import duckdb
 
+from kvtrail.audit.verify import chain_heads
 from kvtrail.errors import StoreError
 
 # Tables whose rows belong to a (producer_id, batch_no); the other tables are copied through as they are.
 _BATCHED = ("events", "page_runs", "batches")
-
-
-def chain_heads(con: duckdb.DuckDBPyConnection, table: str = "batches", producers: str = "producers") -> list[dict]:
-    """Per producer: the latest batch (batch_no, last_seq, digest hex), with the producer's node and instance."""
-    rows = con.execute(
-        f"SELECT b.producer_id, p.node, p.instance, b.batch_no, b.last_seq, b.digest FROM {table} b "
-        f"JOIN {producers} p USING (producer_id) "
-        "QUALIFY row_number() OVER (PARTITION BY b.producer_id ORDER BY b.batch_no DESC) = 1 "
-        "ORDER BY b.producer_id").fetchall()
-    return [{"producer_id": int(pid), "node": node, "instance": inst, "batch_no": int(no), "last_seq": int(last),
-             "digest": bytes(digest).hex()} for pid, node, inst, no, last, digest in rows]
 
 
 def open_snapshot(path: str | Path, heads: list[dict] | None = None) -> tuple[duckdb.DuckDBPyConnection, list[dict]]:

@@ -2,8 +2,9 @@
 
 :func:`verify_report` re-runs the queries on the store *as of the heads its manifest recorded* (later
 batches are left out, so a store that kept growing still verifies, and the growth is reported), checks
-that every head is still in the store with the same digest and that the chain verifies, and that no
-report file changed.
+that no producer's chain is behind or forked from those heads (:func:`kvtrail.audit.verify.compare_heads`,
+as ``kvtrail audit verify --expect-heads`` does) and that the chain verifies, and that no report file
+changed.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ from pathlib import Path
 import duckdb
 
 from kvtrail.audit.store import connect_readonly
-from kvtrail.audit.verify import verify_store
+from kvtrail.audit.verify import chain_heads, compare_heads, parse_heads, verify_store
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics.questions import require_store
 from kvtrail.forensics.report.build import build_report
-from kvtrail.forensics.report.manifest import load_manifest, sha256_file
+from kvtrail.forensics.report.manifest import MANIFEST, load_manifest, sha256_file
 from kvtrail.forensics.report.options import ReportOptions
-from kvtrail.forensics.report.snapshot import chain_heads, open_snapshot
+from kvtrail.forensics.report.snapshot import open_snapshot
 
 
 @dataclass
@@ -48,22 +49,15 @@ def verify_report(report_dir: str | Path, db: str | Path, *, strict: bool = Fals
         elif sha256_file(d / name) != digest:
             check.problems.append(f"file {name}: modified since the report was written")
     options = ReportOptions.from_dict(doc["options"])
-    heads = doc["chain_heads"]
+    heads = parse_heads(doc["chain_heads"], MANIFEST, "chain_heads")
     con = connect_readonly(db)
     try:
         try:
             now = {h["producer_id"]: h for h in chain_heads(con)}
         except duckdb.Error:
             raise KvtrailError(f"--db: {db} is not a kvtrail audit store") from None
-        for h in heads:
-            row = con.execute("SELECT digest FROM batches WHERE producer_id = ? AND batch_no = ?",
-                              [h["producer_id"], h["batch_no"]]).fetchone()
-            where = f"chain head of producer {h['producer_id']} ({h['node']}) batch {h['batch_no']}"
-            if row is None:
-                check.problems.append(f"{where}: no longer in the store")
-            elif bytes(row[0]).hex() != h["digest"]:
-                check.problems.append(f"{where}: digest differs ({bytes(row[0]).hex()[:16]}... now, "
-                                      f"{h['digest'][:16]}... recorded)")
+        # Behind (newest batches deleted) or forked (rewritten), judged as `kvtrail audit verify --expect-heads` does.
+        check.problems.extend(f"chain head of {p}" for p in compare_heads(con, heads))
         _growth(con, heads, now, options, check, strict)
         chain = verify_store(con)
         if not chain.ok:

@@ -15,14 +15,17 @@ Model (the replay engine's rules, restated over the record):
   Prefix-cache hits hold a page too (shared).
 * F5: a ``kv_read`` by R of a page R does not hold. F7: a ``kv_written`` attributed to R on a page R
   does not hold. F6: an allocation (not a prefix hit) of a page another request holds. Victims are
-  the page's holders at that moment.
+  the page's holders at that moment. Also F6: any allocation listing a page twice (the allocator
+  handed it out twice; the request is its own victim).
 * F1: a page R reads whose last write before the read was by another request (or never happened),
   unless R holds it as a prefix-cache hit whose block hash equals the one the last write stored, or it
   is a fresh growth page (R holds it, the page's last exclusive allocation was R's ``decode_growth``,
   and no write came after that allocation). F10: such a legitimate hit on a page another tenant wrote,
   unless the policy allows tenants to share the cache.
-* F2/F3/F4/F8/F9 mirror the replay engine's joins by ``transfer_id`` / ``request_id``
-  (:mod:`kvtrail.forensics.replay.joins`).
+* F2/F3/F4/F8/F9 mirror the replay engine's joins (:mod:`kvtrail.forensics.replay.joins`): a
+  transfer's events by ``(transfer_id, request_id)``; an abort or a prefill receipt and a response by
+  ``request_id`` of the same attempt (transfer ids equal where both carry one). F2 whatever the receipt's
+  status (critical when the client got output); F4 only for a 2xx with output.
 
 The window is the replay engine's: each producer is read from its last ``node_config`` at or before
 ``from_ns``; findings ending before ``from_ns`` are dropped.
@@ -35,15 +38,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtrail.forensics.findings import Finding, make_finding
+from kvtrail.forensics.findings import Finding, make_finding, transfer_mismatch_detail
 from kvtrail.forensics.policy import ForensicsPolicy
-from kvtrail.forensics.sql.pages import f1_f10, f5_f7, f6
+from kvtrail.forensics.sql.pages import f1_f10, f5_f7, f6, repeats
 from kvtrail.forensics.window import window_filter
 
 _EVENT_COLS = ("producer_id, seq, wall_ns, kind, request_id, transfer_id, tenant_id, purpose, num_tokens, "
                "num_pages, num_dst_pages, status, http_status, stage, abort_reason, pool_tokens, "
                "context_tokens, cluster, node, instance, role, digest, digest_algo, source, token_start, "
-               "token_end, prompt_tokens, ttft_ns, page_size")
+               "token_end, prompt_tokens, completion_tokens, ttft_ns, page_size")
 _PAGE_KINDS = "('pages_allocated', 'pages_freed', 'kv_written', 'kv_read')"
 
 
@@ -89,13 +92,13 @@ class Ctx:
         return self.con.execute(sql, self.params + list(params)).fetchall()
 
     def finding(self, code, *, node, request=None, victims=(), pages=(), first_ns, last_ns, evidence, detail,
-                lineage=(0, 0)):
+                lineage=(0, 0), severity=None):
         vic = _sorted_ids(victims)
         return make_finding(code, node=node, request_id=request, tenant_id=self.tenants.get(request),
                             victim_request_ids=vic, victim_tenant_ids=tuple(self.tenants.get(v) for v in vic),
                             pages=tuple(int(p) for p in pages), first_ns=int(first_ns), last_ns=int(last_ns),
                             evidence=_keys(evidence), detail=detail, lineage_checked=int(lineage[0]),
-                            lineage_matched=int(lineage[1]))
+                            lineage_matched=int(lineage[1]), **({"severity": severity} if severity else {}))
 
 
 def _f8(ctx: Ctx) -> list[Finding]:
@@ -106,49 +109,59 @@ def _f8(ctx: Ctx) -> list[Finding]:
 
 
 def _f2(ctx: Ctx) -> list[Finding]:
-    """Per transfer_id: the last reservation and receipt (by ord), every send; as the replay engine."""
+    """Per (transfer_id, request_id): the last reservation and receipt (by ord), every send, whatever the
+    receipt's status; the request's 2xx responses of the same attempt as evidence (as the replay engine)."""
     rows = ctx.query("""
     SELECT rec.node, rec.request_id, rec.wall_ns, res.num_tokens, res.num_pages, s.tokens, s.dst_pages, s.n,
            rec.num_tokens, least(rec.wall_ns, res.wall_ns, coalesce(s.first_ns, rec.wall_ns)),
            [rec.producer_id, rec.seq::BIGINT], [res.producer_id, res.seq::BIGINT], s.keys,
            (SELECT list(g.page ORDER BY r.pos, g.page) FROM page_runs r,
                    generate_series(r.page_start, r.page_start + r.num_pages - 1) AS g(page)
-            WHERE r.producer_id = res.producer_id AND r.seq = res.seq AND r.list = 0) AS res_pages
+            WHERE r.producer_id = res.producer_id AND r.seq = res.seq AND r.list = 0) AS res_pages,
+           rec.status,
+           (SELECT list([x.http_status::BIGINT, x.completion_tokens, x.producer_id, x.seq::BIGINT]) FROM ev x
+            WHERE x.kind = 'response_sent' AND x.http_status BETWEEN 200 AND 299
+              AND x.request_id = rec.request_id
+              AND (x.transfer_id IS NULL OR x.transfer_id = rec.transfer_id)) AS served
     FROM (SELECT * FROM ev WHERE kind = 'transfer_received'
-          QUALIFY row_number() OVER (PARTITION BY transfer_id ORDER BY ord DESC) = 1) rec
+          QUALIFY row_number() OVER (PARTITION BY transfer_id, request_id ORDER BY ord DESC) = 1) rec
     JOIN (SELECT * FROM ev WHERE kind = 'transfer_reserved'
-          QUALIFY row_number() OVER (PARTITION BY transfer_id ORDER BY ord DESC) = 1) res
-      ON res.transfer_id IS NOT DISTINCT FROM rec.transfer_id
-    LEFT JOIN (SELECT transfer_id, sum(num_tokens) AS tokens, sum(num_dst_pages) AS dst_pages, count(*) AS n,
-                      min(wall_ns) AS first_ns, list([producer_id, seq::BIGINT]) AS keys
-               FROM ev WHERE kind = 'transfer_sent' GROUP BY transfer_id) s
-      ON s.transfer_id IS NOT DISTINCT FROM rec.transfer_id
-    WHERE rec.status IN ('ok', 'mismatch')""")
+          QUALIFY row_number() OVER (PARTITION BY transfer_id, request_id ORDER BY ord DESC) = 1) res
+      ON res.transfer_id IS NOT DISTINCT FROM rec.transfer_id AND res.request_id IS NOT DISTINCT FROM rec.request_id
+    LEFT JOIN (SELECT transfer_id, request_id, sum(num_tokens) AS tokens, sum(num_dst_pages) AS dst_pages,
+                      count(*) AS n, min(wall_ns) AS first_ns, list([producer_id, seq::BIGINT]) AS keys
+               FROM ev WHERE kind = 'transfer_sent' GROUP BY transfer_id, request_id) s
+      ON s.transfer_id IS NOT DISTINCT FROM rec.transfer_id AND s.request_id IS NOT DISTINCT FROM rec.request_id""")
     out = []
     for (node, rid, wall, res_tok, res_np, s_tok, s_np, n_sent, rec_tok, first, rec_key, res_key, s_keys,
-         res_pages) in rows:
+         res_pages, status, served) in rows:
         problems = []
         if n_sent and (s_tok != res_tok or s_np != res_np):
             problems.append(f"sent {s_tok} tokens/{s_np} pages")
         if rec_tok != res_tok:
             problems.append(f"received {rec_tok} tokens")
         if problems:
-            out.append(ctx.finding("F2", node=node, request=rid, pages=res_pages or (), first_ns=first, last_ns=wall,
-                                   evidence=[rec_key, res_key, *(s_keys or ())],
-                                   detail=f"reserved {res_tok} tokens/{res_np} pages; " + ", ".join(problems)))
+            served = served or []
+            with_output = any(c > 0 for _, c, _, _ in served)
+            out.append(ctx.finding(
+                "F2", node=node, request=rid, pages=res_pages or (), first_ns=first, last_ns=wall,
+                evidence=[rec_key, res_key, *(s_keys or ()), *((p, q) for _, _, p, q in served)],
+                severity="critical" if with_output else None,
+                detail=transfer_mismatch_detail(res_tok, res_np, problems, status,
+                                                [(h, c) for h, c, _, _ in served])))
     return out
 
 
 def _f4(ctx: Ctx) -> list[Finding]:
-    """A 2xx response whose request_id or transfer_id matches a request_aborted event."""
+    """A 2xx response with output after a request_aborted of the same request and attempt."""
     rows = ctx.query("""
     SELECT r.node, r.request_id, r.wall_ns, r.http_status, r.producer_id, r.seq,
            min(a.wall_ns), list(DISTINCT [a.producer_id, a.seq::BIGINT]),
            list(DISTINCT a.stage || ': ' || a.abort_reason || ' (' || a.http_status || ')')
     FROM ev r JOIN ev a
-      ON a.kind = 'request_aborted'
-     AND (a.request_id = r.request_id OR (a.transfer_id = r.transfer_id))
-    WHERE r.kind = 'response_sent' AND r.http_status BETWEEN 200 AND 299
+      ON a.kind = 'request_aborted' AND a.request_id = r.request_id
+     AND (a.transfer_id IS NULL OR r.transfer_id IS NULL OR a.transfer_id = r.transfer_id)
+    WHERE r.kind = 'response_sent' AND r.http_status BETWEEN 200 AND 299 AND r.completion_tokens > 0
     GROUP BY r.node, r.request_id, r.wall_ns, r.http_status, r.producer_id, r.seq""")
     return [ctx.finding("F4", node=n, request=rid, first_ns=first, last_ns=w, evidence=[(p, s), *keys],
                         detail=f"HTTP {st} after abort: " + "; ".join(sorted(x for x in what if x is not None)))
@@ -156,7 +169,8 @@ def _f4(ctx: Ctx) -> list[Finding]:
 
 
 def _f3(ctx: Ctx) -> list[Finding]:
-    """Per transfer_id: the last receipt (ok or mismatch) against the last send that carried a digest."""
+    """Per (transfer_id, request_id): the last receipt (ok or mismatch) against the last send that carried
+    a digest."""
     rows = ctx.query("""
     SELECT rec.node, rec.request_id, rec.wall_ns, rec.status, rec.digest, rec.digest_algo,
            src.digest, src.digest_algo, src.producer_id IS NOT NULL,
@@ -167,16 +181,16 @@ def _f3(ctx: Ctx) -> list[Finding]:
                    generate_series(r.page_start, r.page_start + r.num_pages - 1) AS g(page)
             WHERE r.producer_id = rec.producer_id AND r.seq = rec.seq AND r.list = 0) AS rec_pages
     FROM (SELECT * FROM ev WHERE kind = 'transfer_received'
-          QUALIFY row_number() OVER (PARTITION BY transfer_id ORDER BY ord DESC) = 1) rec
+          QUALIFY row_number() OVER (PARTITION BY transfer_id, request_id ORDER BY ord DESC) = 1) rec
     LEFT JOIN (SELECT * FROM ev WHERE kind = 'transfer_reserved'
-               QUALIFY row_number() OVER (PARTITION BY transfer_id ORDER BY ord DESC) = 1) res
-      ON res.transfer_id = rec.transfer_id
+               QUALIFY row_number() OVER (PARTITION BY transfer_id, request_id ORDER BY ord DESC) = 1) res
+      ON res.transfer_id = rec.transfer_id AND res.request_id = rec.request_id
     LEFT JOIN (SELECT * FROM ev WHERE kind = 'transfer_sent' AND digest IS NOT NULL
-               QUALIFY row_number() OVER (PARTITION BY transfer_id ORDER BY ord DESC) = 1) src
-      ON src.transfer_id = rec.transfer_id
-    LEFT JOIN (SELECT transfer_id, min(wall_ns) AS first_ns, list([producer_id, seq::BIGINT]) AS keys
-               FROM ev WHERE kind = 'transfer_sent' GROUP BY transfer_id) s
-      ON s.transfer_id = rec.transfer_id
+               QUALIFY row_number() OVER (PARTITION BY transfer_id, request_id ORDER BY ord DESC) = 1) src
+      ON src.transfer_id = rec.transfer_id AND src.request_id = rec.request_id
+    LEFT JOIN (SELECT transfer_id, request_id, min(wall_ns) AS first_ns, list([producer_id, seq::BIGINT]) AS keys
+               FROM ev WHERE kind = 'transfer_sent' GROUP BY transfer_id, request_id) s
+      ON s.transfer_id = rec.transfer_id AND s.request_id = rec.request_id
     WHERE rec.status IN ('ok', 'mismatch')""")
     out = []
     for (node, rid, wall, status, rdg, ralgo, sdg, salgo, has_src, first, rec_key, res_key, s_keys,
@@ -218,7 +232,8 @@ def _f9(ctx: Ctx, policy: ForensicsPolicy) -> list[Finding]:
     resp AS (SELECT * FROM ev WHERE kind = 'response_sent' AND http_status BETWEEN 200 AND 299
              AND ttft_ns IS NOT NULL AND prompt_tokens IS NOT NULL),
     matched AS (SELECT x.producer_id, x.seq, min_by(r, r.ord) AS r
-                FROM resp x JOIN rcv r ON r.request_id = x.request_id OR r.transfer_id = x.transfer_id
+                FROM resp x JOIN rcv r ON r.request_id = x.request_id
+                 AND (r.transfer_id IS NULL OR x.transfer_id IS NULL OR r.transfer_id = x.transfer_id)
                 GROUP BY ALL)"""
     rates = {}
     for cluster, node, xs in ctx.query("SELECT cluster, node, list(rate) FROM samples GROUP BY ALL", ctes):
@@ -254,6 +269,7 @@ def sql_findings(con, from_ns: int | None = None, to_ns: int | None = None,
     """
     want = set(codes) if codes else None
     parts = [({"F8"}, _f8), ({"F2"}, _f2), ({"F3"}, _f3), ({"F4"}, _f4), ({"F5", "F7"}, f5_f7), ({"F6"}, f6),
+             ({"F6"}, repeats),
              ({"F1", "F10"}, lambda c: f1_f10(c, policy.allow_tenant_cache_sharing)),
              ({"F9"}, lambda c: _f9(c, policy))]
     where, params = window_filter(from_ns, to_ns)

@@ -8,7 +8,7 @@ and returns findings; the rules are restated in :mod:`kvtrail.forensics.sql.engi
 
 from __future__ import annotations
 
-from kvtrail.forensics.findings import Finding
+from kvtrail.forensics.findings import REPEAT_DETAIL, Finding, foreign_read_detail, late_write_detail
 
 
 def holders_ctes(probe: str, other_only: bool) -> str:
@@ -87,7 +87,7 @@ def f5_f7(ctx) -> list[Finding]:
         else:
             why = "after the request released them" if was_held else "on pages the request never held"
             out.append(ctx.finding("F7", node=node, request=rid, victims=victims, pages=pages, first_ns=wall,
-                                   last_ns=wall, evidence=[(pid, seq)], detail=f"write {why}"))
+                                   last_ns=wall, evidence=[(pid, seq)], detail=late_write_detail(why)))
     return out
 
 
@@ -117,13 +117,32 @@ def f6(ctx) -> list[Finding]:
     return out
 
 
-def _event_order(ctx, key, pages) -> list[int]:
+def repeats(ctx) -> list[Finding]:
+    """Allocations that list a page more than once (F6 on the allocating request itself).
+
+    A run lists consecutive pages, so a repeat is an overlap of two runs of the same event.
+    """
+    rows = ctx.query("""
+    SELECT a.producer_id, a.seq, a.node, a.request_id, a.wall_ns, list(DISTINCT g.page)
+    FROM pr a JOIN pr b
+      ON b.producer_id = a.producer_id AND b.seq = a.seq AND a.pos < b.pos
+     AND a.page_start <= b.page_end AND b.page_start <= a.page_end,
+         generate_series(greatest(a.page_start, b.page_start), least(a.page_end, b.page_end)) AS g(page)
+    WHERE a.kind = 'pages_allocated' AND b.kind = 'pages_allocated'
+    GROUP BY ALL""")
+    return [ctx.finding("F6", node=node, request=rid, victims=[rid], pages=_event_order(ctx, (pid, seq), pages, True),
+                        first_ns=wall, last_ns=wall, evidence=[(pid, seq)], detail=REPEAT_DETAIL)
+            for pid, seq, node, rid, wall, pages in rows]
+
+
+def _event_order(ctx, key, pages, first_only: bool = False) -> list[int]:
     """The given pages of one event in the order the event lists them."""
     rows = ctx.con.execute(
         "SELECT g.page FROM page_runs r, generate_series(r.page_start, r.page_start + r.num_pages - 1) AS g(page) "
         "WHERE r.producer_id = ? AND r.seq = ? AND r.list = 0 AND list_contains(?, g.page) ORDER BY r.pos, g.page",
         [key[0], key[1], list(pages)]).fetchall()
-    return [r[0] for r in rows]
+    listed = [r[0] for r in rows]
+    return list(dict.fromkeys(listed)) if first_only else listed
 
 
 def _owner_alloc_events(ctx, e: dict, pages) -> list[tuple[int, int]]:
@@ -233,16 +252,35 @@ def f1_f10(ctx, allow_tenant_cache_sharing: bool) -> list[Finding]:
                    is_hit AND coalesce(w.has_bh, FALSE) AND w.bh IS NOT DISTINCT FROM hit_hash AS cached,
                    held AND a.rid IS NOT DISTINCT FROM request_id AND a.purpose = 'decode_growth'
                         AND (w.word IS NULL OR w.word < a_ord) AS fresh
-            FROM judged)"""
+            FROM judged),
+    f1w AS MATERIALIZED (SELECT * FROM cls WHERE NOT fresh AND NOT cached AND w.rid IS NOT NULL),
+    wheld AS (SELECT c.producer_id, c.seq, c.page, arg_max(m.is_alloc, m.ord) AS held
+              FROM f1w c JOIN mem m
+                ON m.cluster = c.cluster AND m.node = c.node AND m.epoch = c.epoch AND m.ord < c.w.word
+               AND (m.request_id = c.w.rid OR (NOT m.is_alloc AND m.request_id IS NULL))
+               AND c.page BETWEEN m.page_start AND m.page_end
+              GROUP BY ALL),
+    pw AS (SELECT c.producer_id, c.seq, c.page, max_by(w.request_id, w.ord) AS prev_rid, max(w.ord) AS prev_ord
+           FROM f1w c JOIN wr w
+             ON w.cluster = c.cluster AND w.node = c.node AND w.epoch = c.epoch AND w.ord < c.w.word
+            AND c.page BETWEEN w.page_start AND w.page_end
+           GROUP BY ALL),
+    late AS (SELECT DISTINCT c.producer_id, c.seq, c.page,
+                    NOT coalesce(h.held, FALSE) AS is_late,
+                    NOT coalesce(h.held, FALSE) AND p.prev_rid IS NOT NULL AND p.prev_rid = c.request_id
+                        AND (c.a_ord IS NULL OR c.a_ord < p.prev_ord) AS own_lost
+             FROM f1w c LEFT JOIN wheld h USING (producer_id, seq, page)
+             LEFT JOIN pw p USING (producer_id, seq, page))"""
     rows = ctx.query("""
     SELECT producer_id, seq, node, request_id, wall_ns, cached, w.rid, list(page ORDER BY idx),
            min(w.wns), list(DISTINCT [w.pid, w.wseq]) FILTER (WHERE w.pid IS NOT NULL),
            count(*) FILTER (WHERE read_dg IS NOT NULL AND w.dg IS NOT NULL),
-           count(*) FILTER (WHERE read_dg IS NOT NULL AND w.dg IS NOT NULL AND read_dg = w.dg)
-    FROM cls WHERE NOT fresh AND (NOT cached OR w.rid IS NOT NULL)
+           count(*) FILTER (WHERE read_dg IS NOT NULL AND w.dg IS NOT NULL AND read_dg = w.dg),
+           count(*) FILTER (WHERE l.is_late), count(*) FILTER (WHERE l.own_lost)
+    FROM cls LEFT JOIN late l USING (producer_id, seq, page) WHERE NOT fresh AND (NOT cached OR w.rid IS NOT NULL)
     GROUP BY producer_id, seq, node, request_id, wall_ns, cached, w.rid""", ctes)
     out = []
-    for pid, seq, node, rid, wall, cached, writer, pages, first, wkeys, checked, matched in rows:
+    for pid, seq, node, rid, wall, cached, writer, pages, first, wkeys, checked, matched, num_late, num_lost in rows:
         if not cached:
             if writer is None:
                 out.append(ctx.finding("F1", node=node, request=rid, victims=[None], pages=pages, first_ns=wall,
@@ -251,7 +289,7 @@ def f1_f10(ctx, allow_tenant_cache_sharing: bool) -> list[Finding]:
             else:
                 out.append(ctx.finding("F1", node=node, request=rid, victims=[writer], pages=pages, first_ns=first,
                                        last_ns=wall, evidence=[(pid, seq), *wkeys],
-                                       detail=f"read of pages last written by {writer}",
+                                       detail=foreign_read_detail(writer, num_late, num_lost),
                                        lineage=(checked, matched)))
             continue
         mine, theirs = ctx.tenants.get(rid), ctx.tenants.get(writer)

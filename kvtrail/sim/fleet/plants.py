@@ -39,8 +39,9 @@ _FREED, _WRITTEN, _ABORTED = (KIND_CODES[k] for k in ("pages_freed", "kv_written
 # make a placeholder response slow enough to look plausible, and then no F9 is expected).
 F9_MARGIN = 2.0
 
-# A response is affected when its request has one of these (as kvtrail.forensics.findings says).
-AFFECTING_CODES = frozenset({"F1", "F5", "F7"})
+# A response is affected when its request has one of these (as kvtrail.forensics.findings says): the
+# late writer of an F7 is a source; its reader has the F1.
+AFFECTING_CODES = frozenset({"F1", "F5"})
 
 
 class Plant:
@@ -109,7 +110,8 @@ class TruthBook:
         return [p for p in self.plants if not p.cancelled]
 
     def affected(self) -> set[str]:
-        """Request ids that read foreign data (F1, F5 or F7 expected), planned or not."""
+        """Request ids that read data they did not own (F1 or F5 expected), planned or not; a late writer
+        (F7) is a source, not one of them."""
         out = {self.rid_of(s) for p in self.live() for s, codes in p.expected.items() if codes & AFFECTING_CODES}
         out |= {u["request_id"] for u in self.unplanned}
         return out

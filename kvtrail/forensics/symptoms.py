@@ -1,0 +1,87 @@
+"""What the record shows that is not a finding, but that every answer over it must mention.
+
+* **Shared transfer ids** - a transfer id carried by events of more than one request in the window (a
+  collision, a replayed id, a producer bug). The engines join a transfer's events on (transfer id,
+  request id), so nothing is merged, but the record itself is suspect: each answer and report carries
+  an integrity warning naming them.
+* **Empty 2xx after an abort** - a request aborted on some node whose client still got a 2xx with no
+  completion tokens (SGLang's "abort returns 200 with finish_reason length"). Not F4, which needs
+  output, and not exposure; shown beside the findings so that nobody mistakes it for a clean success.
+"""
+
+from __future__ import annotations
+
+import duckdb
+import polars as pl
+
+from kvtrail.forensics.window import Window, window_filter
+
+# How many ids a warning names before it says "and N more".
+SHOWN_IDS = 5
+
+
+def _windowed(w: Window) -> tuple[str, list]:
+    where, params = window_filter(w.from_ns, w.to_ns)
+    return f"(SELECT * FROM events_v WHERE {where})", params
+
+
+def shared_transfer_ids(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> pl.DataFrame:
+    """Transfer ids that events of more than one request carry in the window: (transfer_id,
+    request_ids, num_events)."""
+    ev, params = _windowed(w)
+    rows = con.execute(f"""
+        SELECT transfer_id, list(DISTINCT request_id ORDER BY request_id), count(*)
+        FROM {ev} WHERE transfer_id IS NOT NULL AND request_id IS NOT NULL
+        GROUP BY transfer_id HAVING count(DISTINCT request_id) > 1 ORDER BY transfer_id""", params).fetchall()
+    return pl.DataFrame([{"transfer_id": t, "request_ids": r, "num_events": n} for t, r, n in rows],
+                        schema={"transfer_id": pl.UInt64, "request_ids": pl.List(pl.Utf8), "num_events": pl.Int64})
+
+
+def empty_after_abort(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> pl.DataFrame:
+    """2xx responses with no completion tokens to requests aborted on some node (same attempt: the
+    transfer ids agree where both events carry one)."""
+    ev, params = _windowed(w)
+    rows = con.execute(f"""
+        SELECT r.request_id, any_value(r.tenant_id), r.http_status, r.wall_ns,
+               list(DISTINCT a.node || ' ' || a.stage || ': ' || a.abort_reason ORDER BY
+                    a.node || ' ' || a.stage || ': ' || a.abort_reason)
+        FROM {ev} r JOIN {ev} a
+          ON a.kind = 'request_aborted' AND a.request_id = r.request_id
+         AND (a.transfer_id IS NULL OR r.transfer_id IS NULL OR a.transfer_id = r.transfer_id)
+        WHERE r.kind = 'response_sent' AND r.http_status BETWEEN 200 AND 299 AND r.completion_tokens = 0
+        GROUP BY r.request_id, r.http_status, r.wall_ns, r.producer_id, r.seq
+        ORDER BY r.wall_ns, r.request_id""", params + params).fetchall()
+    return pl.DataFrame([{"request_id": rid, "tenant_id": t, "http_status": s, "response_ns": ns, "aborts": a}
+                         for rid, t, s, ns, a in rows],
+                        schema={"request_id": pl.Utf8, "tenant_id": pl.Utf8, "http_status": pl.Int32,
+                                "response_ns": pl.Int64, "aborts": pl.List(pl.Utf8)})
+
+
+def _ids(values: list) -> str:
+    shown = ", ".join(str(v) for v in values[:SHOWN_IDS])
+    return shown + (f" and {len(values) - SHOWN_IDS} more" if len(values) > SHOWN_IDS else "")
+
+
+def shared_transfer_warning(shared: pl.DataFrame) -> str | None:
+    """The integrity warning for :func:`shared_transfer_ids` (None when there are none)."""
+    if shared.is_empty():
+        return None
+    tids = shared["transfer_id"].to_list()
+    per = "; ".join(f"{t}: {_ids(r)}" for t, r in shared.head(SHOWN_IDS).select("transfer_id", "request_ids").rows())
+    return (f"integrity: {len(tids)} transfer id(s) carried by more than one request ({per}"
+            f"{'; ...' if len(tids) > SHOWN_IDS else ''}); their transfers are judged per request, "
+            "but the producer's ids are suspect")
+
+
+def empty_after_abort_note(empty: pl.DataFrame) -> str | None:
+    """The note for :func:`empty_after_abort` (None when there are none)."""
+    if empty.is_empty():
+        return None
+    return (f"{len(empty)} response(s) got HTTP 2xx with no output after an abort (not F4, not exposure: "
+            f"SGLang's abort-returns-200 pattern): {_ids(empty['request_id'].to_list())}")
+
+
+def integrity_warnings(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> tuple[str, ...]:
+    """The warnings every answer over the window carries (today: shared transfer ids)."""
+    text = shared_transfer_warning(shared_transfer_ids(con, w))
+    return (text,) if text else ()

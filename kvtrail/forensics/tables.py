@@ -1,0 +1,295 @@
+"""How an answer's rows leave the CLI: a readable terminal table, or a file form that keeps everything.
+
+The file forms (CSV, JSON, Parquet) keep every column and value: ``*_ns`` columns stay integers, list
+columns stay lists (JSON arrays, Parquet lists) and are joined only in CSV. The table is for a
+responder at a terminal: a one-line summary, the columns scanned first (one line per row), times as
+ISO UTC in columns renamed ``*_ns`` -> ``*_at``, long ids shortened in the middle, lists as counts or
+short joins. Ids come from producers, so every cell is stripped of control characters and printed as
+plain text (never as markup or escape sequences).
+"""
+
+from __future__ import annotations
+
+import io
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import polars as pl
+from rich import box
+from rich.cells import cell_len
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from kvtrail.forensics.findings import CODES, NEVER_WRITTEN, UNKNOWN_TENANT
+from kvtrail.timeutil import format_utc
+
+ELLIPSIS = "…"
+PSEUDO_TENANTS = (NEVER_WRITTEN, UNKNOWN_TENANT)
+
+
+def printable(value: object) -> str:
+    """``value`` as one line of plain text: control, format and separator characters (ESC, newline,
+    bidi overrides) written as ``\\xNN`` / ``\\uNNNN`` escapes, so a hostile id cannot drive the terminal."""
+    text = "" if value is None else str(value)
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)
+
+
+def _escape(ch: str) -> str:
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def shorten(text: str, max_chars: int, *, middle: bool = False) -> str:
+    """``text`` cut to ``max_chars`` with an ellipsis at the end (``middle``: between head and tail,
+    which keeps the distinguishing end of an id)."""
+    if len(text) <= max_chars:
+        return text
+    if not middle:
+        return text[:max_chars - 1] + ELLIPSIS
+    head = (max_chars - 1) // 2 + (max_chars - 1) % 2
+    return text[:head] + ELLIPSIS + text[len(text) - (max_chars - 1 - head):]
+
+
+def items(value: object) -> list:
+    """The items of a list cell (a scalar is one item; None: none)."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, Iterable) and not isinstance(value, str) else [value]
+
+
+@dataclass(frozen=True)
+class Column:
+    """One table column: its header, the frame columns it shows (the rest count as left out), how a
+    row's cell reads (in full: the table shortens it), the most characters it takes, and how it gives
+    way: ids lose their middle, text its end; a ``flex`` column shrinks first when the table is too wide."""
+
+    header: str
+    sources: tuple[str, ...]
+    cell: Callable[[dict], str]
+    max_chars: int = 24
+    numeric: bool = False
+    middle: bool = False
+    flex: bool = False
+
+
+def ident(name: str, max_chars: int = 20, header: str | None = None) -> Column:
+    return Column(header or name, (name,), lambda r: printable(r[name]), max_chars, middle=True)
+
+
+def number(name: str, header: str | None = None) -> Column:
+    def cell(r: dict) -> str:
+        v = r[name]
+        return "" if v is None else (f"{v:g}" if isinstance(v, float) else str(v))
+    return Column(header or name, (name,), cell, 14, numeric=True)
+
+
+def time_at(name: str) -> Column:
+    """A ``*_ns`` column as ISO UTC under the name ``*_at``."""
+    header = name[:-3] + "_at" if name.endswith("_ns") else name
+    return Column(header, (name,), lambda r: format_utc(r[name]), 27)
+
+
+def count(name: str, header: str | None = None) -> Column:
+    return Column(header or name, (name,), lambda r: str(len(items(r[name]))), 8, numeric=True)
+
+
+def _names(values) -> str:
+    """Distinct names joined with ",", real tenants first and pseudo-victims last (cut from the end)."""
+    names = {printable(v if v is not None else NEVER_WRITTEN) for v in values}
+    return ",".join(sorted(names, key=lambda n: (n in PSEUDO_TENANTS, n)))
+
+
+def joined(name: str, max_chars: int = 28, header: str | None = None) -> Column:
+    """A list column as its distinct items joined with "," (e.g. victim tenants)."""
+    return Column(header or name, (name,), lambda r: _names(items(r[name])), max_chars, flex=True)
+
+
+def text(name: str, max_chars: int = 60, header: str | None = None) -> Column:
+    return Column(header or name, (name,), lambda r: printable(r[name]), max_chars, flex=True)
+
+
+def flag(name: str, header: str | None = None) -> Column:
+    return Column(header or name, (name,), lambda r: {True: "yes", False: "no"}.get(r[name], ""), 5)
+
+
+@dataclass(frozen=True)
+class TableView:
+    """How one command's answer reads in a terminal: its summary line, the columns a responder scans
+    first, and what to say when there are no rows."""
+
+    summary: Callable[[pl.DataFrame], str]
+    columns: tuple[Column, ...]
+    empty: str
+
+
+MIN_CHARS = 10
+
+
+def _widths(cols: list[Column], cells: list[list[str]], width_chars: int) -> list[int]:
+    """Each column's width: its longest cell (at most ``max_chars``), shrunk so the table fits
+    ``width_chars`` (each column takes one more for padding, one between columns): flex columns give
+    way first, then ids (cut in the middle), the widest first, never below ``MIN_CHARS`` or the header."""
+    widths = [max([cell_len(c.header)] + [min(cell_len(row[i]), c.max_chars) for row in cells])
+              for i, c in enumerate(cols)]
+    excess = sum(widths) + 2 * len(cols) - 1 - width_chars
+    for tier in ([i for i, c in enumerate(cols) if c.flex], [i for i, c in enumerate(cols) if c.middle]):
+        floor = {i: max(MIN_CHARS, cell_len(cols[i].header)) for i in tier}
+        while excess > 0:
+            give = [i for i in tier if widths[i] > floor[i]]
+            if not give:
+                break
+            widths[max(give, key=lambda j: (widths[j], j))] -= 1
+            excess -= 1
+    return widths
+
+
+def render_table(df: pl.DataFrame, view: TableView, scope: str = "", *, notes: tuple[str, ...] = (),
+                 width_chars: int = 120, color: bool = False) -> str:
+    """The rows as a table, one line per row, under a one-line summary (``scope``, e.g. the window,
+    appended to it), with a footer counting the columns only the file formats hold, then the notes."""
+    console = Console(file=io.StringIO(), width=width_chars, force_terminal=color, no_color=not color,
+                      color_system="auto" if color else None, markup=False, emoji=False, highlight=False)
+    if df.is_empty():
+        console.print(Text(printable(view.empty)))
+    else:
+        _print_table(console, df, view, scope)
+    for note in notes:
+        console.print(Text(printable(note)))  # prose: wrapped at words
+    out = console.file
+    assert isinstance(out, io.StringIO), "the console writes to its own buffer"
+    return out.getvalue()
+
+
+def _print_table(console: Console, df: pl.DataFrame, view: TableView, scope: str) -> None:
+    width_chars = console.width
+    cols = [c for c in view.columns if all(s in df.columns for s in c.sources)]
+    cells = [[c.cell(row) for c in cols] for row in df.iter_rows(named=True)]
+    widths = _widths(cols, cells, width_chars)
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0),
+                  header_style="bold" if console.is_terminal else "")
+    for c, w in zip(cols, widths):
+        table.add_column(Text(c.header), justify="right" if c.numeric else "left", no_wrap=True,
+                         overflow="ellipsis", width=w)
+    for row in cells:
+        table.add_row(*(Text(shorten(v, w, middle=c.middle)) for c, v, w in zip(cols, row, widths)))
+    summary = printable(view.summary(df))
+    if scope and cell_len(summary) + 2 + cell_len(scope) <= width_chars:
+        summary, scope = f"{summary}, {scope}", ""
+    for line in (summary, scope):
+        if line:
+            console.print(Text(printable(line)), no_wrap=True, overflow="ellipsis", crop=True)
+    console.print(table)
+    shown = {s for c in cols for s in c.sources}
+    left_out = [c for c in df.columns if c not in shown]
+    if left_out:
+        console.print(Text(f"({len(left_out)} more columns in --format csv/json/parquet)"))
+
+
+def _list_as_text(dtype: pl.DataType, col: str) -> pl.Expr:
+    """A list column joined for CSV: scalars with ",", structs (evidence) as "a:b;c:d"."""
+    inner = dtype.inner if isinstance(dtype, pl.List) else None
+    if isinstance(inner, pl.Struct):
+        fields = [f.name for f in inner.fields]
+        return pl.col(col).list.eval(pl.concat_str(
+            [pl.element().struct.field(f).cast(pl.Utf8).fill_null("") for f in fields], separator=":")
+        ).list.join(";")
+    return pl.col(col).list.eval(pl.element().cast(pl.Utf8).fill_null("")).list.join(",")
+
+
+def csv_frame(df: pl.DataFrame) -> pl.DataFrame:
+    """``df`` with every list column joined into text (CSV holds no nested values); nothing dropped."""
+    return df.with_columns([_list_as_text(dt, c).alias(c) for c, dt in df.schema.items() if isinstance(dt, pl.List)])
+
+
+def json_text(df: pl.DataFrame) -> str:
+    """A JSON array of row objects: list columns as arrays, integers (``*_ns`` too) as integers."""
+    return df.write_json()
+
+
+def window_scope(from_ns: int | None, to_ns: int | None, tenant: str | None = None, node: str | None = None) -> str:
+    """The window in words for the summary line, e.g. "window 2026-09-09T00:00:00.000000Z to ..."."""
+    if from_ns is None and to_ns is None:
+        words = "whole store"
+    else:
+        words = f"window {format_utc(from_ns) or 'start'} to {format_utc(to_ns) or 'end'}"
+    return words + (f", tenant {tenant}" if tenant else "") + (f", node {node}" if node else "")
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _tenants(values) -> set[str]:
+    return {v for v in values if v is not None and v not in PSEUDO_TENANTS}
+
+
+def _findings_summary(df: pl.DataFrame) -> str:
+    by_code = Counter(df["code"].to_list())
+    order = {c: i for i, c in enumerate(CODES)}
+    parts = ", ".join(f"{c} {n}" for c, n in sorted(by_code.items(), key=lambda kv: (order.get(kv[0], 99), kv[0])))
+    return f"{_plural(len(df), 'finding')}: {parts}"
+
+
+def _affected_summary(df: pl.DataFrame) -> str:
+    victims = _tenants(v for cell in df["victim_tenants"].to_list() for v in items(cell))
+    return (f"{_plural(len(df), 'affected response')}; tenants: {len(_tenants(df['tenant_id']))} recipient, "
+            f"{len(victims)} victim")
+
+
+def _exposure_summary(df: pl.DataFrame) -> str:
+    return (f"{_plural(len(df), 'recipient x victim pair')}: "
+            f"{_plural(len(_tenants(df['recipient_tenant'])), 'recipient tenant')}, "
+            f"{_plural(len(_tenants(df['victim_tenant'])), 'victim tenant')}")
+
+
+def _thresholds_summary(df: pl.DataFrame) -> str:
+    short = int((~df["pool_covers_context"].fill_null(True)).sum())
+    affected = int(df["affected"].fill_null(0).sum()) if "affected" in df.columns else 0
+    requests = int(df["requests"].fill_null(0).sum()) if "requests" in df.columns else 0
+    return (f"{_plural(len(df), 'node configuration')} on {_plural(df['node'].n_unique(), 'node')}, "
+            f"{short} with a pool smaller than the context; {affected} of {requests} prefill requests affected")
+
+
+def _exploitation_summary(df: pl.DataFrame) -> str:
+    verdicts = Counter(df["verdict"].to_list())
+    # "consistent with normal long-context use" -> "consistent": the column holds the full verdict
+    ranked = sorted(verdicts.items(), key=lambda kv: (-kv[1], kv[0]))
+    parts = ", ".join(f"{v.split(' with ')[0]} {n}" for v, n in ranked)
+    return f"{_plural(len(df), 'account')}: {parts}"
+
+
+def _victims(r: dict) -> str:
+    """A finding's victims: their tenants when one or two, else how many."""
+    rids, tenants = items(r["victim_request_ids"]), items(r["victim_tenant_ids"])
+    names = {t if t is not None else (NEVER_WRITTEN if i >= len(rids) or rids[i] is None else UNKNOWN_TENANT)
+             for i, t in enumerate(tenants)}
+    return _names(names) if len(names) <= 2 else f"{len(names)} victims"
+
+
+# Per command, the columns a responder scans first; headers are the file formats' names, shortened
+# where the name is much wider than its values (120 characters hold about ten columns).
+FINDINGS = TableView(_findings_summary, (
+    ident("code", 4), ident("severity", 8), ident("node", 16), ident("request_id"), ident("tenant_id", 16),
+    Column("victims", ("victim_tenant_ids", "victim_request_ids"), _victims, 28, flex=True), count("pages"),
+    time_at("first_ns"), text("detail", 80)), "no findings in this window")
+AFFECTED = TableView(_affected_summary, (
+    ident("request_id"), ident("tenant_id", 16), number("http_status", "status"), number("prompt_tokens", "prompt"),
+    number("completion_tokens", "completion"), number("pages_read_foreign", "pages"), joined("victim_tenants", 32),
+    count("victim_requests", "victim_reqs"), time_at("first_ns")), "no affected responses in this window")
+EXPOSURE = TableView(_exposure_summary, (
+    ident("recipient_tenant", 24), ident("victim_tenant", 24), number("responses"), number("pages"),
+    number("victim_requests")), "no exposure in this window")
+THRESHOLDS = TableView(_thresholds_summary, (
+    ident("node", 16), ident("role", 8), time_at("effective_from_ns"), number("pool_tokens", "pool"),
+    number("context_tokens", "context"), number("shortfall_tokens", "shortfall"), number("requests"),
+    number("affected"), number("affected_over_pool", "aff>pool"), number("unaffected_over_pool", "unaff>pool")),
+    "no node configuration in this window")
+EXPLOITATION = TableView(_exploitation_summary, (
+    ident("tenant_id", 16), number("affected_responses", "affected"), number("long_requests", "long"),
+    number("long_per_hour", "long/h"), number("baseline_long_per_hour", "base/h"),
+    number("max_long_in_burst", "burst"), ident("verdict", 40), text("reason", 90)),
+    "no recipient tenant and no over-long prompt in this window")
