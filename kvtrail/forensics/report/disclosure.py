@@ -101,8 +101,11 @@ def _summary(r, c) -> list[tuple]:
              f"Excluded: {c['excluded_responses']} affected responses of {c['excluded_accounts']} excluded "
              f"account(s)" + (": " + "; ".join(reasons) if reasons else "")]
     how = (f"How counted: a response is affected when its request has a finding {', '.join(sorted(AFFECTED_CODES))} "
-           "(it read KV pages another request wrote or held, or a write landed after ownership ended), from a "
-           "replay of every page allocation, write, transfer and read in the audit log. Recipient tenants are "
+           "(it read KV pages another request wrote, or pages it did not hold), from a replay of every page "
+           "allocation, write, transfer and read in the audit log. A write that landed after its request's "
+           "ownership ended (F7) makes that request a source: the request that read the late bytes is the "
+           "recipient, the late writer its victim. A 2xx without output after an abort is not counted (no "
+           "data reached the client). Recipient tenants are "
            "the tenants of affected responses; victim tenants are the tenants of the requests whose pages they "
            "read. Exclusions remove the excluded accounts' own responses from every count (their reads are not "
            "exposure to a customer); data of an excluded account read by someone else still counts as exposed.")
