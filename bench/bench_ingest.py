@@ -6,7 +6,11 @@ same batches into its own DuckDB file in a temporary directory; the methods take
 batch (rotating who goes first) so that noise on a shared machine hits them alike:
 
   kvtrail     AuditStore.append(batch): validation, run encoding into page_runs, all event columns,
-              hash-chained batch record, one transaction per batch
+              hash-chained batch record, one transaction per batch; checkpoints by CheckpointPolicy
+              (default 64 MB of WAL or 10 s, whichever first; --max-wal-mb, --checkpoint-interval-s),
+              timed inside append
+  kv-wal      the same, but checkpointing only at 256 MB of WAL and never by time (the policy before
+              CheckpointPolicy): what the bounded WAL costs is kvtrail vs kv-wal
   naive       one row per page (producer_id, seq, pos, page_id): the lists exploded with numpy and
               inserted via Arrow; nothing else stored, nothing validated
   list        one row per event (producer_id, seq, pages INTEGER[]): the plain list column inserted
@@ -14,10 +18,14 @@ batch (rotating who goes first) so that noise on a shared machine hits them alik
 
 A page-event is one page id in an event's page list. Rates are over the summed per-batch insert
 times; "incl. checkpoint" adds the final CHECKPOINT. Bytes on disk are the file size after it.
+"ckpts" counts the checkpoints the store's policy made during the run (their time is part of the
+insert time).
 
     .venv/bin/python bench/bench_ingest.py                      # 150M page-events (~1.5 min)
     .venv/bin/python bench/bench_ingest.py --page-events 2e8
     .venv/bin/python bench/bench_ingest.py --quick              # 4M page-events in 50k-event batches, a few seconds
+    .venv/bin/python bench/bench_ingest.py --page-events 3e7 --events-per-batch 20000 --methods kvtrail,kv-wal
+                                                                # small commits: what the checkpoint policy costs
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import sys
@@ -39,11 +48,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvtrail.audit.events import Producer
-from kvtrail.audit.store import AuditStore
+from kvtrail.audit.store import DEFAULT_CHECKPOINT, AuditStore, CheckpointPolicy
 from kvtrail.audit.validate import producer_id
 from kvtrail.sim.synth import runs_per_event, synth_batches
 
 GOAL_PAGE_EVENTS_PER_S = 50e6
+UNBOUNDED_WAL = CheckpointPolicy(max_wal_bytes=256 * 2**20, max_interval_s=math.inf)  # before CheckpointPolicy
 
 
 class Sink(Protocol):
@@ -55,6 +65,8 @@ class Sink(Protocol):
     def append(self, batch: pa.Table, pid: int) -> None: ...
 
     def checkpoint(self) -> None: ...
+
+    def policy_checkpoints(self) -> tuple[int, float]: ...
 
     def close(self) -> None: ...
 
@@ -69,16 +81,21 @@ class MethodFigures(TypedDict):
     events_per_s: float
     bytes: int
     bytes_per_page_event: float
+    policy_checkpoints: int  # made by the store's CheckpointPolicy during the run (0 for the baselines)
+    policy_checkpoint_s: float
 
 
 class KvtrailSink:
-    """kvtrail itself: ``AuditStore.append`` (validation, run encoding, hash chain)."""
+    """kvtrail itself: ``AuditStore.append`` (validation, run encoding, hash chain), default checkpoint policy."""
 
     name = "kvtrail"
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, policy: CheckpointPolicy = DEFAULT_CHECKPOINT) -> None:
         self.path = path
-        self.store = AuditStore(path)
+        self.store = AuditStore(path, checkpoint=policy)
+
+    def policy_checkpoints(self) -> tuple[int, float]:
+        return self.store.checkpoints, self.store.checkpoint_s
 
     def append(self, batch: pa.Table, pid: int) -> None:
         self.store.append(batch)
@@ -88,6 +105,15 @@ class KvtrailSink:
 
     def close(self) -> None:
         self.store.close()
+
+
+class KvtrailWalSink(KvtrailSink):
+    """kvtrail with the WAL left to grow to 256 MB and no time bound: the cost baseline of the policy."""
+
+    name = "kv-wal"
+
+    def __init__(self, path: str, policy: CheckpointPolicy = UNBOUNDED_WAL) -> None:
+        super().__init__(path, policy)
 
 
 class _DuckSink:
@@ -111,6 +137,9 @@ class _DuckSink:
 
     def checkpoint(self) -> None:
         self.con.execute("CHECKPOINT")
+
+    def policy_checkpoints(self) -> tuple[int, float]:
+        return 0, 0.0
 
     def close(self) -> None:
         self.con.close()
@@ -165,16 +194,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-fraction", type=float, default=0.6,
                     help="share of requests that decode (1-page growth events); 0 models a PD prefill node")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--methods", default="kvtrail,naive,list",
-                    help="comma-separated subset of kvtrail,naive,list (default all)")
+    ap.add_argument("--methods", default="kvtrail,kv-wal,naive,list",
+                    help="comma-separated subset of kvtrail,kv-wal,naive,list (default all)")
+    ap.add_argument("--max-wal-mb", type=float, default=DEFAULT_CHECKPOINT.max_wal_bytes / 2**20,
+                    help="kvtrail's checkpoint policy: WAL size bound in MiB (default: CheckpointPolicy's, 64)")
+    ap.add_argument("--checkpoint-interval-s", type=float, default=DEFAULT_CHECKPOINT.max_interval_s,
+                    help="kvtrail's checkpoint policy: time bound in seconds (default: CheckpointPolicy's, 10)")
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = ap.parse_args(argv)
+    try:
+        policy = CheckpointPolicy(max_wal_bytes=int(args.max_wal_mb * 2**20), max_interval_s=args.checkpoint_interval_s)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.quick:
         args.page_events = 4e6
     if args.events_per_batch is None:
         args.events_per_batch = 50_000 if args.quick else 200_000
     target = int(args.page_events)
-    sinks: dict[str, Callable[[str], Sink]] = {"kvtrail": KvtrailSink, "naive": NaiveSink, "list": ListSink}
+    sinks: dict[str, Callable[[str], Sink]] = {"kvtrail": lambda path: KvtrailSink(path, policy),
+                                               "kv-wal": KvtrailWalSink, "naive": NaiveSink, "list": ListSink}
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in sinks:
@@ -227,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                 spent[s.name] += clock() - t
         wall = clock() - wall0
         for s in open_sinks:
+            n_ckpt, ckpt_s = s.policy_checkpoints()
             t = clock()
             s.checkpoint()
             ck = clock() - t
@@ -238,12 +277,13 @@ def main(argv: list[str] | None = None) -> int:
                 "page_events_per_s_incl_checkpoint": page_events / (spent[s.name] + ck),
                 "events_per_s": n_events / spent[s.name],
                 "bytes": size, "bytes_per_page_event": size / page_events,
+                "policy_checkpoints": n_ckpt, "policy_checkpoint_s": ckpt_s,
             }
 
     print()
     print(f"ingest of the same {len(batches)} batches, methods interleaved batch by batch ({wall:.1f} s wall in all)")
     head = (f"{'method':<8} {'M page-ev/s':>12} {'incl. ckpt':>11} {'k events/s':>11} {'insert s':>9} "
-            f"{'ckpt s':>7} {'MB on disk':>11} {'B/page-ev':>10} {'vs naive':>9}")
+            f"{'ckpts':>6} {'ckpt s':>7} {'MB on disk':>11} {'B/page-ev':>10} {'vs naive':>9}")
     print(head)
     print("-" * len(head))
     naive = results.get("naive")
@@ -251,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         r = results[m]
         ratio = f"{r['page_events_per_s'] / naive['page_events_per_s']:>8.2f}x" if naive else f"{'':>9}"
         print(f"{m:<8} {r['page_events_per_s'] / 1e6:>12.1f} {r['page_events_per_s_incl_checkpoint'] / 1e6:>11.1f} "
-              f"{r['events_per_s'] / 1e3:>11.0f} {r['insert_s']:>9.2f} {r['checkpoint_s']:>7.2f} "
+              f"{r['events_per_s'] / 1e3:>11.0f} {r['insert_s']:>9.2f} {r['policy_checkpoints']:>6} "
+              f"{r['checkpoint_s']:>7.2f} "
               f"{r['bytes'] / 1e6:>11.1f} {r['bytes_per_page_event']:>10.3f} {ratio}")
     print("(kvtrail validates and stores every event column plus the hash chain; naive and list store page ids "
           "only, unvalidated)")
@@ -266,6 +307,17 @@ def main(argv: list[str] | None = None) -> int:
             size_ratio = results["kvtrail"]["bytes_per_page_event"] / naive["bytes_per_page_event"]
             print(f"kvtrail / naive: {rate / naive['page_events_per_s']:.2f}x throughput, "
                   f"{size_ratio:.3f}x bytes per page-event")
+        kv = results["kvtrail"]
+        print(f"checkpoint policy ({policy.max_wal_bytes / 2**20:.0f} MB of WAL or {policy.max_interval_s:g} s): "
+              f"{kv['policy_checkpoints']} checkpoints during ingest, {kv['policy_checkpoint_s']:.2f} s in all "
+              f"({kv['policy_checkpoint_s'] / max(kv['policy_checkpoints'], 1) * 1e3:.0f} ms each, "
+              f"{kv['policy_checkpoint_s'] / len(batches) * 1e3:.1f} ms per commit, "
+              f"{kv['policy_checkpoint_s'] / kv['insert_s']:.1%} of kvtrail's insert time)")
+        if "kv-wal" in results:
+            w = results["kv-wal"]
+            incl = kv["page_events_per_s_incl_checkpoint"] / w["page_events_per_s_incl_checkpoint"]
+            print(f"kvtrail / kv-wal (WAL to 256 MB, no time bound): {rate / w['page_events_per_s']:.2f}x throughput, "
+                  f"{incl:.2f}x including the final checkpoint")
 
     if args.json:
         out = {
@@ -277,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             "mean_runs_per_list": stats.mean_runs, "mean_pages_per_list": stats.mean_pages,
             "pages_per_run": stats.pages_per_run, "runs": stats.runs, "wall_s": wall,
             "methods": results, "goal_page_events_per_s": GOAL_PAGE_EVENTS_PER_S, "pass": verdict,
+            "checkpoint_policy": {"max_wal_bytes": policy.max_wal_bytes, "max_interval_s": policy.max_interval_s},
         }
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

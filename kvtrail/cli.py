@@ -15,6 +15,7 @@ from kvtrail import __version__
 from kvtrail.audit.cli import audit
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics.cli import forensics
+from kvtrail.serving.config import StackConfig
 from kvtrail.sim.cli import simulate
 
 
@@ -24,6 +25,7 @@ def cli() -> None:
     """kvtrail: audit and forensics of KV-cache page ownership in LLM serving."""
 
 
+_STACK_DEFAULTS = StackConfig()
 cli.add_command(audit)
 cli.add_command(forensics)
 cli.add_command(simulate)
@@ -35,10 +37,15 @@ cli.add_command(simulate)
 @click.option("--seed", default=0, show_default=True, help="Seed of the generated traffic.")
 @click.option("--requests", default=60, show_default=True, type=click.IntRange(1), help="Requests per mode.")
 def demo(db: str, seed: int, requests: int) -> None:
-    """The main job: reproduce the incident on the reference PD stack, audit it, then run the fixed engine."""
-    from kvtrail.demo import run_demo
+    """The main job: reproduce the incident on the reference PD stack, audit it, then run the fixed engine.
 
-    run_demo(db, seed=seed, requests=requests)
+    SIGTERM stops it like Ctrl-C: the running stack drains and flushes its audit, then it exits (code 2).
+    """
+    from kvtrail.demo import run_demo
+    from kvtrail.serving.shutdown import interrupt_on_stop_signals
+
+    with interrupt_on_stop_signals():
+        run_demo(db, seed=seed, requests=requests)
 
 
 @cli.command()
@@ -55,37 +62,48 @@ def demo(db: str, seed: int, requests: int) -> None:
 @click.option("--fault", "faults", multiple=True,
               type=click.Choice(["premature_free", "late_write", "double_alloc", "corrupt_transfer"]),
               help="Enable a fault injection (repeatable).")
-def serve(db: str, mode: str, incident: bool, faults: tuple[str, ...], **sizes) -> None:
-    """Run the reference PD stack (router, prefill, decode) until interrupted; prints the router's URL.
+@click.option("--audit-flush-interval-s", type=click.FloatRange(0, min_open=True),
+              default=_STACK_DEFAULTS.recorder.flush_interval_s, show_default=True,
+              help="How often each process commits its audit events: the most a killed stack can lose of "
+                   "each producer's newest events (verify reports such an unclean end with this bound).")
+@click.option("--drain-timeout-s", type=click.FloatRange(0), default=_STACK_DEFAULTS.drain_timeout_s,
+              show_default=True, help="On SIGINT/SIGTERM: how long to wait for requests in flight.")
+def serve(db: str, mode: str, incident: bool, faults: tuple[str, ...], audit_flush_interval_s: float,
+          drain_timeout_s: float, **sizes) -> None:
+    """Run the reference PD stack (router, prefill, decode) until SIGINT (Ctrl-C) or SIGTERM; prints the router's URL.
 
-    Defaults come from StackConfig (or StackConfig.incident() with --incident).
+    On either signal it stops accepting, drains the requests in flight, flushes every process's audit and
+    exits 0. If a worker process dies it stops the stack and exits 1 with one line naming the worker, so a
+    supervisor restarts it. Defaults come from StackConfig (or StackConfig.incident() with --incident).
     """
-    import time
+    from dataclasses import replace
 
     from kvtrail.serving.config import Faults, StackConfig
+    from kvtrail.serving.shutdown import interrupt_on_stop_signals
     from kvtrail.serving.stack import Stack
 
     changes = {k: v for k, v in sizes.items() if v is not None}
-    changes.update(mode=mode, faults=Faults(**{f: True for f in faults}))
+    changes.update(mode=mode, faults=Faults(**{f: True for f in faults}), drain_timeout_s=drain_timeout_s)
     try:
+        changes["recorder"] = replace(_STACK_DEFAULTS.recorder, flush_interval_s=audit_flush_interval_s)
         cfg = (StackConfig.incident if incident else StackConfig)(**changes)
     except ValueError as exc:
         raise KvtrailError(str(exc)) from None
-    with Stack(cfg, db) as stack:
+    failed: dict[str, int] = {}
+    with interrupt_on_stop_signals(), Stack(cfg, db) as stack:
+        workers = ", ".join(f"{role} pid {p.pid}" for role, p in stack.procs.items())
         click.echo(f"router: {stack.url}/v1/completions  (API keys: {', '.join(k for k, _ in cfg.api_keys)}); "
-                   f"audit: {db}; Ctrl-C stops")
+                   f"audit: {db}; workers: {workers}; Ctrl-C or SIGTERM stops")
         try:
-            while all(p.is_alive() for p in stack.procs.values()):
-                time.sleep(0.5)
-            failed = ", ".join(f"{role} (exit code {code})" for role, code in stack.failed_workers().items())
-            click.echo(f"a worker exited: {failed or 'unknown'}; stopping", err=True)
-            for line in stack.worker_log_tail():
-                click.echo(f"  {line}", err=True)
+            stack.wait_for_worker_exit()
+            failed = stack.failed_workers() or {role: p.exitcode or 0 for role, p in stack.procs.items()
+                                                if not p.is_alive()}
+            what = ", ".join(f"{role} worker exited with code {code}" for role, code in failed.items())
+            click.echo(f"kvtrail serve: {what}; stopping the stack (worker log: {stack.worker_log_path})", err=True)
         except KeyboardInterrupt:
             click.echo("stopping")
-        import signal
-
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the flush short
+    if failed:
+        raise SystemExit(1)
 
 
 def main(argv: list[str] | None = None) -> int:

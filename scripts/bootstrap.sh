@@ -8,9 +8,13 @@ what=${1:-demo}
 [ $# -gt 0 ] && shift
 python=${PYTHON:-python3}
 
-# Debian libraries the Mooncake transfer engine links against (the reference serving stack).
+# Debian libraries the Mooncake transfer engine links against (the reference serving stack), and the
+# Unicode fonts of the PDF report (DejaVu: Latin, Greek, Cyrillic; WenQuanYi Micro Hei: Chinese, Japanese,
+# Korean). The tests also read PDFs back as text (pdftotext, from poppler-utils).
+debs=(libibverbs1 libnuma1 libcurl4 fonts-dejavu-core fonts-wqy-microhei)
+[ "$what" = test ] && debs+=(poppler-utils)
 need_debs=()
-for pkg in libibverbs1 libnuma1 libcurl4; do
+for pkg in "${debs[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_debs+=("$pkg")
 done
 if [ ${#need_debs[@]} -gt 0 ]; then

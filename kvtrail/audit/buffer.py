@@ -6,6 +6,11 @@ The recorder's hot path hands :meth:`EventBuffer.put` one event at a time; it is
 with :meth:`EventBuffer.drain`. The buffer numbers the events, so a dropped event still consumes its
 sequence number and the store can prove how many are missing; drops are counted here and come back
 out of ``drain`` as ``recorder_gap`` events. Neither side imports the other: both import this module.
+
+The buffer also frames an instance's events: :meth:`EventBuffer.begin` reserves seq 0 for a
+``recorder_started`` event (committed with the first batch that has events, so an idle recorder
+writes nothing), and after :meth:`EventBuffer.end` the next drain closes with a ``recorder_closed``
+event whose seq is the instance's last.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from time import monotonic_ns
 from kvtrail.audit.events import KIND_CODES, PAYLOAD_LAYOUT
 
 GAP_CODE = KIND_CODES["recorder_gap"]
+STARTED_CODE = KIND_CODES["recorder_started"]
+CLOSED_CODE = KIND_CODES["recorder_closed"]
 _GAP_LAYOUT = PAYLOAD_LAYOUT["recorder_gap"]
 # Where a gap event's payload keeps its counts (the writer reads them back when a gap event is lost).
 GAP_EVENTS_AT = _GAP_LAYOUT.index("dropped_events")
@@ -29,6 +36,11 @@ def gap_payload(reason: str, events: int, pages: int, detail: str) -> tuple:
     """The payload tuple of a ``recorder_gap`` event, in the registry's field order."""
     values = {"gap_reason": reason, "dropped_events": events, "dropped_pages": pages, "detail": detail}
     return tuple(values[name] for name in _GAP_LAYOUT)
+
+
+def _payload(kind: str, **values) -> tuple:
+    """The payload tuple of a ``kind`` event from keyword values, in the registry's field order."""
+    return tuple(values.get(name) for name in PAYLOAD_LAYOUT[kind])
 
 
 class EventBuffer:
@@ -48,6 +60,8 @@ class EventBuffer:
         self.dropped_pages = 0
         self.total_dropped = 0
         self.internal_errors = 0  # exceptions caught inside put
+        self._started: tuple | None = None  # the recorder_started event until a drain hands it out
+        self._ending = False
 
     @property
     def next_seq(self) -> int:
@@ -79,6 +93,19 @@ class EventBuffer:
         except Exception:  # noqa: BLE001 - the serving path must never see an auditing failure; counted
             self.internal_errors += 1
 
+    def begin(self, flush_interval_ns: int) -> None:
+        """Reserve seq 0 for the ``recorder_started`` event; call once, before the first ``put``."""
+        with self._lock:
+            assert self._seq == 0 and self._started is None, "EventBuffer.begin: events were numbered already"
+            self._started = (STARTED_CODE, 0, monotonic_ns(), None, None, None,
+                             _payload("recorder_started", flush_interval_ns=flush_interval_ns))
+            self._seq = 1
+
+    def end(self) -> None:
+        """Close the instance: the next ``drain`` ends with a ``recorder_closed`` event, numbered last."""
+        with self._lock:
+            self._ending = True
+
     def mark(self, marker: threading.Event) -> None:
         """Queue a flush marker behind every event put so far; ``drain`` hands it back to be set."""
         with self._lock:
@@ -103,7 +130,16 @@ class EventBuffer:
                 payload = gap_payload(reason, events, pages, detail)
                 items.append((GAP_CODE, seq, monotonic_ns(), None, None, None, payload))
             gap_rows.clear()
+            if self._ending:
+                seq = self._seq
+                self._seq = seq + 1
+                items.append((CLOSED_CODE, seq, monotonic_ns(), None, None, None,
+                              _payload("recorder_closed", dropped_events=self.total_dropped)))
+                self._ending = False
         markers = [x for x in items if type(x) is threading.Event]
-        if markers:
-            return [x for x in items if type(x) is not threading.Event], markers
-        return list(items), markers
+        out = [x for x in items if type(x) is not threading.Event] if markers else list(items)
+        # Only the writer thread drains, so handing out the started event needs no lock.
+        if out and self._started is not None:
+            out.insert(0, self._started)
+            self._started = None
+        return out, markers

@@ -17,9 +17,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kvtrail.audit.events import ADDED_FIELDS
 from kvtrail.errors import ChainError
 
 GENESIS = bytes(32)
+_ADDED = frozenset(ADDED_FIELDS)
 assert sys.byteorder == "little", "canonical encoding assumes a little-endian host"
 
 
@@ -51,10 +53,16 @@ def _column_bytes(h, arr: pa.Array) -> None:
         h.update(pc.fill_null(arr, 0).to_numpy(zero_copy_only=False).tobytes())
 
 
-def table_digest(h, table: pa.Table, schema: pa.Schema) -> None:
-    """Feed ``table`` into hash ``h`` in canonical form: columns of ``schema`` in its order and types."""
+def table_digest(h, table: pa.Table, schema: pa.Schema, added: frozenset[str] = frozenset()) -> None:
+    """Feed ``table`` into hash ``h`` in canonical form: columns of ``schema`` in its order and types.
+
+    A column named in ``added`` (a field added after the first store format) that is null throughout
+    is left out, as if the schema did not have it: batches written before it existed keep their digest.
+    """
     h.update(struct.pack("<q", table.num_rows))
     for f in schema:
+        if f.name in added and (f.name not in table.column_names or table.column(f.name).null_count == len(table)):
+            continue
         col = table.column(f.name)
         if col.type != f.type:
             col = col.cast(f.type)
@@ -68,7 +76,7 @@ def batch_digest(prev: bytes, header: tuple[int, ...], events: pa.Table, events_
     h = hashlib.sha256()
     h.update(prev)
     h.update(struct.pack(f"<{len(header)}q", *header))
-    table_digest(h, events, events_schema)
+    table_digest(h, events, events_schema, _ADDED)
     table_digest(h, runs, runs_schema)
     return h.digest()
 

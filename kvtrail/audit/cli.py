@@ -1,4 +1,4 @@
-"""``kvtrail audit ...``: ingest, verify, chain heads, stats, retention, export/import, keys, schema."""
+"""``kvtrail audit ...``: ingest, verify, chain heads, stats, retention, backup, export/import, keys, schema."""
 
 from __future__ import annotations
 
@@ -22,8 +22,12 @@ def _progress(total: int | None, desc: str):
 
 
 def _existing(db: str) -> str:
-    if not Path(db).exists():
-        raise StoreError(f"--db: store not found: {db}")
+    from kvtrail.audit.storefile import require_file
+
+    try:
+        require_file(db)
+    except StoreError as exc:
+        raise StoreError(f"--db: {exc}") from None
     return db
 
 
@@ -36,9 +40,16 @@ def audit() -> None:
 @DB_OPTION
 @click.option("--signing-key", type=click.Path(exists=True, dir_okay=False),
               help="Ed25519 private key (PEM) to sign batches.")
+@click.option("--init-empty", is_flag=True,
+              help="Make kvtrail's tables in an existing DuckDB file that holds none (a missing --db is created "
+                   "without it; an empty one is refused without it, being what a copy taken without its WAL "
+                   "looks like).")
 @click.argument("files", nargs=-1, required=True, type=click.Path(allow_dash=True))
-def ingest(db: str, signing_key: str | None, files: tuple[str, ...]) -> None:
-    """Ingest event files: JSON lines (.jsonl, '-' for stdin) or Arrow IPC streams (.arrow). One file = one batch."""
+def ingest(db: str, signing_key: str | None, init_empty: bool, files: tuple[str, ...]) -> None:
+    """Ingest event files: JSON lines (.jsonl, '-' for stdin) or Arrow IPC streams (.arrow). One file = one batch.
+
+    A missing --db is created; an existing one must be a kvtrail store.
+    """
     from kvtrail.audit.batch import parse_jsonl_lines, read_ipc
     from kvtrail.audit.chain import Signer
     from kvtrail.audit.store import AuditStore
@@ -58,7 +69,8 @@ def ingest(db: str, signing_key: str | None, files: tuple[str, ...]) -> None:
             # Almost always a producer that wrote nothing or a wrong path; storing nothing silently hides it.
             raise KvtrailError(f"no events in {name}")
         batches.append((name, table, lines))
-    with AuditStore(db, signer=Signer.from_file(signing_key) if signing_key else None) as store:
+    signer = Signer.from_file(signing_key) if signing_key else None
+    with AuditStore(db, signer=signer, init_empty=init_empty) as store:
         for name, table, lines in batches:
             try:
                 res = store.append(table)
@@ -108,7 +120,8 @@ def verify(db: str, public_key: str | None, as_json: bool, expect_heads: str | N
             "ok": ok, "batches_checked": report.batches_checked, "batches_pruned": report.batches_pruned,
             "events_checked": report.events_checked, "signatures_checked": report.signatures_checked,
             "heads_checked": len(saved or []), "problems": [str(p) for p in report.problems + head_problems],
-            "coverage": [dict(c.__dict__, unexplained=c.unexplained) for c in report.coverage]}, indent=2))
+            "coverage": [dict(c.__dict__, unexplained=c.unexplained) for c in report.coverage],
+            "unclean_ends": [dict(u.__dict__, gap_end_ns=u.gap_end_ns) for u in report.unclean_ends]}, indent=2))
     else:
         click.echo(f"checked {report.batches_checked} batches ({report.batches_pruned} pruned), "
                    f"{report.events_checked} events, {report.signatures_checked} signatures")
@@ -117,6 +130,8 @@ def verify(db: str, public_key: str | None, as_json: bool, expect_heads: str | N
                        f"{c.stored_events} stored, "
                        f"{c.pruned_events} pruned, {c.missing_events} missing ({c.explained_by_gaps} reported by "
                        f"recorder_gap, {c.unexplained} unexplained)")
+        for u in report.unclean_ends:  # a coverage gap, not a broken chain: the exit code stays 0
+            click.echo(f"  {u}")
         if report.ok:
             click.echo("OK: every link and every batch digest verifies")
         else:
@@ -148,6 +163,17 @@ def head(db: str, as_json: bool) -> None:
         return
     for h in sorted(heads, key=lambda h: (h["node"], h["producer_id"])):
         click.echo(f"{h['node']}\t{h['producer_id']}\tbatch {h['batch_no']}\tseq {h['last_seq']}\t{h['digest']}")
+
+
+@audit.command()
+@DB_OPTION
+def upgrade(db: str) -> None:
+    """Bring a store an older kvtrail wrote up to this version (adds later event fields; the chain stays valid)."""
+    from kvtrail.audit.store import AuditStore
+
+    with AuditStore(_existing(db)) as store:
+        added = store.upgraded
+    click.echo(f"store {db}: added event field(s) {', '.join(added)}" if added else f"store {db}: already current")
 
 
 @audit.command()
@@ -235,6 +261,36 @@ def hold_release(db: str, hold_id: int) -> None:
 
 @audit.command()
 @DB_OPTION
+@click.option("--to", "to", required=True, type=click.Path(dir_okay=False), help="The single-file copy to write.")
+@click.option("--force", is_flag=True, help="Replace an existing --to.")
+@click.option("--public-key", type=click.Path(exists=True, dir_okay=False),
+              help="Also check every batch's Ed25519 signature in the copy.")
+def backup(db: str, to: str, force: bool, public_key: str | None) -> None:
+    """Copy a store (its .duckdb and .wal, live or crashed) into one checkpointed file and verify the copy.
+
+    Use it to take a store off a machine: the .duckdb file alone may lack everything since the last
+    checkpoint. Exit 1 if the copy's chain does not verify (the copy is kept).
+    """
+    from kvtrail.audit.backup import backup_store
+    from kvtrail.audit.chain import SignatureChecker
+
+    checker = SignatureChecker(Path(public_key).read_bytes()) if public_key else None
+    with _progress(None, "backup") as bar:
+        res = backup_store(_existing(db), to, force=force, checker=checker, progress=bar.update)
+    report = res.report
+    retried = f" (copied {res.attempts} times: the writer checkpointed meanwhile)" if res.attempts > 1 else ""
+    click.echo(f"backed up {db} to {res.path}: {res.num_bytes} bytes, {res.producers} producers, "
+               f"{res.batches} batches, {res.events} events{retried}")
+    if report.ok:
+        click.echo(f"OK: the copy verifies ({report.batches_checked} batches, {report.events_checked} events, "
+                   f"{report.signatures_checked} signatures)")
+    else:
+        click.echo(f"FAILED: the copy's chain: first problem: {report.first_problem}")
+        sys.exit(1)
+
+
+@audit.command()
+@DB_OPTION
 @click.option("--format", "fmt", type=click.Choice(["parquet"]), default="parquet", show_default=True)
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory (new or empty).")
 def export(db: str, fmt: str, out: str) -> None:
@@ -248,13 +304,27 @@ def export(db: str, fmt: str, out: str) -> None:
 
 @audit.command(name="import")
 @DB_OPTION
+@click.option("--no-verify", is_flag=True, help="Import even if the export's chain does not verify.")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
-def import_cmd(db: str, src: str) -> None:
-    """Import a Parquet export into a store, losslessly (the chain still verifies)."""
-    from kvtrail.audit.export import import_parquet
+def import_cmd(db: str, no_verify: bool, src: str) -> None:
+    """Import a Parquet export into a store, losslessly (the chain still verifies).
 
+    The export's chain is recomputed first: a tampered export exits 1 naming its first broken link,
+    with nothing imported (unless --no-verify).
+    """
+    from kvtrail.audit.export import import_parquet, verify_export
+
+    if no_verify:
+        click.echo(f"warning: importing {src} without verifying its chain (--no-verify)", err=True)
+    else:
+        with _progress(None, "verify export") as bar:
+            report = verify_export(src, progress=bar.update)
+        if not report.ok:
+            click.echo(f"FAILED: the export's chain: first problem: {report.first_problem}")
+            click.echo(f"nothing imported into {db} (--no-verify imports it anyway)")
+            sys.exit(1)
     with _progress(None, "import") as bar:
-        res = import_parquet(src, db, progress=lambda step: bar.set_postfix_str(step))
+        res = import_parquet(src, db, progress=lambda step: bar.set_postfix_str(step), verify=False)
     click.echo(f"imported {res.events} events, {res.page_runs} page runs, {res.batches} batches into {db}")
 
 

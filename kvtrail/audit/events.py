@@ -132,6 +132,10 @@ PAYLOAD_FIELDS: tuple[FieldSpec, ...] = (
     _f("dropped_pages", "int64", "Page entries inside those events.", minimum=0),
     _f("gap_reason", "enum", "Why the events were lost.", GAP_REASONS),
     _f("detail", "str", "Free-text detail on a gap (first error message)."),
+    # recorder lifecycle
+    _f("flush_interval_ns", "int64", "The most time an event of this recorder waits in memory before its batch is "
+       "committed (the flush interval): after an unclean end, up to about this much of the producer's newest "
+       "events may be lost.", minimum=1),
 )
 
 
@@ -212,8 +216,22 @@ KINDS: dict[str, KindSpec] = {
                  (*_REQ_OPT, "ttft_ns", "finish_reason")),
         KindSpec("recorder_gap", "Events this producer could not record, counted.",
                  ("dropped_events", "gap_reason"), ("dropped_pages", "detail")),
+        KindSpec("recorder_started", "First event of a recorder instance: how long its events may wait in memory "
+                 "before they are committed.", ("flush_interval_ns",)),
+        KindSpec("recorder_closed", "Last event of a clean close (its seq is the instance's last): everything the "
+                 "instance recorded before it was handed to the store. `dropped_events`: events its buffer "
+                 "dropped (full) in the instance's lifetime, each also counted by a recorder_gap. A started "
+                 "instance without this event that has ended (a later instance of its node, or a restart of the "
+                 "store's owner) ended uncleanly: its newest events may be lost.", (), ("dropped_events",)),
     )
 }
+# Kinds the recorder writes itself, not the serving code: no recording method of the contract has their names.
+RECORDER_KINDS = ("recorder_gap", "recorder_started", "recorder_closed")
+# Fields added after store format 1 (each one a new nullable column of stored events). A batch in which
+# such a field is null throughout hashes as format 1 did (see kvtrail.audit.chain), so the chains of
+# stores written before the field existed still verify, and an old store gains the column on its next
+# writable open.
+ADDED_FIELDS: tuple[str, ...] = ("flush_interval_ns",)
 KIND_NAMES = tuple(KINDS)
 KIND_CODES = {name: i for i, name in enumerate(KIND_NAMES)}
 # The payload tuple of one recorded event holds its kind's payload fields in this order; the recorder

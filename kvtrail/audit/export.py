@@ -11,7 +11,9 @@ Layout of an export directory (the one fleet-scale queries read with ``hive_part
 values live only in the directory names; the files hold exactly the store's columns and types.
 
 On import the target keeps its own ``meta`` rows (``store_format``, ``created_ns`` describe the
-target file); meta keys the target lacks are copied from the export.
+target file) and its own ``store_opens``; meta keys the target lacks are copied from the export.
+Before anything is written, the import recomputes the chain of what it imports
+(:func:`verify_export`) and refuses a tampered export.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from typing import Callable
 import duckdb
 
 from kvtrail import __version__
-from kvtrail.audit.store import STORE_FORMAT, AuditStore, fetch_row
-from kvtrail.errors import StoreError
+from kvtrail.audit.store import AuditStore, connect_readonly, fetch_row, schema_ddl
+from kvtrail.audit.storefile import STORE_FORMAT, connect, wal_path
+from kvtrail.audit.verify import VerifyReport, verify_store
+from kvtrail.errors import ChainError, StoreError
 
 FORMAT_VERSION = 1
 # Import order: producers first, so a duplicate producer is refused before any heavy reading.
@@ -41,6 +45,8 @@ TABLE_KEYS = {
     "prune_batches": "prune_id, producer_id, batch_no", "legal_holds": "hold_id",
 }
 _NODE_RE = re.compile(r"[A-Za-z0-9._-]+")
+# What verify_store reads: a chain check of an export needs only these.
+_CHAIN_TABLES = ("producers", "batches", "events", "page_runs", "prunes", "prune_batches")
 # Integer arithmetic, not to_timestamp(): a double loses the nanoseconds that decide the day at midnight.
 _DATE_SQL = "CAST(DATE '1970-01-01' + CAST(e.wall_ns // 86400000000000 AS INTEGER) AS VARCHAR)"
 
@@ -106,10 +112,7 @@ def export_parquet(db_path: str | Path, out_dir: str | Path, *, progress: Progre
         raise StoreError(f"store not found: {db_path}")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise StoreError(f"export directory {out_dir} exists and is not empty")
-    try:
-        con = duckdb.connect(str(db_path), read_only=True)
-    except duckdb.Error as exc:
-        raise StoreError(f"cannot open store {db_path}: {exc}") from None
+    con = connect_readonly(db_path)
     try:
         con.begin()
         for (node,) in con.execute("SELECT DISTINCT node FROM producers ORDER BY node").fetchall():
@@ -182,20 +185,53 @@ def _files(in_dir: Path, table: str) -> list[str]:
     return [str(path)]
 
 
+def _check_columns(con: duckdb.DuckDBPyConnection, table: str, files: list[str], store_table: str) -> str:
+    """The store table's column list, after checking that the export's files have exactly its columns and types."""
+    # Partition values are path segments, not file columns: compare the files themselves to the table.
+    file_cols = [(r[0], r[1]) for r in con.execute(
+        "DESCRIBE SELECT * FROM read_parquet(?, hive_partitioning=false)", [files]).fetchall()]
+    table_cols = [(r[0], r[1]) for r in con.execute(f"DESCRIBE {store_table}").fetchall()]
+    if file_cols != table_cols:
+        diff = next((f"{a} vs {b}" for a, b in zip(file_cols, table_cols) if a != b), f"{file_cols} vs {table_cols}")
+        raise StoreError(f"{table}: exported columns do not match the store's ({diff})")
+    return ", ".join(name for name, _ in table_cols)
+
+
+def verify_export(in_dir: str | Path, *, progress=None) -> VerifyReport:
+    """Recompute the chain of an export (every link, every batch digest, the prune records) from its files,
+    without writing anything. ``progress(n)`` is called as batches are checked. Raises StoreError for an
+    export that cannot be read as one (bad manifest, missing files, wrong columns)."""
+    in_dir = Path(in_dir)
+    _read_manifest(in_dir)
+    with duckdb.connect() as con:
+        # Empty store tables in schema "ref" give each column's type; the checked tables are views over
+        # the export's files (or the empty table where the export has none), so nothing is loaded twice.
+        con.execute("CREATE SCHEMA ref")
+        con.execute("USE memory.ref")
+        for stmt in schema_ddl():
+            con.execute(stmt)
+        con.execute("USE memory.main")
+        for table in _CHAIN_TABLES:
+            files = _files(in_dir, table)
+            if not files:
+                con.execute(f"CREATE VIEW {table} AS SELECT * FROM ref.{table}")
+                continue
+            cols = _check_columns(con, table, files, f"ref.{table}")
+            listed = ", ".join(_lit(Path(f)) for f in files)
+            con.execute(f"CREATE VIEW {table} AS SELECT {cols} FROM read_parquet([{listed}], hive_partitioning=false)")
+        try:
+            return verify_store(con, progress=progress)
+        except duckdb.Error as exc:
+            raise StoreError(f"{in_dir}: cannot read the export to verify it: {str(exc).splitlines()[0]}") from None
+
+
 def _import_table(con: duckdb.DuckDBPyConnection, in_dir: Path, table: str, expected) -> int:
     files = _files(in_dir, table)
     if not files:
         if expected != 0:
             raise StoreError(f"{table}: manifest says {expected} rows, the export holds none")
         return 0
-    # Partition values are path segments, not file columns: compare the files themselves to the table.
-    file_cols = [(r[0], r[1]) for r in con.execute(
-        "DESCRIBE SELECT * FROM read_parquet(?, hive_partitioning=false)", [files]).fetchall()]
-    table_cols = [(r[0], r[1]) for r in con.execute(f"DESCRIBE {table}").fetchall()]
-    if file_cols != table_cols:
-        diff = next((f"{a} vs {b}" for a, b in zip(file_cols, table_cols) if a != b), f"{file_cols} vs {table_cols}")
-        raise StoreError(f"{table}: exported columns do not match the store's ({diff})")
-    cols = ", ".join(name for name, _ in table_cols)
+    cols = _check_columns(con, table, files, table)
     # Columns are selected by name, which drops the partition columns (and any key=value segment of in_dir).
     src = (f"read_parquet(?, hive_partitioning={'true' if table in _PARTITION_QUERIES else 'false'}, "
            "hive_types_autocast=false)")
@@ -233,9 +269,12 @@ def _import_all(con: duckdb.DuckDBPyConnection, in_dir: Path, manifest: dict, pr
     return got
 
 
-def import_parquet(in_dir: str | Path, db_path: str | Path, *, progress: Progress = None) -> ImportResult:
+def import_parquet(in_dir: str | Path, db_path: str | Path, *, progress: Progress = None,
+                   verify: bool = True) -> ImportResult:
     """Load an export made by :func:`export_parquet` into the store at ``db_path`` (created if missing).
 
+    With ``verify`` (the default) the export's chain is recomputed first (:func:`verify_export`); a
+    broken one raises ChainError naming its first problem, before the target is touched.
     Everything is inserted in one transaction: on any error nothing is written, and a store file
     this call created is removed again. Refuses (StoreError) a missing or unsupported manifest, row
     counts or chain heads that disagree with the files, a producer the target already holds, and
@@ -243,11 +282,16 @@ def import_parquet(in_dir: str | Path, db_path: str | Path, *, progress: Progres
     """
     in_dir, db_path = Path(in_dir), Path(db_path)
     manifest = _read_manifest(in_dir)
+    if verify:
+        report = verify_export(in_dir)
+        if not report.ok:
+            raise ChainError(f"{in_dir}: the export's chain does not verify, nothing imported: "
+                             f"first problem: {report.first_problem}")
     created = not db_path.exists()
     AuditStore(db_path).close()
     done = False
     try:
-        con = duckdb.connect(str(db_path))
+        con = connect(db_path, read_only=False)
         try:
             con.begin()
             got = _import_all(con, in_dir, manifest, progress)
@@ -262,6 +306,6 @@ def import_parquet(in_dir: str | Path, db_path: str | Path, *, progress: Progres
         raise StoreError(f"import into {db_path} failed: {exc}") from None
     finally:
         if created and not done:
-            for path in (db_path, Path(f"{db_path}.wal")):
+            for path in (db_path, wal_path(db_path)):
                 path.unlink(missing_ok=True)
     return ImportResult(got["events"], got["page_runs"], got["batches"], got["producers"])

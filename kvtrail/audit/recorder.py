@@ -8,6 +8,11 @@ them. When the buffer is full the event is dropped *and counted*; the count reac
 ``recorder_gap`` event and :meth:`Recorder.stats`, so a gap is always visible. Dropped events still
 consume their sequence number, so the store can prove how many are missing.
 
+An instance's events are framed: ``recorder_started`` (seq 0, with the flush interval: the most time
+an event waits in memory before it is committed) and, on :meth:`Recorder.close`, ``recorder_closed``
+(the last seq). An instance that ends without ``recorder_closed`` (the process was killed) may have
+lost up to about one flush interval of its newest events; ``kvtrail audit verify`` reports it.
+
 Each method's payload tuple holds its kind's fields in the order of
 :data:`kvtrail.audit.events.PAYLOAD_LAYOUT`, which the writer reads them back with.
 """
@@ -45,7 +50,9 @@ class RecorderConfig:
     """Tuning of one recorder. Defaults suit a serving process recording ~100k events/s."""
 
     capacity_events: int = 262_144  # bounded buffer; beyond it events are dropped and counted
-    flush_interval_s: float = 0.02  # how often the writer drains the buffer
+    # How often the writer drains the buffer: the most time an event waits in memory before it is
+    # committed, so what a killed process can lose (recorded in recorder_started as flush_interval_ns).
+    flush_interval_s: float = 0.02
     max_batch_events: int = 200_000  # largest batch the writer commits at once
 
     def __post_init__(self):
@@ -55,6 +62,10 @@ class RecorderConfig:
             raise ValueError("recorder config 'flush_interval_s': must be > 0")
         if self.max_batch_events < 1:
             raise ValueError("recorder config 'max_batch_events': must be >= 1")
+
+    @property
+    def flush_interval_ns(self) -> int:
+        return max(1, round(self.flush_interval_s * 1e9))
 
 
 class Recorder:
@@ -68,6 +79,7 @@ class Recorder:
         self.producer = producer
         self.config = config
         self._buffer = EventBuffer(config.capacity_events)
+        self._buffer.begin(config.flush_interval_ns)
         # Bound once: the hot path pays one attribute lookup, as for a method of this class.
         self._put = self._buffer.put
         if isinstance(sink, (str, Path)):
@@ -150,8 +162,9 @@ class Recorder:
         return self._writer.is_alive() and done.wait(timeout)
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Flush, stop the writer thread and close the sink."""
+        """Record ``recorder_closed``, flush, stop the writer thread and close the sink."""
         if self._writer.is_alive():
+            self._buffer.end()
             self.flush(timeout)
             self._writer.stop(timeout)
 

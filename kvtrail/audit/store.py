@@ -11,10 +11,18 @@ Tables (see ``docs/events.md`` for the columns):
   page_runs   (producer_id, seq, list, pos, page_start, num_pages): list 0 = pages, 1 = dst_pages
   batches     one row per committed batch: seq range, counts, prev digest, digest, signature
   prunes, prune_batches, legal_holds   retention records (see kvtrail.audit.retention)
+
+  store_opens one row per writable open (open_no, opened_ns, kvtrail_version): a restarted owner shows
+
+Durability: a commit reaches ``<db>.wal``; :class:`CheckpointPolicy` bounds how much (bytes) and
+how long (seconds) data lives only there before it is checkpointed into ``<db>``. See
+:mod:`kvtrail.audit.storefile` for what a copy of the main file alone holds.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,15 +32,25 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kvtrail import __version__
 from kvtrail.audit import chain
 from kvtrail.audit.arrowutil import flat_list, list_array
 from kvtrail.audit.batch import arrow_type
 from kvtrail.audit.events import ALL_FIELDS, KIND_NAMES, KINDS, PAGE_LIST_FIELDS, PRODUCER_FIELDS
 from kvtrail.audit.pagelist import decode_runs, encode_runs
+from kvtrail.audit.storefile import (
+    OPENS_TABLE,
+    STORE_FORMAT,
+    check_store,
+    connect,
+    missing_added_columns,
+    require_file,
+    store_tables,
+    wal_path,
+)
 from kvtrail.audit.validate import ProducerState, ValidatedBatch, validate_batch
-from kvtrail.errors import StoreError
 
-STORE_FORMAT = "1"
+log = logging.getLogger(__name__)
 _SQL_TYPES = {"str": "VARCHAR", "enum": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "uint64": "UBIGINT",
               "bool": "BOOLEAN", "u64list": "UBIGINT[]", "i64list": "BIGINT[]"}
 _PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
@@ -53,7 +71,8 @@ EVENT_COLUMNS = ", ".join(f.name for f in EVENTS_SCHEMA)
 RUN_COLUMNS = ", ".join(f.name for f in RUNS_SCHEMA)
 
 
-def _ddl() -> list[str]:
+def schema_ddl() -> list[str]:
+    """The statements that make (or complete) a store's tables and views; each is idempotent."""
     event_cols = ["producer_id BIGINT NOT NULL", "batch_no BIGINT NOT NULL"]
     event_cols += [f"{f.name} {_SQL_TYPES[f.type]}" for f in EVENT_VALUE_FIELDS]
     event_cols += ["num_pages INTEGER NOT NULL", "num_dst_pages INTEGER NOT NULL"]
@@ -80,6 +99,8 @@ def _ddl() -> list[str]:
         "CREATE TABLE IF NOT EXISTS legal_holds (hold_id BIGINT PRIMARY KEY, created_ns BIGINT NOT NULL, "
         "from_ns BIGINT NOT NULL, to_ns BIGINT NOT NULL, tenant_id VARCHAR, node VARCHAR, "
         "reason VARCHAR NOT NULL, released_ns BIGINT)",
+        f"CREATE TABLE IF NOT EXISTS {OPENS_TABLE} (open_no BIGINT PRIMARY KEY, opened_ns BIGINT NOT NULL, "
+        "kvtrail_version VARCHAR NOT NULL)",
         # Convenience view for readers: events with their producer identity.
         "CREATE OR REPLACE VIEW events_v AS SELECT p.cluster, p.node, p.role, p.engine, p.engine_version, "
         "p.instance, e.* FROM events e JOIN producers p USING (producer_id)",
@@ -102,54 +123,95 @@ def fetch_row(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = No
 
 
 def connect_readonly(path: str | Path) -> duckdb.DuckDBPyConnection:
-    """A read-only connection for readers in another process (the writer must not hold the file)."""
-    if not Path(path).exists():
-        raise StoreError(f"store not found: {path}")
-    return duckdb.connect(str(path), read_only=True)
+    """A read-only connection for readers in another process (the writer must not hold the file).
+
+    Refuses, with one line naming the path, a missing file, a file that is not a complete kvtrail
+    store (e.g. a copy of the main file taken without its WAL) and a store another process holds.
+    """
+    con = connect(require_file(path), read_only=True)
+    try:
+        check_store(con, path)
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """When :class:`AuditStore` checkpoints its WAL into the main file: after a commit, once the WAL
+    holds more than ``max_wal_bytes`` or ``max_interval_s`` have passed since the last checkpoint.
+
+    Until a checkpoint, committed data lives only in ``<db>.wal``: these bound how much a copy of the
+    main file alone can miss, and how long a crash leaves the store needing its WAL.
+    """
+
+    max_wal_bytes: int = 64 * 2**20
+    max_interval_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_wal_bytes <= 0:
+            raise ValueError(f"max_wal_bytes must be positive, got {self.max_wal_bytes}")
+        if not self.max_interval_s > 0:
+            raise ValueError(f"max_interval_s must be positive (math.inf: no time bound), got {self.max_interval_s}")
+
+
+DEFAULT_CHECKPOINT = CheckpointPolicy()
 
 
 class AuditStore:
-    """Owns the DuckDB write connection of one store file. Not thread-safe: one writer at a time."""
+    """Owns the DuckDB write connection of one store file. Not thread-safe: one writer at a time.
 
-    def __init__(self, path: str | Path, *, signer: chain.Signer | None = None, create: bool = True):
+    ``create``: make a new store when ``path`` does not exist (an existing file must already be a
+    kvtrail store). ``init_empty``: also make kvtrail's tables in an existing DuckDB file that holds
+    no tables at all; never implied, because that is what a copy of a store taken without its WAL looks like.
+    """
+
+    def __init__(self, path: str | Path, *, signer: chain.Signer | None = None, create: bool = True,
+                 init_empty: bool = False, checkpoint: CheckpointPolicy = DEFAULT_CHECKPOINT):
         self.path = Path(path)
-        if not create and not self.path.exists():
-            raise StoreError(f"store not found: {path}")
-        try:
-            self.con = duckdb.connect(str(self.path))
-        except duckdb.Error as exc:
-            raise StoreError(f"cannot open store {path}: {str(exc).splitlines()[0]}") from None
+        is_new = not self.path.exists()
+        if is_new and (not create or wal_path(self.path).exists()):
+            require_file(self.path)  # raises, naming a WAL left without its database
+        self.con = connect(self.path, read_only=False)
+        self._closed = False
         self.signer = signer
+        self.policy = checkpoint
+        self.checkpoints = 0  # done by the policy or close(), and the seconds they took
+        self.checkpoint_s = 0.0
+        self.checkpoint_error: str | None = None  # the last failed policy checkpoint (retried after the next commit)
+        self._last_checkpoint = time.monotonic()
         try:
             # Row order inside a table carries no meaning here (every reader orders by key), so DuckDB
-            # may insert with both cores; and a recorder commits small batches often, so checkpoint
-            # the WAL in larger steps rather than rewriting row groups after every few batches.
+            # may insert with both cores. The policy checkpoints by itself (and counts it); DuckDB's own
+            # size trigger stays as a backstop for writes that bypass append(), such as a prune.
             self.con.execute("SET preserve_insertion_order = false")
-            self.con.execute("SET wal_autocheckpoint = '256MB'")
-            self._init_schema()
+            self.con.execute(f"SET wal_autocheckpoint = '{max(4 * checkpoint.max_wal_bytes, 2**28)}B'")
+            self._init_schema(adopt=is_new or init_empty)
             self._load_state()
         except BaseException:
             self.con.close()
             raise
 
-    def _init_schema(self) -> None:
-        # Check the format before touching anything, so a foreign store is refused unchanged.
-        has_meta = fetch_row(self.con, "SELECT count(*) FROM duckdb_tables() WHERE table_name = 'meta' "
-                                       "AND schema_name = 'main'")[0]
-        fmt = self.con.execute("SELECT value FROM meta WHERE key = 'store_format'").fetchone() if has_meta else None
-        if has_meta and (fmt is None or fmt[0] != STORE_FORMAT):
-            found = fmt[0] if fmt else "unknown"
-            raise StoreError(f"store {self.path} has format {found}; this kvtrail reads format {STORE_FORMAT}")
-        if not has_meta:
-            others = fetch_row(self.con, "SELECT count(*) FROM duckdb_tables()")[0]
-            if others:
-                raise StoreError(f"{self.path} is a DuckDB database but not a kvtrail store")
+    def _init_schema(self, *, adopt: bool) -> None:
+        # Check before touching anything, so a foreign or incomplete file is refused unchanged.
+        if not (adopt and not store_tables(self.con)):
+            check_store(self.con, self.path, upgrading=True)
         self.con.begin()
-        for stmt in _ddl():
+        for stmt in schema_ddl():
             self.con.execute(stmt)
-        if fmt is None:
+        types = {f.name: _SQL_TYPES[f.type] for f in EVENT_VALUE_FIELDS}
+        self.upgraded = missing_added_columns(self.con)  # a store an older kvtrail wrote gains later fields
+        for name in self.upgraded:
+            self.con.execute(f"ALTER TABLE events ADD COLUMN {name} {types[name]}")
+        if self.upgraded:  # views over events bind its columns when made
+            for stmt in schema_ddl():
+                self.con.execute(stmt)
+        if fetch_row(self.con, "SELECT count(*) FROM meta WHERE key = 'store_format'")[0] == 0:
             self.con.execute("INSERT INTO meta VALUES ('store_format', ?), ('created_ns', ?)",
                              [STORE_FORMAT, str(time.time_ns())])
+        self.open_no = int(fetch_row(self.con, f"SELECT coalesce(max(open_no) + 1, 0) FROM {OPENS_TABLE}")[0])
+        self.con.execute(f"INSERT INTO {OPENS_TABLE} VALUES (?, ?, ?)", [self.open_no, time.time_ns(), __version__])
         self.con.commit()
 
     def _load_state(self) -> None:
@@ -169,7 +231,16 @@ class AuditStore:
         return self.con.cursor()
 
     def close(self) -> None:
-        self.con.close()
+        """Checkpoint (so the main file alone holds everything) and close. A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.checkpoint()
+        except duckdb.ConnectionException:
+            pass  # the connection was closed under us: DuckDB checkpointed (or could not) when that happened
+        finally:
+            self.con.close()
 
     def __enter__(self):
         return self
@@ -278,10 +349,40 @@ class AuditStore:
             if pid in new_pools:
                 st.pool_pages = new_pools[pid]
             self._chain[pid] = link
+        self.maybe_checkpoint()
         return AppendResult(n, int(run_len.astype(np.int64).sum()), len(run_row), tuple(committed))
 
     def checkpoint(self) -> None:
+        """Write the WAL into the main file now."""
+        t = time.perf_counter()
         self.con.execute("CHECKPOINT")
+        self.checkpoint_s += time.perf_counter() - t
+        self.checkpoints += 1
+        self._last_checkpoint = time.monotonic()
+
+    def wal_bytes(self) -> int:
+        try:
+            return os.stat(wal_path(self.path)).st_size
+        except FileNotFoundError:  # DuckDB removes the WAL at each checkpoint
+            return 0
+
+    def maybe_checkpoint(self) -> bool:
+        """Checkpoint if the policy says so (also for a writer's idle tick); True if it did."""
+        due = (time.monotonic() - self._last_checkpoint > self.policy.max_interval_s
+               or self.wal_bytes() > self.policy.max_wal_bytes)
+        if not due:
+            return False
+        try:
+            self.checkpoint()
+        except duckdb.Error as exc:
+            # The batch just committed is durable in the WAL: a failed checkpoint must not report it as
+            # lost (a caller would retry it). Keep the reason, log it, retry after the next commit.
+            self.checkpoint_error = str(exc).splitlines()[0]
+            log.warning("checkpoint of %s failed, retried after the next commit: %s", self.path,
+                        self.checkpoint_error)
+            return False
+        self.checkpoint_error = None
+        return True
 
 
 def arrow_query(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> pa.Table:

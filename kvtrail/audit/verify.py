@@ -9,6 +9,9 @@ producer's numbering, and how many of them ``recorder_gap`` events account for.
 The chain cannot show that a producer's newest batches were deleted, or that the whole chain was
 rewritten: :func:`compare_heads` checks the store against heads saved outside it earlier
 (``kvtrail audit head --json``, or the heads a disclosure report recorded).
+
+Nor can numbering show a lost *tail*: events a killed process still held in memory. For that,
+:func:`unclean_ends` names each producer instance that ended without its ``recorder_closed`` event.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kvtrail.audit import chain
 from kvtrail.audit.retention import prune_digest
 from kvtrail.audit.store import EVENT_COLUMNS, EVENTS_SCHEMA, RUN_COLUMNS, RUNS_SCHEMA, arrow_query, connect_readonly
 from kvtrail.errors import KvtrailError
+from kvtrail.timeutil import format_utc
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,40 @@ class Coverage:
         return max(0, self.missing_events - self.explained_by_gaps)
 
 
+@dataclass(frozen=True)
+class UncleanEnd:
+    """A producer instance that ended without ``recorder_closed``: events after ``last_seq`` may be lost.
+
+    ``bound_ns``: how long its events could wait in memory (``flush_interval_ns`` of its
+    ``recorder_started``), so at most about that much after ``last_wall_ns`` is missing; None when
+    unknown. ``ended_by_ns``: when it was seen to have ended (the later instance's first event, or the
+    store's reopening), which bounds the gap too.
+    """
+
+    producer_id: int
+    node: str
+    instance: str
+    last_seq: int
+    last_wall_ns: int
+    bound_ns: int | None
+    reason: str
+    cluster: str = ""
+    ended_by_ns: int | None = None
+
+    @property
+    def gap_end_ns(self) -> int | None:
+        """The latest time a lost event can have: the bound or the end's evidence, whichever comes first."""
+        ends = [t for t in (None if self.bound_ns is None else self.last_wall_ns + self.bound_ns,
+                            self.ended_by_ns) if t is not None]
+        return min(ends) if ends else None
+
+    def __str__(self) -> str:
+        lost = ("events up to an unknown time after it may be lost" if self.bound_ns is None
+                else f"events up to {self.bound_ns / 1e9:g} s after it may be lost")
+        return (f"{self.node} producer {self.producer_id} (instance {self.instance}): unclean end after seq "
+                f"{self.last_seq} at {format_utc(self.last_wall_ns)}: {lost} ({self.reason})")
+
+
 @dataclass
 class VerifyReport:
     batches_checked: int = 0
@@ -65,6 +103,8 @@ class VerifyReport:
     signatures_checked: int = 0
     problems: list[Problem] = field(default_factory=list)
     coverage: list[Coverage] = field(default_factory=list)
+    # Coverage gaps at the end of a producer's numbering; not a chain failure (``ok`` ignores them).
+    unclean_ends: list[UncleanEnd] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -92,6 +132,7 @@ def verify_store(db: str | Path | duckdb.DuckDBPyConnection, *, checker: chain.S
     for pid, batch_no, n in stray:
         report.problems.append(Problem(pid, None, batch_no, f"{n} rows belong to no committed batch (inserted?)"))
     _verify_prunes(con, report)
+    report.unclean_ends = unclean_ends(con)
     if isinstance(db, (str, Path)):
         con.close()
     return report
@@ -178,6 +219,74 @@ def _verify_prunes(con, report: VerifyReport) -> None:
     for pid, batch_no, prune_id in orphans:
         report.problems.append(Problem(pid, None, batch_no,
                                        f"marked pruned by {prune_id} but no prune record covers it"))
+
+
+# ---- producer ends -----------------------------------------------------------------------------
+
+OPENS_TABLE = "store_opens"  # one row per writable open of the store: (open_no, opened_ns, kvtrail_version)
+
+
+def _has(con: duckdb.DuckDBPyConnection, table: str, column: str | None = None) -> bool:
+    sql = ("SELECT count(*) FROM duckdb_columns() WHERE database_name = current_database() "
+           "AND schema_name = 'main' AND table_name = ? AND (? IS NULL OR column_name = ?)")
+    row = con.execute(sql, [table, column, column]).fetchone()
+    return bool(row and row[0])
+
+
+def unclean_ends(con: duckdb.DuckDBPyConnection) -> list[UncleanEnd]:
+    """Producer instances that ended without ``recorder_closed``, in producer order.
+
+    Judged are instances that announce their lifecycle (a ``recorder_started`` event, or a first batch
+    pruned so we cannot tell) and whose last batch is still stored. One without ``recorder_closed``
+    has ended uncleanly when a later instance of its (cluster, node) started after its last stored
+    event, or when the store was opened for writing again after its last commit (its owner restarted:
+    the ``store_opens`` table, where the store has one). Otherwise it is open: still running, or stopped
+    and not yet known, and not reported. Producers that record no lifecycle events (older stores,
+    other engines' files, the simulator) are not judged.
+    """
+    if _has(con, "events", "flush_interval_ns"):
+        life = ("SELECT producer_id, bool_or(kind = 'recorder_closed') AS closed, "
+                "bool_or(kind = 'recorder_started') AS started, "
+                "max(flush_interval_ns) FILTER (kind = 'recorder_started') AS bound_ns "
+                "FROM events WHERE kind IN ('recorder_started', 'recorder_closed') GROUP BY producer_id")
+    else:  # a store from before the lifecycle kinds: nothing to judge but pruned beginnings
+        life = "SELECT NULL::BIGINT AS producer_id, false AS closed, false AS started, NULL::BIGINT AS bound_ns"
+    rows = con.execute(f"""
+        WITH spans AS (
+            SELECT producer_id, min(min_wall_ns) AS first_wall, max(max_wall_ns) AS last_wall,
+                   max(last_seq) AS last_seq, max(committed_ns) AS last_commit,
+                   arg_max(pruned_by IS NOT NULL, batch_no) AS last_pruned,
+                   arg_min(pruned_by IS NOT NULL, batch_no) AS first_pruned
+            FROM batches GROUP BY producer_id),
+        life AS ({life})
+        SELECT p.producer_id, p.cluster, p.node, p.instance, s.first_wall, s.last_wall, s.last_seq, s.last_commit,
+               s.last_pruned, s.first_pruned, coalesce(l.closed, false), coalesce(l.started, false), l.bound_ns
+        FROM producers p JOIN spans s USING (producer_id) LEFT JOIN life l USING (producer_id)
+        ORDER BY p.producer_id""").fetchall()
+    opens: list[int] = []
+    if _has(con, OPENS_TABLE):
+        opens = [int(t) for (t,) in con.execute(f"SELECT opened_ns FROM {OPENS_TABLE} ORDER BY opened_ns").fetchall()]
+    starts: dict[tuple[str, str], list[tuple[int, str]]] = {}
+    for _pid, cluster, node, instance, first_wall, *_ in rows:
+        starts.setdefault((cluster, node), []).append((int(first_wall), instance))
+    ends = []
+    for pid, cluster, node, instance, _first, last_wall, last_seq, last_commit, last_pruned, first_pruned, closed, \
+            started, bound in rows:
+        if closed or last_pruned or not (started or first_pruned):
+            continue
+        last_wall = int(last_wall)
+        later = sorted((t, inst) for t, inst in starts[(cluster, node)] if t > last_wall and inst != instance)
+        # Opens and commits are both on the store owner's clock (events may be older than both: ingest).
+        reopened = [t for t in opens if t > last_commit]
+        if later:
+            ended_by, reason = later[0][0], f"a later instance {later[0][1]} started at {format_utc(later[0][0])}"
+        elif reopened:
+            ended_by, reason = reopened[0], f"the store's owner restarted at {format_utc(reopened[0])}"
+        else:
+            continue
+        ends.append(UncleanEnd(int(pid), node, instance, int(last_seq), last_wall,
+                               None if bound is None else int(bound), reason, cluster, ended_by))
+    return ends
 
 
 # ---- chain heads kept outside the store --------------------------------------------------------

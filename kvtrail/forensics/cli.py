@@ -4,7 +4,11 @@ window (as a table or a file), and the disclosure report with its verification."
 from __future__ import annotations
 
 import shutil
+import signal
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -34,6 +38,7 @@ from kvtrail.forensics import (
     verify_report,
     write_report,
 )
+from kvtrail.forensics.report.manifest import MANIFEST
 from kvtrail.forensics.tables import (
     AFFECTED,
     EXPLOITATION,
@@ -45,8 +50,10 @@ from kvtrail.forensics.tables import (
     json_text,
     printable,
     render_table,
+    terminal_text,
     window_scope,
 )
+from kvtrail.outputs import check_out_dir, refuse_clobber, write_file_atomically
 from kvtrail.timeutil import format_utc, parse_utc
 
 FORMATS = ("table", "csv", "json", "parquet")
@@ -77,30 +84,46 @@ def _terminal() -> tuple[int, bool]:
     return 120, False
 
 
-def _emit(answer, fmt: str, out: str | None, view: TableView, w: Window) -> None:
+def _check_out(db: str, fmt: str, out: str | None, force: bool) -> None:
+    """Refuse a bad ``--out`` before any query runs: the store's own files always, an existing file
+    unless ``--force``."""
+    if fmt == "parquet" and not out:
+        raise KvtrailError("--out: required with --format parquet")
+    if out:
+        refuse_clobber(out, force, protected=(db,))
+
+
+def _emit(answer, fmt: str, out: str | None, view: TableView, w: Window, db: str, force: bool) -> None:
     """The answer's rows in ``fmt`` (to ``out`` or stdout), its notes, warnings on stderr."""
     _warn(answer)
     df = answer.rows
-    if fmt == "parquet" and not out:
-        raise KvtrailError("--out: required with --format parquet")
     if fmt == "table":
         width, color = _terminal() if out is None else (120, False)
         text = render_table(df, view, window_scope(w.from_ns, w.to_ns, w.tenant, w.node), notes=answer.notes,
                             width_chars=width, color=color)
-        click.echo(text, nl=False) if out is None else Path(out).write_text(text)
     elif fmt == "csv":
         text = csv_frame(df).write_csv()
-        click.echo(text, nl=False) if out is None else Path(out).write_text(text)
     elif fmt == "json":
-        text = json_text(df)
-        click.echo(text) if out is None else Path(out).write_text(text + "\n")
+        text = json_text(df) + "\n"
     else:
-        df.write_parquet(out)
+        text = ""  # parquet: written from the frame
+    if out is None:
+        if fmt != "table" and sys.stdout.isatty():  # the table is plain text already
+            text = terminal_text(text, json=fmt == "json")
+        # color=True: click would otherwise cut escape sequences out of ids on their way to a pipe
+        click.echo(text, nl=False, color=True)
+    else:
+        def write(tmp: Path) -> None:
+            if fmt == "parquet":
+                df.write_parquet(tmp)
+            else:
+                tmp.write_text(text)
+        write_file_atomically(out, write, force=force, protected=(db,))
     if fmt != "table":
         for note in answer.notes:
-            click.echo(note, err=True)
+            click.echo(printable(note), err=True)
     if out:
-        click.echo(f"wrote {len(df)} rows to {out}")
+        click.echo(f"wrote {len(df)} rows to {printable(out)}")
 
 
 def _options(f):
@@ -111,7 +134,9 @@ def _options(f):
         click.option("--tenant", help="Only this tenant (as recipient or victim)."),
         click.option("--node", help="Only this node."),
         click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True),
-        click.option("--out", type=click.Path(dir_okay=False), help="Write to this file instead of stdout."),
+        click.option("--out", type=click.Path(dir_okay=False), help="Write to this file instead of stdout "
+                                                                   "(never the store or one of its files)."),
+        click.option("--force", is_flag=True, help="Replace --out if it exists."),
     ]):
         f = opt(f)
     return f
@@ -146,8 +171,8 @@ def _exclusions(tenants: tuple[str, ...], file: str | None, base=None):
 def _say_excluded(dropped) -> None:
     if len(dropped):
         reasons = sorted({f"{by} ({why})" for by, why in zip(dropped["excluded_by"], dropped["reason"])})
-        click.echo(f"excluded: {len(dropped)} affected responses of {len(reasons)} account(s): "
-                   f"{'; '.join(reasons)}", err=True)
+        click.echo(printable(f"excluded: {len(dropped)} affected responses of {len(reasons)} account(s): "
+                             f"{'; '.join(reasons)}"), err=True)
 
 
 def _probe_options(f):
@@ -216,9 +241,10 @@ def _policy(allow_tenant_cache_sharing: bool, latency_factor: float):
 @_policy_options
 @click.option("--save", is_flag=True, help="Also keep the window's findings in the store (tables findings and "
                                            "forensic_runs); re-running a window adds no duplicates.")
-def findings_cmd(db, from_, to, tenant, node, fmt, out, codes, exclude_tenants, exclude_file, engine,
+def findings_cmd(db, from_, to, tenant, node, fmt, out, force, codes, exclude_tenants, exclude_file, engine,
                  allow_tenant_cache_sharing, latency_factor, save) -> None:
     """Every finding in the window, with the event ids that prove it (excluded accounts' requests left out)."""
+    _check_out(db, fmt, out, force)
     excl = _exclusions(exclude_tenants, exclude_file)
     policy = _policy(allow_tenant_cache_sharing, latency_factor)
     w = _window(from_, to, tenant, node)
@@ -227,19 +253,20 @@ def findings_cmd(db, from_, to, tenant, node, fmt, out, codes, exclude_tenants, 
         _save(db, list(answer.found), w, engine, policy)
     if len(answer.excluded):
         click.echo(f"excluded: {len(answer.excluded)} findings of excluded accounts", err=True)
-    _emit(answer, fmt, out, FINDINGS, w)
+    _emit(answer, fmt, out, FINDINGS, w, db, force)
 
 
 @forensics.command()
 @_options
 @_exclusion_options
-def affected(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file) -> None:
+def affected(db, from_, to, tenant, node, fmt, out, force, exclude_tenants, exclude_file) -> None:
     """Which responses read foreign pages in the window, and whose data it was."""
+    _check_out(db, fmt, out, force)
     excl = _exclusions(exclude_tenants, exclude_file)
     w = _window(from_, to, tenant, node)
     answer = ask_affected(db, w, exclusions=excl)
     _say_excluded(answer.excluded)
-    _emit(answer, fmt, out, AFFECTED, w)
+    _emit(answer, fmt, out, AFFECTED, w, db, force)
 
 
 def _save(db: str, found, w, engine: str, policy) -> None:
@@ -267,87 +294,112 @@ def _save(db: str, found, w, engine: str, policy) -> None:
                                                                  "pages: no F10.")
 def watch(db, interval, polls, allow_tenant_cache_sharing) -> None:
     """Tail a store: print each new finding as its batch commits (online replay; cross-node findings are
-    provisional until their other half lands). The store is opened read-only for each poll only."""
-    import time
-
-
-
+    provisional until their other half lands). The store is opened read-only for each poll only.
+    Ctrl-C or SIGTERM stops it (exit 0)."""
     require_store(db)
     online = OnlineReplay(ForensicsPolicy(allow_tenant_cache_sharing=allow_tenant_cache_sharing))
     done = 0
     try:
-        while True:
-            try:
-                con = open_store(db)
-            except duckdb.Error as exc:  # a writer holds the file right now: try again next poll
-                click.echo(f"note: store busy ({str(exc).splitlines()[0][:120]})", err=True)
-            else:
+        with _sigterm_interrupts():
+            while True:
                 try:
-                    for f in online.poll(con):
-                        victims = ",".join(v or NEVER_WRITTEN for v in f.victim_request_ids)
-                        click.echo(f"{format_utc(f.last_ns)} {f.code} {f.severity:<8} {f.node} request "
-                                   f"{f.request_id} ({f.tenant_id})" + (f" victims {victims}" if victims else "")
-                                   + f": {f.detail}")
-                finally:
-                    con.close()
-            done += 1
-            if polls and done >= polls:
-                break
-            time.sleep(interval)
+                    con = open_store(db)
+                except duckdb.Error as exc:  # a writer holds the file right now: try again next poll
+                    click.echo(printable(f"note: store busy ({str(exc).splitlines()[0][:120]})"), err=True)
+                else:
+                    try:
+                        for f in online.poll(con):
+                            click.echo(_finding_line(f))
+                    finally:
+                        con.close()
+                done += 1
+                if polls and done >= polls:
+                    break
+                time.sleep(interval)
     except KeyboardInterrupt:
         pass
     click.echo(f"watched {online.num_events} events in {done} polls", err=True)
 
 
+def _finding_line(f) -> str:
+    """One finding as ``watch`` prints it; ids come from producers, so escaped (:func:`printable`)."""
+    victims = ",".join(v or NEVER_WRITTEN for v in f.victim_request_ids)
+    return printable(f"{format_utc(f.last_ns)} {f.code} {f.severity:<8} {f.node} request {f.request_id} "
+                     f"({f.tenant_id})" + (f" victims {victims}" if victims else "") + f": {f.detail}")
+
+
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (a service manager, ``kill``) stops the command as Ctrl-C does; the old handler is back after."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        old = signal.signal(signal.SIGTERM, interrupt)
+        installed = True
+    except ValueError:  # not the main thread (an embedding program): signals stay its business
+        installed = False
+    try:
+        yield
+    finally:
+        if installed:  # None: the old handler was not set from Python; the default is the closest
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)
+
+
 @forensics.command()
 @_options
 @_exclusion_options
-def exposure(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file) -> None:
+def exposure(db, from_, to, tenant, node, fmt, out, force, exclude_tenants, exclude_file) -> None:
     """Exposure matrix: recipient tenant x victim tenant, with responses, pages and victim requests."""
+    _check_out(db, fmt, out, force)
     excl = _exclusions(exclude_tenants, exclude_file)
     w = _window(from_, to, tenant, node)
     answer = ask_exposure(db, w, exclusions=excl)
     _say_excluded(answer.excluded)
-    _emit(answer, fmt, out, EXPOSURE, w)
+    _emit(answer, fmt, out, EXPOSURE, w, db, force)
 
 
 @forensics.command()
 @_options
 @_exclusion_options
-def thresholds(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file) -> None:
+def thresholds(db, from_, to, tenant, node, fmt, out, force, exclude_tenants, exclude_file) -> None:
     """Pool vs advertised context per node, and affected vs unaffected prompts against the prefill pool."""
+    _check_out(db, fmt, out, force)
     w = _window(from_, to, tenant, node)
     answer = ask_thresholds(db, w, exclusions=_exclusions(exclude_tenants, exclude_file))
     _say_excluded(answer.excluded)
-    _emit(answer, fmt, out, THRESHOLDS, w)
+    _emit(answer, fmt, out, THRESHOLDS, w, db, force)
 
 
 @forensics.command()
 @_options
 @_exclusion_options
 @_probe_options
-def exploitation(db, from_, to, tenant, node, fmt, out, exclude_tenants, exclude_file, **probe) -> None:
+def exploitation(db, from_, to, tenant, node, fmt, out, force, exclude_tenants, exclude_file, **probe) -> None:
     """Per recipient tenant: over-long prompts in the window vs its own baseline, bursts, and a verdict."""
+    _check_out(db, fmt, out, force)
     w = _window(from_, to, tenant, node)
     require_store(db)
     options = _report_options(w.from_ns, w.to_ns, _exclusions(exclude_tenants, exclude_file), **probe)
     answer = ask_exploitation(db, options, w)
-    _emit(answer, fmt, out, EXPLOITATION, w)
+    _emit(answer, fmt, out, EXPLOITATION, w, db, force)
 
 
 @forensics.command()
 @click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False))
 @click.option("--from", "from_", required=True, help="UTC start of the window (ISO 8601).")
 @click.option("--to", "to", required=True, help="UTC end of the window (ISO 8601).")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory to write the report into.")
+@click.option("--out", required=True, type=click.Path(file_okay=False),
+              help="Folder to write the report into: new or empty (written whole, or not at all).")
+@click.option("--force", is_flag=True, help="--out may hold files: the report's own are replaced, others left alone.")
 @click.option("--context", type=click.Path(dir_okay=False),
               help="The operator's incident.yaml (contact, times, measures, exclusions, tenant names).")
 @_exclusion_options
 @_probe_options
-def report(db, from_, to, out, context, exclude_tenants, exclude_file, **probe) -> None:
+def report(db, from_, to, out, force, context, exclude_tenants, exclude_file, **probe) -> None:
     """Write the disclosure report (Markdown, HTML, PDF, CSV/JSON, report.json manifest) for a window."""
-
     require_store(db)
+    before = check_out_dir(out, force, protected=(db,))  # refused before the queries run, not after
     ctx = load_context(context) if context else None
     excl = _exclusions(exclude_tenants, exclude_file, ctx.exclusions if ctx else None)
     options = _report_options(parse_utc(from_, field="--from"), parse_utc(to, field="--to"), excl, **probe)
@@ -356,7 +408,12 @@ def report(db, from_, to, out, context, exclude_tenants, exclude_file, **probe) 
         r = build_report(con, options, ctx, heads)
     finally:
         con.close()
-    manifest = write_report(r, out, Path(db).name)
+    manifest = write_report(r, out, Path(db).name, force=force, protected=(db,))
+    ours = {*manifest["files"], MANIFEST}
+    left = [name for name in before if name not in ours]
+    if left:
+        click.echo(printable(f"note: --out: {len(left)} other entries in {out} left as they were (not part of "
+                             f"the report): {', '.join(left[:5])}" + (", ..." if len(left) > 5 else "")), err=True)
     if len(r.coverage):
         click.echo(f"warning: coverage gap: {int(r.coverage['unexplained'].sum())} events missing from "
                    f"{len(r.coverage)} producer(s) without a recorder_gap explaining them; the report says so",
@@ -366,7 +423,7 @@ def report(db, from_, to, out, context, exclude_tenants, exclude_file, **probe) 
         click.echo("the store holds no events in this window", err=True)
     click.echo(f"{c['affected_responses']} affected responses, {c['recipient_tenants']} recipient tenants, "
                f"{c['victim_tenants']} victim tenants ({c['excluded_responses']} responses excluded)")
-    click.echo(f"wrote {len(manifest['files']) + 1} files to {out}; results digest {manifest['results_digest']}")
+    click.echo(printable(f"wrote {len(ours)} files to {out}; results digest {manifest['results_digest']}"))
 
 
 @forensics.command(name="verify-report")
@@ -378,9 +435,10 @@ def verify_report_cmd(report_dir, db, strict) -> None:
 
     check = verify_report(report_dir, db, strict=strict)
     for note in check.notes:
-        click.echo(f"note: {note}")
+        click.echo(f"note: {printable(note)}")
     if not check.ok:
         for problem in check.problems:
-            click.echo(f"FAILED: {problem}")
+            click.echo(f"FAILED: {printable(problem)}")
         sys.exit(1)
-    click.echo(f"confirmed: {report_dir} matches the store {Path(db).name} (results digest, chain heads, files)")
+    click.echo(f"confirmed: {printable(report_dir)} matches the store {printable(Path(db).name)} "
+               f"(results digest, chain heads, files)")

@@ -46,7 +46,14 @@ from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.engine import replay_store
 from kvtrail.forensics.report.options import ReportOptions
 from kvtrail.forensics.sql.engine import sql_findings
-from kvtrail.forensics.symptoms import empty_after_abort, empty_after_abort_note, integrity_warnings
+from kvtrail.forensics.symptoms import (
+    empty_after_abort,
+    empty_after_abort_note,
+    incomplete_requests,
+    integrity_warnings,
+    window_ends,
+    withhold_incomplete,
+)
 from kvtrail.forensics.window import Window, check_window
 
 
@@ -209,9 +216,10 @@ def ask_findings(store: Store, w: Window = Window(), *, codes: tuple[str, ...] =
         raise KvtrailError(f"--code: unknown finding code {bad[0]!r}; known: {', '.join(CODES)}")
     with _connected(store) as con:
         check_exclusions(con, exclusions)
-        found = findings_of(con, w, engine=engine, policy=policy)
+        found, withheld = withhold_incomplete(findings_of(con, w, engine=engine, policy=policy),
+                                              incomplete_requests(con, w, window_ends(con, w)))
         df, excluded, gaps = findings_frame(found, w, codes), excluded_requests(con, exclusions), coverage_gaps(con)
-        notes, warnings = _symptom_notes(con, w), integrity_warnings(con, w)
+        notes, warnings = _symptom_notes(con, w), integrity_warnings(con, w, len(withheld))
     hit = excluded_mask(excluded, exclusions)
     return Answer(df.filter(~hit), df.filter(hit), gaps, notes, warnings, found=tuple(found))
 

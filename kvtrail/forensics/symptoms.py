@@ -7,6 +7,11 @@
 * **Empty 2xx after an abort** - a request aborted on some node whose client still got a 2xx with no
   completion tokens (SGLang's "abort returns 200 with finish_reason length"). Not F4, which needs
   output, and not exposure; shown beside the findings so that nobody mistakes it for a clean success.
+* **Unclean ends** - a producer instance that stopped without ``recorder_closed``
+  (:func:`kvtrail.audit.verify.unclean_ends`): its events after its last stored one, up to its flush
+  bound, may be lost. Requests in flight then (events of their cluster reaching past that last event,
+  starting before the gap closes) are incomplete: their transfer comparisons (F2, F3) may lack the
+  other side, so those findings are withheld and the requests named as a coverage gap instead.
 """
 
 from __future__ import annotations
@@ -14,7 +19,12 @@ from __future__ import annotations
 import duckdb
 import polars as pl
 
+from kvtrail.audit.verify import UncleanEnd, unclean_ends
+from kvtrail.forensics.findings import Finding
 from kvtrail.forensics.window import Window, window_filter
+
+# Findings that compare two nodes' records of one transfer: unreliable when one side's tail is lost.
+INCOMPLETE_CODES = frozenset({"F2", "F3"})
 
 # How many ids a warning names before it says "and N more".
 SHOWN_IDS = 5
@@ -81,7 +91,52 @@ def empty_after_abort_note(empty: pl.DataFrame) -> str | None:
             f"SGLang's abort-returns-200 pattern): {_ids(empty['request_id'].to_list())}")
 
 
-def integrity_warnings(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> tuple[str, ...]:
-    """The warnings every answer over the window carries (today: shared transfer ids)."""
+def window_ends(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> list[UncleanEnd]:
+    """The unclean ends whose possible gap (after the last stored event, up to the bound) meets the window."""
+    return [e for e in unclean_ends(con)
+            if (w.to_ns is None or e.last_wall_ns <= w.to_ns)
+            and (w.from_ns is None or e.gap_end_ns is None or e.gap_end_ns >= w.from_ns)]
+
+
+def incomplete_requests(con: duckdb.DuckDBPyConnection, w: Window, ends: list[UncleanEnd]) -> pl.DataFrame:
+    """Requests in flight when a producer of their cluster ended uncleanly: (request_id, node, instance)
+    of the producer whose lost tail they may lack."""
+    schema = {"request_id": pl.Utf8, "node": pl.Utf8, "instance": pl.Utf8}
+    if not ends:
+        return pl.DataFrame(schema=schema)
+    ev, params = _windowed(w)
+    spans = con.execute(f"""SELECT request_id, cluster, min(wall_ns), max(wall_ns) FROM {ev}
+                            WHERE request_id IS NOT NULL GROUP BY request_id, cluster""", params).fetchall()
+    rows = []
+    for e in ends:
+        close = e.gap_end_ns
+        rows += [{"request_id": rid, "node": e.node, "instance": e.instance} for rid, cluster, lo, hi in spans
+                 if cluster == e.cluster and hi > e.last_wall_ns and (close is None or lo <= close)]
+    return pl.DataFrame(rows, schema=schema).unique(maintain_order=True)
+
+
+def withhold_incomplete(found: list[Finding], incomplete: pl.DataFrame) -> tuple[list[Finding], list[Finding]]:
+    """(findings kept, transfer findings of incomplete requests withheld)."""
+    ids = set(incomplete["request_id"].to_list())
+    withheld = [f for f in found if f.code in INCOMPLETE_CODES and f.request_id in ids]
+    return [f for f in found if not (f.code in INCOMPLETE_CODES and f.request_id in ids)], withheld
+
+
+def unclean_end_warnings(ends: list[UncleanEnd], incomplete: pl.DataFrame, withheld: int = 0) -> tuple[str, ...]:
+    """One coverage warning per unclean end, and one for the requests it leaves incomplete."""
+    out = [f"coverage: {e}" for e in ends]
+    if len(incomplete):
+        ids = incomplete["request_id"].unique(maintain_order=True).to_list()
+        out.append(f"coverage: {len(ids)} request(s) were in flight when a producer ended uncleanly and may lack "
+                   f"its events ({_ids(ids)}); their transfer findings (F2, F3) are withheld as incomplete"
+                   + (f" ({withheld} withheld)" if withheld else ""))
+    return tuple(out)
+
+
+def integrity_warnings(con: duckdb.DuckDBPyConnection, w: Window = Window(),
+                       withheld: int = 0) -> tuple[str, ...]:
+    """The warnings every answer over the window carries: shared transfer ids, unclean ends and the
+    requests they leave incomplete (``withheld``: how many findings the caller withheld for them)."""
     text = shared_transfer_warning(shared_transfer_ids(con, w))
-    return (text,) if text else ()
+    ends = window_ends(con, w)
+    return ((text,) if text else ()) + unclean_end_warnings(ends, incomplete_requests(con, w, ends), withheld)

@@ -5,7 +5,9 @@ columns stay lists (JSON arrays, Parquet lists) and are joined only in CSV. The 
 responder at a terminal: a one-line summary, the columns scanned first (one line per row), times as
 ISO UTC in columns renamed ``*_ns`` -> ``*_at``, long ids shortened in the middle, lists as counts or
 short joins. Ids come from producers, so every cell is stripped of control characters and printed as
-plain text (never as markup or escape sequences).
+plain text (never as markup or escape sequences), and the file forms printed to a terminal are escaped
+the same way (:func:`terminal_text`). CSV text cells that a spreadsheet would run as a formula get a
+leading ``'`` (:func:`kvtrail.outputs.neutralise_csv`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtrail.forensics.findings import CODES, NEVER_WRITTEN, UNKNOWN_TENANT
+from kvtrail.outputs import neutralise_csv
 from kvtrail.timeutil import format_utc
 
 ELLIPSIS = "…"
@@ -41,6 +44,23 @@ def printable(value: object) -> str:
 def _escape(ch: str) -> str:
     code = ord(ch)
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def _json_escape(ch: str) -> str:
+    code = ord(ch)
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    code -= 0x10000  # a UTF-16 surrogate pair, as JSON spells characters past the BMP
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+
+
+def terminal_text(text: str, *, json: bool = False) -> str:
+    """A file form (CSV, JSON) made safe to print to a terminal: line breaks kept, every other control,
+    format or separator character escaped; ``json``: as ``\\uNNNN``, which keeps the text valid JSON
+    meaning the same (such characters can only stand inside its strings)."""
+    escape = _json_escape if json else _escape
+    return "\n".join(line if line.isprintable() else "".join(ch if ch.isprintable() else escape(ch) for ch in line)
+                     for line in text.split("\n"))
 
 
 def shorten(text: str, max_chars: int, *, middle: bool = False) -> str:
@@ -201,8 +221,11 @@ def _list_as_text(dtype: pl.DataType, col: str) -> pl.Expr:
 
 
 def csv_frame(df: pl.DataFrame) -> pl.DataFrame:
-    """``df`` with every list column joined into text (CSV holds no nested values); nothing dropped."""
-    return df.with_columns([_list_as_text(dt, c).alias(c) for c, dt in df.schema.items() if isinstance(dt, pl.List)])
+    """``df`` with every list column joined into text (CSV holds no nested values) and text cells that
+    would run as a spreadsheet formula neutralised; nothing dropped."""
+    joined = df.with_columns([_list_as_text(dt, c).alias(c) for c, dt in df.schema.items()
+                              if isinstance(dt, pl.List)])
+    return neutralise_csv(joined)
 
 
 def json_text(df: pl.DataFrame) -> str:

@@ -59,7 +59,11 @@ class StackConfig:
     kv_digests: bool = True
     # Each commit is a DuckDB transaction (~5-10 ms, mostly fixed cost) in the router process, shared
     # by three producers: drain once a second rather than every 20 ms (flush() is still immediate).
+    # That interval is also the most a killed router can lose of each producer's newest events (an
+    # unclean end, which `kvtrail audit verify` reports with this bound).
     recorder: RecorderConfig = field(default_factory=lambda: RecorderConfig(flush_interval_s=1.0))
+    # On stop (SIGINT or SIGTERM): how long the router waits for requests in flight before it closes them.
+    drain_timeout_s: float = 30.0
     cluster: str = "reference"
     api_keys: tuple[tuple[str, str], ...] = (("key-acme", "acme"), ("key-globex", "globex"), ("key-initech", "initech"))
     faults: Faults = field(default_factory=Faults)
@@ -73,6 +77,8 @@ class StackConfig:
                      "num_layers", "num_heads", "head_dim", "max_running_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"stack config '{name}': must be >= 1")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError("stack config 'drain_timeout_s': must be >= 0")
         for name in ("prefill_pool_tokens", "decode_pool_tokens"):
             if getattr(self, name) % self.page_size:
                 raise ValueError(f"stack config '{name}': must be a multiple of page_size ({self.page_size})")

@@ -10,6 +10,7 @@ store; a worker that fails to start, or exits with an error, is reported with th
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import threading
@@ -41,6 +42,7 @@ from kvtrail.serving.messages import (
     WorkerInfo,
     WorkerReady,
 )
+from kvtrail.serving.shutdown import stop_signals_ignored
 
 if TYPE_CHECKING:
     import uvicorn
@@ -132,6 +134,11 @@ class Stack:
         since = lines[starts[-1] + 1:] if starts else lines
         return since[-max_lines:]
 
+    def wait_for_worker_exit(self, poll_s: float = 0.5) -> None:
+        """Block until a worker process exits (a KeyboardInterrupt from a stop signal ends the wait too)."""
+        while all(p.is_alive() for p in self.procs.values()):
+            time.sleep(poll_s)
+
     def failed_workers(self) -> dict[str, int]:
         """Workers that exited with a non-zero code (a kill by signal ``n`` reads ``-n``): role -> code."""
         return {role: p.exitcode for role, p in self.procs.items() if p.exitcode not in (None, 0)}
@@ -154,7 +161,9 @@ class Stack:
         self.recorder = make_recorder(self.cfg.audit, lambda: RelaySink(relay.address, relay.authkey), producer,
                                       self.cfg.recorder)
         self.core = core = RouterCore(self.cfg, self.links["prefill"], self.links["decode"], self.recorder)
-        config = uvicorn.Config(create_app(core), host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        # On stop uvicorn stops accepting, then waits up to drain_timeout_s for the requests in flight.
+        config = uvicorn.Config(create_app(core), host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+                                timeout_graceful_shutdown=math.ceil(self.cfg.drain_timeout_s))
         self._server = server = uvicorn.Server(config)
         self._thread = thread = threading.Thread(target=server.run, name="kvtrail-router-http", daemon=True)
         thread.start()
@@ -190,11 +199,19 @@ class Stack:
         self.core.rec = self.recorder if enabled else NullRecorder()
 
     def stop(self) -> None:
-        """Stop the HTTP server, ask the workers to shut down (they flush and unregister), close the store."""
+        """Stop accepting, drain the requests in flight (up to ``drain_timeout_s``), close the router's
+        recorder, ask the workers to shut down (they flush and unregister), close the store.
+
+        Stop signals (SIGINT, SIGTERM) are ignored while it runs: a second Ctrl-C must not cut the flush short.
+        """
+        with stop_signals_ignored():
+            self._stop()
+
+    def _stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
             if self._thread is not None:
-                self._thread.join(10)
+                self._thread.join(self.cfg.drain_timeout_s + 10)
             self._server = None
         if self.recorder is not None:
             self.recorder.close()

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from kvtrail import __version__
 from kvtrail.serving.messages import WorkerFailed, WorkerInfo, WorkerReady
+from kvtrail.serving.shutdown import ignore_stop_signals
 
 if TYPE_CHECKING:
     from kvtrail.audit.contract import AuditRecorder
@@ -48,10 +49,9 @@ def worker_main(role: str, cfg, relay_address, relay_authkey: bytes, ready: Conn
 
     ``log_path``: where native stderr goes (see the module docstring); None leaves fd 2 alone.
     """
-    import signal
-
-    # Ctrl-C reaches the whole process group; the router decides when workers stop (so they flush).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C and a SIGTERM to the unit reach the whole process group; the router decides when workers
+    # stop, after their in-flight requests are drained (so they flush).
+    ignore_stop_signals()
     engine: TransferEngineHandle | None = None
     recorder: AuditRecorder | None = None
     try:

@@ -8,7 +8,7 @@ import pytest
 
 from kvtrail.audit.batch import to_dicts
 from kvtrail.audit.contract import CONTRACT_METHODS, AuditRecorder, contract_problems
-from kvtrail.audit.events import PAYLOAD_LAYOUT, Producer, RequestRef
+from kvtrail.audit.events import PAYLOAD_LAYOUT, RECORDER_KINDS, Producer, RequestRef
 from kvtrail.audit.recorder import NullRecorder, Recorder, RecorderConfig, make_recorder
 from kvtrail.audit.store import AuditStore, connect_readonly, read_events
 
@@ -124,7 +124,7 @@ def test_each_method_lays_its_payload_out_as_the_registry_says(kind):
 
 
 def test_every_kind_but_the_gap_has_a_recording_method():
-    assert set(PAYLOAD_LAYOUT) - {"recorder_gap"} == set(RECORDING)
+    assert set(PAYLOAD_LAYOUT) - set(RECORDER_KINDS) == set(RECORDING)
 
 
 def test_null_recorder_accepts_every_call_and_reports_nothing():
@@ -161,14 +161,14 @@ def test_enabled_factory_records_into_the_sink_it_builds_once(tmp_path):
     rec.node_config(pool_tokens=64 * 16, pool_pages=64, page_size=16, context_tokens=4096)
     rec.pages_allocated(REQ, [1, 2], "decode_reservation")
     assert rec.flush(10)
-    assert rec.stats()["committed_events_total"] == 2
+    assert rec.stats()["committed_events_total"] == 3  # recorder_started + the two
     rec.close()
     con = connect_readonly(path)
     try:
         kinds = [e["kind"] for e in to_dicts(read_events(con))]
     finally:
         con.close()
-    assert kinds == ["node_config", "pages_allocated"]
+    assert kinds == ["recorder_started", "node_config", "pages_allocated", "recorder_closed"]
 
 
 def test_enabled_factory_defaults_the_config(tmp_path):

@@ -46,7 +46,7 @@ def test_every_method_lands_with_its_fields(tmp_path):
         rec.pages_freed(None, [9], "eviction")
         assert rec.flush(10)
     evs = _events(path)
-    assert [e["seq"] for e in evs] == list(range(13))
+    assert [e["seq"] for e in evs] == list(range(15))  # recorder_started, 13, recorder_closed
     by_kind = {}
     for e in evs:
         by_kind.setdefault(e["kind"], []).append(e)
@@ -193,7 +193,7 @@ def test_concurrent_threads_keep_sequence_contiguous(tmp_path):
     report = verify_store(path)
     assert report.ok
     (cov,) = report.coverage
-    assert cov.stored_events == 8001 and cov.missing_events == 0
+    assert cov.stored_events == 8003 and cov.missing_events == 0  # with recorder_started/_closed
 
 
 def test_close_is_idempotent_and_flush_after_close_returns_false(tmp_path):

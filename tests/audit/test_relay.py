@@ -36,7 +36,7 @@ def _worker(address, authkey, node, n):
     stats = rec.stats()
     rec.close()
     assert stats["invalid_events_total"] == 1, stats
-    assert stats["committed_events_total"] == n + 2, stats  # config + n + the gap event
+    assert stats["committed_events_total"] == n + 3, stats  # recorder_started + config + n + the gap
 
 
 def test_two_processes_record_into_one_store(tmp_path):
@@ -259,14 +259,14 @@ def test_a_recorder_whose_relay_process_died_counts_the_loss_and_never_raises(tm
         address, authkey = parent.recv()
         rec = Recorder(RelaySink(address, authkey), Producer(**P0), RecorderConfig(flush_interval_s=0.005))
         rec.node_config(pool_tokens=64 * 16, pool_pages=64, page_size=16, context_tokens=4096)
-        assert rec.flush(30) and rec.stats()["committed_events_total"] == 1
+        assert rec.flush(30) and rec.stats()["committed_events_total"] == 2  # recorder_started, config
         proc.kill()
         proc.join(10)
         for i in range(5):
             rec.pages_allocated(RequestRef(f"r{i}"), [1 + i], "decode_growth")
         assert rec.flush(30)
         stats = rec.stats()
-        assert stats["committed_events_total"] == 1 and stats["writer_errors_total"] >= 5
+        assert stats["committed_events_total"] == 2 and stats["writer_errors_total"] >= 5
         rec.close()
     finally:
         if proc.is_alive():

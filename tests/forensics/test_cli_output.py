@@ -92,7 +92,7 @@ def test_parquet_round_trips_lists(db, tmp_path, capsys):
     df = pl.read_parquet(out)
     assert df.schema["pages"] == pl.List(pl.Int32) and df.schema["first_ns"] == pl.Int64
     assert isinstance(df.schema["evidence"], pl.List)
-    _out(capsys, ["forensics", "affected", "--db", db, "--format", "parquet", "--out", str(out)])
+    _out(capsys, ["forensics", "affected", "--db", db, "--format", "parquet", "--out", str(out), "--force"])
     row = pl.read_parquet(out).row(0, named=True)
     assert row["victim_tenants"] == ["acme", "umbrella"] and row["codes"] == ["F1"]
 

@@ -205,7 +205,7 @@ def test_analysis_commands(made, tmp_path, capsys):
     (["forensics", "verify-report", "nowhere", "--db", "DB"], "report directory not found"),
     (["forensics", "verify-report", "OUT0", "--db", "missing.duckdb"], "--db: store not found"),
     (["forensics", "verify-report", ".", "--db", "DB"], "no report.json in"),
-    (["forensics", "verify-report", "OUT0", "--db", "BAD"], "cannot use the store"),
+    (["forensics", "verify-report", "OUT0", "--db", "BAD"], "is not a DuckDB database file"),
 ])
 def test_bad_input_exits_2(made, tmp_path, monkeypatch, capsys, argv, needle):
     _, db, out, _ = made

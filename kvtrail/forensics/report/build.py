@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import duckdb
 import polars as pl
 
 from kvtrail import __version__
+from kvtrail.audit.verify import UncleanEnd
 from kvtrail.forensics import analysis as an
 from kvtrail.forensics.findings import NEVER_WRITTEN
 from kvtrail.forensics.questions import (
@@ -32,7 +34,16 @@ from kvtrail.forensics.questions import (
 )
 from kvtrail.forensics.report.context import IncidentContext
 from kvtrail.forensics.report.options import ReportOptions
-from kvtrail.forensics.symptoms import empty_after_abort, shared_transfer_ids, shared_transfer_warning
+from kvtrail.forensics.symptoms import (
+    empty_after_abort,
+    incomplete_requests,
+    shared_transfer_ids,
+    shared_transfer_warning,
+    unclean_end_warnings,
+    window_ends,
+    withhold_incomplete,
+)
+from kvtrail.outputs import neutralise_csv, write_dir_atomically
 
 DATA_FILES = ("affected_responses", "exposed_tenants")
 
@@ -63,12 +74,16 @@ class Report:
     # what is not a finding but must be said (kvtrail.forensics.symptoms)
     shared_transfer_ids: pl.DataFrame = field(default_factory=pl.DataFrame)
     empty_after_abort: pl.DataFrame = field(default_factory=pl.DataFrame)
+    unclean_ends: tuple[UncleanEnd, ...] = ()
+    incomplete: pl.DataFrame = field(default_factory=pl.DataFrame)  # requests in flight at an unclean end
+    withheld_findings: int = 0  # their F2/F3, withheld as incomplete
 
     @property
     def warnings(self) -> tuple[str, ...]:
-        """Integrity warnings about the record, as every answer carries them."""
+        """Integrity and coverage warnings about the record, as every answer carries them."""
         text = shared_transfer_warning(self.shared_transfer_ids)
-        return (text,) if text else ()
+        return ((text,) if text else ()) + unclean_end_warnings(list(self.unclean_ends), self.incomplete,
+                                                                self.withheld_findings)
 
     @property
     def counts(self) -> dict:
@@ -89,6 +104,9 @@ class Report:
             "excluded_findings": self.excluded_findings,
             "findings": len(self.findings),
             "shared_transfer_ids": len(self.shared_transfer_ids),
+            "unclean_ends": len(self.unclean_ends),
+            "incomplete_requests": len(self.incomplete),
+            "withheld_findings": self.withheld_findings,
             "responses_2xx_empty_after_abort": len(self.empty_after_abort),
             "events_in_window": self.events_in_window,
         }
@@ -105,7 +123,9 @@ class Report:
                 "threshold_summary": self.threshold_summary, "exploitation": rows(self.exploitation),
                 "long_prompt_tokens": self.long_prompt_tokens, "coverage": rows(self.coverage),
                 "shared_transfer_ids": rows(self.shared_transfer_ids),
-                "empty_after_abort": rows(self.empty_after_abort)}
+                "empty_after_abort": rows(self.empty_after_abort),
+                "unclean_ends": sorted(str(e) for e in self.unclean_ends), "incomplete": rows(self.incomplete),
+                "withheld_findings": self.withheld_findings}
 
     def results_digest(self) -> str:
         """SHA-256 (hex) of :meth:`results` serialised as sorted-key, compact JSON."""
@@ -120,7 +140,10 @@ def build_report(con: duckdb.DuckDBPyConnection, options: ReportOptions, context
 
     o = options
     w = Window(o.from_ns, o.to_ns)
-    every = findings_of(con, w)  # one replay serves the affected responses and the findings
+    ends = window_ends(con, w)
+    incomplete = incomplete_requests(con, w, ends)
+    # one replay serves the affected responses and the findings
+    every, withheld = withhold_incomplete(findings_of(con, w), incomplete)
     kept, dropped, excluded = affected_with_exclusions(con, w, o.exclusions, every)
     found = findings_frame(every, w)
     found_kept = found.filter(~an.excluded_mask(excluded, o.exclusions))
@@ -136,34 +159,48 @@ def build_report(con: duckdb.DuckDBPyConnection, options: ReportOptions, context
                   an.exposure_matrix(links), an.exposed_tenants(links), links, capacity, thresholds, summary,
                   exploitation, long_tokens, coverage_gaps(con),
                   tuple(heads if heads is not None else chain_heads(con)),
-                  shared_transfer_ids=shared_transfer_ids(con, w), empty_after_abort=empty_after_abort(con, w))
+                  shared_transfer_ids=shared_transfer_ids(con, w), empty_after_abort=empty_after_abort(con, w),
+                  unclean_ends=tuple(ends), incomplete=incomplete, withheld_findings=len(withheld))
 
 
-def write_report(report: Report, out_dir: str | Path, store_name: str) -> dict:
-    """Write every report file into ``out_dir`` (created) and the manifest last; returns the manifest."""
+def write_report(report: Report, out_dir: str | Path, store_name: str, *, force: bool = False,
+                 protected: Iterable[str | Path] = ()) -> dict:
+    """Write every report file into a staging folder beside ``out_dir`` (the manifest last), then move
+    them into place (:func:`kvtrail.outputs.write_dir_atomically`): ``out_dir`` must be new or empty,
+    or with ``force`` only the report's own files in it are replaced; a failure leaves it as it was.
+    ``protected``: the store's paths, never written over. Returns the manifest."""
+    from kvtrail.forensics.report import manifest
+
+    done: dict = {}
+    write_dir_atomically(out_dir, lambda staging: done.update(_write_files(report, staging, store_name)),
+                         force=force, protected=protected, last=(manifest.MANIFEST,))
+    return done
+
+
+def _write_files(report: Report, out: Path, store_name: str) -> dict:
+    """Every report file into the (new, empty) folder ``out``, the manifest last; returns the manifest."""
     from kvtrail.forensics.report import disclosure, manifest, render
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     written = []
     # Excluded responses stay in the file, marked, so the exclusion itself can be reviewed.
     unmarked = report.affected.with_columns(pl.lit(None, pl.Utf8).alias("excluded_by"),
                                             pl.lit(None, pl.Utf8).alias("reason"))
     affected = _with_times(pl.concat([unmarked, report.excluded_affected], how="vertical_relaxed"))
     for name, df in (("affected_responses", affected), ("exposed_tenants", report.exposed)):
-        _joined(df).write_csv(out / f"{name}.csv")
-        (out / f"{name}.json").write_text(json.dumps(df.to_dicts(), indent=1, default=str) + "\n")
+        neutralise_csv(_joined(df)).write_csv(out / f"{name}.csv")
+        (out / f"{name}.json").write_text(json.dumps(df.to_dicts(), indent=1, default=str) + "\n", encoding="utf-8")
         written += [f"{name}.csv", f"{name}.json"]
     blocks = disclosure.report_blocks(report, store_name)
-    (out / "report.md").write_text(render.markdown(blocks))
-    (out / "report.html").write_text(render.html(blocks, title=disclosure.title(report)))
+    (out / "report.md").write_text(render.markdown(blocks), encoding="utf-8")
+    (out / "report.html").write_text(render.html(blocks, title=disclosure.title(report)), encoding="utf-8")
     render.pdf(blocks, out / "report.pdf", title=disclosure.title(report))
     written += ["report.md", "report.html", "report.pdf"]
     return manifest.write_manifest(report, out, written, store_name)
 
 
 def _joined(df: pl.DataFrame) -> pl.DataFrame:
-    """List columns joined with "," (CSV has no lists; the JSON files keep them as arrays)."""
+    """List columns joined with "," (CSV has no lists; the JSON files keep them as arrays); text cells
+    that a spreadsheet would run as formulas are neutralised by the caller (``neutralise_csv``)."""
     return df.with_columns([pl.col(c).list.join(",") for c, t in df.schema.items() if t == pl.List(pl.Utf8)])
 
 

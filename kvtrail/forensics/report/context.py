@@ -9,20 +9,23 @@ file and the field: ``incident.yaml: field 'detected_at': not an ISO 8601 UTC ti
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 
 import yaml
 
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics.analysis import Exclusions
-from kvtrail.timeutil import format_utc
+from kvtrail.timeutil import format_utc, utc_ns
 
 TIME_FIELDS = ("detected_at", "declared_at", "mitigated_at", "fixed_at")
 _TEXT = ("organisation", "incident_id", "title", "detection", "likely_consequences")
 _LISTS = ("measures_taken", "remediation", "data_categories")
 _KNOWN = set(TIME_FIELDS) | set(_TEXT) | set(_LISTS) | {"contact", "dpo", "timeline", "exclusions", "tenant_names"}
 _EXCLUSION_KINDS = ("tenants", "api_key_ids", "request_ids")
+MAX_FILE_BYTES = 1 << 20  # an incident file is a page or two of text: anything bigger is a mistake or an attack
+_MAX_DEPTH = 16
+_PLAIN_TAGS = (None, "tag:yaml.org,2002:str")  # what a plain or `!!str` value carries; every other tag is refused
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,9 @@ class IncidentContext:
 
 
 def _err(source: str, name: str, reason: str) -> KvtrailError:
-    return KvtrailError(f"{source}: field '{name}': {reason}")
+    # field names can be the file's own keys: keep the message one short line whatever they hold
+    shown = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in name)
+    return KvtrailError(f"{source}: field '{shown[:80] + '...' if len(shown) > 80 else shown}': {reason}")
 
 
 def _time(value, source: str, name: str) -> int:
@@ -103,8 +108,7 @@ def _time(value, source: str, name: str) -> int:
         raise bad
     if dt.tzinfo is None:  # a local time is ambiguous in a legal document: insist on the offset
         raise bad
-    dt = dt.astimezone(timezone.utc)
-    return int(dt.timestamp()) * 1_000_000_000 + dt.microsecond * 1000
+    return utc_ns(dt, field=f"{source}: field '{name}'")
 
 
 def _text(value, source: str, name: str) -> str:
@@ -163,16 +167,71 @@ def exclusions_from_mapping(data, source: str, prefix: str = "") -> Exclusions:
     return Exclusions(*parts)
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """``safe_load`` without anchors and aliases (one alias chain expands a 10 KB file into gigabytes), explicit
+    tags or deep nesting; it tracks the field being read so that each refusal names it."""
+
+    def __init__(self, stream: str, source: str):
+        super().__init__(stream)
+        self.source = source
+        self.path: list[str] = []
+
+    def _refuse(self, reason: str) -> KvtrailError:
+        where = "".join(self.path).lstrip(".")
+        mark = self.peek_event().start_mark
+        return _err(self.source, where, reason) if where else KvtrailError(
+            f"{self.source}: line {mark.line + 1}: {reason}")
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        step = (f".{index.value}" if isinstance(index, yaml.ScalarNode)
+                else f"[{index}]" if isinstance(index, int) else "")
+        self.path.append(step)
+        try:
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+                raise self._refuse("YAML anchors and aliases (&name, *name) are not supported")
+            tag = getattr(event, "tag", None)
+            if tag not in _PLAIN_TAGS:
+                shown = str(tag).replace("tag:yaml.org,2002:", "!!")
+                raise self._refuse(f"unsupported YAML tag {shown[:60]!r} (only plain values, lists and mappings)")
+            if len(self.path) > _MAX_DEPTH:
+                raise self._refuse(f"nested deeper than {_MAX_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self.path.pop()
+
+    def construct_lenient_timestamp(self, node):
+        """A timestamp-shaped value that is no valid date (2026-02-30) stays a string, for the field to refuse."""
+        try:
+            return self.construct_yaml_timestamp(node)
+        except ValueError:
+            return self.construct_scalar(node)
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:timestamp", _StrictLoader.construct_lenient_timestamp)
+
+
 def _load_yaml(path: str | Path):
     p = Path(path)
     if not p.is_file():
         raise KvtrailError(f"{p.name}: file not found: {path}")
+    with p.open("rb") as f:
+        raw = f.read(MAX_FILE_BYTES + 1)
+    if len(raw) > MAX_FILE_BYTES:
+        raise KvtrailError(f"{p.name}: larger than the limit of {MAX_FILE_BYTES // (1 << 20)} MiB")
     try:
-        return yaml.safe_load(p.read_text())
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise KvtrailError(f"{p.name}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
+    loader = _StrictLoader(text, p.name)
+    try:
+        return loader.get_single_data()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise KvtrailError(f"{p.name}: not valid YAML{where}") from None
+    finally:
+        loader.dispose()
 
 
 def load_exclusions(path: str | Path) -> Exclusions:

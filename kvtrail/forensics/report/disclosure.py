@@ -7,6 +7,8 @@ A block is a tuple: ``("h1"|"h2"|"p"|"warn"|"mono", text)``, ``("ul", [items])``
 
 from __future__ import annotations
 
+import shlex
+
 import polars as pl
 
 from kvtrail.forensics import analysis as an
@@ -64,7 +66,10 @@ def report_blocks(r, store_name: str) -> list[tuple]:
         b += _table(r.coverage, r.coverage.columns)
     for text in r.warnings:
         b.append(("warn", text[0].upper() + text[1:] + "."))
+    if len(r.shared_transfer_ids):
         b += _table(r.shared_transfer_ids, ["transfer_id", "request_ids", "num_events"])
+    if len(r.incomplete):
+        b += _table(r.incomplete, ["request_id", "node", "instance"])
     if c["events_in_window"] == 0:
         b.append(("warn", "The audit store holds no events in this window: nothing can be concluded about it."))
     elif c["affected_responses"] == 0:
@@ -231,4 +236,5 @@ def _integrity(r, store_name: str) -> list[tuple]:
             ("table", ["node", "instance", "producer", "batch", "last seq", "digest (SHA-256)"], heads),
             ("p", f"SHA-256 of the canonical query results behind this report: {r.results_digest()}. "
                   "report.json lists it with the hash of every file; to confirm the report against the store:"),
-            ("mono", f"kvtrail forensics verify-report REPORT_DIR --db {store_name}")]
+            # a command to paste into a shell: the store's file name quoted as the shell reads it
+            ("mono", f"kvtrail forensics verify-report REPORT_DIR --db {shlex.quote(store_name)}")]

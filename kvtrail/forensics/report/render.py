@@ -1,42 +1,65 @@
 """Render report blocks (see ``kvtrail.forensics.report.disclosure``) as Markdown, self-contained HTML and PDF.
 
-Markdown is the primary text; HTML escapes every value; the PDF uses fpdf2's core fonts, which only
-know Latin-1, so text is folded to it first (dashes, quotes and arrows to ASCII look-alikes).
+Block texts are plain text, and part of it comes from outside (tenant and request ids from clients, the
+operator's incident.yaml). Markdown escapes it so that no value can start a heading, a list, a link,
+raw HTML or another table cell; HTML escapes every value. The PDF embeds Unicode fonts
+(``kvtrail.forensics.report.fonts``) and shortens what cannot fit a page, such as a 3,000-character id,
+with a middle ellipsis; the CSV/JSON files beside it keep every value whole.
 """
 
 from __future__ import annotations
 
 import html as _html
+import re
 from pathlib import Path
+
+from kvtrail.forensics.report.fonts import PdfFonts, missing_note, warn_once
 
 _FOLD = str.maketrans({"\u2013": "-", "\u2014": "-", "\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"',
                        "\u2026": "...", "\u2192": "->", "\u2264": "<=", "\u2265": ">=", "\u2248": "~", "\u00d7": "x",
                        "\u2022": "-"})
+# Everything a Markdown or HTML reader may end a line on, and the other C0 controls: one space each.
+_BREAKS = re.compile(r"\r\n|[\x00-\x1f\x7f\x85\u2028\u2029]")
+# Inline markup anywhere in a line (code, emphasis, links, cells, strike, maths, raw HTML and entities).
+_MD_ESCAPE = str.maketrans({"\\": "\\\\", "`": "\\`", "*": "\\*", "_": "\\_", "[": "\\[", "]": "\\]",
+                            "|": "\\|", "~": "\\~", "$": "\\$", "#": "\\#", "<": "&lt;", ">": "&gt;", "&": "&amp;"})
+# Markup only at the start of a line: list items ("- ", "+ ", "1. ", "1) ") and setext underlines.
+_MD_LINE_START = re.compile(r"^(?:([-+=])|(\d{1,9})([.)]))")
 
 
-def _md_cell(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+def md_text(text: str) -> str:
+    """``text`` as literal Markdown on one line: every character shows as itself and none is markup."""
+    flat = _BREAKS.sub(" ", text).translate(_MD_ESCAPE).lstrip(" ")  # four leading spaces would make code
+    return _MD_LINE_START.sub(lambda m: f"\\{m[1]}" if m[1] else f"{m[2]}\\{m[3]}", flat)
+
+
+def _md_fence(text: str) -> str:
+    """A code fence longer than any run of backticks inside ``text``, so the text cannot close it."""
+    longest = max((len(run) for run in re.findall("`+", text)), default=0)
+    return "`" * max(3, longest + 1)
 
 
 def markdown(blocks: list[tuple]) -> str:
-    """Markdown (GitHub flavour tables)."""
+    """Markdown (GitHub flavour tables); every text is escaped (:func:`md_text`)."""
+    e = md_text
     out = []
     for b in blocks:
         kind = b[0]
         if kind in ("h1", "h2", "h3"):
-            out.append("#" * int(kind[1]) + " " + b[1])
+            out.append("#" * int(kind[1]) + " " + e(b[1]))
         elif kind == "p":
-            out.append(b[1])
+            out.append(e(b[1]))
         elif kind == "warn":
-            out.append(f"> **Warning:** {b[1]}")
+            out.append(f"> **Warning:** {e(b[1])}")
         elif kind == "mono":
-            out.append(f"```\n{b[1]}\n```")
+            fence = _md_fence(b[1])
+            out.append(f"{fence}\n{b[1]}\n{fence}")
         elif kind == "ul":
-            out.append("\n".join(f"- {item}" for item in b[1]))
+            out.append("\n".join(f"- {e(item)}" for item in b[1]))
         elif kind == "table":
             _, headers, rows = b
-            lines = ["| " + " | ".join(_md_cell(h) for h in headers) + " |", "|" + "---|" * len(headers)]
-            lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
+            lines = ["| " + " | ".join(e(h) for h in headers) + " |", "|" + "---|" * len(headers)]
+            lines += ["| " + " | ".join(e(c) for c in row) + " |" for row in rows]
             out.append("\n".join(lines) if rows else "(none)")
         else:
             raise AssertionError(f"unknown block kind {kind!r}")
@@ -82,7 +105,7 @@ def html(blocks: list[tuple], title: str) -> str:
 
 
 def latin1(text: str) -> str:
-    """Text the PDF core fonts can show: common typography folded to ASCII, anything else as '?'."""
+    """Text fpdf2's core fonts can show: common typography folded to ASCII, anything else as '?'."""
     return text.translate(_FOLD).encode("latin-1", "replace").decode("latin-1")
 
 
@@ -97,14 +120,73 @@ def _breakable(text: str, width: int = 40) -> str:
     return " ".join(words)
 
 
-def pdf(blocks: list[tuple], path: str | Path, title: str) -> None:
-    """A PDF (A4) written with fpdf2."""
+def shorten(text: str, max_chars: int) -> str:
+    """``text`` cut in the middle to ``max_chars`` with an ellipsis: an id keeps its start and its end."""
+    if len(text) <= max_chars:
+        return text
+    head = (max_chars - 1) // 2
+    return text[:head] + "\u2026" + text[len(text) - (max_chars - 1 - head):]
+
+
+def _short_words(text: str, max_chars: int) -> str:
+    return " ".join(shorten(w, max_chars) for w in text.split(" "))
+
+
+_PAGE_FIT = {"h": (60, 240), "p": (160, 20_000)}  # PDF: longest word, longest text, per heading and paragraph
+_CELL_LINES = 16  # at most this many lines of a table cell, so every row fits on one page
+_PAD_MM = 2.5
+_MM_PER_PT = 0.3528
+
+
+class _Glyphs:
+    """What the PDF can show: characters the fonts lack become '?', and are collected for the note."""
+
+    def __init__(self, covered: frozenset[int] | None):
+        self.covered = covered
+
+    @staticmethod
+    def flat(text: str, keep_lines: bool = False) -> str:
+        """Controls and line breaks as spaces (``keep_lines``: but for the line breaks of a mono block)."""
+        if keep_lines:
+            return "\n".join(_BREAKS.sub(" ", line) for line in re.split(r"\r\n|[\r\n]", text))
+        return _BREAKS.sub(" ", text)
+
+    def lacking(self, text: str) -> set[str]:
+        if self.covered is None:
+            return {c for c in text if latin1(c) == "?" and c != "?"}
+        return {c for c in text if ord(c) not in self.covered and c != "\n"}
+
+    def show(self, text: str) -> str:
+        if self.covered is None:
+            return latin1(text)
+        return "".join(c if ord(c) in self.covered or c == "\n" else "?" for c in text)
+
+
+def _texts(blocks: list[tuple]):
+    for b in blocks:
+        if b[0] == "ul":
+            yield from b[1]
+        elif b[0] == "table":
+            yield from (str(c) for row in [b[1]] + b[2] for c in row)
+        else:
+            yield b[1]
+
+
+def pdf(blocks: list[tuple], path: str | Path, title: str, fonts: PdfFonts | None = None) -> None:
+    """A PDF (A4) written with fpdf2, in the Unicode fonts found on the system (``fonts``: which ones)."""
     import fpdf
     from fpdf import FPDF
     from fpdf.fonts import FontFace
 
+    fonts = fonts or PdfFonts.find()
     doc = FPDF(format="A4")
-    doc.set_title(latin1(title))
+    sans, mono, covered = fonts.install(doc)
+    g = _Glyphs(covered)
+    note = missing_note(set().union(*(g.lacking(g.flat(t)) for t in _texts(blocks))), fonts)
+    if note:
+        warn_once(note)
+        blocks = blocks[:1] + [("warn", note)] + blocks[1:]
+    doc.set_title(shorten(g.flat(title), 300))
     doc.set_creator("kvtrail")
     doc.set_producer(f"fpdf2 {fpdf.__version__}")
     doc.set_auto_page_break(True, margin=15)
@@ -113,41 +195,62 @@ def pdf(blocks: list[tuple], path: str | Path, title: str) -> None:
     for b in blocks:
         kind = b[0]
         if kind in ("h1", "h2", "h3"):
-            doc.set_font("Helvetica", "B", {"h1": 15, "h2": 12, "h3": 10}[kind])
+            doc.set_font(sans, "B", {"h1": 15, "h2": 12, "h3": 10}[kind])
+            word, most = _PAGE_FIT["h"]
             doc.ln(2)
-            doc.multi_cell(width, 6, latin1(b[1]), new_x="LMARGIN", new_y="NEXT")
+            doc.multi_cell(width, 6, g.show(shorten(_short_words(g.flat(b[1]), word), most)),
+                           new_x="LMARGIN", new_y="NEXT")
             doc.ln(1)
         elif kind in ("p", "warn", "mono"):
-            doc.set_font("Courier" if kind == "mono" else "Helvetica", "B" if kind == "warn" else "", 9)
+            doc.set_font(mono if kind == "mono" else sans, "B" if kind == "warn" else "", 9)
             doc.set_fill_color(255, 243, 205)
             text = ("WARNING: " if kind == "warn" else "") + b[1]
-            doc.multi_cell(width, 4.5, latin1(_breakable(text, 90)), new_x="LMARGIN", new_y="NEXT",
+            word, most = _PAGE_FIT["p"]
+            text = shorten(_short_words(g.flat(text, keep_lines=kind == "mono"), word), most)
+            doc.multi_cell(width, 4.5, g.show(_breakable(text, 90)), new_x="LMARGIN", new_y="NEXT",
                            fill=kind == "warn", align="L")
             doc.set_fill_color(255, 255, 255)
             doc.ln(1.5)
         elif kind == "ul":
-            doc.set_font("Helvetica", "", 9)
+            doc.set_font(sans, "", 9)
+            word, most = _PAGE_FIT["p"]
             for item in b[1]:
-                doc.multi_cell(width, 4.5, latin1("- " + _breakable(item, 90)), new_x="LMARGIN", new_y="NEXT",
+                text = shorten(_short_words(g.flat(item), word), most)
+                doc.multi_cell(width, 4.5, g.show("- " + _breakable(text, 90)), new_x="LMARGIN", new_y="NEXT",
                                align="L")
             doc.ln(1.5)
         elif kind == "table":
-            _, headers, rows = b
-            doc.set_font("Helvetica", "", 6.5 if len(headers) > 6 else 8)
-            if not rows:
-                doc.multi_cell(width, 4.5, "(none)", new_x="LMARGIN", new_y="NEXT")
-                continue
-            cells = [[latin1(_breakable(str(c), 30)) for c in row] for row in [headers] + rows]
-            # Columns get width by their longest word-wrapped content, within bounds, so a reason or a
-            # detail column is wide and a count column narrow.
-            widths = tuple(min(max(len(r[i]) for r in cells), 40) + 6 for i in range(len(headers)))
-            with doc.table(width=width, col_widths=widths, line_height=3.4, text_align="LEFT",
-                           headings_style=FontFace(emphasis="BOLD", fill_color=(235, 235, 235))) as table:
-                for row in cells:
-                    r = table.row()
-                    for cell in row:
-                        r.cell(cell)
-            doc.ln(2)
+            _table(doc, g, sans, b[1], b[2], width, FontFace)
         else:
             raise AssertionError(f"unknown block kind {kind!r}")
     doc.output(str(path))
+
+
+def _table(doc, g: _Glyphs, sans: str, headers: list[str], rows: list[list], width: float, font_face) -> None:
+    size = 6.5 if len(headers) > 6 else 8
+    doc.set_font(sans, "", size)
+    if not rows:
+        doc.multi_cell(width, 4.5, "(none)", new_x="LMARGIN", new_y="NEXT")
+        return
+    cells = [[g.flat(str(c)) for c in row] for row in [headers] + rows]
+    # Columns get width by their longest content, within bounds, so a reason or a detail column is wide
+    # and a count column narrow.
+    widths = [min(max(len(r[i]) for r in cells), 40) + 6 for i in range(len(headers))]
+    col_mm = [width * w / sum(widths) for w in widths]
+    em_mm = size * _MM_PER_PT  # no glyph of these fonts is much wider than one em
+    if min(col_mm) - _PAD_MM < 2 * em_mm:  # too many columns for the page: one paragraph per row instead
+        for row in cells[1:]:
+            text = "; ".join(f"{h}: {shorten(v, 200)}" for h, v in zip(cells[0], row))
+            doc.multi_cell(width, 3.4, g.show(_breakable(text, 90)), new_x="LMARGIN", new_y="NEXT", align="L")
+            doc.ln(0.5)
+        doc.ln(2)
+        return
+    # A cell is held to what fits _CELL_LINES lines at one em a character, half of that for word wrap.
+    limits = [max(1, int((mm - _PAD_MM) / em_mm)) * _CELL_LINES // 2 for mm in col_mm]
+    with doc.table(width=width, col_widths=tuple(widths), line_height=3.4, text_align="LEFT",
+                   headings_style=font_face(emphasis="BOLD", fill_color=(235, 235, 235))) as table:
+        for row in cells:
+            r = table.row()
+            for cell, most in zip(row, limits):
+                r.cell(g.show(_breakable(shorten(cell, most), 30)))
+    doc.ln(2)
