@@ -38,3 +38,25 @@ def store(tmp_path):
     s = AuditStore(tmp_path / "audit.duckdb")
     yield s
     s.close()
+
+
+def stored_events(path):
+    """Every event of the store at ``path``, as dicts (read through a read-only connection)."""
+    from kvtrail.audit.batch import to_dicts
+    from kvtrail.audit.store import connect_readonly, read_events
+
+    con = connect_readonly(path)
+    try:
+        return to_dicts(read_events(con))
+    finally:
+        con.close()
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
+    """Run the kvtrail command in-process: (exit code, stdout lines, stderr lines)."""
+    from kvtrail.cli import main
+
+    capsys.readouterr()
+    rc = main(list(argv))
+    cap = capsys.readouterr()
+    return rc, cap.out.splitlines(), cap.err.splitlines()

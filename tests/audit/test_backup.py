@@ -14,15 +14,7 @@ from kvtrail.audit import chain
 from kvtrail.audit.backup import backup_store
 from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.store import AuditStore, connect_readonly
-from kvtrail.cli import main
-from tests.conftest import alloc, config
-
-
-def _run(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
-    capsys.readouterr()
-    rc = main(list(argv))
-    cap = capsys.readouterr()
-    return rc, cap.out.splitlines(), cap.err.splitlines()
+from tests.conftest import alloc, config, run_cli
 
 
 @pytest.fixture
@@ -37,11 +29,11 @@ def db(tmp_path):
 def test_an_existing_target_is_kept_unless_forced(capsys, db, tmp_path):
     to = tmp_path / "b.duckdb"
     to.write_text("keep me")
-    rc, out, err = _run(capsys, "audit", "backup", "--db", str(db), "--to", str(to))
+    rc, out, err = run_cli(capsys, "audit", "backup", "--db", str(db), "--to", str(to))
     assert (rc, out, err) == (2, [], [f"error: --to: {to} exists; --force replaces it"])
     assert to.read_text() == "keep me"
     (tmp_path / "b.duckdb.wal").write_text("stale")  # would be replayed into the copy if left there
-    rc, out, err = _run(capsys, "audit", "backup", "--db", str(db), "--to", str(to), "--force")
+    rc, out, err = run_cli(capsys, "audit", "backup", "--db", str(db), "--to", str(to), "--force")
     assert (rc, err) == (0, []) and out[1] == "OK: the copy verifies (2 batches, 3 events, 0 signatures)"
     assert not (tmp_path / "b.duckdb.wal").exists()
     with connect_readonly(to) as con:
@@ -49,10 +41,10 @@ def test_an_existing_target_is_kept_unless_forced(capsys, db, tmp_path):
 
 
 def test_the_store_itself_and_a_missing_store_are_refused(capsys, db, tmp_path):
-    rc, _, err = _run(capsys, "audit", "backup", "--db", str(db), "--to", str(db), "--force")
+    rc, _, err = run_cli(capsys, "audit", "backup", "--db", str(db), "--to", str(db), "--force")
     assert (rc, err) == (2, [f"error: --to: {db} is the store itself"])
     missing = tmp_path / "none.duckdb"
-    rc, _, err = _run(capsys, "audit", "backup", "--db", str(missing), "--to", str(tmp_path / "c.duckdb"))
+    rc, _, err = run_cli(capsys, "audit", "backup", "--db", str(missing), "--to", str(tmp_path / "c.duckdb"))
     assert (rc, err) == (2, [f"error: --db: store not found: {missing}"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.duckdb"]
 
@@ -64,7 +56,7 @@ def test_signatures_are_checked_in_the_copy(capsys, tmp_path):
     with AuditStore(path, signer=chain.Signer.from_file(str(key))) as s:
         s.append(from_dicts([config(0), alloc(1, [1])]))
     to = tmp_path / "copy.duckdb"
-    rc, out, _ = _run(capsys, "audit", "backup", "--db", str(path), "--to", str(to), "--public-key", str(pub))
+    rc, out, _ = run_cli(capsys, "audit", "backup", "--db", str(path), "--to", str(to), "--public-key", str(pub))
     assert rc == 0 and out[1] == "OK: the copy verifies (1 batches, 2 events, 1 signatures)"
 
 
@@ -72,7 +64,7 @@ def test_a_tampered_store_is_copied_as_evidence_and_exits_1(capsys, db, tmp_path
     with duckdb.connect(str(db)) as con:
         con.execute("UPDATE page_runs SET page_start = 7 WHERE seq = 1")
     to = tmp_path / "evidence.duckdb"
-    rc, out, err = _run(capsys, "audit", "backup", "--db", str(db), "--to", str(to))
+    rc, out, err = run_cli(capsys, "audit", "backup", "--db", str(db), "--to", str(to))
     assert (rc, err) == (1, [])
     assert out[1].startswith("FAILED: the copy's chain: first problem: producer ")
     assert "content does not match its digest" in out[1]

@@ -11,16 +11,8 @@ import pytest
 from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.export import export_parquet, import_parquet, verify_export
 from kvtrail.audit.store import AuditStore, connect_readonly
-from kvtrail.cli import main
 from kvtrail.errors import ChainError, StoreError
-from tests.conftest import alloc, config, producer
-
-
-def _run(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
-    capsys.readouterr()
-    rc = main(list(argv))
-    cap = capsys.readouterr()
-    return rc, cap.out.splitlines(), cap.err.splitlines()
+from tests.conftest import alloc, config, producer, run_cli
 
 
 @pytest.fixture
@@ -52,7 +44,7 @@ def test_a_clean_export_verifies_and_imports(capsys, export, tmp_path):
     report = verify_export(export)
     assert report.ok and (report.batches_checked, report.events_checked) == (3, 5)
     dst = tmp_path / "dst.duckdb"
-    rc, out, err = _run(capsys, "audit", "import", "--db", str(dst), str(export))
+    rc, out, err = run_cli(capsys, "audit", "import", "--db", str(dst), str(export))
     assert (rc, err) == (0, []) and out == [f"imported 5 events, 4 page runs, 3 batches into {dst}"]
 
 
@@ -60,7 +52,7 @@ def test_an_edited_page_run_is_refused_and_nothing_is_imported(capsys, export, t
     _rewrite(_runs_file(export), "SELECT * REPLACE (CASE WHEN seq = 3 THEN CAST(page_start + 1 AS INTEGER) "
                                  "ELSE page_start END AS page_start) FROM {f}")
     fresh = tmp_path / "fresh.duckdb"
-    rc, out, err = _run(capsys, "audit", "import", "--db", str(fresh), str(export))
+    rc, out, err = run_cli(capsys, "audit", "import", "--db", str(fresh), str(export))
     assert (rc, err) == (1, [])
     assert out[0].startswith("FAILED: the export's chain: first problem: producer ")
     assert out[0].endswith("batch 1: content does not match its digest: rows edited, reordered or replaced")
@@ -80,7 +72,7 @@ def test_an_existing_target_keeps_what_it_had(capsys, export, tmp_path):
     with AuditStore(target) as s:
         s.append(from_dicts([config(0, other)]))
     before = target.read_bytes()
-    rc, out, _ = _run(capsys, "audit", "import", "--db", str(target), str(export))
+    rc, out, _ = run_cli(capsys, "audit", "import", "--db", str(target), str(export))
     assert rc == 1 and out[0].endswith("batch 2: broken link: prev_digest does not equal the previous batch's digest")
     assert target.read_bytes() == before
 
@@ -88,10 +80,10 @@ def test_an_existing_target_keeps_what_it_had(capsys, export, tmp_path):
 def test_no_verify_imports_a_tampered_export_and_says_so(capsys, export, tmp_path):
     _rewrite(_runs_file(export), "SELECT * REPLACE (CAST(page_start + 1 AS INTEGER) AS page_start) FROM {f}")
     dst = tmp_path / "dst.duckdb"
-    rc, out, err = _run(capsys, "audit", "import", "--no-verify", "--db", str(dst), str(export))
+    rc, out, err = run_cli(capsys, "audit", "import", "--no-verify", "--db", str(dst), str(export))
     assert rc == 0 and out == [f"imported 5 events, 4 page runs, 3 batches into {dst}"]
     assert err == [f"warning: importing {export} without verifying its chain (--no-verify)"]
-    assert _run(capsys, "audit", "verify", "--db", str(dst))[0] == 1  # the store says what it holds
+    assert run_cli(capsys, "audit", "verify", "--db", str(dst))[0] == 1  # the store says what it holds
     other = tmp_path / "other.duckdb"
     assert import_parquet(export, other, verify=False).events == 5
     with connect_readonly(other) as con:
@@ -102,5 +94,5 @@ def test_an_unreadable_export_is_still_an_exit_2(capsys, export, tmp_path):
     _rewrite(export / "batches.parquet", "SELECT * REPLACE (CAST(num_runs AS INTEGER) AS num_runs) FROM {f}")
     with pytest.raises(StoreError, match=r"batches: exported columns do not match.*num_runs"):
         verify_export(export)
-    rc, out, err = _run(capsys, "audit", "import", "--db", str(tmp_path / "d.duckdb"), str(export))
+    rc, out, err = run_cli(capsys, "audit", "import", "--db", str(tmp_path / "d.duckdb"), str(export))
     assert (rc, out, len(err)) == (2, [], 1) and "batches: exported columns do not match" in err[0]

@@ -5,11 +5,11 @@ import threading
 import numpy as np
 import pytest
 
-from kvtrail.audit.batch import to_dicts
 from kvtrail.audit.events import Producer, RequestRef
 from kvtrail.audit.recorder import Recorder, RecorderConfig
-from kvtrail.audit.store import AuditStore, connect_readonly, read_events
+from kvtrail.audit.store import AuditStore
 from kvtrail.audit.verify import verify_store
+from tests.conftest import stored_events
 
 PROD = Producer("c1", "decode-0", "decode", "kvtrail-reference", "0.1", "inst-1")
 REQ = RequestRef("r1", 77, "acme", "k:1")
@@ -20,12 +20,6 @@ def _config(rec, pool_pages=128):
                     deferred_release=True, config_source="test")
 
 
-def _events(path):
-    con = connect_readonly(path)
-    try:
-        return to_dicts(read_events(con))
-    finally:
-        con.close()
 
 
 def test_every_method_lands_with_its_fields(tmp_path):
@@ -45,7 +39,7 @@ def test_every_method_lands_with_its_fields(tmp_path):
         rec.pages_freed(REQ, [3, 4, 5], "deferred_release")
         rec.pages_freed(None, [9], "eviction")
         assert rec.flush(10)
-    evs = _events(path)
+    evs = stored_events(path)
     assert [e["seq"] for e in evs] == list(range(15))  # recorder_started, 13, recorder_closed
     by_kind = {}
     for e in evs:
@@ -76,7 +70,7 @@ def test_caller_buffer_reuse_does_not_change_what_was_recorded(tmp_path):
         rec.pages_allocated(REQ, plist, "decode_growth")
         pages[:] = 99
         plist.append(100)
-    got = [e["pages"] for e in _events(path) if e["kind"] == "pages_allocated"]
+    got = [e["pages"] for e in stored_events(path) if e["kind"] == "pages_allocated"]
     assert got == [[1, 2, 3], [4, 5]]
 
 
@@ -109,7 +103,7 @@ def test_full_buffer_drops_are_counted_and_become_a_gap_event(tmp_path):
     sink.release.set()
     assert rec.flush(30)
     rec.close()
-    evs = _events(path)
+    evs = stored_events(path)
     gaps = [e for e in evs if e["kind"] == "recorder_gap"]
     assert len(gaps) == 1 and gaps[0]["dropped_events"] == 450 and gaps[0]["dropped_pages"] == 450
     assert gaps[0]["gap_reason"] == "buffer_full"
@@ -130,7 +124,7 @@ def test_invalid_events_are_isolated_counted_and_good_ones_kept(tmp_path):
         rec.pages_allocated(REQ, [5, 6], "decode_growth")
         assert rec.flush(10)
         assert rec.stats()["invalid_events_total"] == 3
-    evs = _events(path)
+    evs = stored_events(path)
     assert [e["pages"] for e in evs if e["kind"] == "pages_allocated"] == [[1, 2], [5, 6]]
     (gap,) = [e for e in evs if e["kind"] == "recorder_gap"]
     assert gap["gap_reason"] == "invalid" and gap["dropped_events"] == 3
@@ -172,7 +166,7 @@ def test_garbage_arguments_never_raise(tmp_path):
         assert rec.flush(10)
         s = rec.stats()
     assert s["invalid_events_total"] + s["internal_errors_total"] == 3
-    assert [e["pages"] for e in _events(path) if e["kind"] == "pages_allocated"] == [[2]]
+    assert [e["pages"] for e in stored_events(path) if e["kind"] == "pages_allocated"] == [[2]]
 
 
 def test_concurrent_threads_keep_sequence_contiguous(tmp_path):
@@ -217,5 +211,5 @@ def test_kv_written_carries_the_block_hashes_the_writer_stored(tmp_path):
         rec.kv_written(REQ, [3, 4], 0, 32, "forward", block_hashes=np.array([-7, 2**62], dtype=np.int64))
         rec.kv_written(REQ, [5], 32, 48, "forward")
         assert rec.flush(10)
-    written = [e for e in _events(path) if e["kind"] == "kv_written"]
+    written = [e for e in stored_events(path) if e["kind"] == "kv_written"]
     assert written[0]["block_hashes"] == [-7, 2**62] and "block_hashes" not in written[1]

@@ -15,21 +15,15 @@ from kvtrail.audit.buffer import EventBuffer
 from kvtrail.audit.events import PAYLOAD_LAYOUT, Producer
 from kvtrail.audit.recorder import Recorder, RecorderConfig
 from kvtrail.audit.spec import shipped_schema
-from kvtrail.audit.store import AuditStore, connect_readonly, read_events
+from kvtrail.audit.store import AuditStore, read_events
 from kvtrail.audit.verify import unclean_ends, verify_store
 from kvtrail.errors import ValidationError
-from tests.conftest import T0, alloc, config, event, producer
+from tests.conftest import T0, alloc, config, event, producer, stored_events
 
 SECOND_NS = 10**9
 PROD = Producer("c1", "decode-0", "decode", "kvtrail-reference", "0.1", "inst-1")
 
 
-def _events(path):
-    con = connect_readonly(path)
-    try:
-        return to_dicts(read_events(con))
-    finally:
-        con.close()
 
 
 # ---- the recorder frames its instance ----------------------------------------------------------
@@ -40,7 +34,7 @@ def test_recorder_writes_started_first_and_closed_last(tmp_path):
     with Recorder(path, PROD, RecorderConfig(flush_interval_s=0.25)) as rec:
         rec.node_config(pool_tokens=1024, pool_pages=64, page_size=16, context_tokens=4096)
         assert rec.flush(10)
-    evs = _events(path)
+    evs = stored_events(path)
     assert [e["kind"] for e in evs] == ["recorder_started", "node_config", "recorder_closed"]
     assert [e["seq"] for e in evs] == [0, 1, 2]
     assert evs[0]["flush_interval_ns"] == 250_000_000
@@ -53,7 +47,7 @@ def test_an_idle_recorder_writes_nothing_until_it_closes(tmp_path):
     rec = Recorder(path, PROD, RecorderConfig(flush_interval_s=0.005))
     assert rec.flush(10) and rec.stats()["committed_events_total"] == 0
     rec.close()
-    assert [e["kind"] for e in _events(path)] == ["recorder_started", "recorder_closed"]
+    assert [e["kind"] for e in stored_events(path)] == ["recorder_started", "recorder_closed"]
 
 
 def test_buffer_closes_after_its_gaps_and_counts_the_drops():
