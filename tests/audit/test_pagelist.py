@@ -41,3 +41,10 @@ def test_runs_never_join_across_lists_or_descending_pages():
     flat, offsets = _flatten(lists)
     row, _, start, length = encode_runs(flat, offsets)
     assert list(zip(row.tolist(), start.tolist(), length.tolist())) == [(0, 1, 2), (1, 3, 2), (2, 9, 1), (2, 8, 1)]
+
+
+def test_the_largest_page_id_ends_a_run_in_its_own_type():
+    top = np.iinfo(np.int32).max
+    flat = np.array([top - 1, top, 0, 1], dtype=np.int32)  # top + 1 wraps in int32: still a break
+    row, pos, start, length = encode_runs(flat, np.array([0, 4]))
+    assert start.tolist() == [top - 1, 0] and length.tolist() == [2, 2] and pos.tolist() == [0, 2]
