@@ -42,10 +42,12 @@ class _ShapeArgs(TypedDict):
     decode_fraction: float
 
 
-def with_reads(t: pa.Table, first_seq: int, rng: np.random.Generator, plant_rate: float) -> tuple[pa.Table, int]:
+def with_reads(t: pa.Table, first_seq: int, rng: np.random.Generator,
+               plant_rate: float) -> tuple[pa.Table, list[str]]:
     """Each kv_written followed by its reader's kv_read; planted: a prefill write left out, its read kept.
 
-    Returns the table (seq renumbered from ``first_seq``) and the number of writes left out.
+    Returns the table (seq renumbered from ``first_seq``) and the request ids of the writes left out
+    (each such request reads pages it never wrote: the synth history's ground truth).
     """
     kind = t.column("kind").to_numpy(zero_copy_only=False)
     is_write = kind == "kv_written"
@@ -62,7 +64,8 @@ def with_reads(t: pa.Table, first_seq: int, rng: np.random.Generator, plant_rate
     for name in _READ_ONLY_FIELDS:
         cols[name] = pc.if_else(pa.array(is_read), pa.nulls(len(rows), out.column(name).type), out.column(name))
     cols["seq"] = pa.array(np.arange(first_seq, first_seq + len(rows), dtype=np.uint64))
-    return pa.table(cols, schema=NULLABLE_SCHEMA), int(planted.sum())
+    planted_ids = t.column("request_id").take(pa.array(np.flatnonzero(planted))).to_pylist()
+    return pa.table(cols, schema=NULLABLE_SCHEMA), [r for r in planted_ids if r is not None]
 
 
 def _synth_streams(page_events: int, nodes: int, hours: float, seed: int, num_pages: int, events_per_batch: int):
@@ -116,7 +119,9 @@ def build(db: str, params: dict, log=print) -> dict:
             os.remove(path)
     t0 = time.perf_counter()
     rng = np.random.default_rng(params["seed"])
-    planted = events = page_events = batches = 0
+    events = page_events = batches = 0
+    planted: list[str] = []
+    truth: dict = {}
     options = pa.ipc.IpcWriteOptions(compression="zstd")
     with AuditStore(db) as store, pa.OSFile(db + ".batches.arrow", "wb") as sink, \
             pa.ipc.new_stream(sink, NULLABLE_SCHEMA, options=options) as writer:
@@ -125,16 +130,17 @@ def build(db: str, params: dict, log=print) -> dict:
             from kvtrail.sim.fleet import FleetConfig, fleet_batches
 
             source = ((0, b) for b in fleet_batches(FleetConfig(seed=params["seed"], rate_per_s=params["fleet_rate"],
-                                                                target_page_events=params["page_events"])))
+                                                                target_page_events=params["page_events"]),
+                                                   truth=truth))
         else:
             source = _merged(_synth_streams(params["page_events"], params["nodes"], params["hours"], params["seed"],
                                             params["num_pages"], params["events_per_batch"]))
         next_seq: dict[int, int] = {}
         for k, b in source:
             if params["source"] == "synth":
-                b, n_planted = with_reads(b, next_seq.get(k, 0), rng, params["plant_rate"])
+                b, planted_ids = with_reads(b, next_seq.get(k, 0), rng, params["plant_rate"])
                 next_seq[k] = next_seq.get(k, 0) + b.num_rows
-                planted += n_planted
+                planted += planted_ids
             b = b.cast(NULLABLE_SCHEMA)
             store.append(b)
             writer.write_table(b)
@@ -147,8 +153,12 @@ def build(db: str, params: dict, log=print) -> dict:
         span = store.con.execute("SELECT min(wall_ns), max(wall_ns), count(DISTINCT producer_id) "
                                  "FROM events").fetchone()
         assert span is not None, "an aggregate query returns one row"
+    # The ground truth of "which responses are affected": the fleet simulator's own record of its plants
+    # and foreign reads, or (synth) the requests whose prefill write was left out.
+    truth_ids = truth["affected_request_ids"] if params["source"] == "fleet" else sorted(set(planted))
     meta = {"params": params, "events": events, "page_events": page_events, "batches": batches,
-            "planted_unwritten_chunks": planted, "producers": span[2], "span_hours": (span[1] - span[0]) / 3600e9,
+            "planted_unwritten_chunks": len(planted), "truth_affected_request_ids": truth_ids,
+            "producers": span[2], "span_hours": (span[1] - span[0]) / 3600e9,
             "build_s": time.perf_counter() - t0, "db_bytes": os.path.getsize(db)}
     with open(meta_path, "w") as f:
         json.dump(meta, f, indent=1)
@@ -160,7 +170,8 @@ def describe(meta: dict) -> str:
     p = meta["params"]
     text = (f"history ({p['source']}): {meta['events']:,} events, {meta['page_events']:,} page-events, "
             f"{meta['producers']} nodes over {meta['span_hours']:.2f} h, {meta['batches']} batches, "
-            f"{meta['db_bytes'] / 1e6:,.0f} MB store")
+            f"{meta['db_bytes'] / 1e6:,.0f} MB store; ground truth {len(meta['truth_affected_request_ids'])} "
+            "affected responses")
     if p["source"] == "fleet":
         text += f"; fleet simulator, {p['fleet_rate']:g} requests/s"
     if p["source"] == "synth":

@@ -1,7 +1,8 @@
 """The measured parts of bench_forensics.py, each run in a process of its own (see that script's doc).
 
 ``run_part(name, db, meta, args)`` returns the part's figures: ``wall_s`` and what it found (F1 pages,
-affected responses), plus the part's own page-event count where it replays only part of the history.
+affected responses, and how many of those the history's ground truth holds), plus the part's own
+page-event count where it replays only part of the history.
 """
 
 from __future__ import annotations
@@ -11,26 +12,30 @@ import resource
 import tempfile
 import time
 
-NAIVE_SQL = """
-WITH pe AS (SELECT e.producer_id, e.seq, e.wall_ns, e.kind, e.request_id, p.cluster, p.node
-            FROM events e JOIN producers p USING (producer_id) WHERE e.kind IN ('kv_read', 'kv_written')),
-pages AS (SELECT pe.cluster, pe.node, pe.wall_ns, pe.kind, pe.request_id,
-                 unnest(generate_series(r.page_start, r.page_start + r.num_pages - 1)) AS page
-          FROM pe JOIN page_runs r ON r.producer_id = pe.producer_id AND r.seq = pe.seq AND r.list = 0),
-reads AS (SELECT * FROM pages WHERE kind = 'kv_read'),
-writes AS (SELECT * FROM pages WHERE kind = 'kv_written')
-SELECT count(*) AS read_pages,
-       count(*) FILTER (w.request_id IS DISTINCT FROM r.request_id) AS foreign_pages,
-       count(DISTINCT r.request_id) FILTER (w.request_id IS DISTINCT FROM r.request_id) AS recipients
-FROM reads r ASOF LEFT JOIN writes w
-  ON r.cluster = w.cluster AND r.node = w.node AND r.page = w.page AND r.wall_ns >= w.wall_ns
-"""
+from forensics_baselines import BASELINES, baseline, compiled_expand, floor
 
 
 def _summary(found) -> dict:
-    """F1 pages (summed over F1 findings) and affected responses (requests with F1, F5 or F7)."""
+    """F1 pages (summed over F1 findings) and affected responses (requests with F1 or F5; an F7 request
+    is the late writer, a source, as in the question)."""
+    from kvtrail.forensics.findings import AFFECTED_CODES
+
     return {"f1_pages": sum(len(f.pages) for f in found if f.code == "F1"),
-            "affected": len({f.request_id for f in found if f.code in ("F1", "F5", "F7")})}
+            "affected_ids": sorted({f.request_id for f in found if f.code in AFFECTED_CODES})}
+
+
+def against_truth(out: dict, meta: dict, whole: bool = True) -> dict:
+    """``out`` with its affected ids replaced by counts: found, of those in the ground truth, truth size.
+
+    ``same_question`` is whether the part's answer is the truth's; a part over a prefix of the history
+    (``whole`` false) finds only part of the truth, so it is not judged.
+    """
+    ids = set(out.pop("affected_ids"))
+    truth = set(meta["truth_affected_request_ids"])
+    out.update(affected=len(ids), affected_in_truth=len(ids & truth), truth_affected=len(truth))
+    if whole:
+        out["same_question"] = ids == truth
+    return out
 
 
 def run_part(part: str, db: str, meta: dict, args) -> dict:
@@ -48,9 +53,10 @@ def run_part(part: str, db: str, meta: dict, args) -> dict:
     from kvtrail.forensics.sql.engine import sql_findings
 
     if part == "online":
-        return _online(db)
+        return against_truth(_online(db), meta)
     if part == "split":
-        return _split(db)
+        return against_truth(_split(db), meta)
+    expand = compiled_expand() if part == "floor" else None
     out: dict = {}
     to_ns = None
     prefix = {"pure": args.pure_page_events, "sql": args.sql_page_events}.get(part, 0)
@@ -68,7 +74,7 @@ def run_part(part: str, db: str, meta: dict, args) -> dict:
     if part == "question":
         with connect_readonly(db) as con:
             df = affected_responses(con, Window())
-        out.update(affected=df.height)
+        out.update(affected_ids=df.get_column("request_id").to_list())
     elif part in ("engine", "pure"):
         with connect_readonly(db) as con:
             found = replay_store(con, to_ns=to_ns, codes=AFFECTED_CODES, fast=part == "engine")
@@ -77,14 +83,16 @@ def run_part(part: str, db: str, meta: dict, args) -> dict:
         with connect_readonly(db) as con:
             found = sql_findings(con, to_ns=to_ns, codes=("F1",))
         out.update(_summary(found))
-    elif part == "naive":
+    elif part in BASELINES:
         with duckdb.connect(db, read_only=True) as con:
-            row = con.execute(NAIVE_SQL).fetchone()
-            assert row is not None, "an aggregate query returns one row"
-            read_pages, foreign, recipients = row
-        out.update(read_pages=read_pages, f1_pages=foreign, affected=recipients)
+            out.update(baseline(con, part))
+    elif part == "floor":
+        with duckdb.connect(db, read_only=True) as con:
+            out.update(floor(con, expand))
+    else:
+        raise ValueError(f"part: unknown part {part!r}")
     out["wall_s"] = time.perf_counter() - t0
-    return out
+    return against_truth(out, meta, whole="page_events" not in out) if "affected_ids" in out else out
 
 
 def _split(db: str) -> dict:
