@@ -29,10 +29,12 @@ from kvtrail.forensics.replay.batch import JOIN_KINDS, PAGE_KINDS, ReplayBatch, 
 from kvtrail.forensics.replay.event import NodeKey
 from kvtrail.forensics.replay.handlers import EventHandlers
 from kvtrail.forensics.replay.pagestate import PageState
+from kvtrail.forensics.replay.shares import PrefixShares
 from kvtrail.forensics.replay.state import ReplayState
 
 _INT64_MAX = 2**63 - 1
 _NO_POOL = tuple(spec.allocate(0) for spec in K.KERNEL_ARRAYS)  # what the kernel gets for a node without a pool
+_NO_SHARES = PrefixShares(1).arrays()
 
 
 class _Slot:
@@ -43,17 +45,22 @@ class _Slot:
         self.pool: PageState | None = None
         self.owner: np.ndarray | None = None  # the pool's owner array when `arrays` were taken (grow() replaces it)
         self.arrays: tuple[np.ndarray, ...] = _NO_POOL
+        self.shares: tuple[np.ndarray, ...] = _NO_SHARES  # the pool's PrefixShares arrays
         self.multi = np.zeros(0, np.bool_)  # the kernel's "has extra holders" of this pool (multi)
 
     def refresh(self, pools: dict[NodeKey, PageState]) -> None:
-        """Follow the node's current pool (a node_config may replace it, ``PageState.fit`` grow it)."""
+        """Follow the node's current pool (a node_config may replace it, ``PageState.fit`` grow it, a
+        handler grow its shares' slots)."""
         pool = pools.get(self.key)
+        if pool is not None and pool is self.pool and pool.shares.index is not self.shares[0]:
+            self.shares = pool.shares.arrays()
         if pool is self.pool and (pool is None or pool.owner is self.owner):
             return
         self.pool, self.owner = pool, None if pool is None else pool.owner
         if pool is None:
-            self.arrays, self.multi = _NO_POOL, np.zeros(0, np.bool_)
+            self.arrays, self.shares, self.multi = _NO_POOL, _NO_SHARES, np.zeros(0, np.bool_)
             return
+        self.shares = pool.shares.arrays()
         n = pool.num_entries
         multi, stamp = (spec.allocate(n) for spec in K.SCRATCH_ARRAYS)
         multi[[p for p in pool.extra if 0 <= p < n]] = True  # page has extra holders (double ownership)
@@ -78,6 +85,11 @@ class FastReplay:
         self.need_joins = need_joins
         self.slot_of: dict[NodeKey, int] = {}
         self.slots: list[_Slot] = []
+        # Per request index: a code of its tenant (-1: none) and the order number from which the
+        # handlers know it (what the kernel needs to tell a cross-tenant prefix read, F10).
+        self.tenant_code = np.zeros(0, np.int32)
+        self.tenant_ord = np.zeros(0, np.int64)
+        self.tenant_codes: dict[str, int] = {}
 
     def _slot(self, key: NodeKey) -> int:
         s = self.slot_of.get(key)
@@ -96,7 +108,7 @@ class FastReplay:
         if not self.need_joins:
             op[(kind >= len(PAGE_KINDS)) & (kind < len(PAGE_KINDS) + len(JOIN_KINDS))] = K.OP_SKIP
         op[kind == 0] = np.where(purpose[kind == 0] == 0, K.OP_GROWTH,
-                                 np.where(purpose[kind == 0] == 1, K.OP_PYTHON, K.OP_ALLOC))
+                                 np.where(purpose[kind == 0] == 1, K.OP_PREFIX, K.OP_ALLOC))
         op[kind == 1] = K.OP_FREE
         op[kind == 2] = K.OP_WRITE
         op[kind == 3] = K.OP_READ
@@ -120,8 +132,9 @@ class FastReplay:
         slot = node_slot[b.producer] if n else np.zeros(0, np.int64)
         index = state.request_index
         req = np.array([index.get(r, -1) for r in b.request_ids] + [-1], np.int32)[b.rcode]
-        run = _Run(self, b, op, req, ord0)
         tenants = _TenantQueue(b)
+        self._tenant_arrays(tenants, ord0)
+        run = _Run(self, b, op, req, ord0)
         known = b.events(np.flatnonzero(op == K.OP_PYTHON), ord0)
         handle = self.handlers.handle
         # One lane of rows per pool (page events and node_config), in order.
@@ -151,6 +164,10 @@ class FastReplay:
         # order among themselves is kept, their place among the page events does not matter.
         for row in np.flatnonzero(~pooled & (op == K.OP_PYTHON)).tolist():
             handle(known.pop(row))
+        hit_pages = state.joins.hit_pages
+        for row in np.flatnonzero(run.hit).tolist():  # what CrossNodeJoins.prefix_hit adds for the kernel's hits
+            key = (self.slots[slot[row]].key, b.request_ids[b.rcode[row]])
+            hit_pages[key] = hit_pages.get(key, 0) + int(b.poff[row + 1] - b.poff[row])
         roles = state.joins.role
         last = n - 1 - first_rows(b.producer[::-1], len(b.idents))
         for p in np.sort(last[last >= 0]).tolist():  # the last row's role wins, as row by row
@@ -158,6 +175,26 @@ class FastReplay:
             roles[(ident[0], ident[1])] = ident[2]
         if self.need_joins:
             self._forward_samples(b, op, handled, slot, run.wall, ord0)
+
+    def _tenant_arrays(self, queue: _TenantQueue, ord0: int) -> None:
+        """Bring tenant_code / tenant_ord up to the batch: requests indexed since, tenants first named in it."""
+        state, old = self.state, len(self.tenant_code)
+        if len(state.requests) > old:
+            grow = len(state.requests) - old
+            self.tenant_code = np.concatenate([self.tenant_code, np.full(grow, -1, np.int32)])
+            self.tenant_ord = np.concatenate([self.tenant_ord, np.full(grow, -1, np.int64)])
+            for r in range(old, len(state.requests)):
+                rid = state.requests[r]
+                if rid is not None and rid in state.tenants:
+                    self.tenant_code[r] = self._tenant(state.tenants[rid])
+        for row, (rid, tenant) in zip(queue.rows.tolist(), queue.pairs):
+            idx = state.request_index.get(rid)
+            if idx is not None and rid not in state.tenants:  # else the tenant named first stays
+                self.tenant_code[idx] = self._tenant(tenant)
+                self.tenant_ord[idx] = ord0 + row
+
+    def _tenant(self, tenant: str) -> int:
+        return self.tenant_codes.setdefault(tenant, len(self.tenant_codes))
 
     def _forward_samples(self, b: ReplayBatch, op: np.ndarray, handled: np.ndarray, slot: np.ndarray,
                          wall: np.ndarray, ord0: int) -> None:
@@ -199,13 +236,16 @@ class _Run:
         self.fast, self.b, self.op, self.req, self.ord0 = fast, b, op, req, ord0
         self.seq, self.wall = b.ints("seq"), b.ints("wall_ns")
         self.freed = np.zeros(b.num_rows, np.int64)
+        self.hit = np.zeros(b.num_rows, np.bool_)  # prefix hits the kernel applied
+        self.allow_sharing = fast.handlers.policy.allow_tenant_cache_sharing
 
     def __call__(self, rows: np.ndarray, start: int, s: int) -> int:
         b, slot = self.b, self.fast.slots[s]
         slot.refresh(self.fast.state.pools)
         stop, nfreed = K.replay_page_events(  # type: ignore[call-arg]  # numba's Dispatcher stub
             rows, start, self.ord0, self.op, self.req, b.pid, self.seq, self.wall, b.poff, b.pages, b.doff,
-            b.digests, b.hoff, b.hashes, slot.pool is not None, *slot.arrays, self.freed)
+            b.digests, b.hoff, b.hashes, self.fast.tenant_code, self.fast.tenant_ord, self.allow_sharing, self.hit,
+            *slot.shares, slot.pool is not None, *slot.arrays, self.freed)
         if nfreed:  # one copy of the released lists (the batch's buffer is reused), then a view per release
             rows = self.freed[:nfreed]
             starts, lengths = b.poff[rows], b.poff[rows + 1] - b.poff[rows]

@@ -6,15 +6,20 @@ place, exactly as :class:`~kvtrail.forensics.replay.handlers.EventHandlers` woul
 is the common, finding-free case:
 
 * allocation (not a prefix hit) of pages no other request holds, none shared, no page twice;
-* release by a request of pages with no shared or extra holders (pages it does not hold stay as they are);
-* write by the exclusive owner of every page (digests / block hashes, when given, one per page);
-* read by the exclusive owner of pages nobody shares, each written by the reader or a fresh growth
-  page (allocated to the reader as ``decode_growth`` and not written since).
+* prefix hit with one block hash per page, no page twice (room permitting in the shares' slots);
+* release by a request of pages with no extra holders (pages it does not hold stay as they are);
+* write by a holder (exclusive owner or prefix hit) of every page (digests / block hashes, when
+  given, one per page);
+* read by a holder (exclusive owner or prefix hit) of every page, each written by the reader, a
+  fresh growth page (allocated to the reader as ``decode_growth`` and not written since) or a cached
+  prefix (a hit whose block hash the page's last write stored), unless the cached page's writer is
+  of another tenant and the policy does not allow that (F10).
 
 It stops at the first event that is anything else and returns its index; the caller runs that event
-through the Python handler and resumes after it. The rare states (double ownership, prefix-cache
-sharing) live in dicts the kernel cannot see, so it reads their markers instead: ``nshared`` and a
-per-page flag mirroring "has extra holders" that the caller keeps up to date.
+through the Python handler and resumes after it. Double ownership lives in a dict the kernel cannot
+see, so it reads a per-page flag mirroring "has extra holders" that the caller keeps up to date;
+prefix-cache holders live in arrays (:class:`~kvtrail.forensics.replay.shares.PrefixShares`) the
+kernel changes as the handlers would.
 
 One call replays the events of one pool (node): pools are independent, so the caller runs each
 pool ahead to its next Python event and hands Python events to the handlers in row order.
@@ -27,15 +32,17 @@ import numpy as np
 from numba import njit
 
 from kvtrail.forensics.replay.pagestate import PAGE_ARRAYS, ArraySpec
+from kvtrail.forensics.replay.shares import PrefixShares
 
 # Event operations (the caller maps kinds and purposes to these).
-OP_PYTHON = 0  # always handled in Python (non-page kinds, prefix hits, ...)
+OP_PYTHON = 0  # always handled in Python (non-page kinds, node_config, ...)
 OP_SKIP = 1  # no effect on page state or findings (e.g. join-only kinds when joins are not needed)
 OP_ALLOC = 2
 OP_GROWTH = 3  # pages_allocated with purpose decode_growth
 OP_FREE = 4
 OP_WRITE = 5
 OP_READ = 6
+OP_PREFIX = 7  # pages_allocated with purpose prefix_hit
 
 # The kernel's own per-page arrays, after the pool's (PAGE_ARRAYS) in its arguments: "has extra holders"
 # (mirroring PageState.extra) and the scratch stamps of repeated pages.
@@ -44,10 +51,92 @@ SCRATCH_ARRAYS = (ArraySpec("multi", np.bool_, False), ArraySpec("stamp", np.int
 KERNEL_ARRAYS = PAGE_ARRAYS + SCRATCH_ARRAYS
 
 
+# Compiled copies of kvtrail.forensics.replay.shares' functions (the reference statement; a parity test
+# runs both). Copies, not njit(shares.share_find): numba's cache of a kernel does not notice a change in
+# a function it calls from another file.
+_MIX_PAGE = 0x9E3779B1
+_MIX_REQUEST = 0x85EBCA6B
+
+
+@njit(cache=True, nogil=True)
+def share_bucket(p, r, mask):
+    x = (np.int64(p) * _MIX_PAGE) ^ (np.int64(r) * _MIX_REQUEST)
+    return (x ^ (x >> 29)) & mask
+
+
+@njit(cache=True, nogil=True)
+def share_find(index, s_page, s_req, p, r):
+    mask = index.shape[0] - 1
+    i = share_bucket(p, r, mask)
+    while True:
+        s = index[i]
+        if s < 0:
+            return -1
+        if s_page[s] == p and s_req[s] == r:
+            return s
+        i = (i + 1) & mask
+
+
+@njit(cache=True, nogil=True)
+def share_insert(index, s_page, s_req, s_hash, s_prev, s_next, meta, head, nshared, p, r, h):
+    s = meta[0]
+    meta[0] = s_next[s]
+    meta[1] += 1
+    s_page[s] = p
+    s_req[s] = r
+    s_hash[s] = h
+    first = head[p]
+    s_prev[s] = -1
+    s_next[s] = first
+    if first >= 0:
+        s_prev[first] = s
+    head[p] = s
+    nshared[p] += 1
+    mask = index.shape[0] - 1
+    i = share_bucket(p, r, mask)
+    while index[i] >= 0:
+        i = (i + 1) & mask
+    index[i] = s
+    return s
+
+
+@njit(cache=True, nogil=True)
+def share_remove(index, s_page, s_req, s_prev, s_next, meta, head, nshared, s):
+    p = s_page[s]
+    before = s_prev[s]
+    after = s_next[s]
+    if before >= 0:
+        s_next[before] = after
+    else:
+        head[p] = after
+    if after >= 0:
+        s_prev[after] = before
+    nshared[p] -= 1
+    mask = index.shape[0] - 1
+    i = share_bucket(p, s_req[s], mask)
+    while index[i] != s:
+        i = (i + 1) & mask
+    j = i
+    while True:
+        j = (j + 1) & mask
+        t = index[j]
+        if t < 0:
+            break
+        k = share_bucket(s_page[t], s_req[t], mask)
+        if (i <= j and (k <= i or k > j)) or (i > j and k <= i and k > j):
+            index[i] = t
+            i = j
+    index[i] = -1
+    s_next[s] = meta[0]
+    meta[0] = s
+    meta[1] -= 1
+
+
 @njit(cache=True, nogil=True)
 def replay_page_events(rows, start, marker0, op, req, pid, seq, wall_ns, poff, pages, doff, digests, hoff, hashes,
-                       has_pool, owner, gen, alloc_req, alloc_growth, alloc_ev, nshared, writer, write_ns, write_gen,
-                       write_ev, digest, has_digest, bhash, has_bhash, multi, stamp, freed):
+                       tenant, tenant_ord, allow_sharing, hit, sh_index, sh_page, sh_req, sh_hash, sh_prev, sh_next,
+                       sh_meta, has_pool, owner, gen, alloc_req, alloc_growth, alloc_ev, nshared, share_head, writer,
+                       write_ns, write_gen, write_ev, digest, has_digest, bhash, has_bhash, multi, stamp, freed):
     """Apply the events ``rows[start:]`` of one pool until one needs Python.
 
     Returns (position in ``rows`` of that event, or ``len(rows)``; releases recorded in ``freed``).
@@ -55,7 +144,10 @@ def replay_page_events(rows, start, marker0, op, req, pid, seq, wall_ns, poff, p
     then ``multi`` marking pages with extra holders and ``stamp``, scratch for repeated pages
     (``marker0 + row`` stamps the pages of an allocation). ``freed``
     receives the rows of the releases applied, in order: the caller records them with
-    ``PageState.remember_release``.
+    ``PageState.remember_release``. ``sh_*`` are the pool's
+    :class:`~kvtrail.forensics.replay.shares.PrefixShares` arrays; ``hit[row]`` is set for the prefix hits
+    applied (the caller counts their pages for the joins). ``tenant[r]`` is request r's tenant code
+    (-1: none), known from order number ``tenant_ord[r]`` on; ``marker0 + row`` is a row's order number.
     """
     nfreed = 0
     n = np.uintp(owner.shape[0])
@@ -74,7 +166,39 @@ def replay_page_events(rows, start, marker0, op, req, pid, seq, wall_ns, poff, p
             return j, nfreed  # no request: a radix eviction, or input the handler must judge
         # Page ids as unsigned indices: one compare rejects negative and too large ids alike (the
         # handler grows the pool first), and indexing needs no wraparound.
-        if o == OP_ALLOC or o == OP_GROWTH:
+        if o == OP_PREFIX:
+            if hoff[i + 1] - hoff[i] != e - a:
+                return j, nfreed  # no block hashes (the handler refuses the event), or not one per page
+            increasing = True
+            for k in range(a + 1, e):
+                if pages[k] <= pages[k - 1]:
+                    increasing = False
+                    break
+            mark = marker0 + i
+            need = 0  # entries to add
+            for k in range(a, e):
+                p = np.uintp(pages[k])
+                if p >= n:
+                    return j, nfreed
+                if not increasing:
+                    if stamp[p] == mark:
+                        return j, nfreed  # a page listed twice (F6)
+                    stamp[p] = mark
+                if nshared[p] == 0 or share_find(sh_index, sh_page, sh_req, pages[k], r) < 0:
+                    need += 1
+            if sh_meta[1] + need > sh_page.shape[0]:
+                return j, nfreed  # no room: the handler grows the slots
+            for k in range(a, e):
+                p = np.uintp(pages[k])
+                h = hashes[hoff[i] + k - a]
+                s = share_find(sh_index, sh_page, sh_req, pages[k], r) if nshared[p] > 0 else -1
+                if s >= 0:
+                    sh_hash[s] = h
+                else:
+                    share_insert(sh_index, sh_page, sh_req, sh_hash, sh_prev, sh_next, sh_meta, share_head, nshared,
+                                 pages[k], r, h)
+            hit[i] = True
+        elif o == OP_ALLOC or o == OP_GROWTH:
             increasing = True  # a strictly increasing list names no page twice (the usual case)
             for k in range(a + 1, e):
                 if pages[k] <= pages[k - 1]:
@@ -101,10 +225,14 @@ def replay_page_events(rows, start, marker0, op, req, pid, seq, wall_ns, poff, p
         elif o == OP_FREE:
             for k in range(a, e):
                 p = np.uintp(pages[k])
-                if p >= n or nshared[p] > 0 or multi[p]:
+                if p >= n or multi[p]:
                     return j, nfreed
             for k in range(a, e):  # pages r does not hold stay as they are (PageState.drop does nothing)
                 p = np.uintp(pages[k])
+                if nshared[p] > 0:
+                    s = share_find(sh_index, sh_page, sh_req, pages[k], r)
+                    if s >= 0:
+                        share_remove(sh_index, sh_page, sh_req, sh_prev, sh_next, sh_meta, share_head, nshared, s)
                 if owner[p] == r:
                     owner[p] = -1
             freed[nfreed] = i
@@ -115,8 +243,10 @@ def replay_page_events(rows, start, marker0, op, req, pid, seq, wall_ns, poff, p
                 return j, nfreed
             for k in range(a, e):
                 p = np.uintp(pages[k])
-                if p >= n or owner[p] != r:
+                if p >= n:
                     return j, nfreed
+                if owner[p] != r and (nshared[p] == 0 or share_find(sh_index, sh_page, sh_req, pages[k], r) < 0):
+                    return j, nfreed  # not held (F7), or held as an extra holder
             for k in range(a, e):
                 p = np.uintp(pages[k])
                 writer[p] = r
@@ -133,10 +263,20 @@ def replay_page_events(rows, start, marker0, op, req, pid, seq, wall_ns, poff, p
         elif o == OP_READ:
             for k in range(a, e):
                 p = np.uintp(pages[k])
-                if p >= n or owner[p] != r or nshared[p] > 0:
+                if p >= n:
                     return j, nfreed
-                if writer[p] != r and not (alloc_req[p] == r and alloc_growth[p] and write_gen[p] < gen[p]):
-                    return j, nfreed
+                s = share_find(sh_index, sh_page, sh_req, pages[k], r) if nshared[p] > 0 else -1
+                if owner[p] != r and s < 0:
+                    return j, nfreed  # not held (F5), or held as an extra holder
+                w = writer[p]
+                cached = s >= 0 and has_bhash[p] and bhash[p] == sh_hash[s]  # the radix cache working
+                if w != r and not cached and not (alloc_req[p] == r and alloc_growth[p] and write_gen[p] < gen[p]):
+                    return j, nfreed  # F1
+                if cached and w >= 0 and w != r and not allow_sharing:
+                    mine = tenant[r] if r < tenant.shape[0] and tenant_ord[r] <= marker0 + i else -1
+                    theirs = tenant[w] if w < tenant.shape[0] and tenant_ord[w] <= marker0 + i else -1
+                    if mine >= 0 and theirs >= 0 and mine != theirs:
+                        return j, nfreed  # F10
         else:
             return j, nfreed
     return rows.shape[0], nfreed
@@ -185,4 +325,5 @@ def warm_up() -> None:
     gather_runs(i64[:0], i64[:0], i64, i64[:0], i64[:0], i64[:0], i64[:0], i64, i64, i32, i64[:0])
     replay_page_events(  # type: ignore[call-arg]  # numba's Dispatcher stub
         i64[:0], 0, 0, np.zeros(0, np.int8), i32, i64[:0], i64[:0], i64[:0], i64, i32, i64, np.zeros(0, np.uint64),
-        i64, i64[:0], False, *(spec.allocate(0) for spec in KERNEL_ARRAYS), i64[:0])
+        i64, i64[:0], i32, i64[:0], False, np.zeros(0, np.bool_), *PrefixShares(1).arrays(), False,
+        *(spec.allocate(0) for spec in KERNEL_ARRAYS), i64[:0])

@@ -2,10 +2,12 @@
 
 The common case (one exclusive holder, one last writer) is a handful of array entries per page, so an
 event costs a few vectorised operations. The rare states live in small dicts beside the arrays: pages
-held by several requests at once (double ownership), pages shared as prefix-cache hits (with the
-block hash each hit was keyed by), the pages a request already released (for F7's wording, kept
+held by several requests at once (double ownership), the pages a request already released (for F7's wording, kept
 for the most recent requests only so that memory stays bounded on long histories), and the late writes
-(F7) with what they overwrote, so that the later reader's F1 can say its own KV was corrupted.
+(F7) with what they overwrote, so that the later reader's F1 can say its own KV was corrupted. Pages
+shared as prefix-cache hits (with the block hash each hit was keyed by) are frequent on a fleet with a
+radix cache: they live in arrays too (:class:`~kvtrail.forensics.replay.shares.PrefixShares`), so that
+the compiled path replays hits and their reads.
 
 Each page array is declared once, as a field of :class:`PageState` carrying its dtype and the value of
 an unused page; :data:`PAGE_ARRAYS` lists those declarations in order, and allocation, growth and the
@@ -19,6 +21,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
+
+from kvtrail.forensics.replay.shares import PrefixShares
 
 # Released page lists kept per pool (entries); older requests' lists are forgotten first.
 RELEASED_CAP_PAGES = 1 << 22
@@ -56,6 +60,7 @@ class PageState:
     alloc_growth: np.ndarray = _array(np.bool_, False)  # ... and whether it was a decode_growth page
     alloc_ev: np.ndarray = _array(np.int64, -1, 2)
     nshared: np.ndarray = _array(np.int32, 0)  # prefix-cache holders
+    share_head: np.ndarray = _array(np.int32, -1)  # slot of the newest of them in `shares`
     writer: np.ndarray = _array(np.int32, -1)
     write_ns: np.ndarray = _array(np.int64, 0)
     write_gen: np.ndarray = _array(np.int64, -1)
@@ -66,8 +71,8 @@ class PageState:
     has_bhash: np.ndarray = _array(np.bool_, False)
     # further exclusive holders: double ownership (F6)
     extra: dict[int, set[int]] = field(default_factory=dict, init=False)
-    # page -> {request: block hash of its hit}
-    shared: dict[int, dict[int, int]] = field(default_factory=dict, init=False)
+    # prefix-cache holders: (page, request) -> block hash of the hit
+    shares: PrefixShares = field(default_factory=PrefixShares, init=False)
     released: OrderedDict[int, list[np.ndarray]] = field(default_factory=OrderedDict, init=False)
     # page -> (late write's event key, the page's writer before it, that write's allocation generation):
     # a late write (F7) and what it overwrote; current while the page's write_ev is still that key.
@@ -85,43 +90,57 @@ class PageState:
         return len(self.owner)
 
     def holders(self, p: int) -> set[int]:
-        out = set(self.extra.get(p, ())) | set(self.shared.get(p, ()))
+        out = set(self.extra.get(p, ())) | self.sharers(p)
         if self.owner[p] >= 0:
             out.add(int(self.owner[p]))
         return out
+
+    def sharers(self, p: int) -> set[int]:
+        """The requests holding page p as a prefix-cache hit."""
+        if not self.nshared[p]:
+            return set()
+        return {int(self.shares.req[s]) for s in self.shares.chain(self.share_head, p)}
+
+    def _share_slot(self, p: int, r: int) -> int:
+        return self.shares.find(p, r) if self.nshared[p] else -1
 
     def held_by(self, pages: np.ndarray, r: int) -> np.ndarray:
         held = self.owner[pages] == r
         for i in np.flatnonzero(~held):
             p = int(pages[i])
-            held[i] = r in self.extra.get(p, ()) or r in self.shared.get(p, ())
+            held[i] = r in self.extra.get(p, ()) or self._share_slot(p, r) >= 0
         return held
 
     def hit_hashes(self, pages: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray]:
         """(is a prefix-cache hit of r, the hit's block hash) per page."""
         is_hit = np.zeros(len(pages), bool)
         hashes = np.zeros(len(pages), np.int64)
-        if self.nshared[pages].any():
-            for i, p in enumerate(pages.tolist()):
-                h = self.shared.get(p, {}).get(r)
-                if h is not None:
-                    is_hit[i], hashes[i] = True, h
+        for i in np.flatnonzero(self.nshared[pages] > 0).tolist():
+            s = self.shares.find(pages[i], r)
+            if s >= 0:
+                is_hit[i], hashes[i] = True, self.shares.bhash[s]
         return is_hit, hashes
 
     def share(self, p: int, r: int, block_hash: int) -> None:
-        s = self.shared.setdefault(p, {})
-        if r not in s:
-            self.nshared[p] += 1
-        s[r] = block_hash
+        s = self._share_slot(p, r)
+        if s >= 0:
+            self.shares.bhash[s] = block_hash
+        else:
+            self.shares.insert(self.share_head, self.nshared, p, r, block_hash)
+
+    def shared(self) -> dict[int, dict[int, int]]:
+        """Every prefix-cache hit: page -> {request: block hash}, pages ascending, requests in hit order."""
+        out = {}
+        for p in np.flatnonzero(self.nshared).tolist():
+            slots = self.shares.chain(self.share_head, p)[::-1]
+            out[p] = {int(self.shares.req[s]): int(self.shares.bhash[s]) for s in slots}
+        return out
 
     def drop(self, p: int, r: int) -> None:
         """Remove request r from the holders of page p."""
-        s = self.shared.get(p)
-        if s is not None and r in s:
-            del s[r]
-            self.nshared[p] -= 1
-            if not s:
-                del self.shared[p]
+        s = self._share_slot(p, r)
+        if s >= 0:
+            self.shares.remove(self.share_head, self.nshared, s)
         if r in self.extra.get(p, ()):
             self.extra[p].discard(r)
         if self.owner[p] == r:
