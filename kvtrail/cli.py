@@ -42,7 +42,7 @@ def demo(db: str, seed: int, requests: int) -> None:
     SIGTERM stops it like Ctrl-C: the running stack drains and flushes its audit, then it exits (code 2).
     """
     from kvtrail.demo import run_demo
-    from kvtrail.serving.shutdown import interrupt_on_stop_signals
+    from kvtrail.signals import interrupt_on_stop_signals
 
     with interrupt_on_stop_signals():
         run_demo(db, seed=seed, requests=requests)
@@ -79,8 +79,8 @@ def serve(db: str, mode: str, incident: bool, faults: tuple[str, ...], audit_flu
     from dataclasses import replace
 
     from kvtrail.serving.config import Faults, StackConfig
-    from kvtrail.serving.shutdown import interrupt_on_stop_signals
     from kvtrail.serving.stack import Stack
+    from kvtrail.signals import interrupt_on_stop_signals
 
     changes = {k: v for k, v in sizes.items() if v is not None}
     changes.update(mode=mode, faults=Faults(**{f: True for f in faults}), drain_timeout_s=drain_timeout_s)

@@ -4,11 +4,8 @@ window (as a table or a file), and the disclosure report with its verification."
 from __future__ import annotations
 
 import shutil
-import signal
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -54,6 +51,7 @@ from kvtrail.forensics.tables import (
     window_scope,
 )
 from kvtrail.outputs import check_out_dir, refuse_clobber, write_file_atomically
+from kvtrail.signals import interrupt_on_stop_signals
 from kvtrail.timeutil import format_utc, parse_utc
 
 FORMATS = ("table", "csv", "json", "parquet")
@@ -300,7 +298,7 @@ def watch(db, interval, polls, allow_tenant_cache_sharing) -> None:
     online = OnlineReplay(ForensicsPolicy(allow_tenant_cache_sharing=allow_tenant_cache_sharing))
     done = 0
     try:
-        with _sigterm_interrupts():
+        with interrupt_on_stop_signals():
             while True:
                 try:
                     con = open_store(db)
@@ -326,24 +324,6 @@ def _finding_line(f) -> str:
     victims = ",".join(v or NEVER_WRITTEN for v in f.victim_request_ids)
     return printable(f"{format_utc(f.last_ns)} {f.code} {f.severity:<8} {f.node} request {f.request_id} "
                      f"({f.tenant_id})" + (f" victims {victims}" if victims else "") + f": {f.detail}")
-
-
-@contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM (a service manager, ``kill``) stops the command as Ctrl-C does; the old handler is back after."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    try:
-        old = signal.signal(signal.SIGTERM, interrupt)
-        installed = True
-    except ValueError:  # not the main thread (an embedding program): signals stay its business
-        installed = False
-    try:
-        yield
-    finally:
-        if installed:  # None: the old handler was not set from Python; the default is the closest
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)
 
 
 @forensics.command()

@@ -42,7 +42,7 @@ from kvtrail.serving.messages import (
     WorkerInfo,
     WorkerReady,
 )
-from kvtrail.serving.shutdown import stop_signals_ignored
+from kvtrail.signals import stop_signals_ignored
 
 if TYPE_CHECKING:
     import uvicorn

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from kvtrail import __version__
 from kvtrail.serving.messages import WorkerFailed, WorkerInfo, WorkerReady
-from kvtrail.serving.shutdown import ignore_stop_signals
+from kvtrail.signals import ignore_stop_signals
 
 if TYPE_CHECKING:
     from kvtrail.audit.contract import AuditRecorder

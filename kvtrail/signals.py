@@ -1,4 +1,4 @@
-"""Stop signals of the reference stack: SIGTERM is handled like SIGINT (Ctrl-C) in every process.
+"""Stop signals: SIGTERM is handled like SIGINT (Ctrl-C) by every long-running kvtrail command.
 
 ``docker stop`` sends SIGTERM to the container's first process; ``systemctl stop`` sends it to every
 process of the unit. The process that owns the store (the router, ``kvtrail serve``) turns either
@@ -6,7 +6,8 @@ signal into :class:`KeyboardInterrupt` in its main thread, so one path runs for 
 drain the requests in flight (bounded), close every recorder (each writes ``recorder_closed``), close
 the store. While that runs a second signal is ignored, so it cannot cut the flush short. Workers
 ignore both signals: the router stops them once their in-flight requests are drained, and a signal
-sent to the whole process group must not take them down before that.
+sent to the whole process group must not take them down before that. ``kvtrail forensics watch`` stops
+polling on either signal the same way.
 """
 
 from __future__ import annotations
