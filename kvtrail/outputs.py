@@ -37,6 +37,25 @@ def _neutralised(col: pl.Expr) -> pl.Expr:
     return pl.when(col.str.slice(0, 1).is_in(FORMULA_LEADS)).then(pl.lit("'") + col).otherwise(col)
 
 
+def _list_as_text(dtype: pl.DataType, col: str) -> pl.Expr:
+    """A list column joined for CSV: scalars with ",", structs (evidence) as "a:b;c:d"."""
+    inner = dtype.inner if isinstance(dtype, pl.List) else None
+    if isinstance(inner, pl.Struct):
+        fields = [f.name for f in inner.fields]
+        return pl.col(col).list.eval(pl.concat_str(
+            [pl.element().struct.field(f).cast(pl.Utf8).fill_null("") for f in fields], separator=":")
+        ).list.join(";")
+    return pl.col(col).list.eval(pl.element().cast(pl.Utf8).fill_null("")).list.join(",")
+
+
+def csv_frame(df: pl.DataFrame) -> pl.DataFrame:
+    """``df`` with every list column joined into text (CSV holds no nested values) and text cells that
+    would run as a spreadsheet formula neutralised; nothing dropped."""
+    joined = df.with_columns([_list_as_text(dt, c).alias(c) for c, dt in df.schema.items()
+                              if isinstance(dt, pl.List)])
+    return neutralise_csv(joined)
+
+
 def _store_paths(store: str | Path) -> set[str]:
     """The names a store goes by: as given (DuckDB puts its companions beside that name) and resolved."""
     given = Path(os.path.abspath(store))

@@ -43,14 +43,13 @@ from kvtrail.forensics.tables import (
     FINDINGS,
     THRESHOLDS,
     TableView,
-    csv_frame,
     json_text,
     printable,
     render_table,
     terminal_text,
     window_scope,
 )
-from kvtrail.outputs import check_out_dir, refuse_clobber, write_file_atomically
+from kvtrail.outputs import check_out_dir, csv_frame, refuse_clobber, write_file_atomically
 from kvtrail.signals import interrupt_on_stop_signals
 from kvtrail.timeutil import format_utc, parse_utc
 

@@ -216,10 +216,12 @@ def ask_findings(store: Store, w: Window = Window(), *, codes: tuple[str, ...] =
         raise KvtrailError(f"--code: unknown finding code {bad[0]!r}; known: {', '.join(CODES)}")
     with _connected(store) as con:
         check_exclusions(con, exclusions)
-        found, withheld = withhold_incomplete(findings_of(con, w, engine=engine, policy=policy),
-                                              incomplete_requests(con, w, window_ends(con, w)))
+        ends = window_ends(con, w)
+        incomplete = incomplete_requests(con, w, ends)
+        found, withheld = withhold_incomplete(findings_of(con, w, engine=engine, policy=policy), incomplete)
         df, excluded, gaps = findings_frame(found, w, codes), excluded_requests(con, exclusions), coverage_gaps(con)
-        notes, warnings = _symptom_notes(con, w), integrity_warnings(con, w, len(withheld))
+        notes = _symptom_notes(con, w)
+        warnings = integrity_warnings(con, w, ends=ends, incomplete=incomplete, withheld=len(withheld))
     hit = excluded_mask(excluded, exclusions)
     return Answer(df.filter(~hit), df.filter(hit), gaps, notes, warnings, found=tuple(found))
 

@@ -133,10 +133,15 @@ def unclean_end_warnings(ends: list[UncleanEnd], incomplete: pl.DataFrame, withh
     return tuple(out)
 
 
-def integrity_warnings(con: duckdb.DuckDBPyConnection, w: Window = Window(),
+def integrity_warnings(con: duckdb.DuckDBPyConnection, w: Window = Window(), *,
+                       ends: list[UncleanEnd] | None = None, incomplete: pl.DataFrame | None = None,
                        withheld: int = 0) -> tuple[str, ...]:
     """The warnings every answer over the window carries: shared transfer ids, unclean ends and the
-    requests they leave incomplete (``withheld``: how many findings the caller withheld for them)."""
+    requests they leave incomplete (``ends``/``incomplete``: when the caller has them already;
+    ``withheld``: how many findings the caller withheld for them)."""
     text = shared_transfer_warning(shared_transfer_ids(con, w))
-    ends = window_ends(con, w)
-    return ((text,) if text else ()) + unclean_end_warnings(ends, incomplete_requests(con, w, ends), withheld)
+    if ends is None:
+        ends = window_ends(con, w)
+    if incomplete is None:
+        incomplete = incomplete_requests(con, w, ends)
+    return ((text,) if text else ()) + unclean_end_warnings(ends, incomplete, withheld)

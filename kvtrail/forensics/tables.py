@@ -7,7 +7,7 @@ ISO UTC in columns renamed ``*_ns`` -> ``*_at``, long ids shortened in the middl
 short joins. Ids come from producers, so every cell is stripped of control characters and printed as
 plain text (never as markup or escape sequences), and the file forms printed to a terminal are escaped
 the same way (:func:`terminal_text`). CSV text cells that a spreadsheet would run as a formula get a
-leading ``'`` (:func:`kvtrail.outputs.neutralise_csv`).
+leading ``'`` (:func:`kvtrail.outputs.csv_frame`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtrail.forensics.findings import CODES, NEVER_WRITTEN, UNKNOWN_TENANT
-from kvtrail.outputs import neutralise_csv
 from kvtrail.timeutil import format_utc
 
 ELLIPSIS = "…"
@@ -207,25 +206,6 @@ def _print_table(console: Console, df: pl.DataFrame, view: TableView, scope: str
     left_out = [c for c in df.columns if c not in shown]
     if left_out:
         console.print(Text(f"({len(left_out)} more columns in --format csv/json/parquet)"))
-
-
-def _list_as_text(dtype: pl.DataType, col: str) -> pl.Expr:
-    """A list column joined for CSV: scalars with ",", structs (evidence) as "a:b;c:d"."""
-    inner = dtype.inner if isinstance(dtype, pl.List) else None
-    if isinstance(inner, pl.Struct):
-        fields = [f.name for f in inner.fields]
-        return pl.col(col).list.eval(pl.concat_str(
-            [pl.element().struct.field(f).cast(pl.Utf8).fill_null("") for f in fields], separator=":")
-        ).list.join(";")
-    return pl.col(col).list.eval(pl.element().cast(pl.Utf8).fill_null("")).list.join(",")
-
-
-def csv_frame(df: pl.DataFrame) -> pl.DataFrame:
-    """``df`` with every list column joined into text (CSV holds no nested values) and text cells that
-    would run as a spreadsheet formula neutralised; nothing dropped."""
-    joined = df.with_columns([_list_as_text(dt, c).alias(c) for c, dt in df.schema.items()
-                              if isinstance(dt, pl.List)])
-    return neutralise_csv(joined)
 
 
 def json_text(df: pl.DataFrame) -> str:

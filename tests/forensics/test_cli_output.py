@@ -14,7 +14,8 @@ from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.store import AuditStore
 from kvtrail.cli import main
 from kvtrail.forensics import tables
-from kvtrail.forensics.tables import AFFECTED, csv_frame, printable, render_table, shorten
+from kvtrail.forensics.tables import AFFECTED, printable, render_table, shorten
+from kvtrail.outputs import csv_frame
 from tests.conftest import alloc, config, event, producer
 from tests.forensics.incident_fixture import build
 

@@ -43,7 +43,7 @@ from kvtrail.forensics.symptoms import (
     window_ends,
     withhold_incomplete,
 )
-from kvtrail.outputs import neutralise_csv, write_dir_atomically
+from kvtrail.outputs import csv_frame, write_dir_atomically
 
 DATA_FILES = ("affected_responses", "exposed_tenants")
 
@@ -187,7 +187,7 @@ def _write_files(report: Report, out: Path, store_name: str) -> dict:
                                             pl.lit(None, pl.Utf8).alias("reason"))
     affected = _with_times(pl.concat([unmarked, report.excluded_affected], how="vertical_relaxed"))
     for name, df in (("affected_responses", affected), ("exposed_tenants", report.exposed)):
-        neutralise_csv(_joined(df)).write_csv(out / f"{name}.csv")
+        csv_frame(df).write_csv(out / f"{name}.csv")
         (out / f"{name}.json").write_text(json.dumps(df.to_dicts(), indent=1, default=str) + "\n", encoding="utf-8")
         written += [f"{name}.csv", f"{name}.json"]
     blocks = disclosure.report_blocks(report, store_name)
@@ -196,12 +196,6 @@ def _write_files(report: Report, out: Path, store_name: str) -> dict:
     render.pdf(blocks, out / "report.pdf", title=disclosure.title(report))
     written += ["report.md", "report.html", "report.pdf"]
     return manifest.write_manifest(report, out, written, store_name)
-
-
-def _joined(df: pl.DataFrame) -> pl.DataFrame:
-    """List columns joined with "," (CSV has no lists; the JSON files keep them as arrays); text cells
-    that a spreadsheet would run as formulas are neutralised by the caller (``neutralise_csv``)."""
-    return df.with_columns([pl.col(c).list.join(",") for c, t in df.schema.items() if t == pl.List(pl.Utf8)])
 
 
 def _with_times(df: pl.DataFrame) -> pl.DataFrame:
