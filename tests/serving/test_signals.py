@@ -74,6 +74,9 @@ def killed_run(tmp_path_factory):
     try:
         for i in range(2):
             assert _complete(serve.url, f"first run {i}").status_code == 200
+        # The recorder's contract: an event waits in memory at most its flush interval (1 s in the stack).
+        # Wait well past it, so what the killed worker recorded before this point must be in the store.
+        time.sleep(3.0)
         os.kill(serve.decode_pid, signal.SIGKILL)  # the worker this test's serve started, by its pid
     finally:
         rc = serve.wait()
