@@ -6,12 +6,17 @@ from rounds import Spread, at_least, per_round_ratios
 
 from kvtrail.audit.store import CheckpointPolicy
 
-GOAL_PAGE_EVENTS_PER_S = 50e6
-LIMITS = ("limit-wide", "limit-narrow")
+# The performance issue's goals: a decode-heavy shape at >= 0.6 of the narrow-table limit (>= 37 M/s here)
+# and faster than the list-per-event baseline; a PD prefill shape (no decode growth) at >= 100 M/s.
+GOAL_DECODE_PAGE_EVENTS_PER_S = 37e6
+GOAL_PREFILL_PAGE_EVENTS_PER_S = 100e6
+GOAL_FRACTION_OF_NARROW = 0.6
+LIMITS = ("limit-kinds", "limit-wide", "limit-narrow")
 RATE = "page_events_per_s_incl_checkpoint"  # what rates, ratios and the verdict use
 
 
-def report(methods: list[str], rounds: list[dict[str, dict]], num_batches: int, policy: CheckpointPolicy) -> dict:
+def report(methods: list[str], rounds: list[dict[str, dict]], num_batches: int, policy: CheckpointPolicy,
+           goal_page_events_per_s: float = GOAL_DECODE_PAGE_EVENTS_PER_S) -> dict:
     """Print per method min / median / max over the rounds, kvtrail's per-round ratios and the verdict."""
 
     def per_round(m: str, key: str) -> list[float]:
@@ -36,7 +41,7 @@ def report(methods: list[str], rounds: list[dict[str, dict]], num_batches: int, 
           "the data is written); insert only, k events/s, insert s, ckpt s: medians. kvtrail validates and stores "
           "every event column plus the hash chain; naive and list store page ids only, unvalidated; the limits "
           "append kvtrail's already-encoded rows)")
-    out: dict = {"methods": summary, "ratios": {}, "goal_page_events_per_s": GOAL_PAGE_EVENTS_PER_S, "pass": None}
+    out: dict = {"methods": summary, "ratios": {}, "goal_page_events_per_s": goal_page_events_per_s, "pass": None}
     if "kvtrail" not in methods:
         return out
     kv = per_round("kvtrail", RATE)
@@ -50,10 +55,16 @@ def report(methods: list[str], rounds: list[dict[str, dict]], num_batches: int, 
         what = "kvtrail as a fraction of" if m in LIMITS else "kvtrail /"
         print(f"{what} {m}: {s.text(fmt='.2f')} (min / median / max of {len(ratio)} rounds, per round)"
               + ("" if m in LIMITS else f"; {m} faster in {sum(x < 1 for x in ratio)} of {len(ratio)} rounds"))
-    v = at_least(f">= {GOAL_PAGE_EVENTS_PER_S / 1e6:.0f} M page-events/s sustained", kv, GOAL_PAGE_EVENTS_PER_S)
+    v = at_least(f">= {goal_page_events_per_s / 1e6:.0f} M page-events/s sustained", kv, goal_page_events_per_s)
     print(f"goal {v.goal} (kvtrail, worst of {v.rounds} rounds): {v.worst / 1e6:.1f} M/s -> {v.word}")
     out["pass"] = v.passed
     out["worst_page_events_per_s"] = v.worst
+    for m, goal, threshold in (("limit-narrow", f">= {GOAL_FRACTION_OF_NARROW} of the narrow-table limit",
+                                GOAL_FRACTION_OF_NARROW), ("list", "faster than the list-per-event baseline", 1.0)):
+        if m in out["ratios"]:
+            rv = at_least(goal, out["ratios"][m]["per_round"], threshold)
+            print(f"goal {rv.goal} (kvtrail, worst of {rv.rounds} rounds): {rv.worst:.2f} -> {rv.word}")
+            out[f"pass_vs_{m}"] = rv.passed
     ck = per_round("kvtrail", "policy_checkpoint_s")
     n_ck = rounds[-1]["kvtrail"]["policy_checkpoints"]
     print(f"checkpoint policy ({policy.max_wal_bytes / 2**20:.0f} MB of WAL or {policy.max_interval_s:g} s): "

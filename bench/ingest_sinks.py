@@ -5,8 +5,11 @@ page ids only; the limits store what kvtrail stores, from rows already encoded (
 any timing, by reading back one untimed kvtrail ingest of the same batches), appended as Arrow with
 no Python per event:
 
-  limit-wide    today's ``events`` table (every column of kvtrail's schema; the batch's non-null ones
-                inserted, as AuditStore does) plus ``page_runs``, one transaction per batch
+  limit-kinds   today's tables (store format 2): each kind's events into its own table, only the columns
+                that kind may carry (the part's non-null ones inserted, as AuditStore does), plus
+                ``page_runs``, one transaction per batch
+  limit-wide    store format 1's single ``events`` table (every column of the schema), the layout before
+                the kind tables, plus ``page_runs``
   limit-narrow  the narrowest tables that hold the same information: events as 10 columns (producer,
                 seq, kind code, two clocks, request number, the kind's one enum as a code, token range,
                 page count), a requests table (number, id, transfer id, tenant) with a row per request
@@ -24,6 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvtrail.audit.events import ALLOC_PURPOSES, FREE_REASONS, KIND_NAMES, WRITE_SOURCES
+from kvtrail.audit.layout import EVENTS_SCHEMA, column_type, kind_columns, table_name
 from kvtrail.audit.store import DEFAULT_CHECKPOINT, RUN_COLUMNS, AuditStore, CheckpointPolicy, schema_ddl
 
 UNBOUNDED_WAL = CheckpointPolicy(max_wal_bytes=256 * 2**20, max_interval_s=math.inf)  # before CheckpointPolicy
@@ -158,6 +162,7 @@ class Encoded:
     def __init__(self, store_path: str, num_batches: int) -> None:
         con = duckdb.connect(store_path, read_only=True)
         self.wide: list[tuple[pa.Table, str]] = []  # (rows, the columns inserted: those not all null)
+        self.kinds: list[list[tuple[str, pa.Table, str]]] = []  # per batch: (kind table, rows, columns)
         self.runs: list[pa.Table] = []
         self.narrow: list[tuple[pa.Table, pa.Table]] = []  # (events, requests first seen in the batch)
         seen: dict[str, int] = {}
@@ -168,11 +173,24 @@ class Encoded:
             used = [c for c in ev.column_names if ev.column(c).null_count < ev.num_rows]
             left_out.update(c for c in used if c not in NARROW_SOURCES)
             self.wide.append((ev.select(used), ", ".join(used)))
+            self.kinds.append(_by_kind(ev))
             self.runs.append(con.sql(f"SELECT {RUN_COLUMNS} FROM page_runs WHERE batch_no = ? "
                                      "ORDER BY seq, list, pos", params=[b]).to_arrow_table().combine_chunks())
             self.narrow.append(_narrow(ev, seen))
         con.close()
         self.left_out = sorted(left_out)
+
+
+def _by_kind(ev: pa.Table) -> list[tuple[str, pa.Table, str]]:
+    """One batch's rows split as AuditStore splits them: per kind, that kind's non-null columns."""
+    out = []
+    kinds = ev.column("kind")
+    for kind in KIND_NAMES:
+        part = ev.filter(pc.equal(kinds, kind))
+        if part.num_rows:
+            used = [c for c in kind_columns(kind) if part.column(c).null_count < part.num_rows]
+            out.append((table_name(kind), part.select(used).combine_chunks(), ", ".join(used)))
+    return out
 
 
 def _narrow(ev: pa.Table, seen: dict[str, int]) -> tuple[pa.Table, pa.Table]:
@@ -204,13 +222,35 @@ def _narrow(ev: pa.Table, seen: dict[str, int]) -> tuple[pa.Table, pa.Table]:
     return events, requests
 
 
+_RUNS_DDL = tuple(st for st in schema_ddl() if st.startswith("CREATE TABLE IF NOT EXISTS page_runs"))
+_KIND_DDL = tuple(st for st in schema_ddl() if st.startswith("CREATE TABLE IF NOT EXISTS events_"))
+assert len(_RUNS_DDL) == 1 and len(_KIND_DDL) == len(KIND_NAMES), "schema_ddl makes page_runs and a table per kind"
+
+
+class LimitKindsSink(_DuckSink):
+    """The rows kvtrail writes, already encoded and split by kind, appended into today's tables and page_runs."""
+
+    name = "limit-kinds"
+    ddl = _KIND_DDL + _RUNS_DDL
+
+    def __init__(self, path: str, encoded: Encoded) -> None:
+        super().__init__(path)
+        self.encoded = encoded
+
+    def append(self, i: int, batch: pa.Table, pid: int) -> None:
+        self.con.begin()
+        for table, rows, cols in self.encoded.kinds[i]:
+            self._insert(table, rows, cols)
+        self._insert("page_runs", self.encoded.runs[i], RUN_COLUMNS)
+        self.con.commit()
+
+
 class LimitWideSink(_DuckSink):
-    """The rows kvtrail writes, already encoded, appended into today's events table and page_runs."""
+    """The same rows into store format 1's one wide events table (the layout before the kind tables)."""
 
     name = "limit-wide"
-    ddl = tuple(s for s in schema_ddl() if s.startswith(("CREATE TABLE IF NOT EXISTS events",
-                                                          "CREATE TABLE IF NOT EXISTS page_runs")))
-    assert len(ddl) == 2 and "page_runs" in ddl[1], "schema_ddl makes events, then page_runs"
+    ddl = ("CREATE TABLE events (" + ", ".join(f"{f.name} {column_type(f.name)}" for f in EVENTS_SCHEMA) + ")",
+           *_RUNS_DDL)
 
     def __init__(self, path: str, encoded: Encoded) -> None:
         super().__init__(path)
@@ -228,7 +268,7 @@ class LimitNarrowSink(_DuckSink):
     """The same information in the narrowest tables: 10-column events, requests once, page_runs."""
 
     name = "limit-narrow"
-    ddl = NARROW_DDL + LimitWideSink.ddl[1:]
+    ddl = NARROW_DDL + _RUNS_DDL
 
     def __init__(self, path: str, encoded: Encoded) -> None:
         super().__init__(path)

@@ -1,5 +1,6 @@
 """The ``kvtrail`` command: one subcommand group per area (``kvtrail audit ...``) plus ``kvtrail demo``,
-``kvtrail serve`` and ``kvtrail simulate`` (the fleet trace simulator).
+``kvtrail serve`` (the audit service), ``kvtrail stack`` (the reference PD stack) and ``kvtrail simulate``
+(the fleet trace simulator).
 
 Bad input ends with one line on stderr and exit code 2; a failed check (e.g. a broken chain) with 1.
 """
@@ -13,8 +14,13 @@ import duckdb
 
 from kvtrail import __version__
 from kvtrail.audit.cli import audit
-from kvtrail.errors import KvtrailError
+from kvtrail.dashboards.cli import dashboard
+from kvtrail.errors import KvtrailError, StoreError
 from kvtrail.forensics.cli import forensics
+from kvtrail.forensics.lake.cli import lake
+from kvtrail.preflight.cli import preflight
+from kvtrail.service.cli import token
+from kvtrail.service.config import BANNER, ServeConfig
 from kvtrail.serving.config import StackConfig
 from kvtrail.sim.cli import simulate
 
@@ -27,8 +33,12 @@ def cli() -> None:
 
 _STACK_DEFAULTS = StackConfig()
 cli.add_command(audit)
+cli.add_command(dashboard)
 cli.add_command(forensics)
+cli.add_command(lake)
+cli.add_command(preflight)
 cli.add_command(simulate)
+cli.add_command(token)
 
 
 @cli.command()
@@ -68,7 +78,7 @@ def demo(db: str, seed: int, requests: int) -> None:
                    "each producer's newest events (verify reports such an unclean end with this bound).")
 @click.option("--drain-timeout-s", type=click.FloatRange(0), default=_STACK_DEFAULTS.drain_timeout_s,
               show_default=True, help="On SIGINT/SIGTERM: how long to wait for requests in flight.")
-def serve(db: str, mode: str, incident: bool, faults: tuple[str, ...], audit_flush_interval_s: float,
+def stack(db: str, mode: str, incident: bool, faults: tuple[str, ...], audit_flush_interval_s: float,
           drain_timeout_s: float, **sizes) -> None:
     """Run the reference PD stack (router, prefill, decode) until SIGINT (Ctrl-C) or SIGTERM; prints the router's URL.
 
@@ -99,11 +109,52 @@ def serve(db: str, mode: str, incident: bool, faults: tuple[str, ...], audit_flu
             failed = stack.failed_workers() or {role: p.exitcode or 0 for role, p in stack.procs.items()
                                                 if not p.is_alive()}
             what = ", ".join(f"{role} worker exited with code {code}" for role, code in failed.items())
-            click.echo(f"kvtrail serve: {what}; stopping the stack (worker log: {stack.worker_log_path})", err=True)
+            click.echo(f"kvtrail stack: {what}; stopping the stack (worker log: {stack.worker_log_path})", err=True)
         except KeyboardInterrupt:
             click.echo("stopping")
     if failed:
         raise SystemExit(1)
+
+
+_SERVE_DEFAULTS = ServeConfig()
+
+
+@cli.command()
+@click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False),
+              help="DuckDB audit store the service owns (created if missing).")
+@click.option("--host", default=_SERVE_DEFAULTS.host, show_default=True, help="Address to bind.")
+@click.option("--port", default=_SERVE_DEFAULTS.port, show_default=True, type=click.IntRange(0, 65535),
+              help="Port to bind; 0 lets the OS pick one (the first line of output names it).")
+@click.option("--tokens", "tokens_file", type=click.Path(exists=True, dir_okay=False),
+              help="Token file whose tokens the store gains at start (see 'kvtrail token add --file').")
+@click.option("--max-body-bytes", default=_SERVE_DEFAULTS.max_body_bytes, show_default=True,
+              type=click.IntRange(1), help="Largest ingest request body; larger ones get HTTP 413.")
+@click.option("--drain-timeout-s", default=_SERVE_DEFAULTS.drain_timeout_s, show_default=True,
+              type=click.FloatRange(0), help="On SIGINT/SIGTERM: how long to wait for requests in flight.")
+def serve(db: str, host: str, port: int, tokens_file: str | None, max_body_bytes: int,
+          drain_timeout_s: float) -> None:
+    """Run the audit service (HTTP ingest, live judge, query API) until SIGINT or SIGTERM.
+
+    The first line of output is `kvtrail service listening on http://HOST:PORT`. On either signal it
+    stops accepting, commits the batches in flight, judges them, closes the store and exits 0. A store
+    another process holds is refused with one line and exit code 1.
+    """
+    try:
+        from kvtrail.service.server import run_service
+    except ImportError as exc:  # FastAPI and uvicorn come with an extra, not the base install
+        raise KvtrailError(f"kvtrail serve needs FastAPI and uvicorn (the 'serving' extra): {exc}") from None
+    try:
+        run_service(db, ServeConfig(host=host, port=port, max_body_bytes=max_body_bytes,
+                                    drain_timeout_s=drain_timeout_s), tokens_file=tokens_file,
+                    ready=lambda url: click.echo(BANNER.format(url=url)))
+    except StoreError as exc:
+        if "in use by another process" not in str(exc):
+            raise
+        click.echo(f"error: {exc}", err=True)
+        raise SystemExit(1) from None
+    except OSError as exc:  # the address is taken or not ours to bind
+        click.echo(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}", err=True)
+        raise SystemExit(1) from None
 
 
 def main(argv: list[str] | None = None) -> int:

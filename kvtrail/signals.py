@@ -1,7 +1,7 @@
 """Stop signals: SIGTERM is handled like SIGINT (Ctrl-C) by every long-running kvtrail command.
 
 ``docker stop`` sends SIGTERM to the container's first process; ``systemctl stop`` sends it to every
-process of the unit. The process that owns the store (the router, ``kvtrail serve``) turns either
+process of the unit. The process that owns the store (the router, ``kvtrail stack``) turns either
 signal into :class:`KeyboardInterrupt` in its main thread, so one path runs for both: stop accepting,
 drain the requests in flight (bounded), close every recorder (each writes ``recorder_closed``), close
 the store. While that runs a second signal is ignored, so it cannot cut the flush short. Workers

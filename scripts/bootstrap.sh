@@ -13,6 +13,10 @@ python=${PYTHON:-python3}
 # Korean). The tests also read PDFs back as text (pdftotext, from poppler-utils).
 debs=(libibverbs1 libnuma1 libcurl4 fonts-dejavu-core fonts-wqy-microhei)
 [ "$what" = test ] && debs+=(poppler-utils)
+# The alert rules' tests: promtool, and a real Prometheus and Alertmanager end to end (test only).
+[ "$what" = test ] && debs+=(prometheus prometheus-alertmanager)
+# The dashboard's browser test: Debian's chromium, which Playwright drives (no browser download; test only).
+[ "$what" = test ] && debs+=(chromium)
 need_debs=()
 for pkg in "${debs[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_debs+=("$pkg")
@@ -35,7 +39,11 @@ case "$what" in
     # Lint and types first: they take seconds and name the line.
     .venv/bin/ruff check .
     .venv/bin/mypy
-    exec .venv/bin/python -m pytest -q "$@"
+    # The SGLang plugin's tests run in their own environment with the real sglang wheel (built once,
+    # reused while tests/sglang/requirements.txt is unchanged); in ./.venv they skip.
+    sglang_python=$(bash scripts/sglang-env.sh | tail -n 1)
+    .venv/bin/python -m pytest -q "$@"
+    exec "$sglang_python" -m pytest -q -p no:cacheprovider tests/sglang
     ;;
   *)
     echo "usage: scripts/bootstrap.sh demo|test [args]" >&2

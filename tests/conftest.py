@@ -60,3 +60,19 @@ def run_cli(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
     rc = main(list(argv))
     cap = capsys.readouterr()
     return rc, cap.out.splitlines(), cap.err.splitlines()
+
+
+def event_table(con, producer_id: int, seq: int) -> str:
+    """The table that holds one stored event (store format 2 keeps each kind in a table of its own)."""
+    from kvtrail.audit.layout import table_name
+
+    (kind,) = con.execute("SELECT kind FROM events WHERE producer_id = ? AND seq = ?", [producer_id, seq]).fetchone()
+    return table_name(kind)
+
+
+def delete_stored(con, where: str, params: list | None = None, *, tables: tuple[str, ...] = ("page_runs", "batches")):
+    """DELETE the rows matching ``where`` from every kind's event table and ``tables`` (tampering in tests)."""
+    from kvtrail.audit.layout import KIND_TABLES
+
+    for table in (*KIND_TABLES, *tables):
+        con.execute(f"DELETE FROM {table} WHERE {where}", params)

@@ -89,24 +89,56 @@ def _read(name: str) -> bytes:
         raise KvtrailError(f"{name}: cannot read ({exc.strerror})") from None
 
 
+URL_OPTION = click.option("--url", envvar="KVTRAIL_URL",
+                          help="Ask a running kvtrail service instead of --db (env KVTRAIL_URL).")
+TOKEN_OPTION = click.option("--token", "api_token", envvar="KVTRAIL_TOKEN",
+                            help="Operator API token for --url (env KVTRAIL_TOKEN).")
+
+
 @audit.command()
 @DB_OPTION
+@URL_OPTION
+@TOKEN_OPTION
 @click.option("--public-key", type=click.Path(exists=True, dir_okay=False),
               help="Also check every batch's Ed25519 signature.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--expect-heads", type=click.Path(dir_okay=False),
               help="JSON written earlier by 'kvtrail audit head --json': also fail if a producer's chain is "
                    "behind (newest batches deleted) or forked from those heads.")
-def verify(db: str, public_key: str | None, as_json: bool, expect_heads: str | None) -> None:
+def verify(db: str, url: str | None, api_token: str | None, public_key: str | None, as_json: bool,
+           expect_heads: str | None) -> None:
     """Recompute the hash chain; name the first broken or missing link. Exit 1 if anything fails.
 
     With --expect-heads, also name each producer whose chain no longer reaches its saved head.
+    With --url, the service recomputes it on its store (the JSON adds the service's access-log check).
     """
+    from kvtrail.audit.verify import load_heads
+
+    if url and (public_key or expect_heads):
+        raise KvtrailError("--url: --public-key and --expect-heads need the store itself: run them with --db "
+                           "on a copy ('kvtrail audit backup' makes one while the service runs)")
+    saved = load_heads(expect_heads) if expect_heads else None  # a bad file fails before the long check
+    doc, chain_problems = _verify_remote(url, api_token) if url else _verify_local(db, public_key, saved)
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        _print_verify(doc, chain_problems, saved)
+    if not doc["ok"] or not doc.get("access_log", {"ok": True})["ok"]:
+        sys.exit(1)
+
+
+def _verify_remote(url: str, api_token: str | None) -> tuple[dict, list[str]]:
+    from kvtrail.remote import Client
+
+    doc = Client(url, api_token).verify()
+    return doc, list(doc["problems"])
+
+
+def _verify_local(db: str, public_key: str | None, saved: list | None) -> tuple[dict, list[str]]:
     from kvtrail.audit.chain import SignatureChecker
     from kvtrail.audit.store import connect_readonly, fetch_row
-    from kvtrail.audit.verify import compare_heads, load_heads, verify_store
+    from kvtrail.audit.verify import compare_heads, verify_store
 
-    saved = load_heads(expect_heads) if expect_heads else None  # a bad file fails before the long check
     checker = SignatureChecker(Path(public_key).read_bytes()) if public_key else None
     con = connect_readonly(_existing(db))
     total = fetch_row(con, "SELECT count(*) FROM batches")[0]
@@ -114,50 +146,57 @@ def verify(db: str, public_key: str | None, as_json: bool, expect_heads: str | N
         report = verify_store(con, checker=checker, progress=bar.update)
     head_problems = compare_heads(con, saved) if saved is not None else []
     con.close()
-    ok = report.ok and not head_problems
-    if as_json:
-        click.echo(json.dumps({
-            "ok": ok, "batches_checked": report.batches_checked, "batches_pruned": report.batches_pruned,
-            "events_checked": report.events_checked, "signatures_checked": report.signatures_checked,
-            "heads_checked": len(saved or []), "problems": [str(p) for p in report.problems + head_problems],
-            "coverage": [dict(c.__dict__, unexplained=c.unexplained) for c in report.coverage],
-            "unclean_ends": [dict(u.__dict__, gap_end_ns=u.gap_end_ns) for u in report.unclean_ends]}, indent=2))
+    return report.to_dict(head_problems=head_problems, heads_checked=len(saved or [])), \
+        [str(p) for p in report.problems]
+
+
+def _print_verify(doc: dict, chain_problems: list[str], saved: list | None) -> None:
+    from kvtrail.audit.verify import UncleanEnd
+
+    click.echo(f"checked {doc['batches_checked']} batches ({doc['batches_pruned']} pruned), "
+               f"{doc['events_checked']} events, {doc['signatures_checked']} signatures")
+    for c in doc["coverage"]:
+        click.echo(f"  {c['node']} producer {c['producer_id']}: seq {c['first_seq']}..{c['last_seq']}, "
+                   f"{c['stored_events']} stored, {c['pruned_events']} pruned, {c['missing_events']} missing "
+                   f"({c['explained_by_gaps']} reported by recorder_gap, {c['unexplained']} unexplained)")
+    for u in doc["unclean_ends"]:  # a coverage gap, not a broken chain: the exit code stays 0
+        click.echo(f"  {UncleanEnd(**{k: v for k, v in u.items() if k != 'gap_end_ns'})}")
+    if not chain_problems:
+        click.echo("OK: every link and every batch digest verifies")
     else:
-        click.echo(f"checked {report.batches_checked} batches ({report.batches_pruned} pruned), "
-                   f"{report.events_checked} events, {report.signatures_checked} signatures")
-        for c in report.coverage:
-            click.echo(f"  {c.node} producer {c.producer_id}: seq {c.first_seq}..{c.last_seq}, "
-                       f"{c.stored_events} stored, "
-                       f"{c.pruned_events} pruned, {c.missing_events} missing ({c.explained_by_gaps} reported by "
-                       f"recorder_gap, {c.unexplained} unexplained)")
-        for u in report.unclean_ends:  # a coverage gap, not a broken chain: the exit code stays 0
-            click.echo(f"  {u}")
-        if report.ok:
-            click.echo("OK: every link and every batch digest verifies")
-        else:
-            click.echo(f"FAILED: first problem: {report.first_problem}")
-            for p in report.problems[1:10]:
-                click.echo(f"  also: {p}")
-        if saved is not None and not head_problems:
-            click.echo(f"OK: the store still holds all {len(saved)} saved chain heads")
-        for p in head_problems:  # every one: each names a producer whose history was cut or rewritten
-            click.echo(f"FAILED: saved chain head: {p}")
-    if not ok:
-        sys.exit(1)
+        click.echo(f"FAILED: first problem: {chain_problems[0]}")
+        for p in chain_problems[1:10]:
+            click.echo(f"  also: {p}")
+    head_problems = doc["problems"][len(chain_problems):]
+    if saved is not None and not head_problems:
+        click.echo(f"OK: the store still holds all {len(saved)} saved chain heads")
+    for p in head_problems:  # every one: each names a producer whose history was cut or rewritten
+        click.echo(f"FAILED: saved chain head: {p}")
+    log = doc.get("access_log")
+    if log is not None:
+        click.echo(f"access log: {log['entries']} entries, " + ("OK" if log["ok"] else
+                   f"FAILED at entry {log['first_bad']}: {log['reason']}"))
 
 
 @audit.command()
 @DB_OPTION
+@URL_OPTION
+@TOKEN_OPTION
 @click.option("--json", "as_json", is_flag=True,
               help="Print {\"heads\": [...]} as JSON, the file 'kvtrail audit verify --expect-heads' reads.")
-def head(db: str, as_json: bool) -> None:
+def head(db: str, url: str | None, api_token: str | None, as_json: bool) -> None:
     """Print each producer's chain head (last batch and digest) to anchor outside the store."""
-    from kvtrail.audit.store import connect_readonly
-    from kvtrail.audit.verify import chain_heads
+    if url:
+        from kvtrail.remote import Client
 
-    con = connect_readonly(_existing(db))
-    heads = chain_heads(con)
-    con.close()
+        heads = Client(url, api_token).heads()["heads"]
+    else:
+        from kvtrail.audit.store import connect_readonly
+        from kvtrail.audit.verify import chain_heads
+
+        con = connect_readonly(_existing(db))
+        heads = chain_heads(con)
+        con.close()
     if as_json:
         click.echo(json.dumps({"heads": heads}, indent=1))
         return
@@ -174,6 +213,28 @@ def upgrade(db: str) -> None:
     with AuditStore(_existing(db)) as store:
         added = store.upgraded
     click.echo(f"store {db}: added event field(s) {', '.join(added)}" if added else f"store {db}: already current")
+
+
+@audit.command()
+@DB_OPTION
+def migrate(db: str) -> None:
+    """Convert a store of an older format (format 1: one wide events table) to this kvtrail's format in place.
+
+    One transaction: every event moves into its kind's table and the chain is verified before and after;
+    anything that differs rolls back and leaves the store as it was. Take a 'kvtrail audit backup' first
+    when the store matters: the conversion rewrites the file.
+    """
+    from kvtrail.audit.migrate import migrate_store
+    from kvtrail.audit.storefile import STORE_FORMAT
+
+    res = migrate_store(_existing(db))
+    if res.from_format is None:
+        click.echo(f"store {db}: already format {STORE_FORMAT}, nothing to do")
+        return
+    note = "OK" if res.problems == 0 else f"{res.problems} problem(s), the same as before ('kvtrail audit verify')"
+    click.echo(f"store {db}: format {res.from_format} -> {STORE_FORMAT}: {res.events} events into "
+               f"{res.kind_tables} kind tables in {res.seconds:.1f} s; chain of {res.batches_checked} batches "
+               f"verified before and after: {note}")
 
 
 @audit.command()

@@ -33,7 +33,8 @@ class AuditRecorder(Protocol):
     def node_config(self, *, pool_tokens: int, pool_pages: int, page_size: int, context_tokens: int,
                     max_running_requests: int | None = None, checksum_enabled: bool | None = None,
                     canary_enabled: bool | None = None, deferred_release: bool | None = None,
-                    page_tags: bool | None = None, config_source: str | None = None) -> None: ...
+                    page_tags: bool | None = None, config_source: str | None = None,
+                    release_timeout_ns: int | None = None, transfer_batch_max_pages: int | None = None) -> None: ...
 
     def request_received(self, req: RequestRef, prompt_tokens: int, max_new_tokens: int | None = None) -> None: ...
 

@@ -127,6 +127,11 @@ PAYLOAD_FIELDS: tuple[FieldSpec, ...] = (
     _f("deferred_release", "bool", "Deferred KV release on (pages with writes in flight are not reused)."),
     _f("page_tags", "bool", "Page ownership tags verified before attention reads."),
     _f("config_source", "str", "Where the values came from, e.g. 'server_info', 'startup_log', 'engine'."),
+    _f("release_timeout_ns", "int64", "How long the node holds the pages of an aborted or failed transfer before "
+       "reusing them (deferred release's timeout), nanoseconds: a transfer call that lasts longer can land its "
+       "writes on pages already given to another request.", minimum=1),
+    _f("transfer_batch_max_pages", "int64", "The most pages one transfer call (a Mooncake batch) moves: the bound "
+       "that keeps each call shorter than the release timeout.", minimum=1),
     # recorder gaps
     _f("dropped_events", "int64", "Events the producer could not record.", minimum=0),
     _f("dropped_pages", "int64", "Page entries inside those events.", minimum=0),
@@ -176,7 +181,7 @@ KINDS: dict[str, KindSpec] = {
             "The node's KV pool and integrity configuration; first event of every producer instance.",
             ("pool_tokens", "pool_pages", "page_size", "context_tokens"),
             ("max_running_requests", "checksum_enabled", "canary_enabled", "deferred_release", "page_tags",
-             "config_source"),
+             "config_source", "release_timeout_ns", "transfer_batch_max_pages"),
         ),
         KindSpec("request_received", "A request arrived at this node.",
                  (*_REQ, "tenant_id", "prompt_tokens"), (*_REQ_OPT[:1], "api_key_id", "max_new_tokens")),
@@ -231,7 +236,7 @@ RECORDER_KINDS = ("recorder_gap", "recorder_started", "recorder_closed")
 # such a field is null throughout hashes as format 1 did (see kvtrail.audit.chain), so the chains of
 # stores written before the field existed still verify, and an old store gains the column on its next
 # writable open.
-ADDED_FIELDS: tuple[str, ...] = ("flush_interval_ns",)
+ADDED_FIELDS: tuple[str, ...] = ("flush_interval_ns", "release_timeout_ns", "transfer_batch_max_pages")
 KIND_NAMES = tuple(KINDS)
 KIND_CODES = {name: i for i, name in enumerate(KIND_NAMES)}
 # The payload tuple of one recorded event holds its kind's payload fields in this order; the recorder

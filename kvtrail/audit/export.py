@@ -31,8 +31,9 @@ from typing import Callable
 import duckdb
 
 from kvtrail import __version__
+from kvtrail.audit.layout import insert_from
 from kvtrail.audit.store import AuditStore, connect_readonly, fetch_row, schema_ddl
-from kvtrail.audit.storefile import STORE_FORMAT, connect, wal_path
+from kvtrail.audit.storefile import MIGRATABLE_FORMATS, STORE_FORMAT, connect, wal_path
 from kvtrail.audit.verify import VerifyReport, verify_store
 from kvtrail.errors import ChainError, StoreError
 
@@ -166,9 +167,10 @@ def _read_manifest(in_dir: Path) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
         version = manifest.get("format_version") if isinstance(manifest, dict) else None
         raise StoreError(f"{path}: unsupported export format version {version!r}; this kvtrail reads {FORMAT_VERSION}")
-    if manifest.get("store_format") != STORE_FORMAT:
+    # An export's files have the same columns whatever the layout of the store it came from.
+    if manifest.get("store_format") not in (STORE_FORMAT, *MIGRATABLE_FORMATS):
         raise StoreError(f"{path}: export of store format {manifest.get('store_format')!r}; "
-                         f"this kvtrail reads {STORE_FORMAT}")
+                         f"this kvtrail reads {', '.join((*MIGRATABLE_FORMATS, STORE_FORMAT))}")
     counts, heads = manifest.get("row_counts"), manifest.get("chain_heads")
     if not isinstance(counts, dict) or set(counts) != set(TABLES) or not isinstance(heads, dict):
         raise StoreError(f"{path}: row_counts must name exactly the tables {', '.join(TABLES)}, "
@@ -235,7 +237,9 @@ def _import_table(con: duckdb.DuckDBPyConnection, in_dir: Path, table: str, expe
     # Columns are selected by name, which drops the partition columns (and any key=value segment of in_dir).
     src = (f"read_parquet(?, hive_partitioning={'true' if table in _PARTITION_QUERIES else 'false'}, "
            "hive_types_autocast=false)")
-    if table == "meta":
+    if table == "events":  # split by kind into the kind tables
+        n = insert_from(con, f"(SELECT {cols} FROM {src} ORDER BY {TABLE_KEYS[table]})", [files])
+    elif table == "meta":
         n = fetch_row(con, f"SELECT count(*) FROM {src}", [files])[0]
         con.execute(f"INSERT INTO meta SELECT {cols} FROM {src} WHERE key NOT IN (SELECT key FROM meta)", [files])
     else:

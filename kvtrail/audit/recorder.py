@@ -69,7 +69,8 @@ class RecorderConfig:
 
 
 class Recorder:
-    """Records audit events of one producer into a sink (an AuditStore path, or an object with ``append``).
+    """Records audit events of one producer into a sink: an AuditStore path, a service URL, or an object with
+    ``append``.
 
     Every public recording method is safe to call from any thread and never raises.
     """
@@ -82,7 +83,11 @@ class Recorder:
         self._buffer.begin(config.flush_interval_ns)
         # Bound once: the hot path pays one attribute lookup, as for a method of this class.
         self._put = self._buffer.put
-        if isinstance(sink, (str, Path)):
+        if isinstance(sink, str) and sink.startswith(("http://", "https://")):
+            from kvtrail.audit.httpsink import HttpSink  # httpx only where a service is the sink
+
+            sink = HttpSink.from_url(sink)  # the producer token comes from KVTRAIL_TOKEN
+        elif isinstance(sink, (str, Path)):
             from kvtrail.audit.store import AuditStore  # DuckDB only where the recorder owns the store
 
             sink = AuditStore(sink, signer=signer)
@@ -100,10 +105,12 @@ class Recorder:
     def node_config(self, *, pool_tokens: int, pool_pages: int, page_size: int, context_tokens: int,
                     max_running_requests: int | None = None, checksum_enabled: bool | None = None,
                     canary_enabled: bool | None = None, deferred_release: bool | None = None,
-                    page_tags: bool | None = None, config_source: str | None = None) -> None:
+                    page_tags: bool | None = None, config_source: str | None = None,
+                    release_timeout_ns: int | None = None, transfer_batch_max_pages: int | None = None) -> None:
         self._put(_C["node_config"], None, None, None,
                   (pool_tokens, pool_pages, page_size, context_tokens, max_running_requests, checksum_enabled,
-                   canary_enabled, deferred_release, page_tags, config_source))
+                   canary_enabled, deferred_release, page_tags, config_source, release_timeout_ns,
+                   transfer_batch_max_pages))
 
     def request_received(self, req: RequestRef, prompt_tokens: int, max_new_tokens: int | None = None) -> None:
         self._put(_C["request_received"], req, None, None, (prompt_tokens, max_new_tokens))
@@ -196,7 +203,8 @@ class NullRecorder:
     def node_config(self, *, pool_tokens: int, pool_pages: int, page_size: int, context_tokens: int,
                     max_running_requests: int | None = None, checksum_enabled: bool | None = None,
                     canary_enabled: bool | None = None, deferred_release: bool | None = None,
-                    page_tags: bool | None = None, config_source: str | None = None) -> None:
+                    page_tags: bool | None = None, config_source: str | None = None,
+                    release_timeout_ns: int | None = None, transfer_batch_max_pages: int | None = None) -> None:
         return None
 
     def request_received(self, req: RequestRef, prompt_tokens: int, max_new_tokens: int | None = None) -> None:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from kvtrail.audit import chain
+from kvtrail.audit.layout import delete_batches
 from kvtrail.audit.store import AuditStore, fetch_row
 from kvtrail.errors import StoreError
 
@@ -121,9 +122,9 @@ def prune(store: AuditStore, before_ns: int, *, note: str | None = None, dry_run
         con.execute("INSERT INTO prunes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [prune_id, now, before_ns, nb, int(ne), held, note, prev, digest])
         con.execute("INSERT INTO prune_batches SELECT ?, producer_id, batch_no FROM _pruned", [prune_id])
-        for table in ("events", "page_runs"):
-            con.execute(f"DELETE FROM {table} USING _pruned p WHERE {table}.producer_id = p.producer_id "
-                        f"AND {table}.batch_no = p.batch_no")
+        delete_batches(con, "_pruned")
+        con.execute("DELETE FROM page_runs USING _pruned p WHERE page_runs.producer_id = p.producer_id "
+                    "AND page_runs.batch_no = p.batch_no")
         con.execute("UPDATE batches SET pruned_by = ? FROM _pruned p WHERE batches.producer_id = p.producer_id "
                     "AND batches.batch_no = p.batch_no", [prune_id])
         con.commit()

@@ -7,7 +7,8 @@ connections with :func:`connect_readonly` or :meth:`AuditStore.cursor`.
 
 Tables (see ``docs/events.md`` for the columns):
   producers   one row per producer instance (identity, latest pool size)
-  events      one row per event; page lists live in page_runs
+  events_<kind>  one row per event of that kind (kvtrail.audit.layout); the view ``events`` is their
+              union with every field as a column; page lists live in page_runs
   page_runs   (producer_id, seq, list, pos, page_start, num_pages): list 0 = pages, 1 = dst_pages
   batches     one row per committed batch: seq range, counts, prev digest, digest, signature
   prunes, prune_batches, legal_holds   retention records (see kvtrail.audit.retention)
@@ -24,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import duckdb
@@ -33,10 +34,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvtrail import __version__
-from kvtrail.audit import chain
+from kvtrail.audit import chain, layout
 from kvtrail.audit.arrowutil import flat_list, list_array
-from kvtrail.audit.batch import arrow_type
 from kvtrail.audit.events import ALL_FIELDS, KIND_NAMES, KINDS, PAGE_LIST_FIELDS, PRODUCER_FIELDS
+from kvtrail.audit.layout import EVENT_VALUE_FIELDS, EVENTS_SCHEMA, append_kinds, column_type
 from kvtrail.audit.pagelist import decode_runs, encode_runs
 from kvtrail.audit.storefile import (
     OPENS_TABLE,
@@ -51,37 +52,23 @@ from kvtrail.audit.storefile import (
 from kvtrail.audit.validate import ProducerState, ValidatedBatch, validate_batch
 
 log = logging.getLogger(__name__)
-_SQL_TYPES = {"str": "VARCHAR", "enum": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "uint64": "UBIGINT",
-              "bool": "BOOLEAN", "u64list": "UBIGINT[]", "i64list": "BIGINT[]"}
 _PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
-# Stored event columns: everything but the producer identity (normalised into producers) and the
-# page lists (run-encoded into page_runs), plus the key and the list lengths.
-EVENT_VALUE_FIELDS = tuple(f for f in ALL_FIELDS if f.name not in _PRODUCER_NAMES and f.name not in PAGE_LIST_FIELDS)
-EVENTS_SCHEMA = pa.schema(
-    [pa.field("producer_id", pa.int64()), pa.field("batch_no", pa.int64())]
-    + [pa.field(f.name, arrow_type(f.type)) for f in EVENT_VALUE_FIELDS]
-    + [pa.field("num_pages", pa.int32()), pa.field("num_dst_pages", pa.int32())]
-)
 RUNS_SCHEMA = pa.schema([
     pa.field("producer_id", pa.int64()), pa.field("batch_no", pa.int64()), pa.field("seq", pa.uint64()),
     pa.field("list", pa.int8()), pa.field("pos", pa.int32()), pa.field("page_start", pa.int32()),
     pa.field("num_pages", pa.int32()),
 ])
-EVENT_COLUMNS = ", ".join(f.name for f in EVENTS_SCHEMA)
 RUN_COLUMNS = ", ".join(f.name for f in RUNS_SCHEMA)
 
 
 def schema_ddl() -> list[str]:
     """The statements that make (or complete) a store's tables and views; each is idempotent."""
-    event_cols = ["producer_id BIGINT NOT NULL", "batch_no BIGINT NOT NULL"]
-    event_cols += [f"{f.name} {_SQL_TYPES[f.type]}" for f in EVENT_VALUE_FIELDS]
-    event_cols += ["num_pages INTEGER NOT NULL", "num_dst_pages INTEGER NOT NULL"]
     return [
         "CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL)",
         "CREATE TABLE IF NOT EXISTS producers (producer_id BIGINT PRIMARY KEY, "
         + ", ".join(f"{n} VARCHAR NOT NULL" for n in _PRODUCER_NAMES)
         + ", pool_pages BIGINT, first_seen_ns BIGINT NOT NULL)",
-        f"CREATE TABLE IF NOT EXISTS events ({', '.join(event_cols)})",
+        *layout.ddl(),
         "CREATE TABLE IF NOT EXISTS page_runs (producer_id BIGINT NOT NULL, batch_no BIGINT NOT NULL, "
         "seq UBIGINT NOT NULL, list TINYINT NOT NULL, pos INTEGER NOT NULL, page_start INTEGER NOT NULL, "
         "num_pages INTEGER NOT NULL)",
@@ -113,6 +100,9 @@ class AppendResult:
     num_page_events: int
     num_runs: int
     batches: tuple[tuple[int, int], ...]  # (producer_id, batch_no) committed
+    # The committed events as validated (wire-shaped, as read_events returns them), for a consumer in
+    # the same process that would otherwise read them back (the service's live judge).
+    table: pa.Table | None = field(default=None, repr=False, compare=False)
 
 
 def fetch_row(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> tuple:
@@ -198,15 +188,17 @@ class AuditStore:
         if not (adopt and not store_tables(self.con)):
             check_store(self.con, self.path, upgrading=True)
         self.con.begin()
-        for stmt in schema_ddl():
-            self.con.execute(stmt)
-        types = {f.name: _SQL_TYPES[f.type] for f in EVENT_VALUE_FIELDS}
-        self.upgraded = missing_added_columns(self.con)  # a store an older kvtrail wrote gains later fields
-        for name in self.upgraded:
-            self.con.execute(f"ALTER TABLE events ADD COLUMN {name} {types[name]}")
-        if self.upgraded:  # views over events bind its columns when made
-            for stmt in schema_ddl():
+        stmts = schema_ddl()
+        views = [s for s in stmts if s.startswith("CREATE OR REPLACE VIEW")]  # they bind columns when made
+        for stmt in stmts:
+            if stmt not in views:
                 self.con.execute(stmt)
+        added = missing_added_columns(self.con)  # a store an older kvtrail wrote gains later fields
+        for table, name in added:
+            self.con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {column_type(name)}")
+        self.upgraded = sorted({name for _table, name in added})
+        for stmt in views:
+            self.con.execute(stmt)
         if fetch_row(self.con, "SELECT count(*) FROM meta WHERE key = 'store_format'")[0] == 0:
             self.con.execute("INSERT INTO meta VALUES ('store_format', ?), ('created_ns', ?)",
                              [STORE_FORMAT, str(time.time_ns())])
@@ -278,7 +270,7 @@ class AuditStore:
         num_dst = pc.fill_null(pc.list_value_length(t.column("dst_pages")), 0).cast(pa.int32())
         now = time.time_ns()
         batch_rows, new_producers, new_pools = [], [], {}
-        ev_parts, run_parts, committed = [], [], []
+        ev_parts, run_parts, committed, code_parts = [], [], [], []
         state_after = {}
         for g, pid in enumerate(vb.producer_ids):
             rows = np.flatnonzero(vb.producer_index == g) if len(vb.producer_ids) > 1 else np.arange(n)
@@ -309,6 +301,7 @@ class AuditStore:
                                int(wall[rows].min()), int(wall[rows].max()), now, prev, digest, sig,
                                self.signer.key_id if self.signer else None))
             ev_parts.append(ev)
+            code_parts.append(vb.kind_code[rows])
             run_parts.append(runs)
             committed.append((pid, batch_no))
             if pid not in self._state:
@@ -327,11 +320,7 @@ class AuditStore:
                                 new_producers)
             for pid, pool in new_pools.items():
                 con.execute("UPDATE producers SET pool_pages = ? WHERE producer_id = ?", [pool, pid])
-            con.register("_kv_ev", events_tbl)
-            # Columns null in every row of this batch are left to DuckDB's default (NULL): most of the
-            # payload columns belong to other kinds, and passing them costs as much as real data.
-            used = ", ".join(f.name for f in EVENTS_SCHEMA if events_tbl.column(f.name).null_count < n)
-            con.execute(f"INSERT INTO events ({used}) SELECT {used} FROM _kv_ev")
+            append_kinds(con, events_tbl, np.concatenate(code_parts) if len(code_parts) > 1 else code_parts[0])
             con.register("_kv_runs", runs_tbl)
             con.execute(f"INSERT INTO page_runs ({RUN_COLUMNS}) SELECT {RUN_COLUMNS} FROM _kv_runs")
             for row in batch_rows:  # one execute per row: executemany costs ~1.5 ms even for one row
@@ -341,7 +330,6 @@ class AuditStore:
             con.rollback()
             raise
         finally:
-            con.unregister("_kv_ev")
             con.unregister("_kv_runs")
         for pid, (last_seq, link) in state_after.items():
             st = self._state.setdefault(pid, ProducerState())
@@ -350,7 +338,7 @@ class AuditStore:
                 st.pool_pages = new_pools[pid]
             self._chain[pid] = link
         self.maybe_checkpoint()
-        return AppendResult(n, int(run_len.astype(np.int64).sum()), len(run_row), tuple(committed))
+        return AppendResult(n, int(run_len.astype(np.int64).sum()), len(run_row), tuple(committed), t)
 
     def checkpoint(self) -> None:
         """Write the WAL into the main file now."""

@@ -15,12 +15,16 @@ from pathlib import Path
 import duckdb
 
 from kvtrail.audit.events import ADDED_FIELDS
+from kvtrail.audit.layout import KIND_TABLES, missing_columns
 from kvtrail.errors import StoreError
 
-STORE_FORMAT = "1"
+# Format 2 keeps events in one table per kind (kvtrail.audit.layout); format 1 had one wide events
+# table, and 'kvtrail audit migrate' converts it.
+STORE_FORMAT = "2"
+MIGRATABLE_FORMATS = ("1",)
 # Every table a kvtrail store of this format has; store_opens came later and is created on the
 # next writable open of an older store, so a read-only open does not require it.
-STORE_TABLES = ("meta", "producers", "events", "page_runs", "batches", "prunes", "prune_batches", "legal_holds")
+STORE_TABLES = ("meta", "producers", *KIND_TABLES, "page_runs", "batches", "prunes", "prune_batches", "legal_holds")
 OPENS_TABLE = "store_opens"
 _LOCK_PID = re.compile(r"\(PID (\d+)\)")
 
@@ -59,13 +63,15 @@ def store_tables(con: duckdb.DuckDBPyConnection) -> set[str]:
     return {r[0] for r in rows}
 
 
-def missing_added_columns(con: duckdb.DuckDBPyConnection) -> list[str]:
-    """Event fields added after format 1 (``kvtrail.audit.events.ADDED_FIELDS``) that the store's
-    ``events`` table does not have yet: a store written by an older kvtrail."""
-    rows = con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = 'events' AND schema_name = 'main' "
-                       "AND database_name = current_database()").fetchall()
-    have = {r[0] for r in rows}
-    return [name for name in ADDED_FIELDS if name not in have]
+def missing_added_columns(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str]]:
+    """(table, column) of event fields added later (``kvtrail.audit.events.ADDED_FIELDS``) that the
+    store's kind tables do not have yet: a store written by an older kvtrail."""
+    return missing_columns(con, ADDED_FIELDS)
+
+
+def migrate_hint(path: str | Path, found: str) -> str:
+    return (f"store {path} has format {found} (one wide events table); 'kvtrail audit migrate --db {path}' "
+            f"converts it to format {STORE_FORMAT} in place (its chain stays valid)")
 
 
 def check_store(con: duckdb.DuckDBPyConnection, path: str | Path, *, upgrading: bool = False) -> None:
@@ -78,13 +84,15 @@ def check_store(con: duckdb.DuckDBPyConnection, path: str | Path, *, upgrading: 
         shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
         raise StoreError(f"{path} is a DuckDB database but not a kvtrail store (it holds {shown})")
     fmt = con.execute("SELECT value FROM meta WHERE key = 'store_format'").fetchone()
+    if fmt is not None and fmt[0] in MIGRATABLE_FORMATS:
+        raise StoreError(migrate_hint(path, fmt[0]))
     if fmt is None or fmt[0] != STORE_FORMAT:
         found = fmt[0] if fmt else "unknown"
         raise StoreError(f"store {path} has format {found}; this kvtrail reads format {STORE_FORMAT}")
     missing = [t for t in STORE_TABLES if t not in tables]
     if missing:
         raise StoreError(f"store {path} is incomplete: table(s) {', '.join(missing)} missing; {backup_hint(path)}")
-    older = [] if upgrading else missing_added_columns(con)
+    older = [] if upgrading else sorted({name for _table, name in missing_added_columns(con)})
     if older:
         raise StoreError(f"store {path} was written by an older kvtrail (its events have no {', '.join(older)}): "
                          f"'kvtrail audit upgrade --db {path}' adds them (its chain stays valid)")

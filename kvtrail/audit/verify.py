@@ -24,8 +24,9 @@ import duckdb
 import numpy as np
 
 from kvtrail.audit import chain
+from kvtrail.audit.layout import EVENT_COLUMNS
 from kvtrail.audit.retention import prune_digest
-from kvtrail.audit.store import EVENT_COLUMNS, EVENTS_SCHEMA, RUN_COLUMNS, RUNS_SCHEMA, arrow_query, connect_readonly
+from kvtrail.audit.store import EVENTS_SCHEMA, RUN_COLUMNS, RUNS_SCHEMA, arrow_query, connect_readonly
 from kvtrail.errors import KvtrailError
 from kvtrail.timeutil import format_utc
 
@@ -113,6 +114,17 @@ class VerifyReport:
     @property
     def first_problem(self) -> Problem | None:
         return self.problems[0] if self.problems else None
+
+    def to_dict(self, *, head_problems: list | None = None, heads_checked: int = 0) -> dict:
+        """The document ``kvtrail audit verify --json`` prints (``head_problems``: from --expect-heads)."""
+        extra = [str(p) for p in head_problems or []]
+        return {
+            "ok": self.ok and not extra, "batches_checked": self.batches_checked,
+            "batches_pruned": self.batches_pruned, "events_checked": self.events_checked,
+            "signatures_checked": self.signatures_checked, "heads_checked": heads_checked,
+            "problems": [str(p) for p in self.problems] + extra,
+            "coverage": [dict(c.__dict__, unexplained=c.unexplained) for c in self.coverage],
+            "unclean_ends": [dict(u.__dict__, gap_end_ns=u.gap_end_ns) for u in self.unclean_ends]}
 
 
 def verify_store(db: str | Path | duckdb.DuckDBPyConnection, *, checker: chain.SignatureChecker | None = None,

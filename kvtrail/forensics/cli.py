@@ -1,5 +1,8 @@
 """``kvtrail forensics ...``: findings, affected responses, exposure, thresholds and exploitation in a
-window (as a table or a file), and the disclosure report with its verification."""
+window (as a table or a file), and the disclosure report with its verification.
+
+The query commands read a store file (``--db``) or ask a running service (``--url``/``--token``, or
+``KVTRAIL_URL``/``KVTRAIL_TOKEN``) the same question, and print the same output either way."""
 
 from __future__ import annotations
 
@@ -34,6 +37,25 @@ from kvtrail.forensics import (
     save_findings,
     verify_report,
     write_report,
+)
+from kvtrail.forensics.cli_remote import (
+    Remote,
+    lake_answer,
+    lake_options,
+    local,
+    remote_of,
+    remote_options,
+    remote_report,
+    report_lines,
+    watch_remote,
+    window_params,
+)
+from kvtrail.forensics.lake.questions import (
+    ask_lake_affected,
+    ask_lake_exploitation,
+    ask_lake_exposure,
+    ask_lake_findings,
+    ask_lake_thresholds,
 )
 from kvtrail.forensics.report.manifest import MANIFEST
 from kvtrail.forensics.tables import (
@@ -124,6 +146,7 @@ def _emit(answer, fmt: str, out: str | None, view: TableView, w: Window, db: str
 
 
 def _options(f):
+    f = remote_options(f)
     for opt in reversed([
         click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False)),
         click.option("--from", "from_", help="UTC start of the window (ISO 8601)."),
@@ -208,7 +231,7 @@ def _report_options(from_ns, to_ns, excl, baseline_from, baseline_to, long_promp
 
 @click.group()
 def forensics() -> None:
-    """Forensics over the audit store: findings F1-F10 with evidence, affected responses."""
+    """Forensics over the audit store: findings F1-F11 with evidence, affected responses."""
 
 
 def _policy_options(f):
@@ -238,14 +261,28 @@ def _policy(allow_tenant_cache_sharing: bool, latency_factor: float):
 @_policy_options
 @click.option("--save", is_flag=True, help="Also keep the window's findings in the store (tables findings and "
                                            "forensic_runs); re-running a window adds no duplicates.")
-def findings_cmd(db, from_, to, tenant, node, fmt, out, force, codes, exclude_tenants, exclude_file, engine,
-                 allow_tenant_cache_sharing, latency_factor, save) -> None:
+@lake_options
+def findings_cmd(db, url, api_token, from_, to, tenant, node, fmt, out, force, codes, exclude_tenants, exclude_file,
+                 engine, allow_tenant_cache_sharing, latency_factor, save, lake_url, scheduler, workers) -> None:
     """Every finding in the window, with the event ids that prove it (excluded accounts' requests left out)."""
     _check_out(db, fmt, out, force)
     excl = _exclusions(exclude_tenants, exclude_file)
     policy = _policy(allow_tenant_cache_sharing, latency_factor)
     w = _window(from_, to, tenant, node)
-    answer = ask_findings(db, w, codes=tuple(codes), engine=engine, policy=policy, exclusions=excl)
+    remote = remote_of(url, api_token)
+    if lake_url is not None and (save or engine != "replay"):
+        raise KvtrailError("--lake: not with --save or --engine sql (the lake's partitions are replayed)")
+    answer = lake_answer(lake_url, scheduler, workers, url, lambda lk, ex: ask_lake_findings(
+        lk, w, codes=tuple(codes), policy=policy, exclusions=excl, executor=ex))
+    if answer is None and remote is not None:
+        if save:
+            raise KvtrailError("--save: not with --url (the service's live judge keeps the findings)")
+        answer = remote.answer("/v1/findings", {**window_params(from_, to, tenant, node, excl), "code": list(codes),
+                                                "engine": engine, "latency_factor": latency_factor,
+                                                "allow_tenant_cache_sharing": allow_tenant_cache_sharing or None})
+    elif answer is None:
+        answer = local(lambda: ask_findings(db, w, codes=tuple(codes), engine=engine, policy=policy,
+                                             exclusions=excl))
     if save:
         _save(db, list(answer.found), w, engine, policy)
     if len(answer.excluded):
@@ -256,12 +293,19 @@ def findings_cmd(db, from_, to, tenant, node, fmt, out, force, codes, exclude_te
 @forensics.command()
 @_options
 @_exclusion_options
-def affected(db, from_, to, tenant, node, fmt, out, force, exclude_tenants, exclude_file) -> None:
+@lake_options
+def affected(db, url, api_token, from_, to, tenant, node, fmt, out, force, exclude_tenants, exclude_file,
+             lake_url, scheduler, workers) -> None:
     """Which responses read foreign pages in the window, and whose data it was."""
     _check_out(db, fmt, out, force)
     excl = _exclusions(exclude_tenants, exclude_file)
     w = _window(from_, to, tenant, node)
-    answer = ask_affected(db, w, exclusions=excl)
+    remote = remote_of(url, api_token)
+    answer = lake_answer(lake_url, scheduler, workers, url,
+                         lambda lk, ex: ask_lake_affected(lk, w, exclusions=excl, executor=ex))
+    if answer is None:
+        answer = (remote.answer("/v1/affected", window_params(from_, to, tenant, node, excl)) if remote
+                  else local(lambda: ask_affected(db, w, exclusions=excl)))
     _say_excluded(answer.excluded)
     _emit(answer, fmt, out, AFFECTED, w, db, force)
 
@@ -289,10 +333,18 @@ def _save(db: str, found, w, engine: str, policy) -> None:
               help="Stop after this many polls (0: until Ctrl-C).")
 @click.option("--allow-tenant-cache-sharing", is_flag=True, help="The deployment lets tenants share prefix-cache "
                                                                  "pages: no F10.")
-def watch(db, interval, polls, allow_tenant_cache_sharing) -> None:
+@remote_options
+def watch(db, interval, polls, allow_tenant_cache_sharing, url, api_token) -> None:
     """Tail a store: print each new finding as its batch commits (online replay; cross-node findings are
     provisional until their other half lands). The store is opened read-only for each poll only.
+    With --url, follow a running service's live judge instead (the findings it persists, in the same lines).
     Ctrl-C or SIGTERM stops it (exit 0)."""
+    if url:
+        if allow_tenant_cache_sharing:
+            raise KvtrailError("--allow-tenant-cache-sharing: the service's judge runs with the service's policy; "
+                               "it cannot be set with --url")
+        watch_remote(Remote(url, api_token), interval, polls)
+        return
     require_store(db)
     online = OnlineReplay(ForensicsPolicy(allow_tenant_cache_sharing=allow_tenant_cache_sharing))
     done = 0
@@ -328,12 +380,19 @@ def _finding_line(f) -> str:
 @forensics.command()
 @_options
 @_exclusion_options
-def exposure(db, from_, to, tenant, node, fmt, out, force, exclude_tenants, exclude_file) -> None:
+@lake_options
+def exposure(db, url, api_token, from_, to, tenant, node, fmt, out, force, exclude_tenants, exclude_file,
+             lake_url, scheduler, workers) -> None:
     """Exposure matrix: recipient tenant x victim tenant, with responses, pages and victim requests."""
     _check_out(db, fmt, out, force)
     excl = _exclusions(exclude_tenants, exclude_file)
     w = _window(from_, to, tenant, node)
-    answer = ask_exposure(db, w, exclusions=excl)
+    remote = remote_of(url, api_token)
+    answer = lake_answer(lake_url, scheduler, workers, url,
+                         lambda lk, ex: ask_lake_exposure(lk, w, exclusions=excl, executor=ex))
+    if answer is None:
+        answer = (remote.answer("/v1/exposure", window_params(from_, to, tenant, node, excl)) if remote
+                  else local(lambda: ask_exposure(db, w, exclusions=excl)))
     _say_excluded(answer.excluded)
     _emit(answer, fmt, out, EXPOSURE, w, db, force)
 
@@ -341,11 +400,19 @@ def exposure(db, from_, to, tenant, node, fmt, out, force, exclude_tenants, excl
 @forensics.command()
 @_options
 @_exclusion_options
-def thresholds(db, from_, to, tenant, node, fmt, out, force, exclude_tenants, exclude_file) -> None:
+@lake_options
+def thresholds(db, url, api_token, from_, to, tenant, node, fmt, out, force, exclude_tenants, exclude_file,
+               lake_url, scheduler, workers) -> None:
     """Pool vs advertised context per node, and affected vs unaffected prompts against the prefill pool."""
     _check_out(db, fmt, out, force)
     w = _window(from_, to, tenant, node)
-    answer = ask_thresholds(db, w, exclusions=_exclusions(exclude_tenants, exclude_file))
+    excl = _exclusions(exclude_tenants, exclude_file)
+    remote = remote_of(url, api_token)
+    answer = lake_answer(lake_url, scheduler, workers, url,
+                         lambda lk, ex: ask_lake_thresholds(lk, w, exclusions=excl, executor=ex))
+    if answer is None:
+        answer = (remote.answer("/v1/thresholds", window_params(from_, to, tenant, node, excl)) if remote
+                  else local(lambda: ask_thresholds(db, w, exclusions=excl)))
     _say_excluded(answer.excluded)
     _emit(answer, fmt, out, THRESHOLDS, w, db, force)
 
@@ -354,13 +421,22 @@ def thresholds(db, from_, to, tenant, node, fmt, out, force, exclude_tenants, ex
 @_options
 @_exclusion_options
 @_probe_options
-def exploitation(db, from_, to, tenant, node, fmt, out, force, exclude_tenants, exclude_file, **probe) -> None:
+@lake_options
+def exploitation(db, url, api_token, from_, to, tenant, node, fmt, out, force, exclude_tenants, exclude_file,
+                 lake_url, scheduler, workers, **probe) -> None:
     """Per recipient tenant: over-long prompts in the window vs its own baseline, bursts, and a verdict."""
     _check_out(db, fmt, out, force)
     w = _window(from_, to, tenant, node)
-    require_store(db)
-    options = _report_options(w.from_ns, w.to_ns, _exclusions(exclude_tenants, exclude_file), **probe)
-    answer = ask_exploitation(db, options, w)
+    remote = remote_of(url, api_token)
+    if remote is None and lake_url is None:
+        require_store(db)
+    excl = _exclusions(exclude_tenants, exclude_file)
+    options = _report_options(w.from_ns, w.to_ns, excl, **probe)
+    answer = lake_answer(lake_url, scheduler, workers, url,
+                         lambda lk, ex: ask_lake_exploitation(lk, options, w, executor=ex))
+    if answer is None:
+        answer = (remote.answer("/v1/exploitation", {**window_params(from_, to, tenant, node, excl), **probe})
+                  if remote else local(lambda: ask_exploitation(db, options, w)))
     _emit(answer, fmt, out, EXPLOITATION, w, db, force)
 
 
@@ -375,34 +451,29 @@ def exploitation(db, from_, to, tenant, node, fmt, out, force, exclude_tenants, 
               help="The operator's incident.yaml (contact, times, measures, exclusions, tenant names).")
 @_exclusion_options
 @_probe_options
-def report(db, from_, to, out, force, context, exclude_tenants, exclude_file, **probe) -> None:
-    """Write the disclosure report (Markdown, HTML, PDF, CSV/JSON, report.json manifest) for a window."""
-    require_store(db)
+@remote_options
+def report(db, from_, to, out, force, context, exclude_tenants, exclude_file, url, api_token, **probe) -> None:
+    """Write the disclosure report (Markdown, HTML, PDF, CSV/JSON, report.json manifest) for a window
+    (with --url: the service runs it on a snapshot of its store and sends the files)."""
+    remote = remote_of(url, api_token)
+    if remote is None:
+        require_store(db)
     before = check_out_dir(out, force, protected=(db,))  # refused before the queries run, not after
     ctx = load_context(context) if context else None
     excl = _exclusions(exclude_tenants, exclude_file, ctx.exclusions if ctx else None)
     options = _report_options(parse_utc(from_, field="--from"), parse_utc(to, field="--to"), excl, **probe)
-    con, heads = open_snapshot(db)
+    if remote is not None:
+        remote_report(remote, out, force, db, from_, to, excl, Path(context).read_text(encoding="utf-8")
+                       if context else None, before, probe)
+        return
+    con, heads = local(lambda: open_snapshot(db))
     try:
         r = build_report(con, options, ctx, heads)
     finally:
         con.close()
     manifest = write_report(r, out, Path(db).name, force=force, protected=(db,))
-    ours = {*manifest["files"], MANIFEST}
-    left = [name for name in before if name not in ours]
-    if left:
-        click.echo(printable(f"note: --out: {len(left)} other entries in {out} left as they were (not part of "
-                             f"the report): {', '.join(left[:5])}" + (", ..." if len(left) > 5 else "")), err=True)
-    if len(r.coverage):
-        click.echo(f"warning: coverage gap: {int(r.coverage['unexplained'].sum())} events missing from "
-                   f"{len(r.coverage)} producer(s) without a recorder_gap explaining them; the report says so",
-                   err=True)
-    c = r.counts
-    if c["events_in_window"] == 0:
-        click.echo("the store holds no events in this window", err=True)
-    click.echo(f"{c['affected_responses']} affected responses, {c['recipient_tenants']} recipient tenants, "
-               f"{c['victim_tenants']} victim tenants ({c['excluded_responses']} responses excluded)")
-    click.echo(printable(f"wrote {len(ours)} files to {out}; results digest {manifest['results_digest']}"))
+    report_lines(before, {*manifest["files"], MANIFEST}, out, len(r.coverage),
+                  int(r.coverage["unexplained"].sum()) if len(r.coverage) else 0, r.counts, manifest["results_digest"])
 
 
 @forensics.command(name="verify-report")

@@ -1,4 +1,4 @@
-"""Findings: what forensics concludes from the audit record, in the product's F1..F10 vocabulary.
+"""Findings: what forensics concludes from the audit record, in the product's F1..F11 vocabulary.
 
 A :class:`Finding` names the request it concerns (the *recipient* for reads), the victims whose data
 was exposed, the pages on one node, the time span and the evidence: ``(producer_id, seq)`` keys of
@@ -37,6 +37,7 @@ CODES: dict[str, FindingCode] = {
         FindingCode("F8", "capacity misconfiguration", "medium"),
         FindingCode("F9", "implausible latency", "high"),
         FindingCode("F10", "cross-tenant prefix sharing", "medium"),
+        FindingCode("F11", "transfer outlived release timeout", "high"),
     )
 }
 # A response is affected (it read data it did not own) when its request has one of these. F7's request
@@ -138,6 +139,12 @@ def findings_table(findings: list[Finding]) -> pa.Table:
         cols["pages"].append(list(f.pages))
         cols["evidence"].append([{"producer_id": p, "seq": s} for p, s in f.evidence])
     return pa.table(cols, schema=FINDINGS_SCHEMA)
+
+
+def late_transfer_detail(duration_ns: int, node: str, timeout_ns: int) -> str:
+    """F11 detail: how long the transfer ran against the time its decode node holds the pages."""
+    return (f"transfer ran {duration_ns / 1e9:.3f} s from its first send to its last event; {node} reuses the "
+            f"pages of an aborted transfer after {timeout_ns / 1e9:g} s: a write still in flight lands late")
 
 
 def transfer_mismatch_detail(reserved_tokens: int, reserved_pages: int, problems: list[str], status: str,

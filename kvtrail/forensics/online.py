@@ -59,7 +59,27 @@ class OnlineReplay:
         self._reported: set[str] = set()
         self.num_events = 0
 
+    def feed_committed(self, con: duckdb.DuckDBPyConnection, table: pa.Table, batches: dict[int, int]) -> bool:
+        """Feed batches the caller just committed (``batches``: producer_id -> batch_no, one each; ``table``:
+        their events as validated) without reading them back. Only when each is the next batch of its
+        producer after what was read (or all were read already: True, nothing fed); else nothing is fed,
+        False is returned, and :meth:`poll` reads them.
+        """
+        if all(no <= self.tail.watermark.get(pid, -1) for pid, no in batches.items()):
+            return True  # a poll already read them
+        if any(no != self.tail.watermark.get(pid, -1) + 1 for pid, no in batches.items()):
+            return False
+        if not set(batches) <= set(self.engine.producer_ids.values()):  # a producer not yet known: its id
+            self.tail.producers = {tuple(r[1:]): r[0] for r in con.execute(
+                f"SELECT producer_id, {_PRODUCER_NAMES} FROM producers").fetchall()}
+            self.engine.producer_ids.update(self.tail.producers)
+        self.engine.feed(table)
+        self.num_events += table.num_rows
+        self.tail.watermark.update(batches)
+        return True
+
     def poll(self, con: duckdb.DuckDBPyConnection) -> list[Finding]:
+        """Read and feed the batches committed since the last poll (or feed); the findings new since then."""
         table = self.tail.poll(con)
         if table is not None:
             self.engine.producer_ids.update(self.tail.producers)  # evidence must name stored producer ids

@@ -52,6 +52,9 @@ def worker_main(role: str, cfg, relay_address, relay_authkey: bytes, ready: Conn
     # Ctrl-C and a SIGTERM to the unit reach the whole process group; the router decides when workers
     # stop, after their in-flight requests are drained (so they flush).
     ignore_stop_signals()
+    # The kernels' parallel loops run on an OpenMP pool whose idle threads spin by default: on a shared
+    # machine that spin took most of a worker's CPU between requests. Read when the pool starts, below.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     engine: TransferEngineHandle | None = None
     recorder: AuditRecorder | None = None
     try:

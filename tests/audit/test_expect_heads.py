@@ -11,7 +11,7 @@ import pytest
 from kvtrail.audit.store import connect_readonly, fetch_row
 from kvtrail.audit.verify import compare_heads
 from kvtrail.cli import main
-from tests.conftest import alloc, config, producer
+from tests.conftest import alloc, config, delete_stored, producer
 
 P, D = producer("prefill-0"), producer("decode-0", role="decode")
 
@@ -68,8 +68,7 @@ def test_deleting_a_producers_newest_batches_is_named_as_behind(saved, capsys):
     db, heads = saved
     a = _pid(db, "prefill-0")
     with duckdb.connect(db) as con:  # batches 2..4 of prefill-0 gone: the shorter chain itself is intact
-        for table in ("events", "page_runs", "batches"):
-            con.execute(f"DELETE FROM {table} WHERE producer_id = ? AND batch_no >= 2", [a])
+        delete_stored(con, "producer_id = ? AND batch_no >= 2", [a])
     assert _run(capsys, "audit", "verify", "--db", db)[0] == 0  # what the chain alone can tell
     rc, out, _ = _run(capsys, "audit", "verify", "--db", db, "--expect-heads", heads)
     assert rc == 1
@@ -98,8 +97,7 @@ def test_history_replaced_after_a_truncation_is_named_as_forked(saved, tmp_path,
     db, heads = saved
     a = _pid(db, "prefill-0")
     with duckdb.connect(db) as con:
-        for table in ("events", "page_runs", "batches"):
-            con.execute(f"DELETE FROM {table} WHERE producer_id = ? AND batch_no >= 2", [a])
+        delete_stored(con, "producer_id = ? AND batch_no >= 2", [a])
     # New batches appended through the store itself: a valid chain of the same length, other content.
     _ingest(capsys, db, tmp_path / "forged.jsonl", [alloc(2, [9], rid="x", prod=P)])
     _ingest(capsys, db, tmp_path / "forged2.jsonl", [alloc(3, [9], rid="y", prod=P)])
@@ -135,8 +133,7 @@ def test_compare_heads_judges_each_producer_on_its_own(saved):
     saved_heads = json.loads(open(heads).read())["heads"]
     a = _pid(db, "prefill-0")
     with duckdb.connect(db) as con:
-        for table in ("events", "page_runs", "batches"):
-            con.execute(f"DELETE FROM {table} WHERE producer_id = ? AND batch_no >= 1", [a])
+        delete_stored(con, "producer_id = ? AND batch_no >= 1", [a])
     con = connect_readonly(db)
     try:
         problems = compare_heads(con, saved_heads)

@@ -16,9 +16,9 @@ import pytest
 from kvtrail.audit import chain
 from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.export import TABLE_KEYS, TABLES, export_parquet, import_parquet
+from kvtrail.audit.layout import EVENT_COLUMNS
 from kvtrail.audit.retention import add_hold, prune, release_hold
 from kvtrail.audit.store import (
-    EVENT_COLUMNS,
     EVENTS_SCHEMA,
     RUN_COLUMNS,
     RUNS_SCHEMA,
@@ -26,6 +26,7 @@ from kvtrail.audit.store import (
     arrow_query,
     read_events,
 )
+from kvtrail.audit.storefile import STORE_FORMAT
 from kvtrail.audit.verify import verify_store
 from kvtrail.errors import StoreError
 
@@ -228,7 +229,7 @@ def test_empty_store_round_trip(tmp_path):
     imp = import_parquet(out, dst)
     assert (imp.events, imp.page_runs, imp.batches, imp.producers) == (0, 0, 0, 0)
     with duckdb.connect(str(dst), read_only=True) as con:
-        assert scalar(con, "SELECT value FROM meta WHERE key = 'store_format'") == "1"
+        assert scalar(con, "SELECT value FROM meta WHERE key = 'store_format'") == STORE_FORMAT
 
 
 def test_import_refuses_a_column_of_another_type(tmp_path):

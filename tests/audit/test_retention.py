@@ -6,7 +6,7 @@ from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.retention import add_hold, list_holds, prune, release_hold
 from kvtrail.audit.verify import verify_store
 from kvtrail.errors import StoreError
-from tests.conftest import T0, alloc, config, event, producer
+from tests.conftest import T0, alloc, config, delete_stored, event, producer
 
 P, D = producer("prefill-0"), producer("decode-0", role="decode")
 HOUR = 3600 * 10**9
@@ -82,8 +82,7 @@ def test_tampering_with_the_prune_record_is_caught(aged):
 
 def test_pruning_rows_without_a_record_is_caught(aged):
     aged.con.execute("UPDATE batches SET pruned_by = 9 WHERE batch_no = 1")
-    for t in ("events", "page_runs"):
-        aged.con.execute(f"DELETE FROM {t} WHERE batch_no = 1")
+    delete_stored(aged.con, "batch_no = 1", tables=("page_runs",))
     report = verify_store(aged.con)
     assert not report.ok and "no prune record" in str(report.first_problem)
 

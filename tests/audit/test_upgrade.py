@@ -8,7 +8,8 @@ import pytest
 
 from kvtrail.audit import chain
 from kvtrail.audit.batch import from_dicts
-from kvtrail.audit.events import ADDED_FIELDS
+from kvtrail.audit.events import ADDED_FIELDS, KIND_NAMES
+from kvtrail.audit.layout import kind_columns, table_name
 from kvtrail.audit.store import EVENTS_SCHEMA, AuditStore, connect_readonly
 from kvtrail.audit.verify import verify_store
 from kvtrail.cli import main
@@ -23,6 +24,11 @@ def _events(prod, seq):
                   pages=[seq], purpose="prefill_extend")]
 
 
+def _added_columns():
+    """(kind table, column) of every later field, as this kvtrail stores it."""
+    return [(table_name(k), n) for k in KIND_NAMES for n in ADDED_FIELDS if n in kind_columns(k)]
+
+
 def _old_store(path):
     """A store as an older kvtrail left it: batches without the later fields, and no such columns."""
     prod = producer("decode-0", "decode")
@@ -32,9 +38,10 @@ def _old_store(path):
     import duckdb
 
     with duckdb.connect(str(path)) as con:
-        for name in ADDED_FIELDS:
-            con.execute("DROP VIEW IF EXISTS events_v")
-            con.execute(f"ALTER TABLE events DROP COLUMN {name}")
+        con.execute("DROP VIEW IF EXISTS events_v")
+        con.execute("DROP VIEW IF EXISTS events")
+        for table, name in _added_columns():
+            con.execute(f"ALTER TABLE {table} DROP COLUMN {name}")
     return prod
 
 

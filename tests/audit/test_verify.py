@@ -6,7 +6,7 @@ from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.chain import SignatureChecker, Signer, generate_keypair
 from kvtrail.audit.store import AuditStore
 from kvtrail.audit.verify import verify_store
-from tests.conftest import alloc, config, event, producer
+from tests.conftest import alloc, config, delete_stored, event, event_table, producer
 
 A, B = producer("prefill-0"), producer("decode-0", role="decode")
 
@@ -31,28 +31,46 @@ def _pid(store, node):
     return store.con.execute("SELECT producer_id FROM producers WHERE node = ?", [node]).fetchone()[0]
 
 
+def _swap_seqs(con, a: int) -> None:
+    t4, t5 = event_table(con, a, 4), event_table(con, a, 5)
+    if t4 == t5:
+        con.execute(f"UPDATE {t4} SET seq = CASE seq WHEN 4 THEN 5 ELSE 4 END WHERE seq IN (4, 5) AND producer_id = ?",
+                    [a])
+    else:
+        con.execute(f"UPDATE {t4} SET seq = 5 WHERE seq = 4 AND producer_id = ?", [a])
+        con.execute(f"UPDATE {t5} SET seq = 4 WHERE seq = 5 AND producer_id = ?", [a])
+
+
+def _sql(template: str, seq: int | None = None):
+    def run(con, a: int) -> None:
+        table = event_table(con, a, seq) if seq is not None else ""
+        con.execute(template.format(a=a, t=table))
+    return run
+
+
 TAMPER = {
-    "edit a field": "UPDATE events SET tenant_id = 'mallory' WHERE seq = 4 AND kind = 'pages_allocated' "
-                    "AND producer_id = {a}",
-    "edit a page run": "UPDATE page_runs SET page_start = page_start + 1 WHERE seq = 5 AND producer_id = {a}",
-    "delete an event row": "DELETE FROM events WHERE seq = 6 AND producer_id = {a}",
-    "delete a page run": "DELETE FROM page_runs WHERE seq = 4 AND producer_id = {a} AND pos = 0",
-    "reorder two events": "UPDATE events SET seq = CASE seq WHEN 4 THEN 5 ELSE 4 END WHERE seq IN (4, 5) "
-                          "AND producer_id = {a}",
-    "reorder page runs": "UPDATE page_runs SET pos = CASE pos WHEN 0 THEN 2 ELSE 0 END WHERE seq = 4 "
-                         "AND pos IN (0, 2) AND producer_id = {a}",
-    "move an event to another batch": "UPDATE events SET batch_no = 1 WHERE seq = 7 AND producer_id = {a}",
-    "insert a forged event": "INSERT INTO events SELECT * REPLACE (seq + 100 AS seq) FROM events WHERE seq = 4 "
-                             "AND producer_id = {a}",
-    "edit a batch header": "UPDATE batches SET num_events = num_events - 1 WHERE batch_no = 2 AND producer_id = {a}",
-    "edit a digest": "UPDATE batches SET digest = sha256('x')::BLOB WHERE batch_no = 2 AND producer_id = {a}",
+    "edit a field": _sql("UPDATE {t} SET tenant_id = 'mallory' WHERE seq = 4 AND producer_id = {a}", 4),
+    "edit a page run": _sql("UPDATE page_runs SET page_start = page_start + 1 WHERE seq = 5 AND producer_id = {a}"),
+    "delete an event row": _sql("DELETE FROM {t} WHERE seq = 6 AND producer_id = {a}", 6),
+    "delete a page run": _sql("DELETE FROM page_runs WHERE seq = 4 AND producer_id = {a} AND pos = 0"),
+    "reorder two events": _swap_seqs,
+    "reorder page runs": _sql("UPDATE page_runs SET pos = CASE pos WHEN 0 THEN 2 ELSE 0 END WHERE seq = 4 "
+                              "AND pos IN (0, 2) AND producer_id = {a}"),
+    "move an event to another batch": _sql("UPDATE {t} SET batch_no = 1 WHERE seq = 7 AND producer_id = {a}", 7),
+    "insert a forged event": _sql("INSERT INTO {t} SELECT * REPLACE (seq + 100 AS seq) FROM {t} WHERE seq = 4 "
+                                  "AND producer_id = {a}", 4),
+    "edit a batch header": _sql("UPDATE batches SET num_events = num_events - 1 WHERE batch_no = 2 "
+                                "AND producer_id = {a}"),
+    "edit a digest": _sql("UPDATE batches SET digest = sha256('x')::BLOB WHERE batch_no = 2 AND producer_id = {a}"),
 }
 
 
 @pytest.mark.parametrize("how", list(TAMPER), ids=list(TAMPER))
 def test_each_kind_of_tampering_is_caught(filled, how):
     a = _pid(filled, "prefill-0")
-    filled.con.execute(TAMPER[how].format(a=a))
+    assert filled.con.execute("SELECT kind FROM events WHERE seq = 4 AND producer_id = ?", [a]).fetchone() == (
+        "pages_allocated",)  # the event "edit a field" rewrites carries a tenant
+    TAMPER[how](filled.con, a)
     report = verify_store(filled.con)
     assert not report.ok
     first = report.first_problem
@@ -64,8 +82,7 @@ def test_each_kind_of_tampering_is_caught(filled, how):
 
 def test_deleting_a_whole_batch_names_the_missing_link(filled):
     a = _pid(filled, "prefill-0")
-    for table in ("events", "page_runs", "batches"):
-        filled.con.execute(f"DELETE FROM {table} WHERE producer_id = ? AND batch_no = 2", [a])
+    delete_stored(filled.con, "producer_id = ? AND batch_no = 2", [a])
     report = verify_store(filled.con)
     assert str(report.first_problem).endswith("missing link: batch 2 is absent (deleted?)")
     assert report.first_problem.batch_no == 3

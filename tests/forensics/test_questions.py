@@ -70,7 +70,7 @@ def test_cli_formats_and_bad_input(db, tmp_path, capsys):
     assert len(pl.read_parquet(out)) >= 1
     assert main(["forensics", "affected", "--db", db, "--from", "2026-09-10", "--to", "2026-09-09"]) == 2
     assert main(["forensics", "affected", "--db", db, "--node", "nope"]) == 2
-    assert main(["forensics", "findings", "--db", db, "--code", "F11"]) == 2
+    assert main(["forensics", "findings", "--db", db, "--code", "F99"]) == 2
     assert main(["forensics", "affected", "--db", db, "--format", "parquet"]) == 2  # needs --out
     assert "--from: is after --to" in capsys.readouterr().err
 

@@ -10,6 +10,7 @@ import duckdb
 import pytest
 
 from kvtrail.cli import main
+from tests.conftest import delete_stored
 from tests.forensics.incident_fixture import append_request, build
 
 WINDOW = ["--from", "2026-09-09T00:00:00Z", "--to", "2026-09-09T06:00:00Z"]
@@ -52,9 +53,7 @@ def test_deleting_the_newest_batches_is_named_as_behind(copied, capsys):
     h = _head(out, "decode-0")
     assert h["batch_no"] == 2
     with duckdb.connect(str(db)) as con:  # ... but then decode-0 is cut back to before its recorded head
-        for table in ("events", "page_runs", "batches"):
-            con.execute(f"DELETE FROM {table} WHERE producer_id = ? AND batch_no >= ?",
-                        [h["producer_id"], h["batch_no"]])
+        delete_stored(con, "producer_id = ? AND batch_no >= ?", [h["producer_id"], h["batch_no"]])
     rc, lines = _verify(capsys, out, db)
     assert rc == 1
     behind = [x for x in lines if "behind the saved head" in x]
@@ -67,8 +66,7 @@ def test_a_producer_cut_back_to_nothing_is_behind_and_one_never_stored_is_missin
     db, out, _ = copied
     h = _head(out, "router-0")
     with duckdb.connect(str(db)) as con:
-        for table in ("events", "page_runs", "batches"):
-            con.execute(f"DELETE FROM {table} WHERE producer_id = ?", [h["producer_id"]])
+        delete_stored(con, "producer_id = ?", [h["producer_id"]])
     doc = json.loads((out / "report.json").read_text())
     doc["chain_heads"].append(dict(h, producer_id=1, node="ghost-0"))
     (out / "report.json").write_text(json.dumps(doc))

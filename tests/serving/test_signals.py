@@ -1,4 +1,4 @@
-"""``kvtrail serve`` under the signals a supervisor sends: a killed worker stops it with exit 1 and one
+"""``kvtrail stack`` under the signals a supervisor sends: a killed worker stops it with exit 1 and one
 line; SIGTERM to its process group (``systemctl stop``) mid-traffic drains, flushes every producer's
 audit (each writes recorder_closed) and exits 0; and the killed worker's lost tail is reported."""
 
@@ -26,12 +26,12 @@ _START_TIMEOUT_S = 120.0
 _HEADERS = {"Authorization": "Bearer key-acme"}
 
 
-class Serve:
-    """One ``kvtrail serve`` subprocess in its own process group, its output collected by reader threads."""
+class Stack:
+    """One ``kvtrail stack`` subprocess in its own process group, its output collected by reader threads."""
 
     def __init__(self, db: Path):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtrail", "serve", "--db", str(db), "--max-new-tokens", "16"],
+            [sys.executable, "-m", "kvtrail", "stack", "--db", str(db), "--max-new-tokens", "16"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=db.parent, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.out: list[str] = []
@@ -42,7 +42,7 @@ class Serve:
             r.start()
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not (m := _BANNER.search("".join(self.out))):
-            assert self.proc.poll() is None, f"serve exited with {self.proc.returncode}: {self.stderr[-2000:]}"
+            assert self.proc.poll() is None, f"stack exited with {self.proc.returncode}: {self.stderr[-2000:]}"
             assert time.monotonic() < deadline, f"no router URL after {_START_TIMEOUT_S:.0f} s: {self.stderr}"
             time.sleep(0.1)
         self.url, self.prefill_pid, self.decode_pid = m.group(1), int(m.group(2)), int(m.group(3))
@@ -70,20 +70,20 @@ def _complete(url: str, text: str) -> httpx.Response:
 def killed_run(tmp_path_factory):
     """A first stack whose decode worker is SIGKILLed after two requests: (db, exit code, stderr)."""
     db = tmp_path_factory.mktemp("signals") / "s.duckdb"
-    serve = Serve(db)
+    stack = Stack(db)
     try:
         for i in range(2):
-            assert _complete(serve.url, f"first run {i}").status_code == 200
+            assert _complete(stack.url, f"first run {i}").status_code == 200
         # The recorder's contract: an event waits in memory at most its flush interval (1 s in the stack).
         # Wait well past it, so what the killed worker recorded before this point must be in the store.
         time.sleep(3.0)
-        os.kill(serve.decode_pid, signal.SIGKILL)  # the worker this test's serve started, by its pid
+        os.kill(stack.decode_pid, signal.SIGKILL)  # the worker this test's stack started, by its pid
     finally:
-        rc = serve.wait()
-    return db, rc, serve.stderr, serve.decode_pid
+        rc = stack.wait()
+    return db, rc, stack.stderr, stack.decode_pid
 
 
-def test_a_dead_worker_stops_serve_non_zero_with_one_line(killed_run):
+def test_a_dead_worker_stops_the_stack_non_zero_with_one_line(killed_run):
     _db, rc, stderr, _pid = killed_run
     assert rc == 1, stderr
     lines = [line for line in stderr.splitlines() if line.strip()]
@@ -93,7 +93,7 @@ def test_a_dead_worker_stops_serve_non_zero_with_one_line(killed_run):
 
 def test_sigterm_to_the_group_mid_traffic_drains_flushes_and_exits_0(killed_run):
     db = killed_run[0]
-    serve = Serve(db)
+    stack = Stack(db)
     statuses: list[int] = []
     ids: list[str] = []
     lock = threading.Lock()
@@ -101,7 +101,7 @@ def test_sigterm_to_the_group_mid_traffic_drains_flushes_and_exits_0(killed_run)
     def client(k: int) -> None:
         for i in range(50):  # bounded; ends at the first refused connection once the router stops accepting
             try:
-                r = _complete(serve.url, f"client {k} request {i}")
+                r = _complete(stack.url, f"client {k} request {i}")
             except httpx.TransportError:
                 return
             with lock:
@@ -117,12 +117,12 @@ def test_sigterm_to_the_group_mid_traffic_drains_flushes_and_exits_0(killed_run)
         while len(statuses) < 3:
             assert time.monotonic() < deadline, "no responses"
             time.sleep(0.01)
-        os.killpg(serve.proc.pid, signal.SIGTERM)  # the group this test created: router and both workers
+        os.killpg(stack.proc.pid, signal.SIGTERM)  # the group this test created: router and both workers
     finally:
-        rc = serve.wait()
+        rc = stack.wait()
         for c in clients:
             c.join(60)
-    assert rc == 0, serve.stderr[-3000:]
+    assert rc == 0, stack.stderr[-3000:]
     assert statuses and set(statuses) == {200}, statuses  # requests in flight were drained, not cut
     con = duckdb.connect(str(db), read_only=True)
     try:

@@ -26,7 +26,7 @@ PAGE_KINDS = ("pages_allocated", "pages_freed", "kv_written", "kv_read")
 # Kinds whose only effect is on the cross-node joins (F2, F3, F4, F9).
 JOIN_KINDS = ("transfer_reserved", "transfer_sent", "transfer_received", "request_aborted", "request_received",
               "response_sent")
-JOIN_CODES = frozenset({"F2", "F3", "F4", "F9"})
+JOIN_CODES = frozenset({"F2", "F3", "F4", "F9", "F11"})
 _SEQ = SCALARS.index("seq")
 ENGINE_ORDER = [("wall_ns", "ascending"), ("cluster", "ascending"), ("node", "ascending"),
                 ("instance", "ascending"), ("seq", "ascending")]

@@ -1,4 +1,4 @@
-"""Streaming replay of page ownership: audit events in, F1-F10 findings out.
+"""Streaming replay of page ownership: audit events in, F1-F11 findings out.
 
 :class:`ReplayEngine` walks events in time order and keeps, per node pool, a
 :class:`~kvtrail.forensics.replay.pagestate.PageState`: numpy arrays indexed by page id (the exclusive holder,

@@ -49,6 +49,7 @@ class ReplayEvent(NamedTuple):
     prompt_tokens: int | None
     completion_tokens: int | None
     ttft_ns: int | None
+    release_timeout_ns: int | None
     # ---- derived by the engine ----
     node_key: NodeKey
     instance: str

@@ -2,7 +2,7 @@
 
 :class:`EventHandlers` applies one :class:`~kvtrail.forensics.replay.event.ReplayEvent` to a
 :class:`~kvtrail.forensics.replay.state.ReplayState` and emits the findings it proves: F1, F5, F6, F7,
-F8 and F10 as events arrive; the kinds that feed the cross-node joins (F2, F3, F4, F9) go to
+F8 and F10 as events arrive; the kinds that feed the cross-node joins (F2, F3, F4, F9, F11) go to
 :class:`~kvtrail.forensics.replay.joins.CrossNodeJoins`. The pure path hands it every event, the
 compiled path (:mod:`kvtrail.forensics.replay.fast`) only the events its kernel does not replay.
 
@@ -81,6 +81,7 @@ class EventHandlers:
         elif pool.num_entries < n + 1:
             pool.grow(n + 1)
         state.joins.page_size[key] = int(required(ev.page_size, "page_size"))
+        state.joins.configs[key] = ev
         pool_tokens = required(ev.pool_tokens, "pool_tokens")
         context_tokens = required(ev.context_tokens, "context_tokens")
         if pool_tokens < context_tokens:

@@ -1,4 +1,4 @@
-"""The replay engine's cross-node findings: F2, F3, F4 and F9 join events of several producers.
+"""The replay engine's cross-node findings: F2, F3, F4, F9 and F11 join events of several producers.
 
 Events are collected as they stream by and joined when findings are asked for, so the order in which
 different nodes' batches arrive does not matter. A transfer id alone is no key (producers reuse and
@@ -11,6 +11,10 @@ F2 counts what landed (the receipt's ``num_tokens``) whatever status the receive
 and whether the client still got output are its evidence, and output raises its severity. F3 compares
 digests of receipts decode took as landed (``ok``, ``mismatch``). F4 needs output: a 2xx with no
 completion tokens after an abort is a symptom the questions report, not a finding.
+
+F11 times a transfer from its first send to its last send or receipt and compares that with the release
+timeout of its decode node (the node of the latest receipt, else of the latest reservation), as that
+node's latest ``node_config`` before that event states it; no timeout stated, no finding.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from kvtrail.forensics.findings import transfer_mismatch_detail
+from kvtrail.forensics.findings import late_transfer_detail, transfer_mismatch_detail
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.event import NodeKey, ReplayEvent, required
 
@@ -49,6 +53,9 @@ class TransferEvents:
     reserved: ReplayEvent | None = None
     sent: list[ReplayEvent] = field(default_factory=list)
     received: ReplayEvent | None = None
+    # the node_config in force on the reservation's / the receipt's node when it was recorded (F11)
+    reserved_cfg: ReplayEvent | None = None
+    received_cfg: ReplayEvent | None = None
 
 
 class CrossNodeJoins:
@@ -68,6 +75,7 @@ class CrossNodeJoins:
         self.hit_pages: dict[tuple[NodeKey, str | None], int] = {}  # (node_key, request_id) -> prefix-hit pages
         self.page_size: dict[NodeKey, int] = {}
         self.role: dict[NodeKey, str] = {}
+        self.configs: dict[NodeKey, ReplayEvent] = {}  # the latest node_config per node (set by its handler)
 
     # ---- collection ---------------------------------------------------------------------------------
 
@@ -79,13 +87,15 @@ class CrossNodeJoins:
         return t
 
     def transfer_reserved(self, ev: ReplayEvent) -> None:
-        self._transfer(ev).reserved = ev
+        t = self._transfer(ev)
+        t.reserved, t.reserved_cfg = ev, self.configs.get(ev.node_key)
 
     def transfer_sent(self, ev: ReplayEvent) -> None:
         self._transfer(ev).sent.append(ev)
 
     def transfer_received(self, ev: ReplayEvent) -> None:
-        self._transfer(ev).received = ev
+        t = self._transfer(ev)
+        t.received, t.received_cfg = ev, self.configs.get(ev.node_key)
 
     def request_aborted(self, ev: ReplayEvent) -> None:
         self.aborts.setdefault(ev.request_id, []).append(ev)
@@ -111,13 +121,14 @@ class CrossNodeJoins:
     # ---- evaluation ---------------------------------------------------------------------------------
 
     def evaluate(self, emit: Emit) -> None:
-        """Emit F2/F3 per transfer, F4 and F9 per 2xx response (``emit(code, ev, **kw)``)."""
+        """Emit F2/F3/F11 per transfer, F4 and F9 per 2xx response (``emit(code, ev, **kw)``)."""
         by_request: dict[str | None, list[ReplayEvent]] = {}
         for resp in self.responses:
             by_request.setdefault(resp.request_id, []).append(resp)
         for (_, rid), t in self.transfers.items():
             if t.received is not None:
                 _check_transfer(t, [r for r in by_request.get(rid, ()) if same_attempt(r, t.received)], emit)
+            _check_duration(t, emit)
         rates = self.prefill_rates()
         receipts_by = self._receipts_by_request()
         for resp in self.responses:
@@ -223,3 +234,19 @@ def _check_transfer(t: TransferEvents, responses: list[ReplayEvent], emit: Emit)
         emit("F3", rec, request=rec.request_id, pages=rec.pages, first_ns=first, evidence=evidence,
              detail="decode reported a digest mismatch")
 
+
+
+def _check_duration(t: TransferEvents, emit: Emit) -> None:
+    """F11: the transfer ran longer than its decode node holds the pages of an aborted transfer."""
+    if not t.sent:
+        return
+    dec, cfg = (t.received, t.received_cfg) if t.received is not None else (t.reserved, t.reserved_cfg)
+    if dec is None or cfg is None or cfg.release_timeout_ns is None:
+        return
+    start = min(e.wall_ns for e in t.sent)
+    end = max((*t.sent, *((t.received,) if t.received is not None else ())), key=lambda e: e.wall_ns)
+    if end.wall_ns - start > cfg.release_timeout_ns:
+        node = dec.node_key[1]
+        emit("F11", end, node=node, request=dec.request_id, first_ns=start,
+             evidence=[e.key for e in t.sent] + [dec.key, cfg.key],
+             detail=late_transfer_detail(end.wall_ns - start, node, cfg.release_timeout_ns))

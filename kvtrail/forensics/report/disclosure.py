@@ -1,7 +1,8 @@
 """The text of the disclosure report, as format-neutral blocks that ``render`` turns into MD/HTML/PDF.
 
-A block is a tuple: ``("h1"|"h2"|"p"|"warn"|"mono", text)``, ``("ul", [items])`` or
-``("table", headers, rows)``. Everything the report says is here, once; the numbers come from the
+A block is a tuple: ``("h1"|"h2"|"p"|"warn"|"mono", text)``, ``("ul", [items])``,
+``("table", headers, rows)`` or ``("img", png_bytes, caption)`` (``kvtrail.forensics.report.figures``).
+Everything the report says is here, once; the numbers come from the
 :class:`~kvtrail.forensics.report.build.Report` model.
 """
 
@@ -13,7 +14,7 @@ import polars as pl
 
 from kvtrail.forensics import analysis as an
 from kvtrail.forensics.findings import AFFECTED_CODES, CODES
-from kvtrail.forensics.report import notices
+from kvtrail.forensics.report import figures, notices
 from kvtrail.timeutil import format_utc
 
 MAX_ROWS = 50  # rows of a long table shown in the documents; the CSV/JSON files hold them all
@@ -90,6 +91,7 @@ def report_blocks(r, store_name: str) -> list[tuple]:
         r.exposed, ["victim_tenant", "recipient_tenants", "responses", "pages", "victim_requests"],
         "exposed_tenants.csv")
     b += [("h2", "Exposure matrix (recipient tenant x victim tenant, responses / pages)")] + _matrix(r)
+    b += figures.exposure(r)
     b += _measures(r) + notices.art33(r) + notices.tenant_notices(r) + _integrity(r, store_name)
     return b
 
@@ -138,6 +140,7 @@ def _root_cause(r) -> list[tuple]:
     b: list[tuple] = [("h2", "Root-cause evidence from the audit"), ("p", "KV pool vs advertised context per node:")]
     b += _table(r.capacity, ["node", "role", "instance", "effective_from_ns", "pool_tokens", "context_tokens",
                              "pool_covers_context", "shortfall_tokens"])
+    b += figures.note(r) + figures.pool_vs_context(r)
     short = r.capacity.filter(~pl.col("pool_covers_context"))
     if len(short):
         b.append(("p", f"{short['node'].n_unique()} node(s) advertised a longer context than their KV pool "
@@ -181,7 +184,7 @@ def _timeline(r) -> list[tuple]:
     if len(aff):
         b.append(("p", f"Exposure window: {format_utc(aff['last_ns'].min())} to {format_utc(aff['last_ns'].max())} "
                        "(first to last foreign read)."))
-    return b + [("table", ["time (UTC)", "event"], rows)]
+    return b + [("table", ["time (UTC)", "event"], rows)] + figures.timeline(r)
 
 
 def _exploitation(r) -> list[tuple]:

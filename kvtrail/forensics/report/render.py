@@ -9,8 +9,11 @@ with a middle ellipsis; the CSV/JSON files beside it keep every value whole.
 
 from __future__ import annotations
 
+import base64
 import html as _html
+import io
 import re
+import struct
 from pathlib import Path
 
 from kvtrail.forensics.report.fonts import PdfFonts, missing_note, warn_once
@@ -61,6 +64,8 @@ def markdown(blocks: list[tuple]) -> str:
             lines = ["| " + " | ".join(e(h) for h in headers) + " |", "|" + "---|" * len(headers)]
             lines += ["| " + " | ".join(e(c) for c in row) + " |" for row in rows]
             out.append("\n".join(lines) if rows else "(none)")
+        elif kind == "img":
+            out.append(f"{e(b[2])} (an image in report.html and report.pdf)")
         else:
             raise AssertionError(f"unknown block kind {kind!r}")
     return "\n\n".join(out) + "\n"
@@ -98,6 +103,11 @@ def html(blocks: list[tuple], title: str) -> str:
             head = "".join(f"<th>{e(h)}</th>" for h in headers)
             body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows)
             out.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        elif kind == "img":
+            width_px = png_size(b[1])[0] // 2  # drawn at scale 2: shown at its natural size on a screen
+            data = base64.b64encode(b[1]).decode("ascii")
+            out.append(f"<figure><img src=\"data:image/png;base64,{data}\" alt=\"{e(b[2])}\" "
+                       f"style=\"max-width:100%;width:{width_px}px\"><figcaption>{e(b[2])}</figcaption></figure>")
         else:
             raise AssertionError(f"unknown block kind {kind!r}")
     out.append("</body></html>\n")
@@ -162,9 +172,18 @@ class _Glyphs:
         return "".join(c if ord(c) in self.covered or c == "\n" else "?" for c in text)
 
 
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) in pixels of a PNG, from its IHDR chunk."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    w, h = struct.unpack(">II", data[16:24])
+    return int(w), int(h)
+
+
 def _texts(blocks: list[tuple]):
     for b in blocks:
-        if b[0] == "ul":
+        if b[0] == "img":
+            yield b[2]
+        elif b[0] == "ul":
             yield from b[1]
         elif b[0] == "table":
             yield from (str(c) for row in [b[1]] + b[2] for c in row)
@@ -221,6 +240,8 @@ def pdf(blocks: list[tuple], path: str | Path, title: str, fonts: PdfFonts | Non
             doc.ln(1.5)
         elif kind == "table":
             _table(doc, g, sans, b[1], b[2], width, FontFace)
+        elif kind == "img":
+            _image(doc, g, sans, b[1], b[2], width)
         else:
             raise AssertionError(f"unknown block kind {kind!r}")
     doc.output(str(path))
@@ -253,4 +274,17 @@ def _table(doc, g: _Glyphs, sans: str, headers: list[str], rows: list[list], wid
             r = table.row()
             for cell, most in zip(row, limits):
                 r.cell(g.show(_breakable(shorten(cell, most), 30)))
+    doc.ln(2)
+
+
+def _image(doc, g: _Glyphs, sans: str, png: bytes, caption: str, width: float) -> None:
+    """A figure at most the text width wide (drawn at scale 2: 96 dpi on screen, 192 in print), captioned."""
+    w_px, h_px = png_size(png)
+    w_mm = min(width, w_px / 2 * 25.4 / 96)
+    h_mm = w_mm * h_px / w_px
+    if doc.get_y() + h_mm + 8 > doc.page_break_trigger:
+        doc.add_page()
+    doc.image(io.BytesIO(png), x=doc.l_margin, w=w_mm, h=h_mm)
+    doc.set_font(sans, "", 8)
+    doc.multi_cell(width, 4, g.show(g.flat(caption)), new_x="LMARGIN", new_y="NEXT", align="L")
     doc.ln(2)

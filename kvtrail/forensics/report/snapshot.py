@@ -13,11 +13,13 @@ from pathlib import Path
 
 import duckdb
 
+from kvtrail.audit.layout import KIND_TABLES
+from kvtrail.audit.storefile import migrate_hint
 from kvtrail.audit.verify import chain_heads
 from kvtrail.errors import StoreError
 
 # Tables whose rows belong to a (producer_id, batch_no); the other tables are copied through as they are.
-_BATCHED = ("events", "page_runs", "batches")
+_BATCHED = (*KIND_TABLES, "page_runs", "batches")
 
 
 def open_snapshot(path: str | Path, heads: list[dict] | None = None) -> tuple[duckdb.DuckDBPyConnection, list[dict]]:
@@ -30,7 +32,9 @@ def open_snapshot(path: str | Path, heads: list[dict] | None = None) -> tuple[du
         con.execute("ATTACH ? AS src (READ_ONLY)", [str(path)])
         rows = con.execute("SELECT table_name FROM duckdb_tables() WHERE database_name = 'src'").fetchall()
         has = {r[0] for r in rows}
-        if not {"events", "page_runs", "batches", "producers"} <= has:
+        if not {*_BATCHED, "producers"} <= has:
+            if "events" in has:
+                raise StoreError(migrate_hint(path, "1"))
             raise StoreError(f"{path} is not a kvtrail audit store")
         if heads is None:
             heads = chain_heads(con, "src.batches", "src.producers")
@@ -44,13 +48,14 @@ def open_snapshot(path: str | Path, heads: list[dict] | None = None) -> tuple[du
                     "WHERE producer_id IN (SELECT producer_id FROM _heads)")
         for table in sorted(has - set(_BATCHED) - {"producers"}):
             con.execute(f"CREATE VIEW {table} AS SELECT * FROM src.{table}")
-        # The store's own events_v definition, re-bound to the views above. Everything lives in the
-        # private in-memory database (not TEMP), so cursors of this connection see it too.
-        view = con.execute("SELECT sql FROM duckdb_views() WHERE database_name = 'src' "
-                           "AND view_name = 'events_v'").fetchone()
-        if view is None:
-            raise StoreError(f"{path} is not a kvtrail audit store (no events_v view)")
-        con.execute(re.sub(r"^CREATE (OR REPLACE )?VIEW", "CREATE VIEW", view[0].strip(), flags=re.I))
+        # The store's own events and events_v definitions, re-bound to the views above. Everything lives
+        # in the private in-memory database (not TEMP), so cursors of this connection see it too.
+        for name in ("events", "events_v"):
+            view = con.execute("SELECT sql FROM duckdb_views() WHERE database_name = 'src' "
+                               "AND view_name = ?", [name]).fetchone()
+            if view is None:
+                raise StoreError(f"{path} is not a kvtrail audit store (no {name} view)")
+            con.execute(re.sub(r"^CREATE (OR REPLACE )?VIEW", "CREATE VIEW", view[0].strip(), flags=re.I))
     except duckdb.Error as exc:
         con.close()
         raise StoreError(f"cannot open store {path}: {str(exc).splitlines()[0]}") from None

@@ -1,4 +1,4 @@
-"""A second, independent findings engine: DuckDB SQL over the audit store (F1-F10).
+"""A second, independent findings engine: DuckDB SQL over the audit store (F1-F11).
 
 Where :mod:`kvtrail.forensics.replay.engine` walks events one by one, this module asks the store directly.
 Page questions are range joins over ``page_runs``: runs are joined by node, pool epoch and
@@ -25,7 +25,9 @@ Model (the replay engine's rules, restated over the record):
 * F2/F3/F4/F8/F9 mirror the replay engine's joins (:mod:`kvtrail.forensics.replay.joins`): a
   transfer's events by ``(transfer_id, request_id)``; an abort or a prefill receipt and a response by
   ``request_id`` of the same attempt (transfer ids equal where both carry one). F2 whatever the receipt's
-  status (critical when the client got output); F4 only for a 2xx with output.
+  status (critical when the client got output); F4 only for a 2xx with output. F11: a transfer's span
+  from its first send to its last send or receipt against its decode node's ``release_timeout_ns`` (the
+  node of the latest receipt, else of the latest reservation; that node's latest ``node_config`` before it).
 
 The window is the replay engine's: each producer is read from its last ``node_config`` at or before
 ``from_ns``; findings ending before ``from_ns`` are dropped.
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtrail.forensics.findings import Finding, make_finding, transfer_mismatch_detail
+from kvtrail.forensics.findings import Finding, late_transfer_detail, make_finding, transfer_mismatch_detail
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.sql.pages import f1_f10, f5_f7, f6, repeats
 from kvtrail.forensics.window import window_filter
@@ -46,7 +48,7 @@ from kvtrail.forensics.window import window_filter
 _EVENT_COLS = ("producer_id, seq, wall_ns, kind, request_id, transfer_id, tenant_id, purpose, num_tokens, "
                "num_pages, num_dst_pages, status, http_status, stage, abort_reason, pool_tokens, "
                "context_tokens, cluster, node, instance, role, digest, digest_algo, source, token_start, "
-               "token_end, prompt_tokens, completion_tokens, ttft_ns, page_size")
+               "token_end, prompt_tokens, completion_tokens, ttft_ns, page_size, release_timeout_ns")
 _PAGE_KINDS = "('pages_allocated', 'pages_freed', 'kv_written', 'kv_read')"
 
 
@@ -207,6 +209,28 @@ def _f3(ctx: Ctx) -> list[Finding]:
     return out
 
 
+def _f11(ctx: Ctx) -> list[Finding]:
+    """Transfers whose span outlasts their decode node's release timeout (as the replay engine's joins)."""
+    rows = ctx.query("""
+    SELECT d.node, d.request_id, s.first_ns, greatest(s.last_ns, coalesce(rec_ns, s.last_ns)) AS end_ns,
+           c.release_timeout_ns, s.keys, [d.producer_id, d.seq::BIGINT], [c.producer_id, c.seq::BIGINT]
+    FROM (SELECT transfer_id, request_id, min(wall_ns) AS first_ns, max(wall_ns) AS last_ns,
+                 list([producer_id, seq::BIGINT]) AS keys
+          FROM ev WHERE kind = 'transfer_sent' GROUP BY transfer_id, request_id) s
+    JOIN (SELECT *, CASE WHEN kind = 'transfer_received' THEN wall_ns END AS rec_ns FROM ev
+          WHERE kind IN ('transfer_received', 'transfer_reserved')
+          QUALIFY row_number() OVER (PARTITION BY transfer_id, request_id
+                                     ORDER BY kind = 'transfer_received' DESC, ord DESC) = 1) d
+      ON d.transfer_id IS NOT DISTINCT FROM s.transfer_id AND d.request_id IS NOT DISTINCT FROM s.request_id
+    ASOF JOIN (SELECT cluster, node, ord, producer_id, seq, release_timeout_ns FROM ev WHERE kind = 'node_config') c
+      ON c.cluster = d.cluster AND c.node = d.node AND d.ord >= c.ord
+    WHERE c.release_timeout_ns IS NOT NULL
+      AND greatest(s.last_ns, coalesce(rec_ns, s.last_ns)) - s.first_ns > c.release_timeout_ns""")
+    return [ctx.finding("F11", node=node, request=rid, first_ns=first, last_ns=end,
+                        evidence=[*keys, dkey, ckey], detail=late_transfer_detail(end - first, node, timeout))
+            for node, rid, first, end, timeout, keys, dkey, ckey in rows]
+
+
 def _f9(ctx: Ctx, policy: ForensicsPolicy) -> list[Finding]:
     """2xx responses faster than their prefill node's own measured rate allows (see ``ForensicsPolicy``)."""
     ctes = """
@@ -263,7 +287,7 @@ def _f9(ctx: Ctx, policy: ForensicsPolicy) -> list[Finding]:
 
 def sql_findings(con, from_ns: int | None = None, to_ns: int | None = None,
                  policy: ForensicsPolicy = ForensicsPolicy(), codes=None) -> list[Finding]:
-    """Findings F1-F10 of the events in [from_ns, to_ns], computed in SQL (``codes``: only these).
+    """Findings F1-F11 of the events in [from_ns, to_ns], computed in SQL (``codes``: only these).
 
     Same window, same :class:`Finding` fields and ordering as :func:`replay_store`.
     """
@@ -271,7 +295,7 @@ def sql_findings(con, from_ns: int | None = None, to_ns: int | None = None,
     parts = [({"F8"}, _f8), ({"F2"}, _f2), ({"F3"}, _f3), ({"F4"}, _f4), ({"F5", "F7"}, f5_f7), ({"F6"}, f6),
              ({"F6"}, repeats),
              ({"F1", "F10"}, lambda c: f1_f10(c, policy.allow_tenant_cache_sharing)),
-             ({"F9"}, lambda c: _f9(c, policy))]
+             ({"F9"}, lambda c: _f9(c, policy)), ({"F11"}, _f11)]
     where, params = window_filter(from_ns, to_ns)
     con.complete()
     con.begin()  # one snapshot for every query

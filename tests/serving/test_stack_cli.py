@@ -1,4 +1,4 @@
-"""``kvtrail serve`` run as a user runs it: a subprocess that prints the router's URL, serves a completion,
+"""``kvtrail stack`` run as a user runs it: a subprocess that prints the router's URL, serves a completion,
 stops on Ctrl-C (SIGINT) with exit code 0 and leaves the request's audit events in the store."""
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ def _read_lines(stream, into: list[str]) -> None:
         into.append(line)
 
 
-def test_serve_answers_a_completion_and_stops_cleanly_on_sigint(tmp_path: Path) -> None:
+def test_stack_answers_a_completion_and_stops_cleanly_on_sigint(tmp_path: Path) -> None:
     db = tmp_path / "x.duckdb"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtrail", "serve", "--db", str(db), "--max-new-tokens", "16"],
+        [sys.executable, "-m", "kvtrail", "stack", "--db", str(db), "--max-new-tokens", "16"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})  # the URL line must arrive before the process ends
     out: list[str] = []
@@ -45,7 +45,7 @@ def test_serve_answers_a_completion_and_stops_cleanly_on_sigint(tmp_path: Path) 
     try:
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not (match := _URL.search("".join(out))):
-            assert proc.poll() is None, f"serve exited with {proc.returncode}: {''.join(err)[-2000:]}"
+            assert proc.poll() is None, f"stack exited with {proc.returncode}: {''.join(err)[-2000:]}"
             assert time.monotonic() < deadline, f"no router URL after {_START_TIMEOUT_S:.0f} s: {''.join(err)}"
             time.sleep(0.1)
         url = match.group(1)

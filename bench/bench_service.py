@@ -1,0 +1,278 @@
+"""Loopback load on the kvtrail service: HTTP ingest beside AuditStore.append of the same batches.
+
+Prepare (once): each of ``--producers`` processes records an allocator-shaped stream (kvtrail.sim's
+synthetic allocator, replayed call by call into a ``Recorder``) whose writer hands its batches to a
+capturing sink, so the batches are exactly what a recorder's writer sends. Then, in ``--rounds``
+rounds, alternating (bench/rounds.py):
+
+  http    a fresh ``kvtrail serve`` subprocess (port 0, its banner read for the URL); the producer
+          processes post their batches with ``HttpSink.append`` (what the recorder's writer calls), one
+          request after the other as the writer does, all producers at once; ``--queries`` query
+          processes ask ``/v1/affected`` and ``/v1/findings`` for a 1-hour window while ingest runs.
+          Timed from the first request to the last commit. Then the service is stopped (SIGTERM) and
+          the store is counted: events stored must equal events acknowledged (lost = 0).
+  direct  one process appends the same batches, interleaved across producers, to a fresh store with
+          ``AuditStore.append``.
+
+Printed: ingest events/s and page-events/s of both (min / median / max over rounds) and their ratio per
+round (goal >= 0.8x direct, judged on the worst round), p50/p99 ingest latency, p50/p99 query latency,
+the live judge's lag (commit -> findings persisted, p50/p99 from /healthz) and lost events.
+
+    .venv/bin/python bench/bench_service.py                 # ~1-2 minutes on 2 cores
+    .venv/bin/python bench/bench_service.py --quick         # a few seconds per round, no verdict
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from rounds import Spread, at_least, check_rounds, per_round_ratios, rotated  # noqa: E402
+
+from kvtrail.audit.batch import read_ipc, write_ipc  # noqa: E402
+from kvtrail.audit.events import Producer, RequestRef  # noqa: E402
+from kvtrail.audit.recorder import Recorder, RecorderConfig  # noqa: E402
+from kvtrail.audit.store import AppendResult, AuditStore, connect_readonly, fetch_row  # noqa: E402
+from kvtrail.service.tokens import new_token, token_line  # noqa: E402
+from kvtrail.sim.synth import synth_batches  # noqa: E402
+
+GOAL_RATIO = 0.8
+HOUR_NS = 3600 * 10**9
+_BANNER = re.compile(r"kvtrail service listening on (http://\S+)")
+
+
+class CapturingSink:
+    """Keeps every batch the recorder's writer commits, as the Arrow IPC bytes HttpSink would send."""
+
+    def __init__(self):
+        self.bodies: list[bytes] = []
+        self.events = 0
+
+    def append(self, table) -> AppendResult:
+        self.bodies.append(write_ipc(table))
+        self.events += table.num_rows
+        return AppendResult(table.num_rows, 0, 0, ((0, len(self.bodies) - 1),))
+
+
+def _replay(rec: Recorder, table) -> None:
+    """Call the recorder once per synthetic event, as an allocator's serving code would."""
+    cols = table.to_pydict()
+    for i, kind in enumerate(cols["kind"]):
+        pages = cols["pages"][i]
+        req = RequestRef(cols["request_id"][i] or "", tenant_id=cols["tenant_id"][i]) if cols["request_id"][i] \
+            else None
+        if kind == "node_config":
+            rec.node_config(pool_tokens=cols["pool_tokens"][i], pool_pages=cols["pool_pages"][i],
+                            page_size=cols["page_size"][i], context_tokens=cols["context_tokens"][i])
+        elif kind == "pages_allocated" and req is not None:
+            rec.pages_allocated(req, np.asarray(pages, np.int32), cols["purpose"][i])
+        elif kind == "kv_written" and req is not None:
+            rec.kv_written(req, np.asarray(pages, np.int32), cols["token_start"][i], cols["token_end"][i],
+                           cols["source"][i])
+        elif kind == "pages_freed":
+            rec.pages_freed(req, np.asarray(pages, np.int32), cols["free_reason"][i])
+
+
+def _prepare(i: int, page_events: int, out: str) -> None:
+    prod = Producer("bench", f"decode-{i}", "decode", "kvtrail-reference", "0.1", f"boot-{i}")
+    sink = CapturingSink()
+    rec = Recorder(sink, prod, RecorderConfig(flush_interval_s=0.05))
+    for table in synth_batches(producer=prod, num_pages=65_536, page_size=16, seed=i, target_page_events=page_events,
+                               events_per_batch=20_000):
+        _replay(rec, table)
+        rec.flush()  # the buffer never drops: every event of the stream is in some batch
+    rec.close()
+    assert rec.stats()["dropped_events_total"] == 0, rec.stats()
+    d = Path(out) / f"p{i}"
+    d.mkdir()
+    for k, body in enumerate(sink.bodies):
+        (d / f"{k:06d}.arrow").write_bytes(body)
+
+
+def _bodies(root: Path) -> list[list[bytes]]:
+    return [[f.read_bytes() for f in sorted(p.iterdir())] for p in sorted(root.glob("p*"))]
+
+
+def _send(url: str, token: str, bodies: list[bytes], out, ready, go) -> None:
+    from kvtrail.audit.httpsink import HttpSink
+
+    sink = HttpSink(url, token)
+    tables = [read_ipc(b) for b in bodies]
+    lat, events, pages = [], 0, 0
+    ready.put(1)  # loaded: every producer starts sending at the same moment, not as its process came up
+    go.wait()
+    t0 = time.perf_counter()
+    for t in tables:
+        s = time.perf_counter()
+        res = sink.append(t)
+        lat.append(time.perf_counter() - s)
+        events += res.num_events
+        pages += res.num_page_events
+    out.put((t0, time.perf_counter(), lat, events, pages))
+    sink.close()
+
+
+def _query(url: str, token: str, window: tuple[str, str], stop, out, ready, go) -> None:
+    import httpx
+
+    lat: dict[str, list[float]] = {"affected": [], "findings": []}
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120) as c:
+        ready.put(1)
+        go.wait()
+        while not stop.is_set():
+            for name in lat:
+                s = time.perf_counter()
+                r = c.get(f"/v1/{name}", params={"from": window[0], "to": window[1]})
+                assert r.status_code == 200, r.text[:300]
+                lat[name].append(time.perf_counter() - s)
+    out.put(lat)
+
+
+def _iso(ns: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ns // 10**9)) + "Z"
+
+
+def _window(bodies: list[list[bytes]]) -> tuple[str, str]:
+    first = min(int(read_ipc(b[0]).column("wall_ns")[0].as_py()) for b in bodies)
+    return _iso(first), _iso(first + HOUR_NS)
+
+
+def run_http(bodies: list[list[bytes]], queries: int, tmp: Path, round_no: int) -> dict:
+    db = tmp / f"http{round_no}.duckdb"
+    ptoken = new_token("producer")
+    otoken = new_token("operator")
+    tokens = tmp / f"tokens{round_no}.txt"
+    tokens.write_text(token_line(ptoken[0], "producer", ptoken[2]) + "\n" + token_line(otoken[0], "operator",
+                                                                                      otoken[2]) + "\n")
+    proc = subprocess.Popen([sys.executable, "-m", "kvtrail", "serve", "--db", str(db), "--tokens", str(tokens)],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout is not None
+    m = _BANNER.match(proc.stdout.readline())
+    assert m, "no banner"
+    url = m.group(1)
+    ctx = mp.get_context("spawn")
+    out, qout, stop, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Queue(), ctx.Event()
+    qprocs = [ctx.Process(target=_query, args=(url, otoken[1], _window(bodies), stop, qout, ready, go))
+              for _ in range(queries)]
+    sprocs = [ctx.Process(target=_send, args=(url, ptoken[1], b, out, ready, go)) for b in bodies]
+    for p in qprocs + sprocs:
+        p.start()
+    for _ in qprocs + sprocs:  # every process started and loaded before the clock starts
+        ready.get()
+    go.set()
+    results = [out.get() for _ in sprocs]
+    stop.set()
+    qlat = [qout.get() for _ in qprocs]
+    for p in qprocs + sprocs:
+        p.join()
+    import httpx
+
+    health = httpx.get(f"{url}/healthz", timeout=30).json()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(120) == 0
+    con = connect_readonly(db)
+    stored = fetch_row(con, "SELECT count(*) FROM events")[0]
+    con.close()
+    wall = max(r[1] for r in results) - min(r[0] for r in results)
+    events = sum(r[3] for r in results)
+    return {"wall_s": wall, "events": events, "page_events": sum(r[4] for r in results),
+            "lat": [x for r in results for x in r[2]], "lost": events - stored,
+            "q": {k: [x for d in qlat for x in d[k]] for k in ("affected", "findings")},
+            "lag_p50_s": health.get("judge_lag_p50_s"), "lag_p99_s": health.get("judge_lag_p99_s")}
+
+
+def run_direct(bodies: list[list[bytes]], tmp: Path, round_no: int) -> dict:
+    order = [b for group in zip(*bodies) for b in group] + [b for p in bodies for b in p[min(map(len, bodies)):]]
+    tables = [read_ipc(b) for b in order]
+    events = pages = 0
+    t0 = time.perf_counter()
+    with AuditStore(tmp / f"direct{round_no}.duckdb") as store:
+        for t in tables:
+            res = store.append(t)
+            events += res.num_events
+            pages += res.num_page_events
+        wall = time.perf_counter() - t0
+    return {"wall_s": wall, "events": events, "page_events": pages}
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--producers", type=int, default=3)
+    ap.add_argument("--queries", type=int, default=2)
+    ap.add_argument("--page-events", type=int, default=1_500_000, help="per producer")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="small streams, 2 rounds, no verdict")
+    args = ap.parse_args()
+    if args.quick:
+        args.page_events, args.rounds = 200_000, 2
+    check_rounds(args.rounds)
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        root = tmp / "batches"
+        root.mkdir()
+        t = time.perf_counter()
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_prepare, args=(i, args.page_events, str(root))) for i in range(args.producers)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+            assert p.exitcode == 0
+        bodies = _bodies(root)
+        print(f"prepared {sum(map(len, bodies))} recorder batches of {args.producers} producers "
+              f"in {time.perf_counter() - t:.1f} s")
+        runs: dict[str, list[dict]] = {"http": [], "direct": []}
+        for r in range(args.rounds):
+            for method in rotated(["http", "direct"], r):
+                res = run_http(bodies, args.queries, tmp, r) if method == "http" else run_direct(bodies, tmp, r)
+                runs[method].append(res)
+                print(f"  round {r} {method:6s} {res['events'] / res['wall_s']:>10,.0f} events/s "
+                      f"{res['page_events'] / res['wall_s']:>12,.0f} page-events/s")
+    report(runs, args)
+
+
+def report(runs: dict[str, list[dict]], args) -> None:
+    http, direct = runs["http"], runs["direct"]
+    for name, rs in (("http", http), ("direct", direct)):
+        ev = Spread.of([r["events"] / r["wall_s"] for r in rs])
+        pe = Spread.of([r["page_events"] / r["wall_s"] for r in rs])
+        print(f"{name:6s} events/s {ev.text(1, ',.0f')}   page-events/s {pe.text(1, ',.0f')}  (min / median / max)")
+    ratios = per_round_ratios([r["page_events"] / r["wall_s"] for r in http],
+                              [r["page_events"] / r["wall_s"] for r in direct])
+    verdict = at_least(f"http >= {GOAL_RATIO}x direct append", ratios, GOAL_RATIO)
+    print(f"http / direct page-events/s per round: {', '.join(f'{x:.2f}' for x in ratios)}  "
+          f"-> {verdict.goal}: {verdict.word} (worst {verdict.worst:.2f})")
+    lat = [x for r in http for x in r["lat"]]
+    print(f"ingest latency per batch: p50 {_pct(lat, 50) * 1e3:.1f} ms, p99 {_pct(lat, 99) * 1e3:.1f} ms "
+          f"({len(lat)} requests, {args.producers} producers)")
+    for q in ("affected", "findings"):
+        ql = [x for r in http for x in r["q"][q]]
+        print(f"query {q:9s} (1-hour window, during ingest): p50 {_pct(ql, 50) * 1e3:.1f} ms, "
+              f"p99 {_pct(ql, 99) * 1e3:.1f} ms ({len(ql)} queries, {args.queries} clients)")
+    lags = [(r["lag_p50_s"], r["lag_p99_s"]) for r in http if r["lag_p99_s"] is not None]
+    if lags:
+        print(f"live judge lag (commit -> findings persisted): p50 {max(a for a, _ in lags) * 1e3:.0f} ms, "
+              f"p99 {max(b for _, b in lags) * 1e3:.0f} ms (worst round)")
+    lost = sum(r["lost"] for r in http)
+    print(f"lost events (acknowledged - stored): {lost}")
+    assert lost == 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""SGLang plugin: what its hooks cost on SGLang's real allocator calls, on CPU.
+
+Runs in the SGLang environment (``bash scripts/sglang-env.sh`` builds ``.venv-sglang``):
+
+    .venv-sglang/bin/python bench/bench_sglang_hooks.py            # 5 rounds x 2000 calls per method
+    .venv-sglang/bin/python bench/bench_sglang_hooks.py --quick
+
+kvtrail's plugin is loaded by SGLang's own ``load_plugins()``. Two calls, each timed alone:
+  alloc  ``disaggregation.decode.alloc_for_decode_prealloc``: decode's reservation of ``--pages`` pages
+         (the real ``PagedTokenToKVPoolAllocator.alloc_extend`` on device cpu); hooked AFTER: records
+         pages_allocated + transfer_reserved
+  free   ``PagedTokenToKVPoolAllocator.free_page_ids`` of those pages, which ends in the hooked
+         ``_release_page_ids`` (BEFORE: records pages_freed)
+Three methods, alternating within each round (bench/rounds.py):
+  sglang     the unhooked originals (the registry's ``__wrapped__``)
+  hooks-off  the hooked functions with no recording session (a process where kvtrail is not configured)
+  recording  the hooked functions recording into a DuckDB store (the resolver and writer threads run)
+It prints ns per call and per page (min / median / max over rounds) and the recording overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import types
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from rounds import Spread, rotated  # noqa: E402
+
+METHODS = ("sglang", "hooks-off", "recording")
+
+
+def _world(num_pages: int):
+    from tests.sglang.world import Node, publish, req
+
+    publish()
+    node = Node("decode", num_pages=num_pages * 4)
+    r = req("bench", list(range(num_pages * 4)), 1)
+    return node, r
+
+
+def _time_calls(node, r, num_pages: int, calls: int, plain: bool) -> tuple[float, float]:
+    """Mean ns per alloc call and per free call over ``calls`` alloc/free pairs."""
+    from sglang.srt.disaggregation import decode as dmod
+
+    from tests.sglang.world import PAGE_SIZE
+
+    prealloc = dmod.alloc_for_decode_prealloc.__wrapped__ if plain else dmod.alloc_for_decode_prealloc
+    alloc = node.allocator
+    if plain:
+        alloc._release_page_ids = types.MethodType(type(alloc)._release_page_ids.__wrapped__, alloc)
+    else:
+        alloc.__dict__.pop("_release_page_ids", None)
+    fill = num_pages * PAGE_SIZE
+    t_alloc = t_free = 0
+    clock = time.perf_counter_ns
+    for _ in range(calls):
+        t0 = clock()
+        loc = prealloc(alloc, req=r, fill_len=fill, delta_len=fill, prefix_len=0, total_prefix_len=0,
+                       prefix_indices=None, uses_swa_tail=False, swa_tail_len=0, req_to_token_pool=node.pool)
+        t1 = clock()
+        pages = loc[::PAGE_SIZE] // PAGE_SIZE
+        t2 = clock()
+        alloc.free_page_ids(pages)
+        t3 = clock()
+        t_alloc += t1 - t0
+        t_free += t3 - t2
+    return t_alloc / calls, t_free / calls
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--pages", type=int, default=16, help="pages per allocation (page size 4)")
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.rounds, a.calls = 2, 300
+    warnings.filterwarnings("ignore")
+    tmp = tempfile.mkdtemp(prefix="kvtrail-bench-sglang-")
+    os.environ.setdefault("KVTRAIL_DB", str(Path(tmp) / "unused.duckdb"))
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from kvtrail.serving.sglang import plugin as mod
+
+    assert mod.PLUGIN is not None and not mod.PLUGIN.missing, "the plugin did not load with every hook"
+    node, r = _world(a.pages)
+    session = mod.PLUGIN.start(node.scheduler, sink=str(Path(tmp) / "bench.duckdb"))
+    mod.PLUGIN.session = None
+    per: dict[str, list[tuple[float, float]]] = {m: [] for m in METHODS}
+    for rnd in range(a.rounds):
+        for m in rotated(METHODS, rnd):
+            mod.PLUGIN.session = session if m == "recording" else None
+            per[m].append(_time_calls(node, r, a.pages, a.calls, plain=m == "sglang"))
+            mod.PLUGIN.session = None
+            if session is not None:
+                session.resolver.drain()
+    assert session is not None
+    lost = session.resolver.failures
+    session.close()
+    print(f"SGLang plugin hooks on the real allocator (device cpu), {a.pages} pages of 4 tokens per call, "
+          f"{a.calls} calls x {a.rounds} rounds; ns min / median / max over rounds")
+    print(f"{'method':<11} {'alloc ns/call':>24} {'alloc ns/page':>22} {'free ns/call':>24} {'free ns/page':>22}")
+    for m in METHODS:
+        al, fr = Spread.of([x[0] for x in per[m]]), Spread.of([x[1] for x in per[m]])
+        print(f"{m:<11} {al.text(fmt='.0f'):>24} {al.text(1 / a.pages, '.0f'):>22} "
+              f"{fr.text(fmt='.0f'):>24} {fr.text(1 / a.pages, '.0f'):>22}")
+    for op, i in (("alloc", 0), ("free", 1)):
+        extra = [rec[i] - base[i] for rec, base in zip(per["recording"], per["sglang"])]
+        print(f"recording overhead on {op}: {Spread.of(extra).text(fmt='.0f')} ns/call "
+              f"({Spread.of([e / a.pages for e in extra]).text(fmt='.0f')} ns/page); hook failures: {dict(lost)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

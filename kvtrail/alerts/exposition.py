@@ -1,0 +1,26 @@
+"""One scrape in Prometheus' text format, from a registry holding the store's collector."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import duckdb
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from kvtrail.alerts.collector import JudgeProgress, StoreCollector
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def registry_for(connect: Callable[[], duckdb.DuckDBPyConnection], *,
+                 judge_progress: JudgeProgress | None = None) -> CollectorRegistry:
+    """A fresh registry with only the store's collector (no process or platform collectors: a scrape
+    says what the audit holds, nothing about the Python process serving it)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StoreCollector(connect, judge_progress=judge_progress))
+    return registry
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """The text exposition of every metric in ``registry``."""
+    return generate_latest(registry)

@@ -1,0 +1,127 @@
+"""HttpSink: a recorder's writer commits its batches to a kvtrail service over HTTP.
+
+``Recorder(HttpSink("http://audit:8080", token), producer)`` sends each batch the writer builds as one
+Arrow IPC ``POST /v1/events`` and returns once the service has committed it. Transport errors and 5xx
+replies are retried a few times with backoff; a retry of a batch that was in fact committed (its
+reply was lost) is acknowledged by the service as a duplicate, so nothing is stored twice. A 422
+becomes :class:`~kvtrail.errors.ValidationError` (the writer takes the bad event out and counts it);
+413 splits the batch in two. Any other failure is a :class:`~kvtrail.errors.StoreError`: the writer
+retries, then counts the batch as lost and reports it as a ``recorder_gap`` event, which reaches the
+store with the first batch the service accepts again. The serving path never waits for any of this:
+only the writer thread does.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import httpx
+import pyarrow as pa
+
+from kvtrail.audit.batch import write_ipc
+from kvtrail.audit.store import AppendResult
+from kvtrail.errors import StoreError, ValidationError
+
+ARROW_STREAM = "application/vnd.apache.arrow.stream"
+INGEST_PATH = "/v1/events"
+TOKEN_ENV = "KVTRAIL_TOKEN"
+URL_PREFIXES = ("http://", "https://")
+
+
+def is_url(sink: object) -> bool:
+    """Whether a recorder's sink argument names a service (an http:// or https:// URL) rather than a store path."""
+    return isinstance(sink, str) and sink.startswith(URL_PREFIXES)
+
+
+@dataclass(frozen=True)
+class HttpSinkConfig:
+    """Timeouts and retries of one sink. The writer retries a failed batch again on top of these."""
+
+    connect_timeout_s: float = 2.0
+    timeout_s: float = 30.0  # a large batch waits for its commit
+    retries: int = 2
+    backoff_s: float = 0.1  # doubled after each retry
+
+    def __post_init__(self) -> None:
+        if not (self.connect_timeout_s > 0 and self.timeout_s > 0):
+            raise ValueError("http sink config 'timeout_s': timeouts must be > 0")
+        if self.retries < 0 or self.backoff_s < 0:
+            raise ValueError("http sink config 'retries': retries and backoff must be >= 0")
+
+
+def _detail(reply: httpx.Response) -> str:
+    try:
+        body = reply.json()
+    except ValueError:
+        return reply.text[:200]
+    return str(body.get("detail", body))[:200] if isinstance(body, dict) else str(body)[:200]
+
+
+class HttpSink:
+    """A :class:`~kvtrail.audit.contract.Sink` posting batches to a kvtrail service (``url`` is its base URL).
+
+    Used by one writer thread, like any sink; ``close`` releases the connection pool.
+    """
+
+    def __init__(self, url: str, token: str, config: HttpSinkConfig = HttpSinkConfig(), *,
+                 transport: httpx.BaseTransport | None = None):
+        if not is_url(url):
+            raise ValueError(f"url: {url!r} is not an http:// or https:// URL")
+        self.url = url.rstrip("/")
+        self.config = config
+        self.sent_requests = 0
+        self.retried_requests = 0
+        self._client = httpx.Client(
+            base_url=self.url, transport=transport,
+            headers={"Authorization": f"Bearer {token}", "Content-Type": ARROW_STREAM},
+            timeout=httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s))
+
+    @classmethod
+    def from_url(cls, url: str, token: str | None = None) -> HttpSink:
+        """A sink for ``url``, with ``token`` or else the ``KVTRAIL_TOKEN`` environment variable."""
+        token = token if token is not None else os.environ.get(TOKEN_ENV)
+        if not token:
+            raise ValueError(f"token: a service URL needs a producer token (pass one, or set {TOKEN_ENV})")
+        return cls(url, token)
+
+    def append(self, table: pa.Table) -> AppendResult:
+        reply = self._post(write_ipc(table))
+        if reply.status_code == 200:
+            j = reply.json()
+            batch = (int(j["producer_id"]), int(j["batch_no"]))
+            return AppendResult(int(j["events"]), int(j["page_events"]), 0, (batch,))
+        if reply.status_code == 422:
+            errors = reply.json().get("errors") or [{}]
+            e = errors[0]
+            raise ValidationError(str(e.get("field", "(batch)")), str(e.get("reason", "refused by the service")),
+                                  event=e.get("event"), kind=e.get("kind"))
+        if reply.status_code == 413 and table.num_rows > 1:
+            half = table.num_rows // 2
+            first, second = self.append(table.slice(0, half)), self.append(table.slice(half))
+            return AppendResult(first.num_events + second.num_events,
+                                first.num_page_events + second.num_page_events, 0, first.batches + second.batches)
+        raise StoreError(f"service {self.url}: HTTP {reply.status_code}: {_detail(reply)}")
+
+    def _post(self, body: bytes) -> httpx.Response:
+        delay = self.config.backoff_s
+        failure = ""
+        for attempt in range(self.config.retries + 1):
+            if attempt:
+                self.retried_requests += 1
+                time.sleep(delay)
+                delay *= 2
+            self.sent_requests += 1
+            try:
+                reply = self._client.post(INGEST_PATH, content=body)
+            except httpx.TransportError as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+                continue
+            if reply.status_code < 500:
+                return reply
+            failure = f"HTTP {reply.status_code}: {_detail(reply)}"
+        raise StoreError(f"service {self.url} unavailable after {self.config.retries + 1} attempts: {failure}")
+
+    def close(self) -> None:
+        self._client.close()

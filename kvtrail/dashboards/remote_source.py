@@ -1,0 +1,129 @@
+"""``RemoteSource``: the dashboard against a running ``kvtrail serve``, through its query API.
+
+Every table comes from the route the CLI's ``--url`` uses (the same forensics functions on the service's
+store), so the numbers are the ones a store file would give. An operator token sees every view; a
+tenant token only its own affected responses and whether its data was read (the service reduces the
+rest to counts and refuses what a tenant may not ask). The page ownership timeline needs the store's
+page events and is shown with ``--db`` only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import polars as pl
+
+from kvtrail import forensics as fx
+from kvtrail.dashboards.source import SourceError, Thresholds
+from kvtrail.dashboards.transfers import SCHEMA as TRANSFER_SCHEMA
+from kvtrail.errors import KvtrailError
+from kvtrail.remote import Client
+from kvtrail.timeutil import format_utc
+
+TENANT_SPAN_NS = 7 * 86_400 * 10**9  # a tenant cannot see node configurations: its default window
+
+
+class RemoteSource:
+    """A kvtrail service at ``url``, asked with one token; ``role`` is operator or tenant."""
+
+    def __init__(self, url: str, token: str | None, *, transport: httpx.BaseTransport | None = None):
+        self.client = Client(url, token, transport=transport)
+        self._token = token
+        self._transport = transport
+        self.label = f"service {self.client.url}"
+        try:
+            self._nodes = self.client.table("/v1/nodes", {})[0]
+            self.role = "operator"
+        except KvtrailError as exc:
+            if "answered 403" not in str(exc):
+                raise SourceError("invalid", str(exc)) from None
+            self._nodes = pl.DataFrame()
+            self.role = "tenant"
+
+    @staticmethod
+    def _params(w: fx.Window, tenant_ok: bool = True) -> dict[str, Any]:
+        return {"from": format_utc(w.from_ns) if w.from_ns is not None else None,
+                "to": format_utc(w.to_ns) if w.to_ns is not None else None,
+                "node": w.node, "tenant": w.tenant if tenant_ok else None}
+
+    def bounds(self) -> tuple[int, int] | None:
+        now = time.time_ns()
+        if self.role == "tenant" or self._nodes.is_empty():
+            return now - TENANT_SPAN_NS, now
+        return int(self._nodes["effective_from_ns"].min()), now  # type: ignore[arg-type]
+
+    def events_in(self, w: fx.Window) -> int:
+        return 1  # the service does not say; every view has its own empty state
+
+    def choices(self) -> tuple[list[str], list[str]]:
+        if self.role == "tenant":
+            return [], []
+        return sorted(set(self._nodes["node"])), []
+
+    def fleet(self, w: fx.Window) -> pl.DataFrame:
+        rows = self.client.table("/v1/nodes", self._params(w, tenant_ok=False))[0]
+        gaps = self.client.table("/v1/coverage", {})[0]
+        missing = gaps.group_by("node").agg(pl.col("unexplained").sum()) if len(gaps) else None
+        rows = rows.with_columns(pl.lit(None, pl.Int64).alias("recorder_dropped_events"))  # no route says
+        if missing is None:
+            return rows.with_columns(pl.lit(0, pl.Int64).alias("unexplained_gap_events"))
+        return rows.join(missing.rename({"unexplained": "unexplained_gap_events"}), on="node", how="left").with_columns(
+            pl.col("unexplained_gap_events").fill_null(0))
+
+    def found(self, w: fx.Window) -> tuple[list[fx.Finding], str]:
+        return [], f"the service at {self.client.url}"
+
+    def findings(self, w: fx.Window) -> pl.DataFrame:
+        return self.client.table("/v1/findings", self._params(w))[0]
+
+    def affected(self, w: fx.Window) -> pl.DataFrame:
+        rows = self.client.table("/v1/affected", self._params(w, tenant_ok=self.role != "tenant"))[0]
+        if self.role == "tenant":  # victims come as counts: the view's columns, without other tenants' ids
+            rows = rows.with_columns(pl.lit(None, pl.Utf8).alias("tenant_id"),
+                                     pl.lit([], pl.List(pl.Utf8)).alias("victim_tenants"))
+        return rows
+
+    def exposure(self, w: fx.Window) -> pl.DataFrame:
+        if self.role == "tenant":
+            r = self._get("/v1/exposure", self._params(w, tenant_ok=False))
+            return pl.DataFrame([{"recipient_tenant": "(other tenants)", "victim_tenant": r["tenant_id"],
+                                  "responses": r["reading_responses"], "pages": r["pages"],
+                                  "victim_requests": len(r["my_requests_read"])}] if r["exposed"] else [],
+                                schema={"recipient_tenant": pl.Utf8, "victim_tenant": pl.Utf8, "responses": pl.Int64,
+                                        "pages": pl.Int64, "victim_requests": pl.Int64})
+        return self.client.table("/v1/exposure", self._params(w))[0]
+
+    def thresholds(self, w: fx.Window) -> Thresholds:
+        if self.role == "tenant":
+            return Thresholds(pl.DataFrame(), "The threshold analysis is for operators.")
+        rows, meta = self.client.table("/v1/thresholds", self._params(w))
+        notes = meta.get("notes") or [""]
+        return Thresholds(rows, notes[0])
+
+    def exploitation(self, w: fx.Window) -> pl.DataFrame:
+        return self.client.table("/v1/exploitation", self._params(w))[0]
+
+    def transfers(self, w: fx.Window) -> pl.DataFrame:
+        rows = self.client.table("/v1/findings", {**self._params(w), "code": ["F2", "F3"]})[0]
+        if rows.is_empty():
+            return pl.DataFrame(schema=TRANSFER_SCHEMA)
+        rows = rows.with_columns(pl.lit(None, pl.Utf8).alias("prefill_node"), pl.col("node").alias("decode_node"),
+                                 pl.format("? -> {}", pl.col("node")).alias("pair"))
+        return rows.select(list(TRANSFER_SCHEMA)).sort("last_ns")
+
+    def report(self, w: fx.Window, context_yaml: bytes | None) -> tuple[bytes, dict, str]:
+        body = {"from": format_utc(w.from_ns), "to": format_utc(w.to_ns),
+                "context_yaml": context_yaml.decode("utf-8") if context_yaml is not None else None}
+        data, counts = self.client.report(body)
+        return data, counts, ("written by the service on a snapshot of its store: check it with "
+                              "'kvtrail forensics verify-report DIR --db STORE' against the store")
+
+    def _get(self, path: str, params: dict) -> dict:
+        with httpx.Client(base_url=self.client.url, transport=self._transport, timeout=60.0,
+                          headers={"Authorization": f"Bearer {self._token}"}) as http:
+            r = http.get(path, params={k: v for k, v in params.items() if v is not None})
+        if r.status_code >= 400:
+            raise KvtrailError(f"--url: the service answered {r.status_code}: {r.text[:200]}")
+        return r.json()

@@ -1,0 +1,173 @@
+"""The forensics commands' sources: a store file (``--db``), a running service (``--url``/``--token``) or an
+audit lake (``--lake``, its partition tasks in-process or on Dask: ``--scheduler``/``--workers``).
+
+:class:`Remote` turns the service's tables back into the :class:`~kvtrail.forensics.Answer` a local
+question returns, so each command formats one answer the same way whichever source it came from.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+import zipfile
+from pathlib import Path
+
+import click
+import polars as pl
+
+from kvtrail.errors import KvtrailError, StoreError
+from kvtrail.forensics import Answer, Exclusions
+from kvtrail.forensics.findings import NEVER_WRITTEN
+from kvtrail.forensics.lake.questions import open_lake
+from kvtrail.forensics.report.manifest import MANIFEST
+from kvtrail.forensics.tables import printable
+from kvtrail.lake.executor import DaskExecutor, LocalExecutor
+from kvtrail.outputs import write_dir_atomically
+from kvtrail.remote import Client
+from kvtrail.signals import interrupt_on_stop_signals
+from kvtrail.timeutil import format_utc
+
+
+def local(fn):
+    """Run a question on the store file; a store a running process holds (the service) is one line
+    suggesting ``--url``."""
+    try:
+        return fn()
+    except StoreError as exc:
+        if "in use by another process" not in str(exc):
+            raise
+        raise KvtrailError(f"{exc}; if a kvtrail service holds it, ask the service instead: "
+                           "--url URL --token TOKEN (or KVTRAIL_URL/KVTRAIL_TOKEN)") from None
+
+
+class Remote:
+    """A service asked instead of the store file: its tables as the same :class:`Answer` a question returns."""
+
+    def __init__(self, url: str, token: str | None):
+        self.client = Client(url, token)
+
+    def answer(self, path: str, params: dict) -> Answer:
+        rows, meta = self.client.table(path, params)
+        gaps = pl.DataFrame(meta.get("gaps", []), schema={
+            "node": pl.Utf8, "instance": pl.Utf8, "missing_events": pl.Int64, "reported_by_producer": pl.Int64,
+            "unexplained": pl.Int64})
+        excluded = pl.DataFrame([{"excluded_by": by, "reason": why} for by, why, n in meta.get("excluded", [])
+                                 for _ in range(int(n))], schema={"excluded_by": pl.Utf8, "reason": pl.Utf8})
+        return Answer(rows, excluded, gaps, tuple(meta.get("notes", ())), tuple(meta.get("warnings", ())),
+                      meta.get("summary", {}))
+
+
+def remote_of(url: str | None, token: str | None) -> Remote | None:
+    return Remote(url, token) if url else None
+
+
+def window_params(from_, to, tenant, node, excl: Exclusions | None = None) -> dict:
+    """The HTTP parameters of the window flags (as typed: they parsed here, so they parse there) and exclusions."""
+    params = {"from": from_, "to": to, "tenant": tenant, "node": node}
+    if excl is not None:
+        for name, pairs in (("exclude_tenant", excl.tenants), ("exclude_api_key", excl.api_key_ids),
+                            ("exclude_request", excl.request_ids)):
+            params[name] = [f"{k}={v}" for k, v in pairs]
+    return params
+
+
+def remote_options(f):
+    for opt in reversed([
+        click.option("--url", envvar="KVTRAIL_URL", help="Ask a running kvtrail service instead of --db "
+                                                         "(env KVTRAIL_URL)."),
+        click.option("--token", "api_token", envvar="KVTRAIL_TOKEN", help="API token for --url (env KVTRAIL_TOKEN)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def remote_report(remote: Remote, out, force, db, from_, to, excl, context_text, before, probe) -> None:
+    params = window_params(from_, to, None, None, excl)
+    body = {**{k: v for k, v in params.items() if k not in ("tenant", "node")}, **probe, "context_yaml": context_text}
+    data, summary = remote.client.report(body)
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        files = {name: z.read(name) for name in z.namelist()}
+
+    def write(staging: Path) -> None:
+        for name, content in files.items():
+            (staging / Path(name).name).write_bytes(content)
+    write_dir_atomically(out, write, force=force, protected=(db,), last=(MANIFEST,))
+    report_lines(before, set(files), out, summary["coverage_producers"], summary["coverage_unexplained"],
+                  summary["counts"], summary["results_digest"])
+
+
+def report_lines(before, ours: set, out, gap_producers: int, gap_events: int, c: dict, digest: str) -> None:
+    """What ``report`` prints after writing, whether the store was local or a service's."""
+    left = [name for name in before if name not in ours]
+    if left:
+        click.echo(printable(f"note: --out: {len(left)} other entries in {out} left as they were (not part of "
+                             f"the report): {', '.join(left[:5])}" + (", ..." if len(left) > 5 else "")), err=True)
+    if gap_producers:
+        click.echo(f"warning: coverage gap: {gap_events} events missing from "
+                   f"{gap_producers} producer(s) without a recorder_gap explaining them; the report says so",
+                   err=True)
+    if c["events_in_window"] == 0:
+        click.echo("the store holds no events in this window", err=True)
+    click.echo(f"{c['affected_responses']} affected responses, {c['recipient_tenants']} recipient tenants, "
+               f"{c['victim_tenants']} victim tenants ({c['excluded_responses']} responses excluded)")
+    click.echo(printable(f"wrote {len(ours)} files to {out}; results digest {digest}"))
+
+
+def lake_options(f):
+    """``--lake`` (instead of --db) and where its partition tasks run."""
+    for opt in reversed([
+        click.option("--lake", "lake_url", help="Ask an audit lake (a directory or s3://BUCKET/PREFIX written by "
+                                                "`kvtrail lake export`) instead of --db."),
+        click.option("--scheduler", help="With --lake: run the partition tasks on this Dask scheduler "
+                                         "(tcp://HOST:PORT)."),
+        click.option("--workers", type=click.IntRange(1), help="With --lake: start a local Dask cluster of N "
+                                                               "worker processes for the partition tasks."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def lake_answer(lake_url: str | None, scheduler: str | None, workers: int | None, url: str | None, ask):
+    """``ask(lake, executor)`` on the lake at ``lake_url``, or None when no --lake was given."""
+    if lake_url is None:
+        if scheduler is not None or workers is not None:
+            raise KvtrailError("--scheduler/--workers: only with --lake")
+        return None
+    if url:
+        raise KvtrailError("--lake: give either --lake or --url")
+    if scheduler is not None and workers is not None:
+        raise KvtrailError("--scheduler: give either --scheduler or --workers")
+    executor = (DaskExecutor(scheduler, workers) if scheduler is not None or workers is not None
+                else LocalExecutor())
+    try:
+        with open_lake(lake_url) as lake:
+            return ask(lake, executor)
+    finally:
+        executor.close()
+
+
+def watch_remote(remote: Remote, interval: float, polls: int) -> None:
+    """``forensics watch --url``: print each finding the service's live judge persists, as it is saved."""
+    cursor, done, seen = 0, 0, 0
+    try:
+        with interrupt_on_stop_signals():
+            while True:
+                rows, cursor = remote.client.findings_since(cursor)
+                for row in rows.iter_rows(named=True):
+                    click.echo(_row_line(row))
+                seen += len(rows)
+                done += 1
+                if polls and done >= polls:
+                    break
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    click.echo(f"followed {seen} findings in {done} polls (cursor {cursor})", err=True)
+
+
+def _row_line(r: dict) -> str:
+    """A persisted finding (a row of the service's ``findings``) in :func:`_finding_line`'s form."""
+    victims = ",".join(v or NEVER_WRITTEN for v in r["victim_request_ids"] or [])
+    return printable(f"{format_utc(r['last_ns'])} {r['code']} {r['severity']:<8} {r['node']} request "
+                     f"{r['request_id']} ({r['tenant_id']})" + (f" victims {victims}" if victims else "")
+                     + f": {r['detail']}")

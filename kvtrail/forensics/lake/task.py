@@ -1,0 +1,163 @@
+"""One fan-out task: the replay of one node's partition (or, where checkpoints cannot stand in, of its
+whole window), and what it hands the second stage.
+
+Modes: ``pages`` replays the partition's events from the checkpoint at its hour's start (or from an
+empty state where the window's replay starts inside the hour) and returns the per-node findings plus
+the cross-node joins' inputs; ``joins`` (hours before the window that its replay still reads from, see
+:mod:`kvtrail.forensics.lake.plan`) collects only the joins' inputs, without page lists; ``chain`` replays
+several hours of one node in order from an empty state. A task reads each file once, checks its SHA-256 against
+the manifest and replays those very bytes; it refuses (``LakeCoverageError``) a missing or altered file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kvtrail.audit.store import read_events
+from kvtrail.errors import KvtrailError
+from kvtrail.forensics.findings import Finding
+from kvtrail.forensics.lake import checkpoint
+from kvtrail.forensics.policy import ForensicsPolicy
+from kvtrail.forensics.replay.batch import JOIN_KINDS, PRODUCER_NAMES
+from kvtrail.forensics.replay.engine import ReplayEngine
+from kvtrail.forensics.replay.joins import CrossNodeJoins
+from kvtrail.forensics.replay.source import store_batches
+from kvtrail.lake.catalog import LAKE_TABLES, open_memory_catalog
+from kvtrail.lake.fs import LakeFS
+from kvtrail.lake.partition import HOUR_NS
+
+MODES = ("pages", "joins", "chain")
+
+
+class LakeCoverageError(KvtrailError):
+    """A partition or checkpoint a question needs is missing or does not match the manifest."""
+
+
+@dataclass(frozen=True)
+class PartitionTask:
+    """What one task replays. ``files``: table -> (path, SHA-256) pairs; ``starts``: per producer id, the
+    time from which the window's replay reads it (None: from its first event)."""
+
+    url: str
+    mode: str
+    cluster: str
+    node: str
+    hours: tuple[int, ...]
+    files: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]
+    checkpoint: tuple[str, str] | None  # (path, SHA-256); None: an empty state
+    starts: tuple[tuple[int, int | None], ...]
+    to_ns: int | None
+    policy: ForensicsPolicy = ForensicsPolicy()
+    codes: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        assert self.mode in MODES, f"task mode {self.mode!r}"
+
+    def label(self) -> str:
+        return f"{self.mode} {self.cluster}/{self.node} hours {self.hours[0]}..{self.hours[-1]}"
+
+
+@dataclass
+class PartitionResult:
+    """A task's answer: per-node findings, the joins' inputs, tenants it learned, and the node's state."""
+
+    cluster: str
+    node: str
+    hours: tuple[int, ...]
+    found: list[Finding] = field(default_factory=list)
+    joins: CrossNodeJoins | None = None
+    tenants: dict[str, str] = field(default_factory=dict)
+    hit_pages: dict[tuple[tuple[str, str], str | None], int] = field(default_factory=dict)  # joins mode
+    events: int = 0
+    page_events: int = 0
+
+
+def _checked(lake: LakeFS, path: str, sha: str) -> bytes:
+    try:
+        data = lake.read(path)
+    except KvtrailError:
+        raise LakeCoverageError(f"lake {lake.url}: partition file missing: {path}; no answer from less data") from None
+    if hashlib.sha256(data).hexdigest() != sha:
+        raise LakeCoverageError(f"lake {lake.url}: {path} does not match the manifest (altered); no answer")
+    return data
+
+
+def _where(task: PartitionTask, lo: int, hi: int) -> tuple[str, list]:
+    where = ["cluster = ?", "node = ?", "wall_ns >= ?", "wall_ns < ?"]
+    params: list = [task.cluster, task.node, lo, hi]
+    if task.to_ns is not None:
+        where.append("wall_ns <= ?")
+        params.append(task.to_ns)
+    for pid, start in task.starts:
+        if start is not None:
+            where.append("(producer_id <> ? OR wall_ns >= ?)")
+            params += [pid, start]
+    return " AND ".join(where), params
+
+
+def run_task(task: PartitionTask) -> PartitionResult:
+    """Run one task (in a worker process or in-process)."""
+    lake = LakeFS.open(task.url)
+    # Each file is read once: the bytes whose SHA-256 matched are the ones replayed.
+    tables = {table: pa.concat_tables([pq.read_table(pa.BufferReader(_checked(lake, path, sha)))
+                                       for path, sha in entries]) for table, entries in task.files if entries}
+    if set(tables) != set(LAKE_TABLES):
+        raise LakeCoverageError(f"lake {lake.url}: no {', '.join(sorted(set(LAKE_TABLES) - set(tables)))} files "
+                                f"for {task.label()}; no answer")
+    con = open_memory_catalog(tables)
+    try:
+        producer_ids = {tuple(r[1:]): r[0] for r in con.execute(
+            f"SELECT producer_id, {', '.join(PRODUCER_NAMES)} FROM producers").fetchall()}
+        out = PartitionResult(task.cluster, task.node, task.hours)
+        if task.mode == "joins":
+            _collect_joins(con, task, producer_ids, out)
+            return out
+        engine = ReplayEngine(producer_ids, task.policy, codes=task.codes)
+        if task.checkpoint is not None:
+            checkpoint.restore(_checked(lake, *task.checkpoint), engine.state)
+        for hour in task.hours:
+            where, params = _where(task, hour * HOUR_NS, (hour + 1) * HOUR_NS)
+            if engine.fast_path is not None:
+                for batch in store_batches(con, where, params):
+                    out.events += batch.num_rows
+                    engine.feed_batch(batch)
+            else:
+                table = read_events(con, where, params)
+                out.events += table.num_rows
+                engine.feed(table)
+        out.found = list(engine.state.found)
+        out.joins = engine.state.joins
+        out.tenants = dict(engine.state.tenants)
+        return out
+    finally:
+        con.close()
+
+
+def _collect_joins(con, task: PartitionTask, producer_ids: dict, out: PartitionResult) -> None:
+    """The joins' inputs of hours before the window: join kinds, node configs and forward writes, no pages."""
+    hour = task.hours[0]
+    where, params = _where(task, hour * HOUR_NS, (hour + 1) * HOUR_NS)
+    kinds = ", ".join(f"'{k}'" for k in (*JOIN_KINDS, "node_config"))
+    joined = read_events(con, f"{where} AND kind IN ({kinds})", params)
+    # Forward writes are prefill-rate samples: their pages do not matter here, and are most of the data.
+    writes = read_events(con, f"{where} AND kind = 'kv_written' AND source = 'forward' AND request_id IS NOT NULL",
+                         params)
+    for name in ("pages", "page_digests", "block_hashes"):
+        i = writes.schema.get_field_index(name)
+        typ = writes.schema.field(name).type
+        col = pa.array([[]] * writes.num_rows, typ) if name == "pages" else pa.nulls(writes.num_rows, typ)
+        writes = writes.set_column(i, writes.schema.field(name), col)
+    table = pa.concat_tables([joined, writes])
+    engine = ReplayEngine(producer_ids, task.policy, codes=task.codes, fast=False)
+    engine.feed(table)
+    out.events = table.num_rows
+    out.joins = engine.state.joins
+    out.tenants = dict(engine.state.tenants)
+    hits = con.execute(f"SELECT cluster, node, request_id, sum(num_pages) FROM events_v WHERE {where} "
+                       "AND kind = 'pages_allocated' AND purpose = 'prefix_hit' AND num_pages > 0 GROUP BY ALL",
+                       params).fetchall()
+    out.hit_pages = {((c, n), rid): int(k) for c, n, rid, k in hits}

@@ -1,0 +1,70 @@
+"""A lake (or some of its files) seen as a store: an in-memory DuckDB with the store's tables as views.
+
+The views have the store's names and column types (``events``, ``events_v``, ``page_runs``,
+``producers``, ``batches``, ...), so the chain check (:func:`kvtrail.audit.verify.verify_store`), the
+questions' SQL and the replay's reader (:func:`kvtrail.forensics.replay.source.store_batches`) run on a
+lake unchanged. Local files are read by DuckDB itself; files on S3 through pyarrow datasets (DuckDB
+2.x cannot load ``httpfs`` offline), which DuckDB scans lazily. Only files the manifest lists are read.
+"""
+
+from __future__ import annotations
+
+import duckdb
+import pyarrow as pa
+import pyarrow.dataset as pads
+
+from kvtrail.audit.store import schema_ddl
+from kvtrail.lake.fs import LakeFS
+
+# Tables a lake holds files of; every other store table is an empty view.
+LAKE_TABLES = ("producers", "batches", "events", "page_runs")
+_EVENTS_V = ("CREATE VIEW events_v AS SELECT p.cluster, p.node, p.role, p.engine, p.engine_version, p.instance, e.* "
+             "FROM events e JOIN producers p USING (producer_id)")
+
+
+def _lit(path: str) -> str:
+    return "'" + path.replace("'", "''") + "'"
+
+
+def _view(con: duckdb.DuckDBPyConnection, lake: LakeFS, table: str, paths: list[str], cols: str) -> None:
+    if lake.is_local:
+        listed = ", ".join(_lit(lake.full(p)) for p in paths)
+        con.execute(f"CREATE VIEW {table} AS SELECT {cols} FROM read_parquet([{listed}], hive_partitioning=false)")
+    else:
+        ds = pads.dataset([lake.full(p) for p in paths], filesystem=lake.fs, format="parquet")
+        con.register(f"_lake_{table}", ds)
+        con.execute(f"CREATE VIEW {table} AS SELECT {cols} FROM _lake_{table}")
+
+
+def open_memory_catalog(tables: dict[str, pa.Table]) -> duckdb.DuckDBPyConnection:
+    """A connection over tables already read (each of :data:`LAKE_TABLES`): what a task checked is what it reads."""
+    con = duckdb.connect()
+    for table in LAKE_TABLES:
+        con.register(f"_lake_{table}", tables[table])
+        con.execute(f"CREATE VIEW {table} AS SELECT * FROM _lake_{table}")
+    con.execute(_EVENTS_V)
+    return con
+
+
+def open_catalog(lake: LakeFS, files: dict[str, list[str]]) -> duckdb.DuckDBPyConnection:
+    """A connection whose store tables read ``files`` (table -> lake-relative paths) of ``lake``."""
+    con = duckdb.connect()
+    con.execute("CREATE SCHEMA ref")
+    con.execute("USE memory.ref")
+    for stmt in schema_ddl():
+        if not stmt.startswith("CREATE OR REPLACE VIEW events_v"):
+            con.execute(stmt)
+    con.execute("USE memory.main")
+    # The kind tables stay hidden: a lake's events are one wide table, read through the ``events`` view.
+    tables = [r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE schema_name = 'ref' "
+                                        "AND NOT starts_with(table_name, 'events_')").fetchall()]
+    tables += ["events"]
+    for table in tables:
+        paths = files.get(table, [])
+        cols = ", ".join(r[0] for r in con.execute(f"DESCRIBE ref.{table}").fetchall())
+        if not paths:
+            con.execute(f"CREATE VIEW {table} AS SELECT * FROM ref.{table}")
+        else:
+            _view(con, lake, table, paths, cols)
+    con.execute(_EVENTS_V)
+    return con

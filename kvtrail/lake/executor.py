@@ -1,0 +1,99 @@
+"""Where the fan-out runs: one small interface, in-process or on Dask distributed.
+
+An :class:`Executor` maps a module-level function over task descriptions and returns every result, in
+order, or raises: it never returns part of the answers. :class:`LocalExecutor` runs them one after
+another in this process; :class:`DaskExecutor` submits them to a Dask cluster - an existing scheduler
+(``--scheduler tcp://HOST:PORT``) or a local one of N worker processes it starts on loopback
+(``--workers N``). Dask re-runs the tasks of a worker that dies; a task that keeps failing (or kills
+its workers) ends the question with one clear error. Another engine (Ray, Spark) would be one more
+class with ``map`` and ``close``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Protocol, Sequence
+
+from kvtrail.errors import KvtrailError
+
+
+class Executor(Protocol):
+    """Runs ``fn`` over ``items``; all results in order, or an exception."""
+
+    def map(self, fn: Callable[[Any], Any], items: Sequence[Any], label: str = "tasks") -> list[Any]: ...
+
+    def close(self) -> None: ...
+
+
+class LocalExecutor:
+    """Every task in this process, one after another (the reference, and what tests compare against)."""
+
+    def map(self, fn: Callable[[Any], Any], items: Sequence[Any], label: str = "tasks") -> list[Any]:
+        return [fn(item) for item in items]
+
+    def close(self) -> None:
+        pass
+
+
+class DaskExecutor:
+    """Tasks on a Dask cluster: ``scheduler`` (an address) or ``workers`` local processes on 127.0.0.1.
+
+    ``progress``: a progress bar on stderr (default: when stderr is a terminal). ``retries``: how often
+    Dask re-runs a task that raised (a task on a worker that died is re-run regardless, up to the
+    scheduler's ``allowed-failures``).
+    """
+
+    def __init__(self, scheduler: str | None = None, workers: int | None = None, *, progress: bool | None = None,
+                 retries: int = 1):
+        if (scheduler is None) == (workers is None):
+            raise ValueError("DaskExecutor: give exactly one of scheduler or workers")
+        try:
+            from distributed import Client, LocalCluster
+        except ImportError:
+            raise KvtrailError("--scheduler/--workers: Dask distributed is not installed "
+                               "(pip install 'kvtrail[lake]')") from None
+        self.cluster = None
+        try:
+            if workers is not None:
+                if workers < 1:
+                    raise ValueError("workers: must be >= 1")
+                self.cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                            host="127.0.0.1", dashboard_address="127.0.0.1:0")
+                self.client = Client(self.cluster)
+            else:
+                self.client = Client(scheduler, timeout=30)
+        except OSError as exc:
+            raise KvtrailError(f"--scheduler: cannot reach the Dask scheduler {scheduler}: {exc}") from None
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        self.retries = retries
+
+    def map(self, fn: Callable[[Any], Any], items: Sequence[Any], label: str = "tasks") -> list[Any]:
+        from distributed import as_completed
+
+        futures = self.client.map(fn, list(items), pure=False, retries=self.retries)
+        try:
+            bar = None
+            if self.progress:
+                from tqdm import tqdm
+
+                bar = tqdm(total=len(futures), desc=label, unit="task", file=sys.stderr)
+            for fut in as_completed(futures):
+                if fut.status == "error":
+                    break
+                if bar is not None:
+                    bar.update(1)
+            if bar is not None:
+                bar.close()
+            return self.client.gather(futures)
+        except KvtrailError:
+            raise
+        except Exception as exc:  # any worker-side failure ends the question, named, with no answer
+            raise KvtrailError(f"lake: a partition task failed on the Dask cluster ({type(exc).__name__}: {exc}); "
+                               "no answer was produced") from exc
+        finally:
+            self.client.cancel(futures)
+
+    def close(self) -> None:
+        self.client.close()
+        if self.cluster is not None:
+            self.cluster.close()

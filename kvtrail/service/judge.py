@@ -1,0 +1,154 @@
+"""The live judge: the online replay tailing the service's store, persisting new findings as batches commit.
+
+After each commit the ingest writer calls :meth:`Judge.notify` with the committed events; the judge's
+thread then feeds them to one warm :class:`~kvtrail.forensics.OnlineReplay` (reading back from the store
+only what it was not handed: at start, or after it fell more than ``MAX_HELD_EVENTS`` behind) and saves
+what it reports with :func:`~kvtrail.forensics.save_findings` under the service's write lock, so the
+``findings`` table (stable ids, ``first_run_id``) is fresh without re-running a window. Commits that
+arrive while a poll runs are judged by the next one. A failure never reaches ingest: it is counted,
+logged and retried (findings a failed save did not persist are saved by the next attempt). The lag
+from a commit to the end of the poll that judged it is kept for ``stats``.
+
+At start the first poll judges everything the store already holds; findings stored by an earlier run
+keep their ids and ``first_run_id``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from kvtrail.forensics import Finding, OnlineReplay, save_findings
+from kvtrail.forensics.policy import ForensicsPolicy
+
+log = logging.getLogger("kvtrail.service")
+ENGINE = "online"
+_LAG_SAMPLES = 4096
+# Committed events the judge holds for direct feeding; past this it drops them and reads from the store.
+MAX_HELD_EVENTS = 2_000_000
+
+
+class Judge:
+    """One thread judging a store as it grows. ``cursor`` makes the connection it reads and saves through."""
+
+    def __init__(self, cursor: Callable[[], duckdb.DuckDBPyConnection], write_lock: threading.Lock, *,
+                 policy: ForensicsPolicy = ForensicsPolicy(), retry_s: float = 1.0):
+        self.policy = policy
+        self.write_lock = write_lock
+        self.retry_s = retry_s
+        self.replay = OnlineReplay(policy)
+        self.last_run_id: int | None = None  # the forensic run of the judge's latest save
+        self.polls = 0
+        self.failures = 0
+        self.findings_saved = 0
+        self.lag_s: deque[float] = deque(maxlen=_LAG_SAMPLES)  # commit -> judged and persisted, per poll
+        self._con = cursor()
+        self._unsaved: list[Finding] = []
+        self._held: list[tuple[pa.Table, dict[int, int]]] = []  # committed, not yet fed, in commit order
+        self._held_events = 0
+        self.fed_direct = 0  # batches fed as committed, not read back
+        self._cv = threading.Condition()
+        self._oldest_ns: int | None = None  # monotonic time of the oldest commit not yet judged
+        self._busy = False
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="kvtrail-service-judge", daemon=True)
+        self._thread.start()
+
+    def notify(self, committed_ns: int | None = None, table: pa.Table | None = None,
+               batches: dict[int, int] | None = None) -> None:
+        """A commit at ``committed_ns`` (monotonic; now if None) stored ``batches`` ({producer_id: batch_no},
+        events ``table``): judge it soon. Without a table the judge reads what is new from the store."""
+        t = time.monotonic_ns() if committed_ns is None else committed_ns
+        with self._cv:
+            if self._oldest_ns is None or t < self._oldest_ns:
+                self._oldest_ns = t
+            if table is not None and batches:
+                self._held.append((table, dict(batches)))
+                self._held_events += table.num_rows
+                if self._held_events > MAX_HELD_EVENTS:  # fell behind: let the store hold them
+                    self._held, self._held_events = [], 0
+            self._cv.notify_all()
+
+    def wait_idle(self, timeout_s: float = 30.0) -> bool:
+        """Block until every commit notified so far is judged (and its findings saved); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while self._oldest_ns is not None or self._busy or self._unsaved:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Judge what is pending (bounded by ``timeout_s``), stop the thread and release the cursor."""
+        self.wait_idle(timeout_s)
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self._con.close()
+
+    def stats(self) -> dict[str, float | int | None]:
+        """Counters and the lag's percentiles (seconds) over the latest polls."""
+        lags = np.array(self.lag_s) if self.lag_s else None
+        return {
+            "polls": self.polls, "failures": self.failures, "findings_saved": self.findings_saved,
+            "batches_fed_direct": self.fed_direct,
+            "events_judged": self.replay.num_events, "last_run_id": self.last_run_id,
+            "lag_p50_s": None if lags is None else float(np.percentile(lags, 50)),
+            "lag_p99_s": None if lags is None else float(np.percentile(lags, 99)),
+            "lag_max_s": None if lags is None else float(lags.max()),
+        }
+
+    # ---- the judge's thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._oldest_ns is None and not self._unsaved and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                since, self._oldest_ns = self._oldest_ns, None
+                held, self._held, self._held_events = self._held, [], 0
+                self._busy = True
+            ok = self._poll(held)
+            with self._cv:
+                self._busy = False
+                if ok and since is not None:
+                    self.lag_s.append((time.monotonic_ns() - since) / 1e9)
+                elif not ok and since is not None and (self._oldest_ns is None or since < self._oldest_ns):
+                    self._oldest_ns = since  # judged again by the retry
+                self._cv.notify_all()
+                if not ok:
+                    self._cv.wait(self.retry_s)
+
+    def _poll(self, held: list[tuple[pa.Table, dict[int, int]]]) -> bool:
+        try:
+            for table, batches in held:
+                if not self.replay.feed_committed(self._con, table, batches):
+                    break  # not the next batches: the poll reads them (and what follows) from the store
+                self.fed_direct += len(batches)
+            self._unsaved += self.replay.poll(self._con)
+            self.polls += 1
+            if self._unsaved:
+                with self.write_lock:
+                    record = save_findings(self._con, self._unsaved, from_ns=None, to_ns=None, engine=ENGINE,
+                                           policy=self.policy)
+                self.last_run_id = record.run_id
+                self.findings_saved += record.num_new
+                self._unsaved = []
+        except Exception:  # noqa: BLE001 - the judge must outlive any failure; counted, logged, retried
+            self.failures += 1
+            log.exception("kvtrail service: live judge failed (retried in %.1f s)", self.retry_s)
+            return False
+        return True

@@ -1,0 +1,136 @@
+"""``POST /v1/reports``: the disclosure report for a window, run on one snapshot of the live store and
+returned as an archive (zip or tar.gz) of exactly the files ``kvtrail forensics report`` writes.
+
+The report's ``report.json`` records the chain heads of the snapshot, so ``kvtrail forensics
+verify-report`` checks it later against the store like a report written by the CLI. The counts the
+CLI prints go in the ``X-Kvtrail-Report`` header.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import tarfile
+import tempfile
+import uuid
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Literal
+
+import duckdb
+from fastapi import Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvtrail.audit.layout import KIND_TABLES
+from kvtrail.audit.verify import chain_heads
+from kvtrail.forensics import ReportOptions, build_report, load_context, write_report
+from kvtrail.remote import REPORT_HEADER
+
+MEDIA = {"zip": "application/zip", "tar.gz": "application/gzip"}
+
+
+class ReportBody(BaseModel):
+    """What a report is run for: the window and the options of ``kvtrail forensics report``."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    from_: str = Field(alias="from", description="UTC start of the window (ISO 8601).")
+    to: str = Field(description="UTC end of the window (ISO 8601).")
+    exclude_tenant: list[str] = Field(default=[], description="ID[=REASON] entries.")
+    exclude_api_key: list[str] = Field(default=[], description="ID[=REASON] entries.")
+    exclude_request: list[str] = Field(default=[], description="ID[=REASON] entries.")
+    baseline_from: str | None = None
+    baseline_to: str | None = None
+    long_prompt_tokens: int | None = Field(default=None, ge=1, le=2**62)
+    burst_minutes: float = Field(default=10.0, gt=0, le=1e9)
+    burst_count: int = Field(default=5, ge=1, le=2**31)
+    context_yaml: str | None = Field(default=None, max_length=2**20,
+                                     description="The text of the operator's incident.yaml.")
+    archive: Literal["zip", "tar.gz"] = "zip"
+
+    def probe(self) -> dict:
+        return {"baseline_from": self.baseline_from, "baseline_to": self.baseline_to,
+                "long_prompt_tokens": self.long_prompt_tokens, "burst_minutes": self.burst_minutes,
+                "burst_count": self.burst_count}
+
+
+# As in forensics.report.snapshot: the tables whose rows belong to a (producer_id, batch_no).
+_BATCHED = (*KIND_TABLES, "page_runs", "batches")
+
+
+@contextmanager
+def live_snapshot(cur: duckdb.DuckDBPyConnection) -> Iterator[list[dict]]:
+    """Point ``cur`` at the store as of its current chain heads (yields them), like ``open_snapshot`` does
+    for a store file: the service holds the file, so the views live in a private in-memory catalog of
+    the same database instance, made the cursor's default while the report runs."""
+    store = cur.execute("SELECT current_database()").fetchone()
+    assert store is not None
+    src = f'"{store[0]}".main'
+    snap = f"kvtrail_snapshot_{uuid.uuid4().hex}"
+    heads = chain_heads(cur)
+    cur.execute(f"ATTACH ':memory:' AS {snap}")
+    try:
+        cur.execute(f"USE {snap}")
+        cur.execute("CREATE TABLE _heads (producer_id BIGINT, batch_no BIGINT)")
+        if heads:
+            cur.executemany("INSERT INTO _heads VALUES (?, ?)", [(h["producer_id"], h["batch_no"]) for h in heads])
+        for table in _BATCHED:
+            cur.execute(f"CREATE VIEW {table} AS SELECT t.* FROM {src}.{table} t JOIN _heads h "
+                        "ON t.producer_id = h.producer_id AND t.batch_no <= h.batch_no")
+        cur.execute(f"CREATE VIEW producers AS SELECT * FROM {src}.producers "
+                    "WHERE producer_id IN (SELECT producer_id FROM _heads)")
+        rows = cur.execute("SELECT table_name FROM duckdb_tables() WHERE database_name = ? AND schema_name = 'main'",
+                           [store[0]]).fetchall()
+        for (table,) in rows:
+            if table not in (*_BATCHED, "producers"):
+                cur.execute(f'CREATE VIEW "{table}" AS SELECT * FROM {src}."{table}"')
+        for name in ("events", "events_v"):  # the store's own definitions, re-bound to the views above
+            view = cur.execute("SELECT sql FROM duckdb_views() WHERE database_name = ? AND view_name = ?",
+                               [store[0], name]).fetchone()
+            assert view is not None, f"a store without its {name} view"
+            cur.execute(re.sub(r"^CREATE (OR REPLACE )?VIEW", "CREATE VIEW", view[0].strip(), flags=re.I))
+        yield heads
+    finally:
+        cur.execute(f"USE \"{store[0]}\"")
+        cur.execute(f"DETACH {snap}")
+
+
+def _archive(folder: Path, kind: str) -> bytes:
+    buf = io.BytesIO()
+    names = sorted(p.name for p in folder.iterdir())
+    if kind == "zip":
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+            for name in names:
+                z.write(folder / name, name)
+    else:
+        with tarfile.open(fileobj=buf, mode="w:gz") as t:
+            for name in names:
+                t.add(folder / name, name)
+    return buf.getvalue()
+
+
+def report_response(cur: duckdb.DuckDBPyConnection, options: ReportOptions, body: ReportBody,
+                    store_name: str) -> Response:
+    """Build and write the report in a temporary folder; the archive of its files as the response."""
+    with tempfile.TemporaryDirectory(prefix="kvtrail-report-") as tmp:
+        ctx = None
+        if body.context_yaml is not None:
+            path = Path(tmp) / "incident.yaml"
+            path.write_text(body.context_yaml, encoding="utf-8")
+            ctx = load_context(path)
+            options = replace(options, exclusions=options.exclusions.merged(ctx.exclusions))
+        with live_snapshot(cur) as heads:
+            report = build_report(cur, options, ctx, heads)
+        out = Path(tmp) / "report"
+        manifest = write_report(report, out, store_name)
+        data = _archive(out, body.archive)
+    summary = {"counts": report.counts, "results_digest": manifest["results_digest"],
+               "files": sorted(manifest["files"]), "coverage_unexplained": int(report.coverage["unexplained"].sum())
+               if len(report.coverage) else 0, "coverage_producers": len(report.coverage)}
+    ext = "zip" if body.archive == "zip" else "tar.gz"
+    return Response(data, media_type=MEDIA[body.archive], headers={
+        REPORT_HEADER: json.dumps(summary, ensure_ascii=True, separators=(",", ":"), default=str),
+        "Content-Disposition": f'attachment; filename="kvtrail-report.{ext}"'})

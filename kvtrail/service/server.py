@@ -1,0 +1,66 @@
+"""``kvtrail serve``: the service process. It owns the store, serves HTTP with uvicorn, stops cleanly.
+
+Start-up opens the store for writing (another process holding it is refused before anything is bound),
+binds the socket itself (loopback and a port the OS picks by default) and reports the bound address
+before serving, so the first line a supervisor reads is where to connect. SIGTERM and SIGINT stop
+accepting, let the requests in flight finish (their batches commit; bounded by ``drain_timeout_s``),
+then the committer drains, the judge judges what is left, and the store is checkpointed and closed.
+A second signal during that close is ignored, so it cannot cut the flush short.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from pathlib import Path
+from typing import Callable
+
+import uvicorn
+
+from kvtrail.service.app import create_app
+from kvtrail.service.config import ServeConfig
+from kvtrail.service.state import open_state
+from kvtrail.signals import stop_signals_ignored
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` (IPv6 for an address with ':')."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def run_service(db: str | Path, config: ServeConfig | None = None, *, tokens_file: str | Path | None = None,
+                ready: Callable[[str], None] = print) -> None:
+    """Serve the store at ``db`` until SIGTERM or SIGINT; ``ready(url)`` is called once it is listening."""
+    config = config or ServeConfig()
+    state = open_state(db, tokens_file=tokens_file)
+    try:
+        app = create_app(state, max_body_bytes=config.max_body_bytes)
+        sock = bind(config.host, config.port)
+        server = uvicorn.Server(uvicorn.Config(
+            app, log_level="warning", access_log=False, lifespan="off",
+            timeout_graceful_shutdown=math.ceil(config.drain_timeout_s)))
+        # uvicorn handles both signals while it runs and raises the caught one again after it stops;
+        # with both ignored around it that second raise, and any signal during the close, do nothing.
+        with stop_signals_ignored():
+            ready(url_of(sock))
+            try:
+                server.run(sockets=[sock])
+            finally:
+                sock.close()
+                state.close(config.drain_timeout_s)
+    finally:
+        state.close(config.drain_timeout_s)

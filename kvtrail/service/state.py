@@ -1,0 +1,71 @@
+"""What one running service holds: the store (its one write connection), the write lock, the ingest
+writer and the live judge. The HTTP routes receive a :class:`ServiceState`; queries read through
+:meth:`ServiceState.cursor`, writes other than ingest (tokens, access log, findings) hold ``write_lock``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+
+from kvtrail.audit.store import DEFAULT_CHECKPOINT, AuditStore, CheckpointPolicy
+from kvtrail.forensics.policy import ForensicsPolicy
+from kvtrail.service import tokens
+from kvtrail.service.committer import Committer
+from kvtrail.service.judge import Judge
+
+
+@dataclass
+class ServiceState:
+    """The store a service owns and the threads that write it. Made by :func:`open_state`."""
+
+    db_path: Path
+    store: AuditStore  # the one write connection; only the committer appends batches
+    write_lock: threading.Lock
+    judge: Judge
+    committer: Committer
+    started_ns: int = field(default_factory=time.time_ns)
+    closed: bool = False
+
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        """A fresh connection to the store's database, for one request (close it when done)."""
+        return self.store.cursor()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Commit the batches still queued, judge them, then checkpoint and close the store."""
+        if self.closed:
+            return
+        self.closed = True
+        self.committer.close(timeout_s)
+        self.judge.close(timeout_s)
+        with self.write_lock:
+            self.store.close()
+
+
+def open_state(db_path: str | Path, *, tokens_file: str | Path | None = None,
+               policy: ForensicsPolicy = ForensicsPolicy(),
+               checkpoint: CheckpointPolicy = DEFAULT_CHECKPOINT) -> ServiceState:
+    """Open (or create) the store at ``db_path`` for writing and start the committer and the judge.
+
+    Raises StoreError naming the path when another process holds the store, and ValueError for a bad
+    token file (then the store is closed again).
+    """
+    path = Path(db_path)
+    store = AuditStore(path, checkpoint=checkpoint)
+    lock = threading.Lock()
+    try:
+        with lock:
+            tokens.ensure_tables(store.con)
+            if tokens_file is not None:
+                tokens.load_token_file(store.con, tokens_file)
+    except BaseException:
+        store.close()
+        raise
+    judge = Judge(store.cursor, lock, policy=policy)
+    committer = Committer(store, lock, on_commit=judge.notify)
+    judge.notify()  # judge what the store already holds
+    return ServiceState(path, store, lock, judge, committer)

@@ -1,0 +1,78 @@
+"""What a tenant token may learn, computed from the same answers operators get.
+
+A tenant sees its own requests and counts about everyone else: how many other requests and tenants
+its responses read from, how many responses and tenants read its data. Another tenant's ids, request
+ids and node names never leave these functions; the query router sends nothing else to a tenant.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from kvtrail.forensics import AFFECTED_CODES, PSEUDO_VICTIMS
+
+_AFFECTED_SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {
+    "request_id": pl.Utf8, "http_status": pl.Int32, "prompt_tokens": pl.Int64,
+                    "completion_tokens": pl.Int64, "codes": pl.List(pl.Utf8), "pages_read_foreign": pl.Int64,
+                    "other_requests": pl.Int64, "other_tenants": pl.Int64, "first_ns": pl.Int64, "last_ns": pl.Int64}
+
+
+def _others(tenants: list[str] | None, tenant: str) -> int:
+    return len({t for t in tenants or () if t != tenant and t not in PSEUDO_VICTIMS})
+
+
+def tenant_affected(affected: pl.DataFrame, tenant: str) -> pl.DataFrame:
+    """The tenant's own affected responses (rows of ``ask_affected``), victims reduced to counts."""
+    rows = [{"request_id": r["request_id"], "http_status": r["http_status"], "prompt_tokens": r["prompt_tokens"],
+             "completion_tokens": r["completion_tokens"], "codes": r["codes"],
+             "pages_read_foreign": r["pages_read_foreign"], "other_requests": len(r["victim_requests"] or ()),
+             "other_tenants": _others(r["victim_tenants"], tenant), "first_ns": r["first_ns"],
+             "last_ns": r["last_ns"]}
+            for r in affected.filter(pl.col("tenant_id") == tenant).iter_rows(named=True)]
+    return pl.DataFrame(rows, schema=_AFFECTED_SCHEMA)
+
+
+def _reads_of(findings: pl.DataFrame, match) -> tuple[set, set, set, set]:
+    """(reading responses, their tenants, pages read, matched victim request ids) of affected findings whose
+    victim (request id, tenant id) satisfies ``match``."""
+    responses: set[str] = set()
+    tenants: set[str | None] = set()
+    pages: set[tuple] = set()
+    mine: set[str] = set()
+    for f in findings.filter(pl.col("code").is_in(sorted(AFFECTED_CODES))).iter_rows(named=True):
+        hits = [rid for rid, tid in zip(f["victim_request_ids"] or (), f["victim_tenant_ids"] or ()) if match(rid, tid)]
+        if not hits:
+            continue
+        responses.add(f["request_id"])
+        tenants.add(f["tenant_id"])
+        pages.update((f["request_id"], f["node"], p) for p in f["pages"] or ())
+        mine.update(h for h in hits if h)
+    return responses, tenants, pages, mine
+
+
+def tenant_exposure(findings: pl.DataFrame, tenant: str) -> dict:
+    """Whether other requests read the tenant's data (from ``ask_findings`` rows), and how much."""
+    responses, tenants, pages, mine = _reads_of(findings, lambda rid, tid: tid == tenant)
+    return {"tenant_id": tenant, "exposed": bool(responses), "my_requests_read": sorted(mine),
+            "reading_responses": len(responses), "reading_tenants": len(tenants - {tenant}), "pages": len(pages)}
+
+
+def request_status(findings: pl.DataFrame, request_id: str, tenant: str | None) -> dict:
+    """One request's part in the window's findings: what it read that it did not own, and who read its data
+    (counts only; ``tenant``: the asking tenant, whose own id is not counted as another tenant)."""
+    own = findings.filter(pl.col("code").is_in(sorted(AFFECTED_CODES)) & (pl.col("request_id") == request_id))
+    codes: set[str] = set()
+    pages: set[tuple] = set()
+    victims: set[str] = set()
+    victim_tenants: set[str] = set()
+    for f in own.iter_rows(named=True):
+        codes.add(f["code"])
+        pages.update((f["node"], p) for p in f["pages"] or ())
+        victims.update(v for v in f["victim_request_ids"] or () if v)
+        victim_tenants.update(t for t in f["victim_tenant_ids"] or () if t)
+    responses, tenants, _, _ = _reads_of(findings, lambda rid, tid: rid == request_id)
+    me = tenant if tenant is not None else next(iter(own["tenant_id"].to_list()), None)
+    return {"request_id": request_id, "affected": bool(codes), "codes": sorted(codes, key=lambda c: int(c[1:])),
+            "pages_read_foreign": len(pages), "other_requests": len(victims - {request_id}),
+            "other_tenants": len({t for t in victim_tenants if t != me and t not in PSEUDO_VICTIMS}),
+            "read_by_responses": len(responses - {request_id}), "read_by_tenants": len(tenants - {me, None})}

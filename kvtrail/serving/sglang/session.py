@@ -1,0 +1,95 @@
+"""Session: one SGLang scheduler process's recording state (recorder, resolver, per-request facts).
+
+Created by the plugin when the scheduler has set up its pools (the node configuration hook); until
+then, and on every rank but attention-TP rank 0, the hooks return at once. Requests are recorded
+with their rid and SGLang's bootstrap room as the transfer id.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kvtrail.audit.buffer import GAP_CODE, gap_payload
+from kvtrail.audit.contract import AuditRecorder
+from kvtrail.audit.events import RequestRef
+from kvtrail.serving.sglang.resolver import Resolver, logger
+
+
+@dataclass
+class ReqState:
+    """What the plugin remembers of one request between hooks (decode reservation, reads)."""
+
+    created_ns: int
+    reserved_pages: Any = None  # Snapshot of decode's reserved pages (transfer destination)
+    prefix_tokens: int = 0
+    reserved_tokens: int = 0
+    extended: bool = False  # prefill: its first extend ran (later chunks extend its own prefix)
+    has_read: bool = False
+    aborted: bool = False
+
+
+@dataclass
+class Session:
+    """Recording state of one scheduler process."""
+
+    recorder: AuditRecorder
+    page_size: int
+    role: str
+    enforce_length: bool = False
+    resolver: Resolver = field(default_factory=Resolver)
+    requests: dict[str, ReqState] = field(default_factory=dict)
+    rooms: dict[int, RequestRef] = field(default_factory=dict)  # prefill: bootstrap room -> request (for sends)
+    digests: dict[int, int] = field(default_factory=dict)  # prefill: room -> SGLang's Adler-32 of the transfer
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    local: threading.local = field(default_factory=threading.local)
+
+    def __post_init__(self) -> None:
+        self.resolver.on_failures = self.report_gaps
+
+    def ref(self, req: Any) -> RequestRef:
+        room = getattr(req, "bootstrap_room", None)
+        tenant = getattr(req, "extra_key", None)  # SGLang's cache namespace; the only per-tenant field it has
+        return RequestRef(str(req.rid), int(room) if room is not None and room >= 0 else None,
+                          str(tenant) if tenant else None)
+
+    def state(self, rid: str) -> ReqState:
+        with self.lock:
+            st = self.requests.get(rid)
+            if st is None:
+                st = self.requests[rid] = ReqState(time.monotonic_ns())
+            return st
+
+    def forget(self, rid: str, room: int | None = None) -> None:
+        with self.lock:
+            self.requests.pop(rid, None)
+            if room is not None:
+                self.rooms.pop(room, None)
+                self.digests.pop(room, None)
+
+    def later(self, hook: str, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the resolver thread (after the snapshots in args are copied)."""
+        self.resolver.submit(hook, fn, *args)
+
+    def report_gaps(self) -> None:
+        """Hand the hooks' counted failures to the recorder as recorder_gap events."""
+        put = getattr(getattr(self.recorder, "_buffer", None), "put", None)
+        for hook, n, detail in self.resolver.take_failures():
+            if put is None:
+                logger.warning("kvtrail: %d events of hook %s lost (%s)", n, hook, detail)
+                continue
+            # The contract has no gap method yet; the recorder's own buffer numbers the gap event.
+            put(GAP_CODE, None, None, None, gap_payload("encode_error", n, 0, f"sglang hook {hook}: {detail}"))
+
+    def close(self) -> None:
+        self.resolver.drain()
+        self.report_gaps()
+        self.resolver.stop()
+        self.recorder.close()
+
+
+def instance_id() -> str:
+    return f"{os.getpid()}-{time.time_ns()}"

@@ -1,0 +1,134 @@
+"""Hooks on the PD transfer: pages prefill sends, what lands at decode, and the transferred-length check.
+
+Prefill writes the tokens it actually covers, bound to the bootstrap room, into a spare slot of the
+metadata ("aux") buffer that travels with the KV (``cached_tokens[idx][7..8]``: unused in 0.5.23 and
+not reset by ``clear_slot``, hence the room tag). Decode reads it before it commits the transfer: that
+is the only way decode learns how much of what it reserved was written. With enforcement on (off by
+default; both roles must run the plugin) decode aborts a request whose covered length differs from
+its reservation with HTTP 500, as SGLang's own corruption path does, instead of serving it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvtrail.serving.sglang.pages import pages_of
+from kvtrail.serving.sglang.resolver import Snapshot, snapshot
+from kvtrail.serving.sglang.session import Session
+
+SLOT_TOKENS, SLOT_TAG = 7, 8
+HTTP_INTERNAL_ERROR = 500
+
+
+def room_tag(room: int) -> int:
+    """A non-zero 31-bit tag of a bootstrap room (the slot is int32)."""
+    return ((int(room) * 0x9E3779B1) & 0x7FFFFFFF) | 1
+
+
+def write_covered(buffers: Any, req: Any) -> None:
+    """Prefill: the tokens this transfer covers, bound to the room, into the request's metadata slot."""
+    room = getattr(req, "bootstrap_room", None)
+    if room is None:
+        return
+    covered = len(req.origin_input_ids) - int(getattr(req, "disagg_decode_prefix_len", 0) or 0)
+    row = buffers.cached_tokens[req.metadata_buffer_index]
+    row[SLOT_TOKENS] = max(covered, 0)
+    row[SLOT_TAG] = room_tag(room)
+
+
+def read_covered(queue: Any, decode_req: Any) -> int | None:
+    """Decode: the tokens prefill said it covers, or None when the slot is not this room's."""
+    req = decode_req.req
+    row = queue.metadata_buffers.cached_tokens[decode_req.metadata_buffer_index]
+    if req.bootstrap_room is None or int(row[SLOT_TAG]) != room_tag(req.bootstrap_room):
+        return None
+    return int(row[SLOT_TOKENS])
+
+
+def reserved_tokens(req: Any) -> int:
+    """What decode reserved for the transfer: its own prompt length past the prefix it already holds."""
+    fill = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+    return fill - int(req.kv.cache_protected_len)
+
+
+# ---- prefill: MetadataBuffers.set_kv_checksum (AFTER), CommonKVSender.send (AROUND) -----------------------
+
+def on_set_kv_checksum(s: Session, _result: Any, _buffers: Any, req: Any, digest: int, signature: int) -> None:
+    """SGLang's own transfer digest (--disaggregation-enable-kv-checksum), sent with the last chunk."""
+    if digest and getattr(req, "bootstrap_room", None) is not None:
+        s.digests[int(req.bootstrap_room)] = int(digest)
+
+
+
+def send_pre(s: Session, sender: Any, kv_indices: Any, state_indices: Any = None, num_kv_tokens: Any = None,
+             indices_event: Any = None) -> Any:
+    return sender, int(sender.curr_idx), kv_indices, num_kv_tokens, indices_event
+
+
+def send_post(s: Session, token: Any, _result: Any) -> None:
+    if token is None:
+        return
+    sender, start, kv_indices, num_kv_tokens, indices_event = token
+    end = int(sender.curr_idx)
+    if end == start:  # skipped (already concluded, or a rank with nothing to send)
+        return
+    ref = s.rooms.get(int(sender.bootstrap_room))
+    if ref is None:
+        return
+    pages = Snapshot(kv_indices, indices_event) if indices_event is not None else snapshot(kv_indices)
+    dst = _dst_pages(sender, start, end)
+    n = int(num_kv_tokens) if num_kv_tokens is not None else (end - start) * s.page_size
+    last = end == int(sender.num_kv_indices)
+    digest = s.digests.pop(int(sender.bootstrap_room), None) if last else None
+    s.later("CommonKVSender.send", _record_sent, s, ref, pages, dst, n, last, digest)
+
+
+def _dst_pages(sender: Any, start: int, end: int) -> np.ndarray | None:
+    infos = getattr(sender.kv_mgr, "transfer_infos", {}).get(sender.bootstrap_room) or {}
+    for info in infos.values():
+        dst = getattr(info, "dst_kv_indices", None)
+        if dst is not None:
+            return np.asarray(dst[start:end], dtype=np.int64).copy()
+    return None
+
+
+def _record_sent(s: Session, ref: Any, pages: Snapshot, dst: np.ndarray | None, n: int, last: bool,
+                 digest: int | None) -> None:
+    src = pages.numpy().reshape(-1).copy()
+    if dst is None or len(dst) != len(src):
+        dst = np.zeros(len(src), dtype=np.int64)  # decode's pages unknown here: 0 is the padding page
+    s.recorder.transfer_sent(ref, src, dst, n, last, digest, "adler32" if digest is not None else None)
+
+
+# ---- decode: DecodeTransferQueue._commit_transfer_to_req ------------------------------------------------
+
+def record_landed(s: Session, decode_req: Any, covered: int | None, status: str) -> None:
+    """The transfer's receipt and the KV it wrote into decode's reserved pages (only what prefill covered)."""
+    req = decode_req.req
+    st = s.state(str(req.rid))
+    reserved = st.reserved_tokens or reserved_tokens(req)
+    landed = reserved if covered is None else min(covered, reserved)
+    s.later("_commit_transfer_to_req", _record_landed, s, s.ref(req), st.reserved_pages, st.prefix_tokens,
+            landed, status)
+
+
+def _record_landed(s: Session, ref: Any, reserved: Snapshot | None, prefix: int, landed: int, status: str) -> None:
+    ps = s.page_size
+    pages = pages_of(reserved.numpy(), ps) if reserved is not None else np.zeros(0, dtype=np.int64)
+    covered = pages[:-(-landed // ps)] if landed else pages[:0]
+    s.recorder.transfer_received(ref, covered, landed, status)
+    if len(covered):
+        s.recorder.kv_written(ref, covered, prefix, prefix + landed, "transfer_in")
+
+
+def abort_mismatch(queue: Any, decode_req: Any, covered: int, reserved: int) -> None:
+    """Enforcement: abort just this request with 500, as SGLang's own metadata-corruption path does."""
+    from sglang.srt.disaggregation.utils import prepare_abort
+
+    prepare_abort(decode_req.req, f"Transferred length mismatch: prefill covered {covered} tokens, "
+                  f"decode reserved {reserved}", status_code=HTTP_INTERNAL_ERROR)
+    if decode_req.kv_receiver is not None:
+        decode_req.kv_receiver.clear()
+        decode_req.kv_receiver = None

@@ -1,0 +1,114 @@
+"""The fan-out on a real Dask cluster: a scheduler and two worker processes on loopback, started here.
+
+The same question through ``--scheduler`` answers as ``--db`` does; a worker killed mid-query leaves
+either the full answer (Dask re-runs its tasks on the other worker) or a clear error, never part of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from kvtrail import forensics as fx
+from kvtrail.cli import main
+from kvtrail.errors import KvtrailError
+from kvtrail.forensics.lake.questions import lake_findings, open_lake
+from kvtrail.forensics.replay.engine import replay_store
+from kvtrail.lake.executor import DaskExecutor
+
+distributed = pytest.importorskip("distributed")
+DEADLINE_S = 120
+
+
+def _wait_for(what: str, check, deadline_s: float = DEADLINE_S):
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def dask_cluster(tmp_path_factory):
+    """(scheduler address, worker processes): ``dask scheduler --port 0`` and two ``dask worker``s."""
+    base = tmp_path_factory.mktemp("dask")
+    sched_file = base / "scheduler.json"
+    common = ["--no-dashboard"]
+    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                               "--port", "0", "--scheduler-file", str(sched_file), *common],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        _wait_for("the scheduler file", lambda: sched_file.exists() and sched_file.stat().st_size > 0)
+        addr = json.loads(sched_file.read_text())["address"]
+        workers = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file",
+                                     str(sched_file), "--nthreads", "1", "--no-nanny", "--host", "127.0.0.1",
+                                     *common], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                   for _ in range(2)]
+        procs += workers
+        with distributed.Client(addr, timeout=60) as client:
+            client.wait_for_workers(2, timeout=DEADLINE_S)
+        yield addr, workers
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def test_same_answer_through_scheduler(dask_cluster, fleet_lake, fleet_db, capsys):
+    addr, _ = dask_cluster
+    assert main(["forensics", "findings", "--db", fleet_db, "--format", "json"]) == 0
+    want = capsys.readouterr().out
+    assert main(["forensics", "findings", "--lake", fleet_lake, "--scheduler", addr, "--format", "json"]) == 0
+    assert capsys.readouterr().out == want
+
+
+def test_local_workers(fleet_lake, fleet_db, capsys):
+    assert main(["forensics", "affected", "--db", fleet_db, "--format", "csv"]) == 0
+    want = capsys.readouterr().out
+    assert main(["forensics", "affected", "--lake", fleet_lake, "--workers", "2", "--format", "csv"]) == 0
+    assert capsys.readouterr().out == want
+
+
+def test_worker_killed_mid_query_gives_all_or_a_clear_error(dask_cluster, fleet_lake, fleet_con):
+    """Last in this module: it leaves the cluster one worker short."""
+    addr, workers = dask_cluster
+    want = replay_store(fleet_con)
+    outcome: dict = {}
+
+    def ask() -> None:
+        executor = DaskExecutor(addr, progress=False)
+        try:
+            with open_lake(fleet_lake) as lake:
+                outcome["found"] = lake_findings(lake, fx.Window(), executor=executor)
+        except KvtrailError as exc:
+            outcome["error"] = str(exc)
+        finally:
+            executor.close()
+
+    with distributed.Client(addr, timeout=60) as client:
+        pids = {pid: a for a, pid in client.run(os.getpid).items()}
+        th = threading.Thread(target=ask)
+        th.start()
+        busy = _wait_for("a worker running a task", lambda: [a for a, keys in client.processing().items() if keys])
+        victim = next(p for p in workers if pids.get(p.pid) == busy[0])
+        victim.kill()
+        victim.wait(timeout=30)
+        th.join(DEADLINE_S)
+    assert not th.is_alive()
+    if "found" in outcome:
+        assert outcome["found"] == want
+    else:
+        assert "no answer" in outcome["error"], outcome

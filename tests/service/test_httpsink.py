@@ -1,0 +1,195 @@
+"""HttpSink: a recorder committing to a service over HTTP; retries, lost replies, refused batches, and a
+service that is down while the serving path keeps recording."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from kvtrail.audit.batch import from_dicts, write_ipc
+from kvtrail.audit.events import Producer, RequestRef
+from kvtrail.audit.httpsink import HttpSink, HttpSinkConfig
+from kvtrail.audit.recorder import Recorder, RecorderConfig
+from kvtrail.errors import StoreError, ValidationError
+from tests.conftest import alloc, config
+from tests.service.conftest import free_socket, make_token, served_in_thread
+
+PRODUCER = Producer("c1", "decode-3", "decode", "kvtrail-reference", "0.1", "boot-1")
+FAST = HttpSinkConfig(connect_timeout_s=1.0, timeout_s=10.0, retries=2, backoff_s=0.01)
+
+
+def _events(state, where: str = "TRUE") -> list[tuple]:
+    cur = state.cursor()
+    try:
+        return cur.execute(f"SELECT kind, seq, gap_reason, dropped_events FROM events_v WHERE {where} ORDER BY seq"
+                           ).fetchall()
+    finally:
+        cur.close()
+
+
+def _record(rec: Recorder, n: int, start: int = 0) -> float:
+    """Record ``n`` allocations; returns the slowest call in seconds."""
+    slowest = 0.0
+    pages = np.arange(1, 9)
+    for i in range(start, start + n):
+        t = time.perf_counter()
+        rec.pages_allocated(RequestRef(f"r{i}", tenant_id="acme"), pages, "decode_growth")
+        slowest = max(slowest, time.perf_counter() - t)
+    return slowest
+
+
+def test_a_recorder_commits_through_the_service(service_state):
+    token = make_token(service_state)
+    with served_in_thread(service_state, free_socket()) as url:
+        rec = Recorder(HttpSink(url, token, FAST), PRODUCER)
+        rec.node_config(pool_tokens=1024, pool_pages=64, page_size=16, context_tokens=4096)
+        _record(rec, 100)
+        assert rec.flush(30)
+        rec.close()
+        stats = rec.stats()
+    kinds = [k for k, *_ in _events(service_state)]
+    assert kinds[0] == "recorder_started" and kinds[-1] == "recorder_closed" and kinds.count("pages_allocated") == 100
+    assert stats["committed_events_total"] == len(kinds) and stats["writer_errors_total"] == 0
+
+
+def test_a_url_where_a_store_path_goes_takes_the_token_from_the_environment(service_state, monkeypatch):
+    monkeypatch.setenv("KVTRAIL_TOKEN", make_token(service_state))
+    with served_in_thread(service_state, free_socket()) as url:
+        with Recorder(url, PRODUCER) as rec:
+            rec.node_config(pool_tokens=1024, pool_pages=64, page_size=16, context_tokens=4096)
+            assert rec.flush(30)
+    assert [k for k, *_ in _events(service_state)] == ["recorder_started", "node_config", "recorder_closed"]
+    monkeypatch.delenv("KVTRAIL_TOKEN")
+    with pytest.raises(ValueError, match="token"):
+        HttpSink.from_url(url)
+
+
+def test_a_stopped_service_never_blocks_the_recorder_and_the_gap_reaches_the_store(service_state):
+    token = make_token(service_state)
+    sock = free_socket()  # bound, not listening: every connection is refused, as by a stopped service
+    url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+    rec = Recorder(HttpSink(url, token, FAST), PRODUCER, RecorderConfig(capacity_events=64, flush_interval_s=0.02))
+    rec.node_config(pool_tokens=1024, pool_pages=64, page_size=16, context_tokens=4096)
+    slowest = _record(rec, 2000)
+    assert slowest < 0.05  # calls never wait for the service
+    deadline = time.monotonic() + 30
+    while rec.stats()["writer_errors_total"] == 0:
+        assert time.monotonic() < deadline, rec.stats()
+        time.sleep(0.05)
+    down = rec.stats()
+    assert down["dropped_events_total"] > 0 and down["committed_events_total"] == 0
+    with served_in_thread(service_state, sock):  # the service comes back on the same address
+        # the lost batches held the node's configuration too: a node re-reports it (as after a restart)
+        rec.node_config(pool_tokens=1024, pool_pages=64, page_size=16, context_tokens=4096)
+        deadline = time.monotonic() + 30
+        while not [r for r in _events(service_state) if r[0] == "recorder_gap"]:
+            assert time.monotonic() < deadline, rec.stats()
+            _record(rec, 1, start=5000)
+            time.sleep(0.1)
+        rec.close()
+    rows = _events(service_state)
+    gaps = [r for r in rows if r[0] == "recorder_gap"]
+    assert {r[2] for r in gaps} <= {"buffer_full", "writer_error"} and "writer_error" in {r[2] for r in gaps}
+    stored_allocs = sum(1 for r in rows if r[0] == "pages_allocated")
+    assert sum(r[3] for r in gaps) >= 2000 - stored_allocs  # every allocation lost while down is counted
+    assert rows[-1][0] == "recorder_closed"
+
+
+class _LoseFirstReply(httpx.BaseTransport):
+    """Delivers every request, but the first reply is lost on the way back (as a timeout)."""
+
+    def __init__(self):
+        self.inner = httpx.HTTPTransport()
+        self.lost = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        reply = self.inner.handle_request(request)
+        if not self.lost:
+            reply.read()
+            reply.close()
+            self.lost += 1
+            raise httpx.ReadTimeout("reply lost", request=request)
+        return reply
+
+
+def test_a_retry_of_a_committed_batch_is_acknowledged_as_a_duplicate(service_state):
+    token = make_token(service_state)
+    transport = _LoseFirstReply()
+    with served_in_thread(service_state, free_socket()) as url:
+        sink = HttpSink(url, token, FAST, transport=transport)
+        res = sink.append(from_dicts([config(0), alloc(1, [1, 2])]))
+        sink.close()
+    assert transport.lost == 1 and sink.retried_requests == 1
+    assert (res.num_events, res.num_page_events) == (2, 2)
+    assert len(_events(service_state)) == 2 and service_state.committer.duplicates == 1
+
+
+def _mock(handler) -> httpx.MockTransport:
+    return httpx.MockTransport(handler)
+
+
+def test_422_is_a_validation_error_naming_the_field():
+    def handler(request):
+        return httpx.Response(422, json={"errors": [{"event": 1, "kind": "pages_allocated", "field": "pages",
+                                                     "reason": "page id 999 out of pool"}]})
+
+    sink = HttpSink("http://svc", "t", FAST, transport=_mock(handler))
+    with pytest.raises(ValidationError) as err:
+        sink.append(from_dicts([config(0)]))
+    assert (err.value.event, err.value.kind, err.value.field) == (1, "pages_allocated", "pages")
+    assert sink.sent_requests == 1  # a refused batch is not retried
+
+
+def test_5xx_and_transport_errors_are_retried_then_a_store_error():
+    calls = []
+
+    def handler(request):
+        calls.append(request)
+        if len(calls) == 1:
+            raise httpx.ConnectError("refused", request=request)
+        if len(calls) == 2:
+            return httpx.Response(503, json={"detail": "store failed"})
+        return httpx.Response(200, json={"producer_id": 7, "batch_no": 3, "first_seq": 0, "last_seq": 0, "events": 1,
+                                         "page_events": 0, "digest": "00", "duplicate": False})
+
+    sink = HttpSink("http://svc", "t", FAST, transport=_mock(handler))
+    assert sink.append(from_dicts([config(0)])).batches == ((7, 3),)
+    assert len(calls) == 3 and calls[0].headers["authorization"] == "Bearer t"
+
+    always = HttpSink("http://svc", "t", FAST, transport=_mock(lambda r: httpx.Response(500, text="boom")))
+    with pytest.raises(StoreError, match="unavailable after 3 attempts: HTTP 500"):
+        always.append(from_dicts([config(0)]))
+    refused = HttpSink("http://svc", "t", FAST, transport=_mock(lambda r: httpx.Response(403, json={"detail": "no"})))
+    with pytest.raises(StoreError, match="HTTP 403: no"):
+        refused.append(from_dicts([config(0)]))
+
+
+def test_413_splits_the_batch(service_state):
+    token = make_token(service_state)
+    table = from_dicts([config(0)] + [alloc(i, [1, 2, 3]) for i in range(1, 40)])
+    limit = len(write_ipc(table)) * 3 // 4  # the whole batch is over it, each half under it
+    with served_in_thread(service_state, free_socket()) as url:
+        sizes = []
+
+        class Limit(httpx.BaseTransport):
+            inner = httpx.HTTPTransport()
+
+            def handle_request(self, request):
+                sizes.append(len(request.content))
+                if len(request.content) > limit:
+                    return httpx.Response(413, json={"detail": "too large"})
+                return self.inner.handle_request(request)
+
+        sink = HttpSink(url, token, FAST, transport=Limit())
+        res = sink.append(table)
+        sink.close()
+    assert res.num_events == 40 and len(res.batches) == 2 and sizes[0] > limit
+    assert len(_events(service_state)) == 40
+
+
+def test_a_url_is_required():
+    with pytest.raises(ValueError, match="url"):
+        HttpSink("svc:8080", "t")

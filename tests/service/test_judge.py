@@ -1,0 +1,146 @@
+"""The live judge: findings of a planted incident are persisted as its batches arrive; its failures never
+fail ingest and are retried."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from kvtrail.forensics import replay_store, stored_findings
+from kvtrail.forensics.persist import finding_id
+from kvtrail.sim.fleet.config import FleetConfig
+from kvtrail.sim.fleet.run import fleet_batches
+from tests.service.conftest import arrow_body, auth
+
+# A seconds-long fleet with one double allocation and one late write planted (plus the incident's F8).
+FLEET = FleetConfig(hours=0.001, seed=1, rate_per_s=10, prefill_nodes=2, decode_nodes=2, tenants=6,
+                    chunk_tokens=4096, prefill_pool_tokens=16_384, decode_pool_tokens=69_632, context_tokens=65_536,
+                    prefill_rate_min_tokens_per_s=40_000, prompt_median_tokens=1024, prompt_sigma=1.5,
+                    completion_median_tokens=48, max_new_tokens=1024, doc_median_tokens=512, plants_per_hour=1500)
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    truth: dict = {}
+    tables = list(fleet_batches(FLEET, truth))
+    return tables, truth
+
+
+def _persisted(state) -> list[dict]:
+    cur = state.cursor()
+    try:
+        return stored_findings(cur).to_pylist()
+    finally:
+        cur.close()
+
+
+def test_findings_of_a_planted_incident_are_persisted_as_batches_arrive(client, service_state, producer_token,
+                                                                        fleet):
+    tables, truth = fleet
+    assert truth["summary"]["plants"] == {"double_alloc": 1, "late_write": 1}
+    for table in tables:
+        r = client.post("/v1/events", content=arrow_body(table), headers=auth(producer_token))
+        assert r.status_code == 200, r.text
+    assert service_state.judge.wait_idle(60)
+    rows = _persisted(service_state)
+    cur = service_state.cursor()
+    expected = replay_store(cur)  # the authoritative window re-run over the same store
+    cur.close()
+    assert Counter(r["code"] for r in rows) == Counter(f.code for f in expected)
+    assert {r["finding_id"] for r in rows} == {finding_id(f) for f in expected}
+    assert {"F1", "F6", "F7"} <= {r["code"] for r in rows}  # the planted page bugs
+    stats = service_state.judge.stats()
+    assert stats["failures"] == 0 and stats["events_judged"] == sum(t.num_rows for t in tables)
+    assert service_state.judge.last_run_id == max(r["first_run_id"] for r in rows)
+    assert stats["lag_p99_s"] is not None and stats["lag_p99_s"] >= 0
+    # Committed batches reach the judge as validated, not read back (a poll may have read a few first).
+    assert stats["batches_fed_direct"] >= len(tables) // 2
+
+
+def test_a_finding_is_saved_once_and_a_restarted_service_keeps_its_first_run(tmp_path, fleet):
+    from kvtrail.audit.store import AuditStore
+    from kvtrail.service.state import open_state
+
+    tables, _ = fleet
+    db = tmp_path / "s.duckdb"
+    with AuditStore(db) as store:
+        for t in tables:
+            store.append(t)
+    state = open_state(db)  # the judge judges what the store already holds
+    assert state.judge.wait_idle(60)
+    first = {r["finding_id"]: r["first_run_id"] for r in _persisted(state)}
+    state.close()
+    state = open_state(db)
+    try:
+        assert state.judge.wait_idle(60)
+        again = {r["finding_id"]: r["first_run_id"] for r in _persisted(state)}
+    finally:
+        state.close()
+    assert first and again == first
+
+
+def test_a_failing_judge_never_fails_ingest_and_is_retried(client, service_state, producer_token, fleet,
+                                                           monkeypatch):
+    tables, _ = fleet
+    judge = service_state.judge
+    judge.retry_s = 0.05
+    real_poll = judge.replay.poll
+    calls = {"n": 0}
+
+    def flaky(con):
+        calls["n"] += 1
+        if calls["n"] <= 2:
+            raise RuntimeError("judge broke")
+        return real_poll(con)
+
+    assert judge.wait_idle(30)
+    monkeypatch.setattr(judge.replay, "poll", flaky)
+    for table in tables:
+        assert client.post("/v1/events", content=arrow_body(table), headers=auth(producer_token)).status_code == 200
+    assert judge.wait_idle(60)
+    assert judge.failures == 2
+    assert {r["code"] for r in _persisted(service_state)} >= {"F1", "F6", "F7"}
+    assert client.get("/healthz").json()["judge_failures"] == 2
+
+
+def test_findings_a_failed_save_left_are_saved_by_the_retry(service_state, fleet, monkeypatch):
+    from kvtrail.service import judge as judge_module
+
+    tables, _ = fleet
+    judge = service_state.judge
+    judge.retry_s = 0.05
+    assert judge.wait_idle(30)
+    real_save = judge_module.save_findings
+    calls = {"n": 0}
+
+    def flaky_save(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("disk full")
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(judge_module, "save_findings", flaky_save)
+    with service_state.write_lock:
+        for t in tables:
+            service_state.store.append(t)
+    judge.notify()
+    assert judge.wait_idle(60)
+    assert calls["n"] == 2 and judge.failures == 1
+    assert {"F1", "F6", "F7"} <= {r["code"] for r in _persisted(service_state)}
+
+
+def test_stats_before_any_poll_has_no_lag():
+    import threading
+
+    import duckdb
+
+    from kvtrail.service.judge import Judge
+
+    con = duckdb.connect()
+    j = Judge(con.cursor, threading.Lock())
+    try:
+        assert j.stats()["lag_p50_s"] is None and j.stats()["polls"] == 0
+    finally:
+        j.close(5)
+        con.close()

@@ -1,0 +1,49 @@
+"""The SGLang plugin's tests run only in the environment scripts/sglang-env.sh builds (the real sglang 0.5.23)."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+
+import pytest
+
+if importlib.util.find_spec("sglang") is None:
+    # The main .venv has no SGLang: these run in .venv-sglang (scripts/sglang-env.sh), which the test command builds.
+    collect_ignore_glob = ["test_*.py"]
+
+
+class SharedStore:
+    """One AuditStore both simulated nodes' recorders commit to (their writer threads take turns)."""
+
+    def __init__(self, path):
+        from kvtrail.audit.store import AuditStore
+
+        self.store = AuditStore(path)
+        self.lock = threading.Lock()
+
+    def append(self, table):
+        with self.lock:
+            return self.store.append(table)
+
+
+@pytest.fixture(scope="session")
+def plugin(tmp_path_factory):
+    """kvtrail's plugin, loaded by SGLang's own load_plugins() from the installed entry point."""
+    import os
+
+    from sglang.srt.plugins import load_plugins
+
+    os.environ["KVTRAIL_DB"] = str(tmp_path_factory.mktemp("sg") / "unused.duckdb")
+    os.environ["KVTRAIL_NODE"], os.environ["KVTRAIL_CLUSTER"] = "sg-node", "sg-test"
+    try:
+        load_plugins()
+    finally:
+        for k in ("KVTRAIL_DB", "KVTRAIL_NODE", "KVTRAIL_CLUSTER"):
+            os.environ.pop(k, None)
+    from kvtrail.serving.sglang import plugin as mod
+
+    assert mod.PLUGIN is not None, "load_plugins() did not call kvtrail's entry point"
+    from tests.sglang.world import publish
+
+    publish()
+    return mod.PLUGIN
