@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import click
@@ -46,6 +45,7 @@ from kvtrail.forensics.cli_remote import (
     remote_of,
     remote_options,
     remote_report,
+    repeat_polls,
     report_lines,
     watch_remote,
     window_params,
@@ -72,7 +72,6 @@ from kvtrail.forensics.tables import (
     window_scope,
 )
 from kvtrail.outputs import check_out_dir, csv_frame, refuse_clobber, write_file_atomically
-from kvtrail.signals import interrupt_on_stop_signals
 from kvtrail.timeutil import format_utc, parse_utc
 
 FORMATS = ("table", "csv", "json", "parquet")
@@ -347,26 +346,20 @@ def watch(db, interval, polls, allow_tenant_cache_sharing, url, api_token) -> No
         return
     require_store(db)
     online = OnlineReplay(ForensicsPolicy(allow_tenant_cache_sharing=allow_tenant_cache_sharing))
-    done = 0
-    try:
-        with interrupt_on_stop_signals():
-            while True:
-                try:
-                    con = open_store(db)
-                except duckdb.Error as exc:  # a writer holds the file right now: try again next poll
-                    click.echo(printable(f"note: store busy ({str(exc).splitlines()[0][:120]})"), err=True)
-                else:
-                    try:
-                        for f in online.poll(con):
-                            click.echo(_finding_line(f))
-                    finally:
-                        con.close()
-                done += 1
-                if polls and done >= polls:
-                    break
-                time.sleep(interval)
-    except KeyboardInterrupt:
-        pass
+
+    def step() -> None:
+        try:
+            con = open_store(db)
+        except duckdb.Error as exc:  # a writer holds the file right now: try again next poll
+            click.echo(printable(f"note: store busy ({str(exc).splitlines()[0][:120]})"), err=True)
+            return
+        try:
+            for f in online.poll(con):
+                click.echo(_finding_line(f))
+        finally:
+            con.close()
+
+    done = repeat_polls(step, interval, polls)
     click.echo(f"watched {online.num_events} events in {done} polls", err=True)
 
 

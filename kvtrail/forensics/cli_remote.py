@@ -11,6 +11,7 @@ import io
 import time
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 import click
 import polars as pl
@@ -146,23 +147,34 @@ def lake_answer(lake_url: str | None, scheduler: str | None, workers: int | None
         executor.close()
 
 
-def watch_remote(remote: Remote, interval: float, polls: int) -> None:
-    """``forensics watch --url``: print each finding the service's live judge persists, as it is saved."""
-    cursor, done, seen = 0, 0, 0
+def repeat_polls(step: Callable[[], None], interval: float, polls: int) -> int:
+    """Call ``step`` every ``interval`` seconds, ``polls`` times (0: until Ctrl-C or SIGTERM); the polls done."""
+    done = 0
     try:
         with interrupt_on_stop_signals():
             while True:
-                rows, cursor = remote.client.findings_since(cursor)
-                for row in rows.iter_rows(named=True):
-                    click.echo(_row_line(row))
-                seen += len(rows)
+                step()
                 done += 1
                 if polls and done >= polls:
                     break
                 time.sleep(interval)
     except KeyboardInterrupt:
         pass
-    click.echo(f"followed {seen} findings in {done} polls (cursor {cursor})", err=True)
+    return done
+
+
+def watch_remote(remote: Remote, interval: float, polls: int) -> None:
+    """``forensics watch --url``: print each finding the service's live judge persists, as it is saved."""
+    state = {"cursor": 0, "seen": 0}
+
+    def step() -> None:
+        rows, state["cursor"] = remote.client.findings_since(state["cursor"])
+        for row in rows.iter_rows(named=True):
+            click.echo(_row_line(row))
+        state["seen"] += len(rows)
+
+    done = repeat_polls(step, interval, polls)
+    click.echo(f"followed {state['seen']} findings in {done} polls (cursor {state['cursor']})", err=True)
 
 
 def _row_line(r: dict) -> str:

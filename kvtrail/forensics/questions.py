@@ -258,10 +258,16 @@ def ask_thresholds(store: Store, w: Window = Window(), *, exclusions: Exclusions
     """Pool vs context per node joined with affected vs unaffected prompts against their prefill pool; the
     threshold finding in words is the answer's note, its numbers its summary."""
     with _connected(store) as con:
-        kept, dropped, excluded = affected_with_exclusions(con, w, exclusions)
-        capacity, gaps = node_capacity(con, w.from_ns, w.to_ns), coverage_gaps(con)
-        requests = requests_table(con, w.from_ns, w.to_ns, kept["request_id"].to_list())
-        warnings = integrity_warnings(con, w)
+        return thresholds_answer(con, w, *affected_with_exclusions(con, w, exclusions))
+
+
+def thresholds_answer(con: duckdb.DuckDBPyConnection, w: Window, kept: pl.DataFrame, dropped: pl.DataFrame,
+                      excluded: pl.DataFrame) -> Answer:
+    """The threshold answer from the window's affected responses (``kept``, after exclusions; ``excluded``:
+    the requests the exclusions removed), whichever engine found them (a store or a lake)."""
+    capacity, gaps = node_capacity(con, w.from_ns, w.to_ns), coverage_gaps(con)
+    requests = requests_table(con, w.from_ns, w.to_ns, kept["request_id"].to_list())
+    warnings = integrity_warnings(con, w)
     requests = requests.filter(~pl.col("request_id").is_in(excluded["request_id"].to_list()))
     if w.tenant:
         requests = requests.filter(pl.col("tenant_id") == w.tenant)

@@ -32,16 +32,13 @@ from kvtrail.forensics import (
     exposure_matrix,
     findings_frame,
     node_capacity,
-    requests_table,
-    threshold_analysis,
-    threshold_sentence,
 )
 from kvtrail.forensics.analysis.exclusions import Exclusions, excluded_mask
 from kvtrail.forensics.lake.merge import merged_findings
 from kvtrail.forensics.lake.plan import plan_tasks
 from kvtrail.forensics.lake.task import LakeCoverageError, run_task
 from kvtrail.forensics.policy import ForensicsPolicy
-from kvtrail.forensics.questions import report_requests
+from kvtrail.forensics.questions import report_requests, thresholds_answer
 from kvtrail.forensics.replay.batch import JOIN_CODES
 from kvtrail.forensics.symptoms import (
     empty_after_abort,
@@ -145,19 +142,7 @@ def ask_lake_thresholds(lake: Lake, w: Window = Window(), *, exclusions: Exclusi
     """:func:`kvtrail.forensics.ask_thresholds` on a lake."""
     con = lake.con
     found = lake_findings(lake, w, codes=AFFECTED_CODES, executor=executor)
-    kept, dropped, excluded = affected_with_exclusions(con, w, exclusions, found)
-    capacity, gaps = node_capacity(con, w.from_ns, w.to_ns), coverage_gaps(con)
-    requests = requests_table(con, w.from_ns, w.to_ns, kept["request_id"].to_list())
-    requests = requests.filter(~pl.col("request_id").is_in(excluded["request_id"].to_list()))
-    if w.tenant:
-        requests = requests.filter(pl.col("tenant_id") == w.tenant)
-    if w.node:
-        requests = requests.filter(pl.col("prefill_node") == w.node)
-        capacity = capacity.filter(pl.col("node") == w.node)
-    by_node, summary = threshold_analysis(requests, set(kept["request_id"]))
-    table = capacity.join(by_node.rename({"prefill_node": "node", "prefill_pool_tokens": "pool_tokens"}),
-                          on=["node", "pool_tokens"], how="left")
-    return Answer(table, dropped, gaps, (threshold_sentence(summary),), integrity_warnings(con, w), summary)
+    return thresholds_answer(con, w, *affected_with_exclusions(con, w, exclusions, found))
 
 
 def ask_lake_exploitation(lake: Lake, options: ReportOptions, w: Window | None = None, *,
