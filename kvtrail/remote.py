@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import polars as pl
@@ -72,6 +73,10 @@ class Client:
         """Persisted findings after the cursor ``since``, and the next cursor."""
         r = self._call("GET", "/v1/findings", params={**_clean(params or {}), "since": since, "format": "parquet"})
         return read_parquet_answer(r.content)[0], int(r.headers[NEXT_HEADER])
+
+    def request_pages(self, request_id: str, params: dict) -> dict:
+        """One request's drill-down (page ownership timeline, transfers, response, findings) in the window."""
+        return self._call("GET", f"/v1/requests/{quote(request_id, safe='')}/pages", params=_clean(params)).json()
 
     def report(self, body: dict) -> tuple[bytes, dict]:
         """The report archive (zip) and the counts the CLI prints."""

@@ -12,7 +12,8 @@ from kvtrail.forensics import charts
 from kvtrail.outputs import csv_frame
 
 COLUMNS = ["request_id", "tenant_id", "victim_tenants", "pages_read_foreign", "http_status", "prompt_tokens",
-           "completion_tokens", "codes", "victim_requests", "first_ns", "last_ns"]
+           "completion_tokens", "codes", "victim_requests", "other_requests", "other_tenants", "first_ns", "last_ns"]
+VICTIM_IDS = ("tenant_id", "victim_tenants")  # a tenant token's rows have counts (other_*) instead
 
 
 def render(src, w: fx.Window) -> None:
@@ -30,7 +31,8 @@ def render(src, w: fx.Window) -> None:
         rows = rows.filter(pl.col("request_id").str.contains(needle, literal=True)
                            | pl.col("tenant_id").fill_null("").str.contains(needle, literal=True)
                            | pl.col("victim_tenants").list.join(",").str.contains(needle, literal=True))
-    widgets.table(rows, key="affected-table", columns=[c for c in COLUMNS if c in rows.columns])
+    hidden = VICTIM_IDS if src.role == "tenant" else ()
+    widgets.table(rows, key="affected-table", columns=[c for c in COLUMNS if c in rows.columns and c not in hidden])
     st.download_button("Download CSV", csv_frame(widgets.readable(rows)).write_csv(), "affected_responses.csv",
                        "text/csv", key="affected-csv")
     st.subheader("Drill down to one request")
@@ -43,9 +45,6 @@ def render(src, w: fx.Window) -> None:
 
 
 def request_detail(src, rid: str, w: fx.Window) -> None:
-    if src.role != "store":
-        st.caption("The page ownership timeline reads the store's page events: open the dashboard with --db.")
-        return
     d = src.request(rid, w)
     st.markdown(f"**Request `{rid}`** of tenant `{d.tenant_id}`: read {d.pages_read:,} page(s); "
                 f"{int(d.pages['foreign'].sum())} of the {len(d.pages)} shown were foreign.")

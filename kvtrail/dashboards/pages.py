@@ -25,6 +25,9 @@ SPAN_SCHEMA = {"node": pl.Utf8, "page": pl.Int64, "holder": pl.Utf8, "request_id
                "start_ns": pl.Int64, "end_ns": pl.Int64}
 MARK_SCHEMA = {"node": pl.Utf8, "page": pl.Int64, "what": pl.Utf8, "request_id": pl.Utf8, "tenant_id": pl.Utf8,
                "wall_ns": pl.Int64}
+TRANSFER_SCHEMA = {"kind": pl.Utf8, "node": pl.Utf8, "wall_ns": pl.Int64, "transfer_id": pl.UInt64,
+                   "num_tokens": pl.Int64, "num_pages": pl.Int32, "digest": pl.UInt64, "digest_algo": pl.Utf8,
+                   "status": pl.Utf8}
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,22 @@ def request_detail(con: duckdb.DuckDBPyConnection, request_id: str, found: list[
                          fx.findings_frame(found))
 
 
+def detail_document(d: RequestDetail) -> dict:
+    """The drill-down as JSON-able rows: what the service's ``GET /v1/requests/{id}/pages`` sends."""
+    return {"request_id": d.request_id, "tenant_id": d.tenant_id, "pages_read": d.pages_read,
+            "spans": d.spans.to_dicts(), "marks": d.marks.to_dicts(), "pages": d.pages.to_dicts(),
+            "transfers": d.transfers.to_dicts(), "response": d.response, "findings": d.findings.to_dicts()}
+
+
+def detail_from_document(doc: dict) -> RequestDetail:
+    """The drill-down back from :func:`detail_document`'s JSON, with the local frames' column types."""
+    return RequestDetail(doc["request_id"], doc.get("tenant_id"), pl.DataFrame(doc["spans"], schema=SPAN_SCHEMA),
+                         pl.DataFrame(doc["marks"], schema=MARK_SCHEMA),
+                         pl.DataFrame(doc["pages"], schema=_PAGE_SCHEMA), int(doc["pages_read"]),
+                         pl.DataFrame(doc["transfers"], schema=TRANSFER_SCHEMA), doc.get("response"),
+                         pl.DataFrame(doc["findings"], schema=fx.findings_frame([]).schema))
+
+
 def _label(rid: str | None, tenant: str | None, me: str) -> str:
     if rid == me:
         return f"this request ({tenant})"
@@ -138,7 +157,7 @@ def _transfers(con: duckdb.DuckDBPyConnection, request_id: str) -> pl.DataFrame:
     return pl.DataFrame(con.sql(
         "SELECT kind, node, wall_ns, transfer_id, num_tokens, num_pages, digest, digest_algo, status "
         "FROM events_v WHERE request_id = ? AND kind IN ('transfer_reserved', 'transfer_sent', 'transfer_received') "
-        "ORDER BY wall_ns", params=[request_id]).to_arrow_table())
+        "ORDER BY wall_ns", params=[request_id]).to_arrow_table()).cast(pl.Schema(TRANSFER_SCHEMA))
 
 
 def _response(con: duckdb.DuckDBPyConnection, request_id: str, found: list[fx.Finding]) -> dict | None:

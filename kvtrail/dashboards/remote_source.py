@@ -3,8 +3,9 @@
 Every table comes from the route the CLI's ``--url`` uses (the same forensics functions on the service's
 store), so the numbers are the ones a store file would give. An operator token sees every view; a
 tenant token only its own affected responses and whether its data was read (the service reduces the
-rest to counts and refuses what a tenant may not ask). The page ownership timeline needs the store's
-page events and is shown with ``--db`` only.
+rest to counts and refuses what a tenant may not ask). A request's page ownership timeline comes from
+``/v1/requests/{id}/pages`` (the same ``dashboards.pages`` function on the service's store; for a tenant,
+other requests, tenants and nodes as pseudonyms).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import httpx
 import polars as pl
 
 from kvtrail import forensics as fx
+from kvtrail.dashboards import pages
 from kvtrail.dashboards.source import SourceError, Thresholds
 from kvtrail.dashboards.transfers import SCHEMA as TRANSFER_SCHEMA
 from kvtrail.errors import KvtrailError
@@ -112,6 +114,13 @@ class RemoteSource:
         rows = rows.with_columns(pl.lit(None, pl.Utf8).alias("prefill_node"), pl.col("node").alias("decode_node"),
                                  pl.format("? -> {}", pl.col("node")).alias("pair"))
         return rows.select(list(TRANSFER_SCHEMA)).sort("last_ns")
+
+    def request(self, request_id: str, w: fx.Window) -> pages.RequestDetail:
+        """One request's page ownership timeline, tokens and digests, TTFT (``/v1/requests/{id}/pages``)."""
+        params = self._params(w, tenant_ok=False)
+        if self.role == "tenant":
+            params["node"] = None
+        return pages.detail_from_document(self.client.request_pages(request_id, params))
 
     def report(self, w: fx.Window, context_yaml: bytes | None) -> tuple[bytes, dict, str]:
         body = {"from": format_utc(w.from_ns), "to": format_utc(w.to_ns),

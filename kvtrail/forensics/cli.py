@@ -34,7 +34,6 @@ from kvtrail.forensics import (
     open_store,
     require_store,
     save_findings,
-    verify_report,
     write_report,
 )
 from kvtrail.forensics.cli_remote import (
@@ -46,6 +45,7 @@ from kvtrail.forensics.cli_remote import (
     remote_options,
     remote_report,
     repeat_polls,
+    report_check,
     report_lines,
     watch_remote,
     window_params,
@@ -57,6 +57,7 @@ from kvtrail.forensics.lake.questions import (
     ask_lake_findings,
     ask_lake_thresholds,
 )
+from kvtrail.forensics.lake.report import check_out_of_lake, lake_report
 from kvtrail.forensics.report.manifest import MANIFEST
 from kvtrail.forensics.tables import (
     AFFECTED,
@@ -445,26 +446,33 @@ def exploitation(db, url, api_token, from_, to, tenant, node, fmt, out, force, e
 @_exclusion_options
 @_probe_options
 @remote_options
-def report(db, from_, to, out, force, context, exclude_tenants, exclude_file, url, api_token, **probe) -> None:
+@lake_options
+def report(db, from_, to, out, force, context, exclude_tenants, exclude_file, url, api_token, lake_url, scheduler,
+           workers, **probe) -> None:
     """Write the disclosure report (Markdown, HTML, PDF, CSV/JSON, report.json manifest) for a window
-    (with --url: the service runs it on a snapshot of its store and sends the files)."""
+    (with --url: the service runs it on a snapshot of its store and sends the files; with --lake: on an
+    audit lake, report.json recording its manifest)."""
     remote = remote_of(url, api_token)
-    if remote is None:
+    if remote is None and lake_url is None:
         require_store(db)
+    if lake_url is not None:
+        check_out_of_lake(out, lake_url)
     before = check_out_dir(out, force, protected=(db,))  # refused before the queries run, not after
     ctx = load_context(context) if context else None
     excl = _exclusions(exclude_tenants, exclude_file, ctx.exclusions if ctx else None)
     options = _report_options(parse_utc(from_, field="--from"), parse_utc(to, field="--to"), excl, **probe)
-    if remote is not None:
+    r = lake_answer(lake_url, scheduler, workers, url, lambda lk, ex: lake_report(lk, options, ctx, executor=ex))
+    if r is None and remote is not None:
         remote_report(remote, out, force, db, from_, to, excl, Path(context).read_text(encoding="utf-8")
                        if context else None, before, probe)
         return
-    con, heads = local(lambda: open_snapshot(db))
-    try:
-        r = build_report(con, options, ctx, heads)
-    finally:
-        con.close()
-    manifest = write_report(r, out, Path(db).name, force=force, protected=(db,))
+    if r is None:
+        con, heads = local(lambda: open_snapshot(db))
+        try:
+            r = build_report(con, options, ctx, heads)
+        finally:
+            con.close()
+    manifest = write_report(r, out, lake_url or Path(db).name, force=force, protected=(db,))
     report_lines(before, {*manifest["files"], MANIFEST}, out, len(r.coverage),
                   int(r.coverage["unexplained"].sum()) if len(r.coverage) else 0, r.counts, manifest["results_digest"])
 
@@ -473,15 +481,17 @@ def report(db, from_, to, out, force, context, exclude_tenants, exclude_file, ur
 @click.argument("report_dir", metavar="DIR")
 @click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False))
 @click.option("--strict", is_flag=True, help="Also fail when events committed after the report fall inside its window.")
-def verify_report_cmd(report_dir, db, strict) -> None:
-    """Re-run a report's queries on the store and confirm its numbers, chain heads and files. Exit 1 if not."""
-
-    check = verify_report(report_dir, db, strict=strict)
+@lake_options
+def verify_report_cmd(report_dir, db, strict, lake_url, scheduler, workers) -> None:
+    """Re-run a report's queries on the store (or --lake: on the lake, re-checking its recorded manifest)
+    and confirm its numbers, chain heads and files. Exit 1 if not."""
+    check = report_check(report_dir, db, strict, lake_url, scheduler, workers)
     for note in check.notes:
         click.echo(f"note: {printable(note)}")
     if not check.ok:
         for problem in check.problems:
             click.echo(f"FAILED: {printable(problem)}")
         sys.exit(1)
-    click.echo(f"confirmed: {printable(report_dir)} matches the store {printable(Path(db).name)} "
-               f"(results digest, chain heads, files)")
+    source = f"the lake {lake_url}" if lake_url else f"the store {Path(db).name}"
+    what = "lake manifest, " if lake_url else ""
+    click.echo(printable(f"confirmed: {report_dir} matches {source} ({what}results digest, chain heads, files)"))

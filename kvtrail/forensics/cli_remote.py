@@ -11,7 +11,7 @@ import io
 import time
 import zipfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import click
 import polars as pl
@@ -20,13 +20,17 @@ from kvtrail.errors import KvtrailError, StoreError
 from kvtrail.forensics import Answer, Exclusions
 from kvtrail.forensics.findings import NEVER_WRITTEN
 from kvtrail.forensics.lake.questions import open_lake
+from kvtrail.forensics.lake.report import verify_lake_report
 from kvtrail.forensics.report.manifest import MANIFEST
+from kvtrail.forensics.report.verify import ReportCheck, verify_report
 from kvtrail.forensics.tables import printable
-from kvtrail.lake.executor import DaskExecutor, LocalExecutor
+from kvtrail.lake.executor import DaskExecutor, Executor, LocalExecutor
 from kvtrail.outputs import write_dir_atomically
 from kvtrail.remote import Client
 from kvtrail.signals import interrupt_on_stop_signals
 from kvtrail.timeutil import format_utc
+
+T = TypeVar("T")
 
 
 def local(fn):
@@ -136,15 +140,36 @@ def lake_answer(lake_url: str | None, scheduler: str | None, workers: int | None
         return None
     if url:
         raise KvtrailError("--lake: give either --lake or --url")
+    return with_lake_executor(scheduler, workers, lambda executor: _ask_lake(lake_url, ask, executor))
+
+
+def _ask_lake(lake_url: str, ask, executor: Executor):
+    with open_lake(lake_url) as lake:
+        return ask(lake, executor)
+
+
+def with_lake_executor(scheduler: str | None, workers: int | None, fn: Callable[[Executor], T]) -> T:
+    """``fn(executor)`` with the executor the flags ask for (in-process without either), closed after."""
     if scheduler is not None and workers is not None:
         raise KvtrailError("--scheduler: give either --scheduler or --workers")
     executor = (DaskExecutor(scheduler, workers) if scheduler is not None or workers is not None
                 else LocalExecutor())
     try:
-        with open_lake(lake_url) as lake:
-            return ask(lake, executor)
+        return fn(executor)
     finally:
         executor.close()
+
+
+def report_check(report_dir, db: str, strict: bool, lake_url: str | None, scheduler: str | None,
+                 workers: int | None) -> ReportCheck:
+    """``verify-report``'s check: against the store, or (``--lake``) against the lake, its tasks where the
+    flags say."""
+    if lake_url is None:
+        if scheduler is not None or workers is not None:
+            raise KvtrailError("--scheduler/--workers: only with --lake")
+        return verify_report(report_dir, db, strict=strict)
+    return with_lake_executor(scheduler, workers, lambda ex: verify_lake_report(report_dir, lake_url, executor=ex,
+                                                                                strict=strict))
 
 
 def repeat_polls(step: Callable[[], None], interval: float, polls: int) -> int:

@@ -187,6 +187,85 @@ class TenantRequest(BaseModel):
     read_by_tenants: int
 
 
+class SpanRow(Row):
+    """Who held a page from its allocation to its free (the page ownership timeline's bars)."""
+
+    node: Str
+    page: Int
+    holder: Str
+    request_id: Str
+    tenant_id: Str
+    start_ns: Int
+    end_ns: Int
+
+
+class MarkRow(Row):
+    """A write, a free, or the request's own read of a page (the timeline's marks)."""
+
+    node: Str
+    page: Int
+    what: Str
+    request_id: Str
+    tenant_id: Str
+    wall_ns: Int
+
+
+class PageRow(Row):
+    """A page the request read: foreign?, its last writer before the read, when it was freed, who came next."""
+
+    node: Str
+    page: Int
+    foreign: bool | None
+    read_ns: Int
+    last_writer: Str
+    last_writer_tenant: Str
+    last_written_ns: Int
+    freed_after_read_ns: Int
+    next_holder: Str
+
+
+class TransferDetailRow(Row):
+    """What decode reserved, prefill sent and decode received for the request."""
+
+    kind: Str
+    node: Str
+    wall_ns: Int
+    transfer_id: Int
+    num_tokens: Int
+    num_pages: Int
+    digest: Int
+    digest_algo: Str
+    status: Str
+
+
+class ResponseDetail(Row):
+    """The request's response: status, tokens, TTFT against the implied prefill rate."""
+
+    http_status: Int
+    prompt_tokens: Int
+    completion_tokens: Int
+    ttft_ns: Int
+    latency_ns: Int
+    tenant_id: Str
+    implied_prefill_tokens_per_s: float | None
+    latency_finding: Str
+
+
+class RequestPages(BaseModel):
+    """One request's drill-down: the page ownership timeline of the pages it read, its transfers, its response
+    and its findings. For a tenant token, other requests, tenants and nodes are pseudonyms."""
+
+    request_id: str
+    tenant_id: Str
+    pages_read: int
+    spans: list[SpanRow]
+    marks: list[MarkRow]
+    pages: list[PageRow]
+    transfers: list[TransferDetailRow]
+    response: ResponseDetail | None
+    findings: list[FindingRow]
+
+
 class HeadRow(BaseModel):
     """A producer's chain head (kvtrail audit head --json)."""
 

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Query, Response
 
 from kvtrail.audit.store import arrow_query
 from kvtrail.audit.verify import chain_heads, verify_store
+from kvtrail.dashboards import pages, persisted
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics import (
     AFFECTED_CODES,
@@ -223,6 +224,38 @@ def router(state: Any) -> APIRouter:
         if status is None:
             raise HTTPException(404, "no such request")
         return models.TenantRequest(**status)
+
+    @r.get("/requests/{request_id}/pages", response_model=models.RequestPages,
+           responses={404: {"model": models.ErrorBody, "description": "No such request (or not the tenant's)."}})
+    def request_pages(who: Who, ask: AskQ,
+                      request_id: Annotated[str, Path(min_length=1, max_length=1000)]) -> models.RequestPages:
+        """One request's page ownership timeline (who held, wrote and freed each page it read), its transfers,
+        response and findings: the dashboard's drill-down. The window bounds the findings (its tenant and node
+        filters do not apply). A tenant gets its own requests only (another's is the same 404 as none), with
+        other requests, tenants and nodes as pseudonyms."""
+        require_role(who, "operator", "tenant")
+        w = tenant_window(who, ask) if who.role == "tenant" else ask.window
+        span = Window(w.from_ns, w.to_ns)
+
+        def answer(cur: duckdb.DuckDBPyConnection) -> dict | None:
+            owner = cur.execute("SELECT tenant_id FROM events_v WHERE request_id = ? AND tenant_id IS NOT NULL "
+                                "AND (? IS NULL OR tenant_id = ?) LIMIT 1",
+                                [request_id, who.tenant_id, who.tenant_id]).fetchone()
+            if owner is None:
+                return None
+            # as the --db dashboard does: a judge run (or --save) covering the window, else a replay
+            saved = persisted.covering_run(cur, span.from_ns, span.to_ns) is not None
+            every = persisted.persisted_findings(cur, span.from_ns, span.to_ns) if saved else ask_findings(
+                cur, span).found
+            found = [f for f in every if f.request_id == request_id]
+            return pages.detail_document(pages.request_detail(cur, request_id, found))
+
+        doc = run(who, answer)
+        if doc is None:
+            raise HTTPException(404, "no such request")
+        if who.role == "tenant":
+            doc = tenancy.tenant_request_pages(doc, who.tenant_id or "")
+        return models.RequestPages(**doc)
 
     @r.get("/thresholds", response_model=list[models.ThresholdRow], responses=table)
     def thresholds(who: Who, ask: AskQ, excl: Excl) -> Response:

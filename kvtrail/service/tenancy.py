@@ -76,3 +76,56 @@ def request_status(findings: pl.DataFrame, request_id: str, tenant: str | None) 
             "pages_read_foreign": len(pages), "other_requests": len(victims - {request_id}),
             "other_tenants": len({t for t in victim_tenants if t != me and t not in PSEUDO_VICTIMS}),
             "read_by_responses": len(responses - {request_id}), "read_by_tenants": len(tenants - {me, None})}
+
+
+class _Pseudonyms:
+    """Stable stand-ins for another tenant's request and tenant ids and for node names, within one answer."""
+
+    def __init__(self, request_id: str, tenant: str):
+        self.me, self.tenant = request_id, tenant
+        self._names: dict[tuple[str, str], str] = {}
+
+    def _alias(self, kind: str, value: str) -> str:
+        key = (kind, value)
+        if key not in self._names:
+            self._names[key] = f"{kind} {1 + sum(k == kind for k, _ in self._names)}"
+        return self._names[key]
+
+    def request(self, rid: str | None) -> str | None:
+        return rid if rid is None or rid == self.me else self._alias("other request", rid)
+
+    def tenant_id(self, tid: str | None) -> str | None:
+        if tid is None or tid == self.tenant or tid in PSEUDO_VICTIMS:
+            return tid
+        return self._alias("other tenant", tid)
+
+    def node(self, name: str | None) -> str | None:
+        return None if name is None else self._alias("node", name)
+
+
+def tenant_request_pages(doc: dict, tenant: str) -> dict:
+    """A request drill-down (``dashboards.pages.detail_document``) as its tenant may see it: other requests,
+    tenants and every node as pseudonyms, no evidence event ids and no finding's free text."""
+    p = _Pseudonyms(doc["request_id"], tenant)
+
+    def owner(row: dict, rid: str = "request_id", tid: str = "tenant_id") -> dict:
+        return {**row, "node": p.node(row["node"]), rid: p.request(row[rid]), tid: p.tenant_id(row[tid])}
+
+    spans = []
+    for s in doc["spans"]:
+        s = owner(s)
+        mine = s["request_id"] == p.me
+        s["holder"] = f"this request ({tenant})" if mine else f"{s['request_id'] or '?'} ({s['tenant_id'] or '?'})"
+        spans.append(s)
+    pages = [{**owner(row, "last_writer", "last_writer_tenant"), "next_holder": p.request(row["next_holder"])}
+             for row in doc["pages"]]
+    findings = [{**owner(f), "victim_request_ids": [p.request(r) for r in f["victim_request_ids"] or ()],
+                 "victim_tenant_ids": [p.tenant_id(t) for t in f["victim_tenant_ids"] or ()],
+                 "evidence": None, "detail": None} for f in doc["findings"]]
+    response = doc["response"]
+    if response is not None:
+        response = {**response, "tenant_id": tenant, "latency_finding": response["latency_finding"] and
+                    "TTFT implausible for its prefill node's measured rate (F9)"}
+    return {**doc, "tenant_id": tenant, "spans": spans, "marks": [owner(m) for m in doc["marks"]], "pages": pages,
+            "transfers": [{**t, "node": p.node(t["node"])} for t in doc["transfers"]], "response": response,
+            "findings": findings}

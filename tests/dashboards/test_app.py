@@ -3,9 +3,11 @@ for the same window and filters; empty states and error pages."""
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import duckdb
@@ -151,6 +153,31 @@ def test_report_view_generates_a_confirmed_report(monkeypatch, seeded, window):
     assert not at.exception
     assert any(s.value.startswith("verify-report: confirmed") for s in at.success), [e.value for e in at.error]
     assert metric(at, "affected responses") == str(len(fx.ask_affected(seeded, as_window(p)).rows))
+
+
+INCIDENT = b"""organisation: Dashboard Test Cloud
+incident_id: INC-DASH-7
+contact:
+  email: security@example.com
+"""
+
+
+def test_report_view_uses_an_uploaded_incident_yaml(monkeypatch, seeded, window):
+    at = run_app(monkeypatch, seeded, "Report", **iso(window))
+    at.file_uploader(key="report-context").set_value(("incident.yaml", INCIDENT, "application/x-yaml")).run()
+    at.button(key="report-generate").click().run()
+    assert not at.exception and [e.value for e in at.error] == []
+    assert any(s.value.startswith("verify-report: confirmed") for s in at.success)
+    with zipfile.ZipFile(io.BytesIO(at.session_state["report-result"][0])) as z:
+        text = z.read("report/report.md").decode()
+    assert "Dashboard Test Cloud" in text and "INC-DASH-7" in text and "security@example.com" in text
+    bad = INCIDENT + b"detected_at: yesterday\n"
+    at.file_uploader(key="report-context").set_value(("incident.yaml", bad, "application/x-yaml")).run()
+    at.button(key="report-generate").click().run()
+    assert not at.exception
+    errors = [e.value for e in at.error]
+    assert any(e.startswith("incident.yaml: field 'detected_at'") for e in errors), errors
+    assert [s.value for s in at.success] == []
 
 
 def test_empty_store_and_empty_window(monkeypatch, seeded, tmp_path, window):

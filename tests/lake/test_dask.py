@@ -82,6 +82,17 @@ def test_local_workers(fleet_lake, fleet_db, capsys):
     assert capsys.readouterr().out == want
 
 
+def test_report_through_scheduler(dask_cluster, fleet_lake, fleet_db, tmp_path):
+    addr, _ = dask_cluster
+    span = ["--from", "2026-09-01T00:59:50Z", "--to", "2026-09-01T01:00:10Z"]
+    assert main(["forensics", "report", "--db", fleet_db, *span, "--out", str(tmp_path / "db")]) == 0
+    assert main(["forensics", "report", "--lake", fleet_lake, "--scheduler", addr, *span,
+                 "--out", str(tmp_path / "lake")]) == 0
+    digest = [json.loads((tmp_path / d / "report.json").read_text())["results_digest"] for d in ("db", "lake")]
+    assert digest[0] == digest[1]
+    assert main(["forensics", "verify-report", str(tmp_path / "lake"), "--lake", fleet_lake, "--scheduler", addr]) == 0
+
+
 def test_worker_killed_mid_query_gives_all_or_a_clear_error(dask_cluster, fleet_lake, fleet_con):
     """Last in this module: it leaves the cluster one worker short."""
     addr, workers = dask_cluster

@@ -14,6 +14,7 @@ from kvtrail.forensics.replay.engine import replay_store
 from kvtrail.lake.export import export_lake
 from kvtrail.lake.fs import LakeFS
 from kvtrail.lake.verify import verify_lake
+from kvtrail.timeutil import format_utc
 from tests.lake.conftest import BOUNDARY_NS
 
 moto_server = pytest.importorskip("moto.server")
@@ -40,7 +41,7 @@ def s3_env(s3_endpoint, monkeypatch):
     return "s3://audit-lake/eu-west"
 
 
-def test_export_verify_and_ask_on_s3(s3_env, fleet_db, fleet_con, capsys):
+def test_export_verify_and_ask_on_s3(s3_env, fleet_db, fleet_con, capsys, tmp_path):
     r = export_lake(fleet_db, s3_env, checkpoints=write_checkpoints)
     assert r.checkpoints > 0
     assert any(p.startswith("events/cluster=fleet-sim/") for p in LakeFS.open(s3_env).list())
@@ -52,12 +53,17 @@ def test_export_verify_and_ask_on_s3(s3_env, fleet_db, fleet_con, capsys):
     want = capsys.readouterr().out
     assert main(["forensics", "affected", "--lake", s3_env, "--format", "json"]) == 0
     assert capsys.readouterr().out == want
+    span = ["--from", format_utc(window[0]), "--to", format_utc(window[1])]
+    assert main(["forensics", "report", "--lake", s3_env, *span, "--out", str(tmp_path / "r")]) == 0
+    assert main(["forensics", "verify-report", str(tmp_path / "r"), "--lake", s3_env]) == 0
     # a deleted object is named
     lake = LakeFS.open(s3_env)
     victim = next(p for p in lake.list("page_runs"))
     lake.delete(victim)
     assert main(["lake", "verify", s3_env]) == 1
     assert f"missing file: {victim}" in capsys.readouterr().err
+    assert main(["forensics", "verify-report", str(tmp_path / "r"), "--lake", s3_env]) == 1
+    assert f"FAILED: lake: missing file: {victim}" in capsys.readouterr().out
 
 
 def test_missing_bucket_is_one_line(s3_env, fleet_db, capsys):

@@ -11,6 +11,7 @@ import polars as pl
 import pytest
 
 from kvtrail.audit.verify import chain_heads
+from kvtrail.dashboards import pages
 from kvtrail.forensics import (
     ReportOptions,
     Window,
@@ -135,6 +136,21 @@ def test_every_query_is_in_the_access_log_with_who_and_status(served):
     assert _local(served, access.verify_access_log).ok
 
 
+def test_request_pages_are_the_dashboards_drill_down(served):
+    rid = served.get("/v1/affected").json()[0]["request_id"]
+    r = served.get(f"/v1/requests/{rid}/pages")
+    assert r.status_code == 200, r.text
+
+    def local(cur):
+        found = [f for f in ask_findings(cur, W).found if f.request_id == rid]
+        return pages.detail_document(pages.request_detail(cur, rid, found))
+    expected = _local(served, local)
+    assert r.json() == json.loads(json.dumps(expected))
+    assert r.json()["spans"] and any(p["foreign"] for p in r.json()["pages"])
+    assert pages.detail_from_document(r.json()).pages.equals(_local(served, lambda cur: pages.request_detail(
+        cur, rid, [f for f in ask_findings(cur, W).found if f.request_id == rid])).pages)
+
+
 def test_a_report_comes_as_an_archive_that_verifies_against_the_store(served, tmp_path):
     r = served.client.post("/v1/reports", json={"from": "2026-09-09T00:00:00Z", "to": "2026-09-09T06:00:00Z"},
                            headers=bearer(served.tokens["operator"]))
@@ -155,3 +171,4 @@ def test_a_report_comes_as_an_archive_that_verifies_against_the_store(served, tm
     served.state.close()  # the store file is free again (the last test of the module): verify as a CLI user would
     check = verify_report(out, served.state.db_path)
     assert check.ok, check.problems
+

@@ -25,7 +25,7 @@ def _store_names(served: Served) -> tuple[set[str], dict[str, set[str]], set[str
     return tenants, requests, nodes
 
 
-def _responses(served: Served, me: str, others_request: str):
+def _responses(served: Served, me: str, others_request: str, own_request: str):
     token = served.tokens[f"tenant:{me}"]
     h = bearer(token)
     c = served.client
@@ -41,6 +41,9 @@ def _responses(served: Served, me: str, others_request: str):
     yield "/v1/reports", {}, c.post("/v1/reports", json={**WINDOW}, headers=h)
     yield "/v1/requests", {}, c.get(f"/v1/requests/{others_request}", headers=h)
     yield "/v1/requests", {}, c.get("/v1/requests/no-such-request", headers=h)
+    yield "/v1/requests/pages", {}, c.get(f"/v1/requests/{others_request}/pages", params=WINDOW, headers=h)
+    yield "/v1/requests/pages", {}, c.get(f"/v1/requests/{own_request}/pages", params=WINDOW, headers=h)
+    yield "/v1/requests/pages", {}, c.get(f"/v1/requests/{own_request}/pages", params={"node": "decode-0"}, headers=h)
     yield "/v1/tokens", {}, c.post("/v1/tokens", json={"role": "operator"}, headers=h)
 
 
@@ -53,7 +56,7 @@ def test_no_route_shows_a_tenant_anything_of_another_tenant(served, me):
     forbidden |= {rid for tid, rids in requests.items() if tid != me for rid in rids}
     assert len(forbidden) > 20
     seen = 0
-    for path, params, r in _responses(served, me, others_request):
+    for path, params, r in _responses(served, me, others_request, sorted(requests[me])[0]):
         assert r.status_code < 500, (path, params, r.text)
         text = r.content.decode("latin-1") + " ".join(f"{k}: {v}" for k, v in r.headers.items())
         leaked = sorted(name for name in forbidden if name in text)
@@ -88,3 +91,39 @@ def test_another_tenants_request_is_the_same_404_as_none(served):
     none = served.client.get("/v1/requests/does-not-exist", headers=h)
     assert other.status_code == none.status_code == 404 and other.json() == none.json()
     assert served.get(f"/v1/requests/{acme_request}").status_code == 200  # an operator may ask for any request
+
+
+def _forbidden_for(served: Served, me: str) -> set[str]:
+    tenants, requests, nodes = _store_names(served)
+    return ({t for t in tenants if t != me} | nodes
+            | {rid for tid, rids in requests.items() if tid != me for rid in rids})
+
+
+def test_a_tenants_request_pages_show_others_only_as_pseudonyms(served):
+    h = bearer(served.tokens["tenant:mallory"])
+    mine = served.get("/v1/affected", role="tenant:mallory").json()[0]["request_id"]
+    r = served.client.get(f"/v1/requests/{mine}/pages", params=WINDOW, headers=h)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["request_id"] == mine and body["tenant_id"] == "mallory" and body["pages_read"] > 0
+    foreign = [p for p in body["pages"] if p["foreign"]]
+    assert foreign and all(p["last_writer"].startswith("other request ") for p in foreign if p["last_writer"])
+    holders = {s["holder"] for s in body["spans"]}
+    assert "this request (mallory)" in holders and any(h.startswith("other request ") for h in holders)
+    assert {s["node"] for s in body["spans"]} <= {"node 1", "node 2", "node 3"}
+    assert all(f["evidence"] is None and f["detail"] is None for f in body["findings"])
+    leaked = sorted(name for name in _forbidden_for(served, "mallory") if name in r.text)
+    assert not leaked, leaked[:5]
+    operator = served.get(f"/v1/requests/{mine}/pages")
+    assert operator.status_code == 200 and "decode-0" in operator.text  # an operator sees the real names
+    assert len(operator.json()["spans"]) == len(body["spans"])
+
+
+def test_another_tenants_request_pages_are_the_same_404_as_none(served):
+    h = bearer(served.tokens["tenant:mallory"])
+    _, requests, _ = _store_names(served)
+    other = served.client.get(f"/v1/requests/{sorted(requests['acme'])[0]}/pages", params=WINDOW, headers=h)
+    none = served.client.get("/v1/requests/does-not-exist/pages", params=WINDOW, headers=h)
+    assert other.status_code == none.status_code == 404 and other.json() == none.json()
+    assert served.get("/v1/requests/does-not-exist/pages").status_code == 404
+    assert served.get(f"/v1/requests/{sorted(requests['acme'])[0]}/pages", role="producer").status_code == 403

@@ -52,7 +52,7 @@ from kvtrail.forensics.window import Window, check_window
 from kvtrail.lake.catalog import LAKE_TABLES, open_catalog
 from kvtrail.lake.executor import Executor, LocalExecutor
 from kvtrail.lake.fs import LakeFS
-from kvtrail.lake.manifest import LakeManifest, require_manifest
+from kvtrail.lake.manifest import LakeManifest, read_manifest, require_manifest
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,10 @@ class Lake:
 
 
 @contextmanager
-def open_lake(url: str) -> Iterator[Lake]:
+def open_lake(url: str, number: int | None = None) -> Iterator[Lake]:
+    """The lake at ``url`` as of its current manifest (or manifest ``number``: the files it listed)."""
     lake = LakeFS.open(url)
-    m = require_manifest(lake)
+    m = require_manifest(lake) if number is None else read_manifest(lake, number)
     files = {t: sorted(m.files_of(t)) for t in LAKE_TABLES}
     present = set(lake.list())
     gone = sorted(p for t in files.values() for p in t if p not in present)

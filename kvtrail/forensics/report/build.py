@@ -22,7 +22,7 @@ import polars as pl
 from kvtrail import __version__
 from kvtrail.audit.verify import UncleanEnd
 from kvtrail.forensics import analysis as an
-from kvtrail.forensics.findings import NEVER_WRITTEN
+from kvtrail.forensics.findings import NEVER_WRITTEN, Finding
 from kvtrail.forensics.questions import (
     Window,
     affected_with_exclusions,
@@ -77,6 +77,8 @@ class Report:
     unclean_ends: tuple[UncleanEnd, ...] = ()
     incomplete: pl.DataFrame = field(default_factory=pl.DataFrame)  # requests in flight at an unclean end
     withheld_findings: int = 0  # their F2/F3, withheld as incomplete
+    # for a report on an audit lake: the lake manifest it was built from (kvtrail.forensics.lake.report)
+    lake: dict | None = None
 
     @property
     def warnings(self) -> tuple[str, ...]:
@@ -134,8 +136,12 @@ class Report:
 
 
 def build_report(con: duckdb.DuckDBPyConnection, options: ReportOptions, context: IncidentContext | None = None,
-                 heads: list[dict] | None = None) -> Report:
-    """Run every question and analysis for the window (``con``: a store or a snapshot of one)."""
+                 heads: list[dict] | None = None, *, findings: list[Finding] | None = None,
+                 lake: dict | None = None) -> Report:
+    """Run every question and analysis for the window (``con``: a store, a snapshot of one or a lake's
+    catalog). ``findings``: every finding of the window already computed elsewhere (an audit lake's
+    partition replay, :func:`kvtrail.forensics.lake.questions.lake_findings`) instead of replaying ``con``;
+    ``lake``: the lake manifest record that goes into ``report.json``."""
     from kvtrail.audit.verify import chain_heads
 
     o = options
@@ -143,7 +149,7 @@ def build_report(con: duckdb.DuckDBPyConnection, options: ReportOptions, context
     ends = window_ends(con, w)
     incomplete = incomplete_requests(con, w, ends)
     # one replay serves the affected responses and the findings
-    every, withheld = withhold_incomplete(findings_of(con, w), incomplete)
+    every, withheld = withhold_incomplete(findings_of(con, w) if findings is None else findings, incomplete)
     kept, dropped, excluded = affected_with_exclusions(con, w, o.exclusions, every)
     found = findings_frame(every, w)
     found_kept = found.filter(~an.excluded_mask(excluded, o.exclusions))
@@ -160,7 +166,7 @@ def build_report(con: duckdb.DuckDBPyConnection, options: ReportOptions, context
                   exploitation, long_tokens, coverage_gaps(con),
                   tuple(heads if heads is not None else chain_heads(con)),
                   shared_transfer_ids=shared_transfer_ids(con, w), empty_after_abort=empty_after_abort(con, w),
-                  unclean_ends=tuple(ends), incomplete=incomplete, withheld_findings=len(withheld))
+                  unclean_ends=tuple(ends), incomplete=incomplete, withheld_findings=len(withheld), lake=lake)
 
 
 def write_report(report: Report, out_dir: str | Path, store_name: str, *, force: bool = False,

@@ -240,4 +240,5 @@ def _integrity(r, store_name: str) -> list[tuple]:
             ("p", f"SHA-256 of the canonical query results behind this report: {r.results_digest()}. "
                   "report.json lists it with the hash of every file; to confirm the report against the store:"),
             # a command to paste into a shell: the store's file name quoted as the shell reads it
-            ("mono", f"kvtrail forensics verify-report REPORT_DIR --db {shlex.quote(store_name)}")]
+            ("mono", f"kvtrail forensics verify-report REPORT_DIR {'--lake' if r.lake else '--db'} "
+                     f"{shlex.quote(store_name)}")]

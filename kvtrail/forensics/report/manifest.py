@@ -1,6 +1,7 @@
 """The report manifest (``report.json``): the options that decide the numbers (window, exclusions,
 baseline, rules), the kvtrail version, each producer's audit chain head at report time (latest batch
-number and digest), a SHA-256 of the canonical query results and a SHA-256 of every file written.
+number and digest), a SHA-256 of the canonical query results and a SHA-256 of every file written; for a
+report on an audit lake, also the lake manifest it was built from (number, SHA-256, chain heads).
 :mod:`kvtrail.forensics.report.verify` checks a report against it.
 """
 
@@ -43,6 +44,8 @@ def write_manifest(report, out: Path, files: list[str], store_name: str) -> dict
         "results_digest_method": "sha256 of sorted-key compact JSON of the results (rows sorted)",
         "files": {name: sha256_file(out / name) for name in sorted(files)},
     }
+    if report.lake is not None:  # a report on an audit lake: the manifest it was built from
+        doc["lake"] = report.lake
     (out / MANIFEST).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
     return doc
 

@@ -41,13 +41,7 @@ def verify_report(report_dir: str | Path, db: str | Path, *, strict: bool = Fals
     inside its window are a problem (otherwise a note)."""
     doc = load_manifest(report_dir)
     require_store(db)
-    check = ReportCheck()
-    d = Path(report_dir)
-    for name, digest in sorted(doc["files"].items()):
-        if not (d / name).is_file():
-            check.problems.append(f"file {name}: missing")
-        elif sha256_file(d / name) != digest:
-            check.problems.append(f"file {name}: modified since the report was written")
+    check = ReportCheck(problems=changed_files(doc, report_dir))
     options = ReportOptions.from_dict(doc["options"])
     heads = parse_heads(doc["chain_heads"], MANIFEST, "chain_heads")
     con = connect_readonly(db)
@@ -58,7 +52,7 @@ def verify_report(report_dir: str | Path, db: str | Path, *, strict: bool = Fals
             raise KvtrailError(f"--db: {db} is not a kvtrail audit store") from None
         # Behind (newest batches deleted) or forked (rewritten), judged as `kvtrail audit verify --expect-heads` does.
         check.problems.extend(f"chain head of {p}" for p in compare_heads(con, heads))
-        _growth(con, heads, now, options, check, strict)
+        note_growth(con, heads, now, options, check, strict)
         chain = verify_store(con)
         if not chain.ok:
             more = f" (+{len(chain.problems) - 1} more)" if len(chain.problems) > 1 else ""
@@ -80,8 +74,20 @@ def verify_report(report_dir: str | Path, db: str | Path, *, strict: bool = Fals
     return check
 
 
-def _growth(con, heads: list[dict], now: dict, options, check: ReportCheck, strict: bool) -> None:
-    """Say how the store grew after the report (batches past the heads, new producers)."""
+def changed_files(doc: dict, report_dir: str | Path) -> list[str]:
+    """The report's files (as ``report.json`` lists them) that are missing or changed, one line each."""
+    d, problems = Path(report_dir), []
+    for name, digest in sorted(doc["files"].items()):
+        if not (d / name).is_file():
+            problems.append(f"file {name}: missing")
+        elif sha256_file(d / name) != digest:
+            problems.append(f"file {name}: modified since the report was written")
+    return problems
+
+
+def note_growth(con, heads: list[dict], now: dict, options, check: ReportCheck, strict: bool,
+                what: str = "store") -> None:
+    """Say how the store (or lake: ``what``) grew after the report (batches past the heads, new producers)."""
     recorded = {h["producer_id"]: h["batch_no"] for h in heads}
     new_batches = sum(max(0, h["batch_no"] - recorded.get(pid, -1)) for pid, h in now.items())
     if not new_batches:
@@ -91,7 +97,7 @@ def _growth(con, heads: list[dict], now: dict, options, check: ReportCheck, stri
         "unnest(?::BIGINT[]) AS head) h USING (producer_id) "
         "WHERE (h.head IS NULL OR e.batch_no > h.head) AND e.wall_ns BETWEEN ? AND ?",
         [list(recorded), list(recorded.values()), options.from_ns, options.to_ns]).fetchone()[0]
-    check.notes.append(f"the store has grown since the report: {new_batches} batches after the recorded heads; "
+    check.notes.append(f"the {what} has grown since the report: {new_batches} batches after the recorded heads; "
                        f"results were re-computed only from batches up to those heads")
     if late:
         msg = (f"{late} events committed after the report fall inside its window "
