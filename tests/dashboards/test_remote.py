@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import shutil
 import socket
-import threading
-import time
 
 import polars as pl
 import pytest
@@ -17,7 +15,6 @@ from kvtrail.timeutil import format_utc
 
 pytest.importorskip("fastapi")
 
-import uvicorn  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
 from kvtrail.dashboards import persisted  # noqa: E402
@@ -26,9 +23,9 @@ from kvtrail.dashboards.source import StoreSource  # noqa: E402
 from kvtrail.service.app import create_app  # noqa: E402
 from kvtrail.service.state import open_state  # noqa: E402
 from kvtrail.service.tokens import add_token  # noqa: E402
+from tests.service.conftest import served_in_thread  # noqa: E402
 
 TENANT = "tenant-000"
-START_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -53,20 +50,10 @@ def http_url(service):
     """The service's app served by uvicorn in a thread on 127.0.0.1, port 0."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    server = uvicorn.Server(uvicorn.Config(create_app(service[3]), log_level="warning", access_log=False,
-                                           lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
     try:
-        yield "http://127.0.0.1:%d" % sock.getsockname()[1]
+        with served_in_thread(service[3], sock) as url:
+            yield url
     finally:
-        server.should_exit = True
-        thread.join(30)
         sock.close()
 
 
