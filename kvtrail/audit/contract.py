@@ -64,6 +64,14 @@ class AuditRecorder(Protocol):
     def response_sent(self, req: RequestRef, http_status: int, prompt_tokens: int, completion_tokens: int,
                       latency_ns: int, ttft_ns: int | None = None, finish_reason: str | None = None) -> None: ...
 
+    def events_lost(self, reason: str, events: int, pages: int, detail: str) -> None:
+        """Record that ``events`` events (``pages`` page-events) the caller meant to record were lost.
+
+        For losses the recorder cannot see itself, e.g. a serving hook that failed before it could call
+        the recorder; ``reason`` is one of the ``gap_reason`` values (``hook_error`` for those).
+        """
+        ...
+
     def flush(self, timeout: float | None = None) -> bool:
         """Block until everything recorded before the call is committed; False if ``timeout`` passed first."""
         ...
@@ -101,7 +109,7 @@ class Sink(Protocol):
 CONTRACT_METHODS: tuple[str, ...] = (
     "node_config", "request_received", "pages_allocated", "pages_freed", "kv_written", "kv_read",
     "transfer_reserved", "transfer_sent", "transfer_received", "request_aborted", "response_sent",
-    "flush", "close", "stats",
+    "events_lost", "flush", "close", "stats",
 )
 
 

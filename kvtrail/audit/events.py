@@ -32,7 +32,7 @@ VALUE_DOCS: dict[str, dict[str, str]] = {
     },
 }
 TRANSFER_STATUSES = tuple(VALUE_DOCS["status"])
-GAP_REASONS = ("buffer_full", "invalid", "encode_error", "writer_error", "transport")
+GAP_REASONS = ("buffer_full", "invalid", "encode_error", "writer_error", "transport", "hook_error")
 
 
 @dataclass(frozen=True)

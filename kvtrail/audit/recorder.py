@@ -26,12 +26,13 @@ from typing import Callable
 
 import numpy as np
 
-from kvtrail.audit.buffer import EventBuffer
+from kvtrail.audit.buffer import EventBuffer, gap_payload
 from kvtrail.audit.contract import AuditRecorder, PageIds, Sink
 from kvtrail.audit.events import KIND_CODES, Producer, RequestRef
 from kvtrail.audit.writer import Writer
 
 _C = KIND_CODES
+_GAP = KIND_CODES["recorder_gap"]
 _NDARRAY = np.ndarray
 
 
@@ -156,6 +157,10 @@ class Recorder:
         self._put(_C["response_sent"], req, None, None,
                   (http_status, prompt_tokens, completion_tokens, latency_ns, ttft_ns, finish_reason))
 
+    def events_lost(self, reason: str, events: int, pages: int, detail: str) -> None:
+        """Record a ``recorder_gap`` for events lost before they reached this recorder (see the contract)."""
+        self._put(_GAP, None, None, None, gap_payload(reason, events, pages, detail))
+
     # ---- control -------------------------------------------------------------------------------
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -243,6 +248,9 @@ class NullRecorder:
 
     def response_sent(self, req: RequestRef, http_status: int, prompt_tokens: int, completion_tokens: int,
                       latency_ns: int, ttft_ns: int | None = None, finish_reason: str | None = None) -> None:
+        return None
+
+    def events_lost(self, reason: str, events: int, pages: int, detail: str) -> None:
         return None
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -14,7 +14,7 @@ from kvtrail.audit.store import AuditStore, connect_readonly, read_events
 
 PROD = Producer("c1", "decode-0", "decode", "kvtrail-reference", "0.1", "inst-1")
 REQ = RequestRef("r1", 7, "acme")
-RECORDING = tuple(m for m in CONTRACT_METHODS if m not in ("flush", "close", "stats"))
+RECORDING = tuple(m for m in CONTRACT_METHODS if m not in ("events_lost", "flush", "close", "stats"))
 
 
 class UnusedSink:
@@ -132,8 +132,23 @@ def test_null_recorder_accepts_every_call_and_reports_nothing():
     for kind in RECORDING:
         method = getattr(null, kind)
         assert method(**({} if kind == "node_config" else {"req": REQ}), **_arguments(method)) is None
+    assert null.events_lost("hook_error", 2, 8, "x") is None
     assert null.flush(0) is True and null.stats() == {}
     null.close()
+
+
+def test_events_lost_reaches_the_store_as_a_gap_with_its_reason(tmp_path):
+    path = tmp_path / "a.duckdb"
+    rec = Recorder(AuditStore(path), PROD, RecorderConfig(capacity_events=100, flush_interval_s=0.005))
+    rec.events_lost("hook_error", 3, 24, "hook pages_allocated: boom")
+    rec.close()
+    con = connect_readonly(path)
+    try:
+        gaps = [e for e in to_dicts(read_events(con)) if e["kind"] == "recorder_gap"]
+    finally:
+        con.close()
+    assert [(g["gap_reason"], g["dropped_events"], g["dropped_pages"], g["detail"]) for g in gaps] == [
+        ("hook_error", 3, 24, "hook pages_allocated: boom")]
 
 
 # ---- make_recorder -----------------------------------------------------------------------------

@@ -81,6 +81,7 @@ def test_a_failing_hook_never_raises_into_sglang_and_is_recorded_as_a_gap(plugin
         s.close()
     [gap] = [e for e in stored_events(db) if e["kind"] == "recorder_gap"]
     assert gap["dropped_events"] == 1 and "alloc_for_decode" in gap["detail"] and "TypeError" in gap["detail"]
+    assert gap["gap_reason"] == "hook_error"
 
 
 def test_only_attention_tp_rank_0_records(plugin):

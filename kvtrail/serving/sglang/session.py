@@ -13,10 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kvtrail.audit.buffer import GAP_CODE, gap_payload
 from kvtrail.audit.contract import AuditRecorder
 from kvtrail.audit.events import RequestRef
-from kvtrail.serving.sglang.resolver import Resolver, logger
+from kvtrail.serving.sglang.resolver import Resolver
 
 
 @dataclass
@@ -76,13 +75,8 @@ class Session:
 
     def report_gaps(self) -> None:
         """Hand the hooks' counted failures to the recorder as recorder_gap events."""
-        put = getattr(getattr(self.recorder, "_buffer", None), "put", None)
         for hook, n, detail in self.resolver.take_failures():
-            if put is None:
-                logger.warning("kvtrail: %d events of hook %s lost (%s)", n, hook, detail)
-                continue
-            # The contract has no gap method yet; the recorder's own buffer numbers the gap event.
-            put(GAP_CODE, None, None, None, gap_payload("encode_error", n, 0, f"sglang hook {hook}: {detail}"))
+            self.recorder.events_lost("hook_error", n, 0, f"sglang hook {hook}: {detail}")
 
     def close(self) -> None:
         self.resolver.drain()
