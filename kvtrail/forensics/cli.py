@@ -16,26 +16,19 @@ import duckdb
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics import (
     NEVER_WRITTEN,
-    Exclusions,
     ForensicsPolicy,
     OnlineReplay,
-    ProbeRules,
-    ReportOptions,
     Window,
     ask_affected,
     ask_exploitation,
     ask_exposure,
     ask_findings,
     ask_thresholds,
-    build_report,
-    load_context,
-    load_exclusions,
-    open_snapshot,
     open_store,
     require_store,
     save_findings,
-    write_report,
 )
+from kvtrail.forensics.cli_options import exclusion_options, exclusions, probe_options, report_options
 from kvtrail.forensics.cli_remote import (
     Remote,
     lake_answer,
@@ -43,13 +36,11 @@ from kvtrail.forensics.cli_remote import (
     local,
     remote_of,
     remote_options,
-    remote_report,
     repeat_polls,
-    report_check,
-    report_lines,
     watch_remote,
     window_params,
 )
+from kvtrail.forensics.cli_report import report, verify_report_cmd
 from kvtrail.forensics.lake.questions import (
     ask_lake_affected,
     ask_lake_exploitation,
@@ -57,8 +48,6 @@ from kvtrail.forensics.lake.questions import (
     ask_lake_findings,
     ask_lake_thresholds,
 )
-from kvtrail.forensics.lake.report import check_out_of_lake, lake_report
-from kvtrail.forensics.report.manifest import MANIFEST
 from kvtrail.forensics.tables import (
     AFFECTED,
     EXPLOITATION,
@@ -72,7 +61,7 @@ from kvtrail.forensics.tables import (
     terminal_text,
     window_scope,
 )
-from kvtrail.outputs import check_out_dir, csv_frame, refuse_clobber, write_file_atomically
+from kvtrail.outputs import csv_frame, refuse_clobber, write_file_atomically
 from kvtrail.timeutil import format_utc, parse_utc
 
 FORMATS = ("table", "csv", "json", "parquet")
@@ -162,71 +151,11 @@ def _options(f):
     return f
 
 
-def _exclusion_options(f):
-    for opt in reversed([
-        click.option("--exclude-tenant", "exclude_tenants", multiple=True, metavar="ID[=REASON]",
-                     help="Leave this tenant's responses out of every count (repeatable)."),
-        click.option("--exclude-file", type=click.Path(dir_okay=False),
-                     help="YAML file of exclusions: tenants/api_key_ids/request_ids, each a list of {id, reason}."),
-    ]):
-        f = opt(f)
-    return f
-
-
-def _exclusions(tenants: tuple[str, ...], file: str | None, base=None):
-    """The exclusions of the flags (plus ``base``, e.g. from incident.yaml)."""
-
-    pairs = []
-    for t in tenants:
-        tenant, _, reason = t.partition("=")
-        if not tenant.strip():
-            raise KvtrailError(f"--exclude-tenant: empty tenant id in {t!r}")
-        pairs.append((tenant.strip(), reason.strip() or "excluded on the command line"))
-    excl = Exclusions(tenants=tuple(sorted(dict(pairs).items())))
-    if file:
-        excl = excl.merged(load_exclusions(file))
-    return excl.merged(base) if base is not None else excl
-
-
 def _say_excluded(dropped) -> None:
     if len(dropped):
         reasons = sorted({f"{by} ({why})" for by, why in zip(dropped["excluded_by"], dropped["reason"])})
         click.echo(printable(f"excluded: {len(dropped)} affected responses of {len(reasons)} account(s): "
                              f"{'; '.join(reasons)}"), err=True)
-
-
-def _probe_options(f):
-    for opt in reversed([
-        click.option("--baseline-from", help="UTC start of the baseline period (default: as long as the window, "
-                                            "right before --from)."),
-        click.option("--baseline-to", help="UTC end of the baseline period (default: --from)."),
-        click.option("--long-prompt-tokens", type=click.IntRange(1),
-                     help="Prompts longer than this are over-long (default: the smallest prefill pool)."),
-        click.option("--burst-minutes", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
-                     help="Length of a probing burst."),
-        click.option("--burst-count", type=click.IntRange(1), default=5, show_default=True,
-                     help="Over-long prompts within --burst-minutes that count as repeated probing."),
-    ]):
-        f = opt(f)
-    return f
-
-
-def _report_options(from_ns, to_ns, excl, baseline_from, baseline_to, long_prompt_tokens, burst_minutes,
-                    burst_count):
-
-    if from_ns is None or to_ns is None:
-        flag = "--from" if from_ns is None else "--to"
-        raise KvtrailError(f"{flag}: required (the baseline and rates need a window)")
-    if from_ns > to_ns:
-        raise KvtrailError("--from: is after --to")
-    b_from = parse_utc(baseline_from, field="--baseline-from") if baseline_from else None
-    b_to = parse_utc(baseline_to, field="--baseline-to") if baseline_to else None
-    o = ReportOptions(from_ns, to_ns, excl, b_from, b_to, long_prompt_tokens,
-                      ProbeRules(burst_minutes=burst_minutes, burst_count=burst_count))
-    lo, hi = o.baseline
-    if lo > hi:
-        raise KvtrailError("--baseline-from: is after the end of the baseline period")
-    return o
 
 
 @click.group()
@@ -257,7 +186,7 @@ def _policy(allow_tenant_cache_sharing: bool, latency_factor: float):
 @forensics.command(name="findings")
 @_options
 @click.option("--code", "codes", multiple=True, help="Only these finding codes (repeatable), e.g. F1.")
-@_exclusion_options
+@exclusion_options
 @_policy_options
 @click.option("--save", is_flag=True, help="Also keep the window's findings in the store (tables findings and "
                                            "forensic_runs); re-running a window adds no duplicates.")
@@ -266,7 +195,7 @@ def findings_cmd(db, url, api_token, from_, to, tenant, node, fmt, out, force, c
                  engine, allow_tenant_cache_sharing, latency_factor, save, lake_url, scheduler, workers) -> None:
     """Every finding in the window, with the event ids that prove it (excluded accounts' requests left out)."""
     _check_out(db, fmt, out, force)
-    excl = _exclusions(exclude_tenants, exclude_file)
+    excl = exclusions(exclude_tenants, exclude_file)
     policy = _policy(allow_tenant_cache_sharing, latency_factor)
     w = _window(from_, to, tenant, node)
     remote = remote_of(url, api_token)
@@ -292,13 +221,13 @@ def findings_cmd(db, url, api_token, from_, to, tenant, node, fmt, out, force, c
 
 @forensics.command()
 @_options
-@_exclusion_options
+@exclusion_options
 @lake_options
 def affected(db, url, api_token, from_, to, tenant, node, fmt, out, force, exclude_tenants, exclude_file,
              lake_url, scheduler, workers) -> None:
     """Which responses read foreign pages in the window, and whose data it was."""
     _check_out(db, fmt, out, force)
-    excl = _exclusions(exclude_tenants, exclude_file)
+    excl = exclusions(exclude_tenants, exclude_file)
     w = _window(from_, to, tenant, node)
     remote = remote_of(url, api_token)
     answer = lake_answer(lake_url, scheduler, workers, url,
@@ -373,13 +302,13 @@ def _finding_line(f) -> str:
 
 @forensics.command()
 @_options
-@_exclusion_options
+@exclusion_options
 @lake_options
 def exposure(db, url, api_token, from_, to, tenant, node, fmt, out, force, exclude_tenants, exclude_file,
              lake_url, scheduler, workers) -> None:
     """Exposure matrix: recipient tenant x victim tenant, with responses, pages and victim requests."""
     _check_out(db, fmt, out, force)
-    excl = _exclusions(exclude_tenants, exclude_file)
+    excl = exclusions(exclude_tenants, exclude_file)
     w = _window(from_, to, tenant, node)
     remote = remote_of(url, api_token)
     answer = lake_answer(lake_url, scheduler, workers, url,
@@ -393,14 +322,14 @@ def exposure(db, url, api_token, from_, to, tenant, node, fmt, out, force, exclu
 
 @forensics.command()
 @_options
-@_exclusion_options
+@exclusion_options
 @lake_options
 def thresholds(db, url, api_token, from_, to, tenant, node, fmt, out, force, exclude_tenants, exclude_file,
                lake_url, scheduler, workers) -> None:
     """Pool vs advertised context per node, and affected vs unaffected prompts against the prefill pool."""
     _check_out(db, fmt, out, force)
     w = _window(from_, to, tenant, node)
-    excl = _exclusions(exclude_tenants, exclude_file)
+    excl = exclusions(exclude_tenants, exclude_file)
     remote = remote_of(url, api_token)
     answer = lake_answer(lake_url, scheduler, workers, url,
                          lambda lk, ex: ask_lake_thresholds(lk, w, exclusions=excl, executor=ex))
@@ -413,8 +342,8 @@ def thresholds(db, url, api_token, from_, to, tenant, node, fmt, out, force, exc
 
 @forensics.command()
 @_options
-@_exclusion_options
-@_probe_options
+@exclusion_options
+@probe_options
 @lake_options
 def exploitation(db, url, api_token, from_, to, tenant, node, fmt, out, force, exclude_tenants, exclude_file,
                  lake_url, scheduler, workers, **probe) -> None:
@@ -424,8 +353,8 @@ def exploitation(db, url, api_token, from_, to, tenant, node, fmt, out, force, e
     remote = remote_of(url, api_token)
     if remote is None and lake_url is None:
         require_store(db)
-    excl = _exclusions(exclude_tenants, exclude_file)
-    options = _report_options(w.from_ns, w.to_ns, excl, **probe)
+    excl = exclusions(exclude_tenants, exclude_file)
+    options = report_options(w.from_ns, w.to_ns, excl, **probe)
     answer = lake_answer(lake_url, scheduler, workers, url,
                          lambda lk, ex: ask_lake_exploitation(lk, options, w, executor=ex))
     if answer is None:
@@ -434,64 +363,5 @@ def exploitation(db, url, api_token, from_, to, tenant, node, fmt, out, force, e
     _emit(answer, fmt, out, EXPLOITATION, w, db, force)
 
 
-@forensics.command()
-@click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False))
-@click.option("--from", "from_", required=True, help="UTC start of the window (ISO 8601).")
-@click.option("--to", "to", required=True, help="UTC end of the window (ISO 8601).")
-@click.option("--out", required=True, type=click.Path(file_okay=False),
-              help="Folder to write the report into: new or empty (written whole, or not at all).")
-@click.option("--force", is_flag=True, help="--out may hold files: the report's own are replaced, others left alone.")
-@click.option("--context", type=click.Path(dir_okay=False),
-              help="The operator's incident.yaml (contact, times, measures, exclusions, tenant names).")
-@_exclusion_options
-@_probe_options
-@remote_options
-@lake_options
-def report(db, from_, to, out, force, context, exclude_tenants, exclude_file, url, api_token, lake_url, scheduler,
-           workers, **probe) -> None:
-    """Write the disclosure report (Markdown, HTML, PDF, CSV/JSON, report.json manifest) for a window
-    (with --url: the service runs it on a snapshot of its store and sends the files; with --lake: on an
-    audit lake, report.json recording its manifest)."""
-    remote = remote_of(url, api_token)
-    if remote is None and lake_url is None:
-        require_store(db)
-    if lake_url is not None:
-        check_out_of_lake(out, lake_url)
-    before = check_out_dir(out, force, protected=(db,))  # refused before the queries run, not after
-    ctx = load_context(context) if context else None
-    excl = _exclusions(exclude_tenants, exclude_file, ctx.exclusions if ctx else None)
-    options = _report_options(parse_utc(from_, field="--from"), parse_utc(to, field="--to"), excl, **probe)
-    r = lake_answer(lake_url, scheduler, workers, url, lambda lk, ex: lake_report(lk, options, ctx, executor=ex))
-    if r is None and remote is not None:
-        remote_report(remote, out, force, db, from_, to, excl, Path(context).read_text(encoding="utf-8")
-                       if context else None, before, probe)
-        return
-    if r is None:
-        con, heads = local(lambda: open_snapshot(db))
-        try:
-            r = build_report(con, options, ctx, heads)
-        finally:
-            con.close()
-    manifest = write_report(r, out, lake_url or Path(db).name, force=force, protected=(db,))
-    report_lines(before, {*manifest["files"], MANIFEST}, out, len(r.coverage),
-                  int(r.coverage["unexplained"].sum()) if len(r.coverage) else 0, r.counts, manifest["results_digest"])
-
-
-@forensics.command(name="verify-report")
-@click.argument("report_dir", metavar="DIR")
-@click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False))
-@click.option("--strict", is_flag=True, help="Also fail when events committed after the report fall inside its window.")
-@lake_options
-def verify_report_cmd(report_dir, db, strict, lake_url, scheduler, workers) -> None:
-    """Re-run a report's queries on the store (or --lake: on the lake, re-checking its recorded manifest)
-    and confirm its numbers, chain heads and files. Exit 1 if not."""
-    check = report_check(report_dir, db, strict, lake_url, scheduler, workers)
-    for note in check.notes:
-        click.echo(f"note: {printable(note)}")
-    if not check.ok:
-        for problem in check.problems:
-            click.echo(f"FAILED: {printable(problem)}")
-        sys.exit(1)
-    source = f"the lake {lake_url}" if lake_url else f"the store {Path(db).name}"
-    what = "lake manifest, " if lake_url else ""
-    click.echo(printable(f"confirmed: {report_dir} matches {source} ({what}results digest, chain heads, files)"))
+forensics.add_command(report)
+forensics.add_command(verify_report_cmd)

@@ -1,0 +1,90 @@
+"""``kvtrail forensics report`` and ``verify-report``: the disclosure report for a window (from a store, a
+running service or a lake) and its re-check."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from kvtrail.forensics import build_report, load_context, open_snapshot, require_store, write_report
+from kvtrail.forensics.cli_options import exclusion_options, exclusions, probe_options, report_options
+from kvtrail.forensics.cli_remote import (
+    lake_answer,
+    lake_options,
+    local,
+    remote_of,
+    remote_options,
+    remote_report,
+    report_check,
+    report_lines,
+)
+from kvtrail.forensics.lake.report import check_out_of_lake, lake_report
+from kvtrail.forensics.report.manifest import MANIFEST
+from kvtrail.forensics.tables import printable
+from kvtrail.outputs import check_out_dir
+from kvtrail.timeutil import parse_utc
+
+
+@click.command()
+@click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False))
+@click.option("--from", "from_", required=True, help="UTC start of the window (ISO 8601).")
+@click.option("--to", "to", required=True, help="UTC end of the window (ISO 8601).")
+@click.option("--out", required=True, type=click.Path(file_okay=False),
+              help="Folder to write the report into: new or empty (written whole, or not at all).")
+@click.option("--force", is_flag=True, help="--out may hold files: the report's own are replaced, others left alone.")
+@click.option("--context", type=click.Path(dir_okay=False),
+              help="The operator's incident.yaml (contact, times, measures, exclusions, tenant names).")
+@exclusion_options
+@probe_options
+@remote_options
+@lake_options
+def report(db, from_, to, out, force, context, exclude_tenants, exclude_file, url, api_token, lake_url, scheduler,
+           workers, **probe) -> None:
+    """Write the disclosure report (Markdown, HTML, PDF, CSV/JSON, report.json manifest) for a window
+    (with --url: the service runs it on a snapshot of its store and sends the files; with --lake: on an
+    audit lake, report.json recording its manifest)."""
+    remote = remote_of(url, api_token)
+    if remote is None and lake_url is None:
+        require_store(db)
+    if lake_url is not None:
+        check_out_of_lake(out, lake_url)
+    before = check_out_dir(out, force, protected=(db,))  # refused before the queries run, not after
+    ctx = load_context(context) if context else None
+    excl = exclusions(exclude_tenants, exclude_file, ctx.exclusions if ctx else None)
+    options = report_options(parse_utc(from_, field="--from"), parse_utc(to, field="--to"), excl, **probe)
+    r = lake_answer(lake_url, scheduler, workers, url, lambda lk, ex: lake_report(lk, options, ctx, executor=ex))
+    if r is None and remote is not None:
+        remote_report(remote, out, force, db, from_, to, excl, Path(context).read_text(encoding="utf-8")
+                       if context else None, before, probe)
+        return
+    if r is None:
+        con, heads = local(lambda: open_snapshot(db))
+        try:
+            r = build_report(con, options, ctx, heads)
+        finally:
+            con.close()
+    manifest = write_report(r, out, lake_url or Path(db).name, force=force, protected=(db,))
+    report_lines(before, {*manifest["files"], MANIFEST}, out, len(r.coverage),
+                  int(r.coverage["unexplained"].sum()) if len(r.coverage) else 0, r.counts, manifest["results_digest"])
+
+
+@click.command(name="verify-report")
+@click.argument("report_dir", metavar="DIR")
+@click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False))
+@click.option("--strict", is_flag=True, help="Also fail when events committed after the report fall inside its window.")
+@lake_options
+def verify_report_cmd(report_dir, db, strict, lake_url, scheduler, workers) -> None:
+    """Re-run a report's queries on the store (or --lake: on the lake, re-checking its recorded manifest)
+    and confirm its numbers, chain heads and files. Exit 1 if not."""
+    check = report_check(report_dir, db, strict, lake_url, scheduler, workers)
+    for note in check.notes:
+        click.echo(f"note: {printable(note)}")
+    if not check.ok:
+        for problem in check.problems:
+            click.echo(f"FAILED: {printable(problem)}")
+        sys.exit(1)
+    source = f"the lake {lake_url}" if lake_url else f"the store {Path(db).name}"
+    what = "lake manifest, " if lake_url else ""
+    click.echo(printable(f"confirmed: {report_dir} matches {source} ({what}results digest, chain heads, files)"))
