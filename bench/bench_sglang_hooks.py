@@ -9,13 +9,15 @@ kvtrail's plugin is loaded by SGLang's own ``load_plugins()``. Two calls, each t
   alloc  ``disaggregation.decode.alloc_for_decode_prealloc``: decode's reservation of ``--pages`` pages
          (the real ``PagedTokenToKVPoolAllocator.alloc_extend`` on device cpu); hooked AFTER: records
          pages_allocated + transfer_reserved
-  free   ``PagedTokenToKVPoolAllocator.free_page_ids`` of those pages, which ends in the hooked
-         ``_release_page_ids`` (BEFORE: records pages_freed)
+  free   ``PagedTokenToKVPoolAllocator.free_page_ids`` of those pages (hooked BEFORE: a free inside a free
+         group is remembered with its request), which ends in the hooked ``_release_page_ids`` (BEFORE:
+         records pages_freed)
 Three methods, alternating within each round (bench/rounds.py):
   sglang     the unhooked originals (the registry's ``__wrapped__``)
   hooks-off  the hooked functions with no recording session (a process where kvtrail is not configured)
   recording  the hooked functions recording into a DuckDB store (the resolver and writer threads run)
-It prints ns per call and per page (min / median / max over rounds) and the recording overhead.
+It prints ns per call and per page (min / median / max over rounds) and the recording overhead, by the wall
+clock and by the CPU time of SGLang's thread (the hooks' own work there, apart from waits for the GIL).
 """
 
 from __future__ import annotations
@@ -46,33 +48,38 @@ def _world(num_pages: int):
     return node, r
 
 
-def _time_calls(node, r, num_pages: int, calls: int, plain: bool) -> tuple[float, float]:
-    """Mean ns per alloc call and per free call over ``calls`` alloc/free pairs."""
+def _time_calls(node, r, num_pages: int, calls: int, plain: bool) -> tuple[float, float, float, float]:
+    """Mean ns per alloc call and per free call over ``calls`` alloc/free pairs: wall clock, then the CPU
+    time of SGLang's thread alone (what the hooks add there, without the waits for the GIL and the cores
+    that the plugin's and every other process's threads cause on a loaded machine)."""
     from sglang.srt.disaggregation import decode as dmod
 
     from tests.sglang.world import PAGE_SIZE
 
     prealloc = dmod.alloc_for_decode_prealloc.__wrapped__ if plain else dmod.alloc_for_decode_prealloc
     alloc = node.allocator
-    if plain:
-        alloc._release_page_ids = types.MethodType(type(alloc)._release_page_ids.__wrapped__, alloc)
-    else:
-        alloc.__dict__.pop("_release_page_ids", None)
+    for name in ("free_page_ids", "_release_page_ids"):  # both hooked: the free-group check and the return
+        if plain:
+            setattr(alloc, name, types.MethodType(getattr(type(alloc), name).__wrapped__, alloc))
+        else:
+            alloc.__dict__.pop(name, None)
     fill = num_pages * PAGE_SIZE
-    t_alloc = t_free = 0
-    clock = time.perf_counter_ns
+    t_alloc = t_free = c_alloc = c_free = 0
+    clock, cpu = time.perf_counter_ns, time.thread_time_ns
     for _ in range(calls):
-        t0 = clock()
+        c0, t0 = cpu(), clock()
         loc = prealloc(alloc, req=r, fill_len=fill, delta_len=fill, prefix_len=0, total_prefix_len=0,
                        prefix_indices=None, uses_swa_tail=False, swa_tail_len=0, req_to_token_pool=node.pool)
-        t1 = clock()
+        t1, c1 = clock(), cpu()
         pages = loc[::PAGE_SIZE] // PAGE_SIZE
-        t2 = clock()
+        c2, t2 = cpu(), clock()
         alloc.free_page_ids(pages)
-        t3 = clock()
+        t3, c3 = clock(), cpu()
         t_alloc += t1 - t0
         t_free += t3 - t2
-    return t_alloc / calls, t_free / calls
+        c_alloc += c1 - c0
+        c_free += c3 - c2
+    return t_alloc / calls, t_free / calls, c_alloc / calls, c_free / calls
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     node, r = _world(a.pages)
     session = mod.PLUGIN.start(node.scheduler, sink=str(Path(tmp) / "bench.duckdb"))
     mod.PLUGIN.session = None
-    per: dict[str, list[tuple[float, float]]] = {m: [] for m in METHODS}
+    per: dict[str, list[tuple[float, float, float, float]]] = {m: [] for m in METHODS}
     for rnd in range(a.rounds):
         for m in rotated(METHODS, rnd):
             mod.PLUGIN.session = session if m == "recording" else None
@@ -109,15 +116,18 @@ def main(argv: list[str] | None = None) -> int:
     session.close()
     print(f"SGLang plugin hooks on the real allocator (device cpu), {a.pages} pages of 4 tokens per call, "
           f"{a.calls} calls x {a.rounds} rounds; ns min / median / max over rounds")
-    print(f"{'method':<11} {'alloc ns/call':>24} {'alloc ns/page':>22} {'free ns/call':>24} {'free ns/page':>22}")
-    for m in METHODS:
-        al, fr = Spread.of([x[0] for x in per[m]]), Spread.of([x[1] for x in per[m]])
-        print(f"{m:<11} {al.text(fmt='.0f'):>24} {al.text(1 / a.pages, '.0f'):>22} "
-              f"{fr.text(fmt='.0f'):>24} {fr.text(1 / a.pages, '.0f'):>22}")
-    for op, i in (("alloc", 0), ("free", 1)):
-        extra = [rec[i] - base[i] for rec, base in zip(per["recording"], per["sglang"])]
-        print(f"recording overhead on {op}: {Spread.of(extra).text(fmt='.0f')} ns/call "
-              f"({Spread.of([e / a.pages for e in extra]).text(fmt='.0f')} ns/page); hook failures: {dict(lost)}")
+    for title, off in (("wall clock", 0), ("CPU time of SGLang's thread", 2)):
+        print(f"{title}:")
+        print(f"{'method':<11} {'alloc ns/call':>24} {'alloc ns/page':>22} {'free ns/call':>24} {'free ns/page':>22}")
+        for m in METHODS:
+            al, fr = Spread.of([x[off] for x in per[m]]), Spread.of([x[off + 1] for x in per[m]])
+            print(f"{m:<11} {al.text(fmt='.0f'):>24} {al.text(1 / a.pages, '.0f'):>22} "
+                  f"{fr.text(fmt='.0f'):>24} {fr.text(1 / a.pages, '.0f'):>22}")
+        for op, i in (("alloc", off), ("free", off + 1)):
+            extra = [rec[i] - base[i] for rec, base in zip(per["recording"], per["sglang"])]
+            print(f"recording overhead on {op} ({title}): {Spread.of(extra).text(fmt='.0f')} ns/call "
+                  f"({Spread.of([e / a.pages for e in extra]).text(fmt='.0f')} ns/page)")
+    print(f"hook failures: {dict(lost)}")
     return 0
 
 

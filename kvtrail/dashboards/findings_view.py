@@ -7,6 +7,7 @@ import streamlit as st
 
 from kvtrail import forensics as fx
 from kvtrail.dashboards import widgets
+from kvtrail.dashboards.tally import findings_tally
 from kvtrail.forensics import charts
 
 COLUMNS = ["code", "title", "severity", "node", "request_id", "tenant_id", "victim_tenant_ids", "pages",
@@ -16,20 +17,21 @@ COLUMNS = ["code", "title", "severity", "node", "request_id", "tenant_id", "vict
 def render(src, w: fx.Window) -> None:
     st.header("Findings over time")
     found = src.findings(w)
-    st.caption(f"source: {src.found(w)[1]}")
+    tally, counted = findings_tally(src, w, found)
+    st.caption(f"source: {src.found(w)[1]}; {counted}")
     if found.is_empty():
         widgets.empty("No findings in this window.")
         return
-    sev = found.group_by("severity").len()
+    sev = tally.group_by("severity").len()
     by = dict(zip(sev["severity"], sev["len"]))
     c = st.columns(4)
-    c[0].metric("findings", len(found))
+    c[0].metric("findings", len(tally))
     for col, name in zip(c[1:], ("critical", "high", "medium")):
         col.metric(name, int(by.get(name, 0)))
     stack = st.radio("stack by", ["code", "node"], horizontal=True, key="findings-stack")
     if charts.available():
-        widgets.chart(charts.findings_over_time(found, by=stack), "findings-chart")
-    counts = (found.group_by("code", "title", "severity").agg(pl.len().alias("findings"),
+        widgets.chart(charts.findings_over_time(tally, by=stack), "findings-chart")
+    counts = (tally.group_by("code", "title", "severity").agg(pl.len().alias("findings"),
                                                              pl.col("node").n_unique().alias("nodes"))
               .with_columns(pl.col("code").str.slice(1).cast(pl.Int32).alias("_n")).sort("_n").drop("_n"))
     st.subheader("Counts by code")

@@ -32,6 +32,9 @@ def render(src, w: fx.Window) -> None:
     drops = fleet["recorder_dropped_events"]
     c[2].metric("recorder dropped events", int(drops.sum()) if drops.null_count() < len(drops) else "n/a")
     c[3].metric("unexplained gap events", int(fleet["unexplained_gap_events"].sum()))
+    counts = src.counts(w)
+    if counts is not None:
+        st.caption(f"recorder drops: {counts.describe()}")
     if charts.available():
         widgets.chart(charts.pool_vs_context(fleet), "fleet-chart")
     st.subheader("Node configurations (below context first)")

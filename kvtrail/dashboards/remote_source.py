@@ -74,6 +74,10 @@ class RemoteSource:
         return rows.join(missing.rename({"unexplained": "unexplained_gap_events"}), on="node", how="left").with_columns(
             pl.col("unexplained_gap_events").fill_null(0))
 
+    def counts(self, w: fx.Window) -> None:
+        """No route serves the per-minute aggregates: the views count the rows they are sent."""
+        return None
+
     def found(self, w: fx.Window) -> tuple[list[fx.Finding], str]:
         return [], f"the service at {self.client.url}"
 

@@ -3,9 +3,12 @@
 Every number comes from the forensics API (``kvtrail.forensics``): the same building blocks the ``ask_*``
 questions use, so a view shows what the CLI would print for the same window and filters. What is heavy is
 the window's findings: they are read from persisted findings (``forensics findings --save`` or the live
-judge) when a run covers the window, and replayed otherwise. Every answer is computed once per (window,
-store state) and kept in a small memo; the store state is what the OS says of its two files (any commit,
-checkpoint or saved run changes them), so a reload of an unchanged store opens no connection at all.
+judge) when a run covers the window, and replayed otherwise. Counters over the window's events (recorder
+drops, transfers, findings per minute) come from the per-minute aggregates those runs keep
+(``kvtrail.forensics.aggregates``) where they cover it, and from the events for the rest. Every answer
+is computed once per (window, store state) and kept in a small memo; the store state is what the OS says
+of its two files (any commit, checkpoint or saved run changes them), so a reload of an unchanged store
+opens no connection at all.
 
 A store that is missing, held by a writer, or of another format raises :class:`SourceError` with a
 ``kind`` the app turns into an error page.
@@ -29,7 +32,9 @@ from kvtrail.audit.store import connect_readonly
 from kvtrail.audit.storefile import wal_path
 from kvtrail.dashboards import fleet, pages, persisted, transfers
 from kvtrail.errors import KvtrailError, StoreError
+from kvtrail.forensics import window_counts
 
+PERSISTED = "persisted findings"  # how found() names findings read from a saved run
 MEMO_WINDOWS = 16  # heavy answers kept per (question, window, store state); a few windows of one session
 
 
@@ -111,7 +116,14 @@ class StoreSource:
 
     def fleet(self, w: fx.Window) -> pl.DataFrame:
         """Every node configuration in the window with its producer's aggregates (``dashboards.fleet``)."""
-        return self._memoised("fleet", w, lambda con: fleet.fleet_table(con, w))
+        counts = self.counts(w)
+        return self._memoised("fleet", w, lambda con: fleet.fleet_table(con, w, counts))
+
+    def counts(self, w: fx.Window) -> window_counts.WindowCounts:
+        """The window's counters per producer and persisted findings per minute: the aggregates where they
+        cover it, the events elsewhere (tenant and node filters not applied)."""
+        span = fx.Window(w.from_ns, w.to_ns)
+        return self._memoised("counts", span, lambda con: window_counts.window_counts(con, w.from_ns, w.to_ns))
 
     def _state(self) -> tuple:
         """The store's files as the OS sees them: any commit, checkpoint or saved run changes one of them,
@@ -147,7 +159,7 @@ class StoreSource:
             fx.check_window(con, w)
             run = persisted.covering_run(con, w.from_ns, w.to_ns)
             if run is not None:
-                return persisted.persisted_findings(con, w.from_ns, w.to_ns), f"persisted findings (run {run})"
+                return persisted.persisted_findings(con, w.from_ns, w.to_ns), f"{PERSISTED} (run {run})"
             return list(fx.ask_findings(con, span).found), "replay of the window"
         return self._memoised("found", span, compute)
 
@@ -156,9 +168,14 @@ class StoreSource:
         return self._memoised("findings", w, lambda con: fx.findings_frame(found, w))
 
     def affected(self, w: fx.Window) -> pl.DataFrame:
+        return self._affected_parts(w)[0]
+
+    def _affected_parts(self, w: fx.Window) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+        """(kept, dropped, excluded) with no exclusions: the Affected view's rows and, for the whole span,
+        the exploitation assessment's pieces (one computation when no filter is set)."""
         found = self.found(w)[0]
         return self._memoised("affected", w, lambda con: fx.affected_with_exclusions(
-            con, w, fx.Exclusions(), found)[0])
+            con, w, fx.Exclusions(), found))
 
     def exposure(self, w: fx.Window) -> pl.DataFrame:
         kept = set(self.affected(w)["request_id"])
@@ -196,12 +213,12 @@ class StoreSource:
     def exploitation(self, w: fx.Window) -> pl.DataFrame:
         if w.from_ns is None or w.to_ns is None:
             raise KvtrailError("window: the exploitation assessment needs a bounded window")
-        found = self.found(w)[0]
         o = fx.ReportOptions(w.from_ns, w.to_ns)
         span = fx.Window(w.from_ns, w.to_ns)
+        assert o.exclusions == fx.Exclusions(), "the assessment's default exclusions are the Affected view's"
+        kept, dropped, excluded = self._affected_parts(span)
 
         def compute(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
-            kept, dropped, excluded = fx.affected_with_exclusions(con, span, o.exclusions, found)
             requests = self._requests(span, kept["request_id"].to_list())
             pieces = (kept, dropped, excluded, fx.node_capacity(con, o.from_ns, o.to_ns), requests)
             df, _ = fx.exploitation_for(con, o, w, pieces)

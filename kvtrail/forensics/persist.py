@@ -6,7 +6,10 @@ other engine - is the same row. ``forensic_runs`` records each run (window, engi
 findings it saw and how many were new) and a digest of its result set, so two runs can be compared
 without re-reading their rows. The tables live in the audit store's DuckDB file beside the events;
 they are derived data and are not part of the hash chain (``kvtrail audit verify`` does not cover them,
-and re-running forensics can always rebuild them).
+and re-running forensics can always rebuild them). A save also keeps the per-minute aggregates
+(:mod:`kvtrail.forensics.aggregates`) in the same transaction: the findings counts of the minutes its
+findings end in, and, unless the caller keeps the event counters itself (the live judge, batch by
+batch), every minute of the run's window recomputed from the events.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import asdict, dataclass
 import duckdb
 import pyarrow as pa
 
+from kvtrail.forensics import aggregates
 from kvtrail.forensics.findings import Finding, findings_table
 from kvtrail.forensics.policy import ForensicsPolicy
 
@@ -60,8 +64,13 @@ def ensure_tables(con: duckdb.DuckDBPyConnection) -> None:
 
 
 def save_findings(con: duckdb.DuckDBPyConnection, findings: list[Finding], *, from_ns: int | None,
-                  to_ns: int | None, engine: str, policy: ForensicsPolicy = ForensicsPolicy()) -> RunRecord:
-    """Record one run and its findings in one transaction; findings already stored are not duplicated."""
+                  to_ns: int | None, engine: str, policy: ForensicsPolicy = ForensicsPolicy(),
+                  recompute_aggregates: bool = True) -> RunRecord:
+    """Record one run and its findings in one transaction; findings already stored are not duplicated.
+
+    The findings counts of the minutes they end in are rebuilt; ``recompute_aggregates`` also rebuilds
+    the event counters of every minute of [from_ns, to_ns] (the whole store when unbounded). A caller that
+    adds each committed batch with :func:`kvtrail.forensics.aggregates.add_batch` passes False."""
     ensure_tables(con)
     con.complete()
     con.begin()
@@ -80,7 +89,10 @@ def save_findings(con: duckdb.DuckDBPyConnection, findings: list[Finding], *, fr
             "WHERE finding_id NOT IN (SELECT finding_id FROM findings)", [run_id, run_id])
         con.execute("UPDATE findings SET last_run_id = ? WHERE finding_id IN (SELECT finding_id FROM _new_findings)",
                     [run_id])
+        aggregates.findings_saved(con, "_new_findings")
         con.unregister("_new_findings")
+        if recompute_aggregates:
+            aggregates.recompute_in(con, from_ns, to_ns)
         record = RunRecord(run_id, len(set(ids)), len(set(ids) - known), results_digest(findings))
         con.execute("INSERT INTO forensic_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [run_id, time.time_ns(), from_ns, to_ns, engine, json.dumps(asdict(policy), sort_keys=True),

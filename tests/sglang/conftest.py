@@ -43,6 +43,7 @@ def plugin(tmp_path_factory):
     from kvtrail.serving.sglang import plugin as mod
 
     assert mod.PLUGIN is not None, "load_plugins() did not call kvtrail's entry point"
+    mod.PLUGIN._frontend_tried = True  # tests start the HTTP process's session themselves, on their own stores
     from tests.sglang.world import publish
 
     publish()

@@ -104,3 +104,56 @@ def test_configuration_comes_from_kvtrails_environment():
         PluginConfig.from_env({"KVTRAIL_URL": "http://a", "KVTRAIL_DB": "x"})
     with pytest.raises(ValueError, match="ENFORCE"):
         PluginConfig.from_env({"KVTRAIL_DB": "x", "KVTRAIL_SGLANG_ENFORCE_LENGTH": "yes"})
+
+
+def test_decode_radix_prefix_hits_carry_the_landed_writes_block_hashes(plugin, tmp_path):
+    from sglang.srt.disaggregation import decode as dmod
+
+    from kvtrail.forensics import ask_findings, open_store
+    from tests.sglang.pd import commit, decode_step, intake
+
+    db = tmp_path / "audit.duckdb"
+    pnode, dnode = Node("prefill"), Node("decode")
+    s = plugin.start(dnode.scheduler, sink=str(db))
+    try:
+        shared = list(range(1, 9))  # 2 full pages decode's radix cache holds from A
+        a = req("A", shared + [50, 51, 52], 21)
+        intake(dnode, "A", 21, a.origin_input_ids)
+        dnode.pool.alloc([a])
+        loc = dmod.alloc_for_decode_prealloc(dnode.allocator, req=a, fill_len=11, delta_len=11, prefix_len=0,
+                                             total_prefix_len=0, prefix_indices=None, uses_swa_tail=False,
+                                             swa_tail_len=0, req_to_token_pool=dnode.pool)
+        dnode.pool.write((a.kv.req_pool_idx, slice(0, 11)), loc.to(torch.int32))
+        pnode.metadata.bootstrap_room[0, 0] = 21  # what prefill's set_buf writes (its slot reaches decode)
+        commit(dnode, pnode, a)  # prefill without the plugin: every reserved page landed
+        assert a.finished_reason is None  # committed, not aborted
+        b = req("B", shared + [70, 71], 22)
+        intake(dnode, "B", 22, b.origin_input_ids)
+        dnode.pool.alloc([b])
+        prefix = dnode.pool.req_to_token[a.kv.req_pool_idx, :8].to(torch.int64)  # decode's radix match for B
+        new = dmod.alloc_for_decode_prealloc(dnode.allocator, req=b, fill_len=10, delta_len=2, prefix_len=8,
+                                             total_prefix_len=8, prefix_indices=prefix, uses_swa_tail=False,
+                                             swa_tail_len=0, req_to_token_pool=dnode.pool)
+        dnode.pool.write((b.kv.req_pool_idx, slice(0, 8)), prefix.to(torch.int32))
+        dnode.pool.write((b.kv.req_pool_idx, slice(8, 10)), new.to(torch.int32))
+        b.kv.cache_protected_len = 8
+        pnode.metadata.bootstrap_room[0, 0] = 22
+        commit(dnode, pnode, b, slot=2)
+        decode_step(dnode, b)  # attention reads B's whole table, the shared pages included
+    finally:
+        plugin.session = None
+        s.close()
+    events = stored_events(db)
+    [hit] = [e for e in events if e["kind"] == "pages_allocated" and e["purpose"] == "prefix_hit"]
+    [wrote_a] = [e for e in events if e["kind"] == "kv_written" and e["request"]["request_id"] == "A"]
+    assert hit["request"]["request_id"] == "B" and hit["pages"] == wrote_a["pages"][:2]
+    assert hit["block_hashes"] == wrote_a["block_hashes"][:2]
+    assert {e["status"] for e in events if e["kind"] == "transfer_received"} == {"ok"}
+    [res_b] = [e for e in events if e["kind"] == "transfer_reserved" and e["request"]["request_id"] == "B"]
+    assert res_b["num_tokens"] == 2 and not set(res_b["pages"]) & set(hit["pages"])
+    con = open_store(db)
+    try:
+        found = ask_findings(con).found
+    finally:
+        con.close()
+    assert not [(f.code, f.request_id) for f in found if f.code in ("F1", "F5")]

@@ -18,7 +18,7 @@ def test_load_plugins_finds_the_entry_point_and_patches_every_target(plugin):
 
     assert plugin.missing == []
     paths = [t.path for t in plugin.targets]
-    assert len(paths) == 14 and set(paths) <= HookRegistry._patched
+    assert len(paths) == 24 and set(paths) <= HookRegistry._patched
     assert hasattr(allocation.alloc_for_extend, "__wrapped__")
     # the registry re-binds `from X import Y` copies: decode.py and prefill.py call the hooked release
     assert decode.release_kv_cache is common.release_kv_cache is prefill.release_kv_cache
@@ -52,3 +52,9 @@ def test_a_renamed_target_is_reported_not_silent(tmp_path):
 
     configs = [e for e in stored_events(db) if e["kind"] == "node_config"]
     assert len(configs) == 1 and configs[0]["config_source"] == f"sglang-plugin; hooks missing: {target}"
+
+
+def test_docs_name_every_hook_target(plugin):
+    doc = (ROOT / "docs" / "sglang.md").read_text()
+    undocumented = [t.path for t in plugin.targets if ".".join(t.path.split(".")[-2:]) not in doc]
+    assert undocumented == [], "hook targets missing from docs/sglang.md"

@@ -26,6 +26,7 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 PAGE_SIZE = 4
+PAGE_BYTES = 16  # one page of the stand-in KV buffer (what the transfer copies and the checksum digests)
 MODEL = types.SimpleNamespace(is_encoder_decoder=False, vocab_size=1000, is_multimodal=False, context_len=4096)
 
 
@@ -48,6 +49,7 @@ class Node:
                                                token_to_kv_pool_allocator=self.allocator, page_size=PAGE_SIZE))
         self.metadata = MetadataBuffers(size=8, hidden_size=16, hidden_states_dtype=torch.float32,
                                         max_sampling_mask_tokens=0, kv_checksum_enabled=checksum)
+        self.kv = torch.zeros((num_pages + 1, PAGE_BYTES), dtype=torch.uint8)  # page 0 is SGLang's padding page
         self.scheduler = types.SimpleNamespace(
             attn_tp_rank=0, tp_rank=0, dp_rank=None, page_size=PAGE_SIZE,
             disaggregation_mode=types.SimpleNamespace(value=mode), max_total_num_tokens=num_pages * PAGE_SIZE,

@@ -1,4 +1,5 @@
-"""Hooks on a request's lifecycle: aborts (with the prompt length before any placeholder) and the outcome."""
+"""Hooks on a request's lifecycle in a scheduler: intake, aborts (with the prompt length before any placeholder) and
+the outcome where no HTTP process records it."""
 
 from __future__ import annotations
 
@@ -9,12 +10,28 @@ from kvtrail.serving.sglang.memory import is_aborted
 from kvtrail.serving.sglang.session import Session
 
 HTTP_OK, HTTP_BAD_REQUEST = 200, 400
+# request_received needs a tenant; SGLang knows one only as a cache namespace (extra_key). Without it the
+# request is recorded under the label kvtrail's forensics gives a request whose tenant is not known.
+NO_TENANT = "(unknown tenant)"
 MAX_REASON_CHARS = 160
 
 
 def _reason(msg: Any) -> str:
     # SGLang's abort messages carry lengths and rids, never prompt text; cut anyway.
     return str(msg)[:MAX_REASON_CHARS] or "aborted"
+
+
+def on_generate_request(s: Session, _scheduler: Any, recv_req: Any, **_: Any) -> None:
+    """Scheduler.handle_generate_request (BEFORE): the request reaches this node, with the prompt it sent
+    (before any check can replace it by the placeholder) - where prefill's rate samples for F9 start."""
+    ids = recv_req.input_ids if recv_req.input_ids is not None else getattr(recv_req, "input_embeds", None) or ()
+    params = getattr(recv_req, "sampling_params", None)
+    max_new = getattr(params, "max_new_tokens", None)
+    s.state(str(recv_req.rid))
+    ref = s.ref(recv_req)
+    if ref.tenant_id is None:
+        ref = ref._replace(tenant_id=NO_TENANT)
+    s.recorder.request_received(ref, len(ids), int(max_new) if isinstance(max_new, int) else None)
 
 
 def on_set_finish_with_abort(s: Session, req: Any, error_msg: str, status_code: Any = HTTP_BAD_REQUEST,
@@ -36,15 +53,17 @@ def on_stream_output(s: Session, streamer: Any, reqs: list, return_logprob: bool
                      skip_req: Any = None) -> None:
     """SchedulerOutputStreamer.stream_output (BEFORE): each finished request's outcome, once.
 
-    Recorded on decode and unified nodes only: in PD mode the client's response comes from decode.
+    Recorded on decode and unified nodes only (in PD mode the client's response comes from decode), and
+    only where no HTTP process records the response with its real status (``s.records_responses``).
     """
-    if s.role == "prefill":
-        return
     now = time.monotonic_ns()
     for req in reqs:
         if req is skip_req or not req.finished():
             continue
         rid = str(req.rid)
+        if s.role == "prefill" or not s.records_responses:
+            s.forget(rid)  # prefill's response goes to the router; or the HTTP process records it
+            continue
         st = s.state(rid)
         info = req.finished_reason.to_json() if req.finished_reason is not None else {}
         status = info.get("status_code") or (HTTP_BAD_REQUEST if is_aborted(req) else HTTP_OK)

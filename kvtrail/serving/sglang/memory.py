@@ -64,18 +64,25 @@ def _record_extend(s: Session, out: Snapshot, items: list) -> None:
 # ---- decode: alloc_for_decode_prealloc (AFTER), alloc_for_decode (AFTER) -------------------------------
 
 def on_prealloc(s: Session, result: Any, allocator: Any, *, req: Any, fill_len: int, total_prefix_len: int,
-                **_: Any) -> None:
-    """Decode reserved pages to receive the request's KV: ``fill_len - total_prefix_len`` tokens expected."""
+                prefix_len: int = 0, prefix_indices: Any = None, **_: Any) -> None:
+    """Decode reserved pages to receive the request's KV: ``fill_len - total_prefix_len`` tokens expected.
+    With decode's radix cache, the prefix it matched (``prefix_indices``, page-aligned) is a prefix hit."""
     if result is None:
         return
     st = s.state(str(req.rid))
     st.reserved_pages = snapshot(result)
     st.prefix_tokens = int(total_prefix_len)
     st.reserved_tokens = int(fill_len) - int(total_prefix_len)
-    s.later("alloc_for_decode_prealloc", _record_prealloc, s, s.ref(req), st.reserved_pages, st.reserved_tokens)
+    hit = snapshot(prefix_indices[:prefix_len]) if prefix_len and prefix_indices is not None else None
+    s.later("alloc_for_decode_prealloc", _record_prealloc, s, s.ref(req), st.reserved_pages, st.reserved_tokens,
+            hit, req.origin_input_ids)
 
 
-def _record_prealloc(s: Session, ref: Any, loc: Snapshot, num_tokens: int) -> None:
+def _record_prealloc(s: Session, ref: Any, loc: Snapshot, num_tokens: int, hit: Snapshot | None,
+                     ids: Any) -> None:
+    if hit is not None:
+        shared = pages_of(hit.numpy(), s.page_size)
+        s.recorder.pages_allocated(ref, shared, "prefix_hit", block_hashes(ids, 0, len(shared), s.page_size))
     pages = pages_of(loc.numpy(), s.page_size)
     s.recorder.pages_allocated(ref, pages, "decode_reservation")
     s.recorder.transfer_reserved(ref, pages, num_tokens)
@@ -115,11 +122,11 @@ def _record_decode(s: Session, ref: Any, out: Snapshot | None, at: int, row: Sna
         s.recorder.kv_read(ref, new)
 
 
-# ---- releases: release_kv_cache (AROUND), page returns (AROUND) ----------------------------------------
+# ---- releases: release_kv_cache (AROUND), page returns (BEFORE), free groups -----------------------------
 
 def release_pre(s: Session, req: Any, tree_cache: Any, *, checkpoint: bool) -> Any:
     """Attribute the pages the release returns to the request (the page-return hook reads this)."""
-    if getattr(req, "is_retracted", False):
+    if getattr(req, "is_retracted", False) or getattr(s.local, "retracting", False):
         reason = "retract"
     elif is_aborted(req) or not checkpoint:
         reason = "abort"
@@ -140,22 +147,94 @@ def release_post(s: Session, token: Any, _result: Any) -> None:
     s.forget(rid if s.role == "prefill" else "", room)
 
 
+def retract_pre(s: Session, *_: Any, **__: Any) -> bool:
+    """schedule_batch.release_req (AROUND): it releases the KV before reset_for_retract marks the request."""
+    prev = getattr(s.local, "retracting", False)
+    s.local.retracting = True
+    return prev
+
+
+def retract_post(s: Session, prev: Any, _result: Any) -> None:
+    s.local.retracting = bool(prev)
+
+
+class GroupRelease:
+    """The frees a free group postponed, each with the request being released when it was asked for.
+
+    Handled on the resolver thread only: the first page return of the group's end records them all."""
+
+    __slots__ = ("entries", "recorded", "pages")
+
+    def __init__(self, entries: list) -> None:
+        self.entries = entries  # (who, Snapshot, is_token_indices)
+        self.recorded = False
+        self.pages: set[int] = set()
+
+
+def grouped(s: Session, allocator: Any, free_index: Any, token_indices: bool) -> bool:
+    """Inside a free group: remember who asked for this free (True), else False (it returns pages now)."""
+    if getattr(allocator, "free_group", None) is None:
+        return False
+    if free_index is not None and free_index.numel():
+        who = getattr(s.local, "releasing", None)
+        s.groups.setdefault(id(allocator), []).append((who, snapshot(free_index), token_indices))
+    return True
+
+
+def group_free_pages(s: Session, allocator: Any, page_ids: Any) -> None:
+    """PagedTokenToKVPoolAllocator.free_page_ids (BEFORE): a free the group postpones."""
+    grouped(s, allocator, page_ids, False)
+
+
+def group_free_tokens(s: Session, allocator: Any, free_index: Any) -> None:
+    """PagedTokenToKVPoolAllocator.free (BEFORE): a free the group postpones (token indices)."""
+    grouped(s, allocator, free_index, s.page_size > 1)
+
+
+def group_end_pre(s: Session, allocator: Any) -> Any:
+    """free_group_end (AROUND, base and paged): the page returns inside it belong to the postponed frees."""
+    if getattr(s.local, "group", None) is not None:  # the paged end calls the base end: one group
+        return None
+    s.local.group = GroupRelease(s.groups.pop(id(allocator), []))
+    return True
+
+
+def group_end_post(s: Session, token: Any, _result: Any) -> None:
+    if token is not None:
+        s.local.group = None
+
+
 def pages_returned(s: Session, _allocator: Any, *page_ids: Any) -> None:
     """Pages going back to the pool: of the request being released, else a radix eviction (no request)."""
     who = getattr(s.local, "releasing", None)
     snaps = [snapshot(p) for p in page_ids if p is not None and p.numel()]
     if snaps:
-        s.later("_release_page_ids", _record_returned, s, who, snaps)
+        s.later("_release_page_ids", _record_returned, s, who, snaps, getattr(s.local, "group", None))
 
 
 def tokens_returned(s: Session, allocator: Any, free_index: Any) -> None:
     """page_size 1: the token allocator's free takes token indices, which are its pages."""
-    if getattr(allocator, "free_group", None) is None:
+    if not grouped(s, allocator, free_index, False):
         pages_returned(s, allocator, free_index)
 
 
-def _record_returned(s: Session, who: Any, snaps: list[Snapshot]) -> None:
+def _record_returned(s: Session, who: Any, snaps: list[Snapshot], group: GroupRelease | None) -> None:
     pages = np.concatenate([x.numpy().reshape(-1) for x in snaps])
+    if group is not None:
+        if not group.recorded:
+            group.recorded = True
+            for owner, snap, token_indices in group.entries:
+                ids = snap.numpy().reshape(-1)
+                got = np.unique(ids // s.page_size) if token_indices else ids
+                group.pages.update(int(p) for p in got)
+                _record_free(s, owner, got)
+        pages = np.array([p for p in pages.tolist() if p not in group.pages], dtype=np.int64)
+        if not len(pages):
+            return
+    _record_free(s, who, pages)
+
+
+def _record_free(s: Session, who: Any, pages: np.ndarray) -> None:
     if who is None:
         s.recorder.pages_freed(None, pages, "eviction")
     else:

@@ -3,7 +3,8 @@
 SGLang's ``load_plugins()`` calls :func:`register` once in every process (engine, each scheduler,
 detokenizer, DP controller). With kvtrail's environment set (``KVTRAIL_URL`` + ``KVTRAIL_TOKEN``, or
 ``KVTRAIL_DB``), it registers the hooks of :mod:`~kvtrail.serving.sglang.targets`; recording starts in
-a scheduler process once its pools exist, on attention-TP rank 0 only. Right after the registry applied
+a scheduler process once its pools exist, on attention-TP rank 0 only, and in the HTTP (tokenizer)
+process at its first finished request (the client's status). Right after the registry applied
 the hooks, every target is checked: one that was not patched is warned about loudly (on stderr: in the
 scheduler, plugins load before logging is configured) and named in the node's configuration event.
 """
@@ -16,7 +17,7 @@ from typing import Any
 
 from kvtrail.audit.events import Producer
 from kvtrail.audit.recorder import Recorder, RecorderConfig
-from kvtrail.serving.sglang import lifecycle, memory, transfer
+from kvtrail.serving.sglang import checksum, frontend, lifecycle, memory, modes, transfer
 from kvtrail.serving.sglang import targets as T
 from kvtrail.serving.sglang.config import PluginConfig
 from kvtrail.serving.sglang.guard import after, around, before
@@ -34,12 +35,16 @@ class Plugin:
         self.config = config
         self.session: Session | None = None
         self.missing: list[str] = []
+        self.unaudited: list[str] = []
+        self.frontend: Session | None = None  # the HTTP (tokenizer) process's session, started at its first response
+        self._frontend_tried = False
         self._scheduler: Any = None
         self.targets = self._targets()
 
     def _targets(self) -> list[T.Target]:
         return [
             T.Target(T.NODE_CONFIG, "AFTER", self._on_scheduler_ready),
+            T.Target(T.INTAKE, "BEFORE", before(self, "handle_generate_request", lifecycle.on_generate_request)),
             T.Target(T.ALLOC_EXTEND, "AFTER", after(self, "alloc_for_extend", memory.on_extend)),
             T.Target(T.ALLOC_PREALLOC, "AFTER", after(self, "alloc_for_decode_prealloc", memory.on_prealloc)),
             T.Target(T.ALLOC_DECODE, "AFTER", after(self, "alloc_for_decode", memory.on_decode)),
@@ -53,6 +58,19 @@ class Plugin:
             T.Target(T.SET_ABORT, "BEFORE", before(self, "set_finish_with_abort", lifecycle.on_set_finish_with_abort)),
             T.Target(T.PREPARE_ABORT, "BEFORE", before(self, "prepare_abort", lifecycle.on_prepare_abort)),
             T.Target(T.STREAM, "BEFORE", before(self, "stream_output", lifecycle.on_stream_output)),
+            T.Target(T.RETRACT, "AROUND", around(self, "release_req", memory.retract_pre, memory.retract_post)),
+            T.Target(T.GROUP_PAGES, "BEFORE", before(self, "free_page_ids", memory.group_free_pages)),
+            T.Target(T.GROUP_PAGED_TOKENS, "BEFORE", before(self, "PagedTokenToKVPoolAllocator.free",
+                                                            memory.group_free_tokens)),
+            T.Target(T.GROUP_END, "AROUND", around(self, "free_group_end", memory.group_end_pre,
+                                                   memory.group_end_post)),
+            T.Target(T.GROUP_PAGED_END, "AROUND", around(self, "PagedTokenToKVPoolAllocator.free_group_end",
+                                                         memory.group_end_pre, memory.group_end_post)),
+            T.Target(T.VERIFY, "AROUND", around(self, "_verify_kv_checksums", checksum.verify_pre,
+                                                checksum.verify_post)),
+            T.Target(T.COMPUTE, "AFTER", after(self, "KvChecksumComputer.compute", checksum.on_compute)),
+            T.Target(T.MISMATCH, "BEFORE", before(self, "_handle_kv_checksum_mismatch", checksum.on_mismatch)),
+            T.Target(T.HTTP_OUTCOME, "AROUND", frontend.outcome_hook(self.frontend_session)),
         ]
 
     # ---- installation ------------------------------------------------------------------------------
@@ -76,10 +94,8 @@ class Plugin:
         """Every target the registry did not patch: warned about loudly, named in the configuration event."""
         self.missing = T.unpatched(self.targets, patched)
         if self.missing:
-            msg = (f"kvtrail: WARNING: {len(self.missing)} SGLang hook target(s) were not patched, the audit "
-                   f"record has holes: {', '.join(self.missing)}")
-            print(msg, file=sys.stderr, flush=True)
-            logger.warning(msg)
+            _warn(f"kvtrail: WARNING: {len(self.missing)} SGLang hook target(s) were not patched, the audit "
+                  f"record has holes: {', '.join(self.missing)}")
             if self.session is not None:
                 self._record_config(self.session, self._scheduler)
         return self.missing
@@ -136,17 +152,53 @@ class Plugin:
         dp_rank = getattr(scheduler, "dp_rank", None)
         node = self.config.node + (f"-dp{dp_rank}" if dp_rank else "")  # each DP rank has its own pool
         producer = Producer(self.config.cluster, node, role, "sglang", _sglang_version(), instance_id())
-        recorder = Recorder(self.config.sink if sink is None else sink, producer,
-                            RecorderConfig(flush_interval_s=self.config.flush_interval_s))
+        sink = self.config.sink if sink is None else sink
+        recorder = Recorder(sink, producer, RecorderConfig(flush_interval_s=self.config.flush_interval_s))
         self._scheduler = scheduler
-        self.session = Session(recorder, int(scheduler.page_size), role, self.config.enforce_length)
+        # the scheduler records the outcomes where the HTTP process will not (nor can: its hook is missing)
+        here = (modes.responses_in_scheduler(scheduler.server_args) or _store_file(sink)
+                or T.HTTP_OUTCOME in self.missing)
+        self.session = Session(recorder, int(scheduler.page_size), role, self.config.enforce_length,
+                               records_responses=here)
+        self.unaudited = modes.unaudited(scheduler)
+        if self.unaudited:
+            _warn(f"kvtrail: WARNING: this node runs SGLang modes the plugin does not audit, the record has "
+                  f"holes: {', '.join(self.unaudited)}")
         self._record_config(self.session, scheduler)
         return self.session
+
+    def start_frontend(self, tokenizer_manager: Any, sink: Any = None) -> Session | None:
+        """Start recording responses in the HTTP (tokenizer) process; None on a prefill server (its responses
+        go to the router), where the schedulers record them (:func:`modes.responses_in_scheduler`), and with a
+        store file (``KVTRAIL_DB``: DuckDB has one writer, the scheduler's)."""
+        mode = str(getattr(getattr(tokenizer_manager, "disaggregation_mode", None), "value", "null"))
+        role = ROLES.get(mode, "unified")
+        sink = self.config.sink if sink is None else sink
+        if (role == "prefill" or _store_file(sink)
+                or modes.responses_in_scheduler(getattr(tokenizer_manager, "server_args", None))):
+            return None
+        producer = Producer(self.config.cluster, self.config.node, role, "sglang", _sglang_version(), instance_id())
+        recorder = Recorder(sink, producer, RecorderConfig(flush_interval_s=self.config.flush_interval_s))
+        page_size = int(getattr(getattr(tokenizer_manager, "server_args", None), "page_size", None) or 1)
+        self.frontend = Session(recorder, page_size, role)
+        return self.frontend
+
+    def frontend_session(self, tokenizer_manager: Any) -> Session | None:
+        """The HTTP process's session, started once at its first finished request."""
+        if self.frontend is None and not self._frontend_tried:
+            self._frontend_tried = True
+            try:
+                self.start_frontend(tokenizer_manager)
+            except Exception as exc:  # noqa: BLE001 - a plugin failure must not stop SGLang; loud instead
+                _warn(f"kvtrail: WARNING: response recording not started: {type(exc).__name__}: {exc}")
+        return self.frontend
 
     def _record_config(self, s: Session, scheduler: Any) -> None:
         args = scheduler.server_args
         pool_tokens = int(scheduler.max_total_num_tokens)
         source = "sglang-plugin; hooks " + (("missing: " + ",".join(self.missing)) if self.missing else "all patched")
+        if self.unaudited:
+            source += "; not audited: " + ",".join(self.unaudited)
         s.recorder.node_config(
             pool_tokens=pool_tokens, pool_pages=pool_tokens // s.page_size, page_size=s.page_size,
             context_tokens=int(scheduler.model_config.context_len),
@@ -156,9 +208,20 @@ class Plugin:
             deferred_release=_deferred_release(role=s.role), config_source=source)
 
     def stop(self) -> None:
-        if self.session is not None:
-            self.session.close()
-            self.session = None
+        for s in (self.session, self.frontend):
+            if s is not None:
+                s.close()
+        self.session = self.frontend = None
+
+
+def _store_file(sink: Any) -> bool:
+    """Whether the sink is a local store file (one writing process: the scheduler records the responses)."""
+    return isinstance(sink, (str, os.PathLike)) and not str(sink).startswith(("http://", "https://"))
+
+
+def _warn(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)  # schedulers load plugins before their logging is configured
+    logger.warning(msg)
 
 
 def _deferred_release(role: str) -> bool | None:

@@ -29,6 +29,7 @@ class ReqState:
     extended: bool = False  # prefill: its first extend ran (later chunks extend its own prefix)
     has_read: bool = False
     aborted: bool = False
+    landed_tokens: int | None = None  # decode: what the commit recorded as landed (the checksum receipt reuses it)
 
 
 @dataclass
@@ -39,10 +40,12 @@ class Session:
     page_size: int
     role: str
     enforce_length: bool = False
+    records_responses: bool = True  # False where the HTTP process records them (modes.responses_in_scheduler)
     resolver: Resolver = field(default_factory=Resolver)
     requests: dict[str, ReqState] = field(default_factory=dict)
     rooms: dict[int, RequestRef] = field(default_factory=dict)  # prefill: bootstrap room -> request (for sends)
     digests: dict[int, int] = field(default_factory=dict)  # prefill: room -> SGLang's Adler-32 of the transfer
+    groups: dict[int, list] = field(default_factory=dict)  # id(allocator) -> frees its open free group postponed
     lock: threading.Lock = field(default_factory=threading.Lock)
     local: threading.local = field(default_factory=threading.local)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 NODE_CONFIG = "sglang.srt.managers.scheduler.Scheduler.init_disaggregation"
+INTAKE = "sglang.srt.managers.scheduler.Scheduler.handle_generate_request"
 ALLOC_EXTEND = "sglang.srt.mem_cache.allocation.alloc_for_extend"
 ALLOC_PREALLOC = "sglang.srt.disaggregation.decode.alloc_for_decode_prealloc"
 ALLOC_DECODE = "sglang.srt.mem_cache.allocation.alloc_for_decode"
@@ -25,6 +26,19 @@ COMMIT = "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_
 SET_ABORT = "sglang.srt.managers.schedule_batch.Req.set_finish_with_abort"
 PREPARE_ABORT = "sglang.srt.disaggregation.utils.prepare_abort"
 STREAM = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.stream_output"
+# a retract releases the request's KV before it marks the request retracted (release_req)
+RETRACT = "sglang.srt.managers.schedule_batch.release_req"
+# frees inside a free group (batch result processing) are applied at its end, outside the request's release
+GROUP_PAGES = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.free_page_ids"
+GROUP_PAGED_TOKENS = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.free"
+GROUP_END = "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator.free_group_end"
+GROUP_PAGED_END = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.free_group_end"
+# decode's side of --disaggregation-enable-kv-checksum
+VERIFY = "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin._verify_kv_checksums"
+COMPUTE = "sglang.srt.disaggregation.checksum.KvChecksumComputer.compute"
+MISMATCH = "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin._handle_kv_checksum_mismatch"
+# the HTTP (tokenizer) process: the status the client gets
+HTTP_OUTCOME = "sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_abort_finish_reason"
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,15 @@ from typing import Any
 
 import numpy as np
 
-from kvtrail.serving.sglang.pages import pages_of
+from kvtrail.serving.sglang.pages import block_hashes, pages_of
 from kvtrail.serving.sglang.resolver import Snapshot, snapshot
-from kvtrail.serving.sglang.session import Session
+from kvtrail.serving.sglang.session import ReqState, Session
 
 SLOT_TOKENS, SLOT_TAG = 7, 8
 HTTP_INTERNAL_ERROR = 500
+# SGLang's --disaggregation-enable-kv-checksum digest: Adler-32 of the pages' bytes in buffer order, equal to
+# zlib.adler32 of their concatenation; prefill's and decode's receipts name it alike so F3 compares them.
+DIGEST_ALGO = "adler32"
 
 
 def room_tag(room: int) -> int:
@@ -99,7 +102,7 @@ def _record_sent(s: Session, ref: Any, pages: Snapshot, dst: np.ndarray | None, 
     src = pages.numpy().reshape(-1).copy()
     if dst is None or len(dst) != len(src):
         dst = np.zeros(len(src), dtype=np.int64)  # decode's pages unknown here: 0 is the padding page
-    s.recorder.transfer_sent(ref, src, dst, n, last, digest, "adler32" if digest is not None else None)
+    s.recorder.transfer_sent(ref, src, dst, n, last, digest, DIGEST_ALGO if digest is not None else None)
 
 
 # ---- decode: DecodeTransferQueue._commit_transfer_to_req ------------------------------------------------
@@ -110,17 +113,30 @@ def record_landed(s: Session, decode_req: Any, covered: int | None, status: str)
     st = s.state(str(req.rid))
     reserved = st.reserved_tokens or reserved_tokens(req)
     landed = reserved if covered is None else min(covered, reserved)
+    st.landed_tokens = landed
     s.later("_commit_transfer_to_req", _record_landed, s, s.ref(req), st.reserved_pages, st.prefix_tokens,
-            landed, status)
+            landed, status, None, req.origin_input_ids)
 
 
-def _record_landed(s: Session, ref: Any, reserved: Snapshot | None, prefix: int, landed: int, status: str) -> None:
+def record_verified(s: Session, req: Any, st: ReqState, status: str, digest: int | None) -> None:
+    """Decode's checksum verdict (SGLang's _verify_kv_checksums): a second receipt of the same transfer that
+    carries the digest decode computed over its reserved pages, ``ok`` or ``mismatch``."""
+    landed = st.landed_tokens if st.landed_tokens is not None else reserved_tokens(req)
+    s.later("_verify_kv_checksums", _record_landed, s, s.ref(req), st.reserved_pages, st.prefix_tokens,
+            landed, status, digest, None)
+
+
+def _record_landed(s: Session, ref: Any, reserved: Snapshot | None, prefix: int, landed: int, status: str,
+                   digest: int | None, ids: Any) -> None:
+    """The receipt; with the request's token ids (``ids``; None: a receipt only) the KV written into decode's
+    pages, with the pages' content keys, so a later prefix hit on decode's radix cache matches its writer."""
     ps = s.page_size
     pages = pages_of(reserved.numpy(), ps) if reserved is not None else np.zeros(0, dtype=np.int64)
     covered = pages[:-(-landed // ps)] if landed else pages[:0]
-    s.recorder.transfer_received(ref, covered, landed, status)
-    if len(covered):
-        s.recorder.kv_written(ref, covered, prefix, prefix + landed, "transfer_in")
+    s.recorder.transfer_received(ref, covered, landed, status, digest, DIGEST_ALGO if digest is not None else None)
+    if ids is not None and len(covered):
+        keys = block_hashes(ids, prefix // ps, len(covered), ps)
+        s.recorder.kv_written(ref, covered, prefix, prefix + landed, "transfer_in", block_hashes=keys)
 
 
 def abort_mismatch(queue: Any, decode_req: Any, covered: int, reserved: int) -> None:

@@ -1,0 +1,126 @@
+"""The HTTP (tokenizer) process: the status each client got, from SGLang's real _handle_abort_finish_reason, and
+which process records the response (once)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import stored_events
+from tests.sglang.pd import respond, streamer, tokenizer
+from tests.sglang.world import Node, req
+
+
+def _finished(rid, reason, output_tokens=0):
+    r = req(rid, list(range(10)), 40 + len(rid))
+    r.finished_reason = reason
+    r.output_ids.extend(range(output_tokens))
+    return r
+
+
+def test_the_recorded_status_is_the_one_the_client_gets(plugin, tmp_path):
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH
+
+    from kvtrail.forensics import ask_findings, open_store
+    from tests.sglang.conftest import SharedStore
+
+    db = tmp_path / "audit.duckdb"
+    store = SharedStore(db)
+    tm = tokenizer("decode")
+    sched = plugin.start(Node("decode").scheduler, sink=store)
+    s = plugin.start_frontend(tm, sink=store)
+    try:
+        assert s is not None and s.role == "decode" and not sched.records_responses
+        assert respond(tm, _finished("ok", FINISH_LENGTH(3), 3), first_token_s=0.125) == 200
+        assert respond(tm, _finished("bad", FINISH_ABORT("Input too long", 400, "BadRequestError"))) == 400
+        assert respond(tm, _finished("busy", FINISH_ABORT("timeout", 503, "ServiceUnavailable"))) == 503
+        assert respond(tm, _finished("bare", FINISH_ABORT()), stream=False) == 200  # no status: HTTP 200
+        # decode's scheduler rejects a request after it streamed 2 tokens; the client streams, so SGLang
+        # answers 200 and sends the error as an SSE event after those tokens
+        sse = _finished("sse", None, 2)
+        sse.set_finish_with_abort("Input too long")
+        sse.finished_reason = sse.to_finish
+        streamer().stream_output([sse], False)  # the scheduler's outcome: not recorded (the HTTP process does)
+        assert respond(tm, sse, stream=True) == 200
+    finally:
+        plugin.session = plugin.frontend = None
+        s.close()
+        sched.close()
+        store.store.close()
+    events = stored_events(db)
+    got = {e["request"]["request_id"]: e for e in events if e["kind"] == "response_sent"}
+    assert len([e for e in events if e["kind"] == "response_sent"]) == 5
+    assert {k: v["http_status"] for k, v in got.items()} == {"ok": 200, "bad": 400, "busy": 503, "sse": 200,
+                                                            "bare": 200}
+    assert got["ok"]["ttft_ns"] == 125_000_000 and got["ok"]["completion_tokens"] == 3
+    assert got["ok"]["prompt_tokens"] == 10 and got["ok"]["finish_reason"] == "length"
+    assert got["sse"]["finish_reason"] == "abort" and got["sse"]["completion_tokens"] == 2
+    assert got["bad"]["request"]["transfer_id"] == 43
+    con = open_store(db)
+    try:
+        found = ask_findings(con).found
+    finally:
+        con.close()
+    # the streamed abort reached the client as a 200 with output: rejected but served
+    assert {(f.code, f.request_id) for f in found if f.code == "F4"} == {("F4", "sse")}
+
+
+def test_a_prefill_servers_http_process_records_no_responses(plugin):
+    assert plugin.start_frontend(tokenizer("prefill"), sink="http://audit:8080") is None and plugin.frontend is None
+
+
+def test_with_a_store_file_the_scheduler_records_the_responses(plugin, tmp_path):
+    db = str(tmp_path / "node.duckdb")  # KVTRAIL_DB: DuckDB has one writer, the scheduler
+    assert plugin.start_frontend(tokenizer("decode"), sink=db) is None
+    s = plugin.start(Node("decode").scheduler, sink=db)
+    plugin.session = None
+    try:
+        assert s.records_responses
+    finally:
+        s.close()
+
+
+def test_without_a_python_tokenizer_the_scheduler_records_each_outcome_once(plugin, tmp_path, monkeypatch):
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    db = tmp_path / "audit.duckdb"
+    monkeypatch.setenv("SGLANG_RUST_SERVER", "1")  # the Rust front end talks to the schedulers directly
+    assert plugin.start_frontend(tokenizer("decode"), sink="unused") is None
+    node = Node("decode")
+    s = plugin.start(node.scheduler, sink=str(db))
+    try:
+        assert s.records_responses
+        streamer().stream_output([_finished("rs", FINISH_ABORT("KV checksum mismatch", 500, "x"))], False)
+    finally:
+        plugin.session = None
+        s.close()
+    monkeypatch.delenv("SGLANG_RUST_SERVER")
+    [resp] = [e for e in stored_events(db) if e["kind"] == "response_sent"]
+    assert resp["http_status"] == 500 and resp["request"]["request_id"] == "rs"
+
+
+@pytest.mark.parametrize("grpc", ["grpc_mode", "smg_grpc_mode", "tokenizer_worker_num"])
+def test_grpc_front_ends_and_extra_tokenizer_workers_leave_responses_to_the_scheduler(grpc):
+    import types
+
+    from kvtrail.serving.sglang.modes import responses_in_scheduler
+
+    args = types.SimpleNamespace(grpc_mode=False, smg_grpc_mode=False, tokenizer_worker_num=1)
+    assert not responses_in_scheduler(args)
+    setattr(args, grpc, 2 if grpc == "tokenizer_worker_num" else True)
+    assert responses_in_scheduler(args)
+
+
+def test_where_the_http_hook_is_missing_the_scheduler_records_the_responses(plugin, tmp_path):
+    from kvtrail.serving.sglang import targets
+    from tests.sglang.conftest import SharedStore
+
+    store = SharedStore(tmp_path / "audit.duckdb")
+    plugin.missing = [targets.HTTP_OUTCOME]  # as check() finds it in a build where it was renamed
+    try:
+        s = plugin.start(Node("decode").scheduler, sink=store)
+        plugin.session = None
+        assert s.records_responses
+        s.close()
+    finally:
+        plugin.missing = []
+        store.store.close()
