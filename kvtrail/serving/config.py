@@ -57,10 +57,11 @@ class StackConfig:
     # Per-page KV digests on both roles (prefill records what it sends, decode compares what landed).
     # Page ownership tags are checked before every attention read in patched mode.
     kv_digests: bool = True
-    # Each commit is a DuckDB transaction (~5-10 ms, mostly fixed cost) in the router process, shared
-    # by three producers: drain once a second rather than every 20 ms (flush() is still immediate).
-    # That interval is also the most a killed router can lose of each producer's newest events (an
-    # unclean end, which `kvtrail audit verify` reports with this bound).
+    # Each commit is a DuckDB transaction (~5-30 ms, mostly fixed cost) in the store process, shared
+    # by three producers, and each flush costs its producer a batch build: drain once a second rather
+    # than every 20 ms (flush() is still immediate). That interval is also the most a killed process
+    # can lose of each producer's newest events (an unclean end, which `kvtrail audit verify` reports
+    # with this bound).
     recorder: RecorderConfig = field(default_factory=lambda: RecorderConfig(flush_interval_s=1.0))
     # On stop (SIGINT or SIGTERM): how long the router waits for requests in flight before it closes them.
     drain_timeout_s: float = 30.0

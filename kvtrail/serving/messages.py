@@ -151,6 +151,21 @@ class Response:
 
 
 @dataclass(frozen=True, slots=True)
+class GetAuditStats:
+    """Ask a worker for its recorder's counters (``Recorder.stats``); answered with :class:`AuditStats`."""
+
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
+class AuditStats:
+    """Answers :class:`GetAuditStats`: the worker's recorder counters (empty when it records nothing)."""
+
+    room: int
+    stats: tuple[tuple[str, int], ...]  # (name, value) pairs: hashable, compares by value
+
+
+@dataclass(frozen=True, slots=True)
 class AuditSet:
     """Acknowledges :class:`SetAudit`: recording is now ``enabled``."""
 
@@ -213,9 +228,9 @@ class KvFailed:
     error: str
 
 
-RouterReply = Admitted | Rejected | Response | AuditSet | PagesDigest
+RouterReply = Admitted | Rejected | Response | AuditSet | AuditStats | PagesDigest
 
-_COMMON_INBOX = (ConnectPeer, Abort, Shutdown, SetAudit, DigestPages)
+_COMMON_INBOX = (ConnectPeer, Abort, Shutdown, SetAudit, GetAuditStats, DigestPages)
 PREFILL_INBOX: tuple[type, ...] = (*_COMMON_INBOX, PrefillRequest, DstPages, Cancel)
 DECODE_INBOX: tuple[type, ...] = (*_COMMON_INBOX, DecodeRequest, KvDone, KvFailed, AbortAck)
 ROUTER_INBOX: tuple[type, ...] = get_args(RouterReply)

@@ -1,8 +1,9 @@
 """Start and stop the reference PD stack: router (this process), prefill and decode worker processes.
 
-This process owns the audit store: a :class:`~kvtrail.audit.relay.RelayServer` commits the workers'
-batches (and the router's own) into the DuckDB file. The router's HTTP server binds 127.0.0.1 on a
-port the OS picks; :attr:`Stack.url` says where it is.
+A fourth process owns the audit store (:mod:`kvtrail.serving.store_process`): its relay commits the
+workers' batches and the router's own into the DuckDB file, so the store's commits cost the serving
+processes nothing but sending their batches. The router's HTTP server binds 127.0.0.1 on a port the
+OS picks; :attr:`Stack.url` says where it is.
 
 The workers' native stderr (Mooncake's glog lines) goes to :attr:`Stack.worker_log_path`, next to the
 store; a worker that fails to start, or exits with an error, is reported with that log's last lines.
@@ -25,16 +26,17 @@ from kvtrail import __version__
 from kvtrail.audit.contract import AuditRecorder
 from kvtrail.audit.events import Producer
 from kvtrail.audit.recorder import NullRecorder, make_recorder
-from kvtrail.audit.relay import RelayServer, RelaySink
-from kvtrail.audit.store import AuditStore
+from kvtrail.audit.relay import RelaySink
 from kvtrail.errors import KvtrailError
 from kvtrail.serving.config import StackConfig
 from kvtrail.serving.link import WorkerLink
 from kvtrail.serving.messages import (
     CONTROL_ROOM,
     AuditSet,
+    AuditStats,
     ConnectPeer,
     DigestPages,
+    GetAuditStats,
     PagesDigest,
     SetAudit,
     Shutdown,
@@ -42,6 +44,7 @@ from kvtrail.serving.messages import (
     WorkerInfo,
     WorkerReady,
 )
+from kvtrail.serving.store_process import StoreProcess
 from kvtrail.signals import stop_signals_ignored
 
 if TYPE_CHECKING:
@@ -70,8 +73,8 @@ class Stack:
         self.url: str | None = None
         self.procs: dict[str, BaseProcess] = {}
         self.links: dict[str, WorkerLink] = {}
-        self.store: AuditStore | None = None
-        self.relay: RelayServer | None = None
+        # Reads on the running stack's store go through its process (``store.cursor()``, ``store.query``).
+        self.store: StoreProcess | None = None
         self.recorder: AuditRecorder | None = None
         self.core: RouterCore | None = None
         self._server: uvicorn.Server | None = None
@@ -80,17 +83,17 @@ class Stack:
     def start(self) -> "Stack":
         from kvtrail.serving.worker import worker_main
 
-        self.store = AuditStore(self.db_path)
-        self.relay = RelayServer(self.store)
         with open(self.worker_log_path, "a", encoding="utf-8") as log:
             log.write(f"{_LOG_START_MARK} {time.strftime('%Y-%m-%dT%H:%M:%S%z')} (router pid {os.getpid()})\n")
         ctx = mp.get_context("spawn")
         ready = {}
         try:
+            self.store = store = StoreProcess(self.db_path)  # set first: stop() ends it if start fails
+            store.start()
             for role in ("prefill", "decode"):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=worker_main, name=f"kvtrail-{role}", daemon=True,
-                                   args=(role, self.cfg, self.relay.address, self.relay.authkey, child,
+                                   args=(role, self.cfg, store.address, store.authkey, child,
                                          str(self.worker_log_path)))
                 proc.start()
                 child.close()
@@ -154,11 +157,13 @@ class Stack:
 
         from kvtrail.serving.router import RouterCore, create_app
 
-        assert self.relay is not None, "the relay starts before the router"
+        store = self.store
+        assert store is not None and store.address is not None and store.authkey is not None, \
+            "the store process starts before the router"
+        address, authkey = store.address, store.authkey
         producer = Producer(self.cfg.cluster, "router-0", "router", "kvtrail-reference", __version__,
                             f"router-{uuid.uuid4().hex[:8]}")
-        relay = self.relay
-        self.recorder = make_recorder(self.cfg.audit, lambda: RelaySink(relay.address, relay.authkey), producer,
+        self.recorder = make_recorder(self.cfg.audit, lambda: RelaySink(address, authkey), producer,
                                       self.cfg.recorder)
         self.core = core = RouterCore(self.cfg, self.links["prefill"], self.links["decode"], self.recorder)
         # On stop uvicorn stops accepting, then waits up to drain_timeout_s for the requests in flight.
@@ -192,6 +197,12 @@ class Stack:
         request = DigestPages(CONTROL_ROOM, tuple(int(p) for p in pages))
         return self._control((role,), request, PagesDigest)[0].sha256_hex
 
+    def audit_stats(self) -> dict[str, dict[str, int]]:
+        """Every process's recorder counters (``Recorder.stats``), by role: router, prefill, decode."""
+        assert self.recorder is not None, "audit_stats: the stack is not running"
+        replies = self._control(("prefill", "decode"), GetAuditStats(CONTROL_ROOM), AuditStats)
+        return {"router": self.recorder.stats(), **{r: dict(m.stats) for r, m in zip(("prefill", "decode"), replies)}}
+
     def set_audit(self, enabled: bool) -> None:
         """Switch recording on or off in every process of the running stack (acknowledged by each worker)."""
         assert self.core is not None, "set_audit: the stack is not running"
@@ -200,7 +211,7 @@ class Stack:
 
     def stop(self) -> None:
         """Stop accepting, drain the requests in flight (up to ``drain_timeout_s``), close the router's
-        recorder, ask the workers to shut down (they flush and unregister), close the store.
+        recorder, ask the workers to shut down (they flush and unregister), stop the store process.
 
         Stop signals (SIGINT, SIGTERM) are ignored while it runs: a second Ctrl-C must not cut the flush short.
         """
@@ -229,11 +240,8 @@ class Stack:
         for link in self.links.values():
             link.close()
         self.links = {}
-        if self.relay is not None:
-            self.relay.close()
-            self.relay = None
-        if self.store is not None:
-            self.store.close()
+        if self.store is not None:  # last: every recorder has flushed through its relay by now
+            self.store.stop()
             self.store = None
 
     def __enter__(self) -> "Stack":

@@ -14,7 +14,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvtrail.audit.contract import AuditRecorder
 from kvtrail.audit.recorder import NullRecorder
-from kvtrail.serving.messages import AuditSet, DigestPages, PagesDigest, SetAudit, Shutdown, unexpected
+from kvtrail.serving.messages import (
+    AuditSet,
+    AuditStats,
+    DigestPages,
+    GetAuditStats,
+    PagesDigest,
+    SetAudit,
+    Shutdown,
+    unexpected,
+)
 
 if TYPE_CHECKING:  # torch-backed types: the annotations only
     from kvtrail.serving.allocator import PageAllocator
@@ -104,6 +113,10 @@ class WorkerBase:
         self.rec = self._recorder if msg.enabled else NullRecorder()
         self.send_router(AuditSet(msg.room, msg.enabled))
 
+    def on_get_audit_stats(self, msg: GetAuditStats) -> None:
+        """The recorder's counters, also while recording is switched off (the benchmark reads them per side)."""
+        self.send_router(AuditStats(msg.room, tuple(sorted(self._recorder.stats().items()))))
+
     def on_digest_pages(self, msg: DigestPages) -> None:
         """Inspection for tests and operators: SHA-256 of the pool bytes of the pages (every buffer)."""
         digest = hashlib.sha256(self.pool.page_bytes(msg.pages)).hexdigest()
@@ -112,5 +125,6 @@ class WorkerBase:
     HANDLERS: ClassVar[Mapping[type, Handler]] = {
         Shutdown: on_shutdown,
         SetAudit: on_set_audit,
+        GetAuditStats: on_get_audit_stats,
         DigestPages: on_digest_pages,
     }

@@ -29,7 +29,8 @@ SAMPLES = [
     m.SetAudit(m.CONTROL_ROOM, True), m.DigestPages(m.CONTROL_ROOM, (1, 2)), m.Admitted(7),
     m.Rejected(7, 400, "field 'prompt': too long"), m.Response(7, 200, "hi", 2, 123, "length", None),
     m.AuditSet(m.CONTROL_ROOM, False), m.PagesDigest(m.CONTROL_ROOM, "ab" * 32), m.Cancel(7), m.AbortAck(7),
-    m.KvFailed(7, "pool exhausted"),
+    m.KvFailed(7, "pool exhausted"), m.GetAuditStats(m.CONTROL_ROOM),
+    m.AuditStats(m.CONTROL_ROOM, (("recorded_events", 3), ("writer_cpu_ns_total", 1200))),
 ]
 ARRAY_SAMPLES = [m.DstPages(7, np.array([3, 4, 9], np.int32), 40),
                  m.KvDone(7, 104, 40, 3, np.array([1, 2**63, 5], np.uint64)), m.KvDone(7, 104, 40, 3, None)]
@@ -112,6 +113,20 @@ def test_control_requests_are_answered_with_their_reply_types():
     assert router.recv() == m.PagesDigest(m.CONTROL_ROOM, hashlib.sha256(pool.page_bytes([2, 3])).hexdigest())
     worker.dispatch(m.Shutdown())
     assert not worker._running
+
+
+class _CountingRecorder(NullRecorder):
+    def stats(self) -> dict[str, int]:
+        return {"recorded_events": 5, "writer_cpu_ns_total": 7}
+
+
+def test_audit_stats_come_from_the_real_recorder_even_while_recording_is_off():
+    worker = DecodeWorker(None, None, None, None, _CountingRecorder(), None, None)
+    router, worker.router = Pipe()
+    worker.dispatch(m.SetAudit(m.CONTROL_ROOM, False))
+    assert router.recv() == m.AuditSet(m.CONTROL_ROOM, False)
+    worker.dispatch(m.GetAuditStats(m.CONTROL_ROOM))
+    assert router.recv() == m.AuditStats(m.CONTROL_ROOM, (("recorded_events", 5), ("writer_cpu_ns_total", 7)))
 
 
 # ---- WorkerLink: replies matched by type and transfer id --------------------------------------------------
