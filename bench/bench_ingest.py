@@ -9,6 +9,8 @@ noise on a shared machine hits them alike:
   kvtrail       AuditStore.append(batch): validation, run encoding into page_runs, all event columns,
                 hash-chained batch record, one transaction per batch; checkpoints by CheckpointPolicy
                 (default 64 MB of WAL or 10 s; --max-wal-mb, --checkpoint-interval-s), timed inside append
+  recorder      the recorder's path: the same events as the recorder's buffered tuples (built untimed), turned
+                into a batch by its writer's build_batch and committed by AuditStore.append, timed together
   kv-wal        the same, checkpointing only at 256 MB of WAL and never by time (the policy before
                 CheckpointPolicy): what the bounded WAL costs is kvtrail vs kv-wal (not in the default set)
   naive         one row per page (producer_id, seq, pos, page_id) exploded with numpy, inserted via Arrow
@@ -58,7 +60,9 @@ from ingest_sinks import (  # noqa: E402
     LimitWideSink,
     ListSink,
     NaiveSink,
+    RecorderSink,
     Sink,
+    recorder_items,
 )
 from rounds import MIN_ROUNDS, check_rounds, rotated  # noqa: E402
 
@@ -67,8 +71,8 @@ from kvtrail.audit.store import DEFAULT_CHECKPOINT, CheckpointPolicy  # noqa: E4
 from kvtrail.audit.validate import producer_id  # noqa: E402
 from kvtrail.sim.synth import runs_per_event, synth_batches  # noqa: E402
 
-METHODS = ("kvtrail", "kv-wal", "naive", "list", "limit-kinds", "limit-wide", "limit-narrow")
-DEFAULT_METHODS = "kvtrail,naive,list,limit-kinds,limit-wide,limit-narrow"
+METHODS = ("kvtrail", "recorder", "kv-wal", "naive", "list", "limit-kinds", "limit-wide", "limit-narrow")
+DEFAULT_METHODS = "kvtrail,recorder,naive,list,limit-kinds,limit-wide,limit-narrow"
 LIMITS = ("limit-kinds", "limit-wide", "limit-narrow")
 
 
@@ -186,9 +190,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"limit-narrow leaves out event columns {', '.join(encoded.left_out)} (the node_config row's "
                       "payload)")
         enc = encoded
+        # The recorder's tuples, built untimed (what its hot path leaves in the buffer).
+        items = [recorder_items(b) for b in batches] if "recorder" in methods else []
         factories: dict[str, Callable[[str], Sink]] = {
             "kvtrail": lambda path: KvtrailSink(path, args.policy), "kv-wal": KvtrailWalSink,
-            "naive": NaiveSink, "list": ListSink}
+            "naive": NaiveSink, "list": ListSink,
+            "recorder": lambda path: RecorderSink(path, items, producer, args.policy)}
         if enc is not None:
             factories.update({"limit-kinds": lambda path: LimitKindsSink(path, enc),
                               "limit-wide": lambda path: LimitWideSink(path, enc),
@@ -198,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         warm = _synth(args, warm_producer, args.seed + 1000, min(target, 3_000_000), warmup_page_events=args.num_pages)
         for m in methods:
             s = factories[m](os.path.join(tmp, f"warm-{m}.duckdb"))
-            for i, b in enumerate(batches[:1] if m in LIMITS else warm):
+            for i, b in enumerate(batches[:1] if m in LIMITS or m == "recorder" else warm):
                 s.append(i, b, producer_id(warm_producer))
             s.checkpoint()
             s.close()

@@ -1,6 +1,7 @@
 """The ingest methods bench_ingest.py alternates, and the machine's limits it sets beside them.
 
-Every method owns one DuckDB file and is fed the same batches, batch by batch. The baselines store
+Every method owns one DuckDB file and is fed the same batches, batch by batch (``recorder``: the same
+events as the recorder's buffered tuples, turned into batches by its writer's ``build_batch``). The baselines store
 page ids only; the limits store what kvtrail stores, from rows already encoded (built once, before
 any timing, by reading back one untimed kvtrail ingest of the same batches), appended as Arrow with
 no Python per event:
@@ -26,9 +27,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvtrail.audit.events import ALLOC_PURPOSES, FREE_REASONS, KIND_NAMES, WRITE_SOURCES
+from kvtrail.audit.events import (
+    ALLOC_PURPOSES,
+    FREE_REASONS,
+    KIND_CODES,
+    KIND_NAMES,
+    PAYLOAD_LAYOUT_BY_CODE,
+    WRITE_SOURCES,
+    Producer,
+    RequestRef,
+)
 from kvtrail.audit.layout import EVENTS_SCHEMA, column_type, kind_columns, table_name
 from kvtrail.audit.store import DEFAULT_CHECKPOINT, RUN_COLUMNS, AuditStore, CheckpointPolicy, schema_ddl
+from kvtrail.audit.writer import build_batch
 
 UNBOUNDED_WAL = CheckpointPolicy(max_wal_bytes=256 * 2**20, max_interval_s=math.inf)  # before CheckpointPolicy
 NARROW_DDL = ("CREATE TABLE events (producer_id BIGINT NOT NULL, seq UBIGINT NOT NULL, kind UTINYINT NOT NULL, "
@@ -77,6 +88,45 @@ class KvtrailSink:
 
     def close(self) -> None:
         self.store.close()
+
+
+def recorder_items(batch: pa.Table) -> tuple[list[tuple], int]:
+    """A batch as the recorder's buffer holds it: ``(code, seq, mono_ns, req, pages, dst, payload)`` per
+    event (pages as ndarrays, as the recorder copies them), and the wall-minus-monotonic offset."""
+    cols = {c: batch.column(c).to_pylist() for c in batch.column_names if batch.column(c).null_count < batch.num_rows
+            and c not in ("pages", "dst_pages")}
+    flat = pc.list_flatten(batch.column("pages")).to_numpy(zero_copy_only=False)
+    lengths = pc.fill_null(pc.list_value_length(batch.column("pages")), 0).to_numpy(zero_copy_only=False)
+    page_lists = np.split(flat, np.cumsum(lengths)[:-1])
+    has_pages = batch.column("pages").is_valid().to_numpy(zero_copy_only=False)
+    none = [None] * batch.num_rows
+    items = []
+    for i in range(batch.num_rows):
+        code = KIND_CODES[cols["kind"][i]]
+        rid = cols.get("request_id", none)[i]
+        req = None if rid is None else RequestRef(rid, cols.get("transfer_id", none)[i], cols.get("tenant_id", none)[i],
+                                                  cols.get("api_key_id", none)[i])
+        payload = tuple(cols.get(name, none)[i] for name in PAYLOAD_LAYOUT_BY_CODE[code])
+        items.append((code, cols["seq"][i], cols["mono_ns"][i], req, page_lists[i] if has_pages[i] else None, None,
+                      payload))
+    return items, int(batch.column("wall_ns")[0].as_py()) - int(batch.column("mono_ns")[0].as_py())
+
+
+class RecorderSink(KvtrailSink):
+    """The recorder's path: its buffered tuples (built before timing) through the writer's ``build_batch``
+    into ``AuditStore.append``, as the writer thread commits them."""
+
+    name = "recorder"
+
+    def __init__(self, path: str, items: list[tuple[list[tuple], int]], producer: Producer,
+                 policy: CheckpointPolicy = DEFAULT_CHECKPOINT) -> None:
+        super().__init__(path, policy)
+        self.items = items
+        self.producer = producer
+
+    def append(self, i: int, batch: pa.Table, pid: int) -> None:
+        items, offset = self.items[i]
+        self.store.append(build_batch(self.producer, items, offset))
 
 
 class KvtrailWalSink(KvtrailSink):

@@ -7,7 +7,8 @@ as empty). These helpers do both directions in a few C-level passes, never per p
 
 from __future__ import annotations
 
-from itertools import chain
+from itertools import chain, compress, repeat
+from operator import is_
 from typing import Sequence
 
 import numpy as np
@@ -36,17 +37,24 @@ def pack_lists(items: Sequence, dtype) -> tuple[np.ndarray, np.ndarray, np.ndarr
     ``flat`` has ``dtype``; ``absent`` marks the None rows, and is None when no row is None.
     """
     n = len(items)
-    lengths = np.fromiter((0 if v is None else len(v) for v in items), dtype=np.int64, count=n)
+    # Per-row work runs as C-level iterators (map, compress): no Python bytecode per row.
+    absent = np.fromiter(map(is_, items, repeat(None)), dtype=bool, count=n)
+    num_absent = int(absent.sum())
+    if num_absent:
+        lengths = np.zeros(n, dtype=np.int64)
+        lengths[~absent] = np.fromiter(map(len, compress(items, (~absent).tolist())), dtype=np.int64,
+                                       count=n - num_absent)
+    else:
+        lengths = np.fromiter(map(len, items), dtype=np.int64, count=n)
     offsets = offsets_from_lengths(lengths)
-    present = [v for v in items if v is not None and len(v)]
+    present = list(compress(items, (lengths > 0).tolist()))
     if not present:
         flat = np.empty(0, dtype=dtype)
-    elif all(type(v) is np.ndarray for v in present):
+    elif set(map(type, present)) == {np.ndarray}:
         flat = np.concatenate(present).astype(dtype, copy=False)
     else:
         flat = np.fromiter(chain.from_iterable(present), dtype=dtype, count=int(offsets[-1]))
-    absent = np.fromiter((v is None for v in items), dtype=bool, count=n)
-    return flat, offsets, absent if absent.any() else None
+    return flat, offsets, absent if num_absent else None
 
 
 def list_array(flat: np.ndarray, offsets: np.ndarray, value_type: pa.DataType, absent: np.ndarray | None = None,
@@ -74,6 +82,17 @@ def list_lengths(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
 
 def flat_list(col: pa.Array | pa.ChunkedArray, dtype=None) -> tuple[np.ndarray, np.ndarray]:
     """Flat values (cast to ``dtype`` if given) and int64 offsets of a list column; null lists count as empty."""
-    offsets = offsets_from_lengths(list_lengths(col))
-    values = pc.list_flatten(col).to_numpy(zero_copy_only=False)
+    arr = col
+    if isinstance(col, pa.ChunkedArray):  # one chunk read in place: combine_chunks would copy it
+        arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    if pa.types.is_list(arr.type) and arr.values.null_count == 0:
+        # Read the list's own offsets in place; a null list spanning values (legal Arrow, which pyarrow
+        # never builds) takes the general path, which leaves those values out.
+        raw = np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset: arr.offset + len(arr) + 1]
+        if not arr.null_count or not np.diff(raw)[~pc.is_valid(arr).to_numpy(zero_copy_only=False)].any():
+            values = arr.values.slice(int(raw[0]), int(raw[-1] - raw[0])).to_numpy(zero_copy_only=False)
+            offsets = raw.astype(np.int64) - int(raw[0])
+            return (values if dtype is None else values.astype(dtype, copy=False)), offsets
+    offsets = offsets_from_lengths(list_lengths(arr))
+    values = pc.list_flatten(arr).to_numpy(zero_copy_only=False)
     return (values if dtype is None else values.astype(dtype, copy=False)), offsets

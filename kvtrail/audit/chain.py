@@ -31,26 +31,60 @@ def _column_bytes(h, arr: pa.Array) -> None:
     if n and nulls == n:
         h.update(b"N")
         return
+    valid = None
     if nulls:
-        h.update(b"V" + np.packbits(pc.is_valid(arr).to_numpy(zero_copy_only=False)).tobytes())
+        valid = pc.is_valid(arr).to_numpy(zero_copy_only=False)
+        h.update(b"V" + np.packbits(valid).tobytes())
     else:
         h.update(b"A")
     t = arr.type
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t):
-        filled = pc.fill_null(arr, "" if not pa.types.is_binary(t) else b"").cast(pa.large_binary())
-        offsets = np.frombuffer(filled.buffers()[1], dtype=np.int64)[filled.offset: filled.offset + len(filled) + 1]
-        h.update(np.diff(offsets).astype(np.int64).tobytes())
-        data = filled.buffers()[2]
-        if data is not None and len(offsets):
-            h.update(memoryview(data)[offsets[0]: offsets[-1]])
+    if n == 0:  # nothing but the tag; a list column still tags its (empty) values
+        if pa.types.is_list(t) or pa.types.is_large_list(t):
+            _column_bytes(h, pa.array([], t.value_type))
+        return
+    # The canonical bytes are those of the column with nulls filled (0, "", an empty list); the fast paths
+    # read Arrow's buffers in place and produce the same bytes without the filled copy.
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        if not _offsets_bytes(h, arr, valid, pa.types.is_large_string(t) or pa.types.is_large_binary(t)):
+            _filled_bytes(h, arr)
     elif pa.types.is_list(t) or pa.types.is_large_list(t):
-        lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False).astype(np.int64)
-        h.update(lengths.tobytes())
-        _column_bytes(h, pc.list_flatten(arr))
+        offsets = _offsets(arr, pa.types.is_large_list(t))
+        lengths = np.diff(offsets).astype(np.int64)
+        if valid is not None and lengths[~valid].any():  # a null list over values: flatten drops them
+            h.update(pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False).astype(np.int64))
+            _column_bytes(h, pc.list_flatten(arr))
+            return
+        h.update(lengths)
+        _column_bytes(h, arr.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0])))
     elif pa.types.is_boolean(t):
         h.update(pc.fill_null(arr, False).to_numpy(zero_copy_only=False).astype(np.uint8).tobytes())
     else:
-        h.update(pc.fill_null(arr, 0).to_numpy(zero_copy_only=False).tobytes())
+        dtype = np.dtype(t.to_pandas_dtype())
+        values = np.frombuffer(arr.buffers()[1], dtype=dtype)[arr.offset: arr.offset + n]
+        h.update(values if valid is None else np.where(valid, values, dtype.type(0)))
+
+
+def _offsets(arr: pa.Array, large: bool) -> np.ndarray:
+    """The offsets of a string, binary or list array (one more than its length), read in place."""
+    return np.frombuffer(arr.buffers()[1], dtype=np.int64 if large else np.int32)[arr.offset: arr.offset + len(arr) + 1]
+
+
+def _offsets_bytes(h, arr: pa.Array, valid: np.ndarray | None, large: bool) -> bool:
+    """Lengths (int64) and values of a string column in place; False if a null slot holds bytes."""
+    offsets = _offsets(arr, large)
+    lengths = np.diff(offsets).astype(np.int64)
+    if valid is not None and lengths[~valid].any():
+        return False
+    h.update(lengths)
+    data = arr.buffers()[2]
+    if data is not None and len(arr):
+        h.update(memoryview(data)[int(offsets[0]): int(offsets[-1])])
+    return True
+
+
+def _filled_bytes(h, arr: pa.Array) -> None:
+    filled = pc.fill_null(arr, "" if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type) else b"")
+    _offsets_bytes(h, filled.cast(pa.large_binary()), None, True)
 
 
 def table_digest(h, table: pa.Table, schema: pa.Schema, added: frozenset[str] = frozenset()) -> None:

@@ -255,15 +255,22 @@ class AuditStore:
         for list_no, name in enumerate(PAGE_LIST_FIELDS):
             flat, offsets = flat_list(vb.table.column(name))
             row, pos, start, length = encode_runs(flat, offsets)
-            parts.append((row, np.full(len(row), list_no, np.int8), pos, start, length))
+            if len(row):
+                parts.append((row, np.full(len(row), list_no, np.int8), pos, start, length))
+        if not parts:
+            empty = np.empty(0, np.int32)
+            return np.empty(0, np.int64), np.empty(0, np.int8), empty, empty, empty
+        if len(parts) == 1:  # each list's runs already come in (row, pos) order
+            return parts[0]
         row, lst, pos, start, length = (np.concatenate(x) for x in zip(*parts))
-        order = np.lexsort((pos, lst, row))  # rows are already in seq order within a producer
+        # Two runs sorted by row, list 0's first: a stable sort by row alone yields (row, list, pos).
+        order = np.argsort(row, kind="stable")
         return row[order], lst[order], pos[order], start[order], length[order]
 
     def _commit(self, vb: ValidatedBatch) -> AppendResult:
         t = vb.table
         n = t.num_rows
-        seq = t.column("seq").to_numpy(zero_copy_only=False).astype(np.uint64)
+        seq = t.column("seq").to_numpy(zero_copy_only=False).astype(np.uint64, copy=False)
         wall = t.column("wall_ns").to_numpy(zero_copy_only=False)
         run_row, run_list, run_pos, run_start, run_len = self._runs(vb)
         num_pages = pc.fill_null(pc.list_value_length(t.column("pages")), 0).cast(pa.int32())
@@ -272,36 +279,42 @@ class AuditStore:
         batch_rows, new_producers, new_pools = [], [], {}
         ev_parts, run_parts, committed, code_parts = [], [], [], []
         state_after = {}
+        single = len(vb.producer_ids) == 1  # the common batch: no per-producer copies
         for g, pid in enumerate(vb.producer_ids):
-            rows = np.flatnonzero(vb.producer_index == g) if len(vb.producer_ids) > 1 else np.arange(n)
+            rows = np.arange(n) if single else np.flatnonzero(vb.producer_index == g)
             last_no, prev = self._chain.get(pid, (-1, chain.GENESIS))
             batch_no = last_no + 1
-            cols = {"producer_id": pa.array(np.full(len(rows), pid, np.int64)),
-                    "batch_no": pa.array(np.full(len(rows), batch_no, np.int64))}
-            sub = t.take(pa.array(rows)) if len(rows) != n else t
+            take = None if single else pa.array(rows)
+            cols = {"producer_id": pa.repeat(pa.scalar(pid, pa.int64()), len(rows)),
+                    "batch_no": pa.repeat(pa.scalar(batch_no, pa.int64()), len(rows))}
+            sub = t if take is None else t.take(take)
             for f in EVENT_VALUE_FIELDS:
                 cols[f.name] = sub.column(f.name)
-            cols["num_pages"] = num_pages.take(pa.array(rows)) if len(rows) != n else num_pages
-            cols["num_dst_pages"] = num_dst.take(pa.array(rows)) if len(rows) != n else num_dst
+            cols["num_pages"] = num_pages if take is None else num_pages.take(take)
+            cols["num_dst_pages"] = num_dst if take is None else num_dst.take(take)
             ev = pa.table(cols, schema=EVENTS_SCHEMA)
-            if len(vb.producer_ids) > 1:
-                rsel = np.flatnonzero(vb.producer_index[run_row] == g)
-            else:
-                rsel = np.arange(len(run_row))
+            rsel = None if single else np.flatnonzero(vb.producer_index[run_row] == g)
+            nr = len(run_row) if rsel is None else len(rsel)
+
+            def pick(x: np.ndarray, rsel=rsel) -> np.ndarray:
+                return x if rsel is None else x[rsel]
+
             runs = pa.table({
-                "producer_id": np.full(len(rsel), pid, np.int64), "batch_no": np.full(len(rsel), batch_no, np.int64),
-                "seq": seq[run_row[rsel]], "list": run_list[rsel], "pos": run_pos[rsel],
-                "page_start": run_start[rsel], "num_pages": run_len[rsel]}, schema=RUNS_SCHEMA)
+                "producer_id": pa.repeat(pa.scalar(pid, pa.int64()), nr),
+                "batch_no": pa.repeat(pa.scalar(batch_no, pa.int64()), nr),
+                "seq": seq[pick(run_row)], "list": pick(run_list), "pos": pick(run_pos),
+                "page_start": pick(run_start), "num_pages": pick(run_len)}, schema=RUNS_SCHEMA)
             first_seq, last_seq = int(seq[rows[0]]), int(seq[rows[-1]])
-            npe = int(run_len[rsel].astype(np.int64).sum())
-            header = (pid, batch_no, first_seq, last_seq, len(rows), len(rsel))
+            npe = int(pick(run_len).sum(dtype=np.int64))
+            header = (pid, batch_no, first_seq, last_seq, len(rows), nr)
             digest = chain.batch_digest(prev, header, ev, EVENTS_SCHEMA, runs, RUNS_SCHEMA)
             sig = self.signer.sign(digest) if self.signer else None
-            batch_rows.append((pid, batch_no, first_seq, last_seq, len(rows), len(rsel), npe,
-                               int(wall[rows].min()), int(wall[rows].max()), now, prev, digest, sig,
+            w = wall if single else wall[rows]
+            batch_rows.append((pid, batch_no, first_seq, last_seq, len(rows), nr, npe,
+                               int(w.min()), int(w.max()), now, prev, digest, sig,
                                self.signer.key_id if self.signer else None))
             ev_parts.append(ev)
-            code_parts.append(vb.kind_code[rows])
+            code_parts.append(vb.kind_code if single else vb.kind_code[rows])
             run_parts.append(runs)
             committed.append((pid, batch_no))
             if pid not in self._state:
@@ -338,7 +351,7 @@ class AuditStore:
                 st.pool_pages = new_pools[pid]
             self._chain[pid] = link
         self.maybe_checkpoint()
-        return AppendResult(n, int(run_len.astype(np.int64).sum()), len(run_row), tuple(committed), t)
+        return AppendResult(n, int(run_len.sum(dtype=np.int64)), len(run_row), tuple(committed), t)
 
     def checkpoint(self) -> None:
         """Write the WAL into the main file now."""

@@ -148,8 +148,8 @@ _ALLOWED = {n: np.array([n in KINDS[k].allowed for k in KIND_NAMES], dtype=bool)
 
 def _check_kind_fields(t: pa.Table, codes: np.ndarray) -> None:
     nkinds = len(KIND_NAMES)
-    present = np.zeros(nkinds, dtype=bool)
-    present[np.unique(codes)] = True
+    counts = np.bincount(codes, minlength=nkinds)
+    present = counts > 0
     for name in OPTIONAL_NAMES:
         col = t.column(name)
         required, allowed = _REQUIRED[name], _ALLOWED[name]
@@ -160,25 +160,27 @@ def _check_kind_fields(t: pa.Table, codes: np.ndarray) -> None:
         if col.null_count == 0 and allowed[present].all():  # present everywhere and allowed for every kind here
             continue
         valid = _valid_mask(col)
-        missing = required[codes] & ~valid
-        if missing.any():
-            _fail(missing, name, "missing (required for this kind)", t)
-        extra = ~allowed[codes] & valid
-        if extra.any():
-            _fail(extra, name, "not allowed for this kind", t)
+        # Counts per kind decide; the per-row masks that name the first bad event only on a failure.
+        have = np.bincount(codes[valid], minlength=nkinds)
+        if (required & (have < counts)).any():
+            _fail(required[codes] & ~valid, name, "missing (required for this kind)", t)
+        if (~allowed & (have > 0)).any():
+            _fail(~allowed[codes] & valid, name, "not allowed for this kind", t)
 
 
 def _check_values(t: pa.Table, codes: np.ndarray) -> None:
     # Each rule first asks a cheap whole-column question (distinct values, minimum); only a batch that
     # fails it pays for the per-row mask that names the first bad event.
     n = t.num_rows
+    distinct: dict[str, set] = {}  # each enum column's values, for the rules below
     for name in ENVELOPE_NAMES + OPTIONAL_NAMES:
         spec = FIELDS[name]
         col = t.column(name)
         if col.null_count == n:
             continue
         if spec.type == "enum" and spec.choices:
-            if set(pc.unique(col).drop_null().to_pylist()) <= set(spec.choices):
+            distinct[name] = set(pc.unique(col).drop_null().to_pylist())
+            if distinct[name] <= set(spec.choices):
                 continue
             bad = (pc.is_valid(col).to_numpy(zero_copy_only=False)
                    & ~pc.fill_null(pc.is_in(col, value_set=pa.array(spec.choices)), True)
@@ -186,7 +188,7 @@ def _check_values(t: pa.Table, codes: np.ndarray) -> None:
             value = col[int(np.flatnonzero(bad)[0])].as_py()
             _fail(bad, name, f"{value!r} is not one of {', '.join(spec.choices)}", t)
         elif spec.type == "str" and name in PRODUCER_NAMES:
-            if "" in pc.unique(col).to_pylist():
+            if pc.min(pc.binary_length(col)).as_py() == 0:  # lengths, not a hash of every value
                 _fail(pc.equal(pc.utf8_length(col), 0).to_numpy(zero_copy_only=False), name,
                       "must be a non-empty string", t)
         elif spec.minimum is not None and spec.type in ("int32", "int64"):
@@ -203,7 +205,7 @@ def _check_values(t: pa.Table, codes: np.ndarray) -> None:
             bad = (codes == KIND_CODES[kind.name]) & differ
             if bad.any():
                 _fail(bad, b, f"must have one entry per entry of '{a}'", t)
-    if t.column("purpose").null_count < n:
+    if "prefix_hit" in distinct.get("purpose", ()):
         prefix_hit = (codes == KIND_CODES["pages_allocated"]) & (
             pc.fill_null(pc.equal(t.column("purpose"), "prefix_hit"), False).to_numpy(zero_copy_only=False))
         no_hashes = prefix_hit & ~_valid_mask(t.column("block_hashes"))
@@ -211,9 +213,8 @@ def _check_values(t: pa.Table, codes: np.ndarray) -> None:
             _fail(no_hashes, "block_hashes", "required when purpose is prefix_hit", t)
     if t.column("token_end").null_count < n:
         less = pc.less(t.column("token_end"), t.column("token_start"))
-        backwards = pc.fill_null(less, False).to_numpy(zero_copy_only=False)
-        if backwards.any():
-            _fail(backwards, "token_end", "must be >= token_start", t)
+        if pc.any(less).as_py():  # nulls skipped: only a pair with both values can be backwards
+            _fail(pc.fill_null(less, False).to_numpy(zero_copy_only=False), "token_end", "must be >= token_start", t)
     for name in ("pages", "dst_pages", "page_digests", "block_hashes"):
         col = t.column(name)
         flat = pc.list_flatten(col)
@@ -225,6 +226,13 @@ def _check_values(t: pa.Table, codes: np.ndarray) -> None:
 
 
 def _group_producers(t: pa.Table) -> tuple[list[int], list[Producer], np.ndarray]:
+    if t.num_rows:
+        # The common batch has one producer: compare each identity column with its first value (no
+        # hashing of joined keys). Nulls were refused by the envelope check.
+        first = [t.column(n)[0] for n in PRODUCER_NAMES]
+        if all(pc.all(pc.equal(t.column(n), v)).as_py() for n, v in zip(PRODUCER_NAMES, first)):
+            p = Producer(*(v.as_py() for v in first))
+            return [producer_id(p)], [p], np.zeros(t.num_rows, np.int64)
     key = pc.binary_join_element_wise(*[t.column(n) for n in PRODUCER_NAMES], _KEY_SEP)
     enc = pc.dictionary_encode(key).combine_chunks()
     producers = [Producer(*k.split(_KEY_SEP)) for k in enc.dictionary.to_pylist()]
@@ -242,14 +250,16 @@ def validate_batch(table: pa.Table, state: dict[int, ProducerState]) -> Validate
     _check_kind_fields(t, codes)
     _check_values(t, codes)
     pids, producers, pindex = _group_producers(t)
-    seq = t.column("seq").to_numpy(zero_copy_only=False).astype(np.uint64)
-    pool = t.column("pool_pages").to_numpy(zero_copy_only=False)
+    seq = t.column("seq").to_numpy(zero_copy_only=False).astype(np.uint64, copy=False)
     is_config = codes == KIND_CODES["node_config"]
+    # Read as float with NaN for null: only rows of a node_config are looked at, and those carry one.
+    pool = t.column("pool_pages").to_numpy(zero_copy_only=False) if is_config.any() else None
     bound = np.full(t.num_rows, -1, dtype=np.int64)  # -1: pool size unknown
+    single = len(pids) == 1
     for g, pid in enumerate(pids):
-        rows = np.flatnonzero(pindex == g)
+        rows = np.arange(t.num_rows) if single else np.flatnonzero(pindex == g)
         st = state.get(pid, ProducerState())
-        s = seq[rows]
+        s = seq if single else seq[rows]
         if len(s) > 1 and not (s[1:] > s[:-1]).all():
             bad_at = rows[1:][~(s[1:] > s[:-1])][0]
             mask = np.zeros(t.num_rows, dtype=bool)
@@ -260,9 +270,14 @@ def validate_batch(table: pa.Table, state: dict[int, ProducerState]) -> Validate
             mask[rows[0]] = True
             _fail(mask, "seq", f"sequence number going backwards: {int(s[0])} <= last stored {st.last_seq}", t)
         # Pool bound per row: the latest node_config at or before it, else what the store knows.
-        cfg_pos = np.where(is_config[rows], np.arange(len(rows)), -1)
-        last_cfg = np.maximum.accumulate(cfg_pos) if len(rows) else cfg_pos
         known = st.pool_pages if st.pool_pages is not None else -1
+        cfg = is_config if single else is_config[rows]
+        if not cfg.any():  # no node_config in the batch: the pool size the store knows
+            bound[rows] = known
+            continue
+        assert pool is not None, "pool_pages is read whenever the batch holds a node_config"
+        cfg_pos = np.where(cfg, np.arange(len(rows)), -1)
+        last_cfg = np.maximum.accumulate(cfg_pos) if len(rows) else cfg_pos
         b = np.where(last_cfg >= 0, pool[rows[np.maximum(last_cfg, 0)]], known)
         bound[rows] = np.nan_to_num(b.astype(np.float64), nan=-1).astype(np.int64)
     total_pages = 0
@@ -274,17 +289,20 @@ def validate_batch(table: pa.Table, state: dict[int, ProducerState]) -> Validate
             total_pages = int(lengths.sum())
         if flat.size == 0:
             continue
-        # Per-list min and max in one pass (reduceat), then one comparison per event, not per page.
         nonempty = np.flatnonzero(lengths)
         starts = offsets[:-1][nonempty]
-        lo = np.minimum.reduceat(flat, starts)
-        low = lo < 1
-        if low.any():
+        # One whole-batch minimum (a vectorised pass) decides the common case; only a batch that fails
+        # it pays for per-list minima (reduceat), which name the first bad event.
+        if flat.min() < 1:
+            lo = np.minimum.reduceat(flat, starts)
+            low = lo < 1
             r = nonempty[np.flatnonzero(low)[0]]
             _fail(rows_idx == r, name,
                   f"page id {int(lo[low][0])} out of pool (page ids start at 1; 0 is the padding page)", t)
         if name == "pages":
             row_bound = bound[nonempty]
+            if len(row_bound) and row_bound.min() >= 0 and flat.max() <= row_bound.min():
+                continue  # every page within the smallest pool bound of the batch
             unknown = row_bound < 0
             if unknown.any():
                 _fail(rows_idx == nonempty[np.flatnonzero(unknown)[0]], name,
