@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from operator import itemgetter
+from itertools import repeat
+from operator import is_not, itemgetter
 from typing import Sequence
 
 import numpy as np
@@ -86,7 +87,7 @@ def _payload_columns(codes: tuple, payloads: tuple, layouts: tuple, n: int, done
             group = itemgetter(*rows.tolist())(payloads)
         assert len(group[0]) == len(layouts[k]), f"kind {KIND_NAMES[k]}: payload tuple does not match its layout"
         for name, values in zip(layouts[k], zip(*group)):
-            if any(v is not None for v in values):  # (tuple.count would compare arrays with ==)
+            if any(map(is_not, values, repeat(None))):  # in C; (tuple.count would compare arrays with ==)
                 parts.setdefault(name, []).append((rows, values))
     out = {}
     for f in BATCH_SCHEMA:
