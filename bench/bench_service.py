@@ -15,8 +15,11 @@ rounds, alternating (bench/rounds.py):
           ``AuditStore.append``.
 
 Printed: ingest events/s and page-events/s of both (min / median / max over rounds) and their ratio per
-round (goal >= 0.8x direct, judged on the worst round), p50/p99 ingest latency, p50/p99 query latency,
-the live judge's lag (commit -> findings persisted, p50/p99 from /healthz) and lost events.
+round (goal >= 0.8x direct, judged on the worst round), what both sides do per batch and the CPU each
+spends per batch (the direct process; the service process, all its threads, over the ingest), the
+load average, p50/p99 ingest latency, p50/p99 query latency (the 1-hour window covers the whole
+stream, so the service answers from the live judge: docs/service.md), the live judge's lag (commit ->
+findings persisted, p50/p99 from /healthz) and lost events.
 
     .venv/bin/python bench/bench_service.py                 # ~1-2 minutes on 2 cores
     .venv/bin/python bench/bench_service.py --quick         # a few seconds per round, no verdict
@@ -171,8 +174,10 @@ def run_http(bodies: list[list[bytes]], queries: int, tmp: Path, round_no: int) 
         p.start()
     for _ in qprocs + sprocs:  # every process started and loaded before the clock starts
         ready.get()
+    cpu0, load0 = _cpu_s(proc.pid), os.getloadavg()[0]
     go.set()
     results = [out.get() for _ in sprocs]
+    service_cpu = _cpu_s(proc.pid) - cpu0  # the service process over the ingest (all its threads)
     stop.set()
     qlat = [qout.get() for _ in qprocs]
     for p in qprocs + sprocs:
@@ -190,21 +195,30 @@ def run_http(bodies: list[list[bytes]], queries: int, tmp: Path, round_no: int) 
     return {"wall_s": wall, "events": events, "page_events": sum(r[4] for r in results),
             "lat": [x for r in results for x in r[2]], "lost": events - stored,
             "q": {k: [x for d in qlat for x in d[k]] for k in ("affected", "findings")},
-            "lag_p50_s": health.get("judge_lag_p50_s"), "lag_p99_s": health.get("judge_lag_p99_s")}
+            "lag_p50_s": health.get("judge_lag_p50_s"), "lag_p99_s": health.get("judge_lag_p99_s"),
+            "cpu_s": service_cpu, "batches": sum(map(len, bodies)), "load": load0}
 
 
 def run_direct(bodies: list[list[bytes]], tmp: Path, round_no: int) -> dict:
     order = [b for group in zip(*bodies) for b in group] + [b for p in bodies for b in p[min(map(len, bodies)):]]
     tables = [read_ipc(b) for b in order]
     events = pages = 0
-    t0 = time.perf_counter()
+    load0 = os.getloadavg()[0]
+    t0, c0 = time.perf_counter(), time.process_time()
     with AuditStore(tmp / f"direct{round_no}.duckdb") as store:
         for t in tables:
             res = store.append(t)
             events += res.num_events
             pages += res.num_page_events
-        wall = time.perf_counter() - t0
-    return {"wall_s": wall, "events": events, "page_events": pages}
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"wall_s": wall, "events": events, "page_events": pages, "cpu_s": cpu, "batches": len(tables),
+            "load": load0}
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -258,6 +272,14 @@ def report(runs: dict[str, list[dict]], args) -> None:
     verdict = at_least(f"http >= {GOAL_RATIO}x direct append", ratios, GOAL_RATIO)
     print(f"http / direct page-events/s per round: {', '.join(f'{x:.2f}' for x in ratios)}  "
           f"-> {verdict.goal}: {verdict.word} (worst {verdict.worst:.2f})")
+    print("same batches on both sides (the recorder's, as Arrow IPC), each one durable commit (AuditStore.append, "
+          "the default checkpoint policy); the service also decodes and checks each request, runs the live "
+          "judge and writes the access log")
+    cpu = {name: [r["cpu_s"] / r["batches"] * 1e3 for r in rs] for name, rs in (("http", http), ("direct", direct))}
+    print(f"CPU per batch: direct {Spread.of(cpu['direct']).text(1, '.1f')} ms (one process), service "
+          f"{Spread.of(cpu['http']).text(1, '.1f')} ms (its process, all threads; min / median / max); "
+          f"load average at the start of the rounds {min(r['load'] for r in http + direct):.1f} to "
+          f"{max(r['load'] for r in http + direct):.1f} on {os.cpu_count()} cores")
     lat = [x for r in http for x in r["lat"]]
     print(f"ingest latency per batch: p50 {_pct(lat, 50) * 1e3:.1f} ms, p99 {_pct(lat, 99) * 1e3:.1f} ms "
           f"({len(lat)} requests, {args.producers} producers)")

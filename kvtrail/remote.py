@@ -84,9 +84,18 @@ class Client:
                                                    "archive": "zip"})
         return r.content, json.loads(r.headers[REPORT_HEADER])
 
-    def verify(self) -> dict:
-        """``kvtrail audit verify --json``'s document, computed by the service (plus its access-log check)."""
-        return self._call("GET", "/v1/audit/verify").json()
+    def verify(self, *, expect_heads: list[dict] | None = None, public_key_pem: str | None = None) -> dict:
+        """``kvtrail audit verify --json``'s document, computed by the service (plus its access-log check and
+        ``chain_problems``); ``expect_heads`` and ``public_key_pem`` are what ``--expect-heads`` and
+        ``--public-key`` read from their files."""
+        if expect_heads is None and public_key_pem is None:
+            return self._call("GET", "/v1/audit/verify").json()
+        return self._call("POST", "/v1/audit/verify",
+                          json={"expect_heads": expect_heads, "public_key_pem": public_key_pem}).json()
+
+    def verify_report(self, manifest: dict, *, strict: bool = False) -> dict:
+        """The store's part of ``verify-report`` for a report's ``report.json``: problems, notes, the store's name."""
+        return self._call("POST", "/v1/reports/verify", json={"manifest": manifest, "strict": strict}).json()
 
     def heads(self) -> dict:
         """``{"heads": [...]}`` as ``kvtrail audit head --json`` prints it."""

@@ -114,11 +114,12 @@ def verify(db: str, url: str | None, api_token: str | None, public_key: str | No
     """
     from kvtrail.audit.verify import load_heads
 
-    if url and (public_key or expect_heads):
-        raise KvtrailError("--url: --public-key and --expect-heads need the store itself: run them with --db "
-                           "on a copy ('kvtrail audit backup' makes one while the service runs)")
     saved = load_heads(expect_heads) if expect_heads else None  # a bad file fails before the long check
-    doc, chain_problems = _verify_remote(url, api_token) if url else _verify_local(db, public_key, saved)
+    if url:
+        pem = _read(public_key).decode("ascii", errors="replace") if public_key else None
+        doc, chain_problems = _verify_remote(url, api_token, saved, pem)
+    else:
+        doc, chain_problems = _verify_local(db, public_key, saved)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
@@ -127,11 +128,13 @@ def verify(db: str, url: str | None, api_token: str | None, public_key: str | No
         sys.exit(1)
 
 
-def _verify_remote(url: str, api_token: str | None) -> tuple[dict, list[str]]:
+def _verify_remote(url: str, api_token: str | None, saved: list | None,
+                   public_key_pem: str | None) -> tuple[dict, list[str]]:
     from kvtrail.remote import Client
 
-    doc = Client(url, api_token).verify()
-    return doc, list(doc["problems"])
+    doc = Client(url, api_token).verify(expect_heads=saved, public_key_pem=public_key_pem)
+    n = doc.pop("chain_problems", len(doc["problems"]))  # the rest of the problems: saved heads not reached
+    return doc, list(doc["problems"][:n])
 
 
 def _verify_local(db: str, public_key: str | None, saved: list | None) -> tuple[dict, list[str]]:

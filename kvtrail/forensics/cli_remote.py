@@ -21,8 +21,8 @@ from kvtrail.forensics import Answer, Exclusions
 from kvtrail.forensics.findings import NEVER_WRITTEN
 from kvtrail.forensics.lake.questions import open_lake
 from kvtrail.forensics.lake.report import verify_lake_report
-from kvtrail.forensics.report.manifest import MANIFEST
-from kvtrail.forensics.report.verify import ReportCheck, verify_report
+from kvtrail.forensics.report.manifest import MANIFEST, load_manifest
+from kvtrail.forensics.report.verify import ReportCheck, changed_files, verify_report
 from kvtrail.forensics.tables import printable
 from kvtrail.lake.executor import DaskExecutor, Executor, LocalExecutor
 from kvtrail.outputs import write_dir_atomically
@@ -167,9 +167,18 @@ def report_check(report_dir, db: str, strict: bool, lake_url: str | None, schedu
     if lake_url is None:
         if scheduler is not None or workers is not None:
             raise KvtrailError("--scheduler/--workers: only with --lake")
-        return verify_report(report_dir, db, strict=strict)
+        return local(lambda: verify_report(report_dir, db, strict=strict))
     return with_lake_executor(scheduler, workers, lambda ex: verify_lake_report(report_dir, lake_url, executor=ex,
                                                                                 strict=strict))
+
+
+def remote_report_check(remote: Remote, report_dir, strict: bool) -> tuple[ReportCheck, str]:
+    """``verify-report --url``: the report's files checked here, the rest by the service on its store; the
+    check (problems in the local form's order) and the store's name."""
+    doc = load_manifest(report_dir)
+    got = remote.client.verify_report(doc, strict=strict)
+    return ReportCheck(problems=[*changed_files(doc, report_dir), *got["problems"]], notes=list(got["notes"])), \
+        str(got["store"])
 
 
 def repeat_polls(step: Callable[[], None], interval: float, polls: int) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from kvtrail.errors import KvtrailError
 from kvtrail.forensics import build_report, load_context, open_snapshot, require_store, write_report
 from kvtrail.forensics.cli_options import exclusion_options, exclusions, probe_options, report_options
 from kvtrail.forensics.cli_remote import (
@@ -17,6 +18,7 @@ from kvtrail.forensics.cli_remote import (
     remote_of,
     remote_options,
     remote_report,
+    remote_report_check,
     report_check,
     report_lines,
 )
@@ -74,17 +76,25 @@ def report(db, from_, to, out, force, context, exclude_tenants, exclude_file, ur
 @click.argument("report_dir", metavar="DIR")
 @click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False))
 @click.option("--strict", is_flag=True, help="Also fail when events committed after the report fall inside its window.")
+@remote_options
 @lake_options
-def verify_report_cmd(report_dir, db, strict, lake_url, scheduler, workers) -> None:
-    """Re-run a report's queries on the store (or --lake: on the lake, re-checking its recorded manifest)
-    and confirm its numbers, chain heads and files. Exit 1 if not."""
-    check = report_check(report_dir, db, strict, lake_url, scheduler, workers)
+def verify_report_cmd(report_dir, db, strict, url, api_token, lake_url, scheduler, workers) -> None:
+    """Re-run a report's queries on the store (--url: a running service's; --lake: on the lake, re-checking
+    its recorded manifest) and confirm its numbers, chain heads and files. Exit 1 if not."""
+    remote = remote_of(url, api_token)
+    if remote is not None and (lake_url or scheduler is not None or workers is not None):
+        raise KvtrailError("--url: give either --url or --lake (with --scheduler/--workers)")
+    store_name = Path(db).name
+    if remote is not None:
+        check, store_name = remote_report_check(remote, report_dir, strict)
+    else:
+        check = report_check(report_dir, db, strict, lake_url, scheduler, workers)
     for note in check.notes:
         click.echo(f"note: {printable(note)}")
     if not check.ok:
         for problem in check.problems:
             click.echo(f"FAILED: {printable(problem)}")
         sys.exit(1)
-    source = f"the lake {lake_url}" if lake_url else f"the store {Path(db).name}"
+    source = f"the lake {lake_url}" if lake_url else f"the store {store_name}"
     what = "lake manifest, " if lake_url else ""
     click.echo(printable(f"confirmed: {report_dir} matches {source} ({what}results digest, chain heads, files)"))

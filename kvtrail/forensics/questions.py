@@ -57,17 +57,26 @@ from kvtrail.forensics.symptoms import (
 from kvtrail.forensics.window import Window, check_window
 
 
-def coverage_gaps(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
-    """Per producer: sequence numbers missing from the store that no recorder_gap event explains."""
-    rows = con.execute("""
+def coverage_gaps(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> pl.DataFrame:
+    """Per producer: sequence numbers missing from the store that no recorder_gap event explains.
+
+    With a window's ``from_ns``/``to_ns``: only the batches whose events overlap it count (the missing
+    numbers between them, and the recorder_gap events they hold); without one, the whole store."""
+    bounds = [("max_wall_ns >= ?", w.from_ns), ("min_wall_ns <= ?", w.to_ns)]
+    where = " AND ".join(cond for cond, v in bounds if v is not None) or "true"
+    in_window = "SEMI JOIN sel USING (producer_id, batch_no)" if where != "true" else ""
+    rows = con.execute(f"""
+        WITH sel AS (SELECT * FROM batches WHERE {where})
         SELECT p.node, p.instance, b.first_seq, b.last_seq, b.num_events, b.pruned,
                coalesce(g.dropped, 0) AS reported
         FROM (SELECT producer_id, min(first_seq) AS first_seq, max(last_seq) AS last_seq,
                      sum(num_events) AS num_events, sum(num_events) FILTER (pruned_by IS NOT NULL) AS pruned
-              FROM batches GROUP BY producer_id) b
+              FROM sel GROUP BY producer_id) b
         JOIN producers p USING (producer_id)
-        LEFT JOIN (SELECT producer_id, sum(dropped_events) AS dropped FROM events
-                   WHERE kind = 'recorder_gap' GROUP BY producer_id) g USING (producer_id)""").fetchall()
+        LEFT JOIN (SELECT e.producer_id, sum(e.dropped_events) AS dropped FROM events e
+                   {in_window}
+                   WHERE e.kind = 'recorder_gap' GROUP BY e.producer_id) g USING (producer_id)""",
+                       [v for _, v in bounds if v is not None]).fetchall()
     out = []
     for node, instance, first, last, stored, _pruned, reported in rows:
         missing = int(last - first + 1 - stored)

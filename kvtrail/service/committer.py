@@ -2,7 +2,7 @@
 
 DuckDB lets one connection write at a time, and the store's chain needs its batches in order, so the
 request handlers hand their parsed batches to :class:`Committer` and wait for the result. The thread
-takes everything queued at once (a group commit, as the relay does): batches of different producers
+takes everything queued at once (a group commit, as the relay does): small batches of different producers
 share one ``AuditStore.append`` transaction, two batches of one producer never do, so each request
 stays exactly one stored batch and a re-sent batch can be recognised by its sequence range.
 
@@ -29,6 +29,7 @@ from kvtrail.errors import KvtrailError, ValidationError
 
 log = logging.getLogger("kvtrail.service")
 MAX_GROUP_EVENTS = 1_000_000  # bounds one transaction's memory when many producers send at once
+SHARED_COMMIT_MAX_EVENTS = 8_192  # a group of batches this small shares one append (a group commit)
 
 
 class ConflictError(KvtrailError):
@@ -104,6 +105,9 @@ class Committer:
         with write_lock:
             rows = store.con.execute("SELECT producer_id, max(last_seq) FROM batches GROUP BY producer_id").fetchall()
         self._last_seq: dict[int, int] = {int(p): int(s) for p, s in rows}
+        with write_lock:
+            rows = store.con.execute("SELECT producer_id, max(batch_no) FROM batches GROUP BY producer_id").fetchall()
+        self.heads: dict[int, int] = {int(p): int(n) for p, n in rows}  # the last acknowledged batch of each
         self._thread = threading.Thread(target=self._run, name="kvtrail-service-commit", daemon=True)
         self._thread.start()
 
@@ -191,7 +195,9 @@ class Committer:
         return True
 
     def _append(self, group: list[_Pending]) -> None:
-        if len(group) > 1:
+        # Small batches share one transaction; large ones are appended one by one, as their producers sent
+        # them: the store would split a shared table by producer again, which costs more than a commit.
+        if len(group) > 1 and sum(p.table.num_rows for p in group) <= SHARED_COMMIT_MAX_EVENTS:
             try:
                 table = pa.concat_tables([p.table for p in group], promote_options="permissive")
                 res = self.store.append(table)
@@ -216,6 +222,7 @@ class Committer:
                                       [x for k in keys for x in k]).fetchall()
         by_key = {(int(r[0]), int(r[1])): r for r in rows}
         self.transactions += 1
+        self.heads.update(committed)  # before any reply: a producer told "committed" finds it in the heads
         for p, key in zip(group, keys):
             _, no, first, last, n, pages, digest = by_key[key]
             self._last_seq[p.producer_id] = int(last)

@@ -5,9 +5,12 @@ thread then feeds them to one warm :class:`~kvtrail.forensics.OnlineReplay` (rea
 only what it was not handed: at start, or after it fell more than ``MAX_HELD_EVENTS`` behind) and saves
 what it reports with :func:`~kvtrail.forensics.save_findings` under the service's write lock, so the
 ``findings`` table (stable ids, ``first_run_id``) is fresh without re-running a window. Commits that
-arrive while a poll runs are judged by the next one. A failure never reaches ingest: it is counted,
-logged and retried (findings a failed save did not persist are saved by the next attempt). The lag
-from a commit to the end of the poll that judged it is kept for ``stats``.
+arrive while a poll runs are judged by the next one, and polls are at least ``poll_interval_s`` apart
+while batches stream in: each poll re-derives the cross-node findings over everything judged so far,
+so polling on every commit would cost more than the commits (``wait_idle`` skips the wait). A failure
+never reaches ingest: it is counted, logged and retried (findings a failed save did not persist are
+saved by the next attempt). The lag from a commit to the end of the poll that judged it is kept for
+``stats``.
 
 At start the first poll judges everything the store already holds; findings stored by an earlier run
 keep their ids and ``first_run_id``.
@@ -25,6 +28,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
+from kvtrail.audit.batch import from_dicts
 from kvtrail.forensics import Finding, OnlineReplay, save_findings
 from kvtrail.forensics.policy import ForensicsPolicy
 
@@ -33,16 +37,28 @@ ENGINE = "online"
 _LAG_SAMPLES = 4096
 # Committed events the judge holds for direct feeding; past this it drops them and reads from the store.
 MAX_HELD_EVENTS = 2_000_000
+_WARM_UP_PRODUCER = {"cluster": "warm-up", "node": "warm-up", "role": "decode", "engine": "kvtrail",
+                     "engine_version": "0", "instance": "0"}
+# Fed to a throwaway replay at start: loading the compiled kernels takes seconds on a loaded machine.
+_WARM_UP_EVENTS = [
+    {"schema_version": 1, "producer": _WARM_UP_PRODUCER, "seq": 0, "wall_ns": 1, "mono_ns": 1, "kind": "node_config",
+     "pool_tokens": 64, "pool_pages": 4, "page_size": 16, "context_tokens": 64},
+    {"schema_version": 1, "producer": _WARM_UP_PRODUCER, "seq": 1, "wall_ns": 2, "mono_ns": 2,
+     "kind": "pages_allocated", "request": {"request_id": "r", "tenant_id": "t"}, "pages": [0, 1],
+     "purpose": "prefill_extend"}]
+POLL_INTERVAL_S = 0.5  # least time between two polls while commits keep coming (bounds the judge's lag)
 
 
 class Judge:
     """One thread judging a store as it grows. ``cursor`` makes the connection it reads and saves through."""
 
     def __init__(self, cursor: Callable[[], duckdb.DuckDBPyConnection], write_lock: threading.Lock, *,
-                 policy: ForensicsPolicy = ForensicsPolicy(), retry_s: float = 1.0):
+                 policy: ForensicsPolicy = ForensicsPolicy(), retry_s: float = 1.0,
+                 poll_interval_s: float = POLL_INTERVAL_S):
         self.policy = policy
         self.write_lock = write_lock
         self.retry_s = retry_s
+        self.poll_interval_s = poll_interval_s
         self.replay = OnlineReplay(policy)
         self.last_run_id: int | None = None  # the forensic run of the judge's latest save
         self.polls = 0
@@ -58,6 +74,9 @@ class Judge:
         self._oldest_ns: int | None = None  # monotonic time of the oldest commit not yet judged
         self._busy = False
         self._stopping = False
+        self._hurry = 0  # wait_idle callers: poll without waiting out the interval
+        self._replay_lock = threading.Lock()  # the replay is fed by the thread and read by judged()
+        self._judged: tuple[dict[int, int], list[Finding]] | None = None
         self._thread = threading.Thread(target=self._run, name="kvtrail-service-judge", daemon=True)
         self._thread.start()
 
@@ -80,11 +99,16 @@ class Judge:
         """Block until every commit notified so far is judged (and its findings saved); False on timeout."""
         deadline = time.monotonic() + timeout_s
         with self._cv:
-            while self._oldest_ns is not None or self._busy or self._unsaved:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._thread.is_alive():
-                    return False
-                self._cv.wait(left)
+            self._hurry += 1
+            self._cv.notify_all()
+            try:
+                while self._oldest_ns is not None or self._busy or self._unsaved:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._thread.is_alive():
+                        return False
+                    self._cv.wait(left)
+            finally:
+                self._hurry -= 1
         return True
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -96,6 +120,29 @@ class Judge:
         self._thread.join(timeout_s)
         if not self._thread.is_alive():
             self._con.close()
+
+    def judged(self, at_least: dict[int, int], timeout_s: float = 5.0) -> tuple[dict[int, int], list[Finding]] | None:
+        """What the judge holds once it has judged at least the batches ``at_least`` ({producer_id: batch_no},
+        e.g. the store's heads when a query came): the batches judged and every finding the replay derives
+        from them, in ``ReplayEngine.findings`` order (derived once per poll, under the replay's lock, so
+        the two agree). None if the judge has not caught up within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        mark = self.replay.tail.watermark
+        with self._cv:
+            self._hurry += 1  # poll now: waiting out the interval made queries wait and the judge fall behind
+            self._cv.notify_all()
+            try:
+                while any(mark.get(pid, -1) < no for pid, no in at_least.items()):
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._thread.is_alive():
+                        return None
+                    self._cv.wait(left)
+            finally:
+                self._hurry -= 1
+        with self._replay_lock:
+            if self._judged is None:
+                self._judged = (dict(self.replay.tail.watermark), self.replay.engine.findings())
+            return self._judged
 
     def stats(self) -> dict[str, float | int | None]:
         """Counters and the lag's percentiles (seconds) over the latest polls."""
@@ -112,12 +159,18 @@ class Judge:
     # ---- the judge's thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.replay.engine.fast_path is not None:  # load the compiled kernels now, not on the first commit
+            OnlineReplay(self.policy).engine.feed(from_dicts(_WARM_UP_EVENTS))
+        next_poll = 0.0
         while True:
             with self._cv:
-                while self._oldest_ns is None and not self._unsaved and not self._stopping:
-                    self._cv.wait()
+                while not self._stopping and (self._oldest_ns is None and not self._unsaved
+                                              or not self._hurry and time.monotonic() < next_poll):
+                    self._cv.wait(None if self._oldest_ns is None and not self._unsaved
+                                  else max(0.0, next_poll - time.monotonic()))
                 if self._stopping:
                     return
+                next_poll = time.monotonic() + self.poll_interval_s
                 since, self._oldest_ns = self._oldest_ns, None
                 held, self._held, self._held_events = self._held, [], 0
                 self._busy = True
@@ -134,11 +187,13 @@ class Judge:
 
     def _poll(self, held: list[tuple[pa.Table, dict[int, int]]]) -> bool:
         try:
-            for table, batches in held:
-                if not self.replay.feed_committed(self._con, table, batches):
-                    break  # not the next batches: the poll reads them (and what follows) from the store
-                self.fed_direct += len(batches)
-            self._unsaved += self.replay.poll(self._con)
+            with self._replay_lock:
+                self._judged = None
+                for table, batches in held:
+                    if not self.replay.feed_committed(self._con, table, batches):
+                        break  # not the next batches: the poll reads them (and what follows) from the store
+                    self.fed_direct += len(batches)
+                self._unsaved += self.replay.poll(self._con)
             self.polls += 1
             if self._unsaved:
                 with self.write_lock:

@@ -296,6 +296,7 @@ class VerifyResult(BaseModel):
     problems: list[str]
     coverage: list[dict[str, Any]]
     unclean_ends: list[dict[str, Any]]
+    chain_problems: int  # the first this many of problems are the chain's; the rest, saved heads not reached
     access_log: dict[str, Any]
 
 

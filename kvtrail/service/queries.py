@@ -16,11 +16,11 @@ import polars as pl
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Response
 
 from kvtrail.audit.store import arrow_query
-from kvtrail.audit.verify import chain_heads, verify_store
 from kvtrail.dashboards import pages, persisted
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics import (
     AFFECTED_CODES,
+    Answer,
     Exclusions,
     ForensicsPolicy,
     ProbeRules,
@@ -36,9 +36,10 @@ from kvtrail.forensics import (
 )
 from kvtrail.forensics.persist import ensure_tables as ensure_findings_tables
 from kvtrail.remote import NEXT_HEADER
-from kvtrail.service import access, models, tenancy, tokens_api
+from kvtrail.service import audit_api, models, tenancy, tokens_api
 from kvtrail.service.audited import logged_route
 from kvtrail.service.auth import principal_dependency, require_role
+from kvtrail.service.judged import affected_answer, findings_answer, judged_or_replayed
 from kvtrail.service.reports import ReportBody, report_response
 from kvtrail.service.responses import TABLE_CONTENT, answer_meta, table_response
 from kvtrail.service.tokens import Principal
@@ -161,10 +162,14 @@ def router(state: Any) -> APIRouter:
         require_role(who, "operator", "tenant")
         if who.role == "tenant":
             w = tenant_window(who, ask, excl)
-            answer = run(who, lambda cur: ask_affected(cur, w))
+            answer = run(who, lambda cur: judged_or_replayed(
+                cur, state, w, lambda c, found: affected_answer(c, w, found, Exclusions()),
+                lambda c: ask_affected(c, w)))
             return table_response(tenancy.tenant_affected(answer.rows, who.tenant_id or ""), ask.fmt,
                                   answer_meta(answer, tenant=True))
-        answer = run(who, lambda cur: ask_affected(cur, ask.window, exclusions=excl))
+        answer = run(who, lambda cur: judged_or_replayed(
+            cur, state, ask.window, lambda c, found: affected_answer(c, ask.window, found, excl),
+            lambda c: ask_affected(c, ask.window, exclusions=excl)))
         return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
 
     @r.get("/findings", response_model=list[models.FindingRow] | models.FindingsSince, responses=table)
@@ -185,8 +190,15 @@ def router(state: Any) -> APIRouter:
                                 media_type="application/json")
             return table_response(rows, ask.fmt, {}, {NEXT_HEADER: str(nxt)})
         policy = ForensicsPolicy(allow_tenant_cache_sharing=allow_tenant_cache_sharing, latency_factor=latency_factor)
-        answer = run(who, lambda cur: ask_findings(cur, ask.window, codes=tuple(code), engine=engine, policy=policy,
-                                                   exclusions=excl))
+
+        def replayed(cur: duckdb.DuckDBPyConnection) -> Answer:
+            return ask_findings(cur, ask.window, codes=tuple(code), engine=engine, policy=policy, exclusions=excl)
+        if engine == "replay" and policy == state.judge.policy:  # what the judge found is what a replay finds
+            answer = run(who, lambda cur: judged_or_replayed(
+                cur, state, ask.window, lambda c, found: findings_answer(c, ask.window, found, tuple(code), excl),
+                replayed))
+        else:
+            answer = run(who, replayed)
         return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
 
     @r.get("/exposure", response_model=list[models.ExposureRow] | models.TenantExposure, responses=table)
@@ -283,10 +295,10 @@ def router(state: Any) -> APIRouter:
 
     @r.get("/coverage", response_model=list[models.CoverageRow], responses=table)
     def coverage(who: Who, ask: AskQ) -> Response:
-        """Per producer: sequence numbers missing that no recorder_gap explains (the whole store; the window's
-        filters are checked but coverage is per producer, not per time)."""
+        """Per producer: sequence numbers missing that no recorder_gap explains, among the batches whose events
+        overlap the window (``from``/``to``; the whole store without them), optionally of one ``node``."""
         operator_only(who)
-        gaps = run(who, lambda cur: coverage_gaps(cur))
+        gaps = run(who, lambda cur: coverage_gaps(cur, ask.window))
         if ask.window.node:
             gaps = gaps.filter(gaps["node"] == ask.window.node)
         return table_response(gaps, ask.fmt, {})
@@ -304,18 +316,7 @@ def router(state: Any) -> APIRouter:
                                  body.probe())
         return run(who, lambda cur: report_response(cur, options, body, state.db_path.name))
 
-    @r.get("/audit/verify", response_model=models.VerifyResult)
-    def audit_verify(who: Who) -> models.VerifyResult:
-        """Recompute the hash chain (``kvtrail audit verify --json``) and the access log's chain."""
-        operator_only(who)
-        return run(who, lambda cur: models.VerifyResult(**verify_document(cur)))
-
-    @r.get("/audit/heads", response_model=models.Heads)
-    def audit_heads(who: Who) -> models.Heads:
-        """Each producer's chain head (``kvtrail audit head --json``)."""
-        operator_only(who)
-        return run(who, lambda cur: models.Heads(heads=[models.HeadRow(**h) for h in chain_heads(cur)]))
-
+    r.include_router(audit_api.router(state, logged_route(state), run))
     r.include_router(tokens_api.router(state, logged_route(state)))
     return r
 
@@ -339,12 +340,3 @@ def persisted_since(cur: duckdb.DuckDBPyConnection, since: int, w: Window, codes
         [since, w.from_ns, w.from_ns, w.to_ns, w.to_ns, w.node, w.node, w.tenant, w.tenant, w.tenant,
          list(codes), list(codes)]))
     return df, int(df["first_run_id"].max()) if len(df) else since  # type: ignore[arg-type]
-
-
-def verify_document(cur: duckdb.DuckDBPyConnection) -> dict:
-    """The document ``kvtrail audit verify --json`` prints, plus ``access_log``: the access log's own chain."""
-    report = verify_store(cur)
-    log = access.verify_access_log(cur)
-    return {**report.to_dict(),
-            "access_log": {"ok": log.ok, "entries": log.entries, "first_bad": log.first_bad, "reason": log.reason,
-                           "head_digest": log.head_digest}}

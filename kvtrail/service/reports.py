@@ -4,6 +4,10 @@ returned as an archive (zip or tar.gz) of exactly the files ``kvtrail forensics 
 The report's ``report.json`` records the chain heads of the snapshot, so ``kvtrail forensics
 verify-report`` checks it later against the store like a report written by the CLI. The counts the
 CLI prints go in the ``X-Kvtrail-Report`` header.
+
+``POST /v1/reports/verify`` is ``verify-report --url``: the client checks the report's files itself and
+sends ``report.json``; :func:`check_report` runs the store's part of the check (heads, growth, chain,
+the results re-computed as of the recorded heads) as ``verify_report`` does on a store file.
 """
 
 from __future__ import annotations
@@ -19,18 +23,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import duckdb
 from fastapi import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtrail.audit.layout import KIND_TABLES
-from kvtrail.audit.verify import chain_heads
-from kvtrail.forensics import ReportOptions, build_report, load_context, write_report
+from kvtrail.audit.verify import chain_heads, compare_heads, parse_heads, verify_store
+from kvtrail.errors import KvtrailError
+from kvtrail.forensics import ReportCheck, ReportOptions, build_report, load_context, write_report
 from kvtrail.remote import REPORT_HEADER
 
 MEDIA = {"zip": "application/zip", "tar.gz": "application/gzip"}
+MANIFEST = "report.json"
 
 
 class ReportBody(BaseModel):
@@ -62,15 +68,15 @@ _BATCHED = (*KIND_TABLES, "page_runs", "batches")
 
 
 @contextmanager
-def live_snapshot(cur: duckdb.DuckDBPyConnection) -> Iterator[list[dict]]:
-    """Point ``cur`` at the store as of its current chain heads (yields them), like ``open_snapshot`` does
-    for a store file: the service holds the file, so the views live in a private in-memory catalog of
-    the same database instance, made the cursor's default while the report runs."""
+def live_snapshot(cur: duckdb.DuckDBPyConnection, heads: list[dict] | None = None) -> Iterator[list[dict]]:
+    """Point ``cur`` at the store as of ``heads`` (default: its current chain heads; yields them), like
+    ``open_snapshot`` does for a store file: the service holds the file, so the views live in a private
+    in-memory catalog of the same database instance, made the cursor's default while the report runs."""
     store = cur.execute("SELECT current_database()").fetchone()
     assert store is not None
     src = f'"{store[0]}".main'
     snap = f"kvtrail_snapshot_{uuid.uuid4().hex}"
-    heads = chain_heads(cur)
+    heads = chain_heads(cur) if heads is None else heads
     cur.execute(f"ATTACH ':memory:' AS {snap}")
     try:
         cur.execute(f"USE {snap}")
@@ -134,3 +140,87 @@ def report_response(cur: duckdb.DuckDBPyConnection, options: ReportOptions, body
     return Response(data, media_type=MEDIA[body.archive], headers={
         REPORT_HEADER: json.dumps(summary, ensure_ascii=True, separators=(",", ":"), default=str),
         "Content-Disposition": f'attachment; filename="kvtrail-report.{ext}"'})
+
+
+class ReportCheckBody(BaseModel):
+    """A report's ``report.json`` to check against the store, and ``verify-report``'s ``--strict``."""
+
+    model_config = ConfigDict(extra="forbid")
+    manifest: dict[str, Any] = Field(description="The report's report.json, as written.")
+    strict: bool = False
+
+
+class ReportCheckResult(BaseModel):
+    """The store's part of ``verify-report``: problems (the check fails when any), notes, the store's name."""
+
+    ok: bool
+    problems: list[str]
+    notes: list[str]
+    store: str
+
+
+def note_growth(con: duckdb.DuckDBPyConnection, heads: list[dict], now: dict, options: ReportOptions,
+                check: ReportCheck, strict: bool) -> None:
+    """How the store grew after the report, worded as ``verify_report`` words it (that function is private
+    to forensics' report package; this is the same check on the service's cursor)."""
+    recorded = {h["producer_id"]: h["batch_no"] for h in heads}
+    new_batches = sum(max(0, h["batch_no"] - recorded.get(pid, -1)) for pid, h in now.items())
+    if not new_batches:
+        return
+    row = con.execute(
+        "SELECT count(*) FROM events e LEFT JOIN (SELECT unnest(?::BIGINT[]) AS producer_id, "
+        "unnest(?::BIGINT[]) AS head) h USING (producer_id) "
+        "WHERE (h.head IS NULL OR e.batch_no > h.head) AND e.wall_ns BETWEEN ? AND ?",
+        [list(recorded), list(recorded.values()), options.from_ns, options.to_ns]).fetchone()
+    late = row[0] if row else 0
+    check.notes.append(f"the store has grown since the report: {new_batches} batches after the recorded heads; "
+                       f"results were re-computed only from batches up to those heads")
+    if late:
+        msg = (f"{late} events committed after the report fall inside its window "
+               f"(late arrivals): the report does not include them; re-run it to include them")
+        (check.problems if strict else check.notes).append(msg)
+
+
+def _options(d: object) -> ReportOptions:
+    """A manifest's options (KvtrailError naming the field if it is not what kvtrail writes)."""
+    try:
+        if not isinstance(d, dict):
+            raise TypeError("not an object")
+        options = ReportOptions.from_dict(d)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise KvtrailError(f"{MANIFEST}: field 'options': not a report's options ({type(exc).__name__}: {exc})") \
+            from None
+    for name in ("from_ns", "to_ns"):
+        v = getattr(options, name)
+        if type(v) is not int or not 0 <= v < 2**63:
+            raise KvtrailError(f"{MANIFEST}: field 'options.{name}': not a time in ns")
+    return options
+
+
+def check_report(cur: duckdb.DuckDBPyConnection, doc: dict, strict: bool) -> ReportCheck:
+    """``verify_report``'s checks of a manifest against the live store (its files are the client's to check):
+    the recorded heads still reached, growth since, the chain, and the results digest as of those heads."""
+    for key in ("options", "chain_heads", "results_digest"):
+        if key not in doc:
+            raise KvtrailError(f"{MANIFEST}: field '{key}': missing")
+    options = _options(doc["options"])
+    heads = parse_heads(doc["chain_heads"], MANIFEST, "chain_heads")
+    check = ReportCheck()
+    now = {h["producer_id"]: h for h in chain_heads(cur)}
+    check.problems.extend(f"chain head of {p}" for p in compare_heads(cur, heads))
+    note_growth(cur, heads, now, options, check, strict)
+    chain = verify_store(cur)
+    if not chain.ok:
+        more = f" (+{len(chain.problems) - 1} more)" if len(chain.problems) > 1 else ""
+        check.problems.append(f"audit chain: {chain.first_problem}{more}")
+    try:
+        with live_snapshot(cur, heads):
+            digest = build_report(cur, options, None, heads).results_digest()
+    except Exception as exc:  # noqa: BLE001 - a tampered store may not even replay; that is a failed check
+        first_line = (str(exc).splitlines() or [""])[0]
+        check.problems.append(f"results could not be recomputed: {type(exc).__name__}: {first_line}")
+        return check
+    if digest != doc["results_digest"]:
+        check.problems.append(f"results digest differs: the store now answers differently for this window "
+                              f"({digest[:16]}... now, {str(doc['results_digest'])[:16]}... recorded)")
+    return check
