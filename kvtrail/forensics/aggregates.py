@@ -145,7 +145,11 @@ def add_batch(con: duckdb.DuckDBPyConnection, table: pa.Table, batches: dict[int
     """Add one committed batch (``AppendResult.table``; ``batches``: its ``{producer_id: batch_no}`` or
     ``AppendResult.batches``) to the aggregates, in one transaction. A minute it touches stays covered (or
     becomes covered, when no other batch overlaps it) only if every other batch overlapping it was already
-    counted; otherwise its counts grow but readers scan its events until a recompute."""
+    counted; otherwise its counts grow but readers scan its events until a recompute.
+
+    Coverage "as of" a time means every batch changed by then is counted, so a batch committed after this one
+    does not keep the minute uncovered (readers see it as newer than the coverage until it is added): a judge
+    adding batches in commit order keeps the minutes covered while ingest goes on."""
     ensure_tables(con)
     pairs = sorted(batches.items() if isinstance(batches, dict) else batches)
     if table.num_rows == 0 or not pairs:
@@ -183,6 +187,7 @@ def add_batch(con: duckdb.DuckDBPyConnection, table: pa.Table, batches: dict[int
                  other AS (SELECT minutes.minute_ns, max(c.changed_ns) AS changed_ns FROM minutes
                            JOIN {CHANGED_SQL} c ON c.max_wall_ns >= minutes.minute_ns
                                 AND c.min_wall_ns < minutes.minute_ns + {MINUTE_NS}
+                                AND c.changed_ns <= (SELECT max(changed_ns) FROM mine)
                            ANTI JOIN _agg_batch b ON b.producer_id = c.producer_id AND b.batch_no = c.batch_no
                            GROUP BY ALL)
             SELECT minutes.minute_ns, greatest(coalesce(cov.as_of_ns, 0), (SELECT max(changed_ns) FROM mine))

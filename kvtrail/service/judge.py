@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvtrail.audit.batch import from_dicts
-from kvtrail.forensics import Finding, OnlineReplay, save_findings
+from kvtrail.forensics import Finding, OnlineReplay, aggregates, save_findings
 from kvtrail.forensics.policy import ForensicsPolicy
 
 log = logging.getLogger("kvtrail.service")
@@ -70,6 +70,9 @@ class Judge:
         self._held: list[tuple[pa.Table, dict[int, int]]] = []  # committed, not yet fed, in commit order
         self._held_events = 0
         self.fed_direct = 0  # batches fed as committed, not read back
+        # The per-(node, minute) aggregates: counted from each handed batch; rebuilt where the judge read
+        # batches back from the store instead (its first poll, a fallback, a failed poll).
+        self._refresh_aggregates = True
         self._cv = threading.Condition()
         self._oldest_ns: int | None = None  # monotonic time of the oldest commit not yet judged
         self._busy = False
@@ -187,22 +190,32 @@ class Judge:
 
     def _poll(self, held: list[tuple[pa.Table, dict[int, int]]]) -> bool:
         try:
+            fed: list[tuple[pa.Table, dict[int, int]]] = []
             with self._replay_lock:
                 self._judged = None
+                before = self.replay.num_events
                 for table, batches in held:
                     if not self.replay.feed_committed(self._con, table, batches):
                         break  # not the next batches: the poll reads them (and what follows) from the store
                     self.fed_direct += len(batches)
+                    fed.append((table, batches))
                 self._unsaved += self.replay.poll(self._con)
+                read_back = self.replay.num_events - before != sum(t.num_rows for t, _ in fed)
             self.polls += 1
-            if self._unsaved:
-                with self.write_lock:
+            with self.write_lock:
+                if self._unsaved:
                     record = save_findings(self._con, self._unsaved, from_ns=None, to_ns=None, engine=ENGINE,
-                                           policy=self.policy)
-                self.last_run_id = record.run_id
-                self.findings_saved += record.num_new
-                self._unsaved = []
+                                           policy=self.policy, recompute_aggregates=False)
+                    self.last_run_id = record.run_id
+                    self.findings_saved += record.num_new
+                    self._unsaved = []
+                for table, batches in fed:
+                    aggregates.add_batch(self._con, table, batches)
+                if self._refresh_aggregates or read_back:
+                    aggregates.refresh(self._con)
+                self._refresh_aggregates = False
         except Exception:  # noqa: BLE001 - the judge must outlive any failure; counted, logged, retried
+            self._refresh_aggregates = True
             self.failures += 1
             log.exception("kvtrail service: live judge failed (retried in %.1f s)", self.retry_s)
             return False

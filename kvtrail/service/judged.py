@@ -20,7 +20,6 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import duckdb
-import polars as pl
 
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics import (
@@ -32,6 +31,7 @@ from kvtrail.forensics import (
     affected_with_exclusions,
     check_exclusions,
     coverage_gaps,
+    excluded_mask,
     excluded_requests,
     findings_frame,
 )
@@ -71,12 +71,6 @@ def judged_findings(cur: duckdb.DuckDBPyConnection, state: Any, w: Window) -> It
         yield [f for f in found if w.from_ns is None or f.last_ns >= w.from_ns]
 
 
-def _excluded_mask(excluded: pl.DataFrame, excl: Exclusions) -> pl.Expr:
-    # the rows ask_findings leaves out: an excluded request or tenant (as forensics' analysis marks them)
-    return (pl.col("request_id").is_in(excluded["request_id"].to_list())
-            | pl.col("tenant_id").is_in([t for t, _ in excl.tenants])).fill_null(False)
-
-
 def _notes(con: duckdb.DuckDBPyConnection, w: Window) -> tuple[str, ...]:
     note = empty_after_abort_note(empty_after_abort(con, w))
     return (note,) if note else ()
@@ -103,7 +97,7 @@ def findings_answer(con: duckdb.DuckDBPyConnection, w: Window, found: list[Findi
     df, excluded, gaps = findings_frame(found, w, codes), excluded_requests(con, exclusions), coverage_gaps(con)
     notes = _notes(con, w)
     warnings = integrity_warnings(con, w, ends=ends, incomplete=incomplete, withheld=len(withheld))
-    hit = _excluded_mask(excluded, exclusions)
+    hit = excluded_mask(excluded, exclusions)
     return Answer(df.filter(~hit), df.filter(hit), gaps, notes, warnings, found=tuple(found))
 
 

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvtrail.audit.layout import KIND_TABLES
 from kvtrail.audit.verify import chain_heads, compare_heads, parse_heads, verify_store
 from kvtrail.errors import KvtrailError
-from kvtrail.forensics import ReportCheck, ReportOptions, build_report, load_context, write_report
+from kvtrail.forensics import ReportCheck, ReportOptions, build_report, load_context, note_growth, write_report
 from kvtrail.remote import REPORT_HEADER
 
 MEDIA = {"zip": "application/zip", "tar.gz": "application/gzip"}
@@ -157,28 +157,6 @@ class ReportCheckResult(BaseModel):
     problems: list[str]
     notes: list[str]
     store: str
-
-
-def note_growth(con: duckdb.DuckDBPyConnection, heads: list[dict], now: dict, options: ReportOptions,
-                check: ReportCheck, strict: bool) -> None:
-    """How the store grew after the report, worded as ``verify_report`` words it (that function is private
-    to forensics' report package; this is the same check on the service's cursor)."""
-    recorded = {h["producer_id"]: h["batch_no"] for h in heads}
-    new_batches = sum(max(0, h["batch_no"] - recorded.get(pid, -1)) for pid, h in now.items())
-    if not new_batches:
-        return
-    row = con.execute(
-        "SELECT count(*) FROM events e LEFT JOIN (SELECT unnest(?::BIGINT[]) AS producer_id, "
-        "unnest(?::BIGINT[]) AS head) h USING (producer_id) "
-        "WHERE (h.head IS NULL OR e.batch_no > h.head) AND e.wall_ns BETWEEN ? AND ?",
-        [list(recorded), list(recorded.values()), options.from_ns, options.to_ns]).fetchone()
-    late = row[0] if row else 0
-    check.notes.append(f"the store has grown since the report: {new_batches} batches after the recorded heads; "
-                       f"results were re-computed only from batches up to those heads")
-    if late:
-        msg = (f"{late} events committed after the report fall inside its window "
-               f"(late arrivals): the report does not include them; re-run it to include them")
-        (check.problems if strict else check.notes).append(msg)
 
 
 def _options(d: object) -> ReportOptions:

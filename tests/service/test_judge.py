@@ -144,3 +144,28 @@ def test_stats_before_any_poll_has_no_lag():
     finally:
         j.close(5)
         con.close()
+
+
+def test_the_judge_keeps_the_minute_aggregates_equal_to_a_recompute(client, service_state, producer_token, fleet):
+    from kvtrail.forensics import aggregates
+
+    tables, _ = fleet
+    for table in tables:
+        r = client.post("/v1/events", content=arrow_body(table), headers=auth(producer_token))
+        assert r.status_code == 200, r.text
+    assert service_state.judge.wait_idle(60)
+    counters = ", ".join(aggregates.COUNTER_NAMES)
+    events_sql = f"SELECT producer_id, minute_ns, {counters} FROM minute_events WHERE events > 0 ORDER BY 1, 2"
+    findings_sql = ("SELECT node, minute_ns, code, severity, sum(findings) FROM minute_findings "
+                    "GROUP BY ALL ORDER BY ALL")
+    with service_state.write_lock:
+        cur = service_state.cursor()
+        try:
+            kept = cur.execute(events_sql).fetchall(), cur.execute(findings_sql).fetchall()
+            assert not aggregates.uncovered_minutes(cur, aggregates.MIN_NS, aggregates.MAX_NS - aggregates.MINUTE_NS)
+            aggregates.recompute(cur, None, None)
+            rebuilt = cur.execute(events_sql).fetchall(), cur.execute(findings_sql).fetchall()
+        finally:
+            cur.close()
+    assert kept[0] and sum(r[2] for r in kept[0]) == sum(t.num_rows for t in tables)
+    assert kept[1] and kept == rebuilt
