@@ -1,43 +1,53 @@
-"""The audit lake at fleet scale: single-store replay vs the lake's per-(node, hour) fan-out on Dask.
+"""The audit lake at fleet scale: single-store replay vs the lake's per-(node, hour) fan-out on Dask, in rounds.
 
-A simulated fleet history (:mod:`kvtrail.sim.fleet`, default 4 prefill + 4 decode nodes, ``--hours``
-of arrivals at ``--rate`` requests/s) is written to a store and exported to a local lake. Two
-questions - "affected in a 1-hour window" and "affected in the whole history" (the replay's F1/F5) -
-are answered by the single-store replay (``replay_store``) and by the lake with 1, 2 and 4 Dask
-worker processes (4 oversubscribes a 2-core machine); every lake answer is compared with the store's.
-Rates are page-events (entries of the events' page lists) per second of wall time; peak memory is
-each worker's maximum resident set. Last, the measured per-partition cost is extrapolated on paper
-to a two-week incident window of a 500-node fleet on a 32-worker cluster.
+A simulated fleet history (:mod:`kvtrail.sim.fleet`, ``--nodes`` prefill + as many decode nodes and a
+router, ``--hours`` of arrivals at ``--rate`` requests/s) is written to a store and exported to a local
+lake (both kept under ``--dir`` and reused when present: build once, measure many times). Two
+questions - "affected in a 1-hour window" (across an hour boundary) and "affected in the whole history"
+(the replay's F1/F5) - are answered by the single-store replay (``replay_store``) and by the lake with
+1, 2 and 4 Dask worker processes (4 oversubscribes a 2-core machine), alternating the methods in rounds
+(the first one rotating, bench/rounds.py); every lake answer is compared with the store's. Rates are
+page-events (entries of the events' page lists) per second of wall time; peak memory is each worker's
+maximum resident set (VmHWM) over the whole run, imports included. Goals, judged on the worst round:
+2 workers at least 1.7x as fast as one; at most 2 GB per worker. Last, the measured per-partition cost
+is extrapolated on paper to a two-week incident window of a 500-node fleet on a 32-worker cluster.
 
-    .venv/bin/python bench/bench_fleet.py                  # ~6 M page-events, about two minutes
-    .venv/bin/python bench/bench_fleet.py --rate 0.5       # bench_forensics' fleet rate (~32 M/hour)
+    .venv/bin/python bench/bench_fleet.py --quick                      # ~6 M page-events, 2 rounds
+    .venv/bin/python bench/bench_fleet.py --rate 0.5                   # bench_forensics' fleet (68 M)
+    .venv/bin/python bench/bench_fleet.py --nodes 8 --hours 8 --rate 2 --dir DIR   # ~1.15 B page-events
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
+import sys
 import tempfile
 import time
 
 import duckdb
 
-from kvtrail import forensics as fx
-from kvtrail.audit.store import AuditStore
-from kvtrail.forensics.lake.checkpointer import write_checkpoints
-from kvtrail.forensics.lake.questions import lake_findings, open_lake
-from kvtrail.forensics.replay.engine import replay_store
-from kvtrail.lake.executor import DaskExecutor, LocalExecutor
-from kvtrail.lake.export import export_lake
-from kvtrail.lake.partition import HOUR_NS
-from kvtrail.sim.fleet import FleetConfig, write_fleet
-from kvtrail.sim.fleet.config import DEFAULT_START_NS
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from rounds import MIN_ROUNDS, Spread, at_least, at_most, check_rounds, per_round_ratios, rotated  # noqa: E402
+
+from kvtrail import forensics as fx  # noqa: E402
+from kvtrail.audit.store import AuditStore  # noqa: E402
+from kvtrail.forensics.lake.checkpointer import write_checkpoints  # noqa: E402
+from kvtrail.forensics.lake.questions import lake_findings, open_lake  # noqa: E402
+from kvtrail.forensics.replay.engine import replay_store  # noqa: E402
+from kvtrail.lake.executor import DaskExecutor  # noqa: E402
+from kvtrail.lake.export import export_lake  # noqa: E402
+from kvtrail.lake.partition import HOUR_NS  # noqa: E402
+from kvtrail.sim.fleet import FleetConfig, write_fleet  # noqa: E402
+from kvtrail.sim.fleet.config import DEFAULT_START_NS  # noqa: E402
 
 AFFECTED = ("F1", "F5")
 # The issue's fleet: ~120 M page-events per simulated hour of an 8-node deployment.
 PAGE_EVENTS_PER_NODE_HOUR = 120_000_000 / 8
+SPEEDUP_GOAL = 1.7
+WORKER_MB_GOAL = 2048
 
 
 def _peak_rss_mb() -> float:
@@ -46,7 +56,7 @@ def _peak_rss_mb() -> float:
         for line in f:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _page_events(con, from_ns=None, to_ns=None) -> int:
@@ -57,83 +67,126 @@ def _page_events(con, from_ns=None, to_ns=None) -> int:
                            params).fetchone()[0])
 
 
-def main() -> None:
+def build(cfg: FleetConfig, db: str, lake_dir: str) -> tuple[float, float]:
+    """The store and the lake (reused when present): (simulate+store s, export s; 0 when reused)."""
+    t = time.perf_counter()
+    if not os.path.exists(db):
+        with AuditStore(db) as store:
+            write_fleet(cfg, store, db + ".truth.json")
+    sim_s = time.perf_counter() - t
+    t = time.perf_counter()
+    if not os.path.exists(lake_dir):
+        export_lake(db, lake_dir, checkpoints=write_checkpoints)
+    return sim_s, time.perf_counter() - t
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rate", type=float, default=0.05, help="Requests per second, whole fleet.")
     ap.add_argument("--hours", type=float, default=2.0, help="Simulated hours of arrivals.")
     ap.add_argument("--nodes", type=int, default=4, help="Prefill nodes (and as many decode nodes).")
     ap.add_argument("--workers", type=int, nargs="*", default=[1, 2, 4])
-    ap.add_argument("--dir", help="Keep the store and lake here (default: a temporary directory).")
+    ap.add_argument("--rounds", type=int, default=None, help=f"rounds (default {MIN_ROUNDS}; 2 with --quick)")
+    ap.add_argument("--whole-rounds", type=int, default=None,
+                    help="rounds of the whole-history question (default: --rounds)")
+    ap.add_argument("--quick", action="store_true", help="the default small fleet, 2 rounds")
+    ap.add_argument("--dir", help="Keep the store and lake here (default: a temporary directory, removed).")
     args = ap.parse_args()
+    rounds = check_rounds(args.rounds or (2 if args.quick else MIN_ROUNDS))
+    whole_rounds = check_rounds(args.whole_rounds or rounds)
     base = args.dir or tempfile.mkdtemp(prefix="bench-fleet-")
     os.makedirs(base, exist_ok=True)
     db, lake_dir = os.path.join(base, "fleet.duckdb"), os.path.join(base, "lake")
     cfg = FleetConfig(rate_per_s=args.rate, hours=args.hours, prefill_nodes=args.nodes, decode_nodes=args.nodes,
                       start_ns=DEFAULT_START_NS)
+    executors: dict[str, DaskExecutor] = {}
     try:
-        t = time.perf_counter()
-        if not os.path.exists(db):
-            with AuditStore(db) as store:
-                write_fleet(cfg, store, db + ".truth.json")
-        sim_s = time.perf_counter() - t
-        t = time.perf_counter()
-        if not os.path.exists(lake_dir):
-            export_lake(db, lake_dir, checkpoints=write_checkpoints)
-        export_s = time.perf_counter() - t
+        sim_s, export_s = build(cfg, db, lake_dir)
         con = duckdb.connect(db, read_only=True)
         lo, hi = con.execute("SELECT min(wall_ns), max(wall_ns) FROM events").fetchall()[0]
         w1 = (lo + HOUR_NS // 2, lo + HOUR_NS // 2 + HOUR_NS)  # one hour across a partition boundary
-        windows = {"1-hour window": w1, "whole history": (None, None)}
+        questions = {"1-hour window": w1, "whole history": (None, None)}
         total = _page_events(con)
+        built = (f"simulated+stored in {sim_s:.1f} s, exported in {export_s:.1f} s" if sim_s > 1 else
+                 "store and lake reused from --dir")
         print(f"history: {cfg.prefill_nodes}+{cfg.decode_nodes} nodes + router, {(hi - lo) / HOUR_NS:.2f} h, "
-              f"{total:,} page-events; simulated+stored in {sim_s:.1f} s, exported to the lake in {export_s:.1f} s")
+              f"{total:,} page-events; {built}")
+        print(f"machine: {os.cpu_count()} CPUs, shared with other jobs; {rounds} rounds ({whole_rounds} of the whole "
+              "history), methods alternating")
+        methods = ["single store"] + [f"lake, {n} worker{'s' if n > 1 else ''}" for n in args.workers]
+        for n, name in zip(args.workers, methods[1:]):
+            executors[name] = DaskExecutor(workers=n, progress=False)
         with open_lake(lake_dir) as lake:
             parts = len({(f["node"], f["hour"]) for f in lake.manifest.files_of("events").values()})
             print(f"lake: {parts} partitions (node, hour)")
-            rows = []
-            for name, (f, to) in windows.items():
-                pe = total if f is None else _page_events(con, f, to)
-                replay_store(con, f, to, codes=AFFECTED)  # untimed: numba's kernel cache, the page cache
-                t = time.perf_counter()
-                want = replay_store(con, f, to, codes=AFFECTED)
-                single = time.perf_counter() - t
-                rows.append((name, "single store", single, pe, _peak_rss_mb(), True))
-                t = time.perf_counter()
-                got = lake_findings(lake, fx.Window(f, to), codes=AFFECTED, executor=LocalExecutor())
-                rows.append((name, "lake, in-process", time.perf_counter() - t, pe, _peak_rss_mb(), got == want))
-                for n in args.workers:
-                    ex = DaskExecutor(workers=n, progress=False)
-                    try:
-                        lake_findings(lake, fx.Window(f, to), codes=AFFECTED, executor=ex)  # warm the workers
+            walls: dict[tuple[str, str], list[float]] = {(q, m): [] for q in questions for m in methods}
+            same: dict[tuple[str, str], bool] = {}
+            pe = {q: total if f is None else _page_events(con, f, to) for q, (f, to) in questions.items()}
+            # untimed: the store's answers, and one lake run of the window (numba's cache, the workers' imports)
+            want = {q: replay_store(con, f, to, codes=AFFECTED) for q, (f, to) in questions.items()}
+            for name, ex in executors.items():
+                got = lake_findings(lake, fx.Window(*w1), codes=AFFECTED, executor=ex)
+                same[("1-hour window", name)] = got == want["1-hour window"]
+            for r in range(max(rounds, whole_rounds)):
+                for q, (f, to) in questions.items():
+                    if r >= (whole_rounds if f is None else rounds):
+                        continue
+                    for m in rotated(methods, r):
                         t = time.perf_counter()
-                        got = lake_findings(lake, fx.Window(f, to), codes=AFFECTED, executor=ex)
-                        took = time.perf_counter() - t
-                        peak = max(ex.client.run(_peak_rss_mb).values())
-                    finally:
-                        ex.close()
-                    rows.append((name, f"lake, {n} Dask worker{'s' if n > 1 else ''}", took, pe, peak, got == want))
-        print(f"{'question':<16} {'engine':<22} {'time s':>8} {'M page-ev/s':>12} {'peak MB/proc':>13} same")
-        for name, eng, s, pe, mb, same in rows:
-            print(f"{name:<16} {eng:<22} {s:8.2f} {pe / s / 1e6:12.1f} {mb:13.0f} {'yes' if same else 'NO'}")
-        whole = [r for r in rows if r[0] == "whole history"]
-        one = next(r for r in whole if r[1] == "lake, 1 Dask worker")
-        two = next((r for r in whole if r[1] == "lake, 2 Dask workers"), None)
-        if two is not None:
-            print(f"speed-up 2 workers vs 1 (whole history): {one[2] / two[2]:.2f}x (goal >= 1.7x)")
-        per_part_s = one[2] / parts
-        per_pe_s = one[2] / total
-        pe_part = PAGE_EVENTS_PER_NODE_HOUR
-        fleet_parts = 500 * 14 * 24
-        est_s = fleet_parts * pe_part * per_pe_s / 32
-        print(f"on paper: measured {per_part_s:.2f} s per partition here ({total / parts:,.0f} page-events each, "
-              f"{1 / per_pe_s / 1e6:.1f} M page-events/s per worker); a two-week window of a 500-node fleet is "
-              f"{fleet_parts:,} partitions of ~{pe_part / 1e6:.0f} M page-events -> {est_s / 3600:.1f} h on 32 "
-              f"workers at this per-worker rate (per-worker memory bounded by one partition's node pool)")
+                        if m == "single store":
+                            got = replay_store(con, f, to, codes=AFFECTED)
+                        else:
+                            got = lake_findings(lake, fx.Window(f, to), codes=AFFECTED, executor=executors[m])
+                        walls[(q, m)].append(time.perf_counter() - t)
+                        same[(q, m)] = same.get((q, m), True) and got == want[q]
+                print(f"round {r + 1}: " + "; ".join(
+                    f"{q}: " + ", ".join(f"{m.removeprefix('lake, ')} {walls[(q, m)][-1]:.1f} s" for m in methods)
+                    for q in questions if len(walls[(q, methods[0])]) > r), flush=True)
+        peaks = {"single store": _peak_rss_mb()}
+        for name, ex in executors.items():
+            peaks[name] = max(ex.client.run(_peak_rss_mb).values())
         con.close()
+        _report(questions, methods, walls, same, pe, peaks, parts, total, args.workers)
     finally:
+        for ex in executors.values():
+            ex.close()
         if not args.dir:
             shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+def _report(questions, methods, walls, same, pe, peaks, parts, total, workers) -> None:
+    print()
+    head = (f"{'question':<15} {'engine':<16} {'wall s min / median / max':>27} {'M page-ev/s median':>19} "
+            f"{'peak MB/proc':>13} same")
+    print(head)
+    print("-" * len(head))
+    for q in questions:
+        for m in methods:
+            s = Spread.of(walls[(q, m)])
+            print(f"{q:<15} {m:<16} {s.text():>27} {pe[q] / s.median / 1e6:19.1f} {peaks[m]:13.0f} "
+                  f"{'yes' if same[(q, m)] else 'NO'}")
+    if 1 in workers and 2 in workers:
+        for q in questions:
+            ratios = per_round_ratios(walls[(q, "lake, 1 worker")], walls[(q, "lake, 2 workers")])
+            v = at_least("2 workers vs 1", ratios, SPEEDUP_GOAL)
+            print(f"speed-up 2 workers vs 1 ({q}): {Spread.of(ratios).text()} x (min / median / max); goal >= "
+                  f"{SPEEDUP_GOAL}x on the worst round: {v.worst:.2f}x -> {v.word}")
+    worker_peaks = [peaks[m] for m in methods if m != "single store"]
+    if worker_peaks:
+        v = at_most("memory per worker", worker_peaks, WORKER_MB_GOAL)
+        print(f"peak memory per worker: {max(worker_peaks):.0f} MB (goal <= {WORKER_MB_GOAL} MB) -> "
+              f"{'PASS' if v.worst <= WORKER_MB_GOAL else 'MISS'}")
+    if 1 in workers:
+        one = Spread.of(walls[("whole history", "lake, 1 worker")]).median
+        per_pe_s = one / total
+        fleet_parts = 500 * 14 * 24
+        est_s = fleet_parts * PAGE_EVENTS_PER_NODE_HOUR * per_pe_s / 32
+        print(f"on paper: measured {one / parts:.2f} s per partition here ({total / parts:,.0f} page-events each, "
+              f"{1 / per_pe_s / 1e6:.1f} M page-events/s on one worker, median round); a two-week window of a "
+              f"500-node fleet is {fleet_parts:,} partitions of ~{PAGE_EVENTS_PER_NODE_HOUR / 1e6:.0f} M "
+              f"page-events -> {est_s / 3600:.1f} h on 32 workers at this per-worker rate")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

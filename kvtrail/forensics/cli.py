@@ -39,6 +39,7 @@ from kvtrail.forensics.cli_remote import (
     repeat_polls,
     watch_remote,
     window_params,
+    with_lake_executor,
 )
 from kvtrail.forensics.cli_report import report, verify_report_cmd
 from kvtrail.forensics.lake.questions import (
@@ -48,6 +49,8 @@ from kvtrail.forensics.lake.questions import (
     ask_lake_findings,
     ask_lake_thresholds,
 )
+from kvtrail.forensics.lake.task import LakeCoverageError
+from kvtrail.forensics.lake.watch import LakeWatch
 from kvtrail.forensics.tables import (
     AFFECTED,
     EXPLOITATION,
@@ -199,10 +202,10 @@ def findings_cmd(db, url, api_token, from_, to, tenant, node, fmt, out, force, c
     policy = _policy(allow_tenant_cache_sharing, latency_factor)
     w = _window(from_, to, tenant, node)
     remote = remote_of(url, api_token)
-    if lake_url is not None and (save or engine != "replay"):
-        raise KvtrailError("--lake: not with --save or --engine sql (the lake's partitions are replayed)")
+    if lake_url is not None and save:
+        raise KvtrailError("--lake: not with --save (a lake is read-only; save findings into a store)")
     answer = lake_answer(lake_url, scheduler, workers, url, lambda lk, ex: ask_lake_findings(
-        lk, w, codes=tuple(codes), policy=policy, exclusions=excl, executor=ex))
+        lk, w, codes=tuple(codes), policy=policy, exclusions=excl, executor=ex, engine=engine))
     if answer is None and remote is not None:
         if save:
             raise KvtrailError("--save: not with --url (the service's live judge keeps the findings)")
@@ -263,11 +266,21 @@ def _save(db: str, found, w, engine: str, policy) -> None:
 @click.option("--allow-tenant-cache-sharing", is_flag=True, help="The deployment lets tenants share prefix-cache "
                                                                  "pages: no F10.")
 @remote_options
-def watch(db, interval, polls, allow_tenant_cache_sharing, url, api_token) -> None:
+@lake_options
+def watch(db, interval, polls, allow_tenant_cache_sharing, url, api_token, lake_url, scheduler, workers) -> None:
     """Tail a store: print each new finding as its batch commits (online replay; cross-node findings are
     provisional until their other half lands). The store is opened read-only for each poll only.
     With --url, follow a running service's live judge instead (the findings it persists, in the same lines).
+    With --lake, follow an audit lake: each new export's new findings (its changed partitions re-judged).
     Ctrl-C or SIGTERM stops it (exit 0)."""
+    policy = ForensicsPolicy(allow_tenant_cache_sharing=allow_tenant_cache_sharing)
+    if lake_url is not None:
+        if url:
+            raise KvtrailError("--lake: give either --lake or --url")
+        with_lake_executor(scheduler, workers, lambda ex: _watch_lake(lake_url, policy, ex, interval, polls))
+        return
+    if scheduler is not None or workers is not None:
+        raise KvtrailError("--scheduler/--workers: only with --lake")
     if url:
         if allow_tenant_cache_sharing:
             raise KvtrailError("--allow-tenant-cache-sharing: the service's judge runs with the service's policy; "
@@ -275,7 +288,7 @@ def watch(db, interval, polls, allow_tenant_cache_sharing, url, api_token) -> No
         watch_remote(Remote(url, api_token), interval, polls)
         return
     require_store(db)
-    online = OnlineReplay(ForensicsPolicy(allow_tenant_cache_sharing=allow_tenant_cache_sharing))
+    online = OnlineReplay(policy)
 
     def step() -> None:
         try:
@@ -291,6 +304,28 @@ def watch(db, interval, polls, allow_tenant_cache_sharing, url, api_token) -> No
 
     done = repeat_polls(step, interval, polls)
     click.echo(f"watched {online.num_events} events in {done} polls", err=True)
+
+
+def _watch_lake(lake_url: str, policy: ForensicsPolicy, executor, interval: float, polls: int) -> None:
+    """``watch --lake``: poll the lake's manifest; print each export's new findings once."""
+    watcher = LakeWatch(lake_url, policy, executor)
+    noted: set[str] = set()
+
+    def step() -> None:
+        try:
+            found = watcher.poll()
+        except LakeCoverageError as exc:  # e.g. an export replaced a checkpoint while it was read: next poll
+            click.echo(printable(f"note: {str(exc).splitlines()[0][:200]} (retrying next poll)"), err=True)
+            return
+        if not watcher.manifest and "empty" not in noted:
+            noted.add("empty")
+            click.echo(f"note: {lake_url} holds no lake manifest yet (waiting for kvtrail lake export)", err=True)
+        for f in found:
+            click.echo(_finding_line(f))
+
+    done = repeat_polls(step, interval, polls)
+    click.echo(f"watched manifest {watcher.manifest} ({watcher.tasks_run} partition tasks run, "
+               f"{len(watcher.seen)} findings) in {done} polls", err=True)
 
 
 def _finding_line(f) -> str:

@@ -132,7 +132,8 @@ def test_altered_checkpoint_refuses(lake_copy, capsys):
 def test_lake_flags_need_a_lake(fleet_db, capsys):
     assert main(["forensics", "affected", "--db", fleet_db, "--workers", "2"]) == 2
     assert "--scheduler/--workers: only with --lake" in capsys.readouterr().err
-    assert main(["forensics", "findings", "--lake", "x", "--engine", "sql"]) == 2
+    assert main(["forensics", "findings", "--lake", "x", "--save"]) == 2
+    assert "--lake: not with --save" in capsys.readouterr().err
 
 
 def test_results_digest_equal(lake, fleet_con):

@@ -36,6 +36,7 @@ from kvtrail.forensics import (
 from kvtrail.forensics.analysis.exclusions import Exclusions, excluded_mask
 from kvtrail.forensics.lake.merge import merged_findings
 from kvtrail.forensics.lake.plan import plan_tasks
+from kvtrail.forensics.lake.sqltask import sql_lake_findings
 from kvtrail.forensics.lake.task import LakeCoverageError, run_task
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.questions import report_requests, thresholds_answer
@@ -83,10 +84,15 @@ def open_lake(url: str, number: int | None = None) -> Iterator[Lake]:
 
 
 def lake_findings(lake: Lake, w: Window, *, policy: ForensicsPolicy = ForensicsPolicy(), codes=None,
-                  executor: Executor | None = None) -> list[Finding]:
-    """Every finding of the window (tenant and node filters not applied), as one store's replay finds them."""
+                  executor: Executor | None = None, engine: str = "replay") -> list[Finding]:
+    """Every finding of the window (tenant and node filters not applied), as one store's replay finds them
+    (``engine="sql"``: the SQL engine per partition, :mod:`kvtrail.forensics.lake.sqltask`)."""
     check_window(lake.con, w)
     wanted = None if codes is None else tuple(codes)
+    if engine == "sql":
+        return sql_lake_findings(lake, w.from_ns, w.to_ns, policy, wanted, executor)
+    if engine != "replay":
+        raise KvtrailError(f"--engine: unknown findings engine {engine!r}; known: replay, sql")
     need_joins = wanted is None or bool(set(wanted) & JOIN_CODES)
     tasks = plan_tasks(lake.fs, lake.manifest, lake.con, w.from_ns, w.to_ns, policy, wanted, need_joins=need_joins)
     results = (executor or LocalExecutor()).map(run_task, tasks, label="partitions")
@@ -102,7 +108,7 @@ def _notes(con: duckdb.DuckDBPyConnection, w: Window) -> tuple[str, ...]:
 
 def ask_lake_findings(lake: Lake, w: Window = Window(), *, codes: tuple[str, ...] = (),
                       policy: ForensicsPolicy = ForensicsPolicy(), exclusions: Exclusions = Exclusions(),
-                      executor: Executor | None = None) -> Answer:
+                      executor: Executor | None = None, engine: str = "replay") -> Answer:
     """:func:`kvtrail.forensics.ask_findings` on a lake."""
     bad = [c for c in codes if c not in CODES]
     if bad:
@@ -111,7 +117,8 @@ def ask_lake_findings(lake: Lake, w: Window = Window(), *, codes: tuple[str, ...
     check_exclusions(con, exclusions)
     ends = window_ends(con, w)
     incomplete = incomplete_requests(con, w, ends)
-    found, withheld = withhold_incomplete(lake_findings(lake, w, policy=policy, executor=executor), incomplete)
+    found, withheld = withhold_incomplete(lake_findings(lake, w, policy=policy, executor=executor,
+                                                        engine=engine), incomplete)
     df, excluded, gaps = findings_frame(found, w, codes), excluded_requests(con, exclusions), coverage_gaps(con)
     warnings = integrity_warnings(con, w, ends=ends, incomplete=incomplete, withheld=len(withheld))
     hit = excluded_mask(excluded, exclusions)

@@ -76,7 +76,8 @@ class PartitionResult:
     page_events: int = 0
 
 
-def _checked(lake: LakeFS, path: str, sha: str) -> bytes:
+def read_checked(lake: LakeFS, path: str, sha: str) -> bytes:
+    """The bytes of ``path``, refused unless they match the manifest's SHA-256."""
     try:
         data = lake.read(path)
     except KvtrailError:
@@ -86,7 +87,8 @@ def _checked(lake: LakeFS, path: str, sha: str) -> bytes:
     return data
 
 
-def _where(task: PartitionTask, lo: int, hi: int) -> tuple[str, list]:
+def task_filter(task: PartitionTask, lo: int, hi: int) -> tuple[str, list]:
+    """The filter of the task's events in [lo, hi) (its window end and producers' starts)."""
     where = ["cluster = ?", "node = ?", "wall_ns >= ?", "wall_ns < ?"]
     params: list = [task.cluster, task.node, lo, hi]
     if task.to_ns is not None:
@@ -99,16 +101,20 @@ def _where(task: PartitionTask, lo: int, hi: int) -> tuple[str, list]:
     return " AND ".join(where), params
 
 
-def run_task(task: PartitionTask) -> PartitionResult:
-    """Run one task (in a worker process or in-process)."""
-    lake = LakeFS.open(task.url)
-    # Each file is read once: the bytes whose SHA-256 matched are the ones replayed.
-    tables = {table: pa.concat_tables([pq.read_table(pa.BufferReader(_checked(lake, path, sha)))
+def read_tables(lake: LakeFS, task: PartitionTask) -> dict[str, pa.Table]:
+    """The task's files as tables, each read once: the bytes whose SHA-256 matched are the ones judged."""
+    tables = {table: pa.concat_tables([pq.read_table(pa.BufferReader(read_checked(lake, path, sha)))
                                        for path, sha in entries]) for table, entries in task.files if entries}
     if set(tables) != set(LAKE_TABLES):
         raise LakeCoverageError(f"lake {lake.url}: no {', '.join(sorted(set(LAKE_TABLES) - set(tables)))} files "
                                 f"for {task.label()}; no answer")
-    con = open_memory_catalog(tables)
+    return tables
+
+
+def run_task(task: PartitionTask) -> PartitionResult:
+    """Run one task (in a worker process or in-process)."""
+    lake = LakeFS.open(task.url)
+    con = open_memory_catalog(read_tables(lake, task))
     try:
         producer_ids = {tuple(r[1:]): r[0] for r in con.execute(
             f"SELECT producer_id, {', '.join(PRODUCER_NAMES)} FROM producers").fetchall()}
@@ -118,9 +124,9 @@ def run_task(task: PartitionTask) -> PartitionResult:
             return out
         engine = ReplayEngine(producer_ids, task.policy, codes=task.codes)
         if task.checkpoint is not None:
-            checkpoint.restore(_checked(lake, *task.checkpoint), engine.state)
+            checkpoint.restore(read_checked(lake, *task.checkpoint), engine.state)
         for hour in task.hours:
-            where, params = _where(task, hour * HOUR_NS, (hour + 1) * HOUR_NS)
+            where, params = task_filter(task, hour * HOUR_NS, (hour + 1) * HOUR_NS)
             if engine.fast_path is not None:
                 for batch in store_batches(con, where, params):
                     out.events += batch.num_rows
@@ -140,7 +146,7 @@ def run_task(task: PartitionTask) -> PartitionResult:
 def _collect_joins(con, task: PartitionTask, producer_ids: dict, out: PartitionResult) -> None:
     """The joins' inputs of hours before the window: join kinds, node configs and forward writes, no pages."""
     hour = task.hours[0]
-    where, params = _where(task, hour * HOUR_NS, (hour + 1) * HOUR_NS)
+    where, params = task_filter(task, hour * HOUR_NS, (hour + 1) * HOUR_NS)
     kinds = ", ".join(f"'{k}'" for k in (*JOIN_KINDS, "node_config"))
     joined = read_events(con, f"{where} AND kind IN ({kinds})", params)
     # Forward writes are prefill-rate samples: their pages do not matter here, and are most of the data.

@@ -4,6 +4,10 @@ Where :mod:`kvtrail.forensics.replay.engine` walks events one by one, this modul
 Page questions are range joins over ``page_runs``: runs are joined by node, pool epoch and
 overlapping page ranges (``a.page_start <= b.page_end AND b.page_start <= a.page_end``) and only the
 overlap of two runs is expanded to single pages, so the store's pages are never exploded wholesale.
+Runs are first cut at multiples of ``PAGE_BUCKET`` pages and every page join also matches the bucket,
+so DuckDB hashes on (node, epoch, bucket) and compares ranges within a bucket rather than a whole
+pool. A lake runs the page queries per (node, hour) from each partition's checkpoint
+(:mod:`kvtrail.forensics.lake.sqltask`, through ``scope``).
 
 Model (the replay engine's rules, restated over the record):
 
@@ -38,6 +42,8 @@ engine promotes an arbitrary remaining holder (``set.pop``); F6 evidence here pr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from kvtrail.forensics.findings import Finding, late_transfer_detail, make_finding, transfer_mismatch_detail
@@ -50,13 +56,32 @@ _EVENT_COLS = ("producer_id, seq, wall_ns, kind, request_id, transfer_id, tenant
                "context_tokens, cluster, node, instance, role, digest, digest_algo, source, token_start, "
                "token_end, prompt_tokens, completion_tokens, ttft_ns, page_size, release_timeout_ns")
 _PAGE_KINDS = "('pages_allocated', 'pages_freed', 'kv_written', 'kv_read')"
+# The engine's event order (the replay engine's).
+EVENT_ORDER = "wall_ns, cluster, node, instance, seq"
+# A shared hold that is neither an exclusive allocation nor a prefix-cache hit. No recorded event has
+# this purpose (kvtrail.audit.events.ALLOC_PURPOSES): only the events a lake task derives from a
+# page-state checkpoint carry it (kvtrail.forensics.lake.prelude).
+HOLD_PURPOSE = "_checkpoint_hold"
+# Runs are cut at multiples of this many pages (``pr.bucket``): every page join also matches buckets, so
+# DuckDB hashes on (node, epoch, bucket) and compares ranges only within a bucket, not a whole pool.
+PAGE_BUCKET = 64
 
 
-def _base(where: str) -> str:
+@dataclass(frozen=True)
+class SqlScope:
+    """Which events the engine reads and in what order, where not one store's window: ``where`` with its
+    ``params`` filters ``events_v``, ``order`` is the ORDER BY of the engine's order numbers."""
+
+    where: str
+    params: tuple = ()
+    order: str = EVENT_ORDER
+
+
+def _base(where: str, order: str) -> str:
     """CTEs shared by every query: windowed events (ev), pool epochs, page runs of page events (pr)."""
     return f"""
     ev AS (SELECT {_EVENT_COLS},
-                  row_number() OVER (ORDER BY wall_ns, cluster, node, instance, seq) AS ord
+                  row_number() OVER (ORDER BY {order}) AS ord
            FROM events_v WHERE {where}),
     cfg AS (SELECT cluster, node, ord,
                    sum(CASE WHEN instance IS DISTINCT FROM prev THEN 1 ELSE 0 END)
@@ -67,12 +92,18 @@ def _base(where: str) -> str:
     pe AS (SELECT e.*, c.epoch FROM ev e ASOF JOIN cfg c
            ON e.cluster = c.cluster AND e.node = c.node AND e.ord >= c.ord
            WHERE e.kind IN {_PAGE_KINDS}),
-    pr AS (SELECT pe.cluster, pe.node, pe.epoch, pe.ord, pe.producer_id, pe.seq, pe.wall_ns, pe.kind,
-                  pe.request_id, pe.purpose, pe.num_pages AS ev_pages, r.pos, r.page_start,
-                  r.page_start + r.num_pages - 1 AS page_end
-           FROM pe JOIN page_runs r ON r.producer_id = pe.producer_id AND r.seq = pe.seq AND r.list = 0),
+    runs AS (SELECT pe.cluster, pe.node, pe.epoch, pe.ord, pe.producer_id, pe.seq, pe.wall_ns, pe.kind,
+                    pe.request_id, pe.purpose, pe.num_pages AS ev_pages, r.pos AS run_pos, r.page_start AS run_start,
+                    r.page_start + r.num_pages - 1 AS run_end
+             FROM pe JOIN page_runs r ON r.producer_id = pe.producer_id AND r.seq = pe.seq AND r.list = 0),
+    pr AS (SELECT x.* EXCLUDE (run_pos, run_start, run_end), b.bucket,
+                  greatest(x.run_start, b.bucket * {PAGE_BUCKET}) AS page_start,
+                  least(x.run_end, b.bucket * {PAGE_BUCKET} + {PAGE_BUCKET - 1}) AS page_end,
+                  x.run_pos + greatest(x.run_start, b.bucket * {PAGE_BUCKET}) - x.run_start AS pos
+           FROM runs x, generate_series(x.run_start // {PAGE_BUCKET}, x.run_end // {PAGE_BUCKET}) AS b(bucket)),
     mem AS (SELECT *, kind = 'pages_allocated' AS is_alloc,
-                   kind = 'pages_allocated' AND purpose IS DISTINCT FROM 'prefix_hit' AS exclusive
+                   kind = 'pages_allocated' AND purpose IS DISTINCT FROM 'prefix_hit'
+                       AND purpose IS DISTINCT FROM '{HOLD_PURPOSE}' AS exclusive
             FROM pr WHERE kind IN ('pages_allocated', 'pages_freed'))"""
 
 
@@ -85,12 +116,12 @@ def _keys(items) -> tuple[tuple[int, int], ...]:
 
 
 class Ctx:
-    def __init__(self, con, where: str, params: list):
-        self.con, self.where, self.params = con, where, params
+    def __init__(self, con, where: str, params: list, order: str = EVENT_ORDER):
+        self.con, self.where, self.params, self.order = con, where, params, order
         self.tenants: dict[str, str] = {}
 
     def query(self, body: str, extra_ctes: str = "", params=()) -> list[tuple]:
-        sql = "WITH " + _base(self.where) + ("," + extra_ctes if extra_ctes else "") + "\n" + body
+        sql = "WITH " + _base(self.where, self.order) + ("," + extra_ctes if extra_ctes else "") + "\n" + body
         return self.con.execute(sql, self.params + list(params)).fetchall()
 
     def finding(self, code, *, node, request=None, victims=(), pages=(), first_ns, last_ns, evidence, detail,
@@ -286,21 +317,24 @@ def _f9(ctx: Ctx, policy: ForensicsPolicy) -> list[Finding]:
 
 
 def sql_findings(con, from_ns: int | None = None, to_ns: int | None = None,
-                 policy: ForensicsPolicy = ForensicsPolicy(), codes=None) -> list[Finding]:
+                 policy: ForensicsPolicy = ForensicsPolicy(), codes=None, *,
+                 scope: SqlScope | None = None) -> list[Finding]:
     """Findings F1-F11 of the events in [from_ns, to_ns], computed in SQL (``codes``: only these).
 
-    Same window, same :class:`Finding` fields and ordering as :func:`replay_store`.
+    Same window, same :class:`Finding` fields and ordering as :func:`replay_store`. ``scope`` replaces
+    the window's filter and order (a lake's partition task: its events after a checkpoint's prelude).
     """
     want = set(codes) if codes else None
     parts = [({"F8"}, _f8), ({"F2"}, _f2), ({"F3"}, _f3), ({"F4"}, _f4), ({"F5", "F7"}, f5_f7), ({"F6"}, f6),
              ({"F6"}, repeats),
              ({"F1", "F10"}, lambda c: f1_f10(c, policy.allow_tenant_cache_sharing)),
              ({"F9"}, lambda c: _f9(c, policy)), ({"F11"}, _f11)]
-    where, params = window_filter(from_ns, to_ns)
+    where, params = window_filter(from_ns, to_ns) if scope is None else (scope.where, list(scope.params))
+    order = EVENT_ORDER if scope is None else scope.order
     con.complete()
     con.begin()  # one snapshot for every query
     try:
-        ctx = Ctx(con, where, params)
+        ctx = Ctx(con, where, params, order)
         ctx.tenants = dict(ctx.query(
             "SELECT request_id, arg_min(tenant_id, ord) FROM ev WHERE request_id IS NOT NULL "
             "AND tenant_id IS NOT NULL GROUP BY request_id"))

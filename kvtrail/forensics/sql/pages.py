@@ -21,23 +21,24 @@ def holders_ctes(probe: str, other_only: bool) -> str:
     """
     other = "AND m.request_id IS DISTINCT FROM q.request_id" if other_only else ""
     return f"""
-    cand AS (SELECT q.probe_id, q.cluster, q.node, q.epoch, q.ord, g.page, m.request_id AS holder,
+    cand AS (SELECT q.probe_id, q.cluster, q.node, q.epoch, q.ord, q.bucket, g.page, m.request_id AS holder,
                     max(m.ord) AS last_alloc
              FROM {probe} q JOIN mem m
                ON m.is_alloc AND m.cluster = q.cluster AND m.node = q.node AND m.epoch = q.epoch
-              AND m.ord < q.ord AND m.page_start <= q.page_end AND q.page_start <= m.page_end {other},
+              AND m.bucket = q.bucket AND m.ord < q.ord
+              AND m.page_start <= q.page_end AND q.page_start <= m.page_end {other},
              generate_series(greatest(q.page_start, m.page_start), least(q.page_end, m.page_end)) AS g(page)
              GROUP BY ALL),
     dropped AS (SELECT c.probe_id, c.page, c.holder, max(f.ord) AS last_drop
                 FROM cand c JOIN mem f
                   ON NOT f.is_alloc AND f.cluster = c.cluster AND f.node = c.node AND f.epoch = c.epoch
-                 AND f.ord < c.ord AND c.page BETWEEN f.page_start AND f.page_end
+                 AND f.bucket = c.bucket AND f.ord < c.ord AND c.page BETWEEN f.page_start AND f.page_end
                  AND (f.request_id = c.holder OR f.request_id IS NULL)
                 GROUP BY ALL),
     held AS (SELECT c.probe_id, c.page, c.holder,
                     EXISTS (SELECT 1 FROM mem x WHERE x.exclusive AND x.request_id = c.holder
                             AND x.cluster = c.cluster AND x.node = c.node AND x.epoch = c.epoch
-                            AND x.ord < c.ord AND x.ord > coalesce(d.last_drop, -1)
+                            AND x.bucket = c.bucket AND x.ord < c.ord AND x.ord > coalesce(d.last_drop, -1)
                             AND c.page BETWEEN x.page_start AND x.page_end) AS exclusive_holder
              FROM cand c LEFT JOIN dropped d USING (probe_id, page, holder)
              WHERE d.last_drop IS NULL OR d.last_drop < c.last_alloc)"""
@@ -49,7 +50,8 @@ def f5_f7(ctx) -> list[Finding]:
     acc AS (SELECT * FROM pr WHERE kind IN ('kv_read', 'kv_written')),
     ov AS (SELECT a.producer_id, a.seq, g.page, arg_max(m.is_alloc, m.ord) AS held
            FROM acc a JOIN mem m
-             ON m.cluster = a.cluster AND m.node = a.node AND m.epoch = a.epoch AND m.ord < a.ord
+             ON m.cluster = a.cluster AND m.node = a.node AND m.epoch = a.epoch AND m.bucket = a.bucket
+            AND m.ord < a.ord
             AND (m.request_id = a.request_id OR (NOT m.is_alloc AND m.request_id IS NULL))
             AND m.page_start <= a.page_end AND a.page_start <= m.page_end,
            generate_series(greatest(a.page_start, m.page_start), least(a.page_end, m.page_end)) AS g(page)
@@ -58,7 +60,7 @@ def f5_f7(ctx) -> list[Finding]:
                LEFT JOIN (SELECT producer_id, seq, count(*) FILTER (WHERE held) AS n FROM ov GROUP BY ALL) h
                USING (producer_id, seq)
                WHERE coalesce(h.n, 0) < a.ev_pages),
-    outside AS (SELECT a.producer_id, a.seq, a.cluster, a.node, a.epoch, a.ord, a.request_id, a.kind,
+    outside AS (SELECT a.producer_id, a.seq, a.cluster, a.node, a.epoch, a.bucket, a.ord, a.request_id, a.kind,
                        a.wall_ns, g.page, a.pos + g.page - a.page_start AS idx,
                        a.producer_id || ':' || a.seq || ':' || g.page AS probe_id,
                        g.page AS page_start, g.page AS page_end
@@ -69,7 +71,8 @@ def f5_f7(ctx) -> list[Finding]:
     """ + holders_ctes("outside", other_only=False) + """,
     ever AS (SELECT DISTINCT o.producer_id, o.seq, o.page FROM outside o JOIN mem m
                ON m.is_alloc AND m.request_id = o.request_id AND m.cluster = o.cluster AND m.node = o.node
-              AND m.epoch = o.epoch AND m.ord < o.ord AND o.page BETWEEN m.page_start AND m.page_end)"""
+              AND m.epoch = o.epoch AND m.bucket = o.bucket AND m.ord < o.ord
+              AND o.page BETWEEN m.page_start AND m.page_end)"""
     rows = ctx.query("""
     SELECT o.kind, o.node, o.request_id, o.wall_ns, o.producer_id, o.seq,
            list(o.page ORDER BY o.idx), list(h.holders) , bool_and(e.page IS NOT NULL)
@@ -125,7 +128,7 @@ def repeats(ctx) -> list[Finding]:
     rows = ctx.query("""
     SELECT a.producer_id, a.seq, a.node, a.request_id, a.wall_ns, list(DISTINCT g.page)
     FROM pr a JOIN pr b
-      ON b.producer_id = a.producer_id AND b.seq = a.seq AND a.pos < b.pos
+      ON b.producer_id = a.producer_id AND b.seq = a.seq AND a.bucket = b.bucket AND a.pos < b.pos
      AND a.page_start <= b.page_end AND b.page_start <= a.page_end,
          generate_series(greatest(a.page_start, b.page_start), least(a.page_end, b.page_end)) AS g(page)
     WHERE a.kind = 'pages_allocated' AND b.kind = 'pages_allocated'
@@ -207,7 +210,7 @@ def f1_f10(ctx, allow_tenant_cache_sharing: bool) -> list[Finding]:
     rd AS (SELECT * FROM pr WHERE kind = 'kv_read'),
     wr AS (SELECT pr.*, e.block_hashes, e.page_digests FROM pr JOIN events e USING (producer_id, seq)
            WHERE pr.kind = 'kv_written'),
-    rp AS (SELECT r.producer_id, r.seq, r.cluster, r.node, r.epoch, r.ord, r.request_id, r.wall_ns, g.page,
+    rp AS (SELECT r.producer_id, r.seq, r.cluster, r.node, r.epoch, r.bucket, r.ord, r.request_id, r.wall_ns, g.page,
                   r.pos + g.page - r.page_start AS idx
            FROM rd r, generate_series(r.page_start, r.page_end) AS g(page)),
     lw AS (SELECT r.producer_id, r.seq, g.page,
@@ -217,7 +220,8 @@ def f1_f10(ctx, allow_tenant_cache_sharing: bool) -> list[Finding]:
                                      has_bh := w.block_hashes IS NOT NULL,
                                      dg := w.page_digests[w.pos + g.page - w.page_start + 1]), w.ord) AS w
            FROM rd r JOIN wr w
-             ON w.cluster = r.cluster AND w.node = r.node AND w.epoch = r.epoch AND w.ord < r.ord
+             ON w.cluster = r.cluster AND w.node = r.node AND w.epoch = r.epoch AND w.bucket = r.bucket
+            AND w.ord < r.ord
             AND w.page_start <= r.page_end AND r.page_start <= w.page_end,
            generate_series(greatest(r.page_start, w.page_start), least(r.page_end, w.page_end)) AS g(page)
            GROUP BY ALL),
@@ -230,15 +234,15 @@ def f1_f10(ctx, allow_tenant_cache_sharing: bool) -> list[Finding]:
                    max_by(m.block_hashes[m.pos + c.page - m.page_start + 1], m.ord)
                        FILTER (WHERE m.is_alloc AND m.purpose = 'prefix_hit') AS hit_hash
             FROM cand c JOIN memx m
-              ON m.cluster = c.cluster AND m.node = c.node AND m.epoch = c.epoch AND m.ord < c.ord
-             AND (m.request_id = c.request_id OR (NOT m.is_alloc AND m.request_id IS NULL))
+              ON m.cluster = c.cluster AND m.node = c.node AND m.epoch = c.epoch AND m.bucket = c.bucket
+             AND m.ord < c.ord AND (m.request_id = c.request_id OR (NOT m.is_alloc AND m.request_id IS NULL))
              AND c.page BETWEEN m.page_start AND m.page_end
             GROUP BY ALL),
     excl AS (SELECT c.producer_id, c.seq, c.page,
                     max_by(struct_pack(rid := m.request_id, purpose := m.purpose), m.ord) AS a, max(m.ord) AS a_ord
              FROM cand c JOIN memx m
                ON m.exclusive AND m.cluster = c.cluster AND m.node = c.node AND m.epoch = c.epoch
-              AND m.ord < c.ord AND c.page BETWEEN m.page_start AND m.page_end
+              AND m.bucket = c.bucket AND m.ord < c.ord AND c.page BETWEEN m.page_start AND m.page_end
              GROUP BY ALL),
     judged AS (SELECT c.*,
                       coalesce(o.last_alloc > coalesce(o.last_drop, -1), FALSE) AS held,
@@ -256,13 +260,15 @@ def f1_f10(ctx, allow_tenant_cache_sharing: bool) -> list[Finding]:
     f1w AS MATERIALIZED (SELECT * FROM cls WHERE NOT fresh AND NOT cached AND w.rid IS NOT NULL),
     wheld AS (SELECT c.producer_id, c.seq, c.page, arg_max(m.is_alloc, m.ord) AS held
               FROM f1w c JOIN mem m
-                ON m.cluster = c.cluster AND m.node = c.node AND m.epoch = c.epoch AND m.ord < c.w.word
+                ON m.cluster = c.cluster AND m.node = c.node AND m.epoch = c.epoch AND m.bucket = c.bucket
+               AND m.ord < c.w.word
                AND (m.request_id = c.w.rid OR (NOT m.is_alloc AND m.request_id IS NULL))
                AND c.page BETWEEN m.page_start AND m.page_end
               GROUP BY ALL),
     pw AS (SELECT c.producer_id, c.seq, c.page, max_by(w.request_id, w.ord) AS prev_rid, max(w.ord) AS prev_ord
            FROM f1w c JOIN wr w
-             ON w.cluster = c.cluster AND w.node = c.node AND w.epoch = c.epoch AND w.ord < c.w.word
+             ON w.cluster = c.cluster AND w.node = c.node AND w.epoch = c.epoch AND w.bucket = c.bucket
+            AND w.ord < c.w.word
             AND c.page BETWEEN w.page_start AND w.page_end
            GROUP BY ALL),
     late AS (SELECT DISTINCT c.producer_id, c.seq, c.page,
