@@ -8,6 +8,8 @@ so the parts alternate and ratios are taken within a round.
 
   question    kvtrail.forensics.questions.affected_responses(con, Window()): the question as the CLI asks it
   engine      replay_store(con, codes=AFFECTED_CODES): the replay engine's fast path, store reader included
+              (a helper thread reads the next slice of the store while one is replayed)
+  engine-seq  the same with read_ahead=False: slices read and replayed in turn, one thread
   split       the same in two halves, one after the other: reading the store into batches, then replaying
               batches kept in memory (the 'split' row is the replay alone; the read time is printed below)
   floor       the machine's limit for the same work: the event columns and page_runs read ordered, every
@@ -47,7 +49,7 @@ from forensics_parts import peak_rss_bytes, run_part  # noqa: E402
 from forensics_report import report  # noqa: E402
 from rounds import MIN_ROUNDS, check_rounds, rotated  # noqa: E402
 
-ROUND_PARTS = ("question", "engine", "split", "floor", "naive-text", "naive-int", "window", "online")
+ROUND_PARTS = ("question", "engine", "engine-seq", "split", "floor", "naive-text", "naive-int", "window", "online")
 ONCE_PARTS = ("pure", "sql")
 PARTS = ROUND_PARTS + ONCE_PARTS
 
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
     in_rounds = [p for p in ROUND_PARTS if p in args.part_list]
     runs: dict[str, list[dict]] = {p: [] for p in args.part_list}
     failed: dict[str, dict] = {}
-    if any(p in args.part_list for p in ("question", "engine", "split", "online")):
+    if any(p in args.part_list for p in ("question", "engine", "engine-seq", "split", "online")):
         # Untimed: fills numba's kernel cache (a changed kernel recompiles in the first process) and the
         # page cache, so that round 1 is not the only round that pays for them.
         print("warm-up (untimed): engine")

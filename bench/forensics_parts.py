@@ -75,9 +75,10 @@ def run_part(part: str, db: str, meta: dict, args) -> dict:
         with connect_readonly(db) as con:
             df = affected_responses(con, Window())
         out.update(affected_ids=df.get_column("request_id").to_list())
-    elif part in ("engine", "pure"):
+    elif part in ("engine", "engine-seq", "pure"):
         with connect_readonly(db) as con:
-            found = replay_store(con, to_ns=to_ns, codes=AFFECTED_CODES, fast=part == "engine")
+            found = replay_store(con, to_ns=to_ns, codes=AFFECTED_CODES, fast=part != "pure",
+                                 read_ahead=part != "engine-seq")
         out.update(_summary(found))
     elif part == "sql":
         with connect_readonly(db) as con:

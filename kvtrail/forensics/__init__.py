@@ -59,11 +59,13 @@ from kvtrail.forensics.report.build import Report, build_report, write_report
 from kvtrail.forensics.report.context import IncidentContext, load_context, load_exclusions
 from kvtrail.forensics.report.options import ReportOptions
 from kvtrail.forensics.report.snapshot import open_snapshot
-from kvtrail.forensics.report.verify import ReportCheck, note_growth, verify_report
+from kvtrail.forensics.report.verify import ReportCheck, check_digest, check_store_chain, note_growth, verify_report
 from kvtrail.forensics.sql.engine import sql_findings
 from kvtrail.forensics.window import Window, check_window
 
 __all__ = [
+    "check_digest",
+    "check_store_chain",
     "excluded_mask",
     "note_growth",
     "AFFECTED_CODES",

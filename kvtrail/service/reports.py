@@ -30,9 +30,17 @@ from fastapi import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtrail.audit.layout import KIND_TABLES
-from kvtrail.audit.verify import chain_heads, compare_heads, parse_heads, verify_store
+from kvtrail.audit.verify import chain_heads, parse_heads
 from kvtrail.errors import KvtrailError
-from kvtrail.forensics import ReportCheck, ReportOptions, build_report, load_context, note_growth, write_report
+from kvtrail.forensics import (
+    ReportCheck,
+    ReportOptions,
+    build_report,
+    check_digest,
+    check_store_chain,
+    load_context,
+    write_report,
+)
 from kvtrail.remote import REPORT_HEADER
 
 MEDIA = {"zip": "application/zip", "tar.gz": "application/gzip"}
@@ -185,20 +193,11 @@ def check_report(cur: duckdb.DuckDBPyConnection, doc: dict, strict: bool) -> Rep
     heads = parse_heads(doc["chain_heads"], MANIFEST, "chain_heads")
     check = ReportCheck()
     now = {h["producer_id"]: h for h in chain_heads(cur)}
-    check.problems.extend(f"chain head of {p}" for p in compare_heads(cur, heads))
-    note_growth(cur, heads, now, options, check, strict)
-    chain = verify_store(cur)
-    if not chain.ok:
-        more = f" (+{len(chain.problems) - 1} more)" if len(chain.problems) > 1 else ""
-        check.problems.append(f"audit chain: {chain.first_problem}{more}")
-    try:
+    check_store_chain(cur, heads, now, options, check, strict)
+
+    def recompute() -> str:
         with live_snapshot(cur, heads):
-            digest = build_report(cur, options, None, heads).results_digest()
-    except Exception as exc:  # noqa: BLE001 - a tampered store may not even replay; that is a failed check
-        first_line = (str(exc).splitlines() or [""])[0]
-        check.problems.append(f"results could not be recomputed: {type(exc).__name__}: {first_line}")
-        return check
-    if digest != doc["results_digest"]:
-        check.problems.append(f"results digest differs: the store now answers differently for this window "
-                              f"({digest[:16]}... now, {str(doc['results_digest'])[:16]}... recorded)")
+            return build_report(cur, options, None, heads).results_digest()
+
+    check_digest(check, recompute, doc["results_digest"])
     return check

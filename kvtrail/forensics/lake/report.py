@@ -24,7 +24,7 @@ from kvtrail.forensics.report.build import Report, build_report
 from kvtrail.forensics.report.context import IncidentContext
 from kvtrail.forensics.report.manifest import MANIFEST, load_manifest
 from kvtrail.forensics.report.options import ReportOptions
-from kvtrail.forensics.report.verify import ReportCheck, changed_files, note_growth
+from kvtrail.forensics.report.verify import ReportCheck, changed_files, check_digest, note_growth
 from kvtrail.forensics.window import Window
 from kvtrail.lake.catalog import LAKE_TABLES, open_catalog
 from kvtrail.lake.executor import Executor
@@ -111,14 +111,10 @@ def verify_lake_report(report_dir: str | Path, url: str, *, executor: Executor |
     options = ReportOptions.from_dict(doc["options"])
     _heads_still_held(fs, parse_heads(doc["chain_heads"], MANIFEST, "chain_heads"), lake_check.damaged,
                       options, check, strict)
-    try:
+
+    def recompute() -> str:
         with open_lake(url, number) as lake:
-            digest = lake_report(lake, options, executor=executor).results_digest()
-    except Exception as exc:  # noqa: BLE001 - a damaged lake may not even replay; that is a failed check
-        first_line = (str(exc).splitlines() or [""])[0]
-        check.problems.append(f"results could not be recomputed: {type(exc).__name__}: {first_line}")
-        return check
-    if digest != doc["results_digest"]:
-        check.problems.append(f"results digest differs: the lake now answers differently for this window "
-                              f"({digest[:16]}... now, {doc['results_digest'][:16]}... recorded)")
+            return lake_report(lake, options, executor=executor).results_digest()
+
+    check_digest(check, recompute, doc["results_digest"], "lake")
     return check

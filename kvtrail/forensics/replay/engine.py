@@ -134,12 +134,13 @@ class ReplayEngine:
 
 
 def replay_store(con, from_ns: int | None = None, to_ns: int | None = None, policy: ForensicsPolicy = ForensicsPolicy(),
-                 *, codes=None, fast: bool | None = None) -> list[Finding]:
+                 *, codes=None, fast: bool | None = None, read_ahead: bool = True) -> list[Finding]:
     """Findings of the events in [from_ns, to_ns] of an audit store (a DuckDB connection).
 
     Each producer is replayed from its last ``node_config`` at or before ``from_ns`` so page state at
     the window's start is known; findings that end before ``from_ns`` are left out. ``codes`` and
-    ``fast`` are :class:`ReplayEngine`'s.
+    ``fast`` are :class:`ReplayEngine`'s; ``read_ahead``: the fast path reads the next slice of the
+    store while it replays one (:func:`~kvtrail.forensics.replay.source.store_batches`).
     """
     where, params = window_filter(from_ns, to_ns)
     rows = con.execute(f"SELECT producer_id, {', '.join(PRODUCER_NAMES)} FROM producers").fetchall()
@@ -148,7 +149,7 @@ def replay_store(con, from_ns: int | None = None, to_ns: int | None = None, poli
         from kvtrail.forensics.replay.kernels import warm_up
         from kvtrail.forensics.replay.source import store_batches
 
-        for batch in store_batches(con, where, params, meanwhile=warm_up):
+        for batch in store_batches(con, where, params, meanwhile=warm_up, read_ahead=read_ahead):
             engine.feed_batch(batch)
     else:
         engine.feed(read_events(con, where, params))

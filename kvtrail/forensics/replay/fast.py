@@ -180,18 +180,23 @@ class FastReplay:
         """Bring tenant_code / tenant_ord up to the batch: requests indexed since, tenants first named in it."""
         state, old = self.state, len(self.tenant_code)
         if len(state.requests) > old:
-            grow = len(state.requests) - old
-            self.tenant_code = np.concatenate([self.tenant_code, np.full(grow, -1, np.int32)])
-            self.tenant_ord = np.concatenate([self.tenant_ord, np.full(grow, -1, np.int64)])
-            for r in range(old, len(state.requests)):
-                rid = state.requests[r]
-                if rid is not None and rid in state.tenants:
-                    self.tenant_code[r] = self._tenant(state.tenants[rid])
-        for row, (rid, tenant) in zip(queue.rows.tolist(), queue.pairs):
-            idx = state.request_index.get(rid)
-            if idx is not None and rid not in state.tenants:  # else the tenant named first stays
-                self.tenant_code[idx] = self._tenant(tenant)
-                self.tenant_ord[idx] = ord0 + row
+            known = state.tenants.get
+            codes = [-1 if t is None else self._tenant(t)
+                     for t in (known(rid) if rid is not None else None for rid in state.requests[old:])]
+            self.tenant_code = np.concatenate([self.tenant_code, np.array(codes, np.int32)])
+            self.tenant_ord = np.concatenate([self.tenant_ord, np.full(len(codes), -1, np.int64)])
+        if not len(queue.rows):
+            return
+        # A request whose tenant the state knows already has a code (set when it was indexed or when its
+        # tenant was first named): the tenant named first stays.
+        index = state.request_index.get
+        idx = np.array([index(rid, -1) for rid, _ in queue.pairs], np.int64)
+        new = idx >= 0
+        new[new] = self.tenant_code[idx[new]] < 0
+        if new.any():
+            tcode = np.array([self._tenant(t) for _, t in queue.pairs], np.int32)
+            self.tenant_code[idx[new]] = tcode[new]
+            self.tenant_ord[idx[new]] = ord0 + queue.rows[new]
 
     def _tenant(self, tenant: str) -> int:
         return self.tenant_codes.setdefault(tenant, len(self.tenant_codes))
@@ -218,14 +223,15 @@ class _TenantQueue:
         first = first_rows(b.rcode[rows], len(b.request_ids))
         self.rows = np.sort(rows[first[first < len(rows)]])
         tenants = b.column("tenant_id").take(pa.array(self.rows)).to_pylist()
-        self.pairs = [(b.request_ids[c], t) for c, t in zip(b.rcode[self.rows].tolist(), tenants)]
+        rids = np.array(b.request_ids, dtype=object)[b.rcode[self.rows]].tolist() if len(self.rows) else []
+        self.pairs = list(zip(rids, tenants))
         self.done = 0
 
     def register_upto(self, tenant: dict[str, str], row: int) -> None:
         """Register the pairs first seen at or before ``row`` (``ReplayState.tenants``)."""
         end = int(np.searchsorted(self.rows, row, side="right"))
-        for rid, t in self.pairs[self.done:end]:
-            tenant.setdefault(rid, t)
+        if end > self.done:  # each request once per batch: its first pair is the only one
+            tenant.update({rid: t for rid, t in self.pairs[self.done:end] if rid not in tenant})
         self.done = max(self.done, end)
 
 
@@ -250,9 +256,8 @@ class _Run:
             rows = self.freed[:nfreed]
             starts, lengths = b.poff[rows], b.poff[rows + 1] - b.poff[rows]
             ends = np.cumsum(lengths)
-            flat = b.pages[np.arange(ends[-1]) + np.repeat(starts - (ends - lengths), lengths)]
+            flat = np.empty(int(ends[-1]), b.pages.dtype)
+            K.copy_lists(b.pages, starts, lengths, flat)
             assert slot.pool is not None, "the kernel released pages of a node without a pool"
-            remember = slot.pool.remember_release
-            for r, lo, hi in zip(self.req[rows].tolist(), (ends - lengths).tolist(), ends.tolist()):
-                remember(r, flat[lo:hi])
+            slot.pool.remember_releases(self.req[rows], flat, ends)
         return stop

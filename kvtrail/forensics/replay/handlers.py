@@ -56,7 +56,7 @@ class EventHandlers:
             code, node=ev.node_key[1] if node is None else node, request_id=request,
             tenant_id=tenants.get(request) if request is not None else None, victim_request_ids=vic,
             victim_tenant_ids=tuple(tenants.get(v) if v is not None else None for v in vic),
-            pages=tuple(int(p) for p in pages), first_ns=ev.wall_ns if first_ns is None else int(first_ns),
+            pages=_ints(pages), first_ns=ev.wall_ns if first_ns is None else int(first_ns),
             last_ns=ev.wall_ns, evidence=_keys([ev.key, *evidence]), detail=detail, lineage_checked=int(lineage[0]),
             lineage_matched=int(lineage[1]), **({"severity": severity} if severity else {}))
 
@@ -136,17 +136,24 @@ class EventHandlers:
         pool, pages = self._pool(ev), ev.pages
         if pool is None:
             return
-        holders: Iterable[int]
         if ev.request_id is not None:
-            holders = [self.state.req(ev.request_id)]
-        else:  # radix eviction: the page leaves every holder
-            everyone = {int(o) for o in pool.owner[pages] if o >= 0}
-            for p in pages.tolist():
-                everyone |= pool.holders(p)
-            holders = everyone
-        for r in holders:
+            r = self.state.req(ev.request_id)
             for p in pages.tolist():
                 pool.drop(p, r)
+            pool.remember_release(r, pages)
+            return
+        # Radix eviction: the page leaves every holder (the set built as always: its order decides the
+        # order of the drops). Dropping a page its holder does not hold changes nothing, and a drop does
+        # not change whether another request holds the page: only the pages each one held are dropped.
+        pl = pages.tolist()
+        everyone = {int(o) for o in pool.owner[pages] if o >= 0}
+        holders_of = [pool.holders(p) for p in pl]
+        for h in holders_of:
+            everyone |= h
+        for r in everyone:
+            for p, h in zip(pl, holders_of):
+                if r in h:
+                    pool.drop(p, r)
             pool.remember_release(r, pages)
 
     def on_kv_written(self, ev: ReplayEvent) -> None:
@@ -234,6 +241,11 @@ def _lineage(pool: PageState, pages: np.ndarray, sel: np.ndarray, read_digests: 
         return 0, 0
     checked = sel & pool.has_digest[pages]
     return int(checked.sum()), int((checked & (pool.digest[pages] == read_digests)).sum())
+
+
+def _ints(values: Iterable[int]) -> tuple[int, ...]:
+    """Page ids as a tuple of Python ints (an array converts in one call)."""
+    return tuple(values.tolist() if isinstance(values, np.ndarray) else (int(v) for v in values))
 
 
 def _keys(items: Iterable[EventKey]) -> tuple[EventKey, ...]:

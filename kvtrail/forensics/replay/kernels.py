@@ -23,7 +23,8 @@ kernel changes as the handlers would.
 
 One call replays the events of one pool (node): pools are independent, so the caller runs each
 pool ahead to its next Python event and hands Python events to the handlers in row order.
-:func:`gather_runs` turns a store's run-encoded page lists back into lists for the store reader.
+:func:`gather_runs` turns a store's run-encoded page lists back into lists for the store reader;
+:func:`copy_lists` copies the released lists out of a batch's page buffer (which a later slice reuses).
 """
 
 from __future__ import annotations
@@ -318,12 +319,33 @@ def gather_runs(ev_row, ev_seq, ev_seg, run_seq, run_list, run_start, run_len, r
                 j += 1
 
 
+@njit(cache=True, nogil=True)
+def copy_lists(pages, starts, lengths, out):
+    """The lists ``pages[starts[k]:starts[k] + lengths[k]]`` back to back into ``out`` (sized for them all)."""
+    at = 0
+    for k in range(starts.shape[0]):
+        s = starts[k]
+        for q in range(lengths[k]):
+            out[at + q] = pages[s + q]
+        at += lengths[k]
+
+
+def read_only(a: np.ndarray) -> np.ndarray:
+    """``a`` marked read-only, as the arrays Arrow hands over are: numba compiles a call with read-only
+    arrays apart from one with writable ones, so the reader's arrays and :func:`warm_up`'s must agree."""
+    a.setflags(write=False)
+    return a
+
+
 def warm_up() -> None:
-    """Load both kernels (from numba's cache; the very first time, compile them): the first call of
+    """Load the kernels (from numba's cache; the very first time, compile them): the first call of
     a process pays this, a few tenths of a second."""
     i64, i32 = np.zeros(1, np.int64), np.zeros(0, np.int32)
-    gather_runs(i64[:0], i64[:0], i64, i64[:0], i64[:0], i64[:0], i64[:0], i64, i64, i32, i64[:0])
+    seq, lst, start, length = (read_only(np.zeros(0, t)) for t in (np.int64, np.int8, np.int32, np.int32))
+    gather_runs(i64[:0], i64[:0], i64, seq, lst, start, length, i64, i64, i32, i64[:0])  # page_runs' own types
+    copy_lists(i32, i64[:0], i64[:0], i32)
+    digests, hashes = read_only(np.zeros(0, np.uint64)), read_only(np.zeros(0, np.int64))  # as Arrow's lists
     replay_page_events(  # type: ignore[call-arg]  # numba's Dispatcher stub
-        i64[:0], 0, 0, np.zeros(0, np.int8), i32, i64[:0], i64[:0], i64[:0], i64, i32, i64, np.zeros(0, np.uint64),
-        i64, i64[:0], i32, i64[:0], False, np.zeros(0, np.bool_), *PrefixShares(1).arrays(), False,
+        i64[:0], 0, 0, np.zeros(0, np.int8), i32, i64[:0], i64[:0], i64[:0], i64, i32, i64, digests,
+        i64, hashes, i32, i64[:0], False, np.zeros(0, np.bool_), *PrefixShares(1).arrays(), False,
         *(spec.allocate(0) for spec in KERNEL_ARRAYS), i64[:0])

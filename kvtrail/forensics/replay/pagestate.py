@@ -173,6 +173,22 @@ class PageState:
             _, old = self.released.popitem(last=False)
             self.released_pages -= sum(len(a) for a in old)
 
+    def remember_releases(self, reqs: np.ndarray, flat: np.ndarray, ends: np.ndarray) -> None:
+        """``remember_release(reqs[k], flat[ends[k - 1]:ends[k]])`` for every k in order (views of ``flat``)."""
+        released, total, lo = self.released, self.released_pages, 0
+        for r, hi in zip(reqs.tolist(), ends.tolist()):
+            lst = released.get(r)
+            if lst is None:
+                released[r] = [flat[lo:hi]]
+            else:
+                lst.append(flat[lo:hi])
+            total += hi - lo
+            lo = hi
+            while total > RELEASED_CAP_PAGES and len(released) > 1:
+                _, old = released.popitem(last=False)
+                total -= sum(len(a) for a in old)
+        self.released_pages = total
+
     def released_by(self, r: int, pages: np.ndarray) -> np.ndarray:
         lists = self.released.get(r)
         return np.isin(pages, np.concatenate(lists)) if lists else np.zeros(len(pages), bool)

@@ -7,11 +7,12 @@ columns the engine reads, in time slices of about ``page_events_per_slice`` page
 stays bounded however long the window), and expands each slice's page runs (``page_runs``, read for
 all producers in one ordered query) in a compiled merge on ``seq``, producer by producer. Events of
 kinds other than the page kinds, and the few events that carry digest or block-hash lists, are read
-in second queries in the same order.
+in one second query in the same order (none when a slice has none).
 
-All slices are read in one transaction (one snapshot), by a helper thread one slice ahead of the
-replay (DuckDB and the numba kernel both release the GIL; even on 2 cores this beats reading and
-replaying in turn); the connection must not be used by anything else until the slices are consumed.
+All slices are read in one transaction (one snapshot), by default by a helper thread one slice ahead
+of the replay (DuckDB and the numba kernel both release the GIL: on 2 idle cores this beats reading
+and replaying in turn by ~25 %, for ~5-20 % more CPU; under heavy load the two are even), else in
+turn; the connection must not be used by anything else until the slices are consumed.
 """
 
 from __future__ import annotations
@@ -28,32 +29,39 @@ from kvtrail.audit.batch import BATCH_SCHEMA
 from kvtrail.audit.events import KINDS
 from kvtrail.forensics.replay.batch import PAGE_KINDS, PRODUCER_NAMES, ReplayBatch, request_codes
 from kvtrail.forensics.replay.event import SCALARS
-from kvtrail.forensics.replay.kernels import gather_runs
+from kvtrail.forensics.replay.kernels import gather_runs, read_only
 
-PAGE_EVENTS_PER_SLICE = 8_000_000
+# A slice's memory (and the fixed cost of its queries) is about so much per page-event and per event:
+# a slice holds about this many page-events, or this many events, or a mix in proportion.
+PAGE_EVENTS_PER_SLICE = 24_000_000
+EVENTS_PER_SLICE = 250_000
 _TYPES = {f.name: f.type for f in BATCH_SCHEMA}
 _GRID_POINTS = 4096
 
 
-def _slice_bounds(con, where: str, params: list, page_events_per_slice: int) -> list[int]:
-    """Cut points in wall_ns such that each slice holds about page_events_per_slice page-events.
+def _slice_bounds(con, where: str, params: list, page_events_per_slice: int,
+                  events_per_slice: int = EVENTS_PER_SLICE) -> list[int]:
+    """Cut points in wall_ns such that each slice holds about page_events_per_slice page-events, or
+    events_per_slice events, or a mix in that proportion.
 
-    Committed batches know their time span and page-events; each batch's page-events are taken as
-    spread evenly over its span, which is close enough for sizing slices.
+    Committed batches know their time span, events and page-events; each batch's are taken as spread
+    evenly over its span, which is close enough for sizing slices.
     """
     lo, hi = con.execute(f"SELECT min(wall_ns), max(wall_ns) FROM events_v WHERE {where}", params).fetchone()
     if lo is None:
         return []
-    spans = con.execute("SELECT min_wall_ns, max_wall_ns, num_page_events FROM batches "
+    spans = con.execute("SELECT min_wall_ns, max_wall_ns, num_page_events, num_events FROM batches "
                         "WHERE max_wall_ns >= ? AND min_wall_ns <= ? AND pruned_by IS NULL", [lo, hi]).fetchnumpy()
-    total = float(spans["num_page_events"].sum()) if len(spans["num_page_events"]) else 0.0
-    slices = int(total // page_events_per_slice) + 1
+    weight = (spans["num_page_events"].astype(np.float64) / page_events_per_slice
+              + spans["num_events"].astype(np.float64) / events_per_slice)  # in slices
+    total = float(weight.sum())
+    slices = int(total) + 1
     if slices <= 1 or hi <= lo:
         return [lo, hi + 1]
     grid = np.linspace(lo, hi, _GRID_POINTS)
     start, end = spans["min_wall_ns"].astype(np.float64), spans["max_wall_ns"].astype(np.float64)
     share = np.clip((grid[:, None] - start) / np.maximum(end - start, 1.0), 0.0, 1.0)
-    cum = share @ spans["num_page_events"].astype(np.float64)
+    cum = share @ weight
     cuts = np.interp(np.arange(1, slices) * total / slices, cum, grid).astype(np.int64)
     return sorted({lo, *cuts.tolist(), hi + 1})
 
@@ -63,6 +71,9 @@ def _slice_bounds(con, where: str, params: list, page_events_per_slice: int) -> 
 _PAGE_EVENT_COLS = tuple(name for name in SCALARS if name in ("seq", "wall_ns", "kind")
                          or any(name in KINDS[k].allowed for k in PAGE_KINDS))
 _PAGE_KINDS_SQL = "('pages_allocated', 'pages_freed', 'kv_written', 'kv_read')"
+_HAS_LISTS = "(page_digests IS NOT NULL OR block_hashes IS NOT NULL)"
+_RARE_SQL = f"AND ({_HAS_LISTS} OR kind IS NULL OR kind NOT IN {_PAGE_KINDS_SQL})"
+_REST_COLS = tuple(name for name in SCALARS if name not in _PAGE_EVENT_COLS)
 
 
 class _SliceReader:
@@ -106,21 +117,27 @@ class _SliceReader:
 
     def read(self, lo: int, hi: int) -> ReplayBatch | None:
         # No list columns in the main read: DuckDB sorts them slowly, and few events carry any.
-        ev = self._events(_PAGE_EVENT_COLS + ("page_digests IS NOT NULL OR block_hashes IS NOT NULL AS has_lists",),
-                          lo, hi)
+        ev = self._events(_PAGE_EVENT_COLS + (f"{_HAS_LISTS} AS has_lists",), lo, hi)
         n = ev.num_rows
         if n == 0:
             return None
         pid = ev.column("producer_id").to_numpy().astype(np.int64)
         producer = self.pid_order[np.searchsorted(self.sorted_pids, pid)]
-        pages, poff, num_dst = self._pages(_Keys(pid, ev.column("seq").to_numpy().astype(np.int64), producer), n)
-        rows = np.flatnonzero(ev.column("has_lists").to_numpy(zero_copy_only=False))
-        lists = self._some_rows(ev, rows, ("page_digests", "block_hashes"), lo, hi,
-                                "AND (page_digests IS NOT NULL OR block_hashes IS NOT NULL)")
-        digests, doff = _scatter_lists(n, rows, lists.column("page_digests"), np.uint64)
-        hashes, hoff = _scatter_lists(n, rows, lists.column("block_hashes"), np.int64)
+        pages, poff, num_dst = self._pages(_Keys(pid, ev.column("seq").to_numpy().view(np.int64), producer), n)
+        # The rare rows (events of the other kinds, events with digest or block-hash lists) in one second
+        # query, none when the slice has none: each query costs a bind and a scan of the slice.
+        other = ~pc.is_in(ev.column("kind"), value_set=pa.array(PAGE_KINDS)).to_numpy(zero_copy_only=False)
+        rare = np.flatnonzero(ev.column("has_lists").to_numpy(zero_copy_only=False) | other)
+        part = self._some_rows(ev, rare, ("page_digests", "block_hashes") + _REST_COLS, lo, hi, _RARE_SQL) \
+            if len(rare) else None
+        if part is None:
+            digests, hashes = read_only(np.zeros(0, np.uint64)), read_only(np.zeros(0, np.int64))
+            doff, hoff = np.zeros(n + 1, np.int64), np.zeros(n + 1, np.int64)
+        else:
+            digests, doff = _scatter_lists(n, rare, part.column("page_digests"), np.uint64)
+            hashes, hoff = _scatter_lists(n, rare, part.column("block_hashes"), np.int64)
         rcode, request_ids = request_codes(ev.column("request_id"))
-        return ReplayBatch(self._scalars(ev, lo, hi), pid, producer, self.idents, rcode, request_ids, pages, poff,
+        return ReplayBatch(self._scalars(ev, rare, part), pid, producer, self.idents, rcode, request_ids, pages, poff,
                            digests, doff, hashes, hoff, num_dst)
 
     def _pages(self, keys: "_Keys", n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -137,9 +154,11 @@ class _SliceReader:
             f"SELECT k.rank, r.seq, r.list, r.page_start, r.num_pages FROM page_runs r JOIN (VALUES {values}) "
             "k(producer_id, lo, hi, rank) ON r.producer_id = k.producer_id AND r.seq BETWEEN k.lo AND k.hi "
             "ORDER BY k.rank, r.seq, r.list, r.pos",
-            params=[x for k, r in enumerate(ranges) for x in (*r, k)]).fetchnumpy()
-        runs = {k: got[k].astype(np.int64) for k in ("seq", "list", "page_start", "num_pages")}
-        run_seg = np.searchsorted(got["rank"], np.arange(len(ranges) + 1)).astype(np.int64)
+            params=[x for k, r in enumerate(ranges) for x in (*r, k)]).to_arrow_table()
+        # Columns in their stored types (the kernel is compiled for them): no conversion copies.
+        runs = {k: read_only(got.column(k).to_numpy()) for k in ("rank", "seq", "list", "page_start", "num_pages")}
+        runs["seq"] = runs["seq"].view(np.int64)  # as the events' seq below: same bits, compared as int64
+        run_seg = np.searchsorted(runs["rank"], np.arange(len(ranges) + 1)).astype(np.int64)
         poff = np.zeros(n + 1, np.int64)
         num_dst = np.zeros(n, np.int64)
         args = (keys.order, keys.seq, keys.seg, runs["seq"], runs["list"], runs["page_start"], runs["num_pages"],
@@ -162,23 +181,20 @@ class _SliceReader:
         """The caller is done with ``batch``: its page buffer may hold a later slice."""
         self.spare.append(batch.pages if batch.pages.base is None else batch.pages.base)
 
-    def _scalars(self, ev: pa.Table, lo: int, hi: int) -> pa.Table:
-        """Every SCALARS column: page events' from ``ev``, the other kinds' from a query of their own."""
+    @staticmethod
+    def _scalars(ev: pa.Table, rare: np.ndarray, part: pa.Table | None) -> pa.Table:
+        """Every SCALARS column: the page events' columns from ``ev``, the rest from ``part`` (the rows
+        ``rare`` of ``ev``; page events carry none of those fields)."""
         n = ev.num_rows
-        rows = np.flatnonzero(~pc.is_in(ev.column("kind"), value_set=pa.array(PAGE_KINDS)).to_numpy(
-            zero_copy_only=False))
-        rest = [name for name in SCALARS if name not in _PAGE_EVENT_COLS]
-        other = self._some_rows(ev, rows, rest, lo, hi, f"AND (kind IS NULL OR kind NOT IN {_PAGE_KINDS_SQL})") \
-            if len(rows) else None
         at = np.full(n, -1, np.int64)
-        at[rows] = np.arange(len(rows))
+        at[rare] = np.arange(len(rare))
         take = pa.array(at, mask=at < 0)
         cols = {}
         for name in SCALARS:
             if name in _PAGE_EVENT_COLS:
                 cols[name] = ev.column(name).chunk(0)
-            elif other is not None:
-                cols[name] = other.column(name).chunk(0).take(take)
+            elif part is not None:
+                cols[name] = part.column(name).chunk(0).take(take)
             else:
                 cols[name] = pa.nulls(n, _TYPES[name])
         return pa.table(cols)
@@ -188,7 +204,11 @@ class _Keys:
     """The slice's rows sorted by (producer, seq), ``seg`` delimiting producers."""
 
     def __init__(self, pid: np.ndarray, seq: np.ndarray, producer: np.ndarray):
-        self.order = np.lexsort((seq, producer))
+        order = np.argsort(producer.astype(np.int16) if len(producer) and producer.max() < 1 << 15 else producer,
+                           kind="stable")  # rows come in time order: seq mostly rises already
+        by_seq = seq[order]
+        same = producer[order][1:] == producer[order][:-1]
+        self.order = order if not np.any(same & (by_seq[1:] < by_seq[:-1])) else np.lexsort((seq, producer))
         self.pid, self.seq = pid[self.order], seq[self.order]
         self.seg = np.flatnonzero(np.diff(producer[self.order], prepend=-1, append=-1))
 
@@ -206,17 +226,27 @@ def _scatter_lists(n: int, rows: np.ndarray, col, dtype) -> tuple[np.ndarray, np
 
 
 def store_batches(con, where: str, params: list, page_events_per_slice: int = PAGE_EVENTS_PER_SLICE,
-                  meanwhile: Callable[[], None] | None = None) -> Iterator[ReplayBatch]:
+                  meanwhile: Callable[[], None] | None = None, *, events_per_slice: int = EVENTS_PER_SLICE,
+                  read_ahead: bool = True) -> Iterator[ReplayBatch]:
     """The events of ``events_v`` matching ``where`` as ReplayBatches in engine order, slice by slice.
 
     A batch's page buffer is reused for a later slice once the next batch is asked for: replay each
     batch before asking for the next. ``meanwhile`` runs while the first slice is being read (e.g.
-    loading the replay kernels, which would otherwise wait for it).
+    loading the replay kernels, which would otherwise wait for it). ``read_ahead``: a helper thread
+    reads the next slice while the caller replays one; else slices are read in turn.
     """
     con.complete()
     reader = _SliceReader(con, where, params)
     try:
-        bounds = _slice_bounds(con, where, params, page_events_per_slice)
+        bounds = _slice_bounds(con, where, params, page_events_per_slice, events_per_slice)
+        if not read_ahead:
+            if meanwhile is not None:
+                meanwhile()
+            for lo, hi in zip(bounds, bounds[1:]):
+                if (b := reader.read(lo, hi)) is not None:
+                    yield b
+                    reader.recycle(b)
+            return
         with ThreadPoolExecutor(1) as pool:
             ahead = None
             for lo, hi in zip(bounds, bounds[1:]):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import duckdb
 
@@ -50,28 +51,40 @@ def verify_report(report_dir: str | Path, db: str | Path, *, strict: bool = Fals
             now = {h["producer_id"]: h for h in chain_heads(con)}
         except duckdb.Error:
             raise KvtrailError(f"--db: {db} is not a kvtrail audit store") from None
-        # Behind (newest batches deleted) or forked (rewritten), judged as `kvtrail audit verify --expect-heads` does.
-        check.problems.extend(f"chain head of {p}" for p in compare_heads(con, heads))
-        note_growth(con, heads, now, options, check, strict)
-        chain = verify_store(con)
-        if not chain.ok:
-            more = f" (+{len(chain.problems) - 1} more)" if len(chain.problems) > 1 else ""
-            check.problems.append(f"audit chain: {chain.first_problem}{more}")
+        check_store_chain(con, heads, now, options, check, strict)
     finally:
         con.close()
     snap, _ = open_snapshot(db, heads)
     try:
-        digest = build_report(snap, options, None, heads).results_digest()
-    except Exception as exc:  # noqa: BLE001 - a tampered store may not even replay; that is a failed check
-        first_line = (str(exc).splitlines() or [""])[0]
-        check.problems.append(f"results could not be recomputed: {type(exc).__name__}: {first_line}")
-        return check
+        check_digest(check, lambda: build_report(snap, options, None, heads).results_digest(), doc["results_digest"])
     finally:
         snap.close()
-    if digest != doc["results_digest"]:
-        check.problems.append(f"results digest differs: the store now answers differently for this window "
-                              f"({digest[:16]}... now, {doc['results_digest'][:16]}... recorded)")
     return check
+
+
+def check_store_chain(con, heads: list[dict], now: dict, options, check: ReportCheck, strict: bool) -> None:
+    """The store's side of a report check: no producer's chain behind or forked from the recorded heads (as
+    ``kvtrail audit verify --expect-heads`` judges it), its growth since, and the chain itself."""
+    check.problems.extend(f"chain head of {p}" for p in compare_heads(con, heads))
+    note_growth(con, heads, now, options, check, strict)
+    chain = verify_store(con)
+    if not chain.ok:
+        more = f" (+{len(chain.problems) - 1} more)" if len(chain.problems) > 1 else ""
+        check.problems.append(f"audit chain: {chain.first_problem}{more}")
+
+
+def check_digest(check: ReportCheck, recompute: Callable[[], str], recorded: object, what: str = "store") -> None:
+    """Compare the results digest ``recompute()`` gives now with the recorded one (a failure to recompute is a
+    problem too: a tampered store or lake may not even replay)."""
+    try:
+        digest = recompute()
+    except Exception as exc:  # noqa: BLE001 - a failed recompute is a failed check, reported with its cause
+        first_line = (str(exc).splitlines() or [""])[0]
+        check.problems.append(f"results could not be recomputed: {type(exc).__name__}: {first_line}")
+        return
+    if digest != recorded:
+        check.problems.append(f"results digest differs: the {what} now answers differently for this window "
+                              f"({digest[:16]}... now, {str(recorded)[:16]}... recorded)")
 
 
 def changed_files(doc: dict, report_dir: str | Path) -> list[str]:
