@@ -36,7 +36,9 @@ def parts(db: Path) -> list[pa.Table]:
     producer in the i-th append (so one append commits a batch of several producers, like the service's)."""
     with duckdb.connect(str(db), read_only=True) as con:
         events = read_events(con)
-    keys = pl.from_arrow(events.select(["cluster", "node", "instance"])).with_row_index("i")
+    frame = pl.from_arrow(events.select(["cluster", "node", "instance"]))
+    assert isinstance(frame, pl.DataFrame)
+    keys = frame.with_row_index("i")
     out: list[list[int]] = [[] for _ in range(PARTS)]
     for _, g in keys.group_by(["cluster", "node", "instance"], maintain_order=True):
         rows = g["i"].to_list()
