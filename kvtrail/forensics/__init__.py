@@ -11,7 +11,6 @@ from kvtrail.forensics.analysis import (
     Exclusions,
     ProbeRules,
     check_exclusions,
-    excluded_mask,
     excluded_requests,
     exploitation_assessment,
     exposed_tenants,
@@ -59,15 +58,11 @@ from kvtrail.forensics.report.build import Report, build_report, write_report
 from kvtrail.forensics.report.context import IncidentContext, load_context, load_exclusions
 from kvtrail.forensics.report.options import ReportOptions
 from kvtrail.forensics.report.snapshot import open_snapshot
-from kvtrail.forensics.report.verify import ReportCheck, check_digest, check_store_chain, note_growth, verify_report
+from kvtrail.forensics.report.verify import ReportCheck, check_digest, check_store_chain, verify_report
 from kvtrail.forensics.sql.engine import sql_findings
 from kvtrail.forensics.window import Window, check_window
 
 __all__ = [
-    "check_digest",
-    "check_store_chain",
-    "excluded_mask",
-    "note_growth",
     "AFFECTED_CODES",
     "Answer",
     "CODES",
@@ -95,6 +90,8 @@ __all__ = [
     "ask_node_configurations",
     "ask_thresholds",
     "build_report",
+    "check_digest",
+    "check_store_chain",
     "check_exclusions",
     "check_window",
     "coverage_gaps",

@@ -217,17 +217,23 @@ def _connected(store: Store) -> Iterator[duckdb.DuckDBPyConnection]:
 
 
 def ask_findings(store: Store, w: Window = Window(), *, codes: tuple[str, ...] = (), engine: str = "replay",
-                 policy: ForensicsPolicy = ForensicsPolicy(), exclusions: Exclusions = Exclusions()) -> Answer:
+                 policy: ForensicsPolicy = ForensicsPolicy(), exclusions: Exclusions = Exclusions(),
+                 found: list[Finding] | None = None) -> Answer:
     """Every finding in the window (only ``codes`` when given) with evidence; excluded accounts' findings
-    left out. ``Answer.found`` keeps every finding of the window (e.g. to persist them)."""
+    left out. ``Answer.found`` keeps every finding of the window (e.g. to persist them). ``found``: the
+    window's findings already judged (the service's live judge), used instead of a replay."""
     bad = [c for c in codes if c not in CODES]
     if bad:
         raise KvtrailError(f"--code: unknown finding code {bad[0]!r}; known: {', '.join(CODES)}")
     with _connected(store) as con:
         check_exclusions(con, exclusions)
+        if found is None:
+            found = findings_of(con, w, engine=engine, policy=policy)
+        else:
+            check_window(con, w)  # as findings_of does
         ends = window_ends(con, w)
         incomplete = incomplete_requests(con, w, ends)
-        found, withheld = withhold_incomplete(findings_of(con, w, engine=engine, policy=policy), incomplete)
+        found, withheld = withhold_incomplete(found, incomplete)
         df, excluded, gaps = findings_frame(found, w, codes), excluded_requests(con, exclusions), coverage_gaps(con)
         notes = _symptom_notes(con, w)
         warnings = integrity_warnings(con, w, ends=ends, incomplete=incomplete, withheld=len(withheld))
@@ -235,10 +241,12 @@ def ask_findings(store: Store, w: Window = Window(), *, codes: tuple[str, ...] =
     return Answer(df.filter(~hit), df.filter(hit), gaps, notes, warnings, found=tuple(found))
 
 
-def ask_affected(store: Store, w: Window = Window(), *, exclusions: Exclusions = Exclusions()) -> Answer:
-    """Which responses read foreign pages in the window, and whose data it was (exclusions applied)."""
+def ask_affected(store: Store, w: Window = Window(), *, exclusions: Exclusions = Exclusions(),
+                 found: list[Finding] | None = None) -> Answer:
+    """Which responses read foreign pages in the window, and whose data it was (exclusions applied).
+    ``found``: the window's findings already judged, used instead of a replay."""
     with _connected(store) as con:
-        kept, dropped, _ = affected_with_exclusions(con, w, exclusions)
+        kept, dropped, _ = affected_with_exclusions(con, w, exclusions, found)
         return Answer(kept, dropped, coverage_gaps(con), _symptom_notes(con, w), integrity_warnings(con, w))
 
 

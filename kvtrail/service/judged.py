@@ -9,8 +9,8 @@ when the query came, then points the cursor at the store *as of the batches judg
 notes, warnings, exclusions) reads the same events the findings came from: the answer is the CLI's
 answer on the store at that point. Any other window, policy or engine is replayed as the CLI does.
 
-:func:`affected_answer` and :func:`findings_answer` compose an answer from given findings with the
-same steps as ``ask_affected`` and ``ask_findings``; the route tests compare both ways.
+:func:`affected_answer` and :func:`findings_answer` are ``ask_affected`` and ``ask_findings`` handed the judge's
+findings; the route tests compare both ways.
 """
 
 from __future__ import annotations
@@ -21,29 +21,7 @@ from typing import Any, TypeVar
 
 import duckdb
 
-from kvtrail.errors import KvtrailError
-from kvtrail.forensics import (
-    CODES,
-    Answer,
-    Exclusions,
-    Finding,
-    Window,
-    affected_with_exclusions,
-    check_exclusions,
-    coverage_gaps,
-    excluded_mask,
-    excluded_requests,
-    findings_frame,
-)
-from kvtrail.forensics.symptoms import (
-    empty_after_abort,
-    empty_after_abort_note,
-    incomplete_requests,
-    integrity_warnings,
-    window_ends,
-    withhold_incomplete,
-)
-from kvtrail.forensics.window import check_window
+from kvtrail.forensics import Answer, Exclusions, Finding, Window, ask_affected, ask_findings
 from kvtrail.service.reports import live_snapshot
 
 T = TypeVar("T")
@@ -71,34 +49,16 @@ def judged_findings(cur: duckdb.DuckDBPyConnection, state: Any, w: Window) -> It
         yield [f for f in found if w.from_ns is None or f.last_ns >= w.from_ns]
 
 
-def _notes(con: duckdb.DuckDBPyConnection, w: Window) -> tuple[str, ...]:
-    note = empty_after_abort_note(empty_after_abort(con, w))
-    return (note,) if note else ()
-
-
 def affected_answer(con: duckdb.DuckDBPyConnection, w: Window, found: list[Finding],
                     exclusions: Exclusions) -> Answer:
     """``ask_affected``'s answer from the window's findings."""
-    kept, dropped, _ = affected_with_exclusions(con, w, exclusions, found)
-    return Answer(kept, dropped, coverage_gaps(con), _notes(con, w), integrity_warnings(con, w))
+    return ask_affected(con, w, exclusions=exclusions, found=found)
 
 
 def findings_answer(con: duckdb.DuckDBPyConnection, w: Window, found: list[Finding], codes: tuple[str, ...],
                     exclusions: Exclusions) -> Answer:
     """``ask_findings``'s answer (replay engine, the judge's policy) from the window's findings."""
-    bad = [c for c in codes if c not in CODES]
-    if bad:
-        raise KvtrailError(f"--code: unknown finding code {bad[0]!r}; known: {', '.join(CODES)}")
-    check_exclusions(con, exclusions)
-    check_window(con, w)
-    ends = window_ends(con, w)
-    incomplete = incomplete_requests(con, w, ends)
-    found, withheld = withhold_incomplete(found, incomplete)
-    df, excluded, gaps = findings_frame(found, w, codes), excluded_requests(con, exclusions), coverage_gaps(con)
-    notes = _notes(con, w)
-    warnings = integrity_warnings(con, w, ends=ends, incomplete=incomplete, withheld=len(withheld))
-    hit = excluded_mask(excluded, exclusions)
-    return Answer(df.filter(~hit), df.filter(hit), gaps, notes, warnings, found=tuple(found))
+    return ask_findings(con, w, codes=codes, exclusions=exclusions, found=found)
 
 
 def judged_or_replayed(cur: duckdb.DuckDBPyConnection, state: Any, w: Window,
