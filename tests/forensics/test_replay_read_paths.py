@@ -25,6 +25,7 @@ pytest.importorskip("numba")
 
 from kvtrail.forensics.replay.kernels import copy_lists  # noqa: E402  (needs numba)
 from kvtrail.forensics.replay.source import _Keys, _slice_bounds, store_batches  # noqa: E402
+from tests.forensics.test_source import _rows  # noqa: E402  (the reader's rows, as its own test reads them)
 
 FLEET = FleetConfig(seed=7, hours=0.003, rate_per_s=10, prefill_nodes=1, decode_nodes=2, tenants=3, chunk_tokens=4096,
                     events_per_batch=400)
@@ -38,20 +39,10 @@ def store(tmp_path_factory):
         yield st_
 
 
-def _content(batches) -> list[tuple]:
-    out = []
-    for b in batches:
-        for i, row in enumerate(b.scalars.to_pylist()):
-            d, h, nd = b._lists(i)
-            out.append((int(b.pid[i]), tuple(row.values()), b.pages[b.poff[i]:b.poff[i + 1]].tolist(),
-                        None if d is None else d.tolist(), None if h is None else h.tolist(), nd))
-    return out
-
-
 def _read(con, **kw) -> tuple[list[tuple], int]:
     got, slices = [], 0
     for b in store_batches(con, "TRUE", [], **kw):
-        got += _content([dataclasses.replace(b, pages=b.pages.copy())])
+        got += _rows([dataclasses.replace(b, pages=b.pages.copy())])
         slices += 1
     return got, slices
 
