@@ -133,6 +133,13 @@ def tenant_window(who: Principal, ask: Ask, excl: Exclusions | None = None) -> W
     return replace(ask.window, tenant=None)
 
 
+def _request_owner(cur: duckdb.DuckDBPyConnection, request_id: str, tenant_id: str | None) -> str | None:
+    """The tenant of ``request_id``, if it has one (and, for a tenant asking, it is that tenant); else None."""
+    row = cur.execute("SELECT tenant_id FROM events_v WHERE request_id = ? AND tenant_id IS NOT NULL "
+                      "AND (? IS NULL OR tenant_id = ?) LIMIT 1", [request_id, tenant_id, tenant_id]).fetchone()
+    return None if row is None else row[0]
+
+
 def router(state: Any) -> APIRouter:
     """The ``/v1`` query routes over ``state`` (a :class:`kvtrail.service.state.ServiceState`)."""
     r = APIRouter(prefix="/v1", route_class=logged_route(state), responses=ERRORS, tags=["queries"])
@@ -224,13 +231,11 @@ def router(state: Any) -> APIRouter:
         w = tenant_window(who, ask) if who.role == "tenant" else ask.window
 
         def answer(cur: duckdb.DuckDBPyConnection) -> dict | None:
-            owner = cur.execute("SELECT tenant_id FROM events_v WHERE request_id = ? AND tenant_id IS NOT NULL "
-                                "AND (? IS NULL OR tenant_id = ?) LIMIT 1",
-                                [request_id, who.tenant_id, who.tenant_id]).fetchone()
+            owner = _request_owner(cur, request_id, who.tenant_id)
             if owner is None:
                 return None
             found = ask_findings(cur, w, codes=tuple(sorted(AFFECTED_CODES))).rows
-            return tenancy.request_status(found, request_id, owner[0])
+            return tenancy.request_status(found, request_id, owner)
 
         status = run(who, answer)
         if status is None:
@@ -250,9 +255,7 @@ def router(state: Any) -> APIRouter:
         span = Window(w.from_ns, w.to_ns)
 
         def answer(cur: duckdb.DuckDBPyConnection) -> dict | None:
-            owner = cur.execute("SELECT tenant_id FROM events_v WHERE request_id = ? AND tenant_id IS NOT NULL "
-                                "AND (? IS NULL OR tenant_id = ?) LIMIT 1",
-                                [request_id, who.tenant_id, who.tenant_id]).fetchone()
+            owner = _request_owner(cur, request_id, who.tenant_id)
             if owner is None:
                 return None
             # as the --db dashboard does: a judge run (or --save) covering the window, else a replay
