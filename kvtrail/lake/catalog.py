@@ -36,9 +36,10 @@ def _view(con: duckdb.DuckDBPyConnection, lake: LakeFS, table: str, paths: list[
         con.execute(f"CREATE VIEW {table} AS SELECT {cols} FROM _lake_{table}")
 
 
-def open_memory_catalog(tables: dict[str, pa.Table]) -> duckdb.DuckDBPyConnection:
-    """A connection over tables already read (each of :data:`LAKE_TABLES`): what a task checked is what it reads."""
-    con = duckdb.connect()
+def open_memory_catalog(tables: dict[str, pa.Table], threads: int | None = None) -> duckdb.DuckDBPyConnection:
+    """A connection over tables already read (each of :data:`LAKE_TABLES`): what a task checked is what it
+    reads. ``threads``: DuckDB's threads (None: its default, one per core)."""
+    con = duckdb.connect(config={} if threads is None else {"threads": threads})
     for table in LAKE_TABLES:
         con.register(f"_lake_{table}", tables[table])
         con.execute(f"CREATE VIEW {table} AS SELECT * FROM _lake_{table}")

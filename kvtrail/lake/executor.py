@@ -17,12 +17,41 @@ from typing import Any, Callable, Protocol, Sequence
 from kvtrail.errors import KvtrailError
 
 
+def worker_threads() -> int | None:
+    """The threads a task may use where it runs: a Dask worker's thread count (its share of the machine's
+    cores), or None outside a worker (all of them). A one-thread worker stands for one core: a task that
+    ran helper threads there (a read-ahead, DuckDB's or Arrow's thread pools) would take cores from the
+    other workers and make one worker look faster than one core."""
+    dist = sys.modules.get("distributed")  # never imported by a process that is not a Dask worker
+    if dist is None:
+        return None
+    try:
+        return int(dist.get_worker().state.nthreads)
+    except ValueError:  # not inside a worker's task
+        return None
+
+
 class Executor(Protocol):
     """Runs ``fn`` over ``items``; all results in order, or an exception."""
 
     def map(self, fn: Callable[[Any], Any], items: Sequence[Any], label: str = "tasks") -> list[Any]: ...
 
     def close(self) -> None: ...
+
+
+def map_largest_first(executor: Executor, fn: Callable[[Any], Any], items: Sequence[Any],
+                      cost: Callable[[Any], float], label: str = "tasks") -> list[Any]:
+    """``executor.map(fn, items)``, the items handed out in decreasing ``cost`` (the results in the order of
+    ``items``): a cluster starts its longest tasks first and ends on short ones, so its workers finish
+    together instead of one waiting on the last large task."""
+    order = sorted(range(len(items)), key=lambda k: -cost(items[k]))
+    results = executor.map(fn, [items[k] for k in order], label=label)
+    if len(results) != len(items):
+        raise KvtrailError(f"lake: {len(results)} of {len(items)} {label} answered; no answer")
+    out: list[Any] = [None] * len(items)
+    for k, r in zip(order, results):
+        out[k] = r
+    return out
 
 
 class LocalExecutor:

@@ -66,6 +66,23 @@ def test_slices_count_events_and_page_events_together(store):
     assert slices(num_pages // 4, num_events // 4) >= 8  # half a slice of each is a slice
 
 
+def test_slices_count_only_the_selected_producers_and_the_window(store):
+    """A one-node question on a fleet's store is sized by that node's batches, inside the window's span."""
+    con = store.con
+    num_events = con.execute("SELECT count(*) FROM events").fetchone()[0]
+    node, mine = con.execute("SELECT node, count(*) FROM events_v GROUP BY node ORDER BY 2 LIMIT 1").fetchone()
+    assert mine < num_events // 2
+    per = max(mine // 4, 1)
+    one_node = len(_slice_bounds(con, "node = ?", [node], 10**12, per)) - 1
+    assert 3 <= one_node <= 6  # ~mine / per, not ~num_events / per
+    assert len(_slice_bounds(con, "TRUE", [], 10**12, per)) - 1 > 2 * one_node
+    lo, hi = con.execute("SELECT min(wall_ns), max(wall_ns) FROM events").fetchone()
+    tenth = "wall_ns >= ? AND wall_ns < ?"
+    in_tenth = con.execute(f"SELECT count(*) FROM events WHERE {tenth}", [lo, lo + (hi - lo) // 10]).fetchone()[0]
+    got = len(_slice_bounds(con, tenth, [lo, lo + (hi - lo) // 10], 10**12, max(in_tenth // 2, 1))) - 1
+    assert got <= 4  # the window's part of the batches that overlap it, not those batches whole
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6)), max_size=40))
 def test_rows_by_producer_and_seq_as_a_lexsort_orders_them(rows):

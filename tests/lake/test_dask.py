@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+import pyarrow as pa
 import pytest
 
 from kvtrail import forensics as fx
@@ -20,7 +21,9 @@ from kvtrail.cli import main
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics.lake.questions import lake_findings, open_lake
 from kvtrail.forensics.replay.engine import replay_store
-from kvtrail.lake.executor import DaskExecutor
+from kvtrail.forensics.replay.batch import PRODUCER_NAMES
+from kvtrail.lake.catalog import LAKE_TABLES
+from kvtrail.lake.executor import DaskExecutor, worker_threads
 
 distributed = pytest.importorskip("distributed")
 DEADLINE_S = 120
@@ -91,6 +94,30 @@ def test_report_through_scheduler(dask_cluster, fleet_lake, fleet_db, tmp_path):
     digest = [json.loads((tmp_path / d / "report.json").read_text())["results_digest"] for d in ("db", "lake")]
     assert digest[0] == digest[1]
     assert main(["forensics", "verify-report", str(tmp_path / "lake"), "--lake", fleet_lake, "--scheduler", addr]) == 0
+
+
+def test_a_task_uses_its_worker_threads_only(dask_cluster):
+    """A one-thread worker stands for one core: a task there runs no helper threads of its own."""
+    addr, _ = dask_cluster
+    assert worker_threads() is None  # outside a worker: the machine's cores
+    executor = DaskExecutor(addr, progress=False)
+    try:
+        assert executor.map(_threads_here, [0, 1]) == [(1, "1"), (1, "1")]
+    finally:
+        executor.close()
+
+
+def _threads_here(_: int) -> tuple[int | None, str]:
+    from kvtrail.lake.catalog import open_memory_catalog
+
+    tables = {t: pa.table({"producer_id": pa.array([], pa.int64())}) for t in LAKE_TABLES}
+    tables["producers"] = pa.table({"producer_id": pa.array([], pa.int64()),
+                                    **{c: pa.array([], pa.string()) for c in PRODUCER_NAMES}})
+    con = open_memory_catalog(tables, worker_threads())
+    try:
+        return worker_threads(), con.execute("SELECT current_setting('threads')").fetchone()[0].__str__()
+    finally:
+        con.close()
 
 
 def test_worker_killed_mid_query_gives_all_or_a_clear_error(dask_cluster, fleet_lake, fleet_con):

@@ -27,6 +27,7 @@ from kvtrail.forensics.persist import finding_id, results_digest
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.engine import ReplayEngine, replay_store
 from kvtrail.forensics.replay.pagestate import PAGE_ARRAYS
+from kvtrail.lake.executor import LocalExecutor, map_largest_first
 from kvtrail.lake.fs import LakeFS
 from kvtrail.lake.manifest import read_manifest
 from kvtrail.lake.partition import HOUR_NS
@@ -148,3 +149,25 @@ def test_thresholds_and_exploitation_equal_the_store(lake, fleet_db):
     o = fx.ReportOptions(w.from_ns, w.to_ns)
     a, b = ask_lake_exploitation(lake, o), fx.ask_exploitation(fleet_db, o)
     assert len(a.rows) and a.rows.equals(b.rows) and a.notes == b.notes
+
+
+def test_tasks_are_handed_out_largest_first_and_answered_in_order():
+    handed: list[int] = []
+
+    class Recording(LocalExecutor):
+        def map(self, fn, items, label="tasks"):
+            handed.extend(items)
+            return super().map(fn, items, label)
+
+    costs = [3, 9, 1, 9, 5]
+    got = map_largest_first(Recording(), lambda c: c * 10, costs, cost=lambda c: c)
+    assert got == [30, 90, 10, 90, 50]
+    assert handed == [9, 9, 5, 3, 1]
+
+
+def test_plan_costs_are_the_tasks_file_bytes(lake):
+    tasks = plan_tasks(lake.fs, lake.manifest, lake.con, None, None, ForensicsPolicy(), None, need_joins=True)
+    files = lake.manifest.files
+    for t in tasks:
+        listed = [p for table, entries in t.files if table in ("events", "page_runs") for p, _ in entries]
+        assert t.cost == sum(files[p]["bytes"] for p in listed) + files[t.checkpoint[0]]["bytes"] > 0

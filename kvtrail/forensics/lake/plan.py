@@ -67,8 +67,10 @@ def plan_tasks(lake: LakeFS, m: LakeManifest, con: duckdb.DuckDBPyConnection, fr
     def task(mode: str, node: NodeKey, hours: list[int], ckpt, starts) -> PartitionTask:
         parts = [by_part[(node, h)] for h in hours]
         tables = tuple((t, tuple(e for p in parts for e in p.get(t, ()))) for t in ("events", "page_runs"))
+        cost = sum(files[path]["bytes"] for _, entries in tables for path, _ in entries)
+        cost += files[ckpt[0]]["bytes"] if ckpt is not None else 0
         return PartitionTask(lake.url, mode, node[0], node[1], tuple(hours), tables + shared, ckpt,
-                             tuple(sorted(starts.items())), to_ns, policy, codes)
+                             tuple(sorted(starts.items())), to_ns, policy, codes, cost)
 
     for node in sorted({k for k, _ in by_part}):
         hours = sorted(h for k, h in by_part if k == node and (to_hour is None or h <= to_hour))

@@ -51,7 +51,7 @@ from kvtrail.forensics.symptoms import (
 )
 from kvtrail.forensics.window import Window, check_window
 from kvtrail.lake.catalog import LAKE_TABLES, open_catalog
-from kvtrail.lake.executor import Executor, LocalExecutor
+from kvtrail.lake.executor import Executor, LocalExecutor, map_largest_first
 from kvtrail.lake.fs import LakeFS
 from kvtrail.lake.manifest import LakeManifest, read_manifest, require_manifest
 
@@ -95,9 +95,7 @@ def lake_findings(lake: Lake, w: Window, *, policy: ForensicsPolicy = ForensicsP
         raise KvtrailError(f"--engine: unknown findings engine {engine!r}; known: replay, sql")
     need_joins = wanted is None or bool(set(wanted) & JOIN_CODES)
     tasks = plan_tasks(lake.fs, lake.manifest, lake.con, w.from_ns, w.to_ns, policy, wanted, need_joins=need_joins)
-    results = (executor or LocalExecutor()).map(run_task, tasks, label="partitions")
-    if len(results) != len(tasks):
-        raise KvtrailError(f"lake: {len(results)} of {len(tasks)} partition tasks answered; no answer")
+    results = map_largest_first(executor or LocalExecutor(), run_task, tasks, lambda t: t.cost, label="partitions")
     return merged_findings(results, policy, wanted, w.from_ns, need_joins=need_joins)
 
 

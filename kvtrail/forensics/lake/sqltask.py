@@ -30,7 +30,7 @@ from kvtrail.forensics.replay.joins import CrossNodeJoins
 from kvtrail.forensics.replay.state import ReplayState
 from kvtrail.forensics.sql.engine import EVENT_ORDER, SqlScope, sql_findings
 from kvtrail.lake.catalog import open_memory_catalog
-from kvtrail.lake.executor import Executor, LocalExecutor
+from kvtrail.lake.executor import Executor, LocalExecutor, map_largest_first, worker_threads
 from kvtrail.lake.fs import LakeFS
 from kvtrail.lake.partition import HOUR_NS
 
@@ -80,7 +80,8 @@ def _real(f: Finding, prelude: Prelude) -> Finding:
 def run_sql_task(task: PartitionTask) -> PartitionResult:
     """Run one task with the SQL engine (in a worker process or in-process)."""
     lake = LakeFS.open(task.url)
-    tables = read_tables(lake, task)
+    threads = worker_threads()
+    tables = read_tables(lake, task, threads)
     lo, hi = min(task.hours) * HOUR_NS, (max(task.hours) + 1) * HOUR_NS
     prelude = producer = None
     if task.checkpoint is not None:
@@ -91,7 +92,7 @@ def run_sql_task(task: PartitionTask) -> PartitionResult:
             pid = _synthetic_pid(tables["producers"])
             prelude = build_prelude(pool, state.requests, state.tenants, pid, lo - 1)
             producer = _producer_row(tables["producers"], task, pid, info.instance)
-    con = open_memory_catalog(_with_prelude(tables, prelude, producer))
+    con = open_memory_catalog(_with_prelude(tables, prelude, producer), threads)
     try:
         where, params = task_filter(task, lo, hi)
         scope = SqlScope(f"(pre IS NOT NULL OR ({where}))", tuple(params), _ORDER)
@@ -114,7 +115,8 @@ def sql_lake_findings(lake, from_ns: int | None, to_ns: int | None, policy: Fore
     found: list[Finding] = []
     if page:
         tasks = plan_tasks(lake.fs, lake.manifest, lake.con, from_ns, to_ns, policy, page, need_joins=False)
-        results = (executor or LocalExecutor()).map(run_sql_task, tasks, label="partitions (sql)")
+        results = map_largest_first(executor or LocalExecutor(), run_sql_task, tasks, lambda t: t.cost,
+                                    label="partitions (sql)")
         assert len(results) == len(tasks), "the executor returns every result or raises"
         found += [f for r in results for f in r.found]
     if cross:

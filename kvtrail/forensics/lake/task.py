@@ -27,6 +27,7 @@ from kvtrail.forensics.replay.engine import ReplayEngine
 from kvtrail.forensics.replay.joins import CrossNodeJoins
 from kvtrail.forensics.replay.source import store_batches
 from kvtrail.lake.catalog import LAKE_TABLES, open_memory_catalog
+from kvtrail.lake.executor import worker_threads
 from kvtrail.lake.fs import LakeFS
 from kvtrail.lake.partition import HOUR_NS
 
@@ -53,6 +54,7 @@ class PartitionTask:
     to_ns: int | None
     policy: ForensicsPolicy = ForensicsPolicy()
     codes: tuple[str, ...] | None = None
+    cost: int = 0  # bytes of its files: what the fan-out orders tasks by (largest first)
 
     def __post_init__(self) -> None:
         assert self.mode in MODES, f"task mode {self.mode!r}"
@@ -101,9 +103,11 @@ def task_filter(task: PartitionTask, lo: int, hi: int) -> tuple[str, list]:
     return " AND ".join(where), params
 
 
-def read_tables(lake: LakeFS, task: PartitionTask) -> dict[str, pa.Table]:
-    """The task's files as tables, each read once: the bytes whose SHA-256 matched are the ones judged."""
-    tables = {table: pa.concat_tables([pq.read_table(pa.BufferReader(read_checked(lake, path, sha)))
+def read_tables(lake: LakeFS, task: PartitionTask, threads: int | None = None) -> dict[str, pa.Table]:
+    """The task's files as tables, each read once: the bytes whose SHA-256 matched are the ones judged.
+    ``threads``: the task's thread budget (:func:`~kvtrail.lake.executor.worker_threads`)."""
+    many = threads is None or threads > 1
+    tables = {table: pa.concat_tables([pq.read_table(pa.BufferReader(read_checked(lake, path, sha)), use_threads=many)
                                        for path, sha in entries]) for table, entries in task.files if entries}
     if set(tables) != set(LAKE_TABLES):
         raise LakeCoverageError(f"lake {lake.url}: no {', '.join(sorted(set(LAKE_TABLES) - set(tables)))} files "
@@ -114,7 +118,8 @@ def read_tables(lake: LakeFS, task: PartitionTask) -> dict[str, pa.Table]:
 def run_task(task: PartitionTask) -> PartitionResult:
     """Run one task (in a worker process or in-process)."""
     lake = LakeFS.open(task.url)
-    con = open_memory_catalog(read_tables(lake, task))
+    threads = worker_threads()
+    con = open_memory_catalog(read_tables(lake, task, threads), threads)
     try:
         producer_ids = {tuple(r[1:]): r[0] for r in con.execute(
             f"SELECT producer_id, {', '.join(PRODUCER_NAMES)} FROM producers").fetchall()}
@@ -128,7 +133,7 @@ def run_task(task: PartitionTask) -> PartitionResult:
         for hour in task.hours:
             where, params = task_filter(task, hour * HOUR_NS, (hour + 1) * HOUR_NS)
             if engine.fast_path is not None:
-                for batch in store_batches(con, where, params):
+                for batch in store_batches(con, where, params, read_ahead=threads is None or threads > 1):
                     out.events += batch.num_rows
                     engine.feed_batch(batch)
             else:

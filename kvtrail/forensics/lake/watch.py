@@ -20,7 +20,7 @@ from kvtrail.forensics.lake.questions import open_lake
 from kvtrail.forensics.lake.task import PartitionResult, PartitionTask, run_task
 from kvtrail.forensics.persist import finding_id
 from kvtrail.forensics.policy import ForensicsPolicy
-from kvtrail.lake.executor import Executor, LocalExecutor
+from kvtrail.lake.executor import Executor, LocalExecutor, map_largest_first
 from kvtrail.lake.fs import LakeFS
 from kvtrail.lake.manifest import manifest_numbers
 
@@ -56,7 +56,7 @@ class LakeWatch:
             tasks = plan_tasks(lake.fs, lake.manifest, lake.con, None, None, self.policy, None, need_joins=True)
             stale = [t for t in tasks if _task_key(t) not in self.results
                      or _inputs(self.results[_task_key(t)][0]) != _inputs(t)]
-            fresh = self.executor.map(run_task, stale, label="partitions")
+            fresh = map_largest_first(self.executor, run_task, stale, lambda t: t.cost, label="partitions")
             assert len(fresh) == len(stale), "the executor returns every result or raises"
             for t, r in zip(stale, fresh):
                 self.results[_task_key(t)] = (t, r)

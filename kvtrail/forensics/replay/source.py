@@ -45,24 +45,30 @@ def _slice_bounds(con, where: str, params: list, page_events_per_slice: int,
     events_per_slice events, or a mix in that proportion.
 
     Committed batches know their time span, events and page-events; each batch's are taken as spread
-    evenly over its span, which is close enough for sizing slices.
+    evenly over its span, which is close enough for sizing slices. Only the batches of the producers
+    ``where`` selects count, and only their part inside the window's time span (one node's hour of a
+    fleet's store is one slice, not as many as the whole fleet's hour would need).
     """
-    lo, hi = con.execute(f"SELECT min(wall_ns), max(wall_ns) FROM events_v WHERE {where}", params).fetchone()
+    lo, hi, pids = con.execute(f"SELECT min(wall_ns), max(wall_ns), list(DISTINCT producer_id) FROM events_v "
+                               f"WHERE {where}", params).fetchone()
     if lo is None:
         return []
     spans = con.execute("SELECT min_wall_ns, max_wall_ns, num_page_events, num_events FROM batches "
-                        "WHERE max_wall_ns >= ? AND min_wall_ns <= ? AND pruned_by IS NULL", [lo, hi]).fetchnumpy()
+                        "WHERE max_wall_ns >= ? AND min_wall_ns <= ? AND pruned_by IS NULL "
+                        "AND list_contains(?, producer_id)", [lo, hi, pids]).fetchnumpy()
     weight = (spans["num_page_events"].astype(np.float64) / page_events_per_slice
               + spans["num_events"].astype(np.float64) / events_per_slice)  # in slices
-    total = float(weight.sum())
-    slices = int(total) + 1
-    if slices <= 1 or hi <= lo:
+    if hi <= lo or float(weight.sum()) < 1.0:
         return [lo, hi + 1]
     grid = np.linspace(lo, hi, _GRID_POINTS)
     start, end = spans["min_wall_ns"].astype(np.float64), spans["max_wall_ns"].astype(np.float64)
     share = np.clip((grid[:, None] - start) / np.maximum(end - start, 1.0), 0.0, 1.0)
-    cum = share @ weight
-    cuts = np.interp(np.arange(1, slices) * total / slices, cum, grid).astype(np.int64)
+    cum = share @ weight  # slices' worth of the batches before each grid point
+    total = float(cum[-1] - cum[0])  # inside [lo, hi]
+    slices = int(total) + 1
+    if slices <= 1:
+        return [lo, hi + 1]
+    cuts = np.interp(cum[0] + np.arange(1, slices) * total / slices, cum, grid).astype(np.int64)
     return sorted({lo, *cuts.tolist(), hi + 1})
 
 
