@@ -8,7 +8,10 @@ questions - "affected in a 1-hour window" (across an hour boundary) and "affecte
 1, 2 and 4 Dask worker processes (4 oversubscribes a 2-core machine), alternating the methods in rounds
 (the first one rotating, bench/rounds.py); every lake answer is compared with the store's. Rates are
 page-events (entries of the events' page lists) per second of wall time; peak memory is each worker's
-maximum resident set (VmHWM) over the whole run, imports included. Goals, judged on the worst round:
+maximum resident set (VmHWM) over the whole run, imports included. Beside them, the machine's limit
+for the same work: the same tasks, in the same order, on 1 and 2 plain processes (a multiprocessing
+pool, no Dask; ``--no-limit`` skips it), so the 2-vs-1 speed-up can be read against what two processes
+reach on these cores at all. Goals, judged on the worst round:
 2 workers at least 1.7x as fast as one; at most 2 GB per worker. Last, the measured per-partition cost
 is extrapolated on paper to a two-week incident window of a 500-node fleet on a 32-worker cluster.
 
@@ -67,6 +70,31 @@ def _page_events(con, from_ns=None, to_ns=None) -> int:
                            params).fetchone()[0])
 
 
+def _one_core() -> None:
+    """Pool initializer: a plain process runs a task as a one-thread Dask worker does (no helper threads)."""
+    import kvtrail.forensics.lake.task as task
+
+    task.worker_threads = lambda: 1
+
+
+class PlainProcesses:
+    """The machine's limit for the same work: the lake's tasks on N plain OS processes (a multiprocessing
+    pool, one task at a time each, largest first as the lake hands them out), no scheduler, no Dask."""
+
+    def __init__(self, n: int):
+        import multiprocessing as mp
+
+        self.pool = mp.get_context("spawn").Pool(n, initializer=_one_core)
+        self.pool.map(_peak_rss_mb, range(n))  # started and imported before the clock
+
+    def map(self, fn, items, label="tasks"):
+        return self.pool.map(fn, items, chunksize=1)
+
+    def close(self) -> None:
+        self.pool.close()
+        self.pool.join()
+
+
 def build(cfg: FleetConfig, db: str, lake_dir: str) -> tuple[float, float]:
     """The store and the lake (reused when present): (simulate+store s, export s; 0 when reused)."""
     t = time.perf_counter()
@@ -90,6 +118,8 @@ def main() -> int:
     ap.add_argument("--whole-rounds", type=int, default=None,
                     help="rounds of the whole-history question (default: --rounds)")
     ap.add_argument("--quick", action="store_true", help="the default small fleet, 2 rounds")
+    ap.add_argument("--no-limit", action="store_true",
+                    help="skip the machine's limit (the same tasks on 1 and 2 plain processes, no Dask)")
     ap.add_argument("--dir", help="Keep the store and lake here (default: a temporary directory, removed).")
     args = ap.parse_args()
     rounds = check_rounds(args.rounds or (2 if args.quick else MIN_ROUNDS))
@@ -99,7 +129,7 @@ def main() -> int:
     db, lake_dir = os.path.join(base, "fleet.duckdb"), os.path.join(base, "lake")
     cfg = FleetConfig(rate_per_s=args.rate, hours=args.hours, prefill_nodes=args.nodes, decode_nodes=args.nodes,
                       start_ns=DEFAULT_START_NS)
-    executors: dict[str, DaskExecutor] = {}
+    executors: dict[str, DaskExecutor | PlainProcesses] = {}
     try:
         sim_s, export_s = build(cfg, db, lake_dir)
         con = duckdb.connect(db, read_only=True)
@@ -116,6 +146,11 @@ def main() -> int:
         methods = ["single store"] + [f"lake, {n} worker{'s' if n > 1 else ''}" for n in args.workers]
         for n, name in zip(args.workers, methods[1:]):
             executors[name] = DaskExecutor(workers=n, progress=False)
+        if not args.no_limit:
+            for n in (1, 2):
+                name = f"limit, {n} process{'es' if n > 1 else ''}"
+                methods.append(name)
+                executors[name] = PlainProcesses(n)
         with open_lake(lake_dir) as lake:
             parts = len({(f["node"], f["hour"]) for f in lake.manifest.files_of("events").values()})
             print(f"lake: {parts} partitions (node, hour)")
@@ -144,7 +179,10 @@ def main() -> int:
                     for q in questions if len(walls[(q, methods[0])]) > r), flush=True)
         peaks = {"single store": _peak_rss_mb()}
         for name, ex in executors.items():
-            peaks[name] = max(ex.client.run(_peak_rss_mb).values())
+            if isinstance(ex, DaskExecutor):
+                peaks[name] = max(ex.client.run(_peak_rss_mb).values())
+            else:
+                peaks[name] = max(ex.pool.map(_peak_rss_mb, range(8), chunksize=1))
         con.close()
         _report(questions, methods, walls, same, pe, peaks, parts, total, args.workers)
     finally:
@@ -172,7 +210,12 @@ def _report(questions, methods, walls, same, pe, peaks, parts, total, workers) -
             v = at_least("2 workers vs 1", ratios, SPEEDUP_GOAL)
             print(f"speed-up 2 workers vs 1 ({q}): {Spread.of(ratios).text()} x (min / median / max); goal >= "
                   f"{SPEEDUP_GOAL}x on the worst round: {v.worst:.2f}x -> {v.word}")
-    worker_peaks = [peaks[m] for m in methods if m != "single store"]
+            if "limit, 2 processes" in methods:
+                lim = per_round_ratios(walls[(q, "limit, 1 process")], walls[(q, "limit, 2 processes")])
+                print(f"  the machine's limit, the same tasks on 2 plain processes vs 1 ({q}): "
+                      f"{Spread.of(lim).text()} x; Dask's speed-up as a fraction of it per round: "
+                      + ", ".join(f"{a / b:.2f}" for a, b in zip(ratios, lim)))
+    worker_peaks = [peaks[m] for m in methods if m.startswith("lake")]
     if worker_peaks:
         v = at_most("memory per worker", worker_peaks, WORKER_MB_GOAL)
         print(f"peak memory per worker: {max(worker_peaks):.0f} MB (goal <= {WORKER_MB_GOAL} MB) -> "

@@ -11,8 +11,8 @@ events were counted at (``as_of_ns``: the newest batch change, commit or prune, 
 A minute is *covered* when no batch overlapping it changed after its ``as_of_ns``: its events rows are
 then exactly what a scan of the ``events`` view would count. Two writers keep them: :func:`recompute`
 (SQL over ``events`` for a window's minutes; ``forensics findings --save`` runs it through
-:func:`~kvtrail.forensics.persist.save_findings`) and :func:`add_batch` (a committed Arrow batch, as
-:class:`~kvtrail.audit.store.AppendResult` hands it to the live judge). Findings counts are rebuilt
+:func:`~kvtrail.forensics.persist.save_findings`) and :func:`add_batches` (committed Arrow batches, as
+:class:`~kvtrail.audit.store.AppendResult` hands them to the live judge). Findings counts are rebuilt
 from the ``findings`` table for every minute a save touches. Readers ask
 :func:`kvtrail.forensics.window_counts.window_counts`.
 """
@@ -20,6 +20,7 @@ from the ``findings`` table for every minute a save touches. Readers ask
 from __future__ import annotations
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 
 MINUTE_NS = 60 * 10**9
@@ -143,54 +144,71 @@ def findings_saved(con: duckdb.DuckDBPyConnection, registered: str) -> None:
 
 def add_batch(con: duckdb.DuckDBPyConnection, table: pa.Table, batches: dict[int, int] | tuple) -> None:
     """Add one committed batch (``AppendResult.table``; ``batches``: its ``{producer_id: batch_no}`` or
-    ``AppendResult.batches``) to the aggregates, in one transaction. A minute it touches stays covered (or
-    becomes covered, when no other batch overlaps it) only if every other batch overlapping it was already
-    counted; otherwise its counts grow but readers scan its events until a recompute.
+    ``AppendResult.batches``) to the aggregates, in one transaction: :func:`add_batches` of one commit."""
+    add_batches(con, [(table, batches)])
 
-    Coverage "as of" a time means every batch changed by then is counted, so a batch committed after this one
+
+def add_batches(con: duckdb.DuckDBPyConnection, commits: list[tuple[pa.Table, dict[int, int] | tuple]]) -> None:
+    """Add committed batches to the aggregates in one transaction: ``commits`` are (events, batches) pairs, each
+    as one ``AppendResult`` hands them (``table``; ``{producer_id: batch_no}`` or ``batches``), one batch per
+    producer in a commit, several commits of a producer in one call (a live judge adds what one poll fed).
+    A minute they touch stays covered (or becomes covered, when no other batch overlaps it) only if every other
+    batch overlapping it was already counted; otherwise its counts grow but readers scan its events until a
+    recompute.
+
+    Coverage "as of" a time means every batch changed by then is counted, so a batch committed after these
     does not keep the minute uncovered (readers see it as newer than the coverage until it is added): a judge
-    adding batches in commit order keeps the minutes covered while ingest goes on."""
+    adding batches in commit order keeps the minutes covered while ingest goes on. Adding commits together
+    leaves the tables as adding them one after another would."""
     ensure_tables(con)
-    pairs = sorted(batches.items() if isinstance(batches, dict) else batches)
-    if table.num_rows == 0 or not pairs:
+    pairs = [(k, int(pid), int(no)) for k, (table, batches) in enumerate(commits) if table.num_rows
+             for pid, no in sorted(batches.items() if isinstance(batches, dict) else batches)]
+    if not pairs:
         return
+    cols = [c for c in (*_IDENTITY, "kind", "wall_ns", "http_status", "status", "dropped_events", "pages",
+                        "dst_pages") if c in commits[0][0].column_names]
+    tables = [t.select(cols).append_column("commit_no", pa.array(np.full(t.num_rows, k, np.int64)))
+              for k, (t, _) in enumerate(commits) if t.num_rows]
+    events = pa.concat_tables(tables, promote_options="permissive")
     con.begin()
     try:
-        con.execute("CREATE OR REPLACE TEMP TABLE _agg_pairs (producer_id BIGINT, batch_no BIGINT)")
-        con.executemany("INSERT INTO _agg_pairs VALUES (?, ?)", [list(p) for p in pairs])
-        con.execute(f"CREATE OR REPLACE TEMP TABLE _agg_batch AS SELECT c.producer_id, c.batch_no, c.changed_ns "
-                    f"FROM {CHANGED_SQL} c JOIN _agg_pairs USING (producer_id, batch_no)")
-        con.execute("DROP TABLE _agg_pairs")
-        cols = [c for c in (*_IDENTITY, "kind", "wall_ns", "http_status", "status", "dropped_events", "pages",
-                            "dst_pages") if c in table.column_names]
-        con.register("_agg_events", table.select(cols))
+        con.register("_agg_pairs_in", pa.table({"commit_no": [p[0] for p in pairs],
+                                                "producer_id": [p[1] for p in pairs],
+                                                "batch_no": [p[2] for p in pairs]}))
+        con.execute(f"CREATE OR REPLACE TEMP TABLE _agg_batch AS SELECT i.commit_no, c.producer_id, c.batch_no, "
+                    f"c.changed_ns FROM {CHANGED_SQL} c JOIN _agg_pairs_in i USING (producer_id, batch_no)")
+        con.unregister("_agg_pairs_in")
+        con.register("_agg_events", events)
         ident = " AND ".join(f"p.{c} = e.{c}" for c in _IDENTITY)
-        source = (f"(SELECT p.producer_id, e.kind::VARCHAR AS kind, e.wall_ns, e.http_status, e.status::VARCHAR AS "
-                  f"status, e.dropped_events, coalesce(len(e.pages), 0) + coalesce(len(e.dst_pages), 0) AS pe "
-                  f"FROM _agg_events e JOIN producers p ON {ident})")
+        source = (f"(SELECT p.producer_id, e.commit_no, e.kind::VARCHAR AS kind, e.wall_ns, e.http_status, "
+                  f"e.status::VARCHAR AS status, e.dropped_events, coalesce(len(e.pages), 0) + "
+                  f"coalesce(len(e.dst_pages), 0) AS pe FROM _agg_events e JOIN producers p ON {ident})")
+        # Per commit first: a minute whose coverage is as of a batch's commit or later already counts that
+        # batch (a recompute ran since), and adding it again would count it twice. Then one row per minute.
+        per_commit = counters_sql(source, "pe", "TRUE", f"producer_id, commit_no, {_MINUTE} AS minute_ns")
+        totals = ", ".join(f"max({c})" if c == "last_event_ns" else f"sum({c})::BIGINT" for c in COUNTER_NAMES)
         sets = ", ".join(f"{c} = minute_events.{c} + excluded.{c}" for c in _SUMS)
-        # A minute whose coverage is as of this batch's commit or later already counts it (a recompute ran
-        # since): adding it again would count it twice.
-        con.execute("INSERT INTO minute_events SELECT g.* FROM ("
-                    + counters_sql(source, "pe", "TRUE", f"producer_id, {_MINUTE} AS minute_ns")
-                    + ") g JOIN _agg_batch b USING (producer_id) LEFT JOIN minute_coverage cov USING (minute_ns) "
-                    "WHERE cov.as_of_ns IS NULL OR cov.as_of_ns < b.changed_ns "
+        con.execute(f"INSERT INTO minute_events SELECT g.producer_id, g.minute_ns, {totals} FROM ({per_commit}) g "
+                    "JOIN _agg_batch b USING (producer_id, commit_no) LEFT JOIN minute_coverage cov USING (minute_ns) "
+                    "WHERE cov.as_of_ns IS NULL OR cov.as_of_ns < b.changed_ns GROUP BY g.producer_id, g.minute_ns "
                     f"ON CONFLICT (producer_id, minute_ns) DO UPDATE SET {sets}, "
                     "last_event_ns = greatest(minute_events.last_event_ns, excluded.last_event_ns)")
         con.unregister("_agg_events")
-        # Minutes these batches span: covered afterwards when nothing else overlapping them is uncounted.
+        # Minutes these batches span, each as of the newest of them touching it: covered afterwards when
+        # nothing else overlapping it and changed by then is uncounted.
         con.execute(f"""
             INSERT INTO minute_coverage
             WITH mine AS (SELECT c.* FROM {CHANGED_SQL} c JOIN _agg_batch USING (producer_id, batch_no)),
-                 minutes AS (SELECT DISTINCT m.range AS minute_ns FROM mine,
-                             range(mine.min_wall_ns // {MINUTE_NS} * {MINUTE_NS}, mine.max_wall_ns + 1, {MINUTE_NS}) m),
+                 minutes AS (SELECT m.range AS minute_ns, max(mine.changed_ns) AS as_of FROM mine,
+                             range(mine.min_wall_ns // {MINUTE_NS} * {MINUTE_NS}, mine.max_wall_ns + 1, {MINUTE_NS}) m
+                             GROUP BY 1),
                  other AS (SELECT minutes.minute_ns, max(c.changed_ns) AS changed_ns FROM minutes
                            JOIN {CHANGED_SQL} c ON c.max_wall_ns >= minutes.minute_ns
                                 AND c.min_wall_ns < minutes.minute_ns + {MINUTE_NS}
-                                AND c.changed_ns <= (SELECT max(changed_ns) FROM mine)
+                                AND c.changed_ns <= minutes.as_of
                            ANTI JOIN _agg_batch b ON b.producer_id = c.producer_id AND b.batch_no = c.batch_no
                            GROUP BY ALL)
-            SELECT minutes.minute_ns, greatest(coalesce(cov.as_of_ns, 0), (SELECT max(changed_ns) FROM mine))
+            SELECT minutes.minute_ns, greatest(coalesce(cov.as_of_ns, 0), minutes.as_of)
             FROM minutes LEFT JOIN other USING (minute_ns) LEFT JOIN minute_coverage cov USING (minute_ns)
             WHERE coalesce(other.changed_ns, -1) <= coalesce(cov.as_of_ns, -1)
             ON CONFLICT (minute_ns) DO UPDATE SET as_of_ns = excluded.as_of_ns""")

@@ -58,6 +58,7 @@ class OnlineReplay:
         self.engine = ReplayEngine(policy=policy)
         self._reported: set[str] = set()
         self.num_events = 0
+        self.found: list[Finding] = []  # every finding as of the last poll
 
     def feed_committed(self, con: duckdb.DuckDBPyConnection, table: pa.Table, batches: dict[int, int]) -> bool:
         """Feed batches the caller just committed (``batches``: producer_id -> batch_no, one each; ``table``:
@@ -78,15 +79,20 @@ class OnlineReplay:
         self.tail.watermark.update(batches)
         return True
 
-    def poll(self, con: duckdb.DuckDBPyConnection) -> list[Finding]:
-        """Read and feed the batches committed since the last poll (or feed); the findings new since then."""
-        table = self.tail.poll(con)
+    def poll(self, con: duckdb.DuckDBPyConnection, *, read_store: bool = True) -> list[Finding]:
+        """Read and feed the batches committed since the last poll (or feed); the findings new since then.
+
+        ``read_store=False``: the caller fed every batch it knows of (:meth:`feed_committed`) and nothing
+        is read. Either way :attr:`found` then holds every finding of what was fed, in
+        ``ReplayEngine.findings`` order."""
+        table = self.tail.poll(con) if read_store else None
         if table is not None:
             self.engine.producer_ids.update(self.tail.producers)  # evidence must name stored producer ids
             self.engine.feed(table)
             self.num_events += table.num_rows
+        self.found = self.engine.findings()
         out = []
-        for f in self.engine.findings():
+        for f in self.found:
             fid = finding_id(f)
             if fid not in self._reported:
                 self._reported.add(fid)

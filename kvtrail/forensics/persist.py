@@ -70,7 +70,7 @@ def save_findings(con: duckdb.DuckDBPyConnection, findings: list[Finding], *, fr
 
     The findings counts of the minutes they end in are rebuilt; ``recompute_aggregates`` also rebuilds
     the event counters of every minute of [from_ns, to_ns] (the whole store when unbounded). A caller that
-    adds each committed batch with :func:`kvtrail.forensics.aggregates.add_batch` passes False."""
+    adds the committed batches with :func:`kvtrail.forensics.aggregates.add_batches` passes False."""
     ensure_tables(con)
     con.complete()
     con.begin()

@@ -73,6 +73,11 @@ class Judge:
         # The per-(node, minute) aggregates: counted from each handed batch; rebuilt where the judge read
         # batches back from the store instead (its first poll, a fallback, a failed poll).
         self._refresh_aggregates = True
+        # Whether the next poll reads new batches from the store: at start (what it already holds), after
+        # commits it was not handed (or dropped, or a failed poll). Otherwise every committed batch reaches
+        # the judge through notify, and a poll reading the store would race ahead of the notifications:
+        # it would read batches committed since it took them, and rebuild their minutes' aggregates.
+        self._read_store = True
         self._cv = threading.Condition()
         self._oldest_ns: int | None = None  # monotonic time of the oldest commit not yet judged
         self._busy = False
@@ -95,7 +100,9 @@ class Judge:
                 self._held.append((table, dict(batches)))
                 self._held_events += table.num_rows
                 if self._held_events > MAX_HELD_EVENTS:  # fell behind: let the store hold them
-                    self._held, self._held_events = [], 0
+                    self._held, self._held_events, self._read_store = [], 0, True
+            elif batches is None or table is None:
+                self._read_store = True  # a commit it was not handed: the next poll reads the store
             self._cv.notify_all()
 
     def wait_idle(self, timeout_s: float = 30.0) -> bool:
@@ -144,7 +151,7 @@ class Judge:
                 self._hurry -= 1
         with self._replay_lock:
             if self._judged is None:
-                self._judged = (dict(self.replay.tail.watermark), self.replay.engine.findings())
+                self._judged = (dict(self.replay.tail.watermark), list(self.replay.found))
             return self._judged
 
     def stats(self) -> dict[str, float | int | None]:
@@ -176,8 +183,9 @@ class Judge:
                 next_poll = time.monotonic() + self.poll_interval_s
                 since, self._oldest_ns = self._oldest_ns, None
                 held, self._held, self._held_events = self._held, [], 0
+                read_store, self._read_store = self._read_store, False
                 self._busy = True
-            ok = self._poll(held)
+            ok = self._poll(held, read_store)
             with self._cv:
                 self._busy = False
                 if ok and since is not None:
@@ -188,7 +196,7 @@ class Judge:
                 if not ok:
                     self._cv.wait(self.retry_s)
 
-    def _poll(self, held: list[tuple[pa.Table, dict[int, int]]]) -> bool:
+    def _poll(self, held: list[tuple[pa.Table, dict[int, int]]], read_store: bool) -> bool:
         try:
             fed: list[tuple[pa.Table, dict[int, int]]] = []
             with self._replay_lock:
@@ -196,10 +204,11 @@ class Judge:
                 before = self.replay.num_events
                 for table, batches in held:
                     if not self.replay.feed_committed(self._con, table, batches):
-                        break  # not the next batches: the poll reads them (and what follows) from the store
+                        read_store = True  # not the next batches: read them (and what follows) from the store
+                        break
                     self.fed_direct += len(batches)
                     fed.append((table, batches))
-                self._unsaved += self.replay.poll(self._con)
+                self._unsaved += self.replay.poll(self._con, read_store=read_store)
                 read_back = self.replay.num_events - before != sum(t.num_rows for t, _ in fed)
             self.polls += 1
             with self.write_lock:
@@ -209,14 +218,16 @@ class Judge:
                     self.last_run_id = record.run_id
                     self.findings_saved += record.num_new
                     self._unsaved = []
-                for table, batches in fed:
-                    aggregates.add_batch(self._con, table, batches)
+                if fed:  # one transaction for the poll's commits, not one per commit: the lock is ingest's too
+                    aggregates.add_batches(self._con, fed)
                 if self._refresh_aggregates or read_back:
                     aggregates.refresh(self._con)
                 self._refresh_aggregates = False
         except Exception:  # noqa: BLE001 - the judge must outlive any failure; counted, logged, retried
             self._refresh_aggregates = True
             self.failures += 1
+            with self._cv:
+                self._read_store = True  # what this poll took is judged again from the store
             log.exception("kvtrail service: live judge failed (retried in %.1f s)", self.retry_s)
             return False
         return True

@@ -98,6 +98,46 @@ def test_batches_added_as_committed_equal_a_recompute(source, tmp_path):
         assert snapshot(con) == incremental
 
 
+def test_commits_added_together_equal_them_added_one_by_one(source, tmp_path):
+    """What one judge poll hands over at once: several commits, several batches of each producer."""
+    pieces = [t for table in parts(source) for t in (table.slice(0, table.num_rows // 2),
+                                                       table.slice(table.num_rows // 2))]
+    shots = []
+    for together in (False, True):
+        with AuditStore(tmp_path / f"together-{together}.duckdb") as store:
+            con = store.cursor()
+            held = []
+            for k, table in enumerate(pieces):
+                res = store.append(table)
+                held.append((res.table, dict(res.batches)))
+                if k % 3 == 2 or k == len(pieces) - 1:  # a poll every third commit
+                    if together:
+                        ag.add_batches(con, held)
+                    else:
+                        for t, b in held:
+                            ag.add_batch(con, t, b)
+                    held = []
+            assert uncovered_minutes(con, 0, 2**62) == []
+            shots.append((snapshot(con), con.execute("SELECT * FROM minute_coverage ORDER BY 1").fetchall()))
+            ag.recompute(con, None, None)
+            assert snapshot(con) == shots[-1][0]
+    assert shots[0][0] == shots[1][0] and len(shots[0][1]) == len(shots[1][1])
+    assert sum(r[2] for r in shots[1][0]) == sum(t.num_rows for t in pieces)
+
+
+def test_commits_added_together_skip_one_not_handed(source, tmp_path):
+    with AuditStore(tmp_path / "skip.duckdb") as store:
+        con = store.cursor()
+        first, second, third, fourth = parts(source)
+        ag.add_batches(con, [_commit(store, first)])
+        store.append(second)  # never handed
+        ag.add_batches(con, [_commit(store, third), _commit(store, fourth)])
+        holes = uncovered_minutes(con, 0, 2**62)
+        assert holes
+        lo, hi = con.execute("SELECT min(min_wall_ns), max(max_wall_ns) FROM batches").fetchall()[0]
+        assert counted(window_counts(con, lo, hi)) == scan(con, lo, hi)
+
+
 def test_a_batch_not_added_uncovers_its_minutes_until_a_recompute(source, tmp_path):
     with AuditStore(tmp_path / "gap.duckdb") as store:
         con = store.cursor()

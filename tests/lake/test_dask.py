@@ -20,8 +20,8 @@ from kvtrail import forensics as fx
 from kvtrail.cli import main
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics.lake.questions import lake_findings, open_lake
-from kvtrail.forensics.replay.engine import replay_store
 from kvtrail.forensics.replay.batch import PRODUCER_NAMES
+from kvtrail.forensics.replay.engine import replay_store
 from kvtrail.lake.catalog import LAKE_TABLES
 from kvtrail.lake.executor import DaskExecutor, worker_threads
 

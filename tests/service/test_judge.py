@@ -54,8 +54,32 @@ def test_findings_of_a_planted_incident_are_persisted_as_batches_arrive(client, 
     assert stats["failures"] == 0 and stats["events_judged"] == sum(t.num_rows for t in tables)
     assert service_state.judge.last_run_id == max(r["first_run_id"] for r in rows)
     assert stats["lag_p99_s"] is not None and stats["lag_p99_s"] >= 0
-    # Committed batches reach the judge as validated, not read back (a poll may have read a few first).
+    # Committed batches reach the judge as validated, not read back (the first poll may have read a few).
     assert stats["batches_fed_direct"] >= len(tables) // 2
+
+
+def test_handed_batches_are_not_read_back_and_an_unhanded_commit_is(client, service_state, producer_token, fleet,
+                                                                     monkeypatch):
+    tables, _ = fleet
+    judge = service_state.judge
+    assert judge.wait_idle(30)
+    tail, real = judge.replay.tail, judge.replay.tail.poll
+    reads: list[int] = []
+
+    def counted(con):
+        table = real(con)
+        reads.append(0 if table is None else table.num_rows)
+        return table
+
+    monkeypatch.setattr(tail, "poll", counted)
+    fed = judge.stats()["batches_fed_direct"]
+    for table in tables:
+        assert client.post("/v1/events", content=arrow_body(table), headers=auth(producer_token)).status_code == 200
+    assert judge.wait_idle(60)
+    assert reads == [] and judge.stats()["batches_fed_direct"] - fed == len(tables)  # all handed, none re-read
+    judge.notify()  # a commit the judge was not handed: the next poll looks in the store
+    assert judge.wait_idle(60)
+    assert reads == [0]
 
 
 def test_a_finding_is_saved_once_and_a_restarted_service_keeps_its_first_run(tmp_path, fleet):
@@ -88,11 +112,11 @@ def test_a_failing_judge_never_fails_ingest_and_is_retried(client, service_state
     real_poll = judge.replay.poll
     calls = {"n": 0}
 
-    def flaky(con):
+    def flaky(con, **kw):
         calls["n"] += 1
         if calls["n"] <= 2:
             raise RuntimeError("judge broke")
-        return real_poll(con)
+        return real_poll(con, **kw)
 
     assert judge.wait_idle(30)
     monkeypatch.setattr(judge.replay, "poll", flaky)
