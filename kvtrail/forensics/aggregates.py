@@ -19,6 +19,8 @@ from the ``findings`` table for every minute a save touches. Readers ask
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import duckdb
 import numpy as np
 import pyarrow as pa
@@ -148,7 +150,7 @@ def add_batch(con: duckdb.DuckDBPyConnection, table: pa.Table, batches: dict[int
     add_batches(con, [(table, batches)])
 
 
-def add_batches(con: duckdb.DuckDBPyConnection, commits: list[tuple[pa.Table, dict[int, int] | tuple]]) -> None:
+def add_batches(con: duckdb.DuckDBPyConnection, commits: Sequence[tuple[pa.Table, dict[int, int] | tuple]]) -> None:
     """Add committed batches to the aggregates in one transaction: ``commits`` are (events, batches) pairs, each
     as one ``AppendResult`` hands them (``table``; ``{producer_id: batch_no}`` or ``batches``), one batch per
     producer in a commit, several commits of a producer in one call (a live judge adds what one poll fed).

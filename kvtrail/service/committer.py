@@ -84,8 +84,8 @@ _SELECT = "SELECT batch_no, first_seq, last_seq, num_events, num_page_events, di
 class Committer:
     """The ingest writer thread of one store. ``submit`` is thread-safe; the rest runs on the thread.
 
-    ``write_lock`` is held around every write, so other writers of the same database (tokens, access
-    log, findings) never interleave with a commit. ``on_commit(monotonic_ns, table, batches)`` is called
+    ``write_lock`` is held around every commit, so the other writers that hold it (tokens, access log)
+    never interleave with one. ``on_commit(monotonic_ns, table, batches)`` is called
     after each commit that stored something (the live judge's wake-up), with the committed events as
     validated and {producer_id: batch_no} of the batches they form.
     """

@@ -3,8 +3,10 @@
 After each commit the ingest writer calls :meth:`Judge.notify` with the committed events; the judge's
 thread then feeds them to one warm :class:`~kvtrail.forensics.OnlineReplay` (reading back from the store
 only what it was not handed: at start, or after it fell more than ``MAX_HELD_EVENTS`` behind) and saves
-what it reports with :func:`~kvtrail.forensics.save_findings` under the service's write lock, so the
-``findings`` table (stable ids, ``first_run_id``) is fresh without re-running a window. Commits that
+what it reports with :func:`~kvtrail.forensics.save_findings` (and the poll's commits to the minute
+aggregates) on its own cursor, beside the ingest writer rather than under its lock: the judge is the only
+writer of those tables. So the ``findings`` table (stable ids, ``first_run_id``) is fresh without
+re-running a window. Commits that
 arrive while a poll runs are judged by the next one, and polls are at least ``poll_interval_s`` apart
 while batches stream in: each poll re-derives the cross-node findings over everything judged so far,
 so polling on every commit would cost more than the commits (``wait_idle`` skips the wait). A failure
@@ -52,11 +54,10 @@ POLL_INTERVAL_S = 0.5  # least time between two polls while commits keep coming 
 class Judge:
     """One thread judging a store as it grows. ``cursor`` makes the connection it reads and saves through."""
 
-    def __init__(self, cursor: Callable[[], duckdb.DuckDBPyConnection], write_lock: threading.Lock, *,
+    def __init__(self, cursor: Callable[[], duckdb.DuckDBPyConnection], *,
                  policy: ForensicsPolicy = ForensicsPolicy(), retry_s: float = 1.0,
                  poll_interval_s: float = POLL_INTERVAL_S):
         self.policy = policy
-        self.write_lock = write_lock
         self.retry_s = retry_s
         self.poll_interval_s = poll_interval_s
         self.replay = OnlineReplay(policy)
@@ -211,18 +212,20 @@ class Judge:
                 self._unsaved += self.replay.poll(self._con, read_store=read_store)
                 read_back = self.replay.num_events - before != sum(t.num_rows for t, _ in fed)
             self.polls += 1
-            with self.write_lock:
-                if self._unsaved:
-                    record = save_findings(self._con, self._unsaved, from_ns=None, to_ns=None, engine=ENGINE,
-                                           policy=self.policy, recompute_aggregates=False)
-                    self.last_run_id = record.run_id
-                    self.findings_saved += record.num_new
-                    self._unsaved = []
-                if fed:  # one transaction for the poll's commits, not one per commit: the lock is ingest's too
-                    aggregates.add_batches(self._con, fed)
-                if self._refresh_aggregates or read_back:
-                    aggregates.refresh(self._con)
-                self._refresh_aggregates = False
+            # Not under the service's write lock: the judge is the only writer of these tables (findings,
+            # forensic runs, the minute aggregates), each write is its own transaction on its own cursor,
+            # and DuckDB commits it beside the ingest writer's; holding the lock would stall ingest.
+            if self._unsaved:
+                record = save_findings(self._con, self._unsaved, from_ns=None, to_ns=None, engine=ENGINE,
+                                       policy=self.policy, recompute_aggregates=False)
+                self.last_run_id = record.run_id
+                self.findings_saved += record.num_new
+                self._unsaved = []
+            if fed:  # one transaction for the poll's commits, not one per commit
+                aggregates.add_batches(self._con, fed)
+            if self._refresh_aggregates or read_back:
+                aggregates.refresh(self._con)
+            self._refresh_aggregates = False
         except Exception:  # noqa: BLE001 - the judge must outlive any failure; counted, logged, retried
             self._refresh_aggregates = True
             self.failures += 1

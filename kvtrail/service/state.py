@@ -1,6 +1,7 @@
 """What one running service holds: the store (its one write connection), the write lock, the ingest
 writer and the live judge. The HTTP routes receive a :class:`ServiceState`; queries read through
-:meth:`ServiceState.cursor`, writes other than ingest (tokens, access log, findings) hold ``write_lock``.
+:meth:`ServiceState.cursor`; the ingest writer and the other writers of shared tables (tokens, access log)
+hold ``write_lock``, the live judge writes its own tables (findings, aggregates) on its own cursor.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def open_state(db_path: str | Path, *, tokens_file: str | Path | None = None,
     except BaseException:
         store.close()
         raise
-    judge = Judge(store.cursor, lock, policy=policy)
+    judge = Judge(store.cursor, policy=policy)
     committer = Committer(store, lock, on_commit=judge.notify)
     judge.notify()  # judge what the store already holds
     return ServiceState(path, store, lock, judge, committer)

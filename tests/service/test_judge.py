@@ -155,14 +155,13 @@ def test_findings_a_failed_save_left_are_saved_by_the_retry(service_state, fleet
 
 
 def test_stats_before_any_poll_has_no_lag():
-    import threading
 
     import duckdb
 
     from kvtrail.service.judge import Judge
 
     con = duckdb.connect()
-    j = Judge(con.cursor, threading.Lock())
+    j = Judge(con.cursor)
     try:
         assert j.stats()["lag_p50_s"] is None and j.stats()["polls"] == 0
     finally:
