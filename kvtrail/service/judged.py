@@ -11,11 +11,18 @@ answer on the store at that point. Any other window, policy or engine is replaye
 
 :func:`affected_answer` and :func:`findings_answer` are ``ask_affected`` and ``ask_findings`` handed the judge's
 findings; the route tests compare both ways.
+
+An answer on a judged snapshot is a function of the question and the batches judged, so
+:class:`AnswerCache` keeps the latest few: queries that reach the same snapshot (dashboards of several
+operators, a poll's worth of requests) share one computation, and a question asked while another
+client computes it waits for that answer instead of computing it again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -26,12 +33,62 @@ from kvtrail.service.reports import live_snapshot
 
 T = TypeVar("T")
 JUDGED_WAIT_S = 5.0  # how long a query waits for the judge to reach the acknowledged batches, else it replays
+CACHED_ANSWERS = 64
+
+
+class AnswerCache:
+    """The latest answers computed on judged snapshots, by (question, batches judged). Thread-safe; an
+    answer being computed is waited for, a failed computation is not kept."""
+
+    def __init__(self, size: int = CACHED_ANSWERS):
+        self.size = size
+        self.hits = 0
+        self.misses = 0
+        self._lock = threading.Lock()
+        self._done: OrderedDict[Hashable, Any] = OrderedDict()
+        self._pending: dict[Hashable, threading.Event] = {}
+
+    def get(self, key: Hashable, compute: Callable[[], T], wait_s: float = 60.0) -> T:
+        while True:
+            with self._lock:
+                if key in self._done:
+                    self.hits += 1
+                    self._done.move_to_end(key)
+                    return self._done[key]
+                running = self._pending.get(key)
+                if running is None:
+                    self._pending[key] = mine = threading.Event()
+                    self.misses += 1
+                    break
+            if not running.wait(wait_s):  # the other computation is stuck: compute it here
+                return compute()
+            # done: the next turn finds its answer, or (it failed) computes it or waits for whoever does
+        try:
+            value = compute()
+            with self._lock:
+                self._done[key] = value
+                while len(self._done) > self.size:
+                    self._done.popitem(last=False)
+            return value
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+            mine.set()
 
 
 @contextmanager
 def judged_findings(cur: duckdb.DuckDBPyConnection, state: Any, w: Window) -> Iterator[list[Finding] | None]:
     """The window's findings from the live judge, with ``cur`` on the store as of the batches it judged;
     None (and ``cur`` left on the live store) when the judge cannot answer for this window."""
+    with _judged_snapshot(cur, state, w) as got:
+        yield None if got is None else got[1]
+
+
+@contextmanager
+def _judged_snapshot(cur: duckdb.DuckDBPyConnection, state: Any,
+                     w: Window) -> Iterator[tuple[tuple, list[Finding]] | None]:
+    """(the batches judged as sorted (producer_id, batch_no) pairs, the window's findings), ``cur`` on the
+    store as of those batches; None when the judge cannot answer for ``w``."""
     got = state.judge.judged(dict(state.committer.heads), JUDGED_WAIT_S)
     if got is None or not got[0]:
         yield None
@@ -46,7 +103,7 @@ def judged_findings(cur: duckdb.DuckDBPyConnection, state: Any, w: Window) -> It
         if not covers:
             yield None
             return
-        yield [f for f in found if w.from_ns is None or f.last_ns >= w.from_ns]
+        yield tuple(sorted(marks.items())), [f for f in found if w.from_ns is None or f.last_ns >= w.from_ns]
 
 
 def affected_answer(con: duckdb.DuckDBPyConnection, w: Window, found: list[Finding],
@@ -63,10 +120,16 @@ def findings_answer(con: duckdb.DuckDBPyConnection, w: Window, found: list[Findi
 
 def judged_or_replayed(cur: duckdb.DuckDBPyConnection, state: Any, w: Window,
                        judged: Callable[[duckdb.DuckDBPyConnection, list[Finding]], T],
-                       replayed: Callable[[duckdb.DuckDBPyConnection], T]) -> T:
+                       replayed: Callable[[duckdb.DuckDBPyConnection], T], question: Hashable = None) -> T:
     """``judged(cur, findings)`` on the store as of what the judge holds when it can answer for ``w``,
-    else ``replayed(cur)`` (the CLI's replay of the window) on the live store."""
-    with judged_findings(cur, state, w) as found:
-        if found is not None:
-            return judged(cur, found)
+    else ``replayed(cur)`` (the CLI's replay of the window) on the live store. ``question``: what
+    ``judged`` answers as a hashable key (everything its answer depends on besides the snapshot), so an
+    answer on the same snapshot is taken from ``state.answers``; None computes it every time."""
+    with _judged_snapshot(cur, state, w) as got:
+        if got is not None:
+            marks, found = got
+            cache = getattr(state, "answers", None)
+            if question is None or cache is None:
+                return judged(cur, found)
+            return cache.get((question, marks), lambda: judged(cur, found))
     return replayed(cur)

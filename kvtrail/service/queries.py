@@ -171,12 +171,12 @@ def router(state: Any) -> APIRouter:
             w = tenant_window(who, ask, excl)
             answer = run(who, lambda cur: judged_or_replayed(
                 cur, state, w, lambda c, found: affected_answer(c, w, found, Exclusions()),
-                lambda c: ask_affected(c, w)))
+                lambda c: ask_affected(c, w), ("affected", w, Exclusions())))
             return table_response(tenancy.tenant_affected(answer.rows, who.tenant_id or ""), ask.fmt,
                                   answer_meta(answer, tenant=True))
         answer = run(who, lambda cur: judged_or_replayed(
             cur, state, ask.window, lambda c, found: affected_answer(c, ask.window, found, excl),
-            lambda c: ask_affected(c, ask.window, exclusions=excl)))
+            lambda c: ask_affected(c, ask.window, exclusions=excl), ("affected", ask.window, excl)))
         return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
 
     @r.get("/findings", response_model=list[models.FindingRow] | models.FindingsSince, responses=table)
@@ -203,7 +203,7 @@ def router(state: Any) -> APIRouter:
         if engine == "replay" and policy == state.judge.policy:  # what the judge found is what a replay finds
             answer = run(who, lambda cur: judged_or_replayed(
                 cur, state, ask.window, lambda c, found: findings_answer(c, ask.window, found, tuple(code), excl),
-                replayed))
+                replayed, ("findings", ask.window, tuple(code), excl)))
         else:
             answer = run(who, replayed)
         return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))

@@ -18,6 +18,7 @@ from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.service import tokens
 from kvtrail.service.committer import Committer
 from kvtrail.service.judge import Judge
+from kvtrail.service.judged import AnswerCache
 
 
 @dataclass
@@ -29,6 +30,7 @@ class ServiceState:
     write_lock: threading.Lock
     judge: Judge
     committer: Committer
+    answers: AnswerCache = field(default_factory=AnswerCache)  # answers on judged snapshots (judged.py)
     started_ns: int = field(default_factory=time.time_ns)
     closed: bool = False
 

@@ -61,3 +61,51 @@ def test_the_routes_give_the_cli_rows_for_a_covering_window(served, path):
         assert r.status_code == 200, r.text
         assert r.json() == json.loads(json_text(expected.rows))
         assert json.loads(r.headers["x-kvtrail-answer"])["warnings"] == list(expected.warnings)
+
+
+def test_answers_on_one_judged_snapshot_are_computed_once(served):
+    first, last = _span(served)
+    params = {"from": format_utc(first - 10**9), "to": format_utc(last + 10**9)}
+    cache = served.state.answers
+    bodies = []
+    for _ in range(3):
+        before = (cache.hits, cache.misses)
+        r = served.client.get("/v1/affected", params=params, headers=bearer(served.tokens["operator"]))
+        assert r.status_code == 200, r.text
+        bodies.append(r.json())
+    assert bodies[0] == bodies[1] == bodies[2]
+    assert cache.hits - before[0] >= 1 and cache.misses == before[1]  # the last one came from the cache
+    wider = {**params, "from": format_utc(first - 2 * 10**9)}  # another covering window: another question
+    other = served.client.get("/v1/affected", params=wider, headers=bearer(served.tokens["operator"]))
+    assert other.status_code == 200, other.text
+    assert other.json() == bodies[0] and cache.misses == before[1] + 1
+
+
+def test_the_answer_cache_waits_for_a_running_computation_and_keeps_no_failure():
+    import threading
+    import time
+
+    cache = judged.AnswerCache(size=2)
+    calls: list[str] = []
+
+    def slow() -> str:
+        calls.append("slow")
+        time.sleep(0.2)
+        return "answer"
+
+    got: list[str] = []
+    threads = [threading.Thread(target=lambda: got.append(cache.get("k", slow))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert got == ["answer"] * 3 and calls == ["slow"]  # one computation, three answers
+
+    def broken() -> str:
+        raise RuntimeError("store went away")
+
+    with pytest.raises(RuntimeError):
+        cache.get("bad", broken)
+    assert cache.get("bad", lambda: "fixed") == "fixed"  # a failure is not kept
+    cache.get("third", lambda: "x")
+    assert cache.get("k", lambda: "recomputed") == "recomputed"  # the oldest was evicted (size 2)
