@@ -70,11 +70,19 @@ def _page_events(con, from_ns=None, to_ns=None) -> int:
                            params).fetchone()[0])
 
 
-def _one_core() -> None:
-    """Pool initializer: a plain process runs a task as a one-thread Dask worker does (no helper threads)."""
-    import kvtrail.forensics.lake.task as task
+def _peak_rss_of(_: int) -> float:
+    return _peak_rss_mb()
 
-    task.worker_threads = lambda: 1
+
+def _one_core() -> None:
+    """Pool initializer: a plain process runs a task as a one-thread Dask worker does (no helper threads),
+    with the replay's kernels loaded before the clock, in every process of the pool."""
+    import kvtrail.forensics.lake.sqltask as sqltask
+    import kvtrail.forensics.lake.task as task
+    from kvtrail.forensics.replay.kernels import warm_up
+
+    task.worker_threads = sqltask.worker_threads = lambda: 1
+    warm_up()
 
 
 class PlainProcesses:
@@ -85,7 +93,7 @@ class PlainProcesses:
         import multiprocessing as mp
 
         self.pool = mp.get_context("spawn").Pool(n, initializer=_one_core)
-        self.pool.map(_peak_rss_mb, range(n))  # started and imported before the clock
+        self.pool.map(_peak_rss_of, range(n))  # started and imported before the clock
 
     def map(self, fn, items, label="tasks"):
         return self.pool.map(fn, items, chunksize=1)
@@ -182,7 +190,7 @@ def main() -> int:
             if isinstance(ex, DaskExecutor):
                 peaks[name] = max(ex.client.run(_peak_rss_mb).values())
             else:
-                peaks[name] = max(ex.pool.map(_peak_rss_mb, range(8), chunksize=1))
+                peaks[name] = max(ex.pool.map(_peak_rss_of, range(8), chunksize=1))
         con.close()
         _report(questions, methods, walls, same, pe, peaks, parts, total, args.workers)
     finally:

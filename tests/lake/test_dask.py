@@ -23,7 +23,7 @@ from kvtrail.forensics.lake.questions import lake_findings, open_lake
 from kvtrail.forensics.replay.batch import PRODUCER_NAMES
 from kvtrail.forensics.replay.engine import replay_store
 from kvtrail.lake.catalog import LAKE_TABLES
-from kvtrail.lake.executor import DaskExecutor, worker_threads
+from kvtrail.lake.executor import DaskExecutor, worker_environ, worker_threads
 
 distributed = pytest.importorskip("distributed")
 DEADLINE_S = 120
@@ -103,6 +103,17 @@ def test_a_task_uses_its_worker_threads_only(dask_cluster):
     executor = DaskExecutor(addr, progress=False)
     try:
         assert executor.map(_threads_here, [0, 1]) == [(1, "1"), (1, "1")]
+    finally:
+        executor.close()
+
+
+def test_local_workers_run_without_a_malloc_trim_threshold():
+    assert "MALLOC_TRIM_THRESHOLD_" not in worker_environ() and worker_environ().get("OMP_NUM_THREADS") in (1, "1")
+    executor = DaskExecutor(workers=1, progress=False)
+    try:
+        got = executor.client.run(lambda: (os.environ.get("MALLOC_TRIM_THRESHOLD_"), os.environ.get("OMP_NUM_THREADS")))
+        assert list(got.values()) == [(None, "1")]
+        assert os.environ.get("MALLOC_TRIM_THRESHOLD_") is None  # nor set in this process for later children
     finally:
         executor.close()
 
