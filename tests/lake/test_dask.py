@@ -126,7 +126,7 @@ def _threads_here(_: int) -> tuple[int | None, str]:
                                     **{c: pa.array([], pa.string()) for c in PRODUCER_NAMES}})
     con = open_memory_catalog(tables, worker_threads())
     try:
-        return worker_threads(), con.execute("SELECT current_setting('threads')").fetchone()[0].__str__()
+        return worker_threads(), str(con.execute("SELECT current_setting('threads')").fetchall()[0][0])
     finally:
         con.close()
 
