@@ -4,12 +4,12 @@ After each commit the ingest writer calls :meth:`Judge.notify` with the committe
 thread then feeds them to one warm :class:`~kvtrail.forensics.OnlineReplay` (reading back from the store
 only what it was not handed: at start, or after it fell more than ``MAX_HELD_EVENTS`` behind) and saves
 what it reports with :func:`~kvtrail.forensics.save_findings` (and the poll's commits to the minute
-aggregates) on its own cursor, beside the ingest writer rather than under its lock: the judge is the only
-writer of those tables. So the ``findings`` table (stable ids, ``first_run_id``) is fresh without
-re-running a window. Commits that
-arrive while a poll runs are judged by the next one, and polls are at least ``poll_interval_s`` apart
-while batches stream in: each poll re-derives the cross-node findings over everything judged so far,
-so polling on every commit would cost more than the commits (``wait_idle`` skips the wait). A failure
+aggregates) on its own cursor, beside the ingest writer rather than under its lock (the judge is the only
+writer of those tables), so the ``findings`` table (stable ids, ``first_run_id``) is fresh without
+re-running a window. Commits that arrive while a poll runs are judged by the next one, and polls are at
+least ``poll_interval_s`` apart while batches stream in: each poll re-derives the cross-node findings
+over everything judged so far, so polling on every commit would cost more than the commits
+(``wait_idle`` skips the wait). A failure
 never reaches ingest: it is counted, logged and retried (findings a failed save did not persist are
 saved by the next attempt). The lag from a commit to the end of the poll that judged it is kept for
 ``stats``.

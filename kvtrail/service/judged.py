@@ -128,8 +128,7 @@ def judged_or_replayed(cur: duckdb.DuckDBPyConnection, state: Any, w: Window,
     with _judged_snapshot(cur, state, w) as got:
         if got is not None:
             marks, found = got
-            cache = getattr(state, "answers", None)
-            if question is None or cache is None:
+            if question is None:
                 return judged(cur, found)
-            return cache.get((question, marks), lambda: judged(cur, found))
+            return state.answers.get((question, marks), lambda: judged(cur, found))
     return replayed(cur)

@@ -117,7 +117,6 @@ def sql_lake_findings(lake, from_ns: int | None, to_ns: int | None, policy: Fore
         tasks = plan_tasks(lake.fs, lake.manifest, lake.con, from_ns, to_ns, policy, page, need_joins=False)
         results = map_largest_first(executor or LocalExecutor(), run_sql_task, tasks, lambda t: t.cost,
                                     label="partitions (sql)")
-        assert len(results) == len(tasks), "the executor returns every result or raises"
         found += [f for r in results for f in r.found]
     if cross:
         found += sql_findings(lake.con, from_ns, to_ns, policy, codes=cross)
