@@ -6,8 +6,9 @@ page ids only; the limits store what kvtrail stores, from rows already encoded (
 any timing, by reading back one untimed kvtrail ingest of the same batches), appended as Arrow with
 no Python per event:
 
-  limit-kinds   today's tables (store format 2): each kind's events into its own table, only the columns
-                that kind may carry (the part's non-null ones inserted, as AuditStore does), plus
+  limit-kinds   today's tables (store format 3): each kind's events into its own table, only the columns
+                that kind may carry (the part's non-null ones inserted, as AuditStore does; request fields
+                as the request dictionary's number), the dictionary rows new in the batch, plus
                 ``page_runs``, one transaction per batch
   limit-wide    store format 1's single ``events`` table (every column of the schema), the layout before
                 the kind tables, plus ``page_runs``
@@ -37,7 +38,7 @@ from kvtrail.audit.events import (
     Producer,
     RequestRef,
 )
-from kvtrail.audit.layout import EVENTS_SCHEMA, column_type, kind_columns, table_name
+from kvtrail.audit.layout import EVENTS_SCHEMA, REQUESTS_TABLE, column_type, table_name
 from kvtrail.audit.store import DEFAULT_CHECKPOINT, RUN_COLUMNS, AuditStore, CheckpointPolicy, schema_ddl
 from kvtrail.audit.writer import build_batch
 
@@ -217,13 +218,15 @@ class Encoded:
         self.narrow: list[tuple[pa.Table, pa.Table]] = []  # (events, requests first seen in the batch)
         seen: dict[str, int] = {}
         left_out: set[str] = set()
+        numbered = -1  # the highest request number the batches so far used
         for b in range(num_batches):
             ev = con.sql("SELECT * FROM events WHERE batch_no = ? ORDER BY seq",
                          params=[b]).to_arrow_table().combine_chunks()
             used = [c for c in ev.column_names if ev.column(c).null_count < ev.num_rows]
             left_out.update(c for c in used if c not in NARROW_SOURCES)
             self.wide.append((ev.select(used), ", ".join(used)))
-            self.kinds.append(_by_kind(ev))
+            rows, numbered = _stored(con, b, numbered)
+            self.kinds.append(rows)
             self.runs.append(con.sql(f"SELECT {RUN_COLUMNS} FROM page_runs WHERE batch_no = ? "
                                      "ORDER BY seq, list, pos", params=[b]).to_arrow_table().combine_chunks())
             self.narrow.append(_narrow(ev, seen))
@@ -231,16 +234,27 @@ class Encoded:
         self.left_out = sorted(left_out)
 
 
-def _by_kind(ev: pa.Table) -> list[tuple[str, pa.Table, str]]:
-    """One batch's rows split as AuditStore splits them: per kind, that kind's non-null columns."""
+def _stored(con: duckdb.DuckDBPyConnection, b: int, numbered: int) -> tuple[list[tuple[str, pa.Table, str]], int]:
+    """Batch ``b``'s rows as AuditStore wrote them: per kind table its non-null columns, and first the
+    request dictionary's rows new in the batch (numbers above ``numbered``). Returns them and the
+    highest number the batch uses."""
     out = []
-    kinds = ev.column("kind")
+    top = numbered
     for kind in KIND_NAMES:
-        part = ev.filter(pc.equal(kinds, kind))
-        if part.num_rows:
-            used = [c for c in kind_columns(kind) if part.column(c).null_count < part.num_rows]
-            out.append((table_name(kind), part.select(used).combine_chunks(), ", ".join(used)))
-    return out
+        table = table_name(kind)
+        part = con.sql(f"SELECT * FROM {table} WHERE batch_no = ? ORDER BY seq", params=[b]).to_arrow_table()
+        if not part.num_rows:
+            continue
+        part = part.combine_chunks()
+        used = [c for c in part.column_names if part.column(c).null_count < part.num_rows]
+        out.append((table, part.select(used), ", ".join(used)))
+        if "request_no" in used:
+            top = max(top, int(pc.max(part.column("request_no")).as_py()))
+    new = con.sql(f"SELECT * FROM {REQUESTS_TABLE} WHERE request_no > ? AND request_no <= ? ORDER BY request_no",
+                  params=[numbered, top]).to_arrow_table().combine_chunks()
+    if new.num_rows:
+        out.insert(0, (REQUESTS_TABLE, new, ", ".join(new.column_names)))
+    return out, top
 
 
 def _narrow(ev: pa.Table, seen: dict[str, int]) -> tuple[pa.Table, pa.Table]:
@@ -274,7 +288,8 @@ def _narrow(ev: pa.Table, seen: dict[str, int]) -> tuple[pa.Table, pa.Table]:
 
 _RUNS_DDL = tuple(st for st in schema_ddl() if st.startswith("CREATE TABLE IF NOT EXISTS page_runs"))
 _KIND_DDL = tuple(st for st in schema_ddl() if st.startswith("CREATE TABLE IF NOT EXISTS events_"))
-assert len(_RUNS_DDL) == 1 and len(_KIND_DDL) == len(KIND_NAMES), "schema_ddl makes page_runs and a table per kind"
+assert len(_RUNS_DDL) == 1 and len(_KIND_DDL) == len(KIND_NAMES) + 1, \
+    "schema_ddl makes page_runs, a table per kind and the request dictionary"
 
 
 class LimitKindsSink(_DuckSink):

@@ -63,7 +63,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
 
 
 def event_table(con, producer_id: int, seq: int) -> str:
-    """The table that holds one stored event (store format 2 keeps each kind in a table of its own)."""
+    """The table that holds one stored event (the store keeps each kind in a table of its own)."""
     from kvtrail.audit.layout import table_name
 
     (kind,) = con.execute("SELECT kind FROM events WHERE producer_id = ? AND seq = ?", [producer_id, seq]).fetchone()

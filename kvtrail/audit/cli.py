@@ -221,9 +221,11 @@ def upgrade(db: str) -> None:
 @audit.command()
 @DB_OPTION
 def migrate(db: str) -> None:
-    """Convert a store of an older format (format 1: one wide events table) to this kvtrail's format in place.
+    """Convert a store of an older format (1: one wide events table; 2: request fields in every event row)
+    to this kvtrail's format in place.
 
-    One transaction: every event moves into its kind's table and the chain is verified before and after;
+    One transaction: every event moves into its kind's table, each request identity into the request
+    dictionary, and the chain is verified before and after;
     anything that differs rolls back and leaves the store as it was. Take a 'kvtrail audit backup' first
     when the store matters: the conversion rewrites the file.
     """
@@ -236,8 +238,8 @@ def migrate(db: str) -> None:
         return
     note = "OK" if res.problems == 0 else f"{res.problems} problem(s), the same as before ('kvtrail audit verify')"
     click.echo(f"store {db}: format {res.from_format} -> {STORE_FORMAT}: {res.events} events into "
-               f"{res.kind_tables} kind tables in {res.seconds:.1f} s; chain of {res.batches_checked} batches "
-               f"verified before and after: {note}")
+               f"{res.kind_tables} kind tables and {res.requests} request identities in {res.seconds:.1f} s; "
+               f"chain of {res.batches_checked} batches verified before and after: {note}")
 
 
 @audit.command()

@@ -1,10 +1,12 @@
-"""Converting a store of an older format in place: format 1 (one wide ``events`` table) to format 2
-(one table per kind, :mod:`kvtrail.audit.layout`).
+"""Converting a store of an older format in place to format 3 (one table per kind and a request
+dictionary, :mod:`kvtrail.audit.layout`): format 1 (one wide ``events`` table) and format 2 (one table
+per kind with the request fields in every row).
 
-The conversion is one transaction: the wide table's rows are split into the kind tables, the
-``events`` view takes the table's place, and the chain is verified before and after inside that
-transaction. It commits only when every event landed in its kind's table and verification finds
-exactly what it found before (the same batches and events checked, the same problems, none for an
+The conversion is one transaction: the old rows (format 1's table, or what format 2's ``events`` view
+returns) are split into the kind tables and the dictionary, the ``events`` view takes the old
+table's or view's place, and the chain is verified before and after inside that transaction. It
+commits only when every event landed in its kind's table and verification finds exactly what it
+found before (the same batches and events checked, the same problems, none for an
 intact store): the batch digests are computed over the rows as ``events`` returns them, and the view
 returns the same rows. Anything else rolls back and leaves the file as it was.
 """
@@ -18,13 +20,14 @@ from pathlib import Path
 import duckdb
 
 from kvtrail.audit.events import ADDED_FIELDS
-from kvtrail.audit.layout import KIND_TABLES, column_type, insert_from
+from kvtrail.audit.layout import KIND_TABLES, REQUESTS_TABLE, column_type, insert_from, missing_columns
 from kvtrail.audit.store import fetch_row, schema_ddl
 from kvtrail.audit.storefile import MIGRATABLE_FORMATS, STORE_FORMAT, check_store, connect, require_file
 from kvtrail.audit.verify import VerifyReport, verify_store
 from kvtrail.errors import StoreError
 
 _OLD_TABLE = "events_format1"
+_OLD_ROWS = "_kv_format2_events"
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class MigrateResult:
     from_format: str | None  # None: the store was already current
     events: int
     kind_tables: int
+    requests: int  # rows of the request dictionary after the conversion
     batches_checked: int
     problems: int  # chain problems found before and after (the same ones)
     seconds: float
@@ -52,26 +56,52 @@ def _same(before: VerifyReport, after: VerifyReport) -> bool:
             == (after.batches_checked, after.events_checked, [str(p) for p in after.problems]))
 
 
-def _convert(con: duckdb.DuckDBPyConnection, path: Path) -> tuple[int, VerifyReport]:
-    have = {r[0] for r in con.execute("SELECT column_name FROM duckdb_columns() WHERE schema_name = 'main' AND "
-                                      "database_name = current_database() AND table_name = 'events'").fetchall()}
-    for name in ADDED_FIELDS:  # a format-1 store older than a field gains it first, as an upgrade did
-        if name not in have:
-            con.execute(f"ALTER TABLE events ADD COLUMN {name} {column_type(name)}")
+def _events_v(con: duckdb.DuckDBPyConnection) -> None:
     con.execute("DROP VIEW IF EXISTS events_v")
     con.execute("CREATE VIEW events_v AS SELECT p.cluster, p.node, p.role, p.engine, p.engine_version, p.instance, "
                 "e.* FROM events e JOIN producers p USING (producer_id)")
+
+
+def _old_rows_format1(con: duckdb.DuckDBPyConnection) -> str:
+    """Format 1: the wide table, renamed out of the view's way; later fields added first, as an upgrade did."""
+    have = {r[0] for r in con.execute("SELECT column_name FROM duckdb_columns() WHERE schema_name = 'main' AND "
+                                      "database_name = current_database() AND table_name = 'events'").fetchall()}
+    for name in ADDED_FIELDS:
+        if name not in have:
+            con.execute(f"ALTER TABLE events ADD COLUMN {name} {column_type(name)}")
+    return "events"
+
+
+def _take_old_rows(con: duckdb.DuckDBPyConnection, fmt: str, path: Path) -> str:
+    """Move the old rows out of the way of format 3's tables; returns the relation that holds them."""
+    con.execute("DROP VIEW events_v")
+    if fmt == "1":
+        con.execute(f"ALTER TABLE events RENAME TO {_OLD_TABLE}")
+        return _OLD_TABLE
+    # Format 2: its kind tables have format 3's names, so its rows are copied out through its own view.
+    con.execute(f"CREATE TEMP TABLE {_OLD_ROWS} AS SELECT * FROM events")
+    con.execute("DROP VIEW events")
+    for table in KIND_TABLES:
+        con.execute(f"DROP TABLE {table}")
+    return _OLD_ROWS
+
+
+def _convert(con: duckdb.DuckDBPyConnection, path: Path, fmt: str) -> tuple[int, VerifyReport]:
+    if fmt == "1":
+        _old_rows_format1(con)
+    elif missing_columns(con, ADDED_FIELDS):
+        raise StoreError(f"store {path}: a format-2 store without the later event fields; nothing changed")
+    _events_v(con)
     before = verify_store(con)
     old = fetch_row(con, "SELECT count(*) FROM events")[0]
-    con.execute("DROP VIEW events_v")
-    con.execute(f"ALTER TABLE events RENAME TO {_OLD_TABLE}")
+    source = _take_old_rows(con, fmt, path)
     for stmt in schema_ddl():
         if not stmt.startswith("CREATE OR REPLACE VIEW"):
             con.execute(stmt)
-    moved = insert_from(con, _OLD_TABLE)
+    moved = insert_from(con, source)
     if moved != old:
         raise StoreError(f"store {path}: {old} events in the old table, {moved} reached the kind tables")
-    con.execute(f"DROP TABLE {_OLD_TABLE}")
+    con.execute(f"DROP TABLE {source}")
     for stmt in schema_ddl():
         if stmt.startswith("CREATE OR REPLACE VIEW"):
             con.execute(stmt)
@@ -98,21 +128,22 @@ def migrate_store(path: str | Path) -> MigrateResult:
         fmt = _format(con) if _is_table(con, "meta") else None
         if fmt == STORE_FORMAT:
             check_store(con, path, upgrading=True)
-            return MigrateResult(None, 0, len(KIND_TABLES), 0, 0, time.perf_counter() - t0)
-        if fmt not in MIGRATABLE_FORMATS or not _is_table(con, "events"):
+            return MigrateResult(None, 0, len(KIND_TABLES), 0, 0, 0, time.perf_counter() - t0)
+        if fmt not in MIGRATABLE_FORMATS or (fmt == "1") != _is_table(con, "events"):
             check_store(con, path)  # names what the file is instead
             raise StoreError(f"store {path} has format {fmt}; this kvtrail converts format(s) "
                              f"{', '.join(MIGRATABLE_FORMATS)}")
         con.begin()
         try:
-            moved, report = _convert(con, path)
+            moved, report = _convert(con, path, fmt)
             con.commit()
         except BaseException:
             con.rollback()
             raise
         con.execute("CHECKPOINT")
-        return MigrateResult(fmt, moved, len(KIND_TABLES), report.batches_checked, len(report.problems),
-                             time.perf_counter() - t0)
+        requests = fetch_row(con, f"SELECT count(*) FROM {REQUESTS_TABLE}")[0]
+        return MigrateResult(fmt, moved, len(KIND_TABLES), int(requests), report.batches_checked,
+                             len(report.problems), time.perf_counter() - t0)
     except duckdb.Error as exc:
         raise StoreError(f"migration of {path} failed, nothing changed: {str(exc).splitlines()[0]}") from None
     finally:

@@ -131,4 +131,5 @@ def prune(store: AuditStore, before_ns: int, *, note: str | None = None, dry_run
     except BaseException:
         con.rollback()
         raise
+    store.reset_requests()  # the prune deleted the identities no event names any more
     return PruneResult(prune_id, nb, int(ne), held, False)

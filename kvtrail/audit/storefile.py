@@ -15,16 +15,18 @@ from pathlib import Path
 import duckdb
 
 from kvtrail.audit.events import ADDED_FIELDS
-from kvtrail.audit.layout import KIND_TABLES, missing_columns
+from kvtrail.audit.layout import EVENT_TABLES, missing_columns
 from kvtrail.errors import StoreError
 
-# Format 2 keeps events in one table per kind (kvtrail.audit.layout); format 1 had one wide events
-# table, and 'kvtrail audit migrate' converts it.
-STORE_FORMAT = "2"
-MIGRATABLE_FORMATS = ("1",)
+# Format 3 keeps events in one table per kind and request identities in a dictionary
+# (kvtrail.audit.layout); format 2 had the request fields in every kind table's rows, format 1 one
+# wide events table. 'kvtrail audit migrate' converts both.
+STORE_FORMAT = "3"
+MIGRATABLE_FORMATS = ("1", "2")
+_FORMAT_LAYOUTS = {"1": "one wide events table", "2": "request fields in every event row"}
 # Every table a kvtrail store of this format has; store_opens came later and is created on the
 # next writable open of an older store, so a read-only open does not require it.
-STORE_TABLES = ("meta", "producers", *KIND_TABLES, "page_runs", "batches", "prunes", "prune_batches", "legal_holds")
+STORE_TABLES = ("meta", "producers", *EVENT_TABLES, "page_runs", "batches", "prunes", "prune_batches", "legal_holds")
 OPENS_TABLE = "store_opens"
 _LOCK_PID = re.compile(r"\(PID (\d+)\)")
 
@@ -70,8 +72,9 @@ def missing_added_columns(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str
 
 
 def migrate_hint(path: str | Path, found: str) -> str:
-    return (f"store {path} has format {found} (one wide events table); 'kvtrail audit migrate --db {path}' "
-            f"converts it to format {STORE_FORMAT} in place (its chain stays valid)")
+    layout = _FORMAT_LAYOUTS.get(found)
+    return (f"store {path} has format {found}{f' ({layout})' if layout else ''}; 'kvtrail audit migrate --db "
+            f"{path}' converts it to format {STORE_FORMAT} in place (its chain stays valid)")
 
 
 def check_store(con: duckdb.DuckDBPyConnection, path: str | Path, *, upgrading: bool = False) -> None:

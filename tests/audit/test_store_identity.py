@@ -14,7 +14,7 @@ import pytest
 from kvtrail import __version__
 from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.store import AuditStore, connect_readonly, schema_ddl
-from kvtrail.audit.storefile import STORE_TABLES
+from kvtrail.audit.storefile import STORE_FORMAT, STORE_TABLES
 from kvtrail.cli import main
 from kvtrail.errors import StoreError
 from tests.conftest import alloc, config
@@ -69,7 +69,7 @@ def test_another_format_and_a_non_duckdb_file_are_refused(tmp_path, capsys):
     AuditStore(path).close()
     with duckdb.connect(str(path)) as con:
         con.execute("UPDATE meta SET value = '9' WHERE key = 'store_format'")
-    assert _stats_error(capsys, path) == f"error: store {path} has format 9; this kvtrail reads format 2"
+    assert _stats_error(capsys, path) == f"error: store {path} has format 9; this kvtrail reads format {STORE_FORMAT}"
     junk = tmp_path / "junk.duckdb"
     junk.write_text("not a database\n" * 500)
     assert _stats_error(capsys, junk) == f"error: {junk} is not a DuckDB database file"

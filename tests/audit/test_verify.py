@@ -49,7 +49,12 @@ def _sql(template: str, seq: int | None = None):
 
 
 TAMPER = {
-    "edit a field": _sql("UPDATE {t} SET tenant_id = 'mallory' WHERE seq = 4 AND producer_id = {a}", 4),
+    "edit a field": _sql("UPDATE {t} SET purpose = 'mallory' WHERE seq = 4 AND producer_id = {a}", 4),
+    # Request fields live in the request dictionary: edit an identity, or point an event at another one.
+    "edit a request identity": _sql("UPDATE events_requests SET tenant_id = 'mallory' WHERE request_no = "
+                                    "(SELECT request_no FROM {t} WHERE seq = 4 AND producer_id = {a})", 4),
+    "point an event at another request": _sql("UPDATE {t} SET request_no = (SELECT max(request_no) FROM "
+                                              "events_requests) WHERE seq = 4 AND producer_id = {a}", 4),
     "edit a page run": _sql("UPDATE page_runs SET page_start = page_start + 1 WHERE seq = 5 AND producer_id = {a}"),
     "delete an event row": _sql("DELETE FROM {t} WHERE seq = 6 AND producer_id = {a}", 6),
     "delete a page run": _sql("DELETE FROM page_runs WHERE seq = 4 AND producer_id = {a} AND pos = 0"),

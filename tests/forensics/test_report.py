@@ -102,7 +102,8 @@ def test_verify_report_fails_after_a_csv_edit(made, tmp_path, capsys):
 def test_verify_report_fails_after_an_event_in_the_window_changes(made, tmp_path, capsys):
     db, out, _ = _copy(made, tmp_path)
     with duckdb.connect(str(db)) as con:  # what the client was told about an affected response, rewritten
-        con.execute("UPDATE events_response_sent SET http_status = 400 WHERE request_id = 'globex-12'")
+        con.execute("UPDATE events_response_sent SET http_status = 400 WHERE request_no IN "
+                    "(SELECT request_no FROM events_requests WHERE request_id = 'globex-12')")
     assert main(["forensics", "verify-report", str(out), "--db", str(db)]) == 1
     text = capsys.readouterr().out
     assert "FAILED: audit chain:" in text and "FAILED: results digest differs" in text
@@ -111,8 +112,8 @@ def test_verify_report_fails_after_an_event_in_the_window_changes(made, tmp_path
 def test_verify_report_fails_after_an_event_is_slipped_into_a_batch(made, tmp_path, capsys):
     db, out, _ = _copy(made, tmp_path)
     with duckdb.connect(str(db)) as con:  # a copy of a response inserted past the chain, inside the window
-        con.execute("INSERT INTO events_kv_read SELECT * REPLACE (request_id || '-x' AS request_id, "
-                    "seq + 100000 AS seq) FROM events_kv_read WHERE request_id = 'globex-12'")
+        con.execute("INSERT INTO events_kv_read SELECT * REPLACE (seq + 100000 AS seq) FROM events_kv_read "
+                    "WHERE request_no IN (SELECT request_no FROM events_requests WHERE request_id = 'globex-12')")
     assert main(["forensics", "verify-report", str(out), "--db", str(db)]) == 1
     assert "FAILED: audit chain:" in capsys.readouterr().out
 
