@@ -37,16 +37,10 @@ import pyarrow.compute as pc
 from kvtrail import __version__
 from kvtrail.audit import chain, layout
 from kvtrail.audit.arrowutil import flat_list, list_array
-from kvtrail.audit.events import ALL_FIELDS, KIND_NAMES, KINDS, PAGE_LIST_FIELDS, PRODUCER_FIELDS, REQUEST_NAMES
-from kvtrail.audit.layout import (
-    EVENT_VALUE_FIELDS,
-    EVENTS_SCHEMA,
-    REQUESTS_SCHEMA,
-    REQUESTS_TABLE,
-    append_kinds,
-    column_type,
-)
+from kvtrail.audit.events import ALL_FIELDS, KIND_NAMES, KINDS, PAGE_LIST_FIELDS, PRODUCER_FIELDS
+from kvtrail.audit.layout import EVENT_VALUE_FIELDS, EVENTS_SCHEMA, REQUESTS_TABLE, append_kinds, column_type
 from kvtrail.audit.pagelist import decode_runs, encode_runs
+from kvtrail.audit.requests import RequestNumbers
 from kvtrail.audit.storefile import (
     OPENS_TABLE,
     STORE_FORMAT,
@@ -60,10 +54,6 @@ from kvtrail.audit.storefile import (
 from kvtrail.audit.validate import ProducerState, ValidatedBatch, validate_batch
 
 log = logging.getLogger(__name__)
-# Request identities the writer remembers (their dictionary numbers); past this many it forgets them
-# all and numbers the next ones anew (a repeated identity costs one dictionary row, nothing else).
-REQUEST_CACHE_MAX = 1 << 20
-_KEY_LIMIT = 1 << 62  # a batch's combined request-field codes stay below this (int64)
 _PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
 RUNS_SCHEMA = pa.schema([
     pa.field("producer_id", pa.int64()), pa.field("batch_no", pa.int64()), pa.field("seq", pa.uint64()),
@@ -234,9 +224,8 @@ class AuditStore:
     def reset_requests(self) -> None:
         """Forget the request numbers this writer remembers and re-read the next free one: after a
         write that bypassed :meth:`append` changed the dictionary (a prune deletes unused identities)."""
-        self._requests: dict[tuple, int] = {}
-        self._next_request_no = int(fetch_row(self.con, f"SELECT coalesce(max(request_no) + 1, 0) "
-                                                        f"FROM {REQUESTS_TABLE}")[0])
+        self.requests = RequestNumbers(int(fetch_row(self.con, f"SELECT coalesce(max(request_no) + 1, 0) "
+                                                               f"FROM {REQUESTS_TABLE}")[0]))
 
     def cursor(self) -> duckdb.DuckDBPyConnection:
         """A second connection to the same database, for a reader thread in this process."""
@@ -287,77 +276,13 @@ class AuditStore:
         order = np.argsort(row, kind="stable")
         return row[order], lst[order], pos[order], start[order], length[order]
 
-    def _request_numbers(self, t: pa.Table) -> tuple[pa.Array, pa.Table | None, dict[tuple, int]]:
-        """Each row's request number (null: no request field), the dictionary rows new in this batch,
-        and the identities they number (remembered once the batch commits)."""
-        n = t.num_rows
-        key = np.zeros(n, np.int64)
-        radix = 1
-        cols = [t.column(name) for name in REQUEST_NAMES]
-        for col in cols:
-            if col.null_count == n:
-                continue
-            enc = col.combine_chunks().dictionary_encode()
-            size = len(enc.dictionary) + 1
-            if radix * size >= _KEY_LIMIT:  # many distinct values: renumber the key so far densely first
-                dense = pa.array(key).dictionary_encode()
-                key = dense.indices.to_numpy().astype(np.int64)
-                radix = len(dense.dictionary)
-            key += (pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64) + 1) * radix
-            radix *= size
-        if radix == 1:
-            return pa.nulls(n, pa.int64()), None, {}
-        ids = pa.array(key).dictionary_encode()
-        inv = ids.indices.to_numpy()
-        # Arrow numbers distinct values in order of first occurrence: a row is a first one where the
-        # running maximum of the numbers grows.
-        top = np.maximum.accumulate(inv)
-        first = np.flatnonzero(np.concatenate(([True], top[1:] > top[:-1])))
-        sel = pa.array(first)
-        values = [c.take(sel).to_pylist() for c in cols]
-        keys = ids.dictionary.to_numpy()
-        known = self._requests
-        number = np.empty(len(first), np.int64)
-        new: dict[tuple, int] = {}
-        new_rows = []
-        nxt = self._next_request_no
-        for j, ident in enumerate(zip(*values)):
-            if keys[j] == 0:
-                number[j] = -1
-                continue
-            no = known.get(ident)
-            if no is None:
-                no = new.get(ident)
-            if no is None:
-                no = new[ident] = nxt
-                nxt += 1
-                new_rows.append(j)
-            number[j] = no
-        per_row = number[inv]
-        request_no = pa.array(per_row, mask=per_row < 0)
-        if not new_rows:
-            return request_no, None, new
-        take = pa.array(first[new_rows])
-        rows = {"request_no": pa.array(number[new_rows])}
-        for name, col in zip(REQUEST_NAMES, cols):
-            rows[name] = col.take(take)
-        return request_no, pa.table(rows).cast(REQUESTS_SCHEMA), new
-
-    def _remember(self, new: dict[tuple, int]) -> None:
-        if not new:
-            return
-        if len(self._requests) + len(new) > REQUEST_CACHE_MAX:
-            self._requests = {}
-        self._requests.update(new)
-        self._next_request_no = max(new.values()) + 1
-
     def _commit(self, vb: ValidatedBatch) -> AppendResult:
         t = vb.table
         n = t.num_rows
         seq = t.column("seq").to_numpy(zero_copy_only=False).astype(np.uint64, copy=False)
         wall = t.column("wall_ns").to_numpy(zero_copy_only=False)
         run_row, run_list, run_pos, run_start, run_len = self._runs(vb)
-        request_no, new_requests, new_idents = self._request_numbers(t)
+        request_no, new_requests, new_idents = self.requests.number(t)
         num_pages = pc.fill_null(pc.list_value_length(t.column("pages")), 0).cast(pa.int32())
         num_dst = pc.fill_null(pc.list_value_length(t.column("dst_pages")), 0).cast(pa.int32())
         now = time.time_ns()
@@ -431,7 +356,7 @@ class AuditStore:
             raise
         finally:
             con.unregister("_kv_runs")
-        self._remember(new_idents)
+        self.requests.remember(new_idents)
         for pid, (last_seq, link) in state_after.items():
             st = self._state.setdefault(pid, ProducerState())
             st.last_seq = last_seq

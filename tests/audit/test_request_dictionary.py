@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvtrail.audit import layout
+from kvtrail.audit import requests as requests_mod
 from kvtrail.audit import store as store_mod
 from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.layout import REQUESTS_TABLE
@@ -84,7 +85,7 @@ def test_numbers_continue_after_a_reopen_and_a_forgotten_identity_costs_one_row(
     with AuditStore(path) as st:
         st.append(from_dicts(b1))
         assert [r[:2] for r in _dictionary(st.con)] == [(0, "a"), (1, "b"), (2, "a"), (3, "z")]
-    monkeypatch.setattr(store_mod, "REQUEST_CACHE_MAX", 2)
+    monkeypatch.setattr(requests_mod, "REQUEST_CACHE_MAX", 2)
     b2 = _events(9, ["a", "q", "r"])  # a third writer: "a" is new to it
     b3 = _events(15, ["s"])  # past the bound: the writer forgets all but what this batch numbered...
     b4 = _events(17, ["a", "s"])
@@ -137,14 +138,22 @@ def test_a_prune_deletes_the_identities_only_pruned_events_named(tmp_path):
 
 
 def test_many_distinct_values_in_one_batch(tmp_path, monkeypatch):
-    monkeypatch.setattr(store_mod, "_KEY_LIMIT", 64)  # forces the renumbering a huge batch needs
+    monkeypatch.setattr(requests_mod, "_KEY_LIMIT", 64)  # forces the renumbering a huge batch needs
     path = tmp_path / "s.duckdb"
     batch = [config(0, P)]
     for k in range(40):
         batch.append(event(1 + k, "kv_read", P, request=_identity(f"r{k % 13}", tenant=f"t{k % 7}", transfer=k % 5,
                                                                   key=f"k{k % 3}"), pages=[1 + k]))
+    # A second batch whose first event has a request and whose evictions have none.
+    more = [event(41 + k, "kv_read", P, request=_identity(f"s{k}", transfer=k), pages=[1 + k]) for k in range(20)]
+    more[5:5] = [event(100, "pages_freed", P, pages=[3], free_reason="eviction")]
+    for k, e in enumerate(more):
+        e["seq"] = 41 + k
     with AuditStore(path) as st:
         st.append(from_dicts(batch))
         distinct = {(f"r{k % 13}", k % 5, f"t{k % 7}", f"k{k % 3}") for k in range(40)}
         assert len(_dictionary(st.con)) == len(distinct) and {r[1:] for r in _dictionary(st.con)} == distinct
-    assert _stored_requests(path) == _sent_requests([batch])
+        st.append(from_dicts(more))
+        assert len(_dictionary(st.con)) == len(distinct) + 20
+        assert st.con.execute("SELECT count(*) FROM events_pages_freed WHERE request_no IS NULL").fetchone() == (1,)
+    assert _stored_requests(path) == _sent_requests([batch, more])
