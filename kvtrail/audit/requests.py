@@ -10,6 +10,8 @@ remembered only once the batch that made them has committed.
 
 from __future__ import annotations
 
+from itertools import repeat
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -57,31 +59,23 @@ class RequestNumbers:
         top = np.maximum.accumulate(inv)
         first = np.flatnonzero(np.concatenate(([True], top[1:] > top[:-1])))
         sel = pa.array(first)
-        values = [c.take(sel).to_pylist() for c in cols]
-        keys = ids.dictionary.to_numpy()
-        known = self.known
-        number = np.empty(len(first), np.int64)
-        new: dict[tuple, int] = {}
-        new_rows = []
-        nxt = self.next_no
-        for j, ident in enumerate(zip(*values)):
-            if keys[j] == 0:
-                number[j] = -1
-                continue
-            no = known.get(ident)
-            if no is None:
-                no = new.get(ident)
-            if no is None:
-                no = new[ident] = nxt
-                nxt += 1
-                new_rows.append(j)
-            number[j] = no
+        # One 4-tuple per distinct identity; an absent column is None throughout without a conversion.
+        values = [repeat(None) if c.null_count == n else c.take(sel).to_pylist() for c in cols]
+        idents = list(zip(*values))
+        get = self.known.get
+        number = np.array([get(ident, -1) for ident in idents], np.int64)
+        none = np.flatnonzero(ids.dictionary.to_numpy() == 0)  # the identity of rows without request fields
+        number[none] = -2
+        fresh = np.flatnonzero(number == -1)
+        number[fresh] = self.next_no + np.arange(len(fresh), dtype=np.int64)
+        number[none] = -1
+        new = dict(zip([idents[j] for j in fresh.tolist()], number[fresh].tolist()))
         per_row = number[inv]
         request_no = pa.array(per_row, mask=per_row < 0)
-        if not new_rows:
+        if not len(fresh):
             return request_no, None, new
-        take = pa.array(first[new_rows])
-        rows = {"request_no": pa.array(number[new_rows])}
+        take = pa.array(first[fresh])
+        rows = {"request_no": pa.array(number[fresh])}
         for name, col in zip(REQUEST_NAMES, cols):
             rows[name] = col.take(take)
         return request_no, pa.table(rows).cast(REQUESTS_SCHEMA), new

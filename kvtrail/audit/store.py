@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +55,8 @@ from kvtrail.audit.storefile import (
 from kvtrail.audit.validate import ProducerState, ValidatedBatch, validate_batch
 
 log = logging.getLogger(__name__)
+# From this many events a batch's chain digests are computed beside its inserts (a helper thread).
+_DIGEST_AHEAD_EVENTS = 16_384
 _PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
 RUNS_SCHEMA = pa.schema([
     pa.field("producer_id", pa.int64()), pa.field("batch_no", pa.int64()), pa.field("seq", pa.uint64()),
@@ -167,6 +170,7 @@ class AuditStore:
             require_file(self.path)  # raises, naming a WAL left without its database
         self.con = connect(self.path, read_only=False)
         self._closed = False
+        self._digest_pool: ThreadPoolExecutor | None = None
         self.signer = signer
         self.policy = checkpoint
         self.checkpoints = 0  # done by the policy or close(), and the seconds they took
@@ -242,6 +246,8 @@ class AuditStore:
             pass  # the connection was closed under us: DuckDB checkpointed (or could not) when that happened
         finally:
             self.con.close()
+            if self._digest_pool is not None:
+                self._digest_pool.shutdown()
 
     def __enter__(self):
         return self
@@ -276,6 +282,14 @@ class AuditStore:
         order = np.argsort(row, kind="stable")
         return row[order], lst[order], pos[order], start[order], length[order]
 
+    def _digests(self, jobs: list[tuple]) -> list[tuple[bytes, bytes | None]]:
+        """(digest, signature) of each producer's part of a batch, in the chain's order."""
+        out = []
+        for prev, header, ev, runs in jobs:
+            digest = chain.batch_digest(prev, header, ev, EVENTS_SCHEMA, runs, RUNS_SCHEMA)
+            out.append((digest, self.signer.sign(digest) if self.signer else None))
+        return out
+
     def _commit(self, vb: ValidatedBatch) -> AppendResult:
         t = vb.table
         n = t.num_rows
@@ -287,7 +301,7 @@ class AuditStore:
         num_dst = pc.fill_null(pc.list_value_length(t.column("dst_pages")), 0).cast(pa.int32())
         now = time.time_ns()
         batch_rows, new_producers, new_pools = [], [], {}
-        ev_parts, run_parts, committed, code_parts, rq_parts = [], [], [], [], []
+        ev_parts, run_parts, committed, code_parts, rq_parts, jobs = [], [], [], [], [], []
         state_after = {}
         single = len(vb.producer_ids) == 1  # the common batch: no per-producer copies
         for g, pid in enumerate(vb.producer_ids):
@@ -317,12 +331,10 @@ class AuditStore:
             first_seq, last_seq = int(seq[rows[0]]), int(seq[rows[-1]])
             npe = int(pick(run_len).sum(dtype=np.int64))
             header = (pid, batch_no, first_seq, last_seq, len(rows), nr)
-            digest = chain.batch_digest(prev, header, ev, EVENTS_SCHEMA, runs, RUNS_SCHEMA)
-            sig = self.signer.sign(digest) if self.signer else None
+            jobs.append((prev, header, ev, runs))
             w = wall if single else wall[rows]
             batch_rows.append((pid, batch_no, first_seq, last_seq, len(rows), nr, npe,
-                               int(w.min()), int(w.max()), now, prev, digest, sig,
-                               self.signer.key_id if self.signer else None))
+                               int(w.min()), int(w.max()), now, prev))
             ev_parts.append(ev)
             code_parts.append(vb.kind_code if single else vb.kind_code[rows])
             rq_parts.append(request_no if take is None else request_no.take(take))
@@ -333,9 +345,17 @@ class AuditStore:
             cfg_rows = rows[vb.kind_code[rows] == 0]
             if len(cfg_rows):
                 new_pools[pid] = int(t.column("pool_pages")[int(cfg_rows[-1])].as_py())
-            state_after[pid] = (last_seq, (batch_no, digest))
+            state_after[pid] = (last_seq, batch_no)
         events_tbl = pa.concat_tables(ev_parts) if len(ev_parts) > 1 else ev_parts[0]
         runs_tbl = pa.concat_tables(run_parts) if len(run_parts) > 1 else run_parts[0]
+        # A large batch's digests (SHA-256 over its canonical bytes, which releases the GIL) are computed
+        # by a helper thread while DuckDB inserts its rows; only the batches rows need them.
+        if n >= _DIGEST_AHEAD_EVENTS:
+            if self._digest_pool is None:
+                self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtrail-digest")
+            pending: Future | None = self._digest_pool.submit(self._digests, jobs)
+        else:
+            pending, digests = None, self._digests(jobs)
         con = self.con
         con.begin()
         try:
@@ -348,16 +368,24 @@ class AuditStore:
                          pa.concat_arrays(rq_parts) if len(rq_parts) > 1 else rq_parts[0], new_requests)
             con.register("_kv_runs", runs_tbl)
             con.execute(f"INSERT INTO page_runs ({RUN_COLUMNS}) SELECT {RUN_COLUMNS} FROM _kv_runs")
-            for row in batch_rows:  # one execute per row: executemany costs ~1.5 ms even for one row
-                con.execute("INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)", row)
+            if pending is not None:
+                digests = pending.result()
+                pending = None
+            key_id = self.signer.key_id if self.signer else None
+            for row, (digest, sig) in zip(batch_rows, digests):  # one execute per row: executemany costs
+                con.execute("INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
+                            (*row, digest, sig, key_id))  # ~1.5 ms even for one row
             con.commit()
         except BaseException:
             con.rollback()
             raise
         finally:
             con.unregister("_kv_runs")
+            if pending is not None and not pending.cancel():
+                wait([pending])  # a failed commit: the helper is not left working on its digests
         self.requests.remember(new_idents)
-        for pid, (last_seq, link) in state_after.items():
+        for (pid, (last_seq, batch_no)), (digest, _sig) in zip(state_after.items(), digests):
+            link = (batch_no, digest)
             st = self._state.setdefault(pid, ProducerState())
             st.last_seq = last_seq
             if pid in new_pools:
