@@ -56,7 +56,8 @@ def open_catalog(lake: LakeFS, files: dict[str, list[str]]) -> duckdb.DuckDBPyCo
         if not stmt.startswith("CREATE OR REPLACE VIEW events_v"):
             con.execute(stmt)
     con.execute("USE memory.main")
-    # The kind tables stay hidden: a lake's events are one wide table, read through the ``events`` view.
+    # The kind tables and the request dictionary stay hidden: a lake's events are one wide table, read
+    # through the ``events`` view.
     tables = [r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE schema_name = 'ref' "
                                         "AND NOT starts_with(table_name, 'events_')").fetchall()]
     tables += ["events"]
