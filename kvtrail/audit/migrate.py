@@ -62,17 +62,16 @@ def _events_v(con: duckdb.DuckDBPyConnection) -> None:
                 "e.* FROM events e JOIN producers p USING (producer_id)")
 
 
-def _old_rows_format1(con: duckdb.DuckDBPyConnection) -> str:
-    """Format 1: the wide table, renamed out of the view's way; later fields added first, as an upgrade did."""
+def _add_later_fields_format1(con: duckdb.DuckDBPyConnection) -> None:
+    """Format 1's wide table gains the fields added later first, as an upgrade did."""
     have = {r[0] for r in con.execute("SELECT column_name FROM duckdb_columns() WHERE schema_name = 'main' AND "
                                       "database_name = current_database() AND table_name = 'events'").fetchall()}
     for name in ADDED_FIELDS:
         if name not in have:
             con.execute(f"ALTER TABLE events ADD COLUMN {name} {column_type(name)}")
-    return "events"
 
 
-def _take_old_rows(con: duckdb.DuckDBPyConnection, fmt: str, path: Path) -> str:
+def _take_old_rows(con: duckdb.DuckDBPyConnection, fmt: str) -> str:
     """Move the old rows out of the way of format 3's tables; returns the relation that holds them."""
     con.execute("DROP VIEW events_v")
     if fmt == "1":
@@ -88,13 +87,13 @@ def _take_old_rows(con: duckdb.DuckDBPyConnection, fmt: str, path: Path) -> str:
 
 def _convert(con: duckdb.DuckDBPyConnection, path: Path, fmt: str) -> tuple[int, VerifyReport]:
     if fmt == "1":
-        _old_rows_format1(con)
+        _add_later_fields_format1(con)
     elif missing_columns(con, ADDED_FIELDS):
         raise StoreError(f"store {path}: a format-2 store without the later event fields; nothing changed")
     _events_v(con)
     before = verify_store(con)
     old = fetch_row(con, "SELECT count(*) FROM events")[0]
-    source = _take_old_rows(con, fmt, path)
+    source = _take_old_rows(con, fmt)
     for stmt in schema_ddl():
         if not stmt.startswith("CREATE OR REPLACE VIEW"):
             con.execute(stmt)

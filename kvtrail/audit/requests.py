@@ -64,11 +64,9 @@ class RequestNumbers:
         idents = list(zip(*values))
         get = self.known.get
         number = np.array([get(ident, -1) for ident in idents], np.int64)
-        none = np.flatnonzero(ids.dictionary.to_numpy() == 0)  # the identity of rows without request fields
-        number[none] = -2
-        fresh = np.flatnonzero(number == -1)
+        # Key 0 is the rows without request fields: they keep -1 (no number).
+        fresh = np.flatnonzero((number < 0) & (ids.dictionary.to_numpy() != 0))
         number[fresh] = self.next_no + np.arange(len(fresh), dtype=np.int64)
-        number[none] = -1
         new = dict(zip([idents[j] for j in fresh.tolist()], number[fresh].tolist()))
         per_row = number[inv]
         request_no = pa.array(per_row, mask=per_row < 0)

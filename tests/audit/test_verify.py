@@ -74,7 +74,7 @@ TAMPER = {
 def test_each_kind_of_tampering_is_caught(filled, how):
     a = _pid(filled, "prefill-0")
     assert filled.con.execute("SELECT kind FROM events WHERE seq = 4 AND producer_id = ?", [a]).fetchone() == (
-        "pages_allocated",)  # the event "edit a field" rewrites carries a tenant
+        "pages_allocated",)  # the event the edits rewrite has a purpose and a request
     TAMPER[how](filled.con, a)
     report = verify_store(filled.con)
     assert not report.ok
