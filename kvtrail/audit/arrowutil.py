@@ -96,3 +96,21 @@ def flat_list(col: pa.Array | pa.ChunkedArray, dtype=None) -> tuple[np.ndarray, 
     offsets = offsets_from_lengths(list_lengths(arr))
     values = pc.list_flatten(arr).to_numpy(zero_copy_only=False)
     return (values if dtype is None else values.astype(dtype, copy=False)), offsets
+
+
+def row_selection(idx: np.ndarray, n: int) -> slice | np.ndarray | None:
+    """Sorted row indices of ``n`` rows as None (all of them), a slice (one stretch) or themselves."""
+    if len(idx) == n:
+        return None
+    if len(idx) and int(idx[-1]) - int(idx[0]) + 1 == len(idx):
+        return slice(int(idx[0]), int(idx[-1]) + 1)
+    return idx
+
+
+def pick_rows(x, sel: slice | np.ndarray | None):
+    """The rows ``sel`` (see :func:`row_selection`) of an Arrow table or array: sliced in place, or taken."""
+    if sel is None:
+        return x
+    if isinstance(sel, slice):
+        return x.slice(sel.start, sel.stop - sel.start)
+    return x.take(pa.array(sel))

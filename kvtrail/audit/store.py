@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ import pyarrow.compute as pc
 
 from kvtrail import __version__
 from kvtrail.audit import chain, layout
-from kvtrail.audit.arrowutil import flat_list, list_array
+from kvtrail.audit.arrowutil import flat_list, list_array, pick_rows, row_selection
 from kvtrail.audit.events import ALL_FIELDS, KIND_NAMES, KINDS, PAGE_LIST_FIELDS, PRODUCER_FIELDS
 from kvtrail.audit.layout import EVENT_VALUE_FIELDS, EVENTS_SCHEMA, REQUESTS_TABLE, append_kinds, column_type
 from kvtrail.audit.pagelist import decode_runs, encode_runs
@@ -52,7 +53,7 @@ from kvtrail.audit.storefile import (
     store_tables,
     wal_path,
 )
-from kvtrail.audit.validate import ProducerState, ValidatedBatch, validate_batch
+from kvtrail.audit.validate import ProducerState, ValidatedBatch, merge_validated, validate_batch
 
 log = logging.getLogger(__name__)
 # From this many events a batch's chain digests are computed beside its inserts (a helper thread).
@@ -259,7 +260,16 @@ class AuditStore:
 
     def append(self, table: pa.Table) -> AppendResult:
         """Validate and commit a batch (any number of producers). Raises ValidationError, writing nothing."""
-        vb = validate_batch(table, self._state)
+        return self.append_validated([self.validate(table)])
+
+    def validate(self, table: pa.Table) -> ValidatedBatch:
+        """Check a batch against the store as it is now (ValidationError naming the event and field)."""
+        return validate_batch(table, self._state)
+
+    def append_validated(self, parts: Sequence[ValidatedBatch]) -> AppendResult:
+        """Commit batches :meth:`validate` passed, of different producers, in one transaction (a group
+        commit: each stays its producer's own stored batch, with the digest it would have alone)."""
+        vb = merge_validated([p for p in parts if p.table.num_rows])
         if vb.table.num_rows == 0:
             return AppendResult(0, 0, 0, ())
         return self._commit(vb)
@@ -308,17 +318,18 @@ class AuditStore:
             rows = np.arange(n) if single else np.flatnonzero(vb.producer_index == g)
             last_no, prev = self._chain.get(pid, (-1, chain.GENESIS))
             batch_no = last_no + 1
-            take = None if single else pa.array(rows)
+            # A producer's rows in one stretch (batches committed together) are sliced, not copied.
+            take = row_selection(rows, n)
             cols = {"producer_id": pa.repeat(pa.scalar(pid, pa.int64()), len(rows)),
                     "batch_no": pa.repeat(pa.scalar(batch_no, pa.int64()), len(rows))}
-            sub = t if take is None else t.take(take)
+            sub = pick_rows(t, take)
             for f in EVENT_VALUE_FIELDS:
                 cols[f.name] = sub.column(f.name)
-            cols["num_pages"] = num_pages if take is None else num_pages.take(take)
-            cols["num_dst_pages"] = num_dst if take is None else num_dst.take(take)
+            cols["num_pages"] = pick_rows(num_pages, take)
+            cols["num_dst_pages"] = pick_rows(num_dst, take)
             ev = pa.table(cols, schema=EVENTS_SCHEMA)
-            rsel = None if single else np.flatnonzero(vb.producer_index[run_row] == g)
-            nr = len(run_row) if rsel is None else len(rsel)
+            rsel = None if single else row_selection(np.flatnonzero(vb.producer_index[run_row] == g), len(run_row))
+            nr = len(run_row) if rsel is None else len(run_row[rsel])
 
             def pick(x: np.ndarray, rsel=rsel) -> np.ndarray:
                 return x if rsel is None else x[rsel]
@@ -336,8 +347,8 @@ class AuditStore:
             batch_rows.append((pid, batch_no, first_seq, last_seq, len(rows), nr, npe,
                                int(w.min()), int(w.max()), now, prev))
             ev_parts.append(ev)
-            code_parts.append(vb.kind_code if single else vb.kind_code[rows])
-            rq_parts.append(request_no if take is None else request_no.take(take))
+            code_parts.append(vb.kind_code if take is None else vb.kind_code[take])
+            rq_parts.append(pick_rows(request_no, take))
             run_parts.append(runs)
             committed.append((pid, batch_no))
             if pid not in self._state:

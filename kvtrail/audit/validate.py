@@ -8,6 +8,7 @@ the field and the reason. A batch is accepted whole or not at all.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,25 @@ class ValidatedBatch:
     producers: list[Producer]
     producer_index: np.ndarray  # per row: index into producer_ids
     num_page_events: int
+
+
+def merge_validated(parts: Sequence[ValidatedBatch]) -> ValidatedBatch:
+    """Batches validated one by one, as one batch of their producers (one stored batch each, committed
+    together): their rows one after another. ValueError if two of them come from the same producer, since
+    each was checked against the store as it was, not against the other."""
+    if len(parts) == 1:
+        return parts[0]
+    ids = [pid for vb in parts for pid in vb.producer_ids]
+    if len(set(ids)) != len(ids):
+        raise ValueError("batches committed together must come from different producers")
+    offsets = np.cumsum([0] + [len(vb.producer_ids) for vb in parts[:-1]])
+    return ValidatedBatch(
+        pa.concat_tables([vb.table for vb in parts]),
+        np.concatenate([vb.kind_code for vb in parts]),
+        ids,
+        [p for vb in parts for p in vb.producers],
+        np.concatenate([vb.producer_index + off for vb, off in zip(parts, offsets)]),
+        sum(vb.num_page_events for vb in parts))
 
 
 def _column_error(t: pa.Table, field: str, reason: str, rows: np.ndarray) -> ValidationError:

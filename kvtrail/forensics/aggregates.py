@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 MINUTE_NS = 60 * 10**9
 MIN_NS, MAX_NS = 0, 2**63 - 1
@@ -144,6 +145,15 @@ def findings_saved(con: duckdb.DuckDBPyConnection, registered: str) -> None:
     _findings_for(con, f"SELECT DISTINCT (last_ns // {MINUTE_NS}) * {MINUTE_NS} AS minute_ns FROM {registered}")
 
 
+def _page_events(t: pa.Table) -> pa.Array:
+    """Each event's page-events: the lengths of its page lists (absent or null lists count 0)."""
+    total = np.zeros(t.num_rows, np.int64)
+    for name in ("pages", "dst_pages"):
+        if name in t.column_names:
+            total += pc.fill_null(pc.list_value_length(t.column(name)), 0).to_numpy().astype(np.int64)
+    return pa.array(total)
+
+
 def add_batch(con: duckdb.DuckDBPyConnection, table: pa.Table, batches: dict[int, int] | tuple) -> None:
     """Add one committed batch (``AppendResult.table``; ``batches``: its ``{producer_id: batch_no}`` or
     ``AppendResult.batches``) to the aggregates, in one transaction: :func:`add_batches` of one commit."""
@@ -167,9 +177,11 @@ def add_batches(con: duckdb.DuckDBPyConnection, commits: Sequence[tuple[pa.Table
              for pid, no in sorted(batches.items() if isinstance(batches, dict) else batches)]
     if not pairs:
         return
-    cols = [c for c in (*_IDENTITY, "kind", "wall_ns", "http_status", "status", "dropped_events", "pages",
-                        "dst_pages") if c in commits[0][0].column_names]
-    tables = [t.select(cols).append_column("commit_no", pa.array(np.full(t.num_rows, k, np.int64)))
+    cols = [c for c in (*_IDENTITY, "kind", "wall_ns", "http_status", "status", "dropped_events")
+            if c in commits[0][0].column_names]
+    # Page-events counted here: DuckDB would read every page id of the lists to take their lengths.
+    tables = [t.select(cols).append_column("pe", _page_events(t))
+              .append_column("commit_no", pa.array(np.full(t.num_rows, k, np.int64)))
               for k, (t, _) in enumerate(commits) if t.num_rows]
     events = pa.concat_tables(tables, promote_options="permissive")
     con.begin()
@@ -183,8 +195,8 @@ def add_batches(con: duckdb.DuckDBPyConnection, commits: Sequence[tuple[pa.Table
         con.register("_agg_events", events)
         ident = " AND ".join(f"p.{c} = e.{c}" for c in _IDENTITY)
         source = (f"(SELECT p.producer_id, e.commit_no, e.kind::VARCHAR AS kind, e.wall_ns, e.http_status, "
-                  f"e.status::VARCHAR AS status, e.dropped_events, coalesce(len(e.pages), 0) + "
-                  f"coalesce(len(e.dst_pages), 0) AS pe FROM _agg_events e JOIN producers p ON {ident})")
+                  f"e.status::VARCHAR AS status, e.dropped_events, e.pe "
+                  f"FROM _agg_events e JOIN producers p ON {ident})")
         # Per commit first: a minute whose coverage is as of a batch's commit or later already counts that
         # batch (a recompute ran since), and adding it again would count it twice. Then one row per minute.
         per_commit = counters_sql(source, "pe", "TRUE", f"producer_id, commit_no, {_MINUTE} AS minute_ns")

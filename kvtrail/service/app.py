@@ -30,7 +30,10 @@ class Health(BaseModel):
     uptime_s: float
     committed_batches: int
     committed_events: int
+    commit_transactions: int  # batches of different producers that arrive together share one
     duplicate_batches: int
+    checkpoints: int  # WAL checkpoints of the store since the service started, and their time
+    checkpoint_s: float
     judge_polls: int
     judge_failures: int
     judge_lag_p50_s: float | None  # commit -> findings persisted, over the judge's latest polls
@@ -56,6 +59,8 @@ def create_app(state: ServiceState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
                       uptime_s=(time.time_ns() - state.started_ns) / 1e9,
                       committed_batches=state.committer.committed_batches,
                       committed_events=state.committer.committed_events,
+                      commit_transactions=state.committer.transactions,
+                      checkpoints=state.store.checkpoints, checkpoint_s=round(state.store.checkpoint_s, 6),
                       duplicate_batches=state.committer.duplicates, judge_polls=int(judge["polls"] or 0),
                       judge_failures=int(judge["failures"] or 0),
                       judge_lag_p50_s=None if p50 is None else float(p50),

@@ -2,9 +2,10 @@
 
 DuckDB lets one connection write at a time, and the store's chain needs its batches in order, so the
 request handlers hand their parsed batches to :class:`Committer` and wait for the result. The thread
-takes everything queued at once (a group commit, as the relay does): small batches of different producers
-share one ``AuditStore.append`` transaction, two batches of one producer never do, so each request
-stays exactly one stored batch and a re-sent batch can be recognised by its sequence range.
+takes everything queued at once (a group commit, as the relay does): the batches of different producers
+are validated one by one and committed in one transaction (``AuditStore.append_validated``), two batches
+of one producer never are, so each request stays exactly one stored batch (with the digest it would have
+alone) and a re-sent batch can be recognised by its sequence range.
 
 A batch whose producer and seq range equal a stored batch's is a re-send (a retry after a lost
 reply): it is acknowledged with the stored batch's numbers and stored nothing. A range that overlaps
@@ -29,7 +30,6 @@ from kvtrail.errors import KvtrailError, ValidationError
 
 log = logging.getLogger("kvtrail.service")
 MAX_GROUP_EVENTS = 1_000_000  # bounds one transaction's memory when many producers send at once
-SHARED_COMMIT_MAX_EVENTS = 8_192  # a group of batches this small shares one append (a group commit)
 
 
 class ConflictError(KvtrailError):
@@ -195,24 +195,19 @@ class Committer:
         return True
 
     def _append(self, group: list[_Pending]) -> None:
-        # Small batches share one transaction; large ones are appended one by one, as their producers sent
-        # them: the store would split a shared table by producer again, which costs more than a commit.
-        if len(group) > 1 and sum(p.table.num_rows for p in group) <= SHARED_COMMIT_MAX_EVENTS:
-            try:
-                table = pa.concat_tables([p.table for p in group], promote_options="permissive")
-                res = self.store.append(table)
-            except ValidationError:
-                pass  # one of them is bad: commit them one by one, so only it is refused
-            else:
-                self._reply(group, dict(res.batches), res.table)
-                return
+        # A group commit: each batch is validated alone (a bad one is refused alone), then the good ones,
+        # each of another producer, are committed in one transaction; each stays its own stored batch.
+        good, checked = [], []
         for p in group:
             try:
-                res = self.store.append(p.table)
+                checked.append(self.store.validate(p.table))
             except ValidationError as exc:
                 _fail(p.future, exc)
                 continue
-            self._reply([p], dict(res.batches), res.table)
+            good.append(p)
+        if good:
+            res = self.store.append_validated(checked)
+            self._reply(good, dict(res.batches), res.table)
 
     def _reply(self, group: list[_Pending], committed: dict[int, int], table: pa.Table | None) -> None:
         now = time.monotonic_ns()

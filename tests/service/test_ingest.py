@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.store import read_events
 from kvtrail.audit.validate import producer_id
+from kvtrail.errors import ValidationError
 from kvtrail.service.committer import ConflictError
 from kvtrail.service.ingest import batch_identity
 from tests.conftest import alloc, config, producer
@@ -168,6 +170,39 @@ def test_concurrent_producers_share_transactions_but_each_request_is_one_batch(s
         assert not any(c.duplicate for c in commits)
     assert _count(service_state, "SELECT count(*) FROM batches") == 30
     assert service_state.committer.transactions <= 30
+
+
+def test_batches_queued_together_share_one_commit_and_a_bad_one_is_refused_alone(service_state):
+    prods = [producer(node=f"decode-{i}", role="decode") for i in range(3)]
+    tables = [from_dicts([config(0, prod=p), alloc(1, [1, 2], prod=p)]) for p in prods]
+    tables[1] = from_dicts([config(0, prod=prods[1]), alloc(1, [999], prod=prods[1])])  # out of its pool
+    committer = service_state.committer
+
+    def submit(t):
+        p, seq = batch_identity(t)
+        return committer.submit(t, producer_id(p), seq)
+
+    before = committer.transactions
+    with service_state.write_lock:  # the writer takes a first batch and waits for the lock with it
+        first = submit(from_dicts([config(0, prod=producer(node="decode-9", role="decode"))]))
+        deadline = time.monotonic() + 30
+        while not committer._queue.empty() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        futures = [submit(t) for t in tables]  # queued meanwhile: taken together once the lock is free
+    first.result(30)
+    good = [futures[0].result(30), futures[2].result(30)]
+    with pytest.raises(ValidationError, match="999 out of pool"):
+        futures[1].result(30)
+    assert [c.batch_no for c in good] == [0, 0] and not any(c.duplicate for c in good)
+    assert committer.transactions - before == 2  # the first batch's commit, then the two good ones'
+    cur = service_state.cursor()
+    try:
+        stored = cur.execute("SELECT producer_id, digest FROM batches ORDER BY producer_id").fetchall()
+    finally:
+        cur.close()
+    mine = {c.producer_id for c in good}
+    assert sorted((c.producer_id, bytes.fromhex(c.digest)) for c in good) == [r for r in stored if r[0] in mine]
+    assert len(stored) == 3  # the first batch and the two good ones: nothing of the bad one
 
 
 def test_committer_conflict_names_the_stored_batch(service_state):
