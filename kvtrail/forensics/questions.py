@@ -23,6 +23,7 @@ import duckdb
 import polars as pl
 
 from kvtrail.audit.store import connect_readonly
+from kvtrail.audit.verify import UncleanEnd
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics.analysis import (
     exploitation_assessment,
@@ -51,6 +52,7 @@ from kvtrail.forensics.symptoms import (
     empty_after_abort_note,
     incomplete_requests,
     integrity_warnings,
+    shared_transfer_ids,
     window_ends,
     withhold_incomplete,
 )
@@ -218,10 +220,11 @@ def _connected(store: Store) -> Iterator[duckdb.DuckDBPyConnection]:
 
 def ask_findings(store: Store, w: Window = Window(), *, codes: tuple[str, ...] = (), engine: str = "replay",
                  policy: ForensicsPolicy = ForensicsPolicy(), exclusions: Exclusions = Exclusions(),
-                 found: list[Finding] | None = None) -> Answer:
+                 found: list[Finding] | None = None, context: WindowContext | None = None) -> Answer:
     """Every finding in the window (only ``codes`` when given) with evidence; excluded accounts' findings
     left out. ``Answer.found`` keeps every finding of the window (e.g. to persist them). ``found``: the
-    window's findings already judged (the service's live judge), used instead of a replay."""
+    window's findings already judged (the service's live judge), used instead of a replay; ``context``:
+    the window's :func:`window_context` on the same store state, when the caller has it already."""
     bad = [c for c in codes if c not in CODES]
     if bad:
         raise KvtrailError(f"--code: unknown finding code {bad[0]!r}; known: {', '.join(CODES)}")
@@ -231,23 +234,47 @@ def ask_findings(store: Store, w: Window = Window(), *, codes: tuple[str, ...] =
             found = findings_of(con, w, engine=engine, policy=policy)
         else:
             check_window(con, w)  # as findings_of does
-        ends = window_ends(con, w)
-        incomplete = incomplete_requests(con, w, ends)
-        found, withheld = withhold_incomplete(found, incomplete)
-        df, excluded, gaps = findings_frame(found, w, codes), excluded_requests(con, exclusions), coverage_gaps(con)
-        notes = _symptom_notes(con, w)
-        warnings = integrity_warnings(con, w, ends=ends, incomplete=incomplete, withheld=len(withheld))
+        ctx = window_context(con, w) if context is None else context
+        found, withheld = withhold_incomplete(found, ctx.incomplete)
+        df, excluded = findings_frame(found, w, codes), excluded_requests(con, exclusions)
+        warnings = ctx.warnings(con, w, withheld=len(withheld))
     hit = excluded_mask(excluded, exclusions)
-    return Answer(df.filter(~hit), df.filter(hit), gaps, notes, warnings, found=tuple(found))
+    return Answer(df.filter(~hit), df.filter(hit), ctx.gaps, ctx.notes, warnings, found=tuple(found))
 
 
 def ask_affected(store: Store, w: Window = Window(), *, exclusions: Exclusions = Exclusions(),
-                 found: list[Finding] | None = None) -> Answer:
+                 found: list[Finding] | None = None, context: WindowContext | None = None) -> Answer:
     """Which responses read foreign pages in the window, and whose data it was (exclusions applied).
-    ``found``: the window's findings already judged, used instead of a replay."""
+    ``found``: the window's findings already judged, used instead of a replay; ``context``: as for
+    :func:`ask_findings`."""
     with _connected(store) as con:
         kept, dropped, _ = affected_with_exclusions(con, w, exclusions, found)
-        return Answer(kept, dropped, coverage_gaps(con), _symptom_notes(con, w), integrity_warnings(con, w))
+        ctx = window_context(con, w) if context is None else context
+        return Answer(kept, dropped, ctx.gaps, ctx.notes, ctx.warnings(con, w))
+
+
+@dataclass(frozen=True)
+class WindowContext:
+    """What every answer over a window carries besides its rows, from one store state: the store's coverage
+    gaps, the symptom notes, and the pieces of the integrity warnings (shared transfer ids, unclean ends and
+    the requests they leave incomplete). Questions asked of the same state can share one."""
+
+    gaps: pl.DataFrame
+    notes: tuple[str, ...]
+    shared: pl.DataFrame
+    ends: list[UncleanEnd]
+    incomplete: pl.DataFrame
+
+    def warnings(self, con: duckdb.DuckDBPyConnection, w: Window, withheld: int = 0) -> tuple[str, ...]:
+        return integrity_warnings(con, w, ends=self.ends, incomplete=self.incomplete, withheld=withheld,
+                                  shared=self.shared)
+
+
+def window_context(con: duckdb.DuckDBPyConnection, w: Window) -> WindowContext:
+    """The :class:`WindowContext` of window ``w`` on ``con``'s store as it is now."""
+    ends = window_ends(con, w)
+    return WindowContext(coverage_gaps(con), _symptom_notes(con, w), shared_transfer_ids(con, w), ends,
+                         incomplete_requests(con, w, ends))
 
 
 def ask_exposure(store: Store, w: Window = Window(), *, exclusions: Exclusions = Exclusions()) -> Answer:

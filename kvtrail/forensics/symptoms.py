@@ -135,11 +135,11 @@ def unclean_end_warnings(ends: list[UncleanEnd], incomplete: pl.DataFrame, withh
 
 def integrity_warnings(con: duckdb.DuckDBPyConnection, w: Window = Window(), *,
                        ends: list[UncleanEnd] | None = None, incomplete: pl.DataFrame | None = None,
-                       withheld: int = 0) -> tuple[str, ...]:
+                       withheld: int = 0, shared: pl.DataFrame | None = None) -> tuple[str, ...]:
     """The warnings every answer over the window carries: shared transfer ids, unclean ends and the
-    requests they leave incomplete (``ends``/``incomplete``: when the caller has them already;
+    requests they leave incomplete (``ends``/``incomplete``/``shared``: when the caller has them already;
     ``withheld``: how many findings the caller withheld for them)."""
-    text = shared_transfer_warning(shared_transfer_ids(con, w))
+    text = shared_transfer_warning(shared_transfer_ids(con, w) if shared is None else shared)
     if ends is None:
         ends = window_ends(con, w)
     if incomplete is None:

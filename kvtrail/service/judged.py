@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import duckdb
 
 from kvtrail.forensics import Answer, Exclusions, Finding, Window, ask_affected, ask_findings
+from kvtrail.forensics.questions import WindowContext, window_context
 from kvtrail.service.reports import live_snapshot
 
 T = TypeVar("T")
@@ -107,28 +108,33 @@ def _judged_snapshot(cur: duckdb.DuckDBPyConnection, state: Any,
 
 
 def affected_answer(con: duckdb.DuckDBPyConnection, w: Window, found: list[Finding],
-                    exclusions: Exclusions) -> Answer:
-    """``ask_affected``'s answer from the window's findings."""
-    return ask_affected(con, w, exclusions=exclusions, found=found)
+                    exclusions: Exclusions, context: WindowContext | None = None) -> Answer:
+    """``ask_affected``'s answer from the window's findings (and its context, when shared)."""
+    return ask_affected(con, w, exclusions=exclusions, found=found, context=context)
 
 
 def findings_answer(con: duckdb.DuckDBPyConnection, w: Window, found: list[Finding], codes: tuple[str, ...],
-                    exclusions: Exclusions) -> Answer:
+                    exclusions: Exclusions, context: WindowContext | None = None) -> Answer:
     """``ask_findings``'s answer (replay engine, the judge's policy) from the window's findings."""
-    return ask_findings(con, w, codes=codes, exclusions=exclusions, found=found)
+    return ask_findings(con, w, codes=codes, exclusions=exclusions, found=found, context=context)
 
 
 def judged_or_replayed(cur: duckdb.DuckDBPyConnection, state: Any, w: Window,
-                       judged: Callable[[duckdb.DuckDBPyConnection, list[Finding]], T],
+                       judged: Callable[[duckdb.DuckDBPyConnection, list[Finding], WindowContext | None], T],
                        replayed: Callable[[duckdb.DuckDBPyConnection], T], question: Hashable = None) -> T:
-    """``judged(cur, findings)`` on the store as of what the judge holds when it can answer for ``w``,
-    else ``replayed(cur)`` (the CLI's replay of the window) on the live store. ``question``: what
+    """``judged(cur, findings, context)`` on the store as of what the judge holds when it can answer for
+    ``w``, else ``replayed(cur)`` (the CLI's replay of the window) on the live store. ``question``: what
     ``judged`` answers as a hashable key (everything its answer depends on besides the snapshot), so an
-    answer on the same snapshot is taken from ``state.answers``; None computes it every time."""
+    answer on the same snapshot is taken from ``state.answers``, and so is the window's context (coverage
+    gaps, notes, warnings' pieces), which every question on that snapshot shares; None computes both."""
     with _judged_snapshot(cur, state, w) as got:
         if got is not None:
             marks, found = got
             if question is None:
-                return judged(cur, found)
-            return state.answers.get((question, marks), lambda: judged(cur, found))
+                return judged(cur, found, None)
+
+            def answer() -> T:
+                context = state.answers.get((("context", w), marks), lambda: window_context(cur, w))
+                return judged(cur, found, context)
+            return state.answers.get((question, marks), answer)
     return replayed(cur)

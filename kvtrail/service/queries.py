@@ -170,12 +170,12 @@ def router(state: Any) -> APIRouter:
         if who.role == "tenant":
             w = tenant_window(who, ask, excl)
             answer = run(who, lambda cur: judged_or_replayed(
-                cur, state, w, lambda c, found: affected_answer(c, w, found, Exclusions()),
+                cur, state, w, lambda c, found, ctx: affected_answer(c, w, found, Exclusions(), ctx),
                 lambda c: ask_affected(c, w), ("affected", w, Exclusions())))
             return table_response(tenancy.tenant_affected(answer.rows, who.tenant_id or ""), ask.fmt,
                                   answer_meta(answer, tenant=True))
         answer = run(who, lambda cur: judged_or_replayed(
-            cur, state, ask.window, lambda c, found: affected_answer(c, ask.window, found, excl),
+            cur, state, ask.window, lambda c, found, ctx: affected_answer(c, ask.window, found, excl, ctx),
             lambda c: ask_affected(c, ask.window, exclusions=excl), ("affected", ask.window, excl)))
         return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
 
@@ -202,8 +202,9 @@ def router(state: Any) -> APIRouter:
             return ask_findings(cur, ask.window, codes=tuple(code), engine=engine, policy=policy, exclusions=excl)
         if engine == "replay" and policy == state.judge.policy:  # what the judge found is what a replay finds
             answer = run(who, lambda cur: judged_or_replayed(
-                cur, state, ask.window, lambda c, found: findings_answer(c, ask.window, found, tuple(code), excl),
-                replayed, ("findings", ask.window, tuple(code), excl)))
+                cur, state, ask.window,
+                lambda c, found, ctx: findings_answer(c, ask.window, found, tuple(code), excl, ctx), replayed,
+                ("findings", ask.window, tuple(code), excl)))
         else:
             answer = run(who, replayed)
         return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))

@@ -78,7 +78,20 @@ def test_answers_on_one_judged_snapshot_are_computed_once(served):
     wider = {**params, "from": format_utc(first - 2 * 10**9)}  # another covering window: another question
     other = served.client.get("/v1/affected", params=wider, headers=bearer(served.tokens["operator"]))
     assert other.status_code == 200, other.text
-    assert other.json() == bodies[0] and cache.misses == before[1] + 1
+    assert other.json() == bodies[0] and cache.misses == before[1] + 2  # its answer and its window's context
+
+
+def test_questions_on_one_judged_snapshot_share_the_window_context(served):
+    first, last = _span(served)
+    params = {"from": format_utc(first - 3 * 10**9), "to": format_utc(last + 10**9)}
+    cache = served.state.answers
+    before = (cache.hits, cache.misses)
+    r = served.client.get("/v1/affected", params=params, headers=bearer(served.tokens["operator"]))
+    assert r.status_code == 200, r.text
+    assert (cache.hits, cache.misses) == (before[0], before[1] + 2)  # the answer and the window's context
+    r = served.client.get("/v1/findings", params=params, headers=bearer(served.tokens["operator"]))
+    assert r.status_code == 200, r.text
+    assert (cache.hits, cache.misses) == (before[0] + 1, before[1] + 3)  # the context came from the cache
 
 
 def test_the_answer_cache_waits_for_a_running_computation_and_keeps_no_failure():
