@@ -199,7 +199,9 @@ def run_http(bodies: list[list[bytes]], queries: int, tmp: Path, round_no: int, 
             "lat": [x for r in results for x in r[2]], "lost": events - stored,
             "q": {k: [x for d in qlat for x in d[k]] for k in ("affected", "findings")},
             "lag_p50_s": health.get("judge_lag_p50_s"), "lag_p99_s": health.get("judge_lag_p99_s"),
-            "cpu_s": service_cpu, "batches": sum(map(len, bodies)), "load": load0}
+            "cpu_s": service_cpu, "batches": sum(map(len, bodies)), "load": load0,
+            "transactions": health.get("commit_transactions"), "checkpoints": health.get("checkpoints"),
+            "checkpoint_s": health.get("checkpoint_s")}
 
 
 def run_direct(bodies: list[list[bytes]], tmp: Path, round_no: int) -> dict:
@@ -287,6 +289,9 @@ def report(runs: dict[str, list[dict]], args) -> None:
           f"{Spread.of(cpu['http']).text(1, '.1f')} ms (its process, all threads; min / median / max); "
           f"load average at the start of the rounds {min(r['load'] for r in http + direct):.1f} to "
           f"{max(r['load'] for r in http + direct):.1f} on {os.cpu_count()} cores")
+    if all(r.get("transactions") is not None for r in http):
+        print("service commits per round (batches in transactions; checkpoints, their seconds): " + ", ".join(
+            f"{r['batches']} in {r['transactions']}; {r['checkpoints']}, {r['checkpoint_s']:.2f} s" for r in http))
     lat = [x for r in http for x in r["lat"]]
     print(f"ingest latency per batch: p50 {_pct(lat, 50) * 1e3:.1f} ms, p99 {_pct(lat, 99) * 1e3:.1f} ms "
           f"({len(lat)} requests, {args.producers} producers)")

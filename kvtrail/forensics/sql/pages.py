@@ -94,11 +94,42 @@ def f5_f7(ctx) -> list[Finding]:
     return out
 
 
+def f6_holders_ctes(probe: str) -> str:
+    """CTE text ``held`` (probe_id, page, holder): the other requests holding each probed page at the probe's
+    ord, as :func:`holders_ctes` finds them, without expanding every earlier allocation of the page.
+
+    H holds p at t when some allocation of p by H before t has no release of p by H (or without a
+    request) between it and t. Each (probe run, earlier allocation run of another request) pair is first
+    checked as runs: one such release run covering the whole overlap rules the pair out without
+    expanding it (the common case, the holder freed the pages before the probe allocated them). Only
+    the pairs left are expanded, page by page, against the releases in between.
+    """
+    return f"""
+    pairs AS (SELECT q.probe_id, q.cluster, q.node, q.epoch, q.bucket, q.ord AS q_ord, m.ord AS a_ord,
+                     m.request_id AS holder, greatest(q.page_start, m.page_start) AS lo,
+                     least(q.page_end, m.page_end) AS hi
+              FROM {probe} q JOIN mem m
+                ON m.is_alloc AND m.cluster = q.cluster AND m.node = q.node AND m.epoch = q.epoch
+               AND m.bucket = q.bucket AND m.ord < q.ord
+               AND m.page_start <= q.page_end AND q.page_start <= m.page_end
+               AND m.request_id IS DISTINCT FROM q.request_id),
+    rel AS (SELECT * FROM mem WHERE NOT is_alloc),
+    open_pairs AS (SELECT * FROM pairs p ANTI JOIN rel f
+                     ON f.cluster = p.cluster AND f.node = p.node AND f.epoch = p.epoch AND f.bucket = p.bucket
+                    AND (f.request_id = p.holder OR f.request_id IS NULL)
+                    AND f.ord > p.a_ord AND f.ord < p.q_ord AND f.page_start <= p.lo AND f.page_end >= p.hi),
+    open_pages AS (SELECT o.*, g.page FROM open_pairs o, generate_series(o.lo, o.hi) AS g(page)),
+    held AS (SELECT DISTINCT o.probe_id, o.page, o.holder FROM open_pages o ANTI JOIN rel f
+               ON f.cluster = o.cluster AND f.node = o.node AND f.epoch = o.epoch AND f.bucket = o.bucket
+              AND (f.request_id = o.holder OR f.request_id IS NULL)
+              AND f.ord > o.a_ord AND f.ord < o.q_ord AND o.page BETWEEN f.page_start AND f.page_end)"""
+
+
 def f6(ctx) -> list[Finding]:
     """Exclusive allocations of pages another request still holds."""
     ctes = """
     probe AS (SELECT *, producer_id || ':' || seq AS probe_id FROM mem WHERE exclusive),
-    """ + holders_ctes("probe", other_only=True)
+    """ + f6_holders_ctes("probe")
     rows = ctx.query("""
     SELECT p.producer_id, p.seq, p.node, p.cluster, p.epoch, p.ord, p.request_id, p.wall_ns, p.purpose,
            list(DISTINCT h.page), list(DISTINCT h.holder)
