@@ -269,10 +269,10 @@ class AuditStore:
     def append_validated(self, parts: Sequence[ValidatedBatch]) -> AppendResult:
         """Commit batches :meth:`validate` passed, of different producers, in one transaction (a group
         commit: each stays its producer's own stored batch, with the digest it would have alone)."""
-        vb = merge_validated([p for p in parts if p.table.num_rows])
-        if vb.table.num_rows == 0:
+        filled = [p for p in parts if p.table.num_rows]
+        if not filled:
             return AppendResult(0, 0, 0, ())
-        return self._commit(vb)
+        return self._commit(merge_validated(filled))
 
     def _runs(self, vb: ValidatedBatch) -> tuple[np.ndarray, ...]:
         """Run-encode both page-list columns: (row, list, pos, start, length), ordered by row, list, pos."""
@@ -329,15 +329,16 @@ class AuditStore:
             cols["num_dst_pages"] = pick_rows(num_dst, take)
             ev = pa.table(cols, schema=EVENTS_SCHEMA)
             rsel = None if single else row_selection(np.flatnonzero(vb.producer_index[run_row] == g), len(run_row))
-            nr = len(run_row) if rsel is None else len(run_row[rsel])
 
             def pick(x: np.ndarray, rsel=rsel) -> np.ndarray:
                 return x if rsel is None else x[rsel]
 
+            my_runs = pick(run_row)
+            nr = len(my_runs)
             runs = pa.table({
                 "producer_id": pa.repeat(pa.scalar(pid, pa.int64()), nr),
                 "batch_no": pa.repeat(pa.scalar(batch_no, pa.int64()), nr),
-                "seq": seq[pick(run_row)], "list": pick(run_list), "pos": pick(run_pos),
+                "seq": seq[my_runs], "list": pick(run_list), "pos": pick(run_pos),
                 "page_start": pick(run_start), "num_pages": pick(run_len)}, schema=RUNS_SCHEMA)
             first_seq, last_seq = int(seq[rows[0]]), int(seq[rows[-1]])
             npe = int(pick(run_len).sum(dtype=np.int64))

@@ -24,7 +24,8 @@ from collections.abc import Sequence
 import duckdb
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
+
+from kvtrail.audit.arrowutil import list_lengths
 
 MINUTE_NS = 60 * 10**9
 MIN_NS, MAX_NS = 0, 2**63 - 1
@@ -150,7 +151,7 @@ def _page_events(t: pa.Table) -> pa.Array:
     total = np.zeros(t.num_rows, np.int64)
     for name in ("pages", "dst_pages"):
         if name in t.column_names:
-            total += pc.fill_null(pc.list_value_length(t.column(name)), 0).to_numpy().astype(np.int64)
+            total += list_lengths(t.column(name))
     return pa.array(total)
 
 

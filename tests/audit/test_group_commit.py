@@ -83,3 +83,12 @@ def test_row_selection_slices_one_stretch_and_takes_the_rest():
     assert isinstance(idx, np.ndarray)
     assert pick_rows(t, idx).column("x").to_pylist() == [1, 4, 5]
     assert pick_rows(t, row_selection(np.array([], np.int64), 10)).num_rows == 0
+
+
+def test_an_empty_batch_commits_nothing(tmp_path):
+    from kvtrail.audit.batch import BATCH_SCHEMA
+
+    with AuditStore(tmp_path / "s.duckdb") as st:
+        assert st.append(BATCH_SCHEMA.empty_table()).num_events == 0
+        assert st.append_validated([]).batches == ()
+        assert st.con.execute("SELECT count(*) FROM batches").fetchone()[0] == 0
