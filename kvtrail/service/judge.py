@@ -139,17 +139,12 @@ class Judge:
         the two agree). None if the judge has not caught up within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         mark = self.replay.tail.watermark
-        with self._cv:
-            self._hurry += 1  # poll now: waiting out the interval made queries wait and the judge fall behind
-            self._cv.notify_all()
-            try:
-                while any(mark.get(pid, -1) < no for pid, no in at_least.items()):
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not self._thread.is_alive():
-                        return None
-                    self._cv.wait(left)
-            finally:
-                self._hurry -= 1
+        with self._cv:  # no hurry: questions wait for the next poll, so those asked meanwhile share its snapshot
+            while any(mark.get(pid, -1) < no for pid, no in at_least.items()):
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return None
+                self._cv.wait(left)
         with self._replay_lock:
             if self._judged is None:
                 self._judged = (dict(self.replay.tail.watermark), list(self.replay.found))

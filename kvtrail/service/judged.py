@@ -119,22 +119,53 @@ def findings_answer(con: duckdb.DuckDBPyConnection, w: Window, found: list[Findi
     return ask_findings(con, w, codes=codes, exclusions=exclusions, found=found, context=context)
 
 
-def judged_or_replayed(cur: duckdb.DuckDBPyConnection, state: Any, w: Window,
-                       judged: Callable[[duckdb.DuckDBPyConnection, list[Finding], WindowContext | None], T],
-                       replayed: Callable[[duckdb.DuckDBPyConnection], T], question: Hashable = None) -> T:
-    """``judged(cur, findings, context)`` on the store as of what the judge holds when it can answer for
-    ``w``, else ``replayed(cur)`` (the CLI's replay of the window) on the live store. ``question``: what
-    ``judged`` answers as a hashable key (everything its answer depends on besides the snapshot), so an
-    answer on the same snapshot is taken from ``state.answers``, and so is the window's context (coverage
-    gaps, notes, warnings' pieces), which every question on that snapshot shares; None computes both."""
-    with _judged_snapshot(cur, state, w) as got:
-        if got is not None:
-            marks, found = got
-            if question is None:
-                return judged(cur, found, None)
+def judged_span(cur: duckdb.DuckDBPyConnection, marks: dict[int, int]) -> tuple[int | None, int | None]:
+    """The first and last wall clock of the batches ``marks`` ({producer_id: batch_no}) and those before
+    them (what a snapshot as of ``marks`` holds), read from the live store without making the snapshot."""
+    if not marks:
+        return None, None
+    pairs = ", ".join("(?, ?)" for _ in marks)
+    rows = cur.execute(f"SELECT min(b.min_wall_ns), max(b.max_wall_ns) FROM batches b JOIN (VALUES {pairs}) "
+                       "h(producer_id, batch_no) ON b.producer_id = h.producer_id AND b.batch_no <= h.batch_no",
+                       [x for kv in marks.items() for x in kv]).fetchall()
+    row = rows[0]
+    return row[0], row[1]
 
-            def answer() -> T:
-                context = state.answers.get((("context", w), marks), lambda: window_context(cur, w))
-                return judged(cur, found, context)
-            return state.answers.get((question, marks), answer)
-    return replayed(cur)
+
+def covering(w: Window, span: tuple[int | None, int | None]) -> Window | None:
+    """The unbounded window with ``w``'s filters when ``w`` covers ``span`` (every event of the snapshot
+    lies in it, so it asks what the unbounded window asks), else None."""
+    first, last = span
+    if first is None or last is None or (w.from_ns is not None and w.from_ns > first) or (
+            w.to_ns is not None and w.to_ns < last):
+        return None
+    return Window(None, None, tenant=w.tenant, node=w.node)
+
+
+def judged_or_replayed(cur: duckdb.DuckDBPyConnection, state: Any, w: Window,
+                       judged: Callable[[duckdb.DuckDBPyConnection, Window, list[Finding], WindowContext | None], T],
+                       replayed: Callable[[duckdb.DuckDBPyConnection], T], question: Hashable = None) -> T:
+    """``judged(cur, window, findings, context)`` on the store as of what the judge holds when it can answer
+    for ``w``, else ``replayed(cur)`` (the CLI's replay of the window) on the live store.
+
+    A window covering every judged event asks what the unbounded window with its filters asks, so ``judged``
+    is handed that window. ``question``: everything else its answer depends on, as a hashable key; then the
+    answer on the same snapshot is taken from ``state.answers`` (whichever covering window another client
+    asked with), and so is the snapshot's context (coverage gaps, notes, warnings' pieces), which every
+    question there shares; a cached answer costs no snapshot at all. None computes both."""
+    got = state.judge.judged(dict(state.committer.heads), JUDGED_WAIT_S)
+    if got is None or not got[0]:
+        return replayed(cur)
+    marks, found = got
+    key = tuple(sorted(marks.items()))
+    u = covering(w, judged_span(cur, marks))
+    if u is None:
+        return replayed(cur)
+
+    def answer() -> T:
+        with live_snapshot(cur, [{"producer_id": p, "batch_no": n} for p, n in marks.items()]):
+            if question is None:
+                return judged(cur, u, found, None)
+            context = state.answers.get((("context", u), key), lambda: window_context(cur, u))
+            return judged(cur, u, found, context)
+    return answer() if question is None else state.answers.get((question, u, key), answer)

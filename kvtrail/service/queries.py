@@ -170,13 +170,13 @@ def router(state: Any) -> APIRouter:
         if who.role == "tenant":
             w = tenant_window(who, ask, excl)
             answer = run(who, lambda cur: judged_or_replayed(
-                cur, state, w, lambda c, found, ctx: affected_answer(c, w, found, Exclusions(), ctx),
-                lambda c: ask_affected(c, w), ("affected", w, Exclusions())))
+                cur, state, w, lambda c, u, found, ctx: affected_answer(c, u, found, Exclusions(), ctx),
+                lambda c: ask_affected(c, w), ("affected", Exclusions())))
             return table_response(tenancy.tenant_affected(answer.rows, who.tenant_id or ""), ask.fmt,
                                   answer_meta(answer, tenant=True))
         answer = run(who, lambda cur: judged_or_replayed(
-            cur, state, ask.window, lambda c, found, ctx: affected_answer(c, ask.window, found, excl, ctx),
-            lambda c: ask_affected(c, ask.window, exclusions=excl), ("affected", ask.window, excl)))
+            cur, state, ask.window, lambda c, u, found, ctx: affected_answer(c, u, found, excl, ctx),
+            lambda c: ask_affected(c, ask.window, exclusions=excl), ("affected", excl)))
         return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
 
     @r.get("/findings", response_model=list[models.FindingRow] | models.FindingsSince, responses=table)
@@ -203,8 +203,8 @@ def router(state: Any) -> APIRouter:
         if engine == "replay" and policy == state.judge.policy:  # what the judge found is what a replay finds
             answer = run(who, lambda cur: judged_or_replayed(
                 cur, state, ask.window,
-                lambda c, found, ctx: findings_answer(c, ask.window, found, tuple(code), excl, ctx), replayed,
-                ("findings", ask.window, tuple(code), excl)))
+                lambda c, u, found, ctx: findings_answer(c, u, found, tuple(code), excl, ctx), replayed,
+                ("findings", tuple(code), excl)))
         else:
             answer = run(who, replayed)
         return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))

@@ -75,15 +75,42 @@ def test_answers_on_one_judged_snapshot_are_computed_once(served):
         bodies.append(r.json())
     assert bodies[0] == bodies[1] == bodies[2]
     assert cache.hits - before[0] >= 1 and cache.misses == before[1]  # the last one came from the cache
-    wider = {**params, "from": format_utc(first - 2 * 10**9)}  # another covering window: another question
+    wider = {**params, "from": format_utc(first - 2 * 10**9)}  # another covering window: the same question
     other = served.client.get("/v1/affected", params=wider, headers=bearer(served.tokens["operator"]))
     assert other.status_code == 200, other.text
-    assert other.json() == bodies[0] and cache.misses == before[1] + 2  # its answer and its window's context
+    assert other.json() == bodies[0] and cache.misses == before[1]  # answered from the cache
+    narrower = {**params, "from": format_utc(first + 1)}  # not covering: replayed, not cached
+    r = served.client.get("/v1/affected", params=narrower, headers=bearer(served.tokens["operator"]))
+    assert r.status_code == 200, r.text
+    assert cache.misses == before[1]
+    acme = {**params, "tenant": "acme"}  # another filter: another question
+    r = served.client.get("/v1/affected", params=acme, headers=bearer(served.tokens["operator"]))
+    assert r.status_code == 200, r.text
+    assert cache.misses == before[1] + 2  # its answer and its window's context
+
+
+def test_a_covering_window_asks_what_the_unbounded_window_asks(served):
+    first, last = _span(served)
+    con = served.state.store.cursor()
+    try:
+        for tenant, node in ((None, None), ("acme", None), (None, "prefill-0")):
+            unbounded = Window(None, None, tenant=tenant, node=node)
+            for w in (Window(first, last, tenant=tenant, node=node),
+                      Window(first - 10**12, last + 10**12, tenant=tenant, node=node)):
+                _same(ask_affected(con, w, exclusions=EXCL), ask_affected(con, unbounded, exclusions=EXCL))
+                for codes in ((), ("F2", "F8")):
+                    _same(ask_findings(con, w, codes=codes, exclusions=EXCL),
+                          ask_findings(con, unbounded, codes=codes, exclusions=EXCL))
+            assert judged.covering(Window(first, last, tenant, node), (first, last)) == unbounded
+            assert judged.covering(Window(first + 1, last, tenant, node), (first, last)) is None
+            assert judged.covering(Window(first, last - 1, tenant, node), (first, last)) is None
+    finally:
+        con.close()
 
 
 def test_questions_on_one_judged_snapshot_share_the_window_context(served):
     first, last = _span(served)
-    params = {"from": format_utc(first - 3 * 10**9), "to": format_utc(last + 10**9)}
+    params = {"from": format_utc(first - 3 * 10**9), "to": format_utc(last + 10**9), "node": "prefill-0"}
     cache = served.state.answers
     before = (cache.hits, cache.misses)
     r = served.client.get("/v1/affected", params=params, headers=bearer(served.tokens["operator"]))
