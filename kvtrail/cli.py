@@ -131,8 +131,11 @@ _SERVE_DEFAULTS = ServeConfig()
               type=click.IntRange(1), help="Largest ingest request body; larger ones get HTTP 413.")
 @click.option("--drain-timeout-s", default=_SERVE_DEFAULTS.drain_timeout_s, show_default=True,
               type=click.FloatRange(0), help="On SIGINT/SIGTERM: how long to wait for requests in flight.")
+@click.option("--judge-interval-s", default=_SERVE_DEFAULTS.judge_interval_s, show_default=True,
+              type=click.FloatRange(0, 3600), help="Least time between two live-judge polls while batches stream "
+              "in: the bound on its lag; longer leaves ingest more CPU (docs/service.md).")
 def serve(db: str, host: str, port: int, tokens_file: str | None, max_body_bytes: int,
-          drain_timeout_s: float) -> None:
+          drain_timeout_s: float, judge_interval_s: float) -> None:
     """Run the audit service (HTTP ingest, live judge, query API) until SIGINT or SIGTERM.
 
     The first line of output is `kvtrail service listening on http://HOST:PORT`. On either signal it
@@ -145,7 +148,8 @@ def serve(db: str, host: str, port: int, tokens_file: str | None, max_body_bytes
         raise KvtrailError(f"kvtrail serve needs FastAPI and uvicorn (the 'serving' extra): {exc}") from None
     try:
         run_service(db, ServeConfig(host=host, port=port, max_body_bytes=max_body_bytes,
-                                    drain_timeout_s=drain_timeout_s), tokens_file=tokens_file,
+                                    drain_timeout_s=drain_timeout_s, judge_interval_s=judge_interval_s),
+                    tokens_file=tokens_file,
                     ready=lambda url: click.echo(BANNER.format(url=url)))
     except StoreError as exc:
         if "in use by another process" not in str(exc):

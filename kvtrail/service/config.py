@@ -9,16 +9,21 @@ from dataclasses import dataclass
 
 BANNER = "kvtrail service listening on {url}"  # the service's first line of stdout
 DEFAULT_MAX_BODY_BYTES = 64 * 2**20
+DEFAULT_JUDGE_INTERVAL_S = 0.5  # the live judge's least time between two polls (kvtrail serve --judge-interval-s)
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """Where the service listens, its largest ingest body, and how long a stop waits for requests in flight."""
+    """Where the service listens, its largest ingest body, how long a stop waits for requests in flight, and
+    the least time between two polls of the live judge while batches stream in (its lag's bound: a shorter
+    interval keeps findings fresher, a longer one leaves ingest more CPU, since each poll re-derives the
+    cross-node findings)."""
 
     host: str = "127.0.0.1"
     port: int = 0  # 0: the OS picks a free port; the banner names it
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_timeout_s: float = 30.0
+    judge_interval_s: float = DEFAULT_JUDGE_INTERVAL_S
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -27,3 +32,5 @@ class ServeConfig:
             raise ValueError(f"max_body_bytes: must be >= 1, got {self.max_body_bytes}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
+        if not 0 <= self.judge_interval_s <= 3600:
+            raise ValueError(f"judge_interval_s: must be 0..3600, got {self.judge_interval_s}")

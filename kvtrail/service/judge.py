@@ -33,6 +33,7 @@ import pyarrow as pa
 from kvtrail.audit.batch import from_dicts
 from kvtrail.forensics import Finding, OnlineReplay, aggregates, save_findings
 from kvtrail.forensics.policy import ForensicsPolicy
+from kvtrail.service.config import DEFAULT_JUDGE_INTERVAL_S
 
 log = logging.getLogger("kvtrail.service")
 ENGINE = "online"
@@ -48,7 +49,7 @@ _WARM_UP_EVENTS = [
     {"schema_version": 1, "producer": _WARM_UP_PRODUCER, "seq": 1, "wall_ns": 2, "mono_ns": 2,
      "kind": "pages_allocated", "request": {"request_id": "r", "tenant_id": "t"}, "pages": [0, 1],
      "purpose": "prefill_extend"}]
-POLL_INTERVAL_S = 0.5  # least time between two polls while commits keep coming (bounds the judge's lag)
+POLL_INTERVAL_S = DEFAULT_JUDGE_INTERVAL_S  # least time between two polls while commits keep coming (bounds the lag)
 
 
 class Judge:

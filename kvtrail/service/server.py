@@ -46,7 +46,7 @@ def run_service(db: str | Path, config: ServeConfig | None = None, *, tokens_fil
                 ready: Callable[[str], None] = print) -> None:
     """Serve the store at ``db`` until SIGTERM or SIGINT; ``ready(url)`` is called once it is listening."""
     config = config or ServeConfig()
-    state = open_state(db, tokens_file=tokens_file)
+    state = open_state(db, tokens_file=tokens_file, judge_interval_s=config.judge_interval_s)
     try:
         app = create_app(state, max_body_bytes=config.max_body_bytes)
         sock = bind(config.host, config.port)

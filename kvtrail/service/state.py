@@ -17,7 +17,7 @@ from kvtrail.audit.store import DEFAULT_CHECKPOINT, AuditStore, CheckpointPolicy
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.service import tokens
 from kvtrail.service.committer import Committer
-from kvtrail.service.judge import Judge
+from kvtrail.service.judge import POLL_INTERVAL_S, Judge
 from kvtrail.service.judged import AnswerCache
 
 
@@ -51,7 +51,8 @@ class ServiceState:
 
 def open_state(db_path: str | Path, *, tokens_file: str | Path | None = None,
                policy: ForensicsPolicy = ForensicsPolicy(),
-               checkpoint: CheckpointPolicy = DEFAULT_CHECKPOINT) -> ServiceState:
+               checkpoint: CheckpointPolicy = DEFAULT_CHECKPOINT,
+               judge_interval_s: float = POLL_INTERVAL_S) -> ServiceState:
     """Open (or create) the store at ``db_path`` for writing and start the committer and the judge.
 
     Raises StoreError naming the path when another process holds the store, and ValueError for a bad
@@ -68,7 +69,7 @@ def open_state(db_path: str | Path, *, tokens_file: str | Path | None = None,
     except BaseException:
         store.close()
         raise
-    judge = Judge(store.cursor, policy=policy)
+    judge = Judge(store.cursor, policy=policy, poll_interval_s=judge_interval_s)
     committer = Committer(store, lock, on_commit=judge.notify)
     judge.notify()  # judge what the store already holds
     return ServiceState(path, store, lock, judge, committer)

@@ -142,3 +142,22 @@ def test_a_store_held_by_another_process_is_refused_with_one_line_and_exit_1(tmp
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "in use by another process" in lines[0]
+
+
+def test_the_judge_interval_reaches_the_judge_and_a_bad_one_is_refused_by_name(tmp_path):
+    from click.testing import CliRunner
+
+    from kvtrail.cli import cli
+    from kvtrail.service.config import ServeConfig
+    from kvtrail.service.state import open_state
+
+    with pytest.raises(ValueError, match="judge_interval_s"):
+        ServeConfig(judge_interval_s=-1)
+    out = CliRunner().invoke(cli, ["serve", "--db", str(tmp_path / "x.duckdb"), "--judge-interval-s", "-1"])
+    assert out.exit_code == 2 and "--judge-interval-s" in out.output
+    assert not (tmp_path / "x.duckdb").exists()  # refused before the store was opened
+    state = open_state(tmp_path / "s.duckdb", judge_interval_s=2.5)
+    try:
+        assert state.judge.poll_interval_s == 2.5
+    finally:
+        state.close()
