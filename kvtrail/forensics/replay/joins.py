@@ -58,6 +58,16 @@ class TransferEvents:
     received_cfg: ReplayEvent | None = None
 
 
+@dataclass(eq=False, slots=True)
+class _NodeSamples:
+    """One node's prefill-rate samples so far: rates (tokens per ns) with their request ids, in write order."""
+
+    rates: list[float] = field(default_factory=list)
+    rids: list[str | None] = field(default_factory=list)
+    prev: int | None = None  # wall_ns of the node's latest forward write taken
+    last_ord: int = -1
+
+
 class CrossNodeJoins:
     """State for F2/F3/F4/F9, fed by the replay engine; ``evaluate`` emits through a callback.
 
@@ -76,6 +86,11 @@ class CrossNodeJoins:
         self.page_size: dict[NodeKey, int] = {}
         self.role: dict[NodeKey, str] = {}
         self.configs: dict[NodeKey, ReplayEvent] = {}  # the latest node_config per node (set by its handler)
+        # prefill_rates' samples, kept from one evaluation to the next (an online replay evaluates every poll)
+        self._samples: dict[NodeKey, _NodeSamples] = {}
+        self._samples_seen = 0  # forward_writes taken into _samples
+        self._samples_ord = -1  # the highest ord among them
+        self._samples_stale = False  # a receipt arrived that an earlier sample should have seen
 
     # ---- collection ---------------------------------------------------------------------------------
 
@@ -102,7 +117,11 @@ class CrossNodeJoins:
         self.aborted_at.add((ev.node_key, ev.request_id))
 
     def request_received(self, ev: ReplayEvent) -> None:
-        self.receipts.setdefault((ev.node_key, ev.request_id), ev)
+        key = (ev.node_key, ev.request_id)
+        if key not in self.receipts:
+            self.receipts[key] = ev
+            if ev.ord < self._samples_ord:  # not in feed order: the samples are derived again
+                self._samples_stale = True
 
     def response_sent(self, ev: ReplayEvent) -> None:
         if 200 <= required(ev.http_status, "http_status") < 300:
@@ -148,24 +167,59 @@ class CrossNodeJoins:
         not before its request reached the node, nor before the node's previous forward write (so time
         queued behind other requests does not count as compute on a busy node). Requests the node
         aborted are left out: a placeholder forward pass says nothing about the node's speed.
+
+        The samples are kept between calls and only the writes collected since are added (a live judge
+        asks every poll; deriving them all again made each poll grow with the history). A write's sample
+        is final once taken: everything earlier in the engine's order was collected before it. Writes or
+        receipts collected out of that order derive the affected samples again; aborts are applied when
+        the quantile is taken, so one that arrives later still removes its request's samples.
         """
-        by_node: dict[NodeKey, list[ForwardWrite]] = {}
-        for w in self.forward_writes:
-            by_node.setdefault(w[0], []).append(w)
-        samples: dict[NodeKey, list[float]] = {}
-        for nk, writes in by_node.items():
+        self._take_samples()
+        aborted: dict[NodeKey, set[str | None]] = {}
+        for nk, rid in self.aborted_at:
+            aborted.setdefault(nk, set()).add(rid)
+        out = {}
+        for nk, s in self._samples.items():
             if self.role.get(nk) not in PREFILL_ROLES:
                 continue
-            prev = None
-            for _, ord_, wall, rid, tokens in sorted(writes, key=lambda w: w[1]):
+            skip = aborted.get(nk)
+            if skip and not skip.isdisjoint(s.rids):
+                xs = [x for x, rid in zip(s.rates, s.rids) if rid not in skip]
+            else:
+                xs = s.rates
+            if len(xs) >= self.policy.min_latency_samples:
+                out[nk] = float(np.quantile(np.array(xs), self.policy.latency_quantile))
+        return out
+
+    def _take_samples(self) -> None:
+        """Add the forward writes collected since the last call to ``_samples`` (all of them when stale)."""
+        if self._samples_stale:
+            self._samples, self._samples_seen, self._samples_ord, self._samples_stale = {}, 0, -1, False
+        new = self.forward_writes[self._samples_seen:]
+        self._samples_seen = len(self.forward_writes)
+        by_node: dict[NodeKey, list[ForwardWrite]] = {}
+        for w in new:
+            by_node.setdefault(w[0], []).append(w)
+        for nk, writes in by_node.items():
+            writes.sort(key=lambda w: w[1])
+            s = self._samples.get(nk)
+            if s is not None and writes[0][1] <= s.last_ord:  # earlier than what it holds: this node again
+                writes = sorted((w for w in self.forward_writes if w[0] == nk), key=lambda w: w[1])
+                s = None
+            if s is None:
+                s = self._samples[nk] = _NodeSamples()
+            prev = s.prev
+            for _, ord_, wall, rid, tokens in writes:
                 rec = self.receipts.get((nk, rid))
-                starts = [t for t in (prev, rec.wall_ns if rec is not None and rec.ord < ord_ else None)
-                          if t is not None]
+                start = prev
+                if rec is not None and rec.ord < ord_ and (start is None or rec.wall_ns > start):
+                    start = rec.wall_ns
                 prev = wall
-                if starts and tokens > 0 and wall > max(starts) and (nk, rid) not in self.aborted_at:
-                    samples.setdefault(nk, []).append(tokens / (wall - max(starts)))
-        return {nk: float(np.quantile(np.array(xs), self.policy.latency_quantile))
-                for nk, xs in samples.items() if len(xs) >= self.policy.min_latency_samples}
+                if start is not None and tokens > 0 and wall > start:
+                    s.rates.append(tokens / (wall - start))
+                    s.rids.append(rid)
+            s.prev, s.last_ord = prev, writes[-1][1]
+            self._samples_ord = max(self._samples_ord, s.last_ord)
 
     def _receipts_by_request(self) -> dict[str, list[ReplayEvent]]:
         """Prefill-node receipts per request_id."""
