@@ -209,10 +209,11 @@ class FastReplay:
         if not len(rows):
             return
         tokens = (b.ints("token_end")[rows] - b.ints("token_start")[rows]).tolist()
-        out = self.state.joins.forward_writes
-        for row, s, w, rc, t in zip(rows.tolist(), slot[rows].tolist(), wall[rows].tolist(),
-                                    b.rcode[rows].tolist(), tokens):
-            out.append((self.slots[s].key, ord0 + row, w, b.request_ids[rc], t))
+        keys = [s.key for s in self.slots]
+        # (node_key, ord, wall_ns, request_id, tokens) per row, built by zip and map rather than a loop
+        self.state.joins.forward_writes.extend(zip(
+            map(keys.__getitem__, slot[rows].tolist()), (rows + ord0).tolist(), wall[rows].tolist(),
+            map(b.request_ids.__getitem__, b.rcode[rows].tolist()), tokens))
 
 
 class _TenantQueue:
