@@ -62,3 +62,32 @@ def test_committed_batches_fed_directly_judge_as_read_ones_and_out_of_order_fall
         later = OnlineReplay()
         assert later.feed_committed(con, results[1].table, dict(results[1].batches)) is False
         assert later.num_events == 0
+
+
+def test_cross_node_findings_asked_after_every_event_equal_a_fresh_replay_of_the_prefix():
+    """A live judge asks for findings every poll; what the transfer checks kept from an earlier ask must
+    never stand in for a transfer or a response that changed since (a receipt, a second send, the
+    client's response turning an F2 critical)."""
+    from kvtrail.forensics.replay.engine import ReplayEngine
+
+    tl = pd_timeline()
+    pd_request(tl, "r1", 41, [1], [11, 12], 64, sent_tokens=32)                          # F2
+    tl.add("router", "response_sent", "r1", http_status=200, prompt_tokens=64, completion_tokens=5, latency_ns=5)
+    pd_request(tl, "r2", 42, [2], [13], 16, received_digest=9)                           # F3
+    tl.add("router", "response_sent", "r2", http_status=200, prompt_tokens=16, completion_tokens=0, latency_ns=5)
+    pd_request(tl, "r3", 43, [3], [14], 16, sent_tokens=8, status="mismatch")            # F2, F3
+    tl.add("d", "transfer_sent", "r3", 43, pages=[3], dst_pages=[14], num_tokens=8, is_last_chunk=True)
+    tl.add("router", "response_sent", "r3", http_status=200, prompt_tokens=16, completion_tokens=2, latency_ns=5)
+    events = tl.events
+    live = ReplayEngine(fast=False)
+    codes = set()
+    for i, ev in enumerate(events):
+        live.feed(from_dicts([ev]))
+        got = live.findings()
+        fresh = ReplayEngine(fast=False)
+        fresh.feed(from_dicts(events[:i + 1]))
+        assert [(_key(f), f.severity, f.detail) for f in got] == [(_key(f), f.severity, f.detail)
+                                                                   for f in fresh.findings()], i
+        codes |= {f.code for f in got}
+    assert {"F2", "F3"} <= codes
+    assert any(f.code == "F2" and f.severity == "critical" for f in live.findings())  # r1's response: output
