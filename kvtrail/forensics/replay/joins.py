@@ -91,13 +91,15 @@ class CrossNodeJoins:
         self._samples_seen = 0  # forward_writes taken into _samples
         self._samples_ord = -1  # the highest ord among them
         self._samples_stale = False  # a receipt arrived that an earlier sample should have seen
+        self._deferred: dict[NodeKey, list[ForwardWrite]] = {}  # writes of nodes not (yet) prefill nodes
         # What each transfer's checks emitted, with the inputs they saw: a transfer whose events and
         # request's responses are unchanged emits the same again without being checked again.
         self._transfer_checks: dict[TransferKey, tuple[tuple, tuple, list[tuple]]] = {}
 
     def __getstate__(self) -> dict:  # the derived caches are not sent along (a lake's partitions are pickled)
         state = dict(self.__dict__)
-        state.update(_samples={}, _samples_seen=0, _samples_ord=-1, _samples_stale=False, _transfer_checks={})
+        state.update(_samples={}, _samples_seen=0, _samples_ord=-1, _samples_stale=False, _deferred={},
+                     _transfer_checks={})
         return state
 
     # ---- collection ---------------------------------------------------------------------------------
@@ -218,15 +220,28 @@ class CrossNodeJoins:
         return out
 
     def _take_samples(self) -> None:
-        """Add the forward writes collected since the last call to ``_samples`` (all of them when stale)."""
+        """Add the forward writes collected since the last call to ``_samples`` (all of them when stale).
+
+        A node that is not a prefill node now has its writes set aside, not sampled (decode nodes write
+        most pages); they are sampled if its role changes to one."""
         if self._samples_stale:
             self._samples, self._samples_seen, self._samples_ord, self._samples_stale = {}, 0, -1, False
+            self._deferred = {}
         new = self.forward_writes[self._samples_seen:]
         self._samples_seen = len(self.forward_writes)
         by_node: dict[NodeKey, list[ForwardWrite]] = {}
         for w in new:
             by_node.setdefault(w[0], []).append(w)
+        for nk in self._deferred:
+            if nk not in by_node and self.role.get(nk) in PREFILL_ROLES:
+                by_node[nk] = []
         for nk, writes in by_node.items():
+            if self.role.get(nk) not in PREFILL_ROLES:
+                self._deferred.setdefault(nk, []).extend(writes)
+                continue
+            held = self._deferred.pop(nk, None)
+            if held:
+                writes = held + writes
             writes.sort(key=lambda w: w[1])
             s = self._samples.get(nk)
             if s is not None and writes[0][1] <= s.last_ord:  # earlier than what it holds: this node again
