@@ -16,8 +16,8 @@ DEFAULT_JUDGE_INTERVAL_S = 0.5  # the live judge's least time between two polls 
 class ServeConfig:
     """Where the service listens, its largest ingest body, how long a stop waits for requests in flight, and
     the least time between two polls of the live judge while batches stream in (its lag's bound: a shorter
-    interval keeps findings fresher, a longer one leaves ingest more CPU, since each poll re-derives the
-    cross-node findings)."""
+    interval keeps findings fresher, a longer one leaves ingest more CPU, since each poll has fixed
+    costs)."""
 
     host: str = "127.0.0.1"
     port: int = 0  # 0: the OS picks a free port; the banner names it

@@ -7,8 +7,9 @@ what it reports with :func:`~kvtrail.forensics.save_findings` (and the poll's co
 aggregates) on its own cursor, beside the ingest writer rather than under its lock (the judge is the only
 writer of those tables), so the ``findings`` table (stable ids, ``first_run_id``) is fresh without
 re-running a window. Commits that arrive while a poll runs are judged by the next one, and polls are at
-least ``poll_interval_s`` apart while batches stream in: each poll re-derives the cross-node findings
-over everything judged so far, so polling on every commit would cost more than the commits
+least ``poll_interval_s`` apart while batches stream in: each poll has fixed costs (the aggregates'
+transaction, a pass over every 2xx response for F4 and F9), so polling on every commit would cost more
+than the commits
 (``wait_idle`` skips the wait). A failure
 never reaches ingest: it is counted, logged and retried (findings a failed save did not persist are
 saved by the next attempt). The lag from a commit to the end of the poll that judged it is kept for
