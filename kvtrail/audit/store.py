@@ -53,7 +53,7 @@ from kvtrail.audit.storefile import (
     store_tables,
     wal_path,
 )
-from kvtrail.audit.validate import ProducerState, ValidatedBatch, merge_validated, validate_batch
+from kvtrail.audit.validate import Prechecked, ProducerState, ValidatedBatch, merge_validated, validate_batch
 
 log = logging.getLogger(__name__)
 # From this many events a batch's chain digests are computed beside its inserts (a helper thread).
@@ -262,8 +262,9 @@ class AuditStore:
         """Validate and commit a batch (any number of producers). Raises ValidationError, writing nothing."""
         return self.append_validated([self.validate(table)])
 
-    def validate(self, table: pa.Table) -> ValidatedBatch:
-        """Check a batch against the store as it is now (ValidationError naming the event and field)."""
+    def validate(self, table: pa.Table | Prechecked) -> ValidatedBatch:
+        """Check a batch against the store as it is now (ValidationError naming the event and field); a
+        :class:`~kvtrail.audit.validate.Prechecked` batch is checked only for what depends on the store."""
         return validate_batch(table, self._state)
 
     def append_validated(self, parts: Sequence[ValidatedBatch]) -> AppendResult:

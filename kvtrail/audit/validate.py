@@ -259,17 +259,38 @@ def _group_producers(t: pa.Table) -> tuple[list[int], list[Producer], np.ndarray
     return [producer_id(p) for p in producers], producers, enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)
 
 
-def validate_batch(table: pa.Table, state: dict[int, ProducerState]) -> ValidatedBatch:
-    """Check every rule; return the normalised batch grouped by producer, or raise ValidationError.
+@dataclass(frozen=True)
+class Prechecked:
+    """A batch that passed the rules needing nothing of the store (:func:`precheck_batch`): normalised,
+    with its kinds and producers. :func:`validate_batch` takes it and checks only the rest."""
 
-    ``state`` maps producer id to what the store already holds for it (last sequence number, pool
-    size from its latest node_config). It is not modified.
-    """
+    table: pa.Table  # normalised to BATCH_SCHEMA
+    kind_code: np.ndarray
+    producer_ids: list[int]
+    producers: list[Producer]
+    producer_index: np.ndarray
+
+
+def precheck_batch(table: pa.Table) -> Prechecked:
+    """The rules that need nothing of the store: schema, envelope, kind fields and values (ValidationError
+    naming the event and field). A service runs them where the request arrives, so the store's one writer
+    only checks what depends on the store (sequence numbers, pool bounds)."""
     t = _normalise(table)
     codes = _check_envelope(t)
     _check_kind_fields(t, codes)
     _check_values(t, codes)
-    pids, producers, pindex = _group_producers(t)
+    return Prechecked(t, codes, *_group_producers(t))
+
+
+def validate_batch(table: pa.Table | Prechecked, state: dict[int, ProducerState]) -> ValidatedBatch:
+    """Check every rule; return the normalised batch grouped by producer, or raise ValidationError.
+
+    ``table`` may be a batch :func:`precheck_batch` passed (then only the rules that read ``state`` run
+    here). ``state`` maps producer id to what the store already holds for it (last sequence number, pool
+    size from its latest node_config). It is not modified.
+    """
+    pre = table if isinstance(table, Prechecked) else precheck_batch(table)
+    t, codes, pids, producers, pindex = pre.table, pre.kind_code, pre.producer_ids, pre.producers, pre.producer_index
     seq = t.column("seq").to_numpy(zero_copy_only=False).astype(np.uint64, copy=False)
     is_config = codes == KIND_CODES["node_config"]
     # Read as float with NaN for null: only rows of a node_config are looked at, and those carry one.

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvtrail.audit.store import AuditStore
+from kvtrail.audit.validate import Prechecked
 from kvtrail.errors import KvtrailError, ValidationError
 
 log = logging.getLogger("kvtrail.service")
@@ -66,6 +67,7 @@ class _Pending:
     last_seq: int
     in_order: bool  # seq strictly increasing (else validation refuses it, and it is never a re-send)
     future: Future
+    pre: Prechecked | None = None  # the batch as prechecked where it arrived
 
 
 def _settle(fut: Future, result: Commit) -> None:
@@ -111,12 +113,16 @@ class Committer:
         self._thread = threading.Thread(target=self._run, name="kvtrail-service-commit", daemon=True)
         self._thread.start()
 
-    def submit(self, table: pa.Table, producer_id: int, seq: np.ndarray) -> Future[Commit]:
-        """Queue one producer's batch (``seq``: its events' sequence numbers, at least one); the future
-        holds its :class:`Commit` or the error that refused it (ValidationError, ConflictError, CommitFailed)."""
+    def submit(self, table: pa.Table | Prechecked, producer_id: int, seq: np.ndarray) -> Future[Commit]:
+        """Queue one producer's batch (``seq``: its events' sequence numbers, at least one; ``table`` may be
+        prechecked, :func:`~kvtrail.audit.validate.precheck_batch`, so the writer checks only what depends on
+        the store); the future holds its :class:`Commit` or the error that refused it (ValidationError,
+        ConflictError, CommitFailed)."""
         fut: Future[Commit] = Future()
         in_order = bool((seq[1:] > seq[:-1]).all())
-        item = _Pending(table, producer_id, int(seq.min()), int(seq.max()), in_order, fut)
+        pre = table if isinstance(table, Prechecked) else None
+        item = _Pending(table.table if pre is not None else table, producer_id, int(seq.min()), int(seq.max()),
+                        in_order, fut, pre)
         with self._submit_lock:
             if self._closed:
                 fut.set_exception(CommitFailed("the service is shutting down"))
@@ -200,7 +206,7 @@ class Committer:
         good, checked = [], []
         for p in group:
             try:
-                checked.append(self.store.validate(p.table))
+                checked.append(self.store.validate(p.table if p.pre is None else p.pre))
             except ValidationError as exc:
                 _fail(p.future, exc)
                 continue

@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from kvtrail.audit.batch import parse_jsonl, read_ipc
 from kvtrail.audit.events import Producer
-from kvtrail.audit.validate import PRODUCER_NAMES, producer_id
+from kvtrail.audit.validate import PRODUCER_NAMES, Prechecked, precheck_batch, producer_id
 from kvtrail.errors import KvtrailError, ValidationError
 from kvtrail.service.auth import check_ingest, principal_dependency, require_role
 from kvtrail.service.config import DEFAULT_MAX_BODY_BYTES
@@ -171,14 +171,16 @@ def router(state: ServiceState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES)
         ctype = media_type(request)
         body = await read_body(request, max_body_bytes)
 
-        def parse() -> tuple[pa.Table, Producer, np.ndarray]:
+        def parse() -> tuple[Prechecked, Producer, np.ndarray]:
             table = decode_body(ctype, body)
-            return (table, *batch_identity(table))
+            producer, seq = batch_identity(table)
+            # The rules that need nothing of the store run here, beside other requests, not in the writer.
+            return precheck_batch(table), producer, seq
 
-        table, producer, seq = await run_in_threadpool(parse)
+        pre, producer, seq = await run_in_threadpool(parse)
         check_ingest(who, [producer.node])
         # Shielded: a client that hangs up must not cancel a batch the committer may be storing.
-        commit = await asyncio.shield(asyncio.wrap_future(state.committer.submit(table, producer_id(producer), seq)))
+        commit = await asyncio.shield(asyncio.wrap_future(state.committer.submit(pre, producer_id(producer), seq)))
         return IngestReply(**asdict(commit))
 
     return api

@@ -57,6 +57,23 @@ def test_an_invalid_event_refuses_the_whole_batch_naming_the_field(client, servi
     assert _count(service_state, "SELECT count(*) FROM batches") == 0
 
 
+def test_rules_that_need_nothing_of_the_store_refuse_a_batch_before_the_writer_sees_it(
+        client, service_state, producer_token, monkeypatch):
+    submitted = []
+    real = service_state.committer.submit
+    monkeypatch.setattr(service_state.committer, "submit", lambda *a: submitted.append(a) or real(*a))
+    bad = dict(alloc(1, [1]), purpose="no such purpose")
+    r = client.post("/v1/events", content=arrow_body([config(0), bad]), headers=auth(producer_token))
+    assert r.status_code == 422, r.text
+    assert r.json()["errors"][0]["field"] == "purpose" and submitted == []  # refused where it arrived
+    r = client.post("/v1/events", content=arrow_body([config(0), alloc(1, [1])]), headers=auth(producer_token))
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/events", content=arrow_body([alloc(2, [999])]), headers=auth(producer_token))
+    assert r.status_code == 422, r.text  # beyond the pool the stored node_config states: checked by the writer
+    [err] = r.json()["errors"]
+    assert err["field"] == "pages" and "page id 999 out of pool" in err["reason"] and len(submitted) == 2
+
+
 def test_unparseable_bodies_are_422_not_5xx(client, producer_token):
     r = client.post("/v1/events", content=b"{nope\n", headers=auth(producer_token, NDJSON))
     assert r.status_code == 422 and r.json()["errors"][0]["field"] == "(json)"
