@@ -81,30 +81,13 @@ class AnswerCache:
 def judged_findings(cur: duckdb.DuckDBPyConnection, state: Any, w: Window) -> Iterator[list[Finding] | None]:
     """The window's findings from the live judge, with ``cur`` on the store as of the batches it judged;
     None (and ``cur`` left on the live store) when the judge cannot answer for this window."""
-    with _judged_snapshot(cur, state, w) as got:
-        yield None if got is None else got[1]
-
-
-@contextmanager
-def _judged_snapshot(cur: duckdb.DuckDBPyConnection, state: Any,
-                     w: Window) -> Iterator[tuple[tuple, list[Finding]] | None]:
-    """(the batches judged as sorted (producer_id, batch_no) pairs, the window's findings), ``cur`` on the
-    store as of those batches; None when the judge cannot answer for ``w``."""
     got = state.judge.judged(dict(state.committer.heads), JUDGED_WAIT_S)
-    if got is None or not got[0]:
+    if got is None or not got[0] or covering(w, judged_span(cur, got[0])) is None:
         yield None
         return
     marks, found = got
     with live_snapshot(cur, [{"producer_id": p, "batch_no": n} for p, n in marks.items()]):
-        row = cur.execute("SELECT min(min_wall_ns), max(max_wall_ns) FROM batches").fetchone()
-        assert row is not None
-        first, last = row
-        covers = first is not None and (w.from_ns is None or w.from_ns <= first) and (
-            w.to_ns is None or w.to_ns >= last)
-        if not covers:
-            yield None
-            return
-        yield tuple(sorted(marks.items())), [f for f in found if w.from_ns is None or f.last_ns >= w.from_ns]
+        yield [f for f in found if w.from_ns is None or f.last_ns >= w.from_ns]
 
 
 def affected_answer(con: duckdb.DuckDBPyConnection, w: Window, found: list[Finding],
