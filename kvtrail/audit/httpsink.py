@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import httpx
 import pyarrow as pa
 
-from kvtrail.audit.batch import write_ipc
+from kvtrail.audit.batch import wire_table, write_ipc
 from kvtrail.audit.store import AppendResult
 from kvtrail.errors import StoreError, ValidationError
 
@@ -87,7 +87,7 @@ class HttpSink:
         return cls(url, token)
 
     def append(self, table: pa.Table) -> AppendResult:
-        reply = self._post(write_ipc(table))
+        reply = self._post(write_ipc(wire_table(table)))
         if reply.status_code == 200:
             j = reply.json()
             batch = (int(j["producer_id"]), int(j["batch_no"]))
