@@ -6,6 +6,10 @@ The principal of each request is also left on ``request.state.principal`` so tha
 
 from __future__ import annotations
 
+import hashlib
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Annotated, Any
 
@@ -17,6 +21,48 @@ from kvtrail.service.tokens import Principal, authenticate
 # auto_error off: a missing header is our 401 with our message, not FastAPI's 403.
 bearer = HTTPBearer(auto_error=False, description="An API token from 'kvtrail token add' (Authorization: Bearer).")
 UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
+VERIFIED_TTL_S = 60.0
+VERIFIED_SIZE = 1024
+
+
+class VerifiedTokens:
+    """Tokens a service verified recently, so a producer's every batch does not pay the salted hash again.
+
+    Keyed by the SHA-256 of the presented secret (the secret itself is not kept); an entry lasts
+    ``ttl_s`` and every token change the service makes (:meth:`clear`, after an add or a revoke) drops
+    them all, so a revoked token is refused from the next request on. Unknown or revoked tokens are never
+    kept: each such attempt pays the full check. Thread-safe."""
+
+    def __init__(self, ttl_s: float = VERIFIED_TTL_S, size: int = VERIFIED_SIZE):
+        self.ttl_s, self.size = ttl_s, size
+        self._lock = threading.Lock()
+        self._known: OrderedDict[bytes, tuple[float, Principal]] = OrderedDict()
+
+    @staticmethod
+    def _key(secret: str) -> bytes:
+        return hashlib.sha256(secret.encode()).digest()
+
+    def get(self, secret: str) -> Principal | None:
+        key, now = self._key(secret), time.monotonic()
+        with self._lock:
+            hit = self._known.get(key)
+            if hit is None:
+                return None
+            if now - hit[0] > self.ttl_s:
+                del self._known[key]
+                return None
+            return hit[1]
+
+    def put(self, secret: str, who: Principal) -> None:
+        with self._lock:
+            self._known[self._key(secret)] = (time.monotonic(), who)
+            self._known.move_to_end(self._key(secret))
+            while len(self._known) > self.size:
+                self._known.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._known.clear()
 
 
 def principal_dependency(state: Any) -> Callable[..., Principal]:
@@ -26,13 +72,18 @@ def principal_dependency(state: Any) -> Callable[..., Principal]:
                   credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
         if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
             raise HTTPException(401, "missing bearer token (Authorization: Bearer <token>)", headers=UNAUTHORIZED)
-        cur = state.cursor()
-        try:
-            who = authenticate(cur, credentials.credentials)
-        finally:
-            cur.close()
+        verified = getattr(state, "verified", None)
+        who = verified.get(credentials.credentials) if verified is not None else None
         if who is None:
-            raise HTTPException(401, "unknown or revoked token", headers=UNAUTHORIZED)
+            cur = state.cursor()
+            try:
+                who = authenticate(cur, credentials.credentials)
+            finally:
+                cur.close()
+            if who is None:
+                raise HTTPException(401, "unknown or revoked token", headers=UNAUTHORIZED)
+            if verified is not None:
+                verified.put(credentials.credentials, who)
         request.state.principal = who
         return who
 

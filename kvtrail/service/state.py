@@ -16,9 +16,10 @@ import duckdb
 from kvtrail.audit.store import DEFAULT_CHECKPOINT, AuditStore, CheckpointPolicy
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.service import tokens
+from kvtrail.service.auth import VerifiedTokens
 from kvtrail.service.committer import Committer
 from kvtrail.service.judge import POLL_INTERVAL_S, Judge
-from kvtrail.service.judged import AnswerCache
+from kvtrail.service.judged import AnswerCache, SharedSnapshots
 
 
 @dataclass
@@ -31,6 +32,8 @@ class ServiceState:
     judge: Judge
     committer: Committer
     answers: AnswerCache = field(default_factory=AnswerCache)  # answers on judged snapshots (judged.py)
+    snapshots: SharedSnapshots = field(default_factory=SharedSnapshots)  # judged snapshots (judged.py)
+    verified: VerifiedTokens = field(default_factory=VerifiedTokens)  # tokens checked recently (auth.py)
     started_ns: int = field(default_factory=time.time_ns)
     closed: bool = False
 

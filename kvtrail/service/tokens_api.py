@@ -62,6 +62,11 @@ def router(state: Any, route_class: type) -> APIRouter:
             finally:
                 cur.close()
 
+    def changed() -> None:
+        verified = getattr(state, "verified", None)
+        if verified is not None:  # the tokens verified recently are checked again: a revoked one is refused
+            verified.clear()
+
     @r.post("", response_model=MadeToken)
     def add(who: Annotated[Principal, Depends(who_dep)], body: NewToken) -> MadeToken:
         """Make a token; its secret is in this answer only."""
@@ -89,5 +94,7 @@ def router(state: Any, route_class: type) -> APIRouter:
             return Revoked(revoked=write(lambda cur: tokens.revoke_token(cur, token_id, actor=who.token_id)))
         except ValueError:
             raise HTTPException(404, "no such token") from None
+        finally:
+            changed()
 
     return r

@@ -25,7 +25,7 @@ from kvtrail.forensics import (
 )
 from kvtrail.forensics.tables import json_text
 from kvtrail.service import access
-from kvtrail.service.tokens import add_token, revoke_token
+from kvtrail.service.tokens import add_token
 from tests.forensics.incident_fixture import W0, W1
 from tests.service.access_fixtures import Served, bearer, served_fixture  # noqa: F401
 
@@ -94,9 +94,10 @@ def test_missing_bad_and_revoked_tokens_are_401_and_producers_403(served):
     with served.state.write_lock:
         token_id, secret = add_token(served.state.store.con, "operator")
     assert served.client.get("/v1/nodes", headers=bearer(secret)).status_code == 200
-    with served.state.write_lock:
-        revoke_token(served.state.store.con, token_id)
-    r = served.client.get("/v1/nodes", headers=bearer(secret))
+    assert served.client.get("/v1/nodes", headers=bearer(secret)).status_code == 200  # now a verified token
+    revoked = served.client.delete(f"/v1/tokens/{token_id}", headers=bearer(served.tokens["operator"]))
+    assert revoked.status_code == 200 and revoked.json() == {"revoked": True}
+    r = served.client.get("/v1/nodes", headers=bearer(secret))  # refused from the next request on
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     for path in [*QUESTIONS, "/v1/coverage", "/v1/audit/verify", "/v1/audit/heads", "/v1/requests/x"]:
         assert served.get(path, role="producer").status_code == 403, path

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import duckdb
 import pytest
@@ -151,3 +152,21 @@ def test_token_add_on_a_store_a_service_holds_says_so_and_suggests_url(tmp_path)
     finally:
         holder.kill()
         holder.wait(10)
+
+
+def test_verified_tokens_expire_are_bounded_and_keep_no_secret():
+    from kvtrail.service.auth import VerifiedTokens
+    from kvtrail.service.tokens import Principal
+
+    v = VerifiedTokens(ttl_s=0.05, size=2)
+    who = Principal("abc", "operator", None, ())
+    v.put("kvt_abc_secret", who)
+    assert v.get("kvt_abc_secret") == who and v.get("kvt_abc_other") is None
+    assert all(b"secret" not in k for k in v._known)  # only the secret's SHA-256
+    time.sleep(0.06)
+    assert v.get("kvt_abc_secret") is None  # past its ttl: checked against the store again
+    for i in range(3):
+        v.put(f"kvt_{i}", who)
+    assert v.get("kvt_0") is None and v.get("kvt_2") == who
+    v.clear()
+    assert v.get("kvt_2") is None
