@@ -24,7 +24,7 @@ import duckdb
 import numpy as np
 
 from kvtrail.audit import chain
-from kvtrail.audit.layout import EVENT_COLUMNS
+from kvtrail.audit.layout import EVENT_COLUMNS, has_kind_tables
 from kvtrail.audit.retention import prune_digest
 from kvtrail.audit.store import EVENTS_SCHEMA, RUN_COLUMNS, RUNS_SCHEMA, arrow_query, connect_readonly
 from kvtrail.errors import KvtrailError
@@ -245,7 +245,7 @@ def _has(con: duckdb.DuckDBPyConnection, table: str, column: str | None = None) 
     return bool(row and row[0])
 
 
-def unclean_ends(con: duckdb.DuckDBPyConnection) -> list[UncleanEnd]:
+def unclean_ends(con: duckdb.DuckDBPyConnection, *, kinds: bool | None = None) -> list[UncleanEnd]:
     """Producer instances that ended without ``recorder_closed``, in producer order.
 
     Judged are instances that announce their lifecycle (a ``recorder_started`` event, or a first batch
@@ -254,9 +254,17 @@ def unclean_ends(con: duckdb.DuckDBPyConnection) -> list[UncleanEnd]:
     event, or when the store was opened for writing again after its last commit (its owner restarted:
     the ``store_opens`` table, where the store has one). Otherwise it is open: still running, or stopped
     and not yet known, and not reported. Producers that record no lifecycle events (older stores,
-    other engines' files, the simulator) are not judged.
+    other engines' files, the simulator) are not judged. ``kinds``: whether the store has its kind
+    tables (``layout.has_kind_tables``; None: look).
     """
-    if _has(con, "events", "flush_interval_ns"):
+    if has_kind_tables(con) if kinds is None else kinds:  # the two kinds' own tables, not the events view
+        life = ("SELECT producer_id, bool_or(kind = 'recorder_closed') AS closed, "
+                "bool_or(kind = 'recorder_started') AS started, "
+                "max(flush_interval_ns) FILTER (kind = 'recorder_started') AS bound_ns "
+                "FROM (SELECT producer_id, 'recorder_started' AS kind, flush_interval_ns FROM events_recorder_started "
+                "UNION ALL SELECT producer_id, 'recorder_closed', NULL::BIGINT FROM events_recorder_closed) "
+                "GROUP BY producer_id")
+    elif _has(con, "events", "flush_interval_ns"):
         life = ("SELECT producer_id, bool_or(kind = 'recorder_closed') AS closed, "
                 "bool_or(kind = 'recorder_started') AS started, "
                 "max(flush_interval_ns) FILTER (kind = 'recorder_started') AS bound_ns "

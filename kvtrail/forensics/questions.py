@@ -22,6 +22,7 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
+from kvtrail.audit.layout import has_kind_tables, kind_rows
 from kvtrail.audit.store import connect_readonly
 from kvtrail.audit.verify import UncleanEnd
 from kvtrail.errors import KvtrailError
@@ -59,14 +60,19 @@ from kvtrail.forensics.symptoms import (
 from kvtrail.forensics.window import Window, check_window
 
 
-def coverage_gaps(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> pl.DataFrame:
+def coverage_gaps(con: duckdb.DuckDBPyConnection, w: Window = Window(), *, kinds: bool | None = None) -> pl.DataFrame:
     """Per producer: sequence numbers missing from the store that no recorder_gap event explains.
 
     With a window's ``from_ns``/``to_ns``: only the batches whose events overlap it count (the missing
-    numbers between them, and the recorder_gap events they hold); without one, the whole store."""
+    numbers between them, and the recorder_gap events they hold); without one, the whole store.
+    ``kinds``: whether the store has its kind tables (``layout.has_kind_tables``; None: look)."""
     bounds = [("max_wall_ns >= ?", w.from_ns), ("min_wall_ns <= ?", w.to_ns)]
     where = " AND ".join(cond for cond, v in bounds if v is not None) or "true"
     in_window = "SEMI JOIN sel USING (producer_id, batch_no)" if where != "true" else ""
+    if has_kind_tables(con) if kinds is None else kinds:
+        gaps, is_gap = kind_rows("recorder_gap", "e"), "TRUE"
+    else:
+        gaps, is_gap = "events e", "e.kind = 'recorder_gap'"
     rows = con.execute(f"""
         WITH sel AS (SELECT * FROM batches WHERE {where})
         SELECT p.node, p.instance, b.first_seq, b.last_seq, b.num_events, b.pruned,
@@ -75,9 +81,9 @@ def coverage_gaps(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> pl.Da
                      sum(num_events) AS num_events, sum(num_events) FILTER (pruned_by IS NOT NULL) AS pruned
               FROM sel GROUP BY producer_id) b
         JOIN producers p USING (producer_id)
-        LEFT JOIN (SELECT e.producer_id, sum(e.dropped_events) AS dropped FROM events e
+        LEFT JOIN (SELECT e.producer_id, sum(e.dropped_events) AS dropped FROM {gaps}
                    {in_window}
-                   WHERE e.kind = 'recorder_gap' GROUP BY e.producer_id) g USING (producer_id)""",
+                   WHERE {is_gap} GROUP BY e.producer_id) g USING (producer_id)""",
                        [v for _, v in bounds if v is not None]).fetchall()
     out = []
     for node, instance, first, last, stored, _pruned, reported in rows:
@@ -272,9 +278,10 @@ class WindowContext:
 
 def window_context(con: duckdb.DuckDBPyConnection, w: Window) -> WindowContext:
     """The :class:`WindowContext` of window ``w`` on ``con``'s store as it is now."""
-    ends = window_ends(con, w)
-    return WindowContext(coverage_gaps(con), _symptom_notes(con, w), shared_transfer_ids(con, w), ends,
-                         incomplete_requests(con, w, ends))
+    kinds = has_kind_tables(con)
+    ends = window_ends(con, w, kinds=kinds)
+    return WindowContext(coverage_gaps(con, kinds=kinds), _symptom_notes(con, w, kinds=kinds),
+                         shared_transfer_ids(con, w, kinds=kinds), ends, incomplete_requests(con, w, ends))
 
 
 def ask_exposure(store: Store, w: Window = Window(), *, exclusions: Exclusions = Exclusions()) -> Answer:
@@ -338,8 +345,8 @@ def ask_exploitation(store: Store, options: ReportOptions, w: Window | None = No
     return Answer(df, df.clear(), gaps, (note,), warnings, {"long_prompt_tokens": long_tokens})
 
 
-def _symptom_notes(con: duckdb.DuckDBPyConnection, w: Window) -> tuple[str, ...]:
-    note = empty_after_abort_note(empty_after_abort(con, w))
+def _symptom_notes(con: duckdb.DuckDBPyConnection, w: Window, *, kinds: bool | None = None) -> tuple[str, ...]:
+    note = empty_after_abort_note(empty_after_abort(con, w, kinds=kinds))
     return (note,) if note else ()
 
 

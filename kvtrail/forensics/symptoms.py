@@ -19,9 +19,10 @@ from __future__ import annotations
 import duckdb
 import polars as pl
 
+from kvtrail.audit.layout import REQUESTS_TABLE, has_kind_tables, kind_rows
 from kvtrail.audit.verify import UncleanEnd, unclean_ends
 from kvtrail.forensics.findings import Finding
-from kvtrail.forensics.window import Window, window_filter
+from kvtrail.forensics.window import Window, kind_window_filter, window_filter
 
 # Findings that compare two nodes' records of one transfer: unreliable when one side's tail is lost.
 INCOMPLETE_CODES = frozenset({"F2", "F3"})
@@ -35,32 +36,52 @@ def _windowed(w: Window) -> tuple[str, list]:
     return f"(SELECT * FROM events_v WHERE {where})", params
 
 
-def shared_transfer_ids(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> pl.DataFrame:
+def shared_transfer_ids(con: duckdb.DuckDBPyConnection, w: Window = Window(), *,
+                        kinds: bool | None = None) -> pl.DataFrame:
     """Transfer ids that events of more than one request carry in the window: (transfer_id,
-    request_ids, num_events)."""
+    request_ids, num_events). ``kinds``: whether the store has its kind tables (None: look)."""
+    schema: dict[str, pl.DataType] = {"transfer_id": pl.UInt64(), "request_ids": pl.List(pl.Utf8),
+                                      "num_events": pl.Int64()}
+    if has_kind_tables(con) if kinds is None else kinds:  # the dictionary: every (request, transfer) events carry
+        row = con.execute(f"""SELECT count(*) FROM (SELECT transfer_id FROM {REQUESTS_TABLE}
+                              WHERE transfer_id IS NOT NULL AND request_id IS NOT NULL GROUP BY transfer_id
+                              HAVING count(DISTINCT request_id) > 1)""").fetchone()
+        if not (row and row[0]):  # no id shared by two requests anywhere: none in the window either
+            return pl.DataFrame(schema=schema)
     ev, params = _windowed(w)
     rows = con.execute(f"""
         SELECT transfer_id, list(DISTINCT request_id ORDER BY request_id), count(*)
         FROM {ev} WHERE transfer_id IS NOT NULL AND request_id IS NOT NULL
         GROUP BY transfer_id HAVING count(DISTINCT request_id) > 1 ORDER BY transfer_id""", params).fetchall()
-    return pl.DataFrame([{"transfer_id": t, "request_ids": r, "num_events": n} for t, r, n in rows],
-                        schema={"transfer_id": pl.UInt64, "request_ids": pl.List(pl.Utf8), "num_events": pl.Int64})
+    return pl.DataFrame([{"transfer_id": t, "request_ids": r, "num_events": n} for t, r, n in rows], schema=schema)
 
 
-def empty_after_abort(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> pl.DataFrame:
+def empty_after_abort(con: duckdb.DuckDBPyConnection, w: Window = Window(), *,
+                      kinds: bool | None = None) -> pl.DataFrame:
     """2xx responses with no completion tokens to requests aborted on some node (same attempt: the
-    transfer ids agree where both events carry one)."""
-    ev, params = _windowed(w)
+    transfer ids agree where both events carry one). ``kinds``: as for :func:`shared_transfer_ids`."""
+    if has_kind_tables(con) if kinds is None else kinds:  # the two kinds' tables, with requests and node
+        rw, rp = kind_window_filter(w.from_ns, w.to_ns, "x")
+        aw, ap = kind_window_filter(w.from_ns, w.to_ns, "x")
+        responses = (f"(SELECT x.* FROM {kind_rows('response_sent', 'x')} SEMI JOIN producers p "
+                     f"ON p.producer_id = x.producer_id WHERE {rw})")
+        aborts = (f"(SELECT x.*, p.node FROM {kind_rows('request_aborted', 'x')} JOIN producers p "
+                  f"ON p.producer_id = x.producer_id WHERE {aw})")
+        is_abort, is_response, params = "TRUE", "TRUE", rp + ap
+    else:
+        ev, wp = _windowed(w)
+        responses, aborts, params = ev, ev, wp + wp
+        is_abort, is_response = "a.kind = 'request_aborted'", "r.kind = 'response_sent'"
     rows = con.execute(f"""
         SELECT r.request_id, any_value(r.tenant_id), r.http_status, r.wall_ns,
                list(DISTINCT a.node || ' ' || a.stage || ': ' || a.abort_reason ORDER BY
                     a.node || ' ' || a.stage || ': ' || a.abort_reason)
-        FROM {ev} r JOIN {ev} a
-          ON a.kind = 'request_aborted' AND a.request_id = r.request_id
+        FROM {responses} r JOIN {aborts} a
+          ON {is_abort} AND a.request_id = r.request_id
          AND (a.transfer_id IS NULL OR r.transfer_id IS NULL OR a.transfer_id = r.transfer_id)
-        WHERE r.kind = 'response_sent' AND r.http_status BETWEEN 200 AND 299 AND r.completion_tokens = 0
+        WHERE {is_response} AND r.http_status BETWEEN 200 AND 299 AND r.completion_tokens = 0
         GROUP BY r.request_id, r.http_status, r.wall_ns, r.producer_id, r.seq
-        ORDER BY r.wall_ns, r.request_id""", params + params).fetchall()
+        ORDER BY r.wall_ns, r.request_id""", params).fetchall()
     return pl.DataFrame([{"request_id": rid, "tenant_id": t, "http_status": s, "response_ns": ns, "aborts": a}
                          for rid, t, s, ns, a in rows],
                         schema={"request_id": pl.Utf8, "tenant_id": pl.Utf8, "http_status": pl.Int32,
@@ -91,9 +112,9 @@ def empty_after_abort_note(empty: pl.DataFrame) -> str | None:
             f"SGLang's abort-returns-200 pattern): {_ids(empty['request_id'].to_list())}")
 
 
-def window_ends(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> list[UncleanEnd]:
+def window_ends(con: duckdb.DuckDBPyConnection, w: Window = Window(), *, kinds: bool | None = None) -> list[UncleanEnd]:
     """The unclean ends whose possible gap (after the last stored event, up to the bound) meets the window."""
-    return [e for e in unclean_ends(con)
+    return [e for e in unclean_ends(con, kinds=kinds)
             if (w.to_ns is None or e.last_wall_ns <= w.to_ns)
             and (w.from_ns is None or e.gap_end_ns is None or e.gap_end_ns >= w.from_ns)]
 

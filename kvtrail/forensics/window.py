@@ -49,3 +49,17 @@ def window_filter(from_ns: int | None, to_ns: int | None) -> tuple[str, list]:
         where.append("wall_ns <= ?")
         params.append(to_ns)
     return " AND ".join(where), params
+
+
+def kind_window_filter(from_ns: int | None, to_ns: int | None, alias: str) -> tuple[str, list]:
+    """:func:`window_filter` for the rows of one kind's table as ``alias`` (``layout.kind_rows``): the same
+    rows of that kind, with the node_config looked up in its own table."""
+    where, params = ["TRUE"], []
+    if from_ns is not None:
+        where.append(f"{alias}.wall_ns >= coalesce((SELECT max(c.wall_ns) FROM events_node_config c "
+                     f"WHERE c.producer_id = {alias}.producer_id AND c.wall_ns <= ?), ?)")
+        params += [from_ns, from_ns]
+    if to_ns is not None:
+        where.append(f"{alias}.wall_ns <= ?")
+        params.append(to_ns)
+    return " AND ".join(where), params
