@@ -5,7 +5,7 @@ before the store's first event and ends at or after the last one it judged, its 
 a replay of the window would find (those ending before ``from`` left out, as ``replay_store`` does).
 :func:`judged_findings` waits (bounded) until the judge has judged at least the batches acknowledged
 when the query came, then points the cursor at the store *as of the batches judged*
-(:func:`~kvtrail.service.reports.live_snapshot`), so the SQL half of the answer (responses, gaps,
+(:class:`SharedSnapshots`, one per judged state however many ask), so the SQL half of the answer (responses, gaps,
 notes, warnings, exclusions) reads the same events the findings came from: the answer is the CLI's
 answer on the store at that point. Any other window, policy or engine is replayed as the CLI does.
 
@@ -30,11 +30,12 @@ import duckdb
 
 from kvtrail.forensics import Answer, Exclusions, Finding, Window, ask_affected, ask_findings
 from kvtrail.forensics.questions import WindowContext, window_context
-from kvtrail.service.reports import live_snapshot
+from kvtrail.service.reports import drop_snapshot, make_snapshot, using_snapshot
 
 T = TypeVar("T")
 JUDGED_WAIT_S = 5.0  # how long a query waits for the judge to reach the acknowledged batches, else it replays
 CACHED_ANSWERS = 64
+KEPT_SNAPSHOTS = 2  # the latest judged snapshots kept attached for the questions still to come on them
 
 
 class AnswerCache:
@@ -77,6 +78,65 @@ class AnswerCache:
             mine.set()
 
 
+class _Snap:
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.store = ""
+        self.users = 0
+        self.ready = threading.Event()
+        self.failed = False
+
+
+class SharedSnapshots:
+    """Snapshots of the store as of the batches judged, shared by every answer computed on the same ones:
+    the views are made once per judged state (making them costs tens of milliseconds), kept while
+    questions use them or while they are among the latest ``keep``, then detached. Thread-safe."""
+
+    def __init__(self, keep: int = KEPT_SNAPSHOTS):
+        self.keep = keep
+        self.made = 0
+        self._lock = threading.Lock()
+        self._snaps: OrderedDict[Hashable, _Snap] = OrderedDict()
+
+    @contextmanager
+    def use(self, cur: duckdb.DuckDBPyConnection, marks: dict[int, int]) -> Iterator[None]:
+        """``cur`` on the store as of ``marks`` ({producer_id: batch_no}) while the block runs."""
+        key = tuple(sorted(marks.items()))
+        with self._lock:
+            snap = self._snaps.get(key)
+            mine = snap is None
+            if snap is None:
+                snap = self._snaps[key] = _Snap()
+            snap.users += 1
+        try:
+            if mine:
+                try:
+                    snap.name, snap.store = make_snapshot(cur, [{"producer_id": p, "batch_no": n}
+                                                                for p, n in marks.items()])
+                    self.made += 1
+                except BaseException:
+                    snap.failed = True
+                    raise
+                finally:
+                    snap.ready.set()
+            else:
+                snap.ready.wait()
+            if snap.failed or snap.name is None:
+                raise RuntimeError("the snapshot of the judged batches could not be made")
+            with using_snapshot(cur, snap.name, snap.store):
+                yield
+        finally:
+            with self._lock:
+                snap.users -= 1
+                if snap.failed and self._snaps.get(key) is snap:
+                    del self._snaps[key]
+                stale = [k for k in list(self._snaps)[:-self.keep] if self._snaps[k].users == 0]
+                gone = [self._snaps.pop(k) for k in stale]
+            for old in gone:
+                if old.name is not None:
+                    drop_snapshot(cur, old.name)
+
+
 @contextmanager
 def judged_findings(cur: duckdb.DuckDBPyConnection, state: Any, w: Window) -> Iterator[list[Finding] | None]:
     """The window's findings from the live judge, with ``cur`` on the store as of the batches it judged;
@@ -86,7 +146,7 @@ def judged_findings(cur: duckdb.DuckDBPyConnection, state: Any, w: Window) -> It
         yield None
         return
     marks, found = got
-    with live_snapshot(cur, [{"producer_id": p, "batch_no": n} for p, n in marks.items()]):
+    with state.snapshots.use(cur, marks):
         yield [f for f in found if w.from_ns is None or f.last_ns >= w.from_ns]
 
 
@@ -146,7 +206,7 @@ def judged_or_replayed(cur: duckdb.DuckDBPyConnection, state: Any, w: Window,
         return replayed(cur)
 
     def answer() -> T:
-        with live_snapshot(cur, [{"producer_id": p, "batch_no": n} for p, n in marks.items()]):
+        with state.snapshots.use(cur, marks):
             if question is None:
                 return judged(cur, u, found, None)
             context = state.answers.get((("context", u), key), lambda: window_context(cur, u))

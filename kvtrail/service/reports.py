@@ -75,16 +75,14 @@ class ReportBody(BaseModel):
 _BATCHED = (*KIND_TABLES, "page_runs", "batches")
 
 
-@contextmanager
-def live_snapshot(cur: duckdb.DuckDBPyConnection, heads: list[dict] | None = None) -> Iterator[list[dict]]:
-    """Point ``cur`` at the store as of ``heads`` (default: its current chain heads; yields them), like
-    ``open_snapshot`` does for a store file: the service holds the file, so the views live in a private
-    in-memory catalog of the same database instance, made the cursor's default while the report runs."""
+def make_snapshot(cur: duckdb.DuckDBPyConnection, heads: list[dict]) -> tuple[str, str]:
+    """Attach a private in-memory catalog of ``cur``'s database instance whose views show the store as of
+    ``heads``; returns (its name, the store's). Any connection of the instance may ``USE`` it until
+    :func:`drop_snapshot`. ``cur`` is left on the store."""
     store = cur.execute("SELECT current_database()").fetchone()
     assert store is not None
     src = f'"{store[0]}".main'
     snap = f"kvtrail_snapshot_{uuid.uuid4().hex}"
-    heads = chain_heads(cur) if heads is None else heads
     cur.execute(f"ATTACH ':memory:' AS {snap}")
     try:
         cur.execute(f"USE {snap}")
@@ -106,10 +104,41 @@ def live_snapshot(cur: duckdb.DuckDBPyConnection, heads: list[dict] | None = Non
                                [store[0], name]).fetchone()
             assert view is not None, f"a store without its {name} view"
             cur.execute(re.sub(r"^CREATE (OR REPLACE )?VIEW", "CREATE VIEW", view[0].strip(), flags=re.I))
-        yield heads
-    finally:
-        cur.execute(f"USE \"{store[0]}\"")
+    except BaseException:
+        cur.execute(f'USE "{store[0]}"')
         cur.execute(f"DETACH {snap}")
+        raise
+    cur.execute(f'USE "{store[0]}"')
+    return snap, store[0]
+
+
+def drop_snapshot(cur: duckdb.DuckDBPyConnection, snap: str) -> None:
+    """Detach a :func:`make_snapshot` catalog (no connection may be using it)."""
+    cur.execute(f"DETACH {snap}")
+
+
+@contextmanager
+def using_snapshot(cur: duckdb.DuckDBPyConnection, snap: str, store: str) -> Iterator[None]:
+    """``cur`` on the snapshot ``snap`` while the block runs, then on ``store`` again."""
+    cur.execute(f"USE {snap}")
+    try:
+        yield
+    finally:
+        cur.execute(f'USE "{store}"')
+
+
+@contextmanager
+def live_snapshot(cur: duckdb.DuckDBPyConnection, heads: list[dict] | None = None) -> Iterator[list[dict]]:
+    """Point ``cur`` at the store as of ``heads`` (default: its current chain heads; yields them), like
+    ``open_snapshot`` does for a store file: the service holds the file, so the views live in a private
+    in-memory catalog of the same database instance, made the cursor's default while the report runs."""
+    heads = chain_heads(cur) if heads is None else heads
+    snap, store = make_snapshot(cur, heads)
+    try:
+        with using_snapshot(cur, snap, store):
+            yield heads
+    finally:
+        drop_snapshot(cur, snap)
 
 
 def _archive(folder: Path, kind: str) -> bytes:

@@ -149,3 +149,40 @@ def test_the_answer_cache_waits_for_a_running_computation_and_keeps_no_failure()
     assert cache.get("bad", lambda: "fixed") == "fixed"  # a failure is not kept
     cache.get("third", lambda: "x")
     assert cache.get("k", lambda: "recomputed") == "recomputed"  # the oldest was evicted (size 2)
+
+
+def test_questions_on_one_judged_snapshot_share_its_views_and_old_ones_are_detached(served):
+    first, last = _span(served)
+    params = {"from": format_utc(first - 4 * 10**9), "to": format_utc(last + 10**9), "tenant": "umbrella"}
+    snaps = served.state.snapshots
+    cur = served.state.cursor()
+    try:  # push out whatever snapshots earlier questions left, so these questions need a new one
+        for n in range(snaps.keep):
+            with snaps.use(cur, {-100 - n: 0}):
+                pass
+    finally:
+        cur.close()
+    made = snaps.made
+    for path in ("/v1/affected", "/v1/findings"):
+        r = served.client.get(path, params=params, headers=bearer(served.tokens["operator"]))
+        assert r.status_code == 200, r.text
+    assert snaps.made == made + 1  # one snapshot for both questions (and their shared context)
+
+    def attached() -> int:
+        cur = served.state.cursor()
+        try:
+            return cur.execute("SELECT count(*) FROM duckdb_databases() WHERE database_name LIKE "
+                               "'kvtrail_snapshot_%'").fetchone()[0]
+        finally:
+            cur.close()
+
+    assert attached() <= snaps.keep
+    cur = served.state.cursor()
+    try:  # snapshots of other judged states push the oldest out; none stays attached beyond the latest few
+        for n in range(snaps.keep + 2):
+            marks = {pid: 0 for pid in served.state.committer.heads} | {-1 - n: 0}
+            with snaps.use(cur, marks):
+                assert cur.execute("SELECT current_database()").fetchone()[0].startswith("kvtrail_snapshot_")
+    finally:
+        cur.close()
+    assert attached() == snaps.keep
