@@ -219,8 +219,9 @@ def run_direct(bodies: list[list[bytes]], tmp: Path, round_no: int) -> dict:
             events += res.num_events
             pages += res.num_page_events
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        checkpoints, checkpoint_s = store.checkpoints, store.checkpoint_s
     return {"wall_s": wall, "events": events, "page_events": pages, "cpu_s": cpu, "batches": len(tables),
-            "load": load0}
+            "load": load0, "checkpoints": checkpoints, "checkpoint_s": checkpoint_s}
 
 
 def _cpu_s(pid: int) -> float:
@@ -297,6 +298,8 @@ def report(runs: dict[str, list[dict]], args) -> None:
     if all(r.get("transactions") is not None for r in http):
         print("service commits per round (batches in transactions; checkpoints, their seconds): " + ", ".join(
             f"{r['batches']} in {r['transactions']}; {r['checkpoints']}, {r['checkpoint_s']:.2f} s" for r in http))
+        print("direct append checkpoints per round (their seconds): " + ", ".join(
+            f"{r['checkpoints']}, {r['checkpoint_s']:.2f} s" for r in direct))
     lat = [x for r in http for x in r["lat"]]
     print(f"ingest latency per batch: p50 {_pct(lat, 50) * 1e3:.1f} ms, p99 {_pct(lat, 99) * 1e3:.1f} ms "
           f"({len(lat)} requests, {args.producers} producers)")

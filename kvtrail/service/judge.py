@@ -41,6 +41,10 @@ ENGINE = "online"
 _LAG_SAMPLES = 4096
 # Committed events the judge holds for direct feeding; past this it drops them and reads from the store.
 MAX_HELD_EVENTS = 2_000_000
+# The minute aggregates take the fed commits at most this often while commits keep coming (and at once when
+# the judge goes idle or is waited for): adding them costs about the same for one commit as for twenty, and
+# readers count the minutes not yet added from their events, so the dashboard loses nothing meanwhile.
+AGGREGATE_INTERVAL_S = 2.0
 _WARM_UP_PRODUCER = {"cluster": "warm-up", "node": "warm-up", "role": "decode", "engine": "kvtrail",
                      "engine_version": "0", "instance": "0"}
 # Fed to a throwaway replay at start: loading the compiled kernels takes seconds on a loaded machine.
@@ -76,6 +80,8 @@ class Judge:
         # The per-(node, minute) aggregates: counted from each handed batch; rebuilt where the judge read
         # batches back from the store instead (its first poll, a fallback, a failed poll).
         self._refresh_aggregates = True
+        self._agg_pending: list[tuple[pa.Table, dict[int, int]]] = []  # fed, not yet in the aggregates
+        self._agg_at = 0.0
         # Whether the next poll reads new batches from the store: at start (what it already holds), after
         # commits it was not handed (or dropped, or a failed poll). Otherwise every committed batch reaches
         # the judge through notify, and a poll reading the store would race ahead of the notifications:
@@ -115,7 +121,7 @@ class Judge:
             self._hurry += 1
             self._cv.notify_all()
             try:
-                while self._oldest_ns is not None or self._busy or self._unsaved:
+                while self._oldest_ns is not None or self._busy or self._unsaved or self._agg_pending:
                     left = deadline - time.monotonic()
                     if left <= 0 or not self._thread.is_alive():
                         return False
@@ -166,16 +172,18 @@ class Judge:
 
     # ---- the judge's thread ----------------------------------------------------------------------
 
+    def _pending(self) -> bool:
+        """Whether a poll has something to do: commits to judge, findings to save or aggregates to add."""
+        return self._oldest_ns is not None or bool(self._unsaved) or bool(self._agg_pending)
+
     def _run(self) -> None:
         if self.replay.engine.fast_path is not None:  # load the compiled kernels now, not on the first commit
             OnlineReplay(self.policy).engine.feed(from_dicts(_WARM_UP_EVENTS))
         next_poll = 0.0
         while True:
             with self._cv:
-                while not self._stopping and (self._oldest_ns is None and not self._unsaved
-                                              or not self._hurry and time.monotonic() < next_poll):
-                    self._cv.wait(None if self._oldest_ns is None and not self._unsaved
-                                  else max(0.0, next_poll - time.monotonic()))
+                while not self._stopping and (not self._pending() or not self._hurry and time.monotonic() < next_poll):
+                    self._cv.wait(None if not self._pending() else max(0.0, next_poll - time.monotonic()))
                 if self._stopping:
                     return
                 next_poll = time.monotonic() + self.poll_interval_s
@@ -218,13 +226,18 @@ class Judge:
                 self.last_run_id = record.run_id
                 self.findings_saved += record.num_new
                 self._unsaved = []
-            if fed:  # one transaction for the poll's commits, not one per commit
-                aggregates.add_batches(self._con, fed)
-            if self._refresh_aggregates or read_back:
+            self._agg_pending += fed
+            if self._refresh_aggregates or read_back:  # counts every minute not counted, the pending ones too
                 aggregates.refresh(self._con)
+                self._agg_pending, self._agg_at = [], time.monotonic()
+            elif self._agg_pending and (self._hurry or self._oldest_ns is None
+                                        or time.monotonic() - self._agg_at >= AGGREGATE_INTERVAL_S):
+                aggregates.add_batches(self._con, self._agg_pending)  # one transaction for them all
+                self._agg_pending, self._agg_at = [], time.monotonic()
             self._refresh_aggregates = False
         except Exception:  # noqa: BLE001 - the judge must outlive any failure; counted, logged, retried
             self._refresh_aggregates = True
+            self._agg_pending = []  # the refresh of the retry counts them
             self.failures += 1
             with self._cv:
                 self._read_store = True  # what this poll took is judged again from the store

@@ -192,3 +192,39 @@ def test_the_judge_keeps_the_minute_aggregates_equal_to_a_recompute(client, serv
             cur.close()
     assert kept[0] and sum(r[2] for r in kept[0]) == sum(t.num_rows for t in tables)
     assert kept[1] and kept == rebuilt
+
+
+def test_the_aggregates_take_commits_on_their_interval_and_readers_see_those_minutes_uncovered(
+        client, service_state, producer_token, fleet, monkeypatch):
+    import time
+
+    from kvtrail.forensics import aggregates
+    from kvtrail.service import judge as judge_module
+
+    tables, _ = fleet
+    judge = service_state.judge
+    half = len(tables) // 2
+    for table in tables[:half]:
+        r = client.post("/v1/events", content=arrow_body(table), headers=auth(producer_token))
+        assert r.status_code == 200, r.text
+    assert judge.wait_idle(60)
+    monkeypatch.setattr(judge_module, "AGGREGATE_INTERVAL_S", 3600.0)
+    judge._agg_at = time.monotonic()
+    cur = service_state.cursor()
+    try:
+        assert not aggregates.uncovered_minutes(cur, aggregates.MIN_NS, aggregates.MAX_NS - aggregates.MINUTE_NS)
+        with service_state.write_lock:
+            commits = [service_state.store.append(t) for t in tables[half:]]
+        judge._oldest_ns = time.monotonic_ns()  # as if more commits were waiting: ingest goes on
+        assert judge._poll([(c.table, dict(c.batches)) for c in commits], False)
+        assert len(judge._agg_pending) == len(commits)  # judged, not yet added to the aggregates
+        assert aggregates.uncovered_minutes(cur, aggregates.MIN_NS, aggregates.MAX_NS - aggregates.MINUTE_NS)
+        judge._oldest_ns = None
+        assert judge.wait_idle(60)  # waited for: they are added
+        assert not judge._agg_pending
+        assert not aggregates.uncovered_minutes(cur, aggregates.MIN_NS, aggregates.MAX_NS - aggregates.MINUTE_NS)
+        counters = ", ".join(aggregates.COUNTER_NAMES)
+        kept = cur.execute(f"SELECT producer_id, minute_ns, {counters} FROM minute_events ORDER BY 1, 2").fetchall()
+    finally:
+        cur.close()
+    assert sum(r[2] for r in kept) == sum(t.num_rows for t in tables)
