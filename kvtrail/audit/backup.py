@@ -70,6 +70,10 @@ def _take_copy(src: Path, dst: Path) -> int:
                      "its writer first")
 
 
+class _StaleWal(StoreError):
+    """The copied WAL is not the main file's: DuckDB left it unreplayed (a checkpoint raced the copy)."""
+
+
 def _seal(path: Path, source: Path) -> tuple[int, int, int]:
     """Replay the copied WAL into the copy's main file and check it is a kvtrail store; its row counts."""
     con = connect(path, read_only=False)
@@ -83,7 +87,7 @@ def _seal(path: Path, source: Path) -> tuple[int, int, int]:
     left = wal_path(path)
     if left.exists():  # DuckDB may leave an empty one behind when the copied WAL held only its header
         if left.stat().st_size:
-            raise StoreError(f"the copy of {source} still has a WAL after its checkpoint")
+            raise _StaleWal(f"the copy of {source} still has a WAL after its checkpoint")
         left.unlink()
     return int(counts[0]), int(counts[1]), int(counts[2])
 
@@ -108,8 +112,17 @@ def backup_store(db: str | Path, to: str | Path, *, force: bool = False, checker
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{to.name}.", suffix=".partial", dir=to.parent))
     try:
         tmp = tmp_dir / "copy.duckdb"
-        attempts = _take_copy(src, tmp)
-        producers, batches, events = _seal(tmp, src)
+        attempts = 0
+        for retry in range(MAX_ATTEMPTS):
+            attempts += _take_copy(src, tmp)
+            try:
+                producers, batches, events = _seal(tmp, src)
+                break
+            except _StaleWal:  # the WAL copied belongs to another checkpoint than the file: copy both again
+                if retry == MAX_ATTEMPTS - 1:
+                    raise
+                for p in (tmp, wal_path(tmp)):
+                    p.unlink(missing_ok=True)
         report = verify_store(tmp, checker=checker, progress=progress)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
