@@ -61,13 +61,12 @@ def empty_after_abort(con: duckdb.DuckDBPyConnection, w: Window = Window(), *,
     """2xx responses with no completion tokens to requests aborted on some node (same attempt: the
     transfer ids agree where both events carry one). ``kinds``: as for :func:`shared_transfer_ids`."""
     if has_kind_tables(con) if kinds is None else kinds:  # the two kinds' tables, with requests and node
-        rw, rp = kind_window_filter(w.from_ns, w.to_ns, "x")
-        aw, ap = kind_window_filter(w.from_ns, w.to_ns, "x")
+        where, wp = kind_window_filter(w.from_ns, w.to_ns, "x")  # the same filter on both kinds' rows
         responses = (f"(SELECT x.* FROM {kind_rows('response_sent', 'x')} SEMI JOIN producers p "
-                     f"ON p.producer_id = x.producer_id WHERE {rw})")
+                     f"ON p.producer_id = x.producer_id WHERE {where})")
         aborts = (f"(SELECT x.*, p.node FROM {kind_rows('request_aborted', 'x')} JOIN producers p "
-                  f"ON p.producer_id = x.producer_id WHERE {aw})")
-        is_abort, is_response, params = "TRUE", "TRUE", rp + ap
+                  f"ON p.producer_id = x.producer_id WHERE {where})")
+        is_abort, is_response, params = "TRUE", "TRUE", wp + wp
     else:
         ev, wp = _windowed(w)
         responses, aborts, params = ev, ev, wp + wp

@@ -54,9 +54,10 @@ class VerifiedTokens:
             return hit[1]
 
     def put(self, secret: str, who: Principal) -> None:
+        key = self._key(secret)
         with self._lock:
-            self._known[self._key(secret)] = (time.monotonic(), who)
-            self._known.move_to_end(self._key(secret))
+            self._known[key] = (time.monotonic(), who)
+            self._known.move_to_end(key)
             while len(self._known) > self.size:
                 self._known.popitem(last=False)
 
