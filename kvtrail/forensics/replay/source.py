@@ -5,7 +5,7 @@ and sorts them again in the engine; for a forensic question over hours of a flee
 than the replay itself. This reader asks DuckDB for the events already in engine order, only the
 columns the engine reads, in time slices of about ``page_events_per_slice`` page-events (so memory
 stays bounded however long the window), and expands each slice's page runs (``page_runs``, read for
-all producers in one ordered query) in a compiled merge on ``seq``, producer by producer. Events of
+all producers in one filtered scan) in a compiled merge on ``seq``, producer by producer. Events of
 kinds other than the page kinds, and the few events that carry digest or block-hash lists, are read
 in one second query in the same order (none when a slice has none).
 
@@ -149,21 +149,11 @@ class _SliceReader:
     def _pages(self, keys: "_Keys", n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(flat 'pages' lists, offsets, 'dst_pages' lengths) of the slice's rows, from page_runs.
 
-        One ordered query for all the slice's producers; runs attach to events by a merge on seq and
+        One scan for all the slice's producers (:func:`_ordered_runs`); runs attach to events by a merge on seq and
         are concatenated in (list, pos) order, exactly as :func:`~kvtrail.audit.store.read_events` does.
         """
         ranges = keys.ranges()
-        # A join with the slice's (producer, seq range) list scans page_runs once; a query per producer
-        # scans most of it each time, as row groups mix producers.
-        values = ", ".join(["(?::BIGINT, ?::UBIGINT, ?::UBIGINT, ?::INTEGER)"] * len(ranges))
-        got = self.con.sql(
-            f"SELECT k.rank, r.seq, r.list, r.page_start, r.num_pages FROM page_runs r JOIN (VALUES {values}) "
-            "k(producer_id, lo, hi, rank) ON r.producer_id = k.producer_id AND r.seq BETWEEN k.lo AND k.hi "
-            "ORDER BY k.rank, r.seq, r.list, r.pos",
-            params=[x for k, r in enumerate(ranges) for x in (*r, k)]).to_arrow_table()
-        # Columns in their stored types (the kernel is compiled for them): no conversion copies.
-        runs = {k: read_only(got.column(k).to_numpy()) for k in ("rank", "seq", "list", "page_start", "num_pages")}
-        runs["seq"] = runs["seq"].view(np.int64)  # as the events' seq below: same bits, compared as int64
+        runs = _ordered_runs(self.con, ranges)
         run_seg = np.searchsorted(runs["rank"], np.arange(len(ranges) + 1)).astype(np.int64)
         poff = np.zeros(n + 1, np.int64)
         num_dst = np.zeros(n, np.int64)
@@ -204,6 +194,46 @@ class _SliceReader:
             else:
                 cols[name] = pa.nulls(n, _TYPES[name])
         return pa.table(cols)
+
+
+def _ordered_runs(con, ranges: list[tuple[int, int, int]]) -> dict[str, np.ndarray]:
+    """The page runs of the (producer_id, first seq, last seq) ``ranges``, ordered by (range, seq, list, pos).
+
+    One filtered scan of ``page_runs``, no join and no ORDER BY in DuckDB. Each producer's runs are
+    stored in (seq, list, pos) order batch by batch, in stretches (producers' batches interleave, and a
+    parallel insert may lay a batch's chunks out of order), so one int64 key per run, checked and if
+    need be sorted stably (a merge of those stretches), costs far less than DuckDB's sort of the rows.
+    ``rank`` is the range's index.
+    """
+    cond = " OR ".join(["(producer_id = ?::BIGINT AND seq BETWEEN ?::UBIGINT AND ?::UBIGINT)"] * len(ranges))
+    got = con.sql(f"SELECT producer_id, seq, list, pos, page_start, num_pages FROM page_runs WHERE {cond}",
+                  params=[x for r in ranges for x in r]).to_arrow_table()
+    cols = {k: got.column(k).to_numpy() for k in ("seq", "list", "page_start", "num_pages")}
+    pids = np.array([r[0] for r in ranges], np.int64)
+    by_pid = np.argsort(pids)
+    rank = by_pid[np.searchsorted(pids[by_pid], got.column("producer_id").to_numpy())]
+    order = _run_order(ranges, rank, cols["seq"], cols["list"], got.column("pos").to_numpy())
+    if order is not None:
+        rank = rank[order]
+        cols = {k: v[order] for k, v in cols.items()}
+    runs = {k: read_only(v) for k, v in cols.items()}
+    runs["rank"] = rank
+    runs["seq"] = runs["seq"].view(np.int64)  # as the events' seq: same bits, compared as int64
+    return runs
+
+
+def _run_order(ranges, rank: np.ndarray, seq: np.ndarray, lst: np.ndarray, pos: np.ndarray) -> np.ndarray | None:
+    """The order of runs by (rank, seq, list, pos), or None when they are in it already."""
+    lo = np.array([r[1] for r in ranges], np.uint64)
+    base = np.concatenate([[0], np.cumsum([r[2] - r[1] + 1 for r in ranges], dtype=np.int64)])
+    width = int(pos.max(initial=0)) + 1
+    if not (base[-1] * 2 * width < 1 << 62 and int(pos.min(initial=0)) >= 0 and int(lst.max(initial=0)) <= 1
+            and int(lst.min(initial=0)) >= 0):
+        return np.lexsort((pos, lst, seq, rank))  # no key fits in an int64
+    key = (base[rank] + (seq - lo[rank]).astype(np.int64)) * (2 * width) + lst.astype(np.int64) * width + pos
+    if np.all(key[1:] > key[:-1]):
+        return None
+    return np.argsort(key, kind="stable")
 
 
 class _Keys:
