@@ -91,9 +91,13 @@ class KvtrailSink:
         self.store.close()
 
 
+_SNAPSHOT_CODES = frozenset(KIND_CODES[k] for k in ("pages_allocated", "pages_freed", "kv_written", "kv_read"))
+
+
 def recorder_items(batch: pa.Table) -> tuple[list[tuple], int]:
     """A batch as the recorder's buffer holds it: ``(code, seq, mono_ns, req, pages, dst, payload)`` per
-    event (pages as ndarrays, as the recorder copies them), and the wall-minus-monotonic offset."""
+    event (the page kinds' pages as the recorder snapshots an ndarray: its bytes, its dtype in the dst
+    slot; the transfer kinds' as arrays), and the wall-minus-monotonic offset."""
     cols = {c: batch.column(c).to_pylist() for c in batch.column_names if batch.column(c).null_count < batch.num_rows
             and c not in ("pages", "dst_pages")}
     flat = pc.list_flatten(batch.column("pages")).to_numpy(zero_copy_only=False)
@@ -108,8 +112,10 @@ def recorder_items(batch: pa.Table) -> tuple[list[tuple], int]:
         req = None if rid is None else RequestRef(rid, cols.get("transfer_id", none)[i], cols.get("tenant_id", none)[i],
                                                   cols.get("api_key_id", none)[i])
         payload = tuple(cols.get(name, none)[i] for name in PAYLOAD_LAYOUT_BY_CODE[code])
-        items.append((code, cols["seq"][i], cols["mono_ns"][i], req, page_lists[i] if has_pages[i] else None, None,
-                      payload))
+        pages, dst = (page_lists[i], None) if has_pages[i] else (None, None)
+        if pages is not None and code in _SNAPSHOT_CODES:  # as the recorder snapshots a 1-D ndarray
+            pages, dst = pages.tobytes(), pages.dtype
+        items.append((code, cols["seq"][i], cols["mono_ns"][i], req, pages, dst, payload))
     return items, int(batch.column("wall_ns")[0].as_py()) - int(batch.column("mono_ns")[0].as_py())
 
 

@@ -2,7 +2,9 @@
 
 The recorder's hot path hands :meth:`EventBuffer.put` one event at a time; it is buffered as the tuple
 ``(kind_code, seq, mono_ns, request, pages, dst_pages, payload)``, with ``payload`` laid out as
-:data:`kvtrail.audit.events.PAYLOAD_LAYOUT` says for the kind. The writer takes everything at once
+:data:`kvtrail.audit.events.PAYLOAD_LAYOUT` says for the kind. ``pages`` may be a 1-D ndarray's bytes,
+its dtype then in the ``dst_pages`` slot (the page kinds have no dst_pages list): the writer reads it
+back with :func:`kvtrail.audit.writer.page_snapshots`. The writer takes everything at once
 with :meth:`EventBuffer.drain`. The buffer numbers the events, so a dropped event still consumes its
 sequence number and the store can prove how many are missing; drops are counted here and come back
 out of ``drain`` as ``recorder_gap`` events. Neither side imports the other: both import this module.
@@ -86,8 +88,8 @@ class EventBuffer:
                 else:
                     self.dropped_events += 1
                     self.total_dropped += 1
-                    if pages is not None:
-                        self.dropped_pages += len(pages)
+                    if pages is not None:  # an ndarray snapshot is its bytes, its dtype in the dst slot
+                        self.dropped_pages += len(pages) // dst.itemsize if type(pages) is bytes else len(pages)
             finally:
                 lock.release()
         except Exception:  # noqa: BLE001 - the serving path must never see an auditing failure; counted

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from itertools import repeat
-from operator import is_not, itemgetter
+from operator import is_, is_not, itemgetter
 from typing import Sequence
 
 import numpy as np
@@ -48,12 +48,71 @@ def _list_column(values: Sequence, type_: pa.DataType, field: str) -> pa.Array:
     """Build a list column from per-event tuples/arrays (None for absent) in a few C-level passes."""
     wide = np.uint64 if pa.types.is_uint64(type_.value_type) else np.int64
     flat, offsets, absent = pack_lists(values, wide)
+    return _checked_list(flat, offsets, type_, absent, field)
+
+
+def _checked_list(flat: np.ndarray, offsets: np.ndarray, type_: pa.DataType, absent, field: str) -> pa.Array:
+    """The list column of ``flat`` values at ``offsets``; an int32 column's values checked for range."""
     if pa.types.is_int32(type_.value_type) and flat.size:
         bad = (flat > INT32_MAX) | (flat < -INT32_MAX)
         if bad.any():
             row = int(np.searchsorted(offsets, np.flatnonzero(bad)[0], side="right") - 1)
             raise ValidationError(field, f"page id {int(flat[bad][0])} out of range", event=row)
     return list_array(flat, offsets, type_.value_type, absent, field=field)
+
+
+def page_snapshots(pages: Sequence, dsts: Sequence) -> tuple[pa.Array, Sequence]:
+    """The ``pages`` column of buffered events, and their ``dst_pages`` values.
+
+    ``pages`` may hold the recorder's ndarray snapshots: a 1-D array's bytes, its dtype in the dst
+    slot. The snapshots of one dtype are read back at once from their joined bytes and written into
+    the column's values beside the other rows' lists, with no Python per event. A snapshot of a dtype
+    that is not an integer type is refused (``ValidationError`` naming the event), as the array
+    itself would have been.
+    """
+    n = len(pages)
+    snap = np.fromiter(map(is_, map(type, pages), repeat(bytes)), dtype=bool, count=n)
+    if not snap.any():
+        return _list_column(pages, _TYPES["pages"], "pages"), dsts
+    at = np.flatnonzero(snap).tolist()
+    kinds = [dsts[i] for i in at]
+    distinct = set(kinds)
+    groups: dict = {distinct.pop(): at} if len(distinct) == 1 else {}
+    if not groups:
+        for i, dt in zip(at, kinds):
+            groups.setdefault(dt, []).append(i)
+    lengths = np.zeros(n, np.int64)
+    parts = []  # (rows, their lists' values back to back, in row order)
+    for dt, mine in groups.items():
+        if not (isinstance(dt, np.dtype) and dt.kind in "iu"):
+            raise ValidationError("pages", f"page ids of dtype {dt} are not integers", event=mine[0])
+        blobs = [pages[i] for i in mine]
+        lengths[mine] = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs)) // dt.itemsize
+        parts.append((np.array(mine, np.int64), np.frombuffer(b"".join(blobs), dt)))
+    others = np.flatnonzero(~snap)
+    absent = np.zeros(n, bool)
+    if len(others):
+        flat, offs, gone = pack_lists([pages[i] for i in others.tolist()], np.int64)
+        lengths[others] = np.diff(offs)
+        if gone is not None:
+            absent[others[gone]] = True
+        parts.append((others, flat))
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    parts = [p for p in parts if len(p[1])]
+    type_ = _TYPES["pages"]
+    if len(parts) == 1 and parts[0][1].dtype == np.int32 and pa.types.is_int32(type_.value_type):
+        values = parts[0][1]  # the other rows have empty lists; int32 ids need no range check
+        column = list_array(values, offsets, type_.value_type, absent if absent.any() else None, field="pages")
+    else:
+        values = parts[0][1].astype(np.int64) if len(parts) == 1 else np.empty(int(offsets[-1]), np.int64)
+        for where, flat in parts if len(parts) > 1 else ():  # each part's lists go to their rows' offsets
+            lens = lengths[where]
+            starts = np.cumsum(lens) - lens
+            values[np.repeat(offsets[where] - starts, lens) + np.arange(len(flat))] = flat
+        column = _checked_list(values, offsets, type_, absent if absent.any() else None, "pages")
+    snapped = snap.tolist()
+    return column, [None if s else d for d, s in zip(dsts, snapped)]
 
 
 def _convert(values, f: pa.Field, rows: np.ndarray | None) -> pa.Array:
@@ -145,7 +204,7 @@ def build_batch(producer: Producer, items: list, wall_offset: int | None = None)
     req_columns = zip(*[NO_REQUEST if r is None else r for r in reqs])
     for name, values in zip(RequestRef._fields, req_columns):
         cols[name] = pa.array(values, _TYPES[name])
-    cols["pages"] = _list_column(pages, _TYPES["pages"], "pages")
+    cols["pages"], dsts = page_snapshots(pages, dsts)
     cols["dst_pages"] = _list_column(dsts, _TYPES["dst_pages"], "dst_pages")
     cols.update(_payload_columns(codes, payloads, PAYLOAD_LAYOUT_BY_CODE, n, set(cols)))
     return pa.Table.from_arrays([cols[f.name] for f in BATCH_SCHEMA], schema=NULLABLE_BATCH_SCHEMA)
@@ -300,6 +359,8 @@ def _lost_counts(items: list) -> tuple[int, int]:
             pages += it[6][GAP_PAGES_AT] or 0
         else:
             events += 1
-            if isinstance(it[4], (tuple, np.ndarray)) and np.ndim(it[4]) == 1:
+            if type(it[4]) is bytes:  # an ndarray snapshot, its dtype in the dst slot
+                pages += len(it[4]) // it[5].itemsize
+            elif isinstance(it[4], (tuple, np.ndarray)) and np.ndim(it[4]) == 1:
                 pages += len(it[4])
     return events, pages
