@@ -112,9 +112,10 @@ def recorder_items(batch: pa.Table) -> tuple[list[tuple], int]:
         req = None if rid is None else RequestRef(rid, cols.get("transfer_id", none)[i], cols.get("tenant_id", none)[i],
                                                   cols.get("api_key_id", none)[i])
         payload = tuple(cols.get(name, none)[i] for name in PAYLOAD_LAYOUT_BY_CODE[code])
-        pages, dst = (page_lists[i], None) if has_pages[i] else (None, None)
-        if pages is not None and code in _SNAPSHOT_CODES:  # as the recorder snapshots a 1-D ndarray
-            pages, dst = pages.tobytes(), pages.dtype
+        pages: object = page_lists[i] if has_pages[i] else None
+        dst: object = None
+        if has_pages[i] and code in _SNAPSHOT_CODES:  # as the recorder snapshots a 1-D ndarray
+            pages, dst = page_lists[i].tobytes(), page_lists[i].dtype
         items.append((code, cols["seq"][i], cols["mono_ns"][i], req, pages, dst, payload))
     return items, int(batch.column("wall_ns")[0].as_py()) - int(batch.column("mono_ns")[0].as_py())
 

@@ -204,8 +204,8 @@ def build_batch(producer: Producer, items: list, wall_offset: int | None = None)
     req_columns = zip(*[NO_REQUEST if r is None else r for r in reqs])
     for name, values in zip(RequestRef._fields, req_columns):
         cols[name] = pa.array(values, _TYPES[name])
-    cols["pages"], dsts = page_snapshots(pages, dsts)
-    cols["dst_pages"] = _list_column(dsts, _TYPES["dst_pages"], "dst_pages")
+    cols["pages"], dst_lists = page_snapshots(pages, dsts)
+    cols["dst_pages"] = _list_column(dst_lists, _TYPES["dst_pages"], "dst_pages")
     cols.update(_payload_columns(codes, payloads, PAYLOAD_LAYOUT_BY_CODE, n, set(cols)))
     return pa.Table.from_arrays([cols[f.name] for f in BATCH_SCHEMA], schema=NULLABLE_BATCH_SCHEMA)
 
