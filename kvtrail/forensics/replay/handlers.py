@@ -138,8 +138,7 @@ class EventHandlers:
             return
         if ev.request_id is not None:
             r = self.state.req(ev.request_id)
-            for p in pages.tolist():
-                pool.drop(p, r)
+            pool.drop_all(pages, r)
             pool.remember_release(r, pages)
             return
         # Radix eviction: the page leaves every holder (the set built as always: its order decides the

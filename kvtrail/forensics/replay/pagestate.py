@@ -149,6 +149,17 @@ class PageState:
         if not self.extra.get(p, True):
             del self.extra[p]
 
+    def drop_all(self, pages: np.ndarray, r: int) -> None:
+        """``drop(p, r)`` for every p of ``pages`` in order: a page no prefix-cache hit and no second
+        holder shares (most of them) needs only its owner cleared, for all such pages at once."""
+        plain = self.nshared[pages] == 0
+        if self.extra:
+            plain &= ~np.fromiter(map(self.extra.__contains__, pages.tolist()), dtype=bool, count=len(pages))
+        mine = pages[plain]
+        self.owner[mine[self.owner[mine] == r]] = -1
+        for p in pages[~plain].tolist():  # drops of different pages do not interact: order kept per page
+            self.drop(p, r)
+
     def remember_late(self, pages: np.ndarray, key: tuple[int, int]) -> None:
         """Before a late write lands on ``pages``: remember what each page held (see ``late``)."""
         for p, w, g in zip(pages.tolist(), self.writer[pages].tolist(), self.write_gen[pages].tolist()):
