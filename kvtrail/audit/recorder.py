@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -129,47 +129,38 @@ class Recorder:
     # The four calls below carry the page lists of every allocation, free, write and read. A 1-D ndarray
     # is snapshot as its bytes, with its dtype in the (for these kinds unused) dst_pages slot of the
     # buffered tuple: ``tobytes`` costs about a third of ``copy``, and the writer joins the bytes of a
-    # batch at once. A list becomes a tuple inline (the GC stops tracking a tuple of ints, not a list
-    # copy: buffered list copies made the list path ~30 % slower); anything else goes through _copy_pages.
+    # batch at once. A list becomes a tuple inline; anything else goes through _copy_pages.
     def pages_allocated(self, req: RequestRef, pages: PageIds, purpose: str,
                         block_hashes: PageIds | None = None) -> None:
         extra = (purpose, None if block_hashes is None else _copy_pages(block_hashes))
-        p: Any = pages  # typed by what ``t`` is at run time
-        t = type(p)
-        if t is _NDARRAY and p.ndim == 1:
-            self._put(_ALLOCATED, req, p.tobytes(), p.dtype, extra)
+        if type(pages) is _NDARRAY and pages.ndim == 1:
+            self._put(_ALLOCATED, req, pages.tobytes(), pages.dtype, extra)
         else:
-            self._put(_ALLOCATED, req, tuple(p) if t is list else _copy_pages(p), None, extra)
+            self._put(_ALLOCATED, req, tuple(pages) if type(pages) is list else _copy_pages(pages), None, extra)
 
     def pages_freed(self, req: RequestRef | None, pages: PageIds, reason: str) -> None:
-        p: Any = pages  # typed by what ``t`` is at run time
-        t = type(p)
-        if t is _NDARRAY and p.ndim == 1:
-            self._put(_FREED, req, p.tobytes(), p.dtype, (reason,))
+        if type(pages) is _NDARRAY and pages.ndim == 1:
+            self._put(_FREED, req, pages.tobytes(), pages.dtype, (reason,))
         else:
-            self._put(_FREED, req, tuple(p) if t is list else _copy_pages(p), None, (reason,))
+            self._put(_FREED, req, tuple(pages) if type(pages) is list else _copy_pages(pages), None, (reason,))
 
     def kv_written(self, req: RequestRef, pages: PageIds, token_start: int, token_end: int, source: str,
                    page_digests: PageIds | None = None, digest_algo: str | None = None,
                    block_hashes: PageIds | None = None) -> None:
         extra = (token_start, token_end, source, None if page_digests is None else _copy_pages(page_digests),
                  digest_algo, None if block_hashes is None else _copy_pages(block_hashes))
-        p: Any = pages  # typed by what ``t`` is at run time
-        t = type(p)
-        if t is _NDARRAY and p.ndim == 1:
-            self._put(_WRITTEN, req, p.tobytes(), p.dtype, extra)
+        if type(pages) is _NDARRAY and pages.ndim == 1:
+            self._put(_WRITTEN, req, pages.tobytes(), pages.dtype, extra)
         else:
-            self._put(_WRITTEN, req, tuple(p) if t is list else _copy_pages(p), None, extra)
+            self._put(_WRITTEN, req, tuple(pages) if type(pages) is list else _copy_pages(pages), None, extra)
 
     def kv_read(self, req: RequestRef, pages: PageIds, page_digests: PageIds | None = None,
                 digest_algo: str | None = None) -> None:
         extra = (None if page_digests is None else _copy_pages(page_digests), digest_algo)
-        p: Any = pages  # typed by what ``t`` is at run time
-        t = type(p)
-        if t is _NDARRAY and p.ndim == 1:
-            self._put(_READ, req, p.tobytes(), p.dtype, extra)
+        if type(pages) is _NDARRAY and pages.ndim == 1:
+            self._put(_READ, req, pages.tobytes(), pages.dtype, extra)
         else:
-            self._put(_READ, req, tuple(p) if t is list else _copy_pages(p), None, extra)
+            self._put(_READ, req, tuple(pages) if type(pages) is list else _copy_pages(pages), None, extra)
 
     def transfer_reserved(self, req: RequestRef, pages: PageIds, num_tokens: int) -> None:
         self._put(_C["transfer_reserved"], req, _copy_pages(pages), None, (num_tokens,))

@@ -361,6 +361,6 @@ def _lost_counts(items: list) -> tuple[int, int]:
             events += 1
             if type(it[4]) is bytes:  # an ndarray snapshot, its dtype in the dst slot
                 pages += len(it[4]) // it[5].itemsize
-            elif isinstance(it[4], (tuple, list, np.ndarray)) and np.ndim(it[4]) == 1:
+            elif isinstance(it[4], (tuple, np.ndarray)) and np.ndim(it[4]) == 1:
                 pages += len(it[4])
     return events, pages
