@@ -53,7 +53,7 @@ def _list_column(values: Sequence, type_: pa.DataType, field: str) -> pa.Array:
 
 def _checked_list(flat: np.ndarray, offsets: np.ndarray, type_: pa.DataType, absent, field: str) -> pa.Array:
     """The list column of ``flat`` values at ``offsets``; an int32 column's values checked for range."""
-    if pa.types.is_int32(type_.value_type) and flat.size:
+    if pa.types.is_int32(type_.value_type) and flat.size and flat.dtype != np.int32:
         bad = (flat > INT32_MAX) | (flat < -INT32_MAX)
         if bad.any():
             row = int(np.searchsorted(offsets, np.flatnonzero(bad)[0], side="right") - 1)
@@ -67,8 +67,7 @@ def page_snapshots(pages: Sequence, dsts: Sequence) -> tuple[pa.Array, Sequence]
     ``pages`` may hold the recorder's ndarray snapshots: a 1-D array's bytes, its dtype in the dst
     slot. The snapshots of one dtype are read back at once from their joined bytes and written into
     the column's values beside the other rows' lists, with no Python per event. A snapshot of a dtype
-    that is not an integer type is refused (``ValidationError`` naming the event), as the array
-    itself would have been.
+    that is not an integer type is refused (``ValidationError`` naming the event).
     """
     n = len(pages)
     snap = np.fromiter(map(is_, map(type, pages), repeat(bytes)), dtype=bool, count=n)
@@ -76,9 +75,10 @@ def page_snapshots(pages: Sequence, dsts: Sequence) -> tuple[pa.Array, Sequence]
         return _list_column(pages, _TYPES["pages"], "pages"), dsts
     at = np.flatnonzero(snap).tolist()
     kinds = [dsts[i] for i in at]
-    distinct = set(kinds)
-    groups: dict = {distinct.pop(): at} if len(distinct) == 1 else {}
-    if not groups:
+    groups: dict = {}
+    if len(set(kinds)) == 1:  # the common case: one dtype, no Python per event
+        groups[kinds[0]] = at
+    else:
         for i, dt in zip(at, kinds):
             groups.setdefault(dt, []).append(i)
     lengths = np.zeros(n, np.int64)
@@ -100,17 +100,15 @@ def page_snapshots(pages: Sequence, dsts: Sequence) -> tuple[pa.Array, Sequence]
     offsets = np.zeros(n + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     parts = [p for p in parts if len(p[1])]
-    type_ = _TYPES["pages"]
-    if len(parts) == 1 and parts[0][1].dtype == np.int32 and pa.types.is_int32(type_.value_type):
-        values = parts[0][1]  # the other rows have empty lists; int32 ids need no range check
-        column = list_array(values, offsets, type_.value_type, absent if absent.any() else None, field="pages")
+    if len(parts) == 1:  # the other rows have empty lists: this part's values are the column's
+        values = parts[0][1] if parts[0][1].dtype == np.int32 else parts[0][1].astype(np.int64)
     else:
-        values = parts[0][1].astype(np.int64) if len(parts) == 1 else np.empty(int(offsets[-1]), np.int64)
-        for where, flat in parts if len(parts) > 1 else ():  # each part's lists go to their rows' offsets
+        values = np.empty(int(offsets[-1]), np.int64)
+        for where, flat in parts:  # each part's lists go to their rows' offsets
             lens = lengths[where]
             starts = np.cumsum(lens) - lens
             values[np.repeat(offsets[where] - starts, lens) + np.arange(len(flat))] = flat
-        column = _checked_list(values, offsets, type_, absent if absent.any() else None, "pages")
+    column = _checked_list(values, offsets, _TYPES["pages"], absent if absent.any() else None, "pages")
     snapped = snap.tolist()
     return column, [None if s else d for d, s in zip(dsts, snapped)]
 
