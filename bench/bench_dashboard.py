@@ -30,10 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rounds import MIN_ROUNDS, Spread, check_rounds, rotated  # noqa: E402
 
 from kvtrail import forensics as fx  # noqa: E402
+from kvtrail.answers.store import StoreSource  # noqa: E402
+from kvtrail.answers.tally import findings_tally  # noqa: E402
 from kvtrail.cli import main as kvtrail  # noqa: E402
-from kvtrail.dashboards.source import StoreSource  # noqa: E402
-from kvtrail.dashboards.tally import findings_tally  # noqa: E402
-from kvtrail.forensics import aggregates  # noqa: E402
+from kvtrail.forensics.results import aggregates
 
 COLD_GOAL_S, WARM_GOAL_S = 2.0, 0.2
 

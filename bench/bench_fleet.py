@@ -36,13 +36,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rounds import MIN_ROUNDS, Spread, at_least, at_most, check_rounds, per_round_ratios, rotated  # noqa: E402
 
 from kvtrail import forensics as fx  # noqa: E402
+from kvtrail.audit.lake.export import export_lake  # noqa: E402
+from kvtrail.audit.lake.partition import HOUR_NS  # noqa: E402
 from kvtrail.audit.store import AuditStore  # noqa: E402
 from kvtrail.forensics.lake.checkpointer import write_checkpoints  # noqa: E402
+from kvtrail.forensics.lake.executor import DaskExecutor  # noqa: E402
 from kvtrail.forensics.lake.questions import lake_findings, open_lake  # noqa: E402
 from kvtrail.forensics.replay.engine import replay_store  # noqa: E402
-from kvtrail.lake.executor import DaskExecutor  # noqa: E402
-from kvtrail.lake.export import export_lake  # noqa: E402
-from kvtrail.lake.partition import HOUR_NS  # noqa: E402
 from kvtrail.sim.fleet import FleetConfig, write_fleet  # noqa: E402
 from kvtrail.sim.fleet.config import DEFAULT_START_NS  # noqa: E402
 

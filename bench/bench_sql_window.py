@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from rounds import MIN_ROUNDS, Spread, at_most, check_rounds, per_round_ratios, rotated  # noqa: E402
 
+from kvtrail.audit.lake.export import export_lake  # noqa: E402
 from kvtrail.audit.store import AuditStore, connect_readonly  # noqa: E402
 from kvtrail.forensics.lake.checkpointer import write_checkpoints  # noqa: E402
 from kvtrail.forensics.lake.questions import open_lake  # noqa: E402
@@ -49,7 +50,6 @@ from kvtrail.forensics.lake.sqltask import sql_lake_findings  # noqa: E402
 from kvtrail.forensics.policy import ForensicsPolicy  # noqa: E402
 from kvtrail.forensics.replay.engine import replay_store  # noqa: E402
 from kvtrail.forensics.sql.engine import sql_findings  # noqa: E402
-from kvtrail.lake.export import export_lake  # noqa: E402
 from kvtrail.sim.fleet import FleetConfig  # noqa: E402
 from kvtrail.sim.fleet.run import write_fleet  # noqa: E402
 

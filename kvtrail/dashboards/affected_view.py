@@ -8,8 +8,8 @@ import streamlit as st
 
 from kvtrail import forensics as fx
 from kvtrail.dashboards import widgets
-from kvtrail.forensics import charts
 from kvtrail.outputs import csv_frame
+from kvtrail.report import charts
 
 COLUMNS = ["request_id", "tenant_id", "victim_tenants", "pages_read_foreign", "http_status", "prompt_tokens",
            "completion_tokens", "codes", "victim_requests", "other_requests", "other_tenants", "first_ns", "last_ns"]

@@ -12,6 +12,8 @@ import os
 import streamlit as st
 
 from kvtrail import forensics as fx
+from kvtrail.answers.store import SourceError, StoreSource
+from kvtrail.cli.dashboard import ENV_DB, ENV_TOKEN, ENV_URL
 from kvtrail.dashboards import (
     affected_view,
     exposure_view,
@@ -20,9 +22,7 @@ from kvtrail.dashboards import (
     report_view,
     transfers_view,
 )
-from kvtrail.dashboards.cli import ENV_DB, ENV_TOKEN, ENV_URL
 from kvtrail.dashboards.filters import sidebar_window
-from kvtrail.dashboards.source import SourceError, StoreSource
 from kvtrail.errors import KvtrailError
 
 VIEWS = {"Fleet": fleet_view.render, "Findings": findings_view.render, "Affected responses": affected_view.render,
@@ -34,7 +34,7 @@ REFRESH_S = (5, 10, 30, 60, 300)
 @st.cache_resource(show_spinner=False)
 def _source(db: str | None, url: str | None, token: str | None):
     if url:
-        from kvtrail.dashboards.remote_source import RemoteSource
+        from kvtrail.answers.remote import RemoteSource
 
         return RemoteSource(url, token)
     if not db:

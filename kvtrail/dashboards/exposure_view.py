@@ -7,7 +7,7 @@ import streamlit as st
 
 from kvtrail import forensics as fx
 from kvtrail.dashboards import widgets
-from kvtrail.forensics import charts
+from kvtrail.report import charts
 
 
 def render(src, w: fx.Window) -> None:

@@ -6,9 +6,9 @@ import polars as pl
 import streamlit as st
 
 from kvtrail import forensics as fx
+from kvtrail.answers.tally import findings_tally
 from kvtrail.dashboards import widgets
-from kvtrail.dashboards.tally import findings_tally
-from kvtrail.forensics import charts
+from kvtrail.report import charts
 
 COLUMNS = ["code", "title", "severity", "node", "request_id", "tenant_id", "victim_tenant_ids", "pages",
            "first_ns", "last_ns", "evidence", "detail"]

@@ -6,6 +6,7 @@ dashboard use; nothing outside ``kvtrail.forensics`` imports its subpackages (``
 a :class:`Window` and options, and returns Polars frames or typed records.
 """
 
+from kvtrail.audit.snapshot import open_snapshot
 from kvtrail.forensics.analysis import (
     PSEUDO_VICTIMS,
     Exclusions,
@@ -33,7 +34,6 @@ from kvtrail.forensics.findings import (
     findings_table,
 )
 from kvtrail.forensics.online import OnlineReplay, StoreTail
-from kvtrail.forensics.persist import save_findings, stored_findings
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.questions import (
     Answer,
@@ -54,13 +54,13 @@ from kvtrail.forensics.questions import (
     require_store,
 )
 from kvtrail.forensics.replay.engine import replay_store
-from kvtrail.forensics.report.build import Report, build_report, write_report
-from kvtrail.forensics.report.context import IncidentContext, load_context, load_exclusions
-from kvtrail.forensics.report.options import ReportOptions
-from kvtrail.forensics.report.snapshot import open_snapshot
-from kvtrail.forensics.report.verify import ReportCheck, check_digest, check_store_chain, verify_report
+from kvtrail.forensics.results.persist import save_findings, stored_findings
 from kvtrail.forensics.sql.engine import sql_findings
 from kvtrail.forensics.window import Window, check_window
+from kvtrail.report.build import Report, build_report, write_report
+from kvtrail.report.context import IncidentContext, load_context, load_exclusions
+from kvtrail.report.options import ReportOptions
+from kvtrail.report.verify import ReportCheck, check_digest, check_store_chain, verify_report
 
 __all__ = [
     "AFFECTED_CODES",

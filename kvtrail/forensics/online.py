@@ -21,9 +21,9 @@ import pyarrow as pa
 from kvtrail.audit.events import PRODUCER_FIELDS
 from kvtrail.audit.store import read_events
 from kvtrail.forensics.findings import Finding
-from kvtrail.forensics.persist import finding_id
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.engine import ReplayEngine
+from kvtrail.forensics.results.persist import finding_id
 
 _PRODUCER_NAMES = ", ".join(f.name for f in PRODUCER_FIELDS)
 

@@ -32,8 +32,9 @@ import numpy as np
 import pyarrow as pa
 
 from kvtrail.audit.batch import from_dicts
-from kvtrail.forensics import Finding, OnlineReplay, aggregates, save_findings
+from kvtrail.forensics import Finding, OnlineReplay, save_findings
 from kvtrail.forensics.policy import ForensicsPolicy
+from kvtrail.forensics.results import aggregates
 from kvtrail.service.config import DEFAULT_JUDGE_INTERVAL_S
 
 log = logging.getLogger("kvtrail.service")

@@ -1,7 +1,7 @@
 """Response models of the query API, so ``/openapi.json`` describes every table it returns.
 
 A table's JSON is an array of row objects with exactly the fields of the CLI's ``--format json`` (the
-same Polars frame, written by :func:`kvtrail.forensics.tables.json_text`); these models state those
+same Polars frame, written by :func:`kvtrail.answers.tables.json_text`); these models state those
 fields and their types. Every field may be null (the frames allow it). Tenant tokens get their own,
 narrower rows (``Tenant*``): their own requests and counts, never another tenant's ids.
 """

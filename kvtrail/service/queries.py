@@ -3,7 +3,7 @@
 Every route reads through a fresh cursor of the service's store (as the CLI reads a store file), is
 bounded by ``from``/``to`` (ISO 8601 UTC) with the CLI's filters,
 and is recorded in the access log (:mod:`kvtrail.service.audited`). Operators get everything; tenant
-tokens get their own requests and counts (:mod:`kvtrail.service.tenancy`); producer tokens get 403.
+tokens get their own requests and counts (:mod:`kvtrail.answers.tenancy`); producer tokens get 403.
 """
 
 # No "from __future__ import annotations": FastAPI must see the route-local Annotated aliases as objects.
@@ -15,8 +15,9 @@ import duckdb
 import polars as pl
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Response
 
+from kvtrail.answers import pages, persisted, tenancy
+from kvtrail.answers.client import NEXT_HEADER
 from kvtrail.audit.store import arrow_query
-from kvtrail.dashboards import pages, persisted
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics import (
     AFFECTED_CODES,
@@ -34,9 +35,8 @@ from kvtrail.forensics import (
     ask_thresholds,
     coverage_gaps,
 )
-from kvtrail.forensics.persist import ensure_tables as ensure_findings_tables
-from kvtrail.remote import NEXT_HEADER
-from kvtrail.service import audit_api, models, tenancy, tokens_api
+from kvtrail.forensics.results.persist import ensure_tables as ensure_findings_tables
+from kvtrail.service import audit_api, models, tokens_api
 from kvtrail.service.audited import logged_route
 from kvtrail.service.auth import principal_dependency, require_role
 from kvtrail.service.judged import affected_answer, findings_answer, judged_or_replayed

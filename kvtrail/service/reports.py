@@ -29,6 +29,7 @@ import duckdb
 from fastapi import Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvtrail.answers.client import REPORT_HEADER
 from kvtrail.audit.layout import KIND_TABLES
 from kvtrail.audit.verify import chain_heads, parse_heads
 from kvtrail.errors import KvtrailError
@@ -41,7 +42,6 @@ from kvtrail.forensics import (
     load_context,
     write_report,
 )
-from kvtrail.remote import REPORT_HEADER
 
 MEDIA = {"zip": "application/zip", "tar.gz": "application/gzip"}
 MANIFEST = "report.json"
@@ -71,7 +71,7 @@ class ReportBody(BaseModel):
                 "burst_count": self.burst_count}
 
 
-# As in forensics.report.snapshot: the tables whose rows belong to a (producer_id, batch_no).
+# As in audit.snapshot: the tables whose rows belong to a (producer_id, batch_no).
 _BATCHED = (*KIND_TABLES, "page_runs", "batches")
 
 

@@ -2,7 +2,7 @@
 prints on stderr (coverage gaps, notes, warnings, exclusions) in the ``X-Kvtrail-Answer`` header.
 
 The header holds compact JSON (ASCII only); Parquet also carries it in the file's schema metadata
-(key ``kvtrail.answer``), where no header size limit cuts it; ``--url`` clients (:mod:`kvtrail.remote`)
+(key ``kvtrail.answer``), where no header size limit cuts it; ``--url`` clients (:mod:`kvtrail.answers.client`)
 read that.
 """
 
@@ -15,10 +15,10 @@ import polars as pl
 import pyarrow.parquet as pq
 from fastapi import Response
 
+from kvtrail.answers.client import ANSWER_HEADER, META_KEY
+from kvtrail.answers.tables import json_text
 from kvtrail.forensics import Answer
-from kvtrail.forensics.tables import json_text
 from kvtrail.outputs import csv_frame
-from kvtrail.remote import ANSWER_HEADER, META_KEY
 
 PARQUET = "application/vnd.apache.parquet"
 MAX_HEADER_CHARS = 8000

@@ -23,8 +23,8 @@ from kvtrail.audit.store import AuditStore, connect_readonly, read_events
 from kvtrail.audit.verify import verify_store
 from kvtrail.cli import main
 from kvtrail.errors import StoreError
-from kvtrail.forensics.persist import results_digest
 from kvtrail.forensics.questions import findings_of
+from kvtrail.forensics.results.persist import results_digest
 from tests.conftest import alloc, producer
 
 DATA = Path(__file__).parent / "data"

@@ -11,9 +11,9 @@ import polars as pl
 import pytest
 
 from kvtrail import forensics as fx
+from kvtrail.answers.store import StoreSource
 from kvtrail.cli import main
-from kvtrail.dashboards.source import StoreSource
-from kvtrail.forensics import charts
+from kvtrail.report import charts
 from kvtrail.timeutil import format_utc
 
 
@@ -69,7 +69,7 @@ def test_report_html_and_pdf_carry_the_figures(seeded, window, tmp_path):
 
 
 def test_report_without_the_charts_extra_says_so(monkeypatch, seeded, window):
-    from kvtrail.forensics.report import figures
+    from kvtrail.report import figures
 
     monkeypatch.setattr(charts, "available", lambda: False)
     con = fx.open_store(seeded)
@@ -87,6 +87,6 @@ def test_figures_skip_empty_frames(empty):
                               "pages": pl.Int64})
     if not empty:
         df = pl.DataFrame({"recipient_tenant": ["a"], "victim_tenant": ["b"], "responses": [1], "pages": [3]})
-    from kvtrail.forensics.report.figures import _figure
+    from kvtrail.report.figures import _figure
 
     assert (_figure(charts.exposure_heatmap, df, "x") == []) is empty

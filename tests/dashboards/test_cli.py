@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvtrail.cli import cli, main
-from kvtrail.dashboards import cli as dash
+from kvtrail.cli import dashboard as dash
 
 
 def test_dashboard_is_a_root_command():

@@ -17,9 +17,9 @@ pytest.importorskip("fastapi")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from kvtrail.dashboards import persisted  # noqa: E402
-from kvtrail.dashboards.remote_source import RemoteSource  # noqa: E402
-from kvtrail.dashboards.source import StoreSource  # noqa: E402
+from kvtrail.answers import persisted
+from kvtrail.answers.remote import RemoteSource  # noqa: E402
+from kvtrail.answers.store import StoreSource  # noqa: E402
 from kvtrail.service.app import create_app  # noqa: E402
 from kvtrail.service.state import open_state  # noqa: E402
 from kvtrail.service.tokens import add_token  # noqa: E402

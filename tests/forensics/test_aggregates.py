@@ -14,10 +14,10 @@ from kvtrail import forensics as fx
 from kvtrail.audit.retention import prune
 from kvtrail.audit.store import AuditStore, read_events
 from kvtrail.cli import main
-from kvtrail.forensics import aggregates as ag
-from kvtrail.forensics.aggregates import uncovered_minutes
 from kvtrail.forensics.online import OnlineReplay
-from kvtrail.forensics.window_counts import WindowCounts, window_counts
+from kvtrail.forensics.results import aggregates as ag
+from kvtrail.forensics.results.aggregates import uncovered_minutes
+from kvtrail.forensics.results.window_counts import WindowCounts, window_counts
 
 SIM = ["--seed", "11", "--nodes", "2", "--hours", "0.05", "--rate", "2", "--plants-per-hour", "60", "--tenants", "4",
        "--prefill-pool-tokens", "200000", "--decode-pool-tokens", "600000", "--context-tokens", "400000"]

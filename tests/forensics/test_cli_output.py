@@ -10,11 +10,11 @@ import types
 import polars as pl
 import pytest
 
+from kvtrail.answers import tables
+from kvtrail.answers.tables import AFFECTED, printable, render_table, shorten
 from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.store import AuditStore
 from kvtrail.cli import main
-from kvtrail.forensics import tables
-from kvtrail.forensics.tables import AFFECTED, printable, render_table, shorten
 from kvtrail.outputs import csv_frame
 from tests.conftest import alloc, config, event, producer
 from tests.forensics.incident_fixture import build
@@ -150,7 +150,7 @@ def test_a_hostile_id_prints_harmlessly_and_whole_in_files(tmp_path, capsys):
 
 
 def test_warnings_and_gaps_go_to_stderr_for_every_format(db, monkeypatch, capsys):
-    import kvtrail.forensics.cli as fcli
+    import kvtrail.cli.forensics as fcli
 
     real = fcli.ask_affected
 

@@ -15,7 +15,7 @@ import polars as pl
 import pytest
 
 from kvtrail.cli import main
-from kvtrail.forensics.report import render
+from kvtrail.report import render
 from tests.forensics.test_cli_output import HOSTILE_TENANT, _two_victims_store
 
 WINDOW = ["--from", "2026-09-09T13:00:00Z", "--to", "2026-09-09T14:00:00Z"]

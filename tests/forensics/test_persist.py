@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.store import AuditStore
-from kvtrail.forensics.persist import finding_id, results_digest, save_findings, stored_findings
 from kvtrail.forensics.replay.engine import replay_store
+from kvtrail.forensics.results.persist import finding_id, results_digest, save_findings, stored_findings
 from kvtrail.forensics.sql.engine import sql_findings
 from tests.forensics.test_replay import pd_request, pd_timeline
 

@@ -13,7 +13,7 @@ import yaml
 
 from kvtrail.cli import main
 from kvtrail.errors import KvtrailError
-from kvtrail.forensics.report.context import load_context, parse_context
+from kvtrail.report.context import load_context, parse_context
 from tests.forensics.incident_fixture import RESEARCHER_KEY, W0, append_request, build
 
 ROOT = Path(__file__).resolve().parents[2]

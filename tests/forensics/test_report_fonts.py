@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from kvtrail.forensics.report import fonts, render
-from kvtrail.forensics.report.fonts import PdfFonts
+from kvtrail.report import fonts, render
+from kvtrail.report.fonts import PdfFonts
 from tests.forensics.test_report_safety import report
 
 NAMES = {"acme": "Zażółć gęślą jaźń", "umbrella": "Καλημέρα", "hooli": "数据泄露", "globex": "數據保護"}

@@ -15,8 +15,8 @@ from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.store import AuditStore
 from kvtrail.cli import main
 from kvtrail.errors import KvtrailError
-from kvtrail.forensics.report import render
-from kvtrail.forensics.report.context import MAX_FILE_BYTES, load_context
+from kvtrail.report import render
+from kvtrail.report.context import MAX_FILE_BYTES, load_context
 from tests.forensics import incident_fixture as fx
 
 WINDOW = ["--from", "2026-09-09T00:00:00Z", "--to", "2026-09-09T06:00:00Z"]

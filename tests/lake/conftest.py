@@ -8,10 +8,10 @@ import shutil
 import duckdb
 import pytest
 
+from kvtrail.audit.lake.export import export_lake
+from kvtrail.audit.lake.partition import HOUR_NS
 from kvtrail.audit.store import AuditStore
 from kvtrail.forensics.lake.checkpointer import write_checkpoints
-from kvtrail.lake.export import export_lake
-from kvtrail.lake.partition import HOUR_NS
 from kvtrail.sim.fleet import FleetConfig, write_fleet
 from kvtrail.sim.fleet.config import DEFAULT_START_NS
 

@@ -17,13 +17,13 @@ import pyarrow as pa
 import pytest
 
 from kvtrail import forensics as fx
+from kvtrail.audit.lake.catalog import LAKE_TABLES
 from kvtrail.cli import main
 from kvtrail.errors import KvtrailError
+from kvtrail.forensics.lake.executor import DaskExecutor, worker_environ, worker_threads
 from kvtrail.forensics.lake.questions import lake_findings, open_lake
 from kvtrail.forensics.replay.batch import PRODUCER_NAMES
 from kvtrail.forensics.replay.engine import replay_store
-from kvtrail.lake.catalog import LAKE_TABLES
-from kvtrail.lake.executor import DaskExecutor, worker_environ, worker_threads
 
 distributed = pytest.importorskip("distributed")
 DEADLINE_S = 120
@@ -119,7 +119,7 @@ def test_local_workers_run_without_a_malloc_trim_threshold():
 
 
 def _threads_here(_: int) -> tuple[int | None, str]:
-    from kvtrail.lake.catalog import open_memory_catalog
+    from kvtrail.audit.lake.catalog import open_memory_catalog
 
     tables = {t: pa.table({"producer_id": pa.array([], pa.int64())}) for t in LAKE_TABLES}
     tables["producers"] = pa.table({"producer_id": pa.array([], pa.int64()),

@@ -11,17 +11,17 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvtrail.audit.chain import generate_keypair
+from kvtrail.audit.lake.export import export_lake
+from kvtrail.audit.lake.fs import LakeFS
+from kvtrail.audit.lake.manifest import read_manifest
+from kvtrail.audit.lake.partition import HOUR_NS
+from kvtrail.audit.lake.verify import verify_lake
 from kvtrail.audit.store import AuditStore
 from kvtrail.cli import main
 from kvtrail.forensics.lake.checkpointer import write_checkpoints
 from kvtrail.forensics.lake.questions import lake_findings, open_lake
 from kvtrail.forensics.replay.engine import replay_store
 from kvtrail.forensics.window import Window
-from kvtrail.lake.export import export_lake
-from kvtrail.lake.fs import LakeFS
-from kvtrail.lake.manifest import read_manifest
-from kvtrail.lake.partition import HOUR_NS
-from kvtrail.lake.verify import verify_lake
 from kvtrail.sim.fleet import write_fleet
 from tests.lake.conftest import BOUNDARY_NS, FLEET, make_store, second_cluster
 

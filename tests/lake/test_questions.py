@@ -8,9 +8,13 @@ from pathlib import Path
 import pytest
 
 from kvtrail import forensics as fx
+from kvtrail.audit.lake.fs import LakeFS
+from kvtrail.audit.lake.manifest import read_manifest
+from kvtrail.audit.lake.partition import HOUR_NS
 from kvtrail.audit.store import read_events
 from kvtrail.cli import main
 from kvtrail.forensics.lake import checkpoint
+from kvtrail.forensics.lake.executor import LocalExecutor, map_largest_first
 from kvtrail.forensics.lake.merge import merged_findings
 from kvtrail.forensics.lake.plan import plan_tasks
 from kvtrail.forensics.lake.questions import (
@@ -23,14 +27,10 @@ from kvtrail.forensics.lake.questions import (
     open_lake,
 )
 from kvtrail.forensics.lake.task import LakeCoverageError, run_task
-from kvtrail.forensics.persist import finding_id, results_digest
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.engine import ReplayEngine, replay_store
 from kvtrail.forensics.replay.pagestate import PAGE_ARRAYS
-from kvtrail.lake.executor import LocalExecutor, map_largest_first
-from kvtrail.lake.fs import LakeFS
-from kvtrail.lake.manifest import read_manifest
-from kvtrail.lake.partition import HOUR_NS
+from kvtrail.forensics.results.persist import finding_id, results_digest
 from tests.lake.conftest import BOUNDARY_NS
 
 S = 1_000_000_000

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from kvtrail.audit.lake.export import export_lake
+from kvtrail.audit.lake.fs import LakeFS
+from kvtrail.audit.lake.manifest import read_manifest
+from kvtrail.audit.lake.partition import HOUR_NS
 from kvtrail.cli import main
 from kvtrail.forensics.lake.checkpointer import write_checkpoints
-from kvtrail.lake.export import export_lake
-from kvtrail.lake.fs import LakeFS
-from kvtrail.lake.manifest import read_manifest
-from kvtrail.lake.partition import HOUR_NS
 from kvtrail.timeutil import format_utc
 from tests.lake.conftest import BOUNDARY_NS, make_store, second_cluster
 

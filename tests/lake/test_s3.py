@@ -7,13 +7,13 @@ import pyarrow.fs as pafs
 import pytest
 
 from kvtrail import forensics as fx
+from kvtrail.audit.lake.export import export_lake
+from kvtrail.audit.lake.fs import LakeFS
+from kvtrail.audit.lake.verify import verify_lake
 from kvtrail.cli import main
 from kvtrail.forensics.lake.checkpointer import write_checkpoints
 from kvtrail.forensics.lake.questions import lake_findings, open_lake
 from kvtrail.forensics.replay.engine import replay_store
-from kvtrail.lake.export import export_lake
-from kvtrail.lake.fs import LakeFS
-from kvtrail.lake.verify import verify_lake
 from kvtrail.timeutil import format_utc
 from tests.lake.conftest import BOUNDARY_NS
 

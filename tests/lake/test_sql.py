@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 
 from kvtrail import forensics as fx
+from kvtrail.audit.lake.fs import LakeFS
+from kvtrail.audit.lake.manifest import read_manifest
+from kvtrail.audit.lake.partition import HOUR_NS
 from kvtrail.cli import main
 from kvtrail.forensics.lake.plan import plan_tasks
 from kvtrail.forensics.lake.questions import ask_lake_findings, lake_findings, open_lake
 from kvtrail.forensics.lake.sqltask import PAGE_CODES, run_sql_task, sql_lake_findings
 from kvtrail.forensics.lake.task import LakeCoverageError
-from kvtrail.forensics.persist import finding_id
 from kvtrail.forensics.policy import ForensicsPolicy
+from kvtrail.forensics.results.persist import finding_id
 from kvtrail.forensics.sql.engine import sql_findings
-from kvtrail.lake.fs import LakeFS
-from kvtrail.lake.manifest import read_manifest
-from kvtrail.lake.partition import HOUR_NS
 from tests.lake.conftest import BOUNDARY_NS
 from tests.lake.test_questions import WINDOWS
 

@@ -7,15 +7,15 @@ import dataclasses
 import duckdb
 
 from kvtrail import forensics as fx
+from kvtrail.audit.lake.export import export_lake
+from kvtrail.audit.lake.partition import HOUR_NS
 from kvtrail.audit.store import AuditStore
 from kvtrail.cli import main
 from kvtrail.forensics.lake.checkpointer import write_checkpoints
 from kvtrail.forensics.lake.questions import lake_findings, open_lake
 from kvtrail.forensics.lake.watch import LakeWatch
-from kvtrail.forensics.persist import finding_id
 from kvtrail.forensics.replay.engine import replay_store
-from kvtrail.lake.export import export_lake
-from kvtrail.lake.partition import HOUR_NS
+from kvtrail.forensics.results.persist import finding_id
 from kvtrail.sim.fleet import write_fleet
 from tests.lake.conftest import BOUNDARY_NS, FLEET, make_store
 

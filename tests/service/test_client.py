@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from kvtrail.answers.client import Client
 from kvtrail.audit.verify import chain_heads
 from kvtrail.forensics import open_store
-from kvtrail.remote import Client
 from kvtrail.service import tokens
 from tests.conftest import run_cli
 from tests.forensics.incident_fixture import build

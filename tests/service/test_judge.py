@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from kvtrail.forensics import replay_store, stored_findings
-from kvtrail.forensics.persist import finding_id
+from kvtrail.forensics.results.persist import finding_id
 from kvtrail.sim.fleet.config import FleetConfig
 from kvtrail.sim.fleet.run import fleet_batches
 from tests.service.conftest import arrow_body, auth
@@ -170,7 +170,7 @@ def test_stats_before_any_poll_has_no_lag():
 
 
 def test_the_judge_keeps_the_minute_aggregates_equal_to_a_recompute(client, service_state, producer_token, fleet):
-    from kvtrail.forensics import aggregates
+    from kvtrail.forensics.results import aggregates
 
     tables, _ = fleet
     for table in tables:
@@ -198,7 +198,7 @@ def test_the_aggregates_take_commits_on_their_interval_and_readers_see_those_min
         client, service_state, producer_token, fleet, monkeypatch):
     import time
 
-    from kvtrail.forensics import aggregates
+    from kvtrail.forensics.results import aggregates
     from kvtrail.service import judge as judge_module
 
     tables, _ = fleet

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from kvtrail.answers.tables import json_text
 from kvtrail.forensics import AFFECTED_CODES, Exclusions, Window, ask_affected, ask_findings
-from kvtrail.forensics.tables import json_text
 from kvtrail.service import judged
 from kvtrail.timeutil import format_utc
 from tests.forensics.incident_fixture import W0, W1

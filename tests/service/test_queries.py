@@ -10,8 +10,9 @@ import zipfile
 import polars as pl
 import pytest
 
+from kvtrail.answers import pages
+from kvtrail.answers.tables import json_text
 from kvtrail.audit.verify import chain_heads
-from kvtrail.dashboards import pages
 from kvtrail.forensics import (
     ReportOptions,
     Window,
@@ -23,7 +24,6 @@ from kvtrail.forensics import (
     ask_thresholds,
     verify_report,
 )
-from kvtrail.forensics.tables import json_text
 from kvtrail.service import access
 from kvtrail.service.tokens import add_token
 from tests.forensics.incident_fixture import W0, W1

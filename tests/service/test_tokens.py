@@ -11,9 +11,9 @@ import duckdb
 import pytest
 from click.testing import CliRunner
 
+from kvtrail.cli.token import token as token_cli
 from kvtrail.errors import KvtrailError
 from kvtrail.service import access, tokens
-from kvtrail.service.cli import token as token_cli
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import json
 import click
 
 from kvtrail.cli import cli, main
-from kvtrail.sim.cli import simulate
+from kvtrail.cli.simulate import simulate
 from kvtrail.sim.fleet import FleetConfig, config_defaults
 from kvtrail.timeutil import format_utc
 

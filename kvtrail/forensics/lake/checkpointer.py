@@ -1,6 +1,6 @@
 """The export's page-state pass: a node's checkpoints at each hour boundary, from its store's events.
 
-:func:`write_checkpoints` is what :func:`kvtrail.lake.export.export_lake` calls for each node an export
+:func:`write_checkpoints` is what :func:`kvtrail.audit.lake.export.export_lake` calls for each node an export
 touched. It resumes from the node's latest checkpoint at or before the hour of its first new event (or
 from an empty state at the node's first hour), replays the node's events from the store hour by hour
 (the replay engine's own page rules, without the cross-node joins) and writes the state at the start of
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import duckdb
 
+from kvtrail.audit.lake.export import LakeWriter
+from kvtrail.audit.lake.fs import LakeFS
+from kvtrail.audit.lake.partition import Partition
 from kvtrail.audit.store import read_events
 from kvtrail.forensics.lake import checkpoint
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.engine import ReplayEngine
 from kvtrail.forensics.replay.source import store_batches
-from kvtrail.lake.export import LakeWriter
-from kvtrail.lake.fs import LakeFS
-from kvtrail.lake.partition import Partition
 
 # The per-node codes: a checkpoint replay needs the page state only, not the cross-node joins.
 POOL_CODES = ("F1", "F5", "F6", "F7", "F8", "F10")

@@ -24,11 +24,11 @@ from collections import defaultdict
 
 import duckdb
 
+from kvtrail.audit.lake.fs import LakeFS
+from kvtrail.audit.lake.manifest import LakeManifest
+from kvtrail.audit.lake.partition import HOUR_NS, hour_of
 from kvtrail.forensics.lake.task import LakeCoverageError, PartitionTask
 from kvtrail.forensics.policy import ForensicsPolicy
-from kvtrail.lake.fs import LakeFS
-from kvtrail.lake.manifest import LakeManifest
-from kvtrail.lake.partition import HOUR_NS, hour_of
 
 NodeKey = tuple[str, str]
 

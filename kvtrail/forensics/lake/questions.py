@@ -1,7 +1,8 @@
 """The forensics questions on a lake: the replay fanned out per (node, hour), the rest as on one store.
 
 :func:`lake_findings` plans the tasks (:mod:`kvtrail.forensics.lake.plan`), runs them on an
-:class:`~kvtrail.lake.executor.Executor` and resolves what crosses partitions (:mod:`kvtrail.forensics.lake.merge`);
+:class:`~kvtrail.forensics.lake.executor.Executor` and resolves what crosses partitions
+(:mod:`kvtrail.forensics.lake.merge`);
 its findings equal :func:`kvtrail.forensics.replay.engine.replay_store`'s on the store the lake was
 exported from. The ``ask_lake_*`` functions answer like their ``kvtrail.forensics.ask_*`` namesakes,
 with the questions' SQL (responses, symptoms, coverage, exclusions, thresholds) run on the lake's catalog.
@@ -16,6 +17,9 @@ from dataclasses import dataclass
 import duckdb
 import polars as pl
 
+from kvtrail.audit.lake.catalog import LAKE_TABLES, open_catalog
+from kvtrail.audit.lake.fs import LakeFS
+from kvtrail.audit.lake.manifest import LakeManifest, read_manifest, require_manifest
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics import (
     AFFECTED_CODES,
@@ -34,6 +38,7 @@ from kvtrail.forensics import (
     node_capacity,
 )
 from kvtrail.forensics.analysis.exclusions import Exclusions, excluded_mask
+from kvtrail.forensics.lake.executor import Executor, LocalExecutor, map_largest_first
 from kvtrail.forensics.lake.merge import merged_findings
 from kvtrail.forensics.lake.plan import plan_tasks
 from kvtrail.forensics.lake.sqltask import sql_lake_findings
@@ -50,10 +55,6 @@ from kvtrail.forensics.symptoms import (
     withhold_incomplete,
 )
 from kvtrail.forensics.window import Window, check_window
-from kvtrail.lake.catalog import LAKE_TABLES, open_catalog
-from kvtrail.lake.executor import Executor, LocalExecutor, map_largest_first
-from kvtrail.lake.fs import LakeFS
-from kvtrail.lake.manifest import LakeManifest, read_manifest, require_manifest
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,12 @@ import dataclasses
 
 import pyarrow as pa
 
+from kvtrail.audit.lake.catalog import open_memory_catalog
+from kvtrail.audit.lake.fs import LakeFS
+from kvtrail.audit.lake.partition import HOUR_NS
 from kvtrail.forensics.findings import Finding
 from kvtrail.forensics.lake import checkpoint
+from kvtrail.forensics.lake.executor import Executor, LocalExecutor, map_largest_first, worker_threads
 from kvtrail.forensics.lake.plan import plan_tasks
 from kvtrail.forensics.lake.prelude import Prelude, build_prelude
 from kvtrail.forensics.lake.task import PartitionResult, PartitionTask, read_checked, read_tables, task_filter
@@ -29,10 +33,6 @@ from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.joins import CrossNodeJoins
 from kvtrail.forensics.replay.state import ReplayState
 from kvtrail.forensics.sql.engine import EVENT_ORDER, SqlScope, sql_findings
-from kvtrail.lake.catalog import open_memory_catalog
-from kvtrail.lake.executor import Executor, LocalExecutor, map_largest_first, worker_threads
-from kvtrail.lake.fs import LakeFS
-from kvtrail.lake.partition import HOUR_NS
 
 PAGE_CODES = ("F1", "F5", "F6", "F7", "F10")
 CROSS_CODES = ("F2", "F3", "F4", "F8", "F9", "F11")

@@ -17,19 +17,19 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from kvtrail.audit.lake.catalog import LAKE_TABLES, open_memory_catalog
+from kvtrail.audit.lake.fs import LakeFS
+from kvtrail.audit.lake.partition import HOUR_NS
 from kvtrail.audit.store import read_events
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics.findings import Finding
 from kvtrail.forensics.lake import checkpoint
+from kvtrail.forensics.lake.executor import worker_threads
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.batch import JOIN_KINDS, PRODUCER_NAMES
 from kvtrail.forensics.replay.engine import ReplayEngine
 from kvtrail.forensics.replay.joins import CrossNodeJoins
 from kvtrail.forensics.replay.source import store_batches
-from kvtrail.lake.catalog import LAKE_TABLES, open_memory_catalog
-from kvtrail.lake.executor import worker_threads
-from kvtrail.lake.fs import LakeFS
-from kvtrail.lake.partition import HOUR_NS
 
 MODES = ("pages", "joins", "chain")
 
@@ -105,7 +105,7 @@ def task_filter(task: PartitionTask, lo: int, hi: int) -> tuple[str, list]:
 
 def read_tables(lake: LakeFS, task: PartitionTask, threads: int | None = None) -> dict[str, pa.Table]:
     """The task's files as tables, each read once: the bytes whose SHA-256 matched are the ones judged.
-    ``threads``: the task's thread budget (:func:`~kvtrail.lake.executor.worker_threads`)."""
+    ``threads``: the task's thread budget (:func:`~kvtrail.forensics.lake.executor.worker_threads`)."""
     many = threads is None or threads > 1
     tables = {table: pa.concat_tables([pq.read_table(pa.BufferReader(read_checked(lake, path, sha)), use_threads=many)
                                        for path, sha in entries]) for table, entries in task.files if entries}

@@ -6,23 +6,23 @@ the whole history's tasks (every (node, hour) partition from its checkpoint, as 
 without a window), re-runs only the tasks whose files or checkpoint changed (the manifest's SHA-256s
 say which: a new hour, an hour that received more events, a checkpoint rewritten by a later export),
 keeps the others' results, and resolves the cross-partition joins over all of them. Findings are told
-apart by their stable id (:func:`~kvtrail.forensics.persist.finding_id`): one already printed is not
+apart by their stable id (:func:`~kvtrail.forensics.results.persist.finding_id`): one already printed is not
 printed again. As with ``watch --db``, a cross-node finding (F2/F4/F9) whose other half lands in a
 later export shows up then, under its final evidence; nothing printed is taken back.
 """
 
 from __future__ import annotations
 
+from kvtrail.audit.lake.fs import LakeFS
+from kvtrail.audit.lake.manifest import manifest_numbers
 from kvtrail.forensics.findings import Finding
+from kvtrail.forensics.lake.executor import Executor, LocalExecutor, map_largest_first
 from kvtrail.forensics.lake.merge import merged_findings
 from kvtrail.forensics.lake.plan import plan_tasks
 from kvtrail.forensics.lake.questions import open_lake
 from kvtrail.forensics.lake.task import PartitionResult, PartitionTask, run_task
-from kvtrail.forensics.persist import finding_id
 from kvtrail.forensics.policy import ForensicsPolicy
-from kvtrail.lake.executor import Executor, LocalExecutor, map_largest_first
-from kvtrail.lake.fs import LakeFS
-from kvtrail.lake.manifest import manifest_numbers
+from kvtrail.forensics.results.persist import finding_id
 
 
 def _task_key(t: PartitionTask) -> tuple:

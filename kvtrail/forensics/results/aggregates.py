@@ -11,10 +11,10 @@ events were counted at (``as_of_ns``: the newest batch change, commit or prune, 
 A minute is *covered* when no batch overlapping it changed after its ``as_of_ns``: its events rows are
 then exactly what a scan of the ``events`` view would count. Two writers keep them: :func:`recompute`
 (SQL over ``events`` for a window's minutes; ``forensics findings --save`` runs it through
-:func:`~kvtrail.forensics.persist.save_findings`) and :func:`add_batches` (committed Arrow batches, as
+:func:`~kvtrail.forensics.results.persist.save_findings`) and :func:`add_batches` (committed Arrow batches, as
 :class:`~kvtrail.audit.store.AppendResult` hands them to the live judge). Findings counts are rebuilt
 from the ``findings`` table for every minute a save touches. Readers ask
-:func:`kvtrail.forensics.window_counts.window_counts`.
+:func:`kvtrail.forensics.results.window_counts.window_counts`.
 """
 
 from __future__ import annotations

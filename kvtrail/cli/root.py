@@ -13,16 +13,16 @@ import click
 import duckdb
 
 from kvtrail import __version__
-from kvtrail.audit.cli import audit
-from kvtrail.dashboards.cli import dashboard
+from kvtrail.cli.audit import audit
+from kvtrail.cli.dashboard import dashboard
+from kvtrail.cli.forensics import forensics
+from kvtrail.cli.lake import lake
+from kvtrail.cli.preflight import preflight
+from kvtrail.cli.simulate import simulate
+from kvtrail.cli.token import token
 from kvtrail.errors import KvtrailError, StoreError
-from kvtrail.forensics.cli import forensics
-from kvtrail.forensics.lake.cli import lake
-from kvtrail.preflight.cli import preflight
-from kvtrail.service.cli import token
 from kvtrail.service.config import BANNER, ServeConfig
 from kvtrail.serving.config import StackConfig
-from kvtrail.sim.cli import simulate
 
 
 @click.group()
@@ -51,7 +51,7 @@ def demo(db: str, seed: int, requests: int) -> None:
 
     SIGTERM stops it like Ctrl-C: the running stack drains and flushes its audit, then it exits (code 2).
     """
-    from kvtrail.demo import run_demo
+    from kvtrail.cli.demo import run_demo
     from kvtrail.signals import interrupt_on_stop_signals
 
     with interrupt_on_stop_signals():

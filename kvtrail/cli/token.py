@@ -10,10 +10,10 @@ from pathlib import Path
 import click
 import duckdb
 
-from kvtrail import remote
+from kvtrail.answers import client as remote
+from kvtrail.answers.tables import printable
 from kvtrail.audit.store import AuditStore
 from kvtrail.errors import KvtrailError, StoreError
-from kvtrail.forensics.tables import printable
 from kvtrail.service import tokens
 from kvtrail.timeutil import format_utc
 

@@ -17,11 +17,11 @@ import httpx
 import polars as pl
 
 from kvtrail import forensics as fx
-from kvtrail.dashboards import pages
-from kvtrail.dashboards.source import SourceError, Thresholds
-from kvtrail.dashboards.transfers import SCHEMA as TRANSFER_SCHEMA
+from kvtrail.answers import pages
+from kvtrail.answers.client import Client
+from kvtrail.answers.store import SourceError, Thresholds
+from kvtrail.answers.transfers import SCHEMA as TRANSFER_SCHEMA
 from kvtrail.errors import KvtrailError
-from kvtrail.remote import Client
 from kvtrail.timeutil import format_utc
 
 TENANT_SPAN_NS = 7 * 86_400 * 10**9  # a tenant cannot see node configurations: its default window

@@ -1,9 +1,9 @@
-"""Render report blocks (see ``kvtrail.forensics.report.disclosure``) as Markdown, self-contained HTML and PDF.
+"""Render report blocks (see ``kvtrail.report.disclosure``) as Markdown, self-contained HTML and PDF.
 
 Block texts are plain text, and part of it comes from outside (tenant and request ids from clients, the
 operator's incident.yaml). Markdown escapes it so that no value can start a heading, a list, a link,
 raw HTML or another table cell; HTML escapes every value. The PDF embeds Unicode fonts
-(``kvtrail.forensics.report.fonts``) and shortens what cannot fit a page, such as a 3,000-character id,
+(``kvtrail.report.fonts``) and shortens what cannot fit a page, such as a 3,000-character id,
 with a middle ellipsis; the CSV/JSON files beside it keep every value whole.
 """
 
@@ -16,7 +16,7 @@ import re
 import struct
 from pathlib import Path
 
-from kvtrail.forensics.report.fonts import PdfFonts, missing_note, warn_once
+from kvtrail.report.fonts import PdfFonts, missing_note, warn_once
 
 _FOLD = str.maketrans({"\u2013": "-", "\u2014": "-", "\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"',
                        "\u2026": "...", "\u2192": "->", "\u2264": "<=", "\u2265": ">=", "\u2248": "~", "\u00d7": "x",

@@ -16,17 +16,17 @@ from typing import Callable, TypeVar
 import click
 import polars as pl
 
+from kvtrail.answers.client import Client
+from kvtrail.answers.tables import printable
 from kvtrail.errors import KvtrailError, StoreError
 from kvtrail.forensics import Answer, Exclusions
 from kvtrail.forensics.findings import NEVER_WRITTEN
+from kvtrail.forensics.lake.executor import DaskExecutor, Executor, LocalExecutor
 from kvtrail.forensics.lake.questions import open_lake
-from kvtrail.forensics.lake.report import verify_lake_report
-from kvtrail.forensics.report.manifest import MANIFEST, load_manifest
-from kvtrail.forensics.report.verify import ReportCheck, changed_files, verify_report
-from kvtrail.forensics.tables import printable
-from kvtrail.lake.executor import DaskExecutor, Executor, LocalExecutor
 from kvtrail.outputs import write_dir_atomically
-from kvtrail.remote import Client
+from kvtrail.report.lake import verify_lake_report
+from kvtrail.report.manifest import MANIFEST, load_manifest
+from kvtrail.report.verify import ReportCheck, changed_files, verify_report
 from kvtrail.signals import interrupt_on_stop_signals
 from kvtrail.timeutil import format_utc
 

@@ -1,6 +1,6 @@
 """The disclosure report on an audit lake: ``kvtrail forensics report --lake`` and ``verify-report --lake``.
 
-:func:`lake_report` is :func:`~kvtrail.forensics.report.build.build_report` on the lake's catalog, fed the
+:func:`lake_report` is :func:`~kvtrail.report.build.build_report` on the lake's catalog, fed the
 findings of the partition replay (:func:`~kvtrail.forensics.lake.questions.lake_findings`) instead of
 replaying one store, so it equals the report on the store the lake came from (same affected responses,
 same results digest). ``report.json`` also records the lake manifest the report was built from: its
@@ -17,20 +17,20 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from kvtrail.audit.lake.catalog import LAKE_TABLES, open_catalog
+from kvtrail.audit.lake.fs import LakeFS
+from kvtrail.audit.lake.manifest import manifest_name, manifest_numbers, read_manifest
+from kvtrail.audit.lake.verify import LakeVerifyReport, check_files, verify_lake
 from kvtrail.audit.verify import chain_heads, compare_heads, parse_heads
 from kvtrail.errors import KvtrailError
+from kvtrail.forensics.lake.executor import Executor
 from kvtrail.forensics.lake.questions import Lake, lake_findings, open_lake
-from kvtrail.forensics.report.build import Report, build_report
-from kvtrail.forensics.report.context import IncidentContext
-from kvtrail.forensics.report.manifest import MANIFEST, load_manifest
-from kvtrail.forensics.report.options import ReportOptions
-from kvtrail.forensics.report.verify import ReportCheck, changed_files, check_digest, note_growth
 from kvtrail.forensics.window import Window
-from kvtrail.lake.catalog import LAKE_TABLES, open_catalog
-from kvtrail.lake.executor import Executor
-from kvtrail.lake.fs import LakeFS
-from kvtrail.lake.manifest import manifest_name, manifest_numbers, read_manifest
-from kvtrail.lake.verify import LakeVerifyReport, check_files, verify_lake
+from kvtrail.report.build import Report, build_report
+from kvtrail.report.context import IncidentContext
+from kvtrail.report.manifest import MANIFEST, load_manifest
+from kvtrail.report.options import ReportOptions
+from kvtrail.report.verify import ReportCheck, changed_files, check_digest, note_growth
 
 
 def lake_record(lake: Lake) -> dict:

@@ -1,4 +1,4 @@
-"""A window's counters from the per-minute aggregates (:mod:`kvtrail.forensics.aggregates`) where they are
+"""A window's counters from the per-minute aggregates (:mod:`kvtrail.forensics.results.aggregates`) where they are
 exact, and from the events elsewhere.
 
 :func:`window_counts` splits [from, to] into the whole minutes the aggregates cover (read from
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import duckdb
 import polars as pl
 
-from kvtrail.forensics.aggregates import (
+from kvtrail.forensics.results.aggregates import (
     COUNTER_NAMES,
     MAX_NS,
     MIN_NS,

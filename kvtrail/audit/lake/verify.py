@@ -13,10 +13,9 @@ import hashlib
 from dataclasses import dataclass, field
 
 from kvtrail.audit.chain import SignatureChecker
-from kvtrail.audit.verify import verify_store
-from kvtrail.lake.catalog import LAKE_TABLES, open_catalog
-from kvtrail.lake.fs import LakeFS
-from kvtrail.lake.manifest import (
+from kvtrail.audit.lake.catalog import LAKE_TABLES, open_catalog
+from kvtrail.audit.lake.fs import LakeFS
+from kvtrail.audit.lake.manifest import (
     MANIFEST_DIR,
     LakeManifest,
     check_signature,
@@ -25,6 +24,7 @@ from kvtrail.lake.manifest import (
     parse_manifest,
     require_manifest,
 )
+from kvtrail.audit.verify import verify_store
 
 
 @dataclass

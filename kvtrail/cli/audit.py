@@ -130,7 +130,7 @@ def verify(db: str, url: str | None, api_token: str | None, public_key: str | No
 
 def _verify_remote(url: str, api_token: str | None, saved: list | None,
                    public_key_pem: str | None) -> tuple[dict, list[str]]:
-    from kvtrail.remote import Client
+    from kvtrail.answers.client import Client
 
     doc = Client(url, api_token).verify(expect_heads=saved, public_key_pem=public_key_pem)
     n = doc.pop("chain_problems", len(doc["problems"]))  # the rest of the problems: saved heads not reached
@@ -190,7 +190,7 @@ def _print_verify(doc: dict, chain_problems: list[str], saved: list | None) -> N
 def head(db: str, url: str | None, api_token: str | None, as_json: bool) -> None:
     """Print each producer's chain head (last batch and digest) to anchor outside the store."""
     if url:
-        from kvtrail.remote import Client
+        from kvtrail.answers.client import Client
 
         heads = Client(url, api_token).heads()["heads"]
     else:

@@ -2,7 +2,7 @@
 baseline, rules), the kvtrail version, each producer's audit chain head at report time (latest batch
 number and digest), a SHA-256 of the canonical query results and a SHA-256 of every file written; for a
 report on an audit lake, also the lake manifest it was built from (number, SHA-256, chain heads).
-:mod:`kvtrail.forensics.report.verify` checks a report against it.
+:mod:`kvtrail.report.verify` checks a report against it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``kvtrail lake export|verify``: put stores into an audit lake (local or S3) and check one.
 
 The commands live with the lake's forensics because an export writes page-state checkpoints (the
-replay's state); the storage itself is :mod:`kvtrail.lake`.
+replay's state); the storage itself is :mod:`kvtrail.audit.lake`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 import click
 
 from kvtrail.audit.chain import SignatureChecker, Signer
+from kvtrail.audit.lake.export import export_lake
+from kvtrail.audit.lake.verify import verify_lake
 from kvtrail.forensics.lake.checkpointer import write_checkpoints
-from kvtrail.lake.export import export_lake
-from kvtrail.lake.verify import verify_lake
 from kvtrail.timeutil import parse_utc
 
 

@@ -7,7 +7,7 @@ findings it saw and how many were new) and a digest of its result set, so two ru
 without re-reading their rows. The tables live in the audit store's DuckDB file beside the events;
 they are derived data and are not part of the hash chain (``kvtrail audit verify`` does not cover them,
 and re-running forensics can always rebuild them). A save also keeps the per-minute aggregates
-(:mod:`kvtrail.forensics.aggregates`) in the same transaction: the findings counts of the minutes its
+(:mod:`kvtrail.forensics.results.aggregates`) in the same transaction: the findings counts of the minutes its
 findings end in, and, unless the caller keeps the event counters itself (the live judge, batch by
 batch), every minute of the run's window recomputed from the events.
 """
@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass
 import duckdb
 import pyarrow as pa
 
-from kvtrail.forensics import aggregates
 from kvtrail.forensics.findings import Finding, findings_table
 from kvtrail.forensics.policy import ForensicsPolicy
+from kvtrail.forensics.results import aggregates
 
 _DDL = (
     "CREATE TABLE IF NOT EXISTS forensic_runs (run_id BIGINT PRIMARY KEY, run_ns BIGINT NOT NULL, "
@@ -70,7 +70,7 @@ def save_findings(con: duckdb.DuckDBPyConnection, findings: list[Finding], *, fr
 
     The findings counts of the minutes they end in are rebuilt; ``recompute_aggregates`` also rebuilds
     the event counters of every minute of [from_ns, to_ns] (the whole store when unbounded). A caller that
-    adds the committed batches with :func:`kvtrail.forensics.aggregates.add_batches` passes False."""
+    adds the committed batches with :func:`kvtrail.forensics.results.aggregates.add_batches` passes False."""
     ensure_tables(con)
     con.complete()
     con.begin()

@@ -13,6 +13,33 @@ from pathlib import Path
 import click
 import duckdb
 
+from kvtrail.answers.tables import (
+    AFFECTED,
+    EXPLOITATION,
+    EXPOSURE,
+    FINDINGS,
+    THRESHOLDS,
+    TableView,
+    json_text,
+    printable,
+    render_table,
+    terminal_text,
+    window_scope,
+)
+from kvtrail.cli.options import exclusion_options, exclusions, probe_options, report_options
+from kvtrail.cli.report import report, verify_report_cmd
+from kvtrail.cli.sources import (
+    Remote,
+    lake_answer,
+    lake_options,
+    local,
+    remote_of,
+    remote_options,
+    repeat_polls,
+    watch_remote,
+    window_params,
+    with_lake_executor,
+)
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics import (
     NEVER_WRITTEN,
@@ -28,20 +55,6 @@ from kvtrail.forensics import (
     require_store,
     save_findings,
 )
-from kvtrail.forensics.cli_options import exclusion_options, exclusions, probe_options, report_options
-from kvtrail.forensics.cli_remote import (
-    Remote,
-    lake_answer,
-    lake_options,
-    local,
-    remote_of,
-    remote_options,
-    repeat_polls,
-    watch_remote,
-    window_params,
-    with_lake_executor,
-)
-from kvtrail.forensics.cli_report import report, verify_report_cmd
 from kvtrail.forensics.lake.questions import (
     ask_lake_affected,
     ask_lake_exploitation,
@@ -51,19 +64,6 @@ from kvtrail.forensics.lake.questions import (
 )
 from kvtrail.forensics.lake.task import LakeCoverageError
 from kvtrail.forensics.lake.watch import LakeWatch
-from kvtrail.forensics.tables import (
-    AFFECTED,
-    EXPLOITATION,
-    EXPOSURE,
-    FINDINGS,
-    THRESHOLDS,
-    TableView,
-    json_text,
-    printable,
-    render_table,
-    terminal_text,
-    window_scope,
-)
 from kvtrail.outputs import csv_frame, refuse_clobber, write_file_atomically
 from kvtrail.timeutil import format_utc, parse_utc
 

@@ -25,11 +25,11 @@ import pyarrow.parquet as pq
 from kvtrail import __version__
 from kvtrail.audit.chain import Signer
 from kvtrail.audit.events import PRODUCER_FIELDS
+from kvtrail.audit.lake.fs import LakeFS
+from kvtrail.audit.lake.manifest import read_manifest, write_manifest
+from kvtrail.audit.lake.partition import HOUR_NS, Partition, check_name
 from kvtrail.audit.store import connect_readonly
 from kvtrail.errors import KvtrailError, StoreError
-from kvtrail.lake.fs import LakeFS
-from kvtrail.lake.manifest import read_manifest, write_manifest
-from kvtrail.lake.partition import HOUR_NS, Partition, check_name
 
 PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
 Progress = Callable[[str], None] | None

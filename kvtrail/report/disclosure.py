@@ -1,9 +1,9 @@
 """The text of the disclosure report, as format-neutral blocks that ``render`` turns into MD/HTML/PDF.
 
 A block is a tuple: ``("h1"|"h2"|"p"|"warn"|"mono", text)``, ``("ul", [items])``,
-``("table", headers, rows)`` or ``("img", png_bytes, caption)`` (``kvtrail.forensics.report.figures``).
+``("table", headers, rows)`` or ``("img", png_bytes, caption)`` (``kvtrail.report.figures``).
 Everything the report says is here, once; the numbers come from the
-:class:`~kvtrail.forensics.report.build.Report` model.
+:class:`~kvtrail.report.build.Report` model.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import polars as pl
 
 from kvtrail.forensics import analysis as an
 from kvtrail.forensics.findings import AFFECTED_CODES, CODES
-from kvtrail.forensics.report import figures, notices
+from kvtrail.report import figures, notices
 from kvtrail.timeutil import format_utc
 
 MAX_ROWS = 50  # rows of a long table shown in the documents; the CSV/JSON files hold them all

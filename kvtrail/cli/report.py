@@ -8,10 +8,9 @@ from pathlib import Path
 
 import click
 
-from kvtrail.errors import KvtrailError
-from kvtrail.forensics import build_report, load_context, open_snapshot, require_store, write_report
-from kvtrail.forensics.cli_options import exclusion_options, exclusions, probe_options, report_options
-from kvtrail.forensics.cli_remote import (
+from kvtrail.answers.tables import printable
+from kvtrail.cli.options import exclusion_options, exclusions, probe_options, report_options
+from kvtrail.cli.sources import (
     lake_answer,
     lake_options,
     local,
@@ -22,10 +21,11 @@ from kvtrail.forensics.cli_remote import (
     report_check,
     report_lines,
 )
-from kvtrail.forensics.lake.report import check_out_of_lake, lake_report
-from kvtrail.forensics.report.manifest import MANIFEST
-from kvtrail.forensics.tables import printable
+from kvtrail.errors import KvtrailError
+from kvtrail.forensics import build_report, load_context, open_snapshot, require_store, write_report
 from kvtrail.outputs import check_out_dir
+from kvtrail.report.lake import check_out_of_lake, lake_report
+from kvtrail.report.manifest import MANIFEST
 from kvtrail.timeutil import parse_utc
 
 

@@ -2,9 +2,9 @@
 
 :func:`build_report` runs the questions (findings, affected responses) and the analyses (exclusions,
 exposure, thresholds, exploitation) on a store snapshot; :func:`write_report` writes Markdown, HTML
-and PDF (``kvtrail.forensics.report.render``, text from ``kvtrail.forensics.report.disclosure``), CSV/JSON of the
+and PDF (``kvtrail.report.render``, text from ``kvtrail.report.disclosure``), CSV/JSON of the
 affected responses and exposed tenants, and the ``report.json`` manifest that
-``kvtrail forensics verify-report`` checks (``kvtrail.forensics.report.manifest``).
+``kvtrail forensics verify-report`` checks (``kvtrail.report.manifest``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ from kvtrail.forensics.questions import (
     findings_of,
     report_requests,
 )
-from kvtrail.forensics.report.context import IncidentContext
-from kvtrail.forensics.report.options import ReportOptions
 from kvtrail.forensics.symptoms import (
     empty_after_abort,
     incomplete_requests,
@@ -44,6 +42,8 @@ from kvtrail.forensics.symptoms import (
     withhold_incomplete,
 )
 from kvtrail.outputs import csv_frame, write_dir_atomically
+from kvtrail.report.context import IncidentContext
+from kvtrail.report.options import ReportOptions
 
 DATA_FILES = ("affected_responses", "exposed_tenants")
 
@@ -77,7 +77,7 @@ class Report:
     unclean_ends: tuple[UncleanEnd, ...] = ()
     incomplete: pl.DataFrame = field(default_factory=pl.DataFrame)  # requests in flight at an unclean end
     withheld_findings: int = 0  # their F2/F3, withheld as incomplete
-    # for a report on an audit lake: the lake manifest it was built from (kvtrail.forensics.lake.report)
+    # for a report on an audit lake: the lake manifest it was built from (kvtrail.report.lake)
     lake: dict | None = None
 
     @property
@@ -175,7 +175,7 @@ def write_report(report: Report, out_dir: str | Path, store_name: str, *, force:
     them into place (:func:`kvtrail.outputs.write_dir_atomically`): ``out_dir`` must be new or empty,
     or with ``force`` only the report's own files in it are replaced; a failure leaves it as it was.
     ``protected``: the store's paths, never written over. Returns the manifest."""
-    from kvtrail.forensics.report import manifest
+    from kvtrail.report import manifest
 
     done: dict = {}
     write_dir_atomically(out_dir, lambda staging: done.update(_write_files(report, staging, store_name)),
@@ -185,7 +185,7 @@ def write_report(report: Report, out_dir: str | Path, store_name: str, *, force:
 
 def _write_files(report: Report, out: Path, store_name: str) -> dict:
     """Every report file into the (new, empty) folder ``out``, the manifest last; returns the manifest."""
-    from kvtrail.forensics.report import disclosure, manifest, render
+    from kvtrail.report import disclosure, manifest, render
 
     written = []
     # Excluded responses stay in the file, marked, so the exclusion itself can be reviewed.

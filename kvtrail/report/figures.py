@@ -1,4 +1,4 @@
-"""The report's pictures: the charts the dashboard shows (``kvtrail.forensics.charts``), as PNG blocks.
+"""The report's pictures: the charts the dashboard shows (``kvtrail.report.charts``), as PNG blocks.
 
 A figure block is ``("img", png_bytes, caption)``; ``render`` embeds it in the HTML (a data URI, so the
 page stays self-contained) and the PDF, and names it in the Markdown. Without the ``dashboard`` extra
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import polars as pl
 
-from kvtrail.forensics import charts
 from kvtrail.forensics.findings import AFFECTED_CODES
+from kvtrail.report import charts
 
 LEFT_OUT = ("Figures left out: drawing them needs the 'dashboard' extra (Altair and vl-convert-python); "
             "the tables hold the same numbers.")

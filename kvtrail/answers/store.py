@@ -5,7 +5,7 @@ questions use, so a view shows what the CLI would print for the same window and 
 the window's findings: they are read from persisted findings (``forensics findings --save`` or the live
 judge) when a run covers the window, and replayed otherwise. Counters over the window's events (recorder
 drops, transfers, findings per minute) come from the per-minute aggregates those runs keep
-(``kvtrail.forensics.aggregates``) where they cover it, and from the events for the rest. Every answer
+(``kvtrail.forensics.results.aggregates``) where they cover it, and from the events for the rest. Every answer
 is computed once per (window, store state) and kept in a small memo; the store state is what the OS says
 of its two files (any commit, checkpoint or saved run changes them), so a reload of an unchanged store
 opens no connection at all.
@@ -28,11 +28,11 @@ import duckdb
 import polars as pl
 
 from kvtrail import forensics as fx
+from kvtrail.answers import fleet, pages, persisted, transfers
 from kvtrail.audit.store import connect_readonly
 from kvtrail.audit.storefile import wal_path
-from kvtrail.dashboards import fleet, pages, persisted, transfers
 from kvtrail.errors import KvtrailError, StoreError
-from kvtrail.forensics import window_counts
+from kvtrail.forensics.results import window_counts
 
 PERSISTED = "persisted findings"  # how found() names findings read from a saved run
 MEMO_WINDOWS = 16  # heavy answers kept per (question, window, store state); a few windows of one session

@@ -13,8 +13,8 @@ import duckdb
 import pyarrow as pa
 import pyarrow.dataset as pads
 
+from kvtrail.audit.lake.fs import LakeFS
 from kvtrail.audit.store import schema_ddl
-from kvtrail.lake.fs import LakeFS
 
 # Tables a lake holds files of; every other store table is an empty view.
 LAKE_TABLES = ("producers", "batches", "events", "page_runs")

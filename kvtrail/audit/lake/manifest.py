@@ -14,8 +14,8 @@ import json
 from dataclasses import dataclass, field
 
 from kvtrail.audit.chain import SignatureChecker, Signer
+from kvtrail.audit.lake.fs import LakeFS
 from kvtrail.errors import KvtrailError
-from kvtrail.lake.fs import LakeFS
 
 FORMAT = "kvtrail-lake"
 FORMAT_VERSION = 1

@@ -2,7 +2,7 @@
 findings rows elsewhere.
 
 With a saved run covering the window, every persisted finding that ends in a minute the aggregates cover
-is counted in ``minute_findings`` (``kvtrail.forensics.aggregates``); the rest of the window (its partial
+is counted in ``minute_findings`` (``kvtrail.forensics.results.aggregates``); the rest of the window (its partial
 edge minutes, minutes a later commit changed) is counted from the rows. With a tenant filter (the counts
 are per node), findings replayed for want of a saved run, or a remote source, every count comes from the
 rows. Either way the counts equal the rows': the tally is one row per finding, at its minute.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import polars as pl
 
 from kvtrail import forensics as fx
-from kvtrail.dashboards.source import PERSISTED
+from kvtrail.answers.store import PERSISTED
 
 SCHEMA = {"last_ns": pl.Int64, "code": pl.Utf8, "title": pl.Utf8, "severity": pl.Utf8, "node": pl.Utf8}
 _TITLES = {c.code: c.title for c in fx.CODES.values()}

@@ -15,14 +15,14 @@ from typing import Callable
 
 import duckdb
 
+from kvtrail.audit.snapshot import open_snapshot
 from kvtrail.audit.store import connect_readonly
 from kvtrail.audit.verify import chain_heads, compare_heads, parse_heads, verify_store
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics.questions import require_store
-from kvtrail.forensics.report.build import build_report
-from kvtrail.forensics.report.manifest import MANIFEST, load_manifest, sha256_file
-from kvtrail.forensics.report.options import ReportOptions
-from kvtrail.forensics.report.snapshot import open_snapshot
+from kvtrail.report.build import build_report
+from kvtrail.report.manifest import MANIFEST, load_manifest, sha256_file
+from kvtrail.report.options import ReportOptions
 
 
 @dataclass

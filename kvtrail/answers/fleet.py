@@ -3,7 +3,7 @@ numbers from ``kvtrail.forensics.node_capacity``) beside its producer's cheap ag
 
 Everything here is an aggregate over small tables or one event kind (``node_config``), the batch index
 (last event seen, sequence gaps) and the window's per-minute counters (recorder drops: from
-``kvtrail.forensics.aggregates`` where they cover the window, from the events elsewhere), never a page
+``kvtrail.forensics.results.aggregates`` where they cover the window, from the events elsewhere), never a page
 replay, so the view loads in the same time on any store size.
 """
 
@@ -13,7 +13,7 @@ import duckdb
 import polars as pl
 
 from kvtrail import forensics as fx
-from kvtrail.forensics.window_counts import WindowCounts
+from kvtrail.forensics.results.window_counts import WindowCounts
 
 _PRODUCERS_SQL = """
 WITH cfg AS (
@@ -36,7 +36,7 @@ COLUMNS = ("node", "role", "pool_tokens", "context_tokens", "shortfall_tokens", 
 
 def fleet_table(con: duckdb.DuckDBPyConnection, w: fx.Window, counts: WindowCounts) -> pl.DataFrame:
     """One row per node configuration in effect during the window, nodes below their context first
-    (``counts``: the window's counters, :func:`kvtrail.forensics.aggregates.window_counts`)."""
+    (``counts``: the window's counters, :func:`kvtrail.forensics.results.aggregates.window_counts`)."""
     fx.check_window(con, fx.Window(w.from_ns, w.to_ns, node=w.node))
     hi = _MAX_NS if w.to_ns is None else w.to_ns
     capacity = fx.node_capacity(con, w.from_ns, w.to_ns)
