@@ -2,8 +2,13 @@
 
 - the layout follows the data path: ``audit`` (the store) and ``forensics`` (the judge) never import
   ``serving`` (the reference stack), so they work beside any serving engine;
-- no import circle, neither between modules nor between packages;
-- ``kvtrail.forensics`` is the public API: nothing outside ``kvtrail/forensics/`` imports its subpackages;
+- floors: stored (``audit``) < judged (``forensics``) < asked (``answers``) < the faces < the ``kvtrail``
+  command (``cli``); no import runs back up a floor, and no import circle, between modules or packages;
+- the faces (``report``, ``service``, ``dashboards``, ``alerts``, ``preflight``) import no other face,
+  except what a face hands out as it is (``HANDED_OUT``); only ``kvtrail/cli`` imports click; the
+  dashboards run no SQL;
+- the judge's engines (``replay``, ``sql``) are private to ``kvtrail/forensics/``, whose surface stays
+  at most 25 names; the lake's storage is ``audit/lake``, its fan-out ``forensics/lake``;
 - modules stay readable (the house style's size limit).
 """
 
@@ -15,7 +20,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "kvtrail"
-FORENSICS_SUBPACKAGES = ("replay", "sql", "analysis", "report")
+FORENSICS_SUBPACKAGES = ("replay", "sql")
+FLOORS = {"kvtrail.audit": 1, "kvtrail.forensics": 2, "kvtrail.answers": 3, "kvtrail.report": 4,
+          "kvtrail.service": 4, "kvtrail.dashboards": 4, "kvtrail.alerts": 4, "kvtrail.preflight": 4,
+          "kvtrail.cli": 5}
+FACES = tuple(p for p, f in FLOORS.items() if f == 4)
+# what one face hands out through another, whole: the disclosure document and the metrics' exposition
+HANDED_OUT = {
+    ("kvtrail.service", "kvtrail.report"): "POST /v1/reports writes the disclosure report on a snapshot",
+    ("kvtrail.service", "kvtrail.alerts"): "GET /metrics serves the alerts' exposition of the store",
+    ("kvtrail.dashboards", "kvtrail.report"): "the Report view writes the report; the views draw its charts",
+}
+MAX_FORENSICS_NAMES = 25
 MAX_LINES = 500
 
 
@@ -156,3 +172,67 @@ def test_architecture_doc_lists_every_module_once_and_only_real_ones():
     documented = _documented_modules()
     assert sorted(real - documented) == [], "modules missing from docs/architecture.md"
     assert sorted(documented - real) == [], "docs/architecture.md lists modules that do not exist"
+
+
+def test_no_import_runs_back_up_a_floor():
+    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() for t in ts
+                 if _package(m) in FLOORS and _package(t) in FLOORS and FLOORS[_package(t)] > FLOORS[_package(m)])
+    assert not bad, bad
+
+
+def test_no_face_imports_another_face():
+    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() for t in ts
+                 if _package(m) in FACES and _package(t) in FACES and _package(m) != _package(t)
+                 and (_package(m), _package(t)) not in HANDED_OUT)
+    assert not bad, bad
+
+
+def test_only_the_cli_imports_click():
+    def imports_click(path: Path) -> bool:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "click" or n.startswith("click.") for n in names):
+                return True
+        return False
+
+    bad = sorted(m for m, p in MODULES.items() if _package(m) != "kvtrail.cli" and imports_click(p))
+    assert not bad, bad
+
+
+def test_the_dashboards_run_no_sql():
+    # the views ask kvtrail.answers; neither a DuckDB connection nor a query string is theirs
+    bad = []
+    for m, p in MODULES.items():
+        if _package(m) != "kvtrail.dashboards":
+            continue
+        tree = ast.parse(p.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                bad += [f"{m} imports {n}" for n in names if n.split(".")[0] == "duckdb"]
+            elif isinstance(node, ast.Attribute) and node.attr in ("execute", "sql", "query"):
+                bad.append(f"{m}:{node.lineno} calls .{node.attr}")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "SELECT " in node.value.upper():
+                bad.append(f"{m}:{node.lineno} holds a query")
+    assert not bad, bad
+
+
+def test_the_forensics_surface_stays_small():
+    tree = ast.parse(MODULES["kvtrail.forensics"].read_text())
+    names = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                 and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets))
+    assert 0 < len(names) <= MAX_FORENSICS_NAMES, (len(names), names)
+
+
+def test_one_lake_folder_per_layer():
+    storage = {m.rsplit(".", 1)[1] for m in MODULES if m.startswith("kvtrail.audit.lake.")}
+    fan_out = {m.rsplit(".", 1)[1] for m in MODULES if m.startswith("kvtrail.forensics.lake.")}
+    assert {"export", "verify", "manifest", "partition", "fs", "catalog"} <= storage
+    assert {"executor", "task", "merge", "checkpoint"} <= fan_out
+    assert not any(m.startswith("kvtrail.lake") for m in MODULES)
+    # the storage knows nothing of the judge: an export takes its checkpoint writer as an argument
+    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if m.startswith("kvtrail.audit.lake")
+                 for t in ts if not t.startswith(("kvtrail.audit", "kvtrail.errors", "kvtrail.timeutil"))
+                 and t != "kvtrail")
+    assert not bad, bad

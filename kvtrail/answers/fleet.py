@@ -13,6 +13,7 @@ import duckdb
 import polars as pl
 
 from kvtrail import forensics as fx
+from kvtrail.forensics.analysis import node_capacity
 from kvtrail.forensics.results.window_counts import WindowCounts
 
 _PRODUCERS_SQL = """
@@ -39,7 +40,7 @@ def fleet_table(con: duckdb.DuckDBPyConnection, w: fx.Window, counts: WindowCoun
     (``counts``: the window's counters, :func:`kvtrail.forensics.results.aggregates.window_counts`)."""
     fx.check_window(con, fx.Window(w.from_ns, w.to_ns, node=w.node))
     hi = _MAX_NS if w.to_ns is None else w.to_ns
-    capacity = fx.node_capacity(con, w.from_ns, w.to_ns)
+    capacity = node_capacity(con, w.from_ns, w.to_ns)
     if w.node:
         capacity = capacity.filter(pl.col("node") == w.node)
     drops = counts.events.select("producer_id", "recorder_dropped_events")

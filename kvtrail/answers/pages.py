@@ -16,6 +16,7 @@ import duckdb
 import polars as pl
 
 from kvtrail import forensics as fx
+from kvtrail.forensics.questions import findings_frame
 
 LOOKBACK_NS = 120 * 10**9  # the page history shown before the request's first event on the node
 AFTER_NS = 10**9           # and after its last read of them: when they were freed and reallocated
@@ -84,7 +85,7 @@ def request_detail(con: duckdb.DuckDBPyConnection, request_id: str, found: list[
                  for node, page in focus]
     return RequestDetail(request_id, tenant, spans_df, marks_df, pl.DataFrame(page_rows, schema=_PAGE_SCHEMA),
                          len(read_pages), _transfers(con, request_id), _response(con, request_id, found),
-                         fx.findings_frame(found))
+                         findings_frame(found))
 
 
 def detail_document(d: RequestDetail) -> dict:
@@ -100,7 +101,7 @@ def detail_from_document(doc: dict) -> RequestDetail:
                          pl.DataFrame(doc["marks"], schema=MARK_SCHEMA),
                          pl.DataFrame(doc["pages"], schema=_PAGE_SCHEMA), int(doc["pages_read"]),
                          pl.DataFrame(doc["transfers"], schema=TRANSFER_SCHEMA), doc.get("response"),
-                         pl.DataFrame(doc["findings"], schema=fx.findings_frame([]).schema))
+                         pl.DataFrame(doc["findings"], schema=findings_frame([]).schema))
 
 
 def _label(rid: str | None, tenant: str | None, me: str) -> str:

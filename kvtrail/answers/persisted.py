@@ -42,7 +42,7 @@ def persisted_findings(con: duckdb.DuckDBPyConnection, from_ns: int | None, to_n
     """The persisted findings that end inside the window, as :class:`~kvtrail.forensics.Finding` records."""
     if not has_tables(con):
         return []
-    # fx.stored_findings creates missing tables first, which a read-only connection may not do.
+    # stored_findings creates missing tables first, which a read-only connection may not do.
     rows = con.sql("SELECT * FROM findings WHERE last_ns BETWEEN ? AND ? ORDER BY last_ns, first_ns, code",
                    params=[0 if from_ns is None else from_ns, 2**63 - 1 if to_ns is None else to_ns]).to_arrow_table()
     out: list[fx.Finding] = []

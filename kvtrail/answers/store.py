@@ -32,6 +32,16 @@ from kvtrail.answers import fleet, pages, persisted, transfers
 from kvtrail.audit.store import connect_readonly
 from kvtrail.audit.storefile import wal_path
 from kvtrail.errors import KvtrailError, StoreError
+from kvtrail.forensics.analysis import (
+    exposure_links,
+    exposure_matrix,
+    node_capacity,
+    requests_table,
+    threshold_analysis,
+    threshold_sentence,
+)
+from kvtrail.forensics.options import ReportOptions
+from kvtrail.forensics.questions import affected_with_exclusions, exploitation_for, findings_frame
 from kvtrail.forensics.results import window_counts
 
 PERSISTED = "persisted findings"  # how found() names findings read from a saved run
@@ -165,7 +175,7 @@ class StoreSource:
 
     def findings(self, w: fx.Window) -> pl.DataFrame:
         found = self.found(w)[0]
-        return self._memoised("findings", w, lambda con: fx.findings_frame(found, w))
+        return self._memoised("findings", w, lambda con: findings_frame(found, w))
 
     def affected(self, w: fx.Window) -> pl.DataFrame:
         return self._affected_parts(w)[0]
@@ -174,7 +184,7 @@ class StoreSource:
         """(kept, dropped, excluded) with no exclusions: the Affected view's rows and, for the whole span,
         the exploitation assessment's pieces (one computation when no filter is set)."""
         found = self.found(w)[0]
-        return self._memoised("affected", w, lambda con: fx.affected_with_exclusions(
+        return self._memoised("affected", w, lambda con: affected_with_exclusions(
             con, w, fx.Exclusions(), found))
 
     def exposure(self, w: fx.Window) -> pl.DataFrame:
@@ -182,46 +192,46 @@ class StoreSource:
         found = self.found(w)[0]
 
         def compute(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
-            frame = fx.findings_frame(found, w, tuple(sorted(fx.AFFECTED_CODES)))
-            return fx.exposure_matrix(fx.exposure_links(frame, kept))
+            frame = findings_frame(found, w, tuple(sorted(fx.AFFECTED_CODES)))
+            return exposure_matrix(exposure_links(frame, kept))
         return self._memoised("exposure", w, compute)
 
     def _requests(self, w: fx.Window, also: list[str]) -> pl.DataFrame:
         """The window's requests plus ``also`` (shared by the threshold and exploitation analyses)."""
         key = f"requests:{hash(tuple(sorted(also)))}"
         return self._memoised(key, fx.Window(w.from_ns, w.to_ns),
-                              lambda con: fx.requests_table(con, w.from_ns, w.to_ns, also))
+                              lambda con: requests_table(con, w.from_ns, w.to_ns, also))
 
     def thresholds(self, w: fx.Window) -> Thresholds:
         kept = self.affected(w)
         every = self._requests(w, kept["request_id"].to_list())
 
         def compute(con: duckdb.DuckDBPyConnection) -> Thresholds:
-            capacity = fx.node_capacity(con, w.from_ns, w.to_ns)
+            capacity = node_capacity(con, w.from_ns, w.to_ns)
             requests = every
             if w.tenant:
                 requests = requests.filter(pl.col("tenant_id") == w.tenant)
             if w.node:
                 requests = requests.filter(pl.col("prefill_node") == w.node)
                 capacity = capacity.filter(pl.col("node") == w.node)
-            by_node, summary = fx.threshold_analysis(requests, set(kept["request_id"]))
+            by_node, summary = threshold_analysis(requests, set(kept["request_id"]))
             table = capacity.join(by_node.rename({"prefill_node": "node", "prefill_pool_tokens": "pool_tokens"}),
                                   on=["node", "pool_tokens"], how="left")
-            return Thresholds(table, fx.threshold_sentence(summary))
+            return Thresholds(table, threshold_sentence(summary))
         return self._memoised("thresholds", w, compute)
 
     def exploitation(self, w: fx.Window) -> pl.DataFrame:
         if w.from_ns is None or w.to_ns is None:
             raise KvtrailError("window: the exploitation assessment needs a bounded window")
-        o = fx.ReportOptions(w.from_ns, w.to_ns)
+        o = ReportOptions(w.from_ns, w.to_ns)
         span = fx.Window(w.from_ns, w.to_ns)
         assert o.exclusions == fx.Exclusions(), "the assessment's default exclusions are the Affected view's"
         kept, dropped, excluded = self._affected_parts(span)
 
         def compute(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
             requests = self._requests(span, kept["request_id"].to_list())
-            pieces = (kept, dropped, excluded, fx.node_capacity(con, o.from_ns, o.to_ns), requests)
-            df, _ = fx.exploitation_for(con, o, w, pieces)
+            pieces = (kept, dropped, excluded, node_capacity(con, o.from_ns, o.to_ns), requests)
+            df, _ = exploitation_for(con, o, w, pieces)
             return df.filter(pl.col("tenant_id") == w.tenant) if w.tenant else df
         return self._memoised("exploitation", w, compute)
 
@@ -233,9 +243,3 @@ class StoreSource:
         """One request's page ownership timeline, tokens and digests, TTFT."""
         found = [f for f in self.found(w)[0] if f.request_id == request_id]
         return self._memoised(f"request:{request_id}", w, lambda con: pages.request_detail(con, request_id, found))
-
-    def report(self, w: fx.Window, context_yaml: bytes | None) -> tuple[bytes, dict, str]:
-        """The disclosure report of the window as a zip, its counts, and verify-report's verdict."""
-        from kvtrail.dashboards import reporting
-
-        return reporting.local_report(self.db, w, context_yaml)

@@ -10,6 +10,7 @@ import duckdb
 import polars as pl
 
 from kvtrail import forensics as fx
+from kvtrail.forensics.questions import findings_frame
 
 CODES = ("F2", "F3")
 SCHEMA = {"last_ns": pl.Int64, "code": pl.Utf8, "pair": pl.Utf8, "prefill_node": pl.Utf8, "decode_node": pl.Utf8,
@@ -18,7 +19,7 @@ SCHEMA = {"last_ns": pl.Int64, "code": pl.Utf8, "pair": pl.Utf8, "prefill_node":
 
 def mismatches(con: duckdb.DuckDBPyConnection, found: list[fx.Finding], w: fx.Window) -> pl.DataFrame:
     """One row per F2/F3 finding in the window (tenant and node filters applied), oldest first."""
-    frame = fx.findings_frame(found, w, CODES)
+    frame = findings_frame(found, w, CODES)
     if frame.is_empty():
         return pl.DataFrame(schema=SCHEMA)
     ids = frame["request_id"].drop_nulls().unique().to_list()

@@ -52,8 +52,6 @@ from kvtrail.forensics import (
     ask_findings,
     ask_thresholds,
     open_store,
-    require_store,
-    save_findings,
 )
 from kvtrail.forensics.lake.questions import (
     ask_lake_affected,
@@ -64,6 +62,8 @@ from kvtrail.forensics.lake.questions import (
 )
 from kvtrail.forensics.lake.task import LakeCoverageError
 from kvtrail.forensics.lake.watch import LakeWatch
+from kvtrail.forensics.questions import require_store
+from kvtrail.forensics.results.persist import save_findings
 from kvtrail.outputs import csv_frame, refuse_clobber, write_file_atomically
 from kvtrail.timeutil import format_utc, parse_utc
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import click
 
 from kvtrail.errors import KvtrailError
-from kvtrail.forensics import Exclusions, ProbeRules, ReportOptions, load_exclusions
+from kvtrail.forensics import Exclusions, ProbeRules
+from kvtrail.forensics.options import ReportOptions
+from kvtrail.report.context import load_exclusions
 from kvtrail.timeutil import parse_utc
 
 

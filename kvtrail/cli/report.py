@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from kvtrail.answers.tables import printable
+from kvtrail.audit.snapshot import open_snapshot
 from kvtrail.cli.options import exclusion_options, exclusions, probe_options, report_options
 from kvtrail.cli.sources import (
     lake_answer,
@@ -22,8 +23,10 @@ from kvtrail.cli.sources import (
     report_lines,
 )
 from kvtrail.errors import KvtrailError
-from kvtrail.forensics import build_report, load_context, open_snapshot, require_store, write_report
+from kvtrail.forensics.questions import require_store
 from kvtrail.outputs import check_out_dir
+from kvtrail.report.build import build_report, write_report
+from kvtrail.report.context import load_context
 from kvtrail.report.lake import check_out_of_lake, lake_report
 from kvtrail.report.manifest import MANIFEST
 from kvtrail.timeutil import parse_utc

@@ -13,7 +13,6 @@ import streamlit as st
 
 from kvtrail import forensics as fx
 from kvtrail.answers.store import SourceError, StoreSource
-from kvtrail.cli.dashboard import ENV_DB, ENV_TOKEN, ENV_URL
 from kvtrail.dashboards import (
     affected_view,
     exposure_view,
@@ -23,6 +22,7 @@ from kvtrail.dashboards import (
     transfers_view,
 )
 from kvtrail.dashboards.filters import sidebar_window
+from kvtrail.dashboards.launch import ENV_DB, ENV_TOKEN, ENV_URL
 from kvtrail.errors import KvtrailError
 
 VIEWS = {"Fleet": fleet_view.render, "Findings": findings_view.render, "Affected responses": affected_view.render,

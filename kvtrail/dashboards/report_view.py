@@ -6,6 +6,7 @@ from __future__ import annotations
 import streamlit as st
 
 from kvtrail import forensics as fx
+from kvtrail.dashboards.reporting import report_of
 from kvtrail.errors import KvtrailError
 
 
@@ -23,7 +24,7 @@ def render(src, w: fx.Window) -> None:
         return
     try:
         with st.spinner("building the report"):
-            data, counts, verdict = src.report(w, upload.getvalue() if upload is not None else None)
+            data, counts, verdict = report_of(src, w, upload.getvalue() if upload is not None else None)
     except KvtrailError as exc:
         st.error(str(exc))
         return

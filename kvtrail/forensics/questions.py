@@ -44,6 +44,7 @@ from kvtrail.forensics.analysis.exclusions import (
     split_excluded,
 )
 from kvtrail.forensics.findings import AFFECTED_CODES, CODES, NEVER_WRITTEN, Finding, findings_table
+from kvtrail.forensics.options import ReportOptions
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.engine import replay_store
 from kvtrail.forensics.sql.engine import sql_findings
@@ -57,7 +58,6 @@ from kvtrail.forensics.symptoms import (
     withhold_incomplete,
 )
 from kvtrail.forensics.window import Window, check_window
-from kvtrail.report.options import ReportOptions
 
 
 def coverage_gaps(con: duckdb.DuckDBPyConnection, w: Window = Window(), *, kinds: bool | None = None) -> pl.DataFrame:

@@ -23,6 +23,7 @@ from kvtrail import __version__
 from kvtrail.audit.verify import UncleanEnd
 from kvtrail.forensics import analysis as an
 from kvtrail.forensics.findings import NEVER_WRITTEN, Finding
+from kvtrail.forensics.options import ReportOptions
 from kvtrail.forensics.questions import (
     Window,
     affected_with_exclusions,
@@ -43,7 +44,6 @@ from kvtrail.forensics.symptoms import (
 )
 from kvtrail.outputs import csv_frame, write_dir_atomically
 from kvtrail.report.context import IncidentContext
-from kvtrail.report.options import ReportOptions
 
 DATA_FILES = ("affected_responses", "exposed_tenants")
 

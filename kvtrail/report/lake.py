@@ -25,11 +25,11 @@ from kvtrail.audit.verify import chain_heads, compare_heads, parse_heads
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics.lake.executor import Executor
 from kvtrail.forensics.lake.questions import Lake, lake_findings, open_lake
+from kvtrail.forensics.options import ReportOptions
 from kvtrail.forensics.window import Window
 from kvtrail.report.build import Report, build_report
 from kvtrail.report.context import IncidentContext
 from kvtrail.report.manifest import MANIFEST, load_manifest
-from kvtrail.report.options import ReportOptions
 from kvtrail.report.verify import ReportCheck, changed_files, check_digest, note_growth
 
 

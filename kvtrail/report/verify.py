@@ -19,10 +19,10 @@ from kvtrail.audit.snapshot import open_snapshot
 from kvtrail.audit.store import connect_readonly
 from kvtrail.audit.verify import chain_heads, compare_heads, parse_heads, verify_store
 from kvtrail.errors import KvtrailError
+from kvtrail.forensics.options import ReportOptions
 from kvtrail.forensics.questions import require_store
 from kvtrail.report.build import build_report
 from kvtrail.report.manifest import MANIFEST, load_manifest, sha256_file
-from kvtrail.report.options import ReportOptions
 
 
 @dataclass

@@ -32,9 +32,10 @@ import numpy as np
 import pyarrow as pa
 
 from kvtrail.audit.batch import from_dicts
-from kvtrail.forensics import Finding, OnlineReplay, save_findings
+from kvtrail.forensics import Finding, OnlineReplay
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.results import aggregates
+from kvtrail.forensics.results.persist import save_findings
 from kvtrail.service.config import DEFAULT_JUDGE_INTERVAL_S
 
 log = logging.getLogger("kvtrail.service")

@@ -25,7 +25,6 @@ from kvtrail.forensics import (
     Exclusions,
     ForensicsPolicy,
     ProbeRules,
-    ReportOptions,
     Window,
     ask_affected,
     ask_exploitation,
@@ -35,6 +34,7 @@ from kvtrail.forensics import (
     ask_thresholds,
     coverage_gaps,
 )
+from kvtrail.forensics.options import ReportOptions
 from kvtrail.forensics.results.persist import ensure_tables as ensure_findings_tables
 from kvtrail.service import audit_api, models, tokens_api
 from kvtrail.service.audited import logged_route

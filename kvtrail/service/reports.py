@@ -33,15 +33,10 @@ from kvtrail.answers.client import REPORT_HEADER
 from kvtrail.audit.layout import KIND_TABLES
 from kvtrail.audit.verify import chain_heads, parse_heads
 from kvtrail.errors import KvtrailError
-from kvtrail.forensics import (
-    ReportCheck,
-    ReportOptions,
-    build_report,
-    check_digest,
-    check_store_chain,
-    load_context,
-    write_report,
-)
+from kvtrail.forensics.options import ReportOptions
+from kvtrail.report.build import build_report, write_report
+from kvtrail.report.context import load_context
+from kvtrail.report.verify import ReportCheck, check_digest, check_store_chain
 
 MEDIA = {"zip": "application/zip", "tar.gz": "application/gzip"}
 MANIFEST = "report.json"

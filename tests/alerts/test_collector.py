@@ -11,7 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtrail.alerts import EXPOSED, METRICS, exposition, registry_for
 from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.store import AuditStore
-from kvtrail.forensics import replay_store, save_findings
+from kvtrail.forensics import replay_store
+from kvtrail.forensics.results.persist import save_findings
 from tests.alerts.histories import CONTEXT_TOKENS, DECODE, POOL_TOKENS, foreign_read, node_configs, transfer_abort
 from tests.conftest import T0, event
 

@@ -17,6 +17,7 @@ from streamlit.testing.v1 import AppTest
 
 from kvtrail import forensics as fx
 from kvtrail.audit.store import AuditStore
+from kvtrail.forensics.options import ReportOptions
 from kvtrail.timeutil import format_utc, parse_utc
 from tests.dashboards.conftest import APP
 
@@ -116,7 +117,7 @@ def test_exposure_thresholds_and_exploitation_equal_the_api(monkeypatch, seeded,
         matrix.select(*key, "responses", "pages").sort(key).rows()
     thresholds = fx.ask_thresholds(seeded, w)
     assert thresholds.notes[0] in [m.value for m in at.markdown]
-    ex = fx.ask_exploitation(seeded, fx.ReportOptions(w.from_ns, w.to_ns), w).rows
+    ex = fx.ask_exploitation(seeded, ReportOptions(w.from_ns, w.to_ns), w).rows
     shown = frame(at, "exploitation-table")
     assert dict(zip(shown["tenant_id"], shown["verdict"])) == dict(zip(ex["tenant_id"], ex["verdict"]))
     assert metric(at, "tenants that stand out") == str(int((ex["verdict"] == "stands out").sum()))

@@ -13,7 +13,9 @@ import pytest
 from kvtrail import forensics as fx
 from kvtrail.answers.store import StoreSource
 from kvtrail.cli import main
+from kvtrail.forensics.options import ReportOptions
 from kvtrail.report import charts
+from kvtrail.report.build import build_report
 from kvtrail.timeutil import format_utc
 
 
@@ -74,7 +76,7 @@ def test_report_without_the_charts_extra_says_so(monkeypatch, seeded, window):
     monkeypatch.setattr(charts, "available", lambda: False)
     con = fx.open_store(seeded)
     try:
-        r = fx.build_report(con, fx.ReportOptions(window.from_ns, window.to_ns))
+        r = build_report(con, ReportOptions(window.from_ns, window.to_ns))
     finally:
         con.close()
     assert figures.note(r) == [("p", figures.LEFT_OUT)]

@@ -17,6 +17,7 @@ from kvtrail.cli import main
 from kvtrail.forensics.online import OnlineReplay
 from kvtrail.forensics.results import aggregates as ag
 from kvtrail.forensics.results.aggregates import uncovered_minutes
+from kvtrail.forensics.results.persist import save_findings
 from kvtrail.forensics.results.window_counts import WindowCounts, window_counts
 
 SIM = ["--seed", "11", "--nodes", "2", "--hours", "0.05", "--rate", "2", "--plants-per-hour", "60", "--tenants", "4",
@@ -85,7 +86,7 @@ def test_batches_added_as_committed_equal_a_recompute(source, tmp_path):
             assert len(res.batches) > 1 and res.table is not None  # several producers in one commit
             # what the live judge does after each commit: feed, poll, save without a recompute, add the batch
             assert judge.feed_committed(con, res.table, dict(res.batches))
-            fx.save_findings(con, judge.poll(con), from_ns=None, to_ns=None, engine="online",
+            save_findings(con, judge.poll(con), from_ns=None, to_ns=None, engine="online",
                              recompute_aggregates=False)
             ag.add_batch(con, res.table, dict(res.batches))
             assert uncovered_minutes(con, 0, 2**62) == []
@@ -193,12 +194,12 @@ def test_save_findings_keeps_findings_counts_and_a_prune_uncovers(source, tmp_pa
     found = list(fx.ask_findings(db).found)
     assert found
     with duckdb.connect(str(db)) as con:
-        fx.save_findings(con, found, from_ns=None, to_ns=None, engine="replay")
+        save_findings(con, found, from_ns=None, to_ns=None, engine="replay")
         by_code = dict(con.execute("SELECT code, count(*) FROM findings GROUP BY 1").fetchall())
         assert dict(con.execute("SELECT code, sum(findings) FROM minute_findings GROUP BY 1").fetchall()) == by_code
         assert uncovered_minutes(con, 0, 2**62) == []
         before = snapshot(con)
-        fx.save_findings(con, found[:3], from_ns=None, to_ns=None, engine="online", recompute_aggregates=False)
+        save_findings(con, found[:3], from_ns=None, to_ns=None, engine="online", recompute_aggregates=False)
         assert snapshot(con) == before  # the event counters are the caller's (add_batch)
         assert dict(con.execute("SELECT code, sum(findings) FROM minute_findings GROUP BY 1").fetchall()) == by_code
         wc = window_counts(con, None, None)

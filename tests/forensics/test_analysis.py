@@ -8,8 +8,18 @@ import pytest
 
 from kvtrail import forensics as an
 from kvtrail.errors import KvtrailError
-from kvtrail.forensics import ReportOptions, exploitation_for
-from kvtrail.forensics.questions import Window, coverage_gaps, findings
+from kvtrail.forensics.analysis import (
+    check_exclusions,
+    exposed_tenants,
+    exposure_links,
+    exposure_matrix,
+    node_capacity,
+    requests_table,
+    threshold_analysis,
+    threshold_sentence,
+)
+from kvtrail.forensics.options import ReportOptions
+from kvtrail.forensics.questions import Window, affected_with_exclusions, coverage_gaps, exploitation_for, findings
 from tests.forensics.incident_fixture import MIN, PREFILL_POOL_TOKENS, RESEARCHER_KEY, W0, W1, build
 
 EXCL = an.Exclusions(tenants=(("internal-qa", "provider's own tests"),),
@@ -31,7 +41,7 @@ def _cell(matrix, recipient, victim):
 
 
 def test_exclusions_remove_recipients_and_name_the_reason(con):
-    kept, dropped, excluded = an.affected_with_exclusions(con, Window(W0, W1), EXCL)
+    kept, dropped, excluded = affected_with_exclusions(con, Window(W0, W1), EXCL)
     assert len(kept) == 13 and set(kept["tenant_id"]) == {"globex", "mallory", "hooli"}
     assert len(dropped) == 7
     reasons = dict(zip(dropped["request_id"], dropped["reason"]))
@@ -42,13 +52,13 @@ def test_exclusions_remove_recipients_and_name_the_reason(con):
     initech = excluded.filter(pl.col("tenant_id") == "initech")
     assert len(initech) == 5 and set(initech["excluded_by"]) == {f"api key {RESEARCHER_KEY}"}
     # without exclusions every account counts
-    all_kept, none, _ = an.affected_with_exclusions(con, Window(W0, W1), an.Exclusions())
+    all_kept, none, _ = affected_with_exclusions(con, Window(W0, W1), an.Exclusions())
     assert (len(all_kept), len(none)) == (20, 0)
 
 
 def test_exclusions_bad_input_and_round_trip(con):
     with pytest.raises(KvtrailError, match="exclusions: unknown tenant 'nobody'"):
-        an.check_exclusions(con, an.Exclusions(tenants=(("nobody", "x"),)))
+        check_exclusions(con, an.Exclusions(tenants=(("nobody", "x"),)))
     merged = EXCL.merged(an.Exclusions(tenants=(("internal-qa", "other reason"), ("acme", "test"))))
     assert dict(merged.tenants) == {"internal-qa": "provider's own tests", "acme": "test"}
     assert an.Exclusions.from_dict(merged.to_dict()) == merged
@@ -56,16 +66,16 @@ def test_exclusions_bad_input_and_round_trip(con):
 
 
 def test_exposure_matrix_cells_and_exposed_tenants(con):
-    kept, _, _ = an.affected_with_exclusions(con, Window(W0, W1), EXCL)
-    links = an.exposure_links(findings(con, Window(W0, W1)), set(kept["request_id"]))
-    matrix = an.exposure_matrix(links)
+    kept, _, _ = affected_with_exclusions(con, Window(W0, W1), EXCL)
+    links = exposure_links(findings(con, Window(W0, W1)), set(kept["request_id"]))
+    matrix = exposure_matrix(links)
     # each over-long read covers 13 reserved pages: 1 placeholder page of its own, 2 umbrella, 4 acme, 6 never written
     assert _cell(matrix, "globex", "acme") == (4, 16, 4)
     assert _cell(matrix, "globex", "umbrella") == (4, 8, 4)
     assert _cell(matrix, "mallory", "acme") == (6, 24, 1)  # the probes re-read the same victim request
     assert _cell(matrix, "mallory", an.NEVER_WRITTEN) == (6, 36, 0)
     assert _cell(matrix, "initech", "acme") is None and _cell(matrix, "internal-qa", "acme") is None
-    exposed = an.exposed_tenants(links)
+    exposed = exposed_tenants(links)
     assert exposed["victim_tenant"].to_list() == ["acme", "umbrella"]  # the pseudo-victim is not a tenant
     acme = exposed.row(0, named=True)
     assert (acme["recipient_tenants"], acme["responses"], acme["pages"], acme["victim_requests"]) == (
@@ -73,23 +83,23 @@ def test_exposure_matrix_cells_and_exposed_tenants(con):
 
 
 def test_threshold_analysis_against_the_prefill_pool(con):
-    capacity = an.node_capacity(con, W0, W1)
+    capacity = node_capacity(con, W0, W1)
     prefill = capacity.filter(pl.col("role") == "prefill").row(0, named=True)
     assert (prefill["pool_tokens"], prefill["context_tokens"], prefill["pool_covers_context"],
             prefill["shortfall_tokens"]) == (PREFILL_POOL_TOKENS, 512, False, 384)
     assert capacity.filter(pl.col("role") == "decode")["pool_covers_context"].to_list() == [True]
-    kept, dropped, excluded = an.affected_with_exclusions(con, Window(W0, W1), EXCL)
-    requests = an.requests_table(con, W0, W1, kept["request_id"].to_list())
+    kept, dropped, excluded = affected_with_exclusions(con, Window(W0, W1), EXCL)
+    requests = requests_table(con, W0, W1, kept["request_id"].to_list())
     assert requests.filter(pl.col("request_id") == kept["request_id"][0])["prefill_node"].to_list() == ["prefill-0"]
     requests = requests.filter(~pl.col("request_id").is_in(excluded["request_id"].to_list()))
-    by_node, s = an.threshold_analysis(requests, set(kept["request_id"]))
+    by_node, s = threshold_analysis(requests, set(kept["request_id"]))
     assert (s["affected"], s["affected_over_pool"], s["unaffected_over_pool"], s["affected_pool_tokens"]) == (
         13, 13, 0, [PREFILL_POOL_TOKENS])
     assert by_node.row(0, named=True)["max_unaffected_prompt_tokens"] < PREFILL_POOL_TOKENS
-    text = an.threshold_sentence(s)
+    text = threshold_sentence(s)
     assert text.startswith("Every affected prompt (13 of 13) was longer than the prefill pool of its node (128 tokens)")
     assert "0 of 21 unaffected prompts were longer" in text
-    assert an.threshold_sentence({**s, "affected_over_pool": 12}).startswith("12 of 13 affected prompts were")
+    assert threshold_sentence({**s, "affected_over_pool": 12}).startswith("12 of 13 affected prompts were")
 
 
 def test_exploitation_verdicts(con):

@@ -9,17 +9,11 @@ listed twice in one allocation is a finding rather than a rejected batch.
 from __future__ import annotations
 
 from kvtrail.audit.batch import from_dicts
-from kvtrail.forensics import (
-    ReportOptions,
-    Window,
-    ask_affected,
-    ask_exposure,
-    ask_findings,
-    ask_node_configurations,
-    build_report,
-)
+from kvtrail.forensics import Window, ask_affected, ask_exposure, ask_findings, ask_node_configurations
+from kvtrail.forensics.options import ReportOptions
 from kvtrail.forensics.replay.engine import replay_store
 from kvtrail.forensics.sql.engine import sql_findings
+from kvtrail.report.build import build_report
 from tests.conftest import T0
 from tests.forensics.test_replay import Timeline, pd_request, pd_timeline
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.store import AuditStore
-from kvtrail.forensics import ReportOptions, Window, ask_affected, ask_findings, build_report
+from kvtrail.forensics import Window, ask_affected, ask_findings
+from kvtrail.forensics.options import ReportOptions
 from kvtrail.forensics.replay.engine import replay_store
 from kvtrail.forensics.sql.engine import sql_findings
+from kvtrail.report.build import build_report
 from tests.conftest import T0
 from tests.forensics.test_replay import Timeline
 

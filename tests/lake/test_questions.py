@@ -27,6 +27,7 @@ from kvtrail.forensics.lake.questions import (
     open_lake,
 )
 from kvtrail.forensics.lake.task import LakeCoverageError, run_task
+from kvtrail.forensics.options import ReportOptions
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.engine import ReplayEngine, replay_store
 from kvtrail.forensics.replay.pagestate import PAGE_ARRAYS
@@ -146,7 +147,7 @@ def test_thresholds_and_exploitation_equal_the_store(lake, fleet_db):
     w = fx.Window(*WINDOWS[2])
     a, b = ask_lake_thresholds(lake, w), fx.ask_thresholds(fleet_db, w)
     assert a.rows.equals(b.rows) and a.notes == b.notes and a.summary == b.summary
-    o = fx.ReportOptions(w.from_ns, w.to_ns)
+    o = ReportOptions(w.from_ns, w.to_ns)
     a, b = ask_lake_exploitation(lake, o), fx.ask_exploitation(fleet_db, o)
     assert len(a.rows) and a.rows.equals(b.rows) and a.notes == b.notes
 

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from kvtrail.forensics import replay_store, stored_findings
-from kvtrail.forensics.results.persist import finding_id
+from kvtrail.forensics import replay_store
+from kvtrail.forensics.results.persist import finding_id, stored_findings
 from kvtrail.sim.fleet.config import FleetConfig
 from kvtrail.sim.fleet.run import fleet_batches
 from tests.service.conftest import arrow_body, auth

@@ -14,7 +14,6 @@ from kvtrail.answers import pages
 from kvtrail.answers.tables import json_text
 from kvtrail.audit.verify import chain_heads
 from kvtrail.forensics import (
-    ReportOptions,
     Window,
     ask_affected,
     ask_exploitation,
@@ -22,8 +21,9 @@ from kvtrail.forensics import (
     ask_findings,
     ask_node_configurations,
     ask_thresholds,
-    verify_report,
 )
+from kvtrail.forensics.options import ReportOptions
+from kvtrail.report.verify import verify_report
 from kvtrail.service import access
 from kvtrail.service.tokens import add_token
 from tests.forensics.incident_fixture import W0, W1

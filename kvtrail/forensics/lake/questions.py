@@ -21,30 +21,31 @@ from kvtrail.audit.lake.catalog import LAKE_TABLES, open_catalog
 from kvtrail.audit.lake.fs import LakeFS
 from kvtrail.audit.lake.manifest import LakeManifest, read_manifest, require_manifest
 from kvtrail.errors import KvtrailError
-from kvtrail.forensics import (
-    AFFECTED_CODES,
-    CODES,
-    Answer,
-    Finding,
-    ReportOptions,
-    affected_with_exclusions,
+from kvtrail.forensics.analysis import (
     check_exclusions,
-    coverage_gaps,
     excluded_requests,
-    exploitation_for,
     exposure_links,
     exposure_matrix,
-    findings_frame,
     node_capacity,
 )
 from kvtrail.forensics.analysis.exclusions import Exclusions, excluded_mask
+from kvtrail.forensics.findings import AFFECTED_CODES, CODES, Finding
 from kvtrail.forensics.lake.executor import Executor, LocalExecutor, map_largest_first
 from kvtrail.forensics.lake.merge import merged_findings
 from kvtrail.forensics.lake.plan import plan_tasks
 from kvtrail.forensics.lake.sqltask import sql_lake_findings
 from kvtrail.forensics.lake.task import LakeCoverageError, run_task
+from kvtrail.forensics.options import ReportOptions
 from kvtrail.forensics.policy import ForensicsPolicy
-from kvtrail.forensics.questions import report_requests, thresholds_answer
+from kvtrail.forensics.questions import (
+    Answer,
+    affected_with_exclusions,
+    coverage_gaps,
+    exploitation_for,
+    findings_frame,
+    report_requests,
+    thresholds_answer,
+)
 from kvtrail.forensics.replay.batch import JOIN_CODES
 from kvtrail.forensics.symptoms import (
     empty_after_abort,
