@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 import duckdb
 
+from kvtrail.answers.ask import open_answers
 from kvtrail.answers.tables import (
     AFFECTED,
     EXPLOITATION,
@@ -30,14 +31,10 @@ from kvtrail.cli.options import exclusion_options, exclusions, probe_options, re
 from kvtrail.cli.report import report, verify_report_cmd
 from kvtrail.cli.sources import (
     Remote,
-    lake_answer,
     lake_options,
-    local,
-    remote_of,
     remote_options,
     repeat_polls,
     watch_remote,
-    window_params,
     with_lake_executor,
 )
 from kvtrail.errors import KvtrailError
@@ -46,19 +43,7 @@ from kvtrail.forensics import (
     ForensicsPolicy,
     OnlineReplay,
     Window,
-    ask_affected,
-    ask_exploitation,
-    ask_exposure,
-    ask_findings,
-    ask_thresholds,
     open_store,
-)
-from kvtrail.forensics.lake.questions import (
-    ask_lake_affected,
-    ask_lake_exploitation,
-    ask_lake_exposure,
-    ask_lake_findings,
-    ask_lake_thresholds,
 )
 from kvtrail.forensics.lake.task import LakeCoverageError
 from kvtrail.forensics.lake.watch import LakeWatch
@@ -201,20 +186,12 @@ def findings_cmd(db, url, api_token, from_, to, tenant, node, fmt, out, force, c
     excl = exclusions(exclude_tenants, exclude_file)
     policy = _policy(allow_tenant_cache_sharing, latency_factor)
     w = _window(from_, to, tenant, node)
-    remote = remote_of(url, api_token)
     if lake_url is not None and save:
         raise KvtrailError("--lake: not with --save (a lake is read-only; save findings into a store)")
-    answer = lake_answer(lake_url, scheduler, workers, url, lambda lk, ex: ask_lake_findings(
-        lk, w, codes=tuple(codes), policy=policy, exclusions=excl, executor=ex, engine=engine))
-    if answer is None and remote is not None:
-        if save:
+    with open_answers(db, url, api_token, lake_url, scheduler, workers) as answers:
+        if save and answers.kind == "service":
             raise KvtrailError("--save: not with --url (the service's live judge keeps the findings)")
-        answer = remote.answer("/v1/findings", {**window_params(from_, to, tenant, node, excl), "code": list(codes),
-                                                "engine": engine, "latency_factor": latency_factor,
-                                                "allow_tenant_cache_sharing": allow_tenant_cache_sharing or None})
-    elif answer is None:
-        answer = local(lambda: ask_findings(db, w, codes=tuple(codes), engine=engine, policy=policy,
-                                             exclusions=excl))
+        answer = answers.findings(w, codes=tuple(codes), exclusions=excl, engine=engine, policy=policy)
     if save:
         _save(db, list(answer.found), w, engine, policy)
     if len(answer.excluded):
@@ -232,12 +209,8 @@ def affected(db, url, api_token, from_, to, tenant, node, fmt, out, force, exclu
     _check_out(db, fmt, out, force)
     excl = exclusions(exclude_tenants, exclude_file)
     w = _window(from_, to, tenant, node)
-    remote = remote_of(url, api_token)
-    answer = lake_answer(lake_url, scheduler, workers, url,
-                         lambda lk, ex: ask_lake_affected(lk, w, exclusions=excl, executor=ex))
-    if answer is None:
-        answer = (remote.answer("/v1/affected", window_params(from_, to, tenant, node, excl)) if remote
-                  else local(lambda: ask_affected(db, w, exclusions=excl)))
+    with open_answers(db, url, api_token, lake_url, scheduler, workers) as answers:
+        answer = answers.affected(w, exclusions=excl)
     _say_excluded(answer.excluded)
     _emit(answer, fmt, out, AFFECTED, w, db, force)
 
@@ -345,12 +318,8 @@ def exposure(db, url, api_token, from_, to, tenant, node, fmt, out, force, exclu
     _check_out(db, fmt, out, force)
     excl = exclusions(exclude_tenants, exclude_file)
     w = _window(from_, to, tenant, node)
-    remote = remote_of(url, api_token)
-    answer = lake_answer(lake_url, scheduler, workers, url,
-                         lambda lk, ex: ask_lake_exposure(lk, w, exclusions=excl, executor=ex))
-    if answer is None:
-        answer = (remote.answer("/v1/exposure", window_params(from_, to, tenant, node, excl)) if remote
-                  else local(lambda: ask_exposure(db, w, exclusions=excl)))
+    with open_answers(db, url, api_token, lake_url, scheduler, workers) as answers:
+        answer = answers.exposure(w, exclusions=excl)
     _say_excluded(answer.excluded)
     _emit(answer, fmt, out, EXPOSURE, w, db, force)
 
@@ -365,12 +334,8 @@ def thresholds(db, url, api_token, from_, to, tenant, node, fmt, out, force, exc
     _check_out(db, fmt, out, force)
     w = _window(from_, to, tenant, node)
     excl = exclusions(exclude_tenants, exclude_file)
-    remote = remote_of(url, api_token)
-    answer = lake_answer(lake_url, scheduler, workers, url,
-                         lambda lk, ex: ask_lake_thresholds(lk, w, exclusions=excl, executor=ex))
-    if answer is None:
-        answer = (remote.answer("/v1/thresholds", window_params(from_, to, tenant, node, excl)) if remote
-                  else local(lambda: ask_thresholds(db, w, exclusions=excl)))
+    with open_answers(db, url, api_token, lake_url, scheduler, workers) as answers:
+        answer = answers.thresholds(w, exclusions=excl)
     _say_excluded(answer.excluded)
     _emit(answer, fmt, out, THRESHOLDS, w, db, force)
 
@@ -385,16 +350,12 @@ def exploitation(db, url, api_token, from_, to, tenant, node, fmt, out, force, e
     """Per recipient tenant: over-long prompts in the window vs its own baseline, bursts, and a verdict."""
     _check_out(db, fmt, out, force)
     w = _window(from_, to, tenant, node)
-    remote = remote_of(url, api_token)
-    if remote is None and lake_url is None:
+    if not url and lake_url is None:
         require_store(db)
     excl = exclusions(exclude_tenants, exclude_file)
     options = report_options(w.from_ns, w.to_ns, excl, **probe)
-    answer = lake_answer(lake_url, scheduler, workers, url,
-                         lambda lk, ex: ask_lake_exploitation(lk, options, w, executor=ex))
-    if answer is None:
-        answer = (remote.answer("/v1/exploitation", {**window_params(from_, to, tenant, node, excl), **probe})
-                  if remote else local(lambda: ask_exploitation(db, options, w)))
+    with open_answers(db, url, api_token, lake_url, scheduler, workers) as answers:
+        answer = answers.exploitation(w, options)
     _emit(answer, fmt, out, EXPLOITATION, w, db, force)
 
 

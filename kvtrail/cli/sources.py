@@ -1,8 +1,9 @@
 """The forensics commands' sources: a store file (``--db``), a running service (``--url``/``--token``) or an
 audit lake (``--lake``, its partition tasks in-process or on Dask: ``--scheduler``/``--workers``).
 
-:class:`Remote` turns the service's tables back into the :class:`~kvtrail.forensics.Answer` a local
-question returns, so each command formats one answer the same way whichever source it came from.
+The questions themselves go through :mod:`kvtrail.answers.ask` (the source chosen once); what is
+here is the flags and what only the CLI does: the report's files from a service, verify-report's
+sources, following the live judge.
 """
 
 from __future__ import annotations
@@ -14,14 +15,13 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 import click
-import polars as pl
 
-from kvtrail.answers.client import Client
+from kvtrail.answers.ask import ServiceAnswers, hint_service, lake_executor, window_params
 from kvtrail.answers.tables import printable
-from kvtrail.errors import KvtrailError, StoreError
-from kvtrail.forensics import Answer, Exclusions
+from kvtrail.errors import KvtrailError
+from kvtrail.forensics import Window
 from kvtrail.forensics.findings import NEVER_WRITTEN
-from kvtrail.forensics.lake.executor import DaskExecutor, Executor, LocalExecutor
+from kvtrail.forensics.lake.executor import Executor
 from kvtrail.forensics.lake.questions import open_lake
 from kvtrail.outputs import write_dir_atomically
 from kvtrail.report.lake import verify_lake_report
@@ -33,47 +33,12 @@ from kvtrail.timeutil import format_utc
 T = TypeVar("T")
 
 
-def local(fn):
-    """Run a question on the store file; a store a running process holds (the service) is one line
-    suggesting ``--url``."""
-    try:
-        return fn()
-    except StoreError as exc:
-        if "in use by another process" not in str(exc):
-            raise
-        raise KvtrailError(f"{exc}; if a kvtrail service holds it, ask the service instead: "
-                           "--url URL --token TOKEN (or KVTRAIL_URL/KVTRAIL_TOKEN)") from None
+local = hint_service
+Remote = ServiceAnswers
 
 
-class Remote:
-    """A service asked instead of the store file: its tables as the same :class:`Answer` a question returns."""
-
-    def __init__(self, url: str, token: str | None):
-        self.client = Client(url, token)
-
-    def answer(self, path: str, params: dict) -> Answer:
-        rows, meta = self.client.table(path, params)
-        gaps = pl.DataFrame(meta.get("gaps", []), schema={
-            "node": pl.Utf8, "instance": pl.Utf8, "missing_events": pl.Int64, "reported_by_producer": pl.Int64,
-            "unexplained": pl.Int64})
-        excluded = pl.DataFrame([{"excluded_by": by, "reason": why} for by, why, n in meta.get("excluded", [])
-                                 for _ in range(int(n))], schema={"excluded_by": pl.Utf8, "reason": pl.Utf8})
-        return Answer(rows, excluded, gaps, tuple(meta.get("notes", ())), tuple(meta.get("warnings", ())),
-                      meta.get("summary", {}))
-
-
-def remote_of(url: str | None, token: str | None) -> Remote | None:
-    return Remote(url, token) if url else None
-
-
-def window_params(from_, to, tenant, node, excl: Exclusions | None = None) -> dict:
-    """The HTTP parameters of the window flags (as typed: they parsed here, so they parse there) and exclusions."""
-    params = {"from": from_, "to": to, "tenant": tenant, "node": node}
-    if excl is not None:
-        for name, pairs in (("exclude_tenant", excl.tenants), ("exclude_api_key", excl.api_key_ids),
-                            ("exclude_request", excl.request_ids)):
-            params[name] = [f"{k}={v}" for k, v in pairs]
-    return params
+def remote_of(url: str | None, token: str | None) -> ServiceAnswers | None:
+    return ServiceAnswers(url, token) if url else None
 
 
 def remote_options(f):
@@ -86,8 +51,9 @@ def remote_options(f):
     return f
 
 
-def remote_report(remote: Remote, out, force, db, from_, to, excl, context_text, before, probe) -> None:
-    params = window_params(from_, to, None, None, excl)
+def remote_report(remote: ServiceAnswers, out, force, db, from_, to, excl, context_text, before, probe) -> None:
+    # the window as typed: it parsed here, so it parses there
+    params = {**window_params(Window(), excl), "from": from_, "to": to}
     body = {**{k: v for k, v in params.items() if k not in ("tenant", "node")}, **probe, "context_yaml": context_text}
     data, summary = remote.client.report(body)
     with zipfile.ZipFile(io.BytesIO(data)) as z:
@@ -150,14 +116,8 @@ def _ask_lake(lake_url: str, ask, executor: Executor):
 
 def with_lake_executor(scheduler: str | None, workers: int | None, fn: Callable[[Executor], T]) -> T:
     """``fn(executor)`` with the executor the flags ask for (in-process without either), closed after."""
-    if scheduler is not None and workers is not None:
-        raise KvtrailError("--scheduler: give either --scheduler or --workers")
-    executor = (DaskExecutor(scheduler, workers) if scheduler is not None or workers is not None
-                else LocalExecutor())
-    try:
+    with lake_executor(scheduler, workers) as executor:
         return fn(executor)
-    finally:
-        executor.close()
 
 
 def report_check(report_dir, db: str, strict: bool, lake_url: str | None, scheduler: str | None,
@@ -172,7 +132,7 @@ def report_check(report_dir, db: str, strict: bool, lake_url: str | None, schedu
                                                                                 strict=strict))
 
 
-def remote_report_check(remote: Remote, report_dir, strict: bool) -> tuple[ReportCheck, str]:
+def remote_report_check(remote: ServiceAnswers, report_dir, strict: bool) -> tuple[ReportCheck, str]:
     """``verify-report --url``: the report's files checked here, the rest by the service on its store; the
     check (problems in the local form's order) and the store's name."""
     doc = load_manifest(report_dir)
@@ -197,7 +157,7 @@ def repeat_polls(step: Callable[[], None], interval: float, polls: int) -> int:
     return done
 
 
-def watch_remote(remote: Remote, interval: float, polls: int) -> None:
+def watch_remote(remote: ServiceAnswers, interval: float, polls: int) -> None:
     """``forensics watch --url``: print each finding the service's live judge persists, as it is saved."""
     state = {"cursor": 0, "seen": 0}
 

@@ -150,15 +150,15 @@ def test_a_hostile_id_prints_harmlessly_and_whole_in_files(tmp_path, capsys):
 
 
 def test_warnings_and_gaps_go_to_stderr_for_every_format(db, monkeypatch, capsys):
-    import kvtrail.cli.forensics as fcli
+    import kvtrail.answers.ask as ask
 
-    real = fcli.ask_affected
+    real = ask.ask_affected
 
     def with_warning(*args, **kw):
         a = real(*args, **kw)
         return types.SimpleNamespace(rows=a.rows, excluded=a.excluded, gaps=a.gaps, notes=a.notes,
                                      warnings=("transfer 7 seen for requests g and h",))
-    monkeypatch.setattr(fcli, "ask_affected", with_warning)
+    monkeypatch.setattr(ask, "ask_affected", with_warning)
     for fmt in ("table", "json"):
         assert main(["forensics", "affected", "--db", db, "--format", fmt]) == 0
         captured = capsys.readouterr()
