@@ -112,12 +112,10 @@ class RemoteSource:
         return self.client.table("/v1/exploitation", self._params(w))[0]
 
     def transfers(self, w: fx.Window) -> pl.DataFrame:
-        rows = self.client.table("/v1/findings", {**self._params(w), "code": ["F2", "F3"]})[0]
+        rows = self.client.table("/v1/transfers", self._params(w))[0]
         if rows.is_empty():
             return pl.DataFrame(schema=TRANSFER_SCHEMA)
-        rows = rows.with_columns(pl.lit(None, pl.Utf8).alias("prefill_node"), pl.col("node").alias("decode_node"),
-                                 pl.format("? -> {}", pl.col("node")).alias("pair"))
-        return rows.select(list(TRANSFER_SCHEMA)).sort("last_ns")
+        return rows.select(list(TRANSFER_SCHEMA)).cast(TRANSFER_SCHEMA)  # type: ignore[arg-type]
 
     def request(self, request_id: str, w: fx.Window) -> pages.RequestDetail:
         """One request's page ownership timeline, tokens and digests, TTFT (``/v1/requests/{id}/pages``)."""

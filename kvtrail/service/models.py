@@ -100,6 +100,20 @@ class ExposureRow(Row):
     victim_requests: Int
 
 
+class TransferRow(Row):
+    """A length (F2) or digest (F3) mismatch and the prefill -> decode pair it crossed (``?`` where no
+    prefill event names the request)."""
+
+    last_ns: Int
+    code: Str
+    pair: Str
+    prefill_node: Str
+    decode_node: Str
+    request_id: Str
+    tenant_id: Str
+    detail: Str
+
+
 class NodeRow(Row):
     """A node configuration in effect during the window: pool vs advertised context."""
 

@@ -15,7 +15,7 @@ import duckdb
 import polars as pl
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Response
 
-from kvtrail.answers import pages, persisted, tenancy
+from kvtrail.answers import pages, persisted, tenancy, transfers
 from kvtrail.answers.client import NEXT_HEADER
 from kvtrail.audit.store import arrow_query
 from kvtrail.errors import KvtrailError
@@ -35,6 +35,7 @@ from kvtrail.forensics import (
     coverage_gaps,
 )
 from kvtrail.forensics.options import ReportOptions
+from kvtrail.forensics.questions import findings_of
 from kvtrail.forensics.results.persist import ensure_tables as ensure_findings_tables
 from kvtrail.service import audit_api, models, tokens_api
 from kvtrail.service.audited import logged_route
@@ -289,6 +290,15 @@ def router(state: Any) -> APIRouter:
         options = report_options(ask.window.from_ns, ask.window.to_ns, excl, probe)
         answer = run(who, lambda cur: ask_exploitation(cur, options, ask.window))
         return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
+
+    @r.get("/transfers", response_model=list[models.TransferRow], responses=table)
+    def transfer_mismatches(who: Who, ask: AskQ) -> Response:
+        """Length (F2) and digest (F3) mismatches with the prefill -> decode node pair each crossed (the
+        dashboard's Transfers view)."""
+        operator_only(who)
+        rows = run(who, lambda cur: transfers.mismatches(
+            cur, findings_of(cur, ask.window, codes=transfers.CODES), ask.window))
+        return table_response(rows, ask.fmt, {})
 
     @r.get("/nodes", response_model=list[models.NodeRow], responses=table)
     def nodes(who: Who, ask: AskQ) -> Response:
