@@ -20,6 +20,7 @@ from typing import Protocol, TypeVar
 import polars as pl
 
 from kvtrail.answers.client import Client
+from kvtrail.answers.spec import COVERAGE
 from kvtrail.errors import KvtrailError, StoreError
 from kvtrail.forensics import (
     Answer,
@@ -49,8 +50,6 @@ from kvtrail.timeutil import format_utc
 T = TypeVar("T")
 NO_EXCLUSIONS = Exclusions()
 DEFAULT_POLICY = ForensicsPolicy()
-GAPS_SCHEMA = {"node": pl.Utf8, "instance": pl.Utf8, "missing_events": pl.Int64, "reported_by_producer": pl.Int64,
-               "unexplained": pl.Int64}
 
 
 class Answers(Protocol):
@@ -131,7 +130,7 @@ class ServiceAnswers:
 
     def answer(self, path: str, params: dict) -> Answer:
         rows, meta = self.client.table(path, params)
-        gaps = pl.DataFrame(meta.get("gaps", []), schema=GAPS_SCHEMA)
+        gaps = pl.DataFrame(meta.get("gaps", []), schema=COVERAGE.schema)
         excluded = pl.DataFrame([{"excluded_by": by, "reason": why} for by, why, n in meta.get("excluded", [])
                                  for _ in range(int(n))], schema={"excluded_by": pl.Utf8, "reason": pl.Utf8})
         return Answer(rows, excluded, gaps, tuple(meta.get("notes", ())), tuple(meta.get("warnings", ())),

@@ -24,6 +24,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from kvtrail.answers import spec
+from kvtrail.answers.spec import AnswerSpec
 from kvtrail.forensics.findings import CODES, NEVER_WRITTEN, UNKNOWN_TENANT
 from kvtrail.timeutil import format_utc
 
@@ -140,6 +142,7 @@ class TableView:
     """How one command's answer reads in a terminal: its summary line, the columns a responder scans
     first, and what to say when there are no rows."""
 
+    spec: AnswerSpec  # the answer's columns: every column here shows some of them
     summary: Callable[[pl.DataFrame], str]
     columns: tuple[Column, ...]
     empty: str
@@ -275,23 +278,23 @@ def _victims(r: dict) -> str:
 
 # Per command, the columns a responder scans first; headers are the file formats' names, shortened
 # where the name is much wider than its values (120 characters hold about ten columns).
-FINDINGS = TableView(_findings_summary, (
+FINDINGS = TableView(spec.FINDINGS, _findings_summary, (
     ident("code", 4), ident("severity", 8), ident("node", 16), ident("request_id"), ident("tenant_id", 16),
     Column("victims", ("victim_tenant_ids", "victim_request_ids"), _victims, 28, flex=True), count("pages"),
     time_at("first_ns"), text("detail", 80)), "no findings in this window")
-AFFECTED = TableView(_affected_summary, (
+AFFECTED = TableView(spec.AFFECTED, _affected_summary, (
     ident("request_id"), ident("tenant_id", 16), number("http_status", "status"), number("prompt_tokens", "prompt"),
     number("completion_tokens", "completion"), number("pages_read_foreign", "pages"), joined("victim_tenants", 32),
     count("victim_requests", "victim_reqs"), time_at("first_ns")), "no affected responses in this window")
-EXPOSURE = TableView(_exposure_summary, (
+EXPOSURE = TableView(spec.EXPOSURE, _exposure_summary, (
     ident("recipient_tenant", 24), ident("victim_tenant", 24), number("responses"), number("pages"),
     number("victim_requests")), "no exposure in this window")
-THRESHOLDS = TableView(_thresholds_summary, (
+THRESHOLDS = TableView(spec.THRESHOLDS, _thresholds_summary, (
     ident("node", 16), ident("role", 8), time_at("effective_from_ns"), number("pool_tokens", "pool"),
     number("context_tokens", "context"), number("shortfall_tokens", "shortfall"), number("requests"),
     number("affected"), number("affected_over_pool", "aff>pool"), number("unaffected_over_pool", "unaff>pool")),
     "no node configuration in this window")
-EXPLOITATION = TableView(_exploitation_summary, (
+EXPLOITATION = TableView(spec.EXPLOITATION, _exploitation_summary, (
     ident("tenant_id", 16), number("affected_responses", "affected"), number("long_requests", "long"),
     number("long_per_hour", "long/h"), number("baseline_long_per_hour", "base/h"),
     number("max_long_in_burst", "burst"), ident("verdict", 40), text("reason", 90)),

@@ -10,11 +10,11 @@ import duckdb
 import polars as pl
 
 from kvtrail import forensics as fx
+from kvtrail.answers.spec import TRANSFERS
 from kvtrail.forensics.questions import findings_frame
 
 CODES = ("F2", "F3")
-SCHEMA = {"last_ns": pl.Int64, "code": pl.Utf8, "pair": pl.Utf8, "prefill_node": pl.Utf8, "decode_node": pl.Utf8,
-          "request_id": pl.Utf8, "tenant_id": pl.Utf8, "detail": pl.Utf8}
+SCHEMA = TRANSFERS.schema
 
 
 def mismatches(con: duckdb.DuckDBPyConnection, found: list[fx.Finding], w: fx.Window) -> pl.DataFrame:

@@ -1,16 +1,21 @@
 """Response models of the query API, so ``/openapi.json`` describes every table it returns.
 
 A table's JSON is an array of row objects with exactly the fields of the CLI's ``--format json`` (the
-same Polars frame, written by :func:`kvtrail.answers.tables.json_text`); these models state those
-fields and their types. Every field may be null (the frames allow it). Tenant tokens get their own,
+same Polars frame, written by :func:`kvtrail.answers.tables.json_text`); the table rows' models are
+generated from the questions' :mod:`~kvtrail.answers.spec`, so they state those fields, their types
+and docs. Every field may be null (the frames allow it). Tenant tokens get their own,
 narrower rows (``Tenant*``): their own requests and counts, never another tenant's ids.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict
+import polars as pl
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from kvtrail.answers import spec
+from kvtrail.answers.spec import EVIDENCE, AnswerSpec
 
 Ids = list[str | None] | None
 Int = int | None
@@ -30,144 +35,60 @@ class Evidence(BaseModel):
     seq: Int
 
 
-class FindingRow(Row):
-    """A finding with its evidence (``kvtrail forensics findings --format json``)."""
-
-    code: Str
-    title: Str
-    severity: Str
-    node: Str
-    request_id: Str
-    tenant_id: Str
-    victim_request_ids: Ids
-    victim_tenant_ids: Ids
-    pages: list[int] | None
-    first_ns: Int
-    last_ns: Int
-    evidence: list[Evidence] | None
-    detail: Str
-    lineage_checked: Int
-    lineage_matched: Int
-
-
-class StoredFindingRow(FindingRow):
-    """A finding the live judge persisted: its stable id and the judge runs that first and last saw it."""
-
-    finding_id: Str
-    first_run_id: Int
-    last_run_id: Int
+def _field_type(dtype: pl.DataType | type[pl.DataType]) -> Any:
+    """The JSON type of a column of that dtype (every value may be null)."""
+    if dtype == pl.Utf8:
+        return Str
+    if dtype == pl.Boolean:
+        return bool | None
+    if dtype.is_float():
+        return float | None
+    if dtype.is_integer():
+        return Int
+    if isinstance(dtype, pl.List):
+        inner = dtype.inner
+        if inner == pl.Utf8:
+            return Ids
+        if inner == EVIDENCE:
+            return list[Evidence] | None
+        if inner is not None and inner.is_integer():
+            return list[int] | None
+    raise TypeError(f"no JSON type for {dtype}")
 
 
-class AffectedRow(Row):
-    """A response that read pages it did not own (``kvtrail forensics affected``)."""
-
-    request_id: Str
-    tenant_id: Str
-    http_status: Int
-    prompt_tokens: Int
-    completion_tokens: Int
-    codes: Ids
-    pages_read_foreign: Int
-    victim_tenants: Ids
-    victim_requests: Ids
-    first_ns: Int
-    last_ns: Int
+def row_model(model_name: str, spec: AnswerSpec) -> type[Row]:
+    """The response model of one of ``spec``'s rows: exactly its columns, each documented."""
+    fields: dict[str, Any] = {c.name: (_field_type(c.dtype), Field(description=c.doc)) for c in spec.columns}
+    return create_model(model_name, __base__=Row, __doc__=spec.doc, **fields)
 
 
-class TenantAffectedRow(Row):
-    """One of the tenant's own responses that read data it did not own: how much, from how many other
-    requests and tenants (never whose)."""
+if TYPE_CHECKING:  # to the type checker every generated row model is a Row
+    FindingRow = Row
+    StoredFindingRow = Row
+    AffectedRow = Row
+    TenantAffectedRow = Row
+    ExposureRow = Row
+    TransferRow = Row
+    NodeRow = Row
+    ThresholdRow = Row
+    ExploitationRow = Row
+    CoverageRow = Row
+else:
+    FindingRow = row_model("FindingRow", spec.FINDINGS)
+    StoredFindingRow = row_model("StoredFindingRow", spec.STORED_FINDINGS)
+    AffectedRow = row_model("AffectedRow", spec.AFFECTED)
+    TenantAffectedRow = row_model("TenantAffectedRow", spec.TENANT_AFFECTED)
+    ExposureRow = row_model("ExposureRow", spec.EXPOSURE)
+    TransferRow = row_model("TransferRow", spec.TRANSFERS)
+    NodeRow = row_model("NodeRow", spec.NODES)
+    ThresholdRow = row_model("ThresholdRow", spec.THRESHOLDS)
+    ExploitationRow = row_model("ExploitationRow", spec.EXPLOITATION)
+    CoverageRow = row_model("CoverageRow", spec.COVERAGE)
 
-    request_id: Str
-    http_status: Int
-    prompt_tokens: Int
-    completion_tokens: Int
-    codes: Ids
-    pages_read_foreign: Int
-    other_requests: Int
-    other_tenants: Int
-    first_ns: Int
-    last_ns: Int
-
-
-class ExposureRow(Row):
-    """Recipient tenant x victim tenant (``kvtrail forensics exposure``)."""
-
-    recipient_tenant: Str
-    victim_tenant: Str
-    responses: Int
-    pages: Int
-    victim_requests: Int
-
-
-class TransferRow(Row):
-    """A length (F2) or digest (F3) mismatch and the prefill -> decode pair it crossed (``?`` where no
-    prefill event names the request)."""
-
-    last_ns: Int
-    code: Str
-    pair: Str
-    prefill_node: Str
-    decode_node: Str
-    request_id: Str
-    tenant_id: Str
-    detail: Str
-
-
-class NodeRow(Row):
-    """A node configuration in effect during the window: pool vs advertised context."""
-
-    node: Str
-    role: Str
-    instance: Str
-    effective_from_ns: Int
-    pool_tokens: Int
-    context_tokens: Int
-    page_size: Int
-    pool_pages: Int
-    pool_covers_context: bool | None
-    shortfall_tokens: Int
-
-
-class ThresholdRow(NodeRow):
-    """Pool vs context per node with the prompts against it (``kvtrail forensics thresholds``)."""
-
-    requests: Int
-    affected: Int
-    affected_over_pool: Int
-    unaffected_over_pool: Int
-    min_affected_prompt_tokens: Int
-    max_unaffected_prompt_tokens: Int
-
-
-class ExploitationRow(Row):
-    """Per recipient tenant: over-long prompts vs its baseline, bursts, verdict (``kvtrail forensics exploitation``)."""
-
-    tenant_id: Str
-    excluded_by: Str
-    affected_responses: Int
-    requests: Int
-    long_requests: Int
-    long_per_hour: float | None
-    baseline_requests: Int
-    baseline_long_requests: Int
-    baseline_long_per_hour: float | None
-    max_long_per_hour: Int
-    max_long_in_burst: Int
-    first_long_ns: Int
-    last_long_ns: Int
-    verdict: Str
-    reason: Str
-
-
-class CoverageRow(Row):
-    """A producer with sequence numbers missing that no recorder_gap explains."""
-
-    node: Str
-    instance: Str
-    missing_events: Int
-    reported_by_producer: Int
-    unexplained: Int
+TABLE_MODELS = {"findings": FindingRow, "stored_findings": StoredFindingRow, "affected": AffectedRow,
+                "tenant_affected": TenantAffectedRow, "exposure": ExposureRow, "transfers": TransferRow,
+                "nodes": NodeRow, "thresholds": ThresholdRow, "exploitation": ExploitationRow,
+                "coverage": CoverageRow}
 
 
 class FindingsSince(BaseModel):
