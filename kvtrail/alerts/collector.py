@@ -18,7 +18,8 @@ import duckdb
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvtrail.alerts.metrics import ABORT_CAUSES, BY_NAME
+from kvtrail.alerts.metrics import ABORT_CAUSES, BY_NAME, METRICS
+from kvtrail.audit.configs import latest_configs
 from kvtrail.forensics import AFFECTED_CODES, CODES
 
 # {producer_id: last batch_no the live judge has read}
@@ -29,12 +30,6 @@ class _Cursors(Protocol):
     def cursor(self) -> duckdb.DuckDBPyConnection: ...
 
 
-_CONFIG_SQL = """
-SELECT node, role, engine, engine_version, pool_tokens, context_tokens, page_size, checksum_enabled,
-       canary_enabled, deferred_release, release_timeout_ns, transfer_batch_max_pages
-FROM events_v WHERE kind = 'node_config'
-QUALIFY row_number() OVER (PARTITION BY node, role ORDER BY wall_ns DESC, seq DESC) = 1
-ORDER BY node, role"""
 # A client that goes away shows as HTTP 499 (nginx's code, SGLang's abort on disconnect) or says so.
 _CAUSE_SQL = """
 CASE WHEN http_status = 499 OR lower(abort_reason) LIKE '%disconnect%' THEN 'client_disconnect'
@@ -107,19 +102,18 @@ class StoreCollector(Collector):
     # ---- node configuration ---------------------------------------------------------------------
 
     def _nodes(self, con: duckdb.DuckDBPyConnection) -> list[Metric]:
-        names = ("kvtrail_node_kv_pool_tokens", "kvtrail_node_context_length_tokens", "kvtrail_node_page_size_tokens",
-                 "kvtrail_node_checksum_enabled", "kvtrail_node_canary_enabled",
-                 "kvtrail_node_deferred_release_enabled", "kvtrail_node_release_timeout_seconds",
-                 "kvtrail_node_transfer_batch_max_pages")
-        fams: dict[str, Family] = {n: _family(n) for n in names}
+        specs = [(m, m.column) for m in METRICS if m.column is not None]
+        fams: dict[str, Family] = {m.name: _family(m.name) for m, _ in specs}
         info = InfoMetricFamily("kvtrail_node_engine", BY_NAME["kvtrail_node_engine"].doc, labels=["node", "role"])
-        for node, role, engine, version, pool, ctx, psize, cks, can, dfr, timeout_ns, max_pages in con.execute(
-                _CONFIG_SQL).fetchall():
-            values = (pool, ctx, psize, cks, can, dfr, None if timeout_ns is None else timeout_ns / 1e9, max_pages)
-            for n, v in zip(names, values):
+        configs = latest_configs(con, ("node", "role", "engine", "engine_version", *(c for _, c in specs)),
+                                 per=("node", "role"), order_by=("node", "role")).to_pylist()
+        for row in configs:
+            labels = [row["node"], row["role"]]
+            for m, column in specs:
+                v = row[column]
                 if v is not None:  # unknown stays absent, never a number
-                    fams[n].add_metric([node, role], float(v))
-            info.add_metric([node, role], {"engine": engine, "version": version})
+                    fams[m.name].add_metric(labels, float(v) / m.per_unit)
+            info.add_metric(labels, {"engine": row["engine"], "version": row["engine_version"]})
         return [*fams.values(), info]
 
     # ---- findings -------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ class MetricSpec:
     kind: str
     labels: tuple[str, ...]
     doc: str
+    column: str | None = None  # the node_config column a node metric reads (its latest per node and role)
+    per_unit: float = 1.0  # how many of the column's units make one of the metric's
 
     @property
     def exposed(self) -> str:
@@ -32,21 +34,27 @@ class MetricSpec:
         return self.name + {"counter": "_total", "info": "_info", "gauge": ""}[self.kind]
 
 
-def _m(name: str, kind: str, labels: tuple[str, ...], doc: str) -> MetricSpec:
-    return MetricSpec(name, kind, labels, doc)
+def _m(name: str, kind: str, labels: tuple[str, ...], doc: str, column: str | None = None,
+       per_unit: float = 1.0) -> MetricSpec:
+    return MetricSpec(name, kind, labels, doc, column, per_unit)
 
 
 METRICS: tuple[MetricSpec, ...] = (
     # node configuration: the latest node_config of each node and role
-    _m("kvtrail_node_kv_pool_tokens", "gauge", NODE, "KV pool capacity in tokens."),
-    _m("kvtrail_node_context_length_tokens", "gauge", NODE, "Context length the node advertises, in tokens."),
-    _m("kvtrail_node_page_size_tokens", "gauge", NODE, "Tokens per KV page."),
-    _m("kvtrail_node_checksum_enabled", "gauge", NODE, "Per-transfer KV checksums on (1) or off (0)."),
-    _m("kvtrail_node_canary_enabled", "gauge", NODE, "KV canary on (1) or off (0)."),
-    _m("kvtrail_node_deferred_release_enabled", "gauge", NODE, "Deferred KV release on (1) or off (0)."),
+    _m("kvtrail_node_kv_pool_tokens", "gauge", NODE, "KV pool capacity in tokens.", "pool_tokens"),
+    _m("kvtrail_node_context_length_tokens", "gauge", NODE, "Context length the node advertises, in tokens.",
+       "context_tokens"),
+    _m("kvtrail_node_page_size_tokens", "gauge", NODE, "Tokens per KV page.", "page_size"),
+    _m("kvtrail_node_checksum_enabled", "gauge", NODE, "Per-transfer KV checksums on (1) or off (0).",
+       "checksum_enabled"),
+    _m("kvtrail_node_canary_enabled", "gauge", NODE, "KV canary on (1) or off (0).", "canary_enabled"),
+    _m("kvtrail_node_deferred_release_enabled", "gauge", NODE, "Deferred KV release on (1) or off (0).",
+       "deferred_release"),
     _m("kvtrail_node_release_timeout_seconds", "gauge", NODE,
-       "How long the node holds the pages of an aborted transfer before reusing them (deferred release)."),
-    _m("kvtrail_node_transfer_batch_max_pages", "gauge", NODE, "The most pages one transfer call moves."),
+       "How long the node holds the pages of an aborted transfer before reusing them (deferred release).",
+       "release_timeout_ns", 1e9),
+    _m("kvtrail_node_transfer_batch_max_pages", "gauge", NODE, "The most pages one transfer call moves.",
+       "transfer_batch_max_pages"),
     _m("kvtrail_node_engine", "info", (*NODE, "engine", "version"), "Serving engine and version of the node."),
     # findings (the judge's persisted findings)
     _m("kvtrail_forensics_findings", "counter", ("code", "node"), "Findings stored, by code and node."),

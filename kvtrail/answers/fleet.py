@@ -13,20 +13,16 @@ import duckdb
 import polars as pl
 
 from kvtrail import forensics as fx
+from kvtrail.audit.configs import latest_configs
 from kvtrail.forensics.analysis import node_capacity
 from kvtrail.forensics.results.window_counts import WindowCounts
 
 _PRODUCERS_SQL = """
-WITH cfg AS (
-    SELECT producer_id, checksum_enabled, canary_enabled, deferred_release, page_tags,
-           row_number() OVER (PARTITION BY producer_id ORDER BY wall_ns DESC) AS newest
-    FROM events_v WHERE kind = 'node_config' AND wall_ns <= ?),
-last AS (SELECT producer_id, max(max_wall_ns) AS last_event_ns FROM batches GROUP BY producer_id)
-SELECT p.producer_id, p.node, p.instance, p.engine, p.engine_version, last.last_event_ns,
-       cfg.checksum_enabled, cfg.canary_enabled, cfg.deferred_release, cfg.page_tags
+WITH last AS (SELECT producer_id, max(max_wall_ns) AS last_event_ns FROM batches GROUP BY producer_id)
+SELECT p.producer_id, p.node, p.instance, p.engine, p.engine_version, last.last_event_ns
 FROM producers p
-LEFT JOIN cfg ON cfg.producer_id = p.producer_id AND cfg.newest = 1
 LEFT JOIN last ON last.producer_id = p.producer_id"""
+_INTEGRITY = ("checksum_enabled", "canary_enabled", "deferred_release", "page_tags")
 
 _MAX_NS = 2**63 - 1
 COLUMNS = ("node", "role", "pool_tokens", "context_tokens", "shortfall_tokens", "pool_covers_context",
@@ -44,7 +40,9 @@ def fleet_table(con: duckdb.DuckDBPyConnection, w: fx.Window, counts: WindowCoun
     if w.node:
         capacity = capacity.filter(pl.col("node") == w.node)
     drops = counts.events.select("producer_id", "recorder_dropped_events")
-    producers = (pl.DataFrame(con.sql(_PRODUCERS_SQL, params=[hi]).to_arrow_table())
+    integrity = pl.DataFrame(latest_configs(con, ("producer_id", *_INTEGRITY), at_ns=hi))
+    producers = (pl.DataFrame(con.sql(_PRODUCERS_SQL).to_arrow_table())
+                 .join(integrity, on="producer_id", how="left")
                  .join(drops, on="producer_id", how="left")
                  .with_columns(pl.col("recorder_dropped_events").fill_null(0)).drop("producer_id"))
     gaps = fx.coverage_gaps(con).select("node", "instance", pl.col("unexplained").alias("unexplained_gap_events"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import duckdb
 import polars as pl
 
+from kvtrail.audit.configs import configs_in_effect
 from kvtrail.audit.store import arrow_query
 
 _MIN_NS, _MAX_NS = -(2**63), 2**63 - 1
@@ -12,13 +13,8 @@ _MIN_NS, _MAX_NS = -(2**63), 2**63 - 1
 
 def node_capacity(con: duckdb.DuckDBPyConnection, from_ns: int | None, to_ns: int | None) -> pl.DataFrame:
     """Pool vs advertised context of every node configuration in effect during the window (F8's numbers)."""
-    lo, hi = _MIN_NS if from_ns is None else from_ns, _MAX_NS if to_ns is None else to_ns
-    t = arrow_query(con, """
-        SELECT node, role, instance, wall_ns AS effective_from_ns, pool_tokens, context_tokens, page_size, pool_pages
-        FROM events_v c WHERE kind = 'node_config' AND wall_ns <= ?
-          AND wall_ns >= coalesce((SELECT max(wall_ns) FROM events x WHERE x.kind = 'node_config'
-                                   AND x.producer_id = c.producer_id AND x.wall_ns <= ?), ?)
-        ORDER BY node, wall_ns, instance""", [hi, lo, lo])
+    t = configs_in_effect(con, ("node", "role", "instance", "wall_ns AS effective_from_ns", "pool_tokens",
+                                "context_tokens", "page_size", "pool_pages"), from_ns, to_ns)
     df = pl.DataFrame(t)
     return df.with_columns(
         (pl.col("pool_tokens") >= pl.col("context_tokens")).alias("pool_covers_context"),
