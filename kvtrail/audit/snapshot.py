@@ -9,6 +9,9 @@ same events. The views carry the tables' names, so every query of ``kvtrail.fore
 from __future__ import annotations
 
 import re
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import duckdb
@@ -20,6 +23,29 @@ from kvtrail.errors import StoreError
 
 # Tables whose rows belong to a (producer_id, batch_no); the other tables are copied through as they are.
 _BATCHED = (*KIND_TABLES, "page_runs", "batches")
+
+
+def _bind_views(con: duckdb.DuckDBPyConnection, src: str, tables: set[str], heads: list[dict],
+                source: str) -> None:
+    """In ``con``'s current catalog: the store's tables in ``src`` (a catalog.schema holding ``tables``)
+    as views that keep only batches up to ``heads``, and the store's own ``events``/``events_v``
+    definitions re-bound to them (``source``: the store's catalog name, where those definitions live)."""
+    con.execute("CREATE TABLE _heads (producer_id BIGINT, batch_no BIGINT)")
+    if heads:
+        con.executemany("INSERT INTO _heads VALUES (?, ?)", [(h["producer_id"], h["batch_no"]) for h in heads])
+    for table in _BATCHED:
+        con.execute(f"CREATE VIEW {table} AS SELECT t.* FROM {src}.{table} t JOIN _heads h "
+                    "ON t.producer_id = h.producer_id AND t.batch_no <= h.batch_no")
+    con.execute(f"CREATE VIEW producers AS SELECT * FROM {src}.producers "
+                "WHERE producer_id IN (SELECT producer_id FROM _heads)")
+    for table in sorted(tables - set(_BATCHED) - {"producers"}):
+        con.execute(f'CREATE VIEW "{table}" AS SELECT * FROM {src}."{table}"')
+    for name in ("events", "events_v"):
+        view = con.execute("SELECT sql FROM duckdb_views() WHERE database_name = ? AND view_name = ?",
+                           [source, name]).fetchone()
+        if view is None:
+            raise StoreError(f"{source} is not a kvtrail audit store (no {name} view)")
+        con.execute(re.sub(r"^CREATE (OR REPLACE )?VIEW", "CREATE VIEW", view[0].strip(), flags=re.I))
 
 
 def open_snapshot(path: str | Path, heads: list[dict] | None = None) -> tuple[duckdb.DuckDBPyConnection, list[dict]]:
@@ -38,24 +64,8 @@ def open_snapshot(path: str | Path, heads: list[dict] | None = None) -> tuple[du
             raise StoreError(f"{path} is not a kvtrail audit store")
         if heads is None:
             heads = chain_heads(con, "src.batches", "src.producers")
-        con.execute("CREATE TABLE _heads (producer_id BIGINT, batch_no BIGINT)")
-        if heads:
-            con.executemany("INSERT INTO _heads VALUES (?, ?)", [(h["producer_id"], h["batch_no"]) for h in heads])
-        for table in _BATCHED:
-            con.execute(f"CREATE VIEW {table} AS SELECT t.* FROM src.{table} t JOIN _heads h "
-                        "ON t.producer_id = h.producer_id AND t.batch_no <= h.batch_no")
-        con.execute("CREATE VIEW producers AS SELECT * FROM src.producers "
-                    "WHERE producer_id IN (SELECT producer_id FROM _heads)")
-        for table in sorted(has - set(_BATCHED) - {"producers"}):
-            con.execute(f"CREATE VIEW {table} AS SELECT * FROM src.{table}")
-        # The store's own events and events_v definitions, re-bound to the views above. Everything lives
-        # in the private in-memory database (not TEMP), so cursors of this connection see it too.
-        for name in ("events", "events_v"):
-            view = con.execute("SELECT sql FROM duckdb_views() WHERE database_name = 'src' "
-                               "AND view_name = ?", [name]).fetchone()
-            if view is None:
-                raise StoreError(f"{path} is not a kvtrail audit store (no {name} view)")
-            con.execute(re.sub(r"^CREATE (OR REPLACE )?VIEW", "CREATE VIEW", view[0].strip(), flags=re.I))
+        # Everything lives in the private in-memory database (not TEMP), so cursors of this connection see it.
+        _bind_views(con, "src.main", has, heads, "src")
     except duckdb.Error as exc:
         con.close()
         raise StoreError(f"cannot open store {path}: {str(exc).splitlines()[0]}") from None
@@ -63,3 +73,54 @@ def open_snapshot(path: str | Path, heads: list[dict] | None = None) -> tuple[du
         con.close()
         raise
     return con, heads
+
+
+def make_snapshot(cur: duckdb.DuckDBPyConnection, heads: list[dict]) -> tuple[str, str]:
+    """Attach a private in-memory catalog of ``cur``'s database instance whose views show the store as of
+    ``heads``; returns (its name, the store's). Any connection of the instance may ``USE`` it until
+    :func:`drop_snapshot`. ``cur`` is left on the store."""
+    store = cur.execute("SELECT current_database()").fetchone()
+    assert store is not None
+    src = f'"{store[0]}".main'
+    snap = f"kvtrail_snapshot_{uuid.uuid4().hex}"
+    cur.execute(f"ATTACH ':memory:' AS {snap}")
+    try:
+        cur.execute(f"USE {snap}")
+        rows = cur.execute("SELECT table_name FROM duckdb_tables() WHERE database_name = ? AND schema_name = 'main'",
+                           [store[0]]).fetchall()
+        _bind_views(cur, src, {r[0] for r in rows}, heads, store[0])
+    except BaseException:
+        cur.execute(f'USE "{store[0]}"')
+        cur.execute(f"DETACH {snap}")
+        raise
+    cur.execute(f'USE "{store[0]}"')
+    return snap, store[0]
+
+
+def drop_snapshot(cur: duckdb.DuckDBPyConnection, snap: str) -> None:
+    """Detach a :func:`make_snapshot` catalog (no connection may be using it)."""
+    cur.execute(f"DETACH {snap}")
+
+
+@contextmanager
+def using_snapshot(cur: duckdb.DuckDBPyConnection, snap: str, store: str) -> Iterator[None]:
+    """``cur`` on the snapshot ``snap`` while the block runs, then on ``store`` again."""
+    cur.execute(f"USE {snap}")
+    try:
+        yield
+    finally:
+        cur.execute(f'USE "{store}"')
+
+
+@contextmanager
+def live_snapshot(cur: duckdb.DuckDBPyConnection, heads: list[dict] | None = None) -> Iterator[list[dict]]:
+    """Point ``cur`` at the store as of ``heads`` (default: its current chain heads; yields them), like
+    :func:`open_snapshot` does for a store file: the service holds the file, so the views live in a private
+    in-memory catalog of the same database instance, made the cursor's default while the report runs."""
+    heads = chain_heads(cur) if heads is None else heads
+    snap, store = make_snapshot(cur, heads)
+    try:
+        with using_snapshot(cur, snap, store):
+            yield heads
+    finally:
+        drop_snapshot(cur, snap)

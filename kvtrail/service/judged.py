@@ -28,9 +28,9 @@ from typing import Any, TypeVar
 
 import duckdb
 
+from kvtrail.audit.snapshot import drop_snapshot, make_snapshot, using_snapshot
 from kvtrail.forensics import Answer, Exclusions, Finding, Window, ask_affected, ask_findings
 from kvtrail.forensics.questions import WindowContext, window_context
-from kvtrail.service.reports import drop_snapshot, make_snapshot, using_snapshot
 
 T = TypeVar("T")
 JUDGED_WAIT_S = 5.0  # how long a query waits for the judge to reach the acknowledged batches, else it replays

@@ -14,13 +14,9 @@ from __future__ import annotations
 
 import io
 import json
-import re
 import tarfile
 import tempfile
-import uuid
 import zipfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -30,7 +26,7 @@ from fastapi import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtrail.answers.client import REPORT_HEADER
-from kvtrail.audit.layout import KIND_TABLES
+from kvtrail.audit.snapshot import live_snapshot
 from kvtrail.audit.verify import chain_heads, parse_heads
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics.options import ReportOptions
@@ -64,76 +60,6 @@ class ReportBody(BaseModel):
         return {"baseline_from": self.baseline_from, "baseline_to": self.baseline_to,
                 "long_prompt_tokens": self.long_prompt_tokens, "burst_minutes": self.burst_minutes,
                 "burst_count": self.burst_count}
-
-
-# As in audit.snapshot: the tables whose rows belong to a (producer_id, batch_no).
-_BATCHED = (*KIND_TABLES, "page_runs", "batches")
-
-
-def make_snapshot(cur: duckdb.DuckDBPyConnection, heads: list[dict]) -> tuple[str, str]:
-    """Attach a private in-memory catalog of ``cur``'s database instance whose views show the store as of
-    ``heads``; returns (its name, the store's). Any connection of the instance may ``USE`` it until
-    :func:`drop_snapshot`. ``cur`` is left on the store."""
-    store = cur.execute("SELECT current_database()").fetchone()
-    assert store is not None
-    src = f'"{store[0]}".main'
-    snap = f"kvtrail_snapshot_{uuid.uuid4().hex}"
-    cur.execute(f"ATTACH ':memory:' AS {snap}")
-    try:
-        cur.execute(f"USE {snap}")
-        cur.execute("CREATE TABLE _heads (producer_id BIGINT, batch_no BIGINT)")
-        if heads:
-            cur.executemany("INSERT INTO _heads VALUES (?, ?)", [(h["producer_id"], h["batch_no"]) for h in heads])
-        for table in _BATCHED:
-            cur.execute(f"CREATE VIEW {table} AS SELECT t.* FROM {src}.{table} t JOIN _heads h "
-                        "ON t.producer_id = h.producer_id AND t.batch_no <= h.batch_no")
-        cur.execute(f"CREATE VIEW producers AS SELECT * FROM {src}.producers "
-                    "WHERE producer_id IN (SELECT producer_id FROM _heads)")
-        rows = cur.execute("SELECT table_name FROM duckdb_tables() WHERE database_name = ? AND schema_name = 'main'",
-                           [store[0]]).fetchall()
-        for (table,) in rows:
-            if table not in (*_BATCHED, "producers"):
-                cur.execute(f'CREATE VIEW "{table}" AS SELECT * FROM {src}."{table}"')
-        for name in ("events", "events_v"):  # the store's own definitions, re-bound to the views above
-            view = cur.execute("SELECT sql FROM duckdb_views() WHERE database_name = ? AND view_name = ?",
-                               [store[0], name]).fetchone()
-            assert view is not None, f"a store without its {name} view"
-            cur.execute(re.sub(r"^CREATE (OR REPLACE )?VIEW", "CREATE VIEW", view[0].strip(), flags=re.I))
-    except BaseException:
-        cur.execute(f'USE "{store[0]}"')
-        cur.execute(f"DETACH {snap}")
-        raise
-    cur.execute(f'USE "{store[0]}"')
-    return snap, store[0]
-
-
-def drop_snapshot(cur: duckdb.DuckDBPyConnection, snap: str) -> None:
-    """Detach a :func:`make_snapshot` catalog (no connection may be using it)."""
-    cur.execute(f"DETACH {snap}")
-
-
-@contextmanager
-def using_snapshot(cur: duckdb.DuckDBPyConnection, snap: str, store: str) -> Iterator[None]:
-    """``cur`` on the snapshot ``snap`` while the block runs, then on ``store`` again."""
-    cur.execute(f"USE {snap}")
-    try:
-        yield
-    finally:
-        cur.execute(f'USE "{store}"')
-
-
-@contextmanager
-def live_snapshot(cur: duckdb.DuckDBPyConnection, heads: list[dict] | None = None) -> Iterator[list[dict]]:
-    """Point ``cur`` at the store as of ``heads`` (default: its current chain heads; yields them), like
-    ``open_snapshot`` does for a store file: the service holds the file, so the views live in a private
-    in-memory catalog of the same database instance, made the cursor's default while the report runs."""
-    heads = chain_heads(cur) if heads is None else heads
-    snap, store = make_snapshot(cur, heads)
-    try:
-        with using_snapshot(cur, snap, store):
-            yield heads
-    finally:
-        drop_snapshot(cur, snap)
 
 
 def _archive(folder: Path, kind: str) -> bytes:

@@ -14,12 +14,12 @@ import pytest
 
 from kvtrail.audit.batch import from_dicts
 from kvtrail.audit.layout import has_kind_tables
+from kvtrail.audit.snapshot import live_snapshot
 from kvtrail.audit.store import AuditStore
 from kvtrail.audit.verify import unclean_ends
 from kvtrail.forensics import Window
 from kvtrail.forensics.questions import coverage_gaps
 from kvtrail.forensics.symptoms import empty_after_abort, shared_transfer_ids
-from kvtrail.service.reports import live_snapshot
 from tests.conftest import T0
 from tests.forensics.test_replay import pd_request, pd_timeline
 
