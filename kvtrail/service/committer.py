@@ -46,8 +46,8 @@ class CommitFailed(KvtrailError):
 
 
 @dataclass(frozen=True)
-class Commit:
-    """What the service replies for a committed (or re-sent) batch."""
+class IngestReply:
+    """The stored batch a request became (or, for a re-send, already was): what `POST /v1/events` replies."""
 
     producer_id: int
     batch_no: int
@@ -70,7 +70,7 @@ class _Pending:
     pre: Prechecked | None = None  # the batch as prechecked where it arrived
 
 
-def _settle(fut: Future, result: Commit) -> None:
+def _settle(fut: Future, result: IngestReply) -> None:
     if not fut.done():  # a future is settled once; after a failed group the done ones are left as they are
         fut.set_result(result)
 
@@ -113,12 +113,12 @@ class Committer:
         self._thread = threading.Thread(target=self._run, name="kvtrail-service-commit", daemon=True)
         self._thread.start()
 
-    def submit(self, table: pa.Table | Prechecked, producer_id: int, seq: np.ndarray) -> Future[Commit]:
+    def submit(self, table: pa.Table | Prechecked, producer_id: int, seq: np.ndarray) -> Future[IngestReply]:
         """Queue one producer's batch (``seq``: its events' sequence numbers, at least one; ``table`` may be
         prechecked, :func:`~kvtrail.audit.validate.precheck_batch`, so the writer checks only what depends on
-        the store); the future holds its :class:`Commit` or the error that refused it (ValidationError,
+        the store); the future holds its :class:`IngestReply` or the error that refused it (ValidationError,
         ConflictError, CommitFailed)."""
-        fut: Future[Commit] = Future()
+        fut: Future[IngestReply] = Future()
         in_order = bool((seq[1:] > seq[:-1]).all())
         pre = table if isinstance(table, Prechecked) else None
         item = _Pending(table.table if pre is not None else table, producer_id, int(seq.min()), int(seq.max()),
@@ -131,7 +131,7 @@ class Committer:
         return fut
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Commit what is queued, then stop the thread. Later submits fail with CommitFailed."""
+        """IngestReply what is queued, then stop the thread. Later submits fail with CommitFailed."""
         with self._submit_lock:
             if self._closed:
                 return
@@ -191,7 +191,7 @@ class Committer:
         no, first, last_seq, n, pages, digest = rows[0]
         if len(rows) == 1 and (first, last_seq, n) == (p.first_seq, p.last_seq, p.table.num_rows):
             self.duplicates += 1
-            _settle(p.future, Commit(p.producer_id, int(no), int(first), int(last_seq), int(n), int(pages),
+            _settle(p.future, IngestReply(p.producer_id, int(no), int(first), int(last_seq), int(n), int(pages),
                                        bytes(digest).hex(), True))
             return True
         spans = ", ".join(f"batch {r[0]} (seq {r[1]}..{r[2]})" for r in rows[:3])
@@ -229,7 +229,7 @@ class Committer:
             self._last_seq[p.producer_id] = int(last)
             self.committed_batches += 1
             self.committed_events += int(n)
-            _settle(p.future, Commit(p.producer_id, int(no), int(first), int(last), int(n), int(pages),
+            _settle(p.future, IngestReply(p.producer_id, int(no), int(first), int(last), int(n), int(pages),
                                        bytes(digest).hex(), False))
         if self.on_commit is not None:
             self.on_commit(now, table, committed)

@@ -10,7 +10,6 @@ chain digest; a re-sent batch gets the stored batch's reply with ``duplicate: tr
 """
 
 import asyncio
-from dataclasses import asdict
 from typing import Annotated
 
 import numpy as np
@@ -25,6 +24,7 @@ from kvtrail.audit.events import Producer
 from kvtrail.audit.validate import PRODUCER_NAMES, Prechecked, precheck_batch, producer_id
 from kvtrail.errors import KvtrailError, ValidationError
 from kvtrail.service.auth import check_ingest, principal_dependency, require_role
+from kvtrail.service.committer import IngestReply
 from kvtrail.service.config import DEFAULT_MAX_BODY_BYTES
 from kvtrail.service.state import ServiceState
 from kvtrail.service.tokens import Principal
@@ -43,19 +43,6 @@ class UnsupportedMediaType(KvtrailError):
     """The request body is neither JSON lines nor an Arrow IPC stream."""
 
     http_status = 415
-
-
-class IngestReply(BaseModel):
-    """The stored batch a request became (or, for a re-send, already was)."""
-
-    producer_id: int
-    batch_no: int
-    first_seq: int
-    last_seq: int
-    events: int
-    page_events: int
-    digest: str
-    duplicate: bool
 
 
 class EventError(BaseModel):
@@ -181,6 +168,6 @@ def router(state: ServiceState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES)
         check_ingest(who, [producer.node])
         # Shielded: a client that hangs up must not cancel a batch the committer may be storing.
         commit = await asyncio.shield(asyncio.wrap_future(state.committer.submit(pre, producer_id(producer), seq)))
-        return IngestReply(**asdict(commit))
+        return commit
 
     return api
