@@ -1,19 +1,19 @@
-"""Recording what preflight read as ``node_config`` events: into a store (``--db``) or through a running
-service (``--url``/``--token``, a producer token), one producer instance per node, so the audit holds the
-configuration a deployment was checked with (``config_source``: where the values came from)."""
+"""Recording what preflight read as ``node_config`` events through a recorder's sink: into a store
+(``--db``) or a running service (``--url``/``--token``, a producer token; :class:`HttpSink`), one producer
+instance per node, so the audit holds the configuration a deployment was checked with
+(``config_source``: where the values came from)."""
 
 from __future__ import annotations
 
-import json
 import re
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from kvtrail.audit.batch import from_dicts, to_jsonl
+from kvtrail.audit.batch import from_dicts
+from kvtrail.audit.contract import Sink
+from kvtrail.audit.httpsink import HttpSink, HttpSinkConfig
 from kvtrail.audit.store import AuditStore
-from kvtrail.errors import KvtrailError
+from kvtrail.errors import KvtrailError, StoreError, ValidationError
 from kvtrail.preflight.node import NodeConfig
 
 CLUSTER = "preflight"
@@ -53,22 +53,25 @@ def events_of(nodes: list[NodeConfig], now_ns: int | None = None) -> tuple[list[
     return events, skipped
 
 
+def record(sink: Sink, events: list[dict]) -> None:
+    """Commit ``events`` through a recorder's sink (one producer per batch), as a recorder's writer would:
+    a store (:class:`~kvtrail.audit.store.AuditStore`) or a service (:class:`~kvtrail.audit.httpsink.HttpSink`)."""
+    for e in events:
+        sink.append(from_dicts([e]))
+
+
 def record_to_store(db: str, events: list[dict]) -> None:
     with AuditStore(db) as store:
-        for e in events:  # one producer per batch
-            store.append(from_dicts([e]))
+        record(store, events)
 
 
 def record_to_service(url: str, token: str, events: list[dict]) -> None:
-    for e in events:
-        req = urllib.request.Request(url.rstrip("/") + "/v1/events", data=to_jsonl(from_dicts([e])).encode(),
-                                     method="POST", headers={"Authorization": f"Bearer {token}",
-                                                             "Content-Type": "application/x-ndjson"})
-        try:
-            with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:
-                json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            raise KvtrailError(f"{url}: recording refused: HTTP {exc.code} {exc.read()[:300].decode(errors='replace')}"
-                               ) from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise KvtrailError(f"{url}: cannot record: {getattr(exc, 'reason', exc)}") from None
+    sink = HttpSink(url, token, HttpSinkConfig(timeout_s=TIMEOUT_S))
+    try:
+        record(sink, events)
+    except ValidationError as exc:
+        raise KvtrailError(f"{url}: recording refused: {exc}") from None
+    except StoreError as exc:
+        raise KvtrailError(f"{url}: cannot record: {exc}") from None
+    finally:
+        sink.close()

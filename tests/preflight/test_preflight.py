@@ -172,3 +172,31 @@ def test_recording_flags_are_checked(capsys, argv, monkeypatch):
     monkeypatch.delenv("KVTRAIL_TOKEN", raising=False)
     monkeypatch.delenv("KVTRAIL_URL", raising=False)
     assert main(["preflight", *argv, str(DATA / "decode_mla.log")]) == 2
+
+
+def test_recording_through_a_running_service(capsys, tmp_path):
+    """``--url``: the configurations go through the recorder's HttpSink into the service's store; a token
+    the service refuses is one line, exit 2."""
+    import socket
+
+    from kvtrail.service.state import open_state
+    from kvtrail.service.tokens import add_token
+    from tests.service.conftest import served_in_thread
+
+    state = open_state(tmp_path / "svc.duckdb")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    try:
+        with state.write_lock:
+            token = add_token(state.store.con, "producer")[1]
+        with served_in_thread(state, sock) as url:
+            code, _, err = run(capsys, "--url", url, "--token", token, str(DATA / "decode_mla.log"))
+            refused = run(capsys, "--url", url, "--token", "kvt_not-a-token", str(DATA / "decode_mla.log"))
+        assert code in (0, 1) and "recorded 1 node configuration" in err
+        rows = state.cursor().execute("SELECT cluster, role, config_source FROM events_v "
+                                      "WHERE kind = 'node_config'").fetchall()
+        assert len(rows) == 1 and rows[0][0] == "preflight" and rows[0][1] == "decode"
+        assert refused[0] == 2 and "cannot record" in refused[2] and "401" in refused[2]
+    finally:
+        sock.close()
+        state.close()
