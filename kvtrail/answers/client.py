@@ -69,6 +69,10 @@ class Client:
         r = self._call("GET", path, params={**_clean(params), "format": "parquet"})
         return read_parquet_answer(r.content)
 
+    def document(self, path: str, params: dict) -> Any:
+        """A route's JSON document (a tenant's exposure, for example)."""
+        return self._call("GET", path, params=_clean(params)).json()
+
     def findings_since(self, since: int, params: dict | None = None) -> tuple[pl.DataFrame, int]:
         """Persisted findings after the cursor ``since``, and the next cursor."""
         r = self._call("GET", "/v1/findings", params={**_clean(params or {}), "since": since, "format": "parquet"})

@@ -32,8 +32,6 @@ class RemoteSource:
 
     def __init__(self, url: str, token: str | None, *, transport: httpx.BaseTransport | None = None):
         self.client = Client(url, token, transport=transport)
-        self._token = token
-        self._transport = transport
         self.label = f"service {self.client.url}"
         try:
             self._nodes = self.client.table("/v1/nodes", {})[0]
@@ -93,7 +91,7 @@ class RemoteSource:
 
     def exposure(self, w: fx.Window) -> pl.DataFrame:
         if self.role == "tenant":
-            r = self._get("/v1/exposure", self._params(w, tenant_ok=False))
+            r = self.client.document("/v1/exposure", self._params(w, tenant_ok=False))
             return pl.DataFrame([{"recipient_tenant": "(other tenants)", "victim_tenant": r["tenant_id"],
                                   "responses": r["reading_responses"], "pages": r["pages"],
                                   "victim_requests": len(r["my_requests_read"])}] if r["exposed"] else [],
@@ -130,11 +128,3 @@ class RemoteSource:
         data, counts = self.client.report(body)
         return data, counts, ("written by the service on a snapshot of its store: check it with "
                               "'kvtrail forensics verify-report DIR --db STORE' against the store")
-
-    def _get(self, path: str, params: dict) -> dict:
-        with httpx.Client(base_url=self.client.url, transport=self._transport, timeout=60.0,
-                          headers={"Authorization": f"Bearer {self._token}"}) as http:
-            r = http.get(path, params={k: v for k, v in params.items() if v is not None})
-        if r.status_code >= 400:
-            raise KvtrailError(f"--url: the service answered {r.status_code}: {r.text[:200]}")
-        return r.json()
