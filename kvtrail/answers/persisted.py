@@ -7,8 +7,11 @@ of replaying the window. Only reads: a store whose ``findings`` tables were neve
 from __future__ import annotations
 
 import duckdb
+import polars as pl
 
 from kvtrail import forensics as fx
+from kvtrail.audit.store import arrow_query
+from kvtrail.forensics.results.persist import ensure_tables as ensure_findings_tables
 
 
 def has_tables(con: duckdb.DuckDBPyConnection) -> bool:
@@ -55,3 +58,25 @@ def persisted_findings(con: duckdb.DuckDBPyConnection, from_ns: int | None, to_n
             evidence=tuple((e["producer_id"], e["seq"]) for e in r["evidence"] or ()), detail=r["detail"] or "",
             lineage_checked=r["lineage_checked"] or 0, lineage_matched=r["lineage_matched"] or 0))
     return out
+
+
+def persisted_since(cur: duckdb.DuckDBPyConnection, since: int, w: fx.Window,
+                    codes: tuple[str, ...]) -> tuple[pl.DataFrame, int]:
+    """Findings the judge persisted in runs after ``since`` (window, code, node, tenant filters) and the
+    next cursor: the largest ``first_run_id`` returned, or ``since``."""
+    cols = ("finding_id, code, title, severity, node, request_id, tenant_id, victim_request_ids, victim_tenant_ids, "
+            "pages, first_ns, last_ns, evidence, detail, lineage_checked, lineage_matched, first_run_id, last_run_id")
+    has = cur.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'findings' "
+                      "AND schema_name = 'main' AND database_name = current_database()").fetchone()
+    if not has or not has[0]:  # the judge has saved nothing yet: the same columns, no rows
+        mem = duckdb.connect()
+        ensure_findings_tables(mem)
+        return pl.DataFrame(arrow_query(mem, f"SELECT {cols} FROM findings")), since
+    df = pl.DataFrame(arrow_query(
+        cur, f"SELECT {cols} FROM findings WHERE first_run_id > ? AND (? IS NULL OR last_ns >= ?) "
+        "AND (? IS NULL OR first_ns <= ?) AND (? IS NULL OR node = ?) "
+        "AND (? IS NULL OR tenant_id = ? OR list_contains(victim_tenant_ids, ?)) "
+        "AND (len(?::VARCHAR[]) = 0 OR list_contains(?::VARCHAR[], code)) ORDER BY first_run_id, last_ns, code",
+        [since, w.from_ns, w.from_ns, w.to_ns, w.to_ns, w.node, w.node, w.tenant, w.tenant, w.tenant,
+         list(codes), list(codes)]))
+    return df, int(df["first_run_id"].max()) if len(df) else since  # type: ignore[arg-type]

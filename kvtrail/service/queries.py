@@ -12,12 +12,10 @@ from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, TypeVar
 
 import duckdb
-import polars as pl
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Response
 
 from kvtrail.answers import pages, persisted, tenancy, transfers
 from kvtrail.answers.client import NEXT_HEADER
-from kvtrail.audit.store import arrow_query
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics import (
     AFFECTED_CODES,
@@ -36,7 +34,6 @@ from kvtrail.forensics import (
 )
 from kvtrail.forensics.options import ReportOptions
 from kvtrail.forensics.questions import findings_of
-from kvtrail.forensics.results.persist import ensure_tables as ensure_findings_tables
 from kvtrail.service import audit_api, models, tokens_api
 from kvtrail.service.audited import logged_route
 from kvtrail.service.auth import principal_dependency, require_role
@@ -192,10 +189,10 @@ def router(state: Any) -> APIRouter:
         findings the live judge persisted since that cursor and the cursor to follow them with."""
         operator_only(who)
         if since is not None:
-            rows, nxt = run(who, lambda cur: persisted_since(cur, since, ask.window, tuple(code)))
+            rows, nxt = run(who, lambda cur: persisted.persisted_since(cur, since, ask.window, tuple(code)))
             if ask.fmt == "json":
-                return Response(models.FindingsSince(findings=rows.to_dicts(), next=nxt).model_dump_json(),
-                                media_type="application/json")
+                body = models.FindingsSince.model_validate({"findings": rows.to_dicts(), "next": nxt})
+                return Response(body.model_dump_json(), media_type="application/json")
             return table_response(rows, ask.fmt, {}, {NEXT_HEADER: str(nxt)})
         policy = ForensicsPolicy(allow_tenant_cache_sharing=allow_tenant_cache_sharing, latency_factor=latency_factor)
 
@@ -333,24 +330,3 @@ def router(state: Any) -> APIRouter:
     r.include_router(audit_api.router(state, logged_route(state), run))
     r.include_router(tokens_api.router(state, logged_route(state)))
     return r
-
-
-def persisted_since(cur: duckdb.DuckDBPyConnection, since: int, w: Window, codes: tuple[str, ...]):
-    """Findings the judge persisted in runs after ``since`` (window, code, node, tenant filters) and the
-    next cursor: the largest ``first_run_id`` returned, or ``since``."""
-    cols = ("finding_id, code, title, severity, node, request_id, tenant_id, victim_request_ids, victim_tenant_ids, "
-            "pages, first_ns, last_ns, evidence, detail, lineage_checked, lineage_matched, first_run_id, last_run_id")
-    has = cur.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'findings' "
-                      "AND schema_name = 'main' AND database_name = current_database()").fetchone()
-    if not has or not has[0]:  # the judge has saved nothing yet: the same columns, no rows
-        mem = duckdb.connect()
-        ensure_findings_tables(mem)
-        return pl.DataFrame(arrow_query(mem, f"SELECT {cols} FROM findings")), since
-    df = pl.DataFrame(arrow_query(
-        cur, f"SELECT {cols} FROM findings WHERE first_run_id > ? AND (? IS NULL OR last_ns >= ?) "
-        "AND (? IS NULL OR first_ns <= ?) AND (? IS NULL OR node = ?) "
-        "AND (? IS NULL OR tenant_id = ? OR list_contains(victim_tenant_ids, ?)) "
-        "AND (len(?::VARCHAR[]) = 0 OR list_contains(?::VARCHAR[], code)) ORDER BY first_run_id, last_ns, code",
-        [since, w.from_ns, w.from_ns, w.to_ns, w.to_ns, w.node, w.node, w.tenant, w.tenant, w.tenant,
-         list(codes), list(codes)]))
-    return df, int(df["first_run_id"].max()) if len(df) else since  # type: ignore[arg-type]
