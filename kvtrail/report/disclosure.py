@@ -99,10 +99,17 @@ def report_blocks(r, store_name: str) -> list[tuple]:
 def _summary(r, c) -> list[tuple]:
     ex = r.excluded_affected
     reasons = sorted({f"{by} ({reason})" for by, reason in zip(ex["excluded_by"], ex["reason"])})
-    items = [f"Affected responses: {c['affected_responses']} ({c['responses_served_2xx']} of them returned HTTP 2xx)",
-             f"Recipient tenants (received foreign data): {c['recipient_tenants']}",
-             f"Victim tenants (whose data was read): {c['victim_tenants']}",
-             f"Victim requests (whose KV was read): {c['victim_requests']}",
+    items = [f"Affected responses: {c['affected_responses']} ({c['responses_served_2xx']} of them returned HTTP 2xx): "
+             f"{c['other_tenant_responses']} read other customers' data (pages another tenant's requests wrote), "
+             f"{c['same_tenant_only_responses']} only pages other requests of their own tenant wrote, "
+             f"{c['never_written_only_responses']} only stale or uninitialised memory (pages never written, no "
+             "customer's data identified)",
+             f"Recipient tenants (whose responses read pages they did not own): {c['recipient_tenants']}, "
+             f"{c['other_tenant_recipients']} of them received other customers' data",
+             f"Victim tenants (whose data another customer read): {c['victim_tenants']}",
+             f"Victim requests (whose KV was read): {c['victim_requests']} ({c['other_tenant_victim_requests']} of "
+             f"them read by another tenant's responses, {c['same_tenant_victim_requests']} by responses of their own "
+             "tenant)",
              f"KV pages read foreign: {c['pages_read_foreign']}, of which {c['pages_no_known_origin']} had no known "
              "origin (never written since their pool was created)",
              f"Excluded: {c['excluded_responses']} affected responses of {c['excluded_accounts']} excluded "
@@ -114,8 +121,11 @@ def _summary(r, c) -> list[tuple]:
            "recipient, the late writer its victim. A 2xx without output after an abort is not counted (no "
            "data reached the client). Recipient tenants are "
            "the tenants of affected responses; victim tenants are the tenants of the requests whose pages they "
-           "read. Exclusions remove the excluded accounts' own responses from every count (their reads are not "
-           "exposure to a customer); data of an excluded account read by someone else still counts as exposed.")
+           "read, each counted from its own point of view: a tenant is never another customer of itself (a "
+           "read of another request of the same tenant is counted apart), and a page never written since its "
+           "pool was created holds no customer's data. Exclusions remove the excluded accounts' own responses "
+           "from every count (their reads are not exposure to a customer); data of an excluded account read "
+           "by someone else still counts as exposed.")
     if c["responses_without_victim"]:
         how += f" {c['responses_without_victim']} affected responses read pages with no other holder or writer."
     return [("h2", "Summary"), ("ul", items), ("p", how)]
