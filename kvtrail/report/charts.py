@@ -106,7 +106,7 @@ def foreign_reads_timeline(found: pl.DataFrame) -> Any:
     df = _utc(found.select("last_ns", "code", "node", "request_id"), "last_ns", "time").with_columns(
         pl.when(pl.col("code").is_in(["F1", "F5"])).then(pl.lit(read)).otherwise(pl.lit(other)).alias("kind"))
     return alt.Chart(df.to_pandas()).mark_point(filled=True, size=60).encode(
-        x=alt.X("time:T", title="time (UTC)", axis=alt.Axis(format="%m-%d %H:%M")),
+        x=alt.X("time:T", title="time (UTC)", axis=alt.Axis(format="%m-%d %H:%M", labelOverlap=True)),
         y=alt.Y("code:N", title=None, sort=list(CODES)),
         color=alt.Color("kind:N", title=None, scale=alt.Scale(domain=[read, other], range=[SHORT, "#607d8b"]),
                         legend=alt.Legend(orient="bottom")),
