@@ -105,8 +105,11 @@ def foreign_reads_timeline(found: pl.DataFrame) -> Any:
     read, other = "foreign read (F1, F5)", "other finding"
     df = _utc(found.select("last_ns", "code", "node", "request_id"), "last_ns", "time").with_columns(
         pl.when(pl.col("code").is_in(["F1", "F5"])).then(pl.lit(read)).otherwise(pl.lit(other)).alias("kind"))
+    days = df["time"].dt.date().unique().sort()
+    # one day: hours and minutes on the axis, the date in its title (labels with the date collide)
+    title, fmt = (f"time (UTC, {days[0]})", "%H:%M") if len(days) == 1 else ("time (UTC)", "%m-%d %H:%M")
     return alt.Chart(df.to_pandas()).mark_point(filled=True, size=60).encode(
-        x=alt.X("time:T", title="time (UTC)", axis=alt.Axis(format="%m-%d %H:%M", labelOverlap=True)),
+        x=alt.X("time:T", title=title, axis=alt.Axis(format=fmt, labelOverlap=True)),
         y=alt.Y("code:N", title=None, sort=list(CODES)),
         color=alt.Color("kind:N", title=None, scale=alt.Scale(domain=[read, other], range=[SHORT, "#607d8b"]),
                         legend=alt.Legend(orient="bottom")),

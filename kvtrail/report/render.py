@@ -217,7 +217,7 @@ def pdf(blocks: list[tuple], path: str | Path, title: str, fonts: PdfFonts | Non
             word, most = _PAGE_FIT["h"]
             doc.ln(2)
             doc.multi_cell(width, 6, g.show(shorten(_short_words(g.flat(b[1]), word), most)),
-                           new_x="LMARGIN", new_y="NEXT")
+                           new_x="LMARGIN", new_y="NEXT", align="L")
             doc.ln(1)
         elif kind in ("p", "warn", "mono"):
             doc.set_font(mono if kind == "mono" else sans, "B" if kind == "warn" else "", 9)
