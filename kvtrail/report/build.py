@@ -98,9 +98,9 @@ class Report:
         pages = links.select("request_id", "node", "page").unique()
         unknown = links.filter(pl.col("victim_tenant") == NEVER_WRITTEN).select("request_id", "node", "page")
         # From each response's tenant's point of view: another tenant's data, its own tenant's, or none.
-        other = links.filter((pl.col("victim_tenant") != NEVER_WRITTEN)
-                             & (pl.col("victim_tenant") != pl.col("recipient_tenant")))
-        own = links.filter(pl.col("victim_tenant") == pl.col("recipient_tenant"))
+        own_tenant = an.same_tenant()
+        other = links.filter((pl.col("victim_tenant") != NEVER_WRITTEN) & ~own_tenant)
+        own = links.filter(own_tenant)
         reads = self.reads
         kind = {k: reads.filter(pl.col("read") == k) for k in an.READ_KINDS}
         return {

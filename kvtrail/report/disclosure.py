@@ -238,8 +238,8 @@ def _matrix(r) -> list[tuple]:
     rows = []
     for recipient in sorted(set(m["recipient_tenant"])):
         mine = m.filter(pl.col("recipient_tenant") == recipient).sort(["responses", "pages"], descending=True)
-        other = mine.filter((pl.col("victim_tenant") != recipient) & (pl.col("victim_tenant") != NEVER_WRITTEN))
-        own = mine.filter(pl.col("victim_tenant") == recipient)
+        other = mine.filter(~an.same_tenant() & (pl.col("victim_tenant") != NEVER_WRITTEN))
+        own = mine.filter(an.same_tenant())
         never = mine.filter(pl.col("victim_tenant") == NEVER_WRITTEN)
         shown = [f"{v}: {n} / {p}" for v, n, p in other.select("victim_tenant", "responses", "pages").iter_rows()]
         more = f"; and {len(shown) - _MOST_VICTIMS} more tenants" if len(shown) > _MOST_VICTIMS else ""

@@ -16,7 +16,8 @@ from fastapi.testclient import TestClient
 
 from kvtrail.cli import main
 from kvtrail.forensics import AFFECTED_CODES, Window, ask_findings, ask_thresholds
-from kvtrail.forensics.analysis import exposure_links, response_reads
+from kvtrail.forensics.analysis import exposed_tenants, exposure_links, response_reads
+from kvtrail.forensics.findings import NEVER_WRITTEN, UNKNOWN_TENANT
 from kvtrail.report import charts
 from kvtrail.service.app import create_app
 from kvtrail.service.state import open_state
@@ -146,3 +147,15 @@ def test_the_example_incident_file_fits_the_demos_tenants(made, tmp_path, capsys
     assert "mine.yaml: exclusions.tenants[0]: unknown tenant 'internal-qa'" in err
     assert main(["forensics", "affected", "--db", str(db), *WINDOW, "--exclude-tenant", "nobody"]) == 2
     assert "--exclude-tenant: unknown tenant 'nobody'" in capsys.readouterr().err
+
+
+def test_an_unknown_tenant_is_nobodys_same_tenant():
+    links = pl.DataFrame({"request_id": ["r1", "r2", "r3"], "recipient_tenant": [UNKNOWN_TENANT, "a", "a"],
+                          "victim_tenant": [UNKNOWN_TENANT, "a", NEVER_WRITTEN],
+                          "victim_request_id": ["v1", "v2", None], "node": ["d"] * 3, "page": [1, 2, 3]})
+    affected = pl.DataFrame({"request_id": ["r1", "r2", "r3"], "tenant_id": [None, "a", "a"]})
+    reads = response_reads(links, affected)
+    assert dict(zip(reads["request_id"], reads["read"])) == {"r1": "other_tenants", "r2": "same_tenant",
+                                                             "r3": "never_written"}
+    exposed = exposed_tenants(links)
+    assert exposed.select("victim_tenant", "recipient_count", "same_tenant_responses").rows() == [("a", 0, 1)]

@@ -19,6 +19,7 @@ from kvtrail.forensics.analysis.exposure import (
     exposure_links,
     exposure_matrix,
     response_reads,
+    same_tenant,
 )
 from kvtrail.forensics.analysis.thresholds import (
     node_capacity,
@@ -32,6 +33,6 @@ __all__ = [
     "PSEUDO_VICTIMS", "READ_KINDS", "Exclusions", "ProbeRules", "check_exclusions", "excluded_mask",
     "excluded_requests", "exploitation_assessment",
     "exposed_tenants", "exposure_links", "exposure_matrix", "long_prompt_threshold", "node_capacity",
-    "requests_table", "response_reads", "split_excluded", "threshold_analysis", "threshold_sentence",
+    "requests_table", "response_reads", "same_tenant", "split_excluded", "threshold_analysis", "threshold_sentence",
     "thresholds_table",
 ]

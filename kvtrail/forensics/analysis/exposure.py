@@ -51,6 +51,12 @@ def _other() -> pl.Expr:
     return pl.col("recipient_tenant") != pl.col("victim_tenant")
 
 
+def same_tenant() -> pl.Expr:
+    """A link whose victim is another request of the recipient's own (known) tenant."""
+    victim = pl.col("victim_tenant")
+    return (pl.col("recipient_tenant") == victim) & ~victim.is_in(list(PSEUDO_VICTIMS))
+
+
 def exposed_tenants(links: pl.DataFrame) -> pl.DataFrame:
     """Per victim tenant (real tenants only): which other tenants read their data, in how many responses and
     pages, and apart from that how often the tenant's own other requests read it (``same_tenant_*``).
@@ -59,7 +65,7 @@ def exposed_tenants(links: pl.DataFrame) -> pl.DataFrame:
     ``pages`` and ``victim_requests`` count reads by other tenants' responses only.
     """
     real = links.filter(~pl.col("victim_tenant").is_in(list(PSEUDO_VICTIMS)))
-    other, own = _other(), ~_other()
+    other, own = _other(), same_tenant()
     return (real.group_by("victim_tenant")
             .agg(pl.col("recipient_tenant").filter(other).unique().sort().str.join(",").alias("recipient_tenants"),
                  pl.col("recipient_tenant").filter(other).n_unique().alias("recipient_count"),
@@ -91,7 +97,7 @@ def response_reads(links: pl.DataFrame, affected: pl.DataFrame) -> pl.DataFrame:
         return pl.DataFrame(schema={"request_id": pl.Utf8, "tenant_id": pl.Utf8, "read": pl.Utf8})
     kinds = (links.with_columns(
         pl.when(pl.col("victim_tenant") == NEVER_WRITTEN).then(pl.lit(2))
-        .when(pl.col("victim_tenant") == pl.col("recipient_tenant")).then(pl.lit(1))
+        .when(same_tenant()).then(pl.lit(1))
         .otherwise(pl.lit(0)).alias("rank"))
         .group_by("request_id").agg(pl.col("rank").min()))
     return (affected.select("request_id", "tenant_id").join(kinds, on="request_id", how="left")
