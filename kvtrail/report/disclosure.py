@@ -237,7 +237,8 @@ def _matrix(r) -> list[tuple]:
         return [("p", "No exposure.")]
     rows = []
     for recipient in sorted(set(m["recipient_tenant"])):
-        mine = m.filter(pl.col("recipient_tenant") == recipient).sort(["responses", "pages"], descending=True)
+        mine = m.filter(pl.col("recipient_tenant") == recipient).sort(["responses", "pages", "victim_tenant"],
+                                                                      descending=[True, True, False])
         other = mine.filter(~an.same_tenant() & (pl.col("victim_tenant") != NEVER_WRITTEN))
         own = mine.filter(an.same_tenant())
         never = mine.filter(pl.col("victim_tenant") == NEVER_WRITTEN)

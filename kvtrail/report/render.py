@@ -138,6 +138,22 @@ def shorten(text: str, max_chars: int) -> str:
     return text[:head] + "\u2026" + text[len(text) - (max_chars - 1 - head):]
 
 
+def _fit(text: str, max_chars: int) -> str:
+    """A table cell held to ``max_chars``: a list ("a, b, c") keeps whole items and says how many more there
+    are (an id is never cut); other text is cut in the middle (:func:`shorten`)."""
+    if len(text) <= max_chars:
+        return text
+    items = text.split(", ")
+    kept: list[str] = []
+    for item in items:
+        if len(", ".join([*kept, item])) > max_chars - 14:
+            break
+        kept.append(item)
+    if len(items) > 2 and kept:
+        return ", ".join(kept) + f", \u2026 (+{len(items) - len(kept)} more)"
+    return shorten(text, max_chars)
+
+
 def _short_words(text: str, max_chars: int) -> str:
     return " ".join(shorten(w, max_chars) for w in text.split(" "))
 
@@ -303,7 +319,7 @@ def _table(doc, g: _Glyphs, sans: str, headers: list[str], rows: list[list], wid
         for row in flat:
             r = table.row()
             for cell, most in zip(row, limits):
-                r.cell(g.show(_breakable(shorten(cell, most), _WORD_CHARS)))
+                r.cell(g.show(_breakable(_fit(cell, most), _WORD_CHARS)))
     doc.ln(2)
 
 

@@ -26,12 +26,16 @@ pytestmark = pytest.mark.skipif(shutil.which("pdftotext") is None, reason="needs
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    """20 tenants; tenant i+1's over-long prompt reads tenant i's pages (and never-written ones)."""
+    """20 tenants; tenant i+1's over-long prompt reads tenant i's pages (and never-written ones), then every
+    other tenant's reads tenant 0's (a list of 19 tenant ids in one cell)."""
     base = tmp_path_factory.mktemp("layout")
     inc = Incident()
     for i, tenant in enumerate(TENANTS):
         inc.request(1 + 2 * i, tenant, 100)
         inc.request(2 + 2 * i, TENANTS[(i + 1) % len(TENANTS)], 200)
+    inc.request(50, TENANTS[0], 100)
+    for i, tenant in enumerate(TENANTS[1:]):
+        inc.request(50.5 + i / 2, tenant, 200)  # an over-long prompt writes one page: 2..7 stay tenant 0's
     with AuditStore(base / "fleet.duckdb") as store:
         store.append(from_dicts(inc.events))
     out = base / "out"
@@ -70,7 +74,11 @@ def test_no_table_is_wider_than_a_page(made):
     assert max(len(t) for t in _md_tables(md)) <= 9
     section = md[md.index("## Exposure by recipient tenant"):]
     assert len(_md_tables(section)[0]) == 4
-    assert "| tenant-01-example-corp | tenant-00-example-corp: 1 / 6 |  | 1 / 6 |" in section
+    assert "| tenant-01-example-corp | tenant-00-example-corp: 2 / 12 |  | 2 / 12 |" in section
+    assert ("| tenant-05-example-corp | tenant-00-example-corp: 1 / 6; tenant-04-example-corp: 1 / 6 |  | 2 / 12 |"
+            in section)
+    exposed = md[md.index("## Exposed tenants"):]
+    assert ", ".join(TENANTS[1:]) in exposed  # all 19 in the Markdown; the PDF keeps whole ids (above)
     assert "other tenants' data read (tenant: responses / pages)" in text
 
 
