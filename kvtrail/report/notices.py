@@ -38,13 +38,14 @@ def art33(r) -> list[tuple]:
               "reused KV-cache pages without enforcing which request owned them.")
     if c["same_tenant_responses"]:
         nature += (f" Besides, memory left by {_n(c['same_tenant_victim_requests'], 'earlier request')} was used to "
-                   f"generate {_n(c['same_tenant_responses'], 'response')} to the same account "
+                   f"generate {_n(c['same_tenant_responses'], 'response')} to the account whose requests left it "
                    f"({_n(c['same_tenant_tenants'], 'account')}): not another customer's data, but one request's "
                    "data in another request's response.")
     if c["never_written_only_responses"]:
-        nature += (f" {_n(c['never_written_only_responses'], 'response')} read only stale or uninitialised memory "
-                   "(KV-cache pages no request had written since their pool was created): no customer's data "
-                   "was identified in them.")
+        n = c["never_written_only_responses"]
+        nature += (f" {_n(n, 'response')} read only stale or uninitialised memory (KV-cache pages no request had "
+                   "written since their pool was created): no customer's data was identified in "
+                   + ("it." if n == 1 else "them."))
     subjects = (f"Categories and approximate numbers: the end users of {c['victim_tenants']} customer account(s) "
                 f"(data controllers) whose prompts or generated text were in the KV cache; about "
                 f"{c['other_tenant_victim_requests']} records read by another customer (one per victim request, "
