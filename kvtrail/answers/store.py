@@ -39,6 +39,7 @@ from kvtrail.forensics.analysis import (
     requests_table,
     threshold_analysis,
     threshold_sentence,
+    thresholds_table,
 )
 from kvtrail.forensics.options import ReportOptions
 from kvtrail.forensics.questions import affected_with_exclusions, exploitation_for, findings_frame
@@ -215,8 +216,7 @@ class StoreSource:
                 requests = requests.filter(pl.col("prefill_node") == w.node)
                 capacity = capacity.filter(pl.col("node") == w.node)
             by_node, summary = threshold_analysis(requests, set(kept["request_id"]))
-            table = capacity.join(by_node.rename({"prefill_node": "node", "prefill_pool_tokens": "pool_tokens"}),
-                                  on=["node", "pool_tokens"], how="left")
+            table = thresholds_table(capacity, by_node)
             return Thresholds(table, threshold_sentence(summary))
         return self._memoised("thresholds", w, compute)
 

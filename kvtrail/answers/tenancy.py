@@ -51,10 +51,16 @@ def _reads_of(findings: pl.DataFrame, match) -> tuple[set, set, set, set]:
 
 
 def tenant_exposure(findings: pl.DataFrame, tenant: str) -> dict:
-    """Whether other requests read the tenant's data (from ``ask_findings`` rows), and how much."""
-    responses, tenants, pages, mine = _reads_of(findings, lambda rid, tid: tid == tenant)
-    return {"tenant_id": tenant, "exposed": bool(responses), "my_requests_read": sorted(mine),
-            "reading_responses": len(responses), "reading_tenants": len(tenants - {tenant}), "pages": len(pages)}
+    """Whether other tenants' responses read the tenant's data (from ``ask_findings`` rows), and how much; reads
+    by the tenant's own other requests counted apart (``same_tenant_*``), as the disclosure report counts them."""
+    mine = findings.filter(pl.col("tenant_id") == tenant)
+    others = findings.filter(pl.col("tenant_id").is_null() | (pl.col("tenant_id") != tenant))
+    responses, tenants, pages, read = _reads_of(others, lambda rid, tid: tid == tenant)
+    own_responses, _, own_pages, own_read = _reads_of(mine, lambda rid, tid: tid == tenant)
+    return {"tenant_id": tenant, "exposed": bool(responses), "my_requests_read": sorted(read),
+            "reading_responses": len(responses), "reading_tenants": len(tenants - {tenant}), "pages": len(pages),
+            "same_tenant_responses": len(own_responses), "same_tenant_pages": len(own_pages),
+            "my_requests_read_by_own_responses": sorted(own_read)}
 
 
 def request_status(findings: pl.DataFrame, request_id: str, tenant: str | None) -> dict:

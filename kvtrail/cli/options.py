@@ -32,7 +32,8 @@ def exclusions(tenants: tuple[str, ...], file: str | None, base=None):
         if not tenant.strip():
             raise KvtrailError(f"--exclude-tenant: empty tenant id in {t!r}")
         pairs.append((tenant.strip(), reason.strip() or "excluded on the command line"))
-    excl = Exclusions(tenants=tuple(sorted(dict(pairs).items())))
+    excl = Exclusions(tenants=tuple(sorted(dict(pairs).items())),
+                      sources=tuple((tenant, "--exclude-tenant") for tenant in sorted(dict(pairs))))
     if file:
         excl = excl.merged(load_exclusions(file))
     return excl.merged(base) if base is not None else excl

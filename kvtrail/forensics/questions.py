@@ -35,6 +35,7 @@ from kvtrail.forensics.analysis import (
     requests_table,
     threshold_analysis,
     threshold_sentence,
+    thresholds_table,
 )
 from kvtrail.forensics.analysis.exclusions import (
     Exclusions,
@@ -326,8 +327,7 @@ def thresholds_answer(con: duckdb.DuckDBPyConnection, w: Window, kept: pl.DataFr
         requests = requests.filter(pl.col("prefill_node") == w.node)
         capacity = capacity.filter(pl.col("node") == w.node)
     by_node, summary = threshold_analysis(requests, set(kept["request_id"]))
-    table = capacity.join(by_node.rename({"prefill_node": "node", "prefill_pool_tokens": "pool_tokens"}),
-                          on=["node", "pool_tokens"], how="left")
+    table = thresholds_table(capacity, by_node)
     return Answer(table, dropped, gaps, (threshold_sentence(summary),), warnings, summary)
 
 

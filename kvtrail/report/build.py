@@ -88,15 +88,35 @@ class Report:
                                                                 self.withheld_findings)
 
     @property
+    def reads(self) -> pl.DataFrame:
+        """Per affected response, what it read from its tenant's point of view (``analysis.response_reads``)."""
+        return an.response_reads(self.links, self.affected)
+
+    @property
     def counts(self) -> dict:
         links = self.links
         pages = links.select("request_id", "node", "page").unique()
         unknown = links.filter(pl.col("victim_tenant") == NEVER_WRITTEN).select("request_id", "node", "page")
+        # From each response's tenant's point of view: another tenant's data, its own tenant's, or none.
+        own_tenant = an.same_tenant()
+        other = links.filter((pl.col("victim_tenant") != NEVER_WRITTEN) & ~own_tenant)
+        own = links.filter(own_tenant)
+        reads = self.reads
+        kind = {k: reads.filter(pl.col("read") == k) for k in an.READ_KINDS}
         return {
             "affected_responses": len(self.affected),
             "recipient_tenants": self.affected["tenant_id"].drop_nulls().n_unique(),
-            "victim_tenants": len(self.exposed),
+            "victim_tenants": int((self.exposed["recipient_count"] > 0).sum()),
             "victim_requests": links["victim_request_id"].drop_nulls().n_unique(),
+            "other_tenant_responses": len(kind["other_tenants"]),
+            "other_tenant_recipients": kind["other_tenants"]["tenant_id"].drop_nulls().n_unique(),
+            "other_tenant_victim_requests": other["victim_request_id"].drop_nulls().n_unique(),
+            "other_tenant_pages": len(other.select("request_id", "node", "page").unique()),
+            "same_tenant_responses": own["request_id"].n_unique(),
+            "same_tenant_only_responses": len(kind["same_tenant"]),
+            "same_tenant_tenants": own["recipient_tenant"].n_unique(),
+            "same_tenant_victim_requests": own["victim_request_id"].drop_nulls().n_unique(),
+            "never_written_only_responses": len(kind["never_written"]),
             "pages_read_foreign": len(pages),
             "pages_no_known_origin": len(unknown.unique()),
             "responses_without_victim": int((self.affected["victim_tenants"].list.len() == 0).sum()),

@@ -38,24 +38,49 @@ def _utc(df: pl.DataFrame, column: str, name: str) -> pl.DataFrame:
     return df.with_columns(pl.from_epoch(pl.col(column), time_unit="ns").dt.replace_time_zone("UTC").alias(name))
 
 
+BELOW, COVERS = "pool below context (F8)", "pool covers context"
+
+
+def config_labels(capacity: pl.DataFrame) -> list[str]:
+    """One label per node configuration row: the node's name, with its instance (and the order of its
+    configurations) when it has several. A restarted node is one node over time: each instance's pool is
+    its own, so a chart must never stack or sum them under one name."""
+    nodes = capacity["node"].to_list()
+    instances = capacity["instance"].to_list() if "instance" in capacity.columns else [None] * len(nodes)
+    per_node = {n: nodes.count(n) for n in nodes}
+    per_instance = {(n, i): sum(1 for m, j in zip(nodes, instances) if (m, j) == (n, i))
+                    for n, i in zip(nodes, instances)}
+    labels, seen = [], dict.fromkeys(zip(nodes, instances), 0)
+    for n, i in zip(nodes, instances):
+        seen[(n, i)] += 1
+        if per_node[n] == 1:
+            labels.append(str(n))
+        elif per_instance[(n, i)] == 1 and i is not None:
+            labels.append(f"{n} ({i})")
+        else:
+            labels.append(f"{n} ({i or '?'} #{seen[(n, i)]})")
+    return labels
+
+
 def pool_vs_context(capacity: pl.DataFrame) -> Any:
-    """KV pool (bars) against advertised context (a black tick) per node configuration; a pool below its
-    context is red and labelled with its shortfall. Columns: node, role, pool_tokens, context_tokens,
-    shortfall_tokens."""
+    """KV pool (bars) against advertised context (a black tick) per node configuration, one row each (a
+    restarted node's instances on rows of their own); a pool below its context is red and labelled with
+    its shortfall. Columns: node, role, pool_tokens, context_tokens, shortfall_tokens; instance if present."""
     alt = _alt()
     df = capacity.select("node", "role", "pool_tokens", "context_tokens", "shortfall_tokens").with_columns(
-        (pl.col("shortfall_tokens") > 0).alias("below_context"),
+        pl.Series("configuration", config_labels(capacity), dtype=pl.Utf8),
+        pl.when(pl.col("shortfall_tokens") > 0).then(pl.lit(BELOW)).otherwise(pl.lit(COVERS)).alias("status"),
         pl.col("shortfall_tokens").map_elements(lambda n: f"SHORT by {n:,} tokens" if n > 0 else "",
                                                 return_dtype=pl.Utf8).alias("label"))
     rows = max(1, len(df))
     # Sizes on the layers themselves: a renderer may size a layer chart from its layers alone.
-    base = alt.Chart(df.to_pandas()).encode(y=alt.Y("node:N", title=None, sort=None)).properties(
+    base = alt.Chart(df.to_pandas()).encode(y=alt.Y("configuration:N", title=None, sort=None)).properties(
         width=WIDTH_PX, height=28 * rows)
-    colour = alt.Color("below_context:N", title="pool below context",
-                       scale=alt.Scale(domain=[True, False], range=[SHORT, COVERED]))
+    colour = alt.Color("status:N", title=None, scale=alt.Scale(domain=[BELOW, COVERS], range=[SHORT, COVERED]),
+                       legend=alt.Legend(orient="bottom"))
     bars = base.mark_bar(height=16).encode(
         x=alt.X("pool_tokens:Q", title="tokens"), color=colour,
-        tooltip=["node", "role", "pool_tokens", "context_tokens", "shortfall_tokens"])
+        tooltip=["configuration", "role", "pool_tokens", "context_tokens", "shortfall_tokens"])
     context = base.mark_tick(color=CONTEXT, thickness=3, size=24).encode(x="context_tokens:Q")
     label = base.mark_text(align="left", dx=6, color=SHORT, fontWeight="bold").encode(
         x="context_tokens:Q", text="label:N")
@@ -77,13 +102,17 @@ def foreign_reads_timeline(found: pl.DataFrame) -> Any:
     """A UTC timeline of foreign reads (F1, F5) and the other findings: one point per finding, one row per
     code. Columns: last_ns, code, node, request_id."""
     alt = _alt()
+    read, other = "foreign read (F1, F5)", "other finding"
     df = _utc(found.select("last_ns", "code", "node", "request_id"), "last_ns", "time").with_columns(
-        pl.col("code").is_in(["F1", "F5"]).alias("foreign_read"))
+        pl.when(pl.col("code").is_in(["F1", "F5"])).then(pl.lit(read)).otherwise(pl.lit(other)).alias("kind"))
+    days = df["time"].dt.date().unique().sort()
+    # one day: hours and minutes on the axis, the date in its title (labels with the date collide)
+    title, fmt = (f"time (UTC, {days[0]})", "%H:%M") if len(days) == 1 else ("time (UTC)", "%m-%d %H:%M")
     return alt.Chart(df.to_pandas()).mark_point(filled=True, size=60).encode(
-        x=alt.X("time:T", title="time (UTC)", axis=alt.Axis(format="%m-%d %H:%M")),
+        x=alt.X("time:T", title=title, axis=alt.Axis(format=fmt, labelOverlap=True)),
         y=alt.Y("code:N", title=None, sort=list(CODES)),
-        color=alt.Color("foreign_read:N", title="foreign read",
-                        scale=alt.Scale(domain=[True, False], range=[SHORT, "#607d8b"])),
+        color=alt.Color("kind:N", title=None, scale=alt.Scale(domain=[read, other], range=[SHORT, "#607d8b"]),
+                        legend=alt.Legend(orient="bottom")),
         tooltip=["code", "node", "request_id", alt.Tooltip("time:T", format="%Y-%m-%d %H:%M:%S")],
     ).properties(width=WIDTH_PX, height=180, title="Timeline of foreign reads and other findings (UTC)")
 

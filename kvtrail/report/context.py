@@ -150,7 +150,7 @@ def exclusions_from_mapping(data, source: str, prefix: str = "") -> Exclusions:
     extra = set(data) - set(_EXCLUSION_KINDS)
     if extra:
         raise _err(source, f"{prefix}{sorted(extra)[0]}", f"unknown field (known: {', '.join(_EXCLUSION_KINDS)})")
-    parts = []
+    parts, sources = [], []
     for kind in _EXCLUSION_KINDS:
         entries = data.get(kind) or []
         if not isinstance(entries, list):
@@ -163,8 +163,11 @@ def exclusions_from_mapping(data, source: str, prefix: str = "") -> Exclusions:
             if "reason" not in e:  # every exclusion changes the counts a regulator reads: say why
                 raise _err(source, f"{where}.reason", "required: say why this is excluded")
             out.append((_text(e["id"], source, f"{where}.id"), _text(e["reason"], source, f"{where}.reason")))
+            if kind == "tenants":
+                sources.append((out[-1][0], f"{source}: {where}"))
         parts.append(tuple(sorted(dict(out).items())))
-    return Exclusions(*parts)
+    tenants, keys, requests = parts
+    return Exclusions(tenants, keys, requests, sources=tuple(sorted(dict(reversed(sources)).items())))
 
 
 class _StrictLoader(yaml.SafeLoader):

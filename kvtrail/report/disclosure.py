@@ -13,12 +13,14 @@ import shlex
 import polars as pl
 
 from kvtrail.forensics import analysis as an
-from kvtrail.forensics.findings import AFFECTED_CODES, CODES
+from kvtrail.forensics.findings import AFFECTED_CODES, CODES, NEVER_WRITTEN
 from kvtrail.report import figures, notices
 from kvtrail.timeutil import format_utc
 
 MAX_ROWS = 50  # rows of a long table shown in the documents; the CSV/JSON files hold them all
 NOT_PROVIDED = "(not provided in the incident file)"
+_MOST_VICTIMS = 10  # victim tenants named per recipient in the exposure table (the heatmap shows them all)
+_JOINED = {"recipient_tenants", "victim_request_ids", "same_tenant_victim_request_ids", "request_ids"}
 
 
 def title(r) -> str:
@@ -50,6 +52,8 @@ def _cell(column: str, v) -> str:
         return f"{v:,}"
     if isinstance(v, list):
         return ", ".join(str(x) for x in v)
+    if column in _JOINED:  # ids joined with bare commas in the files: a space after each, so a line may break there
+        return ", ".join(str(v).split(","))
     return str(v)
 
 
@@ -87,10 +91,12 @@ def report_blocks(r, store_name: str) -> list[tuple]:
                     "the client, so they are neither rejected-but-served (F4) nor affected; they are listed "
                     "because a 2xx here is not a success.")]
         b += _table(r.empty_after_abort, ["request_id", "tenant_id", "http_status", "response_ns", "aborts"])
-    b += [("h2", "Exposed tenants (whose data was read)")] + _table(
-        r.exposed, ["victim_tenant", "recipient_tenants", "responses", "pages", "victim_requests"],
-        "exposed_tenants.csv")
-    b += [("h2", "Exposure matrix (recipient tenant x victim tenant, responses / pages)")] + _matrix(r)
+    b += [("h2", "Exposed tenants (whose data was read)"),
+          ("p", "Per victim tenant: the other tenants whose responses read its data, and apart from them the "
+                "tenant's own responses that read another of its requests (same_tenant_*).")] + _table(
+        r.exposed, ["victim_tenant", "recipient_tenants", "responses", "pages", "victim_requests",
+                    "same_tenant_responses", "same_tenant_pages"], "exposed_tenants.csv")
+    b += [("h2", "Exposure by recipient tenant (whose data its responses read)")] + _matrix(r)
     b += figures.exposure(r)
     b += _measures(r) + notices.art33(r) + notices.tenant_notices(r) + _integrity(r, store_name)
     return b
@@ -99,10 +105,17 @@ def report_blocks(r, store_name: str) -> list[tuple]:
 def _summary(r, c) -> list[tuple]:
     ex = r.excluded_affected
     reasons = sorted({f"{by} ({reason})" for by, reason in zip(ex["excluded_by"], ex["reason"])})
-    items = [f"Affected responses: {c['affected_responses']} ({c['responses_served_2xx']} of them returned HTTP 2xx)",
-             f"Recipient tenants (received foreign data): {c['recipient_tenants']}",
-             f"Victim tenants (whose data was read): {c['victim_tenants']}",
-             f"Victim requests (whose KV was read): {c['victim_requests']}",
+    items = [f"Affected responses: {c['affected_responses']} ({c['responses_served_2xx']} of them returned HTTP 2xx): "
+             f"{c['other_tenant_responses']} read other customers' data (pages another tenant's requests wrote), "
+             f"{c['same_tenant_only_responses']} only pages other requests of their own tenant wrote, "
+             f"{c['never_written_only_responses']} only stale or uninitialised memory (pages never written, no "
+             "customer's data identified)",
+             f"Recipient tenants (whose responses read pages they did not own): {c['recipient_tenants']}, "
+             f"{c['other_tenant_recipients']} of them received other customers' data",
+             f"Victim tenants (whose data another customer read): {c['victim_tenants']}",
+             f"Victim requests (whose KV was read): {c['victim_requests']} ({c['other_tenant_victim_requests']} of "
+             f"them read by another tenant's responses, {c['same_tenant_victim_requests']} by responses of their own "
+             "tenant)",
              f"KV pages read foreign: {c['pages_read_foreign']}, of which {c['pages_no_known_origin']} had no known "
              "origin (never written since their pool was created)",
              f"Excluded: {c['excluded_responses']} affected responses of {c['excluded_accounts']} excluded "
@@ -114,8 +127,11 @@ def _summary(r, c) -> list[tuple]:
            "recipient, the late writer its victim. A 2xx without output after an abort is not counted (no "
            "data reached the client). Recipient tenants are "
            "the tenants of affected responses; victim tenants are the tenants of the requests whose pages they "
-           "read. Exclusions remove the excluded accounts' own responses from every count (their reads are not "
-           "exposure to a customer); data of an excluded account read by someone else still counts as exposed.")
+           "read, each counted from its own point of view: a tenant is never another customer of itself (a "
+           "read of another request of the same tenant is counted apart), and a page never written since its "
+           "pool was created holds no customer's data. Exclusions remove the excluded accounts' own responses "
+           "from every count (their reads are not exposure to a customer); data of an excluded account read "
+           "by someone else still counts as exposed.")
     if c["responses_without_victim"]:
         how += f" {c['responses_without_victim']} affected responses read pages with no other holder or writer."
     return [("h2", "Summary"), ("ul", items), ("p", how)]
@@ -159,7 +175,7 @@ def _root_cause(r) -> list[tuple]:
 
 def _thresholds(r) -> list[tuple]:
     return [("h2", "Threshold analysis"), ("p", an.threshold_sentence(r.threshold_summary))] + _table(
-        r.thresholds, r.thresholds.columns)
+        r.thresholds, [c for c in r.thresholds.columns if c != "prefill_config_ns"])
 
 
 def _timeline(r) -> list[tuple]:
@@ -214,14 +230,27 @@ def _exploitation(r) -> list[tuple]:
 
 
 def _matrix(r) -> list[tuple]:
+    """The recipient x victim matrix in long form, one row per recipient tenant (a 20-tenant matrix is 20
+    columns no page can hold): other tenants' data, its own tenant's other requests, never-written pages."""
     m = r.matrix
     if m.is_empty():
         return [("p", "No exposure.")]
-    victims = sorted(set(m["victim_tenant"]))
-    cols = m.select("recipient_tenant", "victim_tenant", "responses", "pages")
-    cells = {(a, v): f"{n} / {p}" for a, v, n, p in cols.iter_rows()}
-    rows = [[a] + [cells.get((a, v), "") for v in victims] for a in sorted(set(m["recipient_tenant"]))]
-    return [("table", ["recipient \\ victim"] + victims, rows)]
+    rows = []
+    for recipient in sorted(set(m["recipient_tenant"])):
+        mine = m.filter(pl.col("recipient_tenant") == recipient).sort(["responses", "pages", "victim_tenant"],
+                                                                      descending=[True, True, False])
+        other = mine.filter(~an.same_tenant() & (pl.col("victim_tenant") != NEVER_WRITTEN))
+        own = mine.filter(an.same_tenant())
+        never = mine.filter(pl.col("victim_tenant") == NEVER_WRITTEN)
+        shown = [f"{v}: {n} / {p}" for v, n, p in other.select("victim_tenant", "responses", "pages").iter_rows()]
+        more = f"; and {len(shown) - _MOST_VICTIMS} more tenants" if len(shown) > _MOST_VICTIMS else ""
+        rows.append([recipient, "; ".join(shown[:_MOST_VICTIMS]) + more,
+                     *(f"{x['responses'][0]} / {x['pages'][0]}" if len(x) else "" for x in (own, never))])
+    return [("p", "Responses / pages read, per recipient tenant: of other tenants (their data), of the tenant's "
+                  "own other requests, and of pages never written (stale or uninitialised memory, no customer's "
+                  "data)."),
+            ("table", ["recipient tenant", "other tenants' data read (tenant: responses / pages)",
+                       "own tenant's other requests", "never-written pages"], rows)]
 
 
 def _measures(r) -> list[tuple]:

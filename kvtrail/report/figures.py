@@ -46,4 +46,6 @@ def timeline(r) -> list[tuple]:
 
 def exposure(r) -> list[tuple]:
     return _figure(charts.exposure_heatmap, r.matrix,
-                   "Figure: exposure heatmap, recipient tenant x victim tenant (label: responses; colour: pages).")
+                   "Figure: exposure heatmap, recipient tenant x victim tenant (label: responses; colour: pages). "
+                   "Where the two are the same tenant, its responses read another of its own requests; "
+                   "'(never written)': stale or uninitialised memory, no customer's data.")

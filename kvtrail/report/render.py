@@ -138,13 +138,28 @@ def shorten(text: str, max_chars: int) -> str:
     return text[:head] + "\u2026" + text[len(text) - (max_chars - 1 - head):]
 
 
+def _fit(text: str, max_chars: int) -> str:
+    """A table cell held to ``max_chars``: a list ("a, b, c") keeps whole items and says how many more there
+    are (an id is never cut); other text is cut in the middle (:func:`shorten`)."""
+    if len(text) <= max_chars:
+        return text
+    items = text.split(", ")
+    kept: list[str] = []
+    for item in items:
+        if len(", ".join([*kept, item])) > max_chars - 14:
+            break
+        kept.append(item)
+    if len(items) > 2 and kept:
+        return ", ".join(kept) + f", \u2026 (+{len(items) - len(kept)} more)"
+    return shorten(text, max_chars)
+
+
 def _short_words(text: str, max_chars: int) -> str:
     return " ".join(shorten(w, max_chars) for w in text.split(" "))
 
 
 _PAGE_FIT = {"h": (60, 240), "p": (160, 20_000)}  # PDF: longest word, longest text, per heading and paragraph
 _CELL_LINES = 16  # at most this many lines of a table cell, so every row fits on one page
-_PAD_MM = 2.5
 _MM_PER_PT = 0.3528
 
 
@@ -218,7 +233,7 @@ def pdf(blocks: list[tuple], path: str | Path, title: str, fonts: PdfFonts | Non
             word, most = _PAGE_FIT["h"]
             doc.ln(2)
             doc.multi_cell(width, 6, g.show(shorten(_short_words(g.flat(b[1]), word), most)),
-                           new_x="LMARGIN", new_y="NEXT")
+                           new_x="LMARGIN", new_y="NEXT", align="L")
             doc.ln(1)
         elif kind in ("p", "warn", "mono"):
             doc.set_font(mono if kind == "mono" else sans, "B" if kind == "warn" else "", 9)
@@ -247,33 +262,64 @@ def pdf(blocks: list[tuple], path: str | Path, title: str, fonts: PdfFonts | Non
     doc.output(str(path))
 
 
+_CELL_PAD_MM = (0.8, 1.0)  # a table cell's padding: top and bottom, left and right
+_WORD_CHARS = 30  # a longer word (a digest, a long id) may wrap inside itself; a shorter one never does
+
+
+def header_words(header: str) -> str:
+    """A column name as the PDF's table header shows it: snake_case as words, so a narrow column wraps the
+    header between its words, never inside one ("pool_covers_context" -> "pool covers context")."""
+    return header.replace("_", " ")
+
+
+def _column_widths(doc, sans: str, size: float, cells: list[list[str]], width: float) -> list[float] | None:
+    """Column widths (mm) in which no word shorter than ``_WORD_CHARS`` is split, or None when the page is
+    too narrow for that. What is left over goes to the columns whose text is longest."""
+    pad = 2 * _CELL_PAD_MM[1] + 0.4
+    need, want = [], []
+    for i in range(len(cells[0])):
+        doc.set_font(sans, "B", size)
+        head = max(doc.get_string_width(w) for w in cells[0][i].split(" ") or [""])
+        doc.set_font(sans, "", size)
+        words = [w for row in cells[1:] for w in row[i].split(" ")]
+        body = max((doc.get_string_width(w) for w in words), default=0.0)
+        longest = max((doc.get_string_width(row[i][:40]) for row in cells[1:]), default=0.0)
+        need.append(max(head, body) + pad)
+        want.append(max(need[-1], longest + pad))
+    if sum(need) > width:
+        return None
+    spare, wish = width - sum(need), [w - n for w, n in zip(want, need)]
+    weights = wish if sum(wish) > 0 else need
+    return [n + spare * w / sum(weights) for n, w in zip(need, weights)]
+
+
 def _table(doc, g: _Glyphs, sans: str, headers: list[str], rows: list[list], width: float, font_face) -> None:
     size = 6.5 if len(headers) > 6 else 8
     doc.set_font(sans, "", size)
     if not rows:
         doc.multi_cell(width, 4.5, "(none)", new_x="LMARGIN", new_y="NEXT")
         return
-    cells = [[g.flat(str(c)) for c in row] for row in [headers] + rows]
-    # Columns get width by their longest content, within bounds, so a reason or a detail column is wide
-    # and a count column narrow.
-    widths = [min(max(len(r[i]) for r in cells), 40) + 6 for i in range(len(headers))]
-    col_mm = [width * w / sum(widths) for w in widths]
-    em_mm = size * _MM_PER_PT  # no glyph of these fonts is much wider than one em
-    if min(col_mm) - _PAD_MM < 2 * em_mm:  # too many columns for the page: one paragraph per row instead
-        for row in cells[1:]:
-            text = "; ".join(f"{h}: {shorten(v, 200)}" for h, v in zip(cells[0], row))
+    flat = [[g.flat(header_words(str(c))) for c in headers]] + [[g.flat(str(c)) for c in row] for row in rows]
+    col_mm = _column_widths(doc, sans, size, [[g.show(_breakable(c, _WORD_CHARS)) for c in row] for row in flat], width)
+    doc.set_font(sans, "", size)
+    if col_mm is None:  # too many columns for the page: one paragraph per row instead
+        for row in flat[1:]:
+            text = "; ".join(f"{h}: {shorten(v, 200)}" for h, v in zip(flat[0], row))
             doc.multi_cell(width, 3.4, g.show(_breakable(text, 90)), new_x="LMARGIN", new_y="NEXT", align="L")
             doc.ln(0.5)
         doc.ln(2)
         return
-    # A cell is held to what fits _CELL_LINES lines at one em a character, half of that for word wrap.
-    limits = [max(1, int((mm - _PAD_MM) / em_mm)) * _CELL_LINES // 2 for mm in col_mm]
-    with doc.table(width=width, col_widths=tuple(widths), line_height=3.4, text_align="LEFT",
-                   headings_style=font_face(emphasis="BOLD", fill_color=(235, 235, 235))) as table:
-        for row in cells:
+    # A cell is held to what fits _CELL_LINES lines at one em a character, half of that for word wrap, so
+    # that every row fits on one page.
+    em_mm = size * _MM_PER_PT  # no glyph of these fonts is much wider than one em
+    limits = [max(1, int((mm - 2 * _CELL_PAD_MM[1]) / em_mm)) * _CELL_LINES // 2 for mm in col_mm]
+    heading = font_face(emphasis="BOLD", fill_color=(235, 235, 235))
+    with doc.table(width=width, col_widths=tuple(col_mm), line_height=3.4, text_align="LEFT", padding=_CELL_PAD_MM,
+                   headings_style=heading) as table:
+        for row in flat:
             r = table.row()
             for cell, most in zip(row, limits):
-                r.cell(g.show(_breakable(shorten(cell, most), 30)))
+                r.cell(g.show(_breakable(_fit(cell, most), _WORD_CHARS)))
     doc.ln(2)
 
 

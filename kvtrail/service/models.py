@@ -99,7 +99,8 @@ class FindingsSince(BaseModel):
 
 
 class TenantExposure(BaseModel):
-    """Was the tenant's data read by other requests in the window, and by how many (counts only)."""
+    """Was the tenant's data read by other tenants' responses in the window, and by how many (counts only);
+    reads by the tenant's own other requests apart."""
 
     tenant_id: str
     exposed: bool
@@ -107,6 +108,9 @@ class TenantExposure(BaseModel):
     reading_responses: int
     reading_tenants: int
     pages: int
+    same_tenant_responses: int = 0
+    same_tenant_pages: int = 0
+    my_requests_read_by_own_responses: list[str] = []
 
 
 class TenantRequest(BaseModel):

@@ -47,7 +47,7 @@ def test_pool_chart_marks_the_nodes_below_their_context(seeded, window):
     fleet = StoreSource(seeded).fleet(window)
     spec = charts.pool_vs_context(fleet).to_dict()
     rows = next(iter(spec["datasets"].values()))
-    short = {r["node"]: r["label"] for r in rows if r["below_context"]}
+    short = {r["node"]: r["label"] for r in rows if r["status"] == charts.BELOW}
     assert short == {"prefill-0": "SHORT by 200,000 tokens", "prefill-1": "SHORT by 200,000 tokens"}
     assert charts.SHORT in json.dumps(spec)
 

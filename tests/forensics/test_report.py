@@ -30,6 +30,7 @@ def made(tmp_path_factory):
     inc = build(db)
     ctx = yaml.safe_load((ROOT / "docs" / "incident.example.yaml").read_text())
     ctx["exclusions"]["api_key_ids"][0]["id"] = RESEARCHER_KEY
+    ctx["exclusions"]["tenants"] = [{"id": "internal-qa", "reason": "the provider's own tests"}]
     ctx["tenant_names"]["umbrella"] = "Umbrella <Corp> & Co"
     (base / "incident.yaml").write_text(yaml.safe_dump(ctx))
     out = base / "out"
@@ -67,8 +68,10 @@ def test_report_files_exist_and_parse(made):
 def test_report_content(made):
     _, _, out, _ = made
     md = (out / "report.md").read_text()
-    for needle in ("Affected responses: 13", "Recipient tenants (received foreign data): 3",
-                   "Victim tenants (whose data was read): 2", "How counted:", "Exposure window: 2026-09-09T00:10",
+    for needle in ("Affected responses: 13",
+                   "Recipient tenants (whose responses read pages they did not own): 3, 3 of them received other "
+                   "customers' data", "Victim tenants (whose data another customer read): 2", "How counted:",
+                   "Exposure window: 2026-09-09T00:10",
                    "kvtrail itself stores no prompt or output content", "| prefill-0 | prefill | i1 |",
                    "Reserved vs sent (F2)", "Rejected but served (F4)",
                    "Every affected prompt (13 of 13) was longer than the prefill pool of its node (128 tokens)",

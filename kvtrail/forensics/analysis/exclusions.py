@@ -6,7 +6,7 @@ customer. Data of an excluded account read by someone else still counts as expos
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import duckdb
 import polars as pl
@@ -22,6 +22,9 @@ class Exclusions:
     tenants: tuple[tuple[str, str], ...] = ()
     api_key_ids: tuple[tuple[str, str], ...] = ()
     request_ids: tuple[tuple[str, str], ...] = ()
+    # where each excluded tenant was named (e.g. "incident.yaml: exclusions.tenants[0]"), for the errors;
+    # not part of what is excluded
+    sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     @property
     def empty(self) -> bool:
@@ -35,7 +38,7 @@ class Exclusions:
                 seen.setdefault(k, v)
             return tuple(sorted(seen.items()))
         return Exclusions(merge(self.tenants, other.tenants), merge(self.api_key_ids, other.api_key_ids),
-                          merge(self.request_ids, other.request_ids))
+                          merge(self.request_ids, other.request_ids), merge(self.sources, other.sources))
 
     def to_dict(self) -> dict:
         return {name: [{"id": k, "reason": v} for k, v in sorted(getattr(self, name))]
@@ -49,14 +52,16 @@ class Exclusions:
 
 
 def check_exclusions(con: duckdb.DuckDBPyConnection, excl: Exclusions) -> None:
-    """Refuse an excluded tenant the store has never seen (most likely a typo)."""
+    """Refuse an excluded tenant the store has never seen (most likely a typo), naming where it was listed."""
     if not excl.tenants:
         return
     rows = con.execute("SELECT DISTINCT tenant_id FROM events_v WHERE tenant_id IS NOT NULL").fetchall()
     known = {r[0] for r in rows}
+    where = dict(excl.sources)
     for tenant, _ in excl.tenants:
         if tenant not in known:
-            raise KvtrailError(f"exclusions: unknown tenant {tenant!r}; known: {', '.join(sorted(known)[:20])}")
+            raise KvtrailError(f"{where.get(tenant, 'exclusions')}: unknown tenant {tenant!r} (not in the store); "
+                               f"known: {', '.join(sorted(known)[:20])}")
 
 
 def excluded_requests(con: duckdb.DuckDBPyConnection, excl: Exclusions) -> pl.DataFrame:
