@@ -105,8 +105,14 @@ class Client:
         """``{"heads": [...]}`` as ``kvtrail audit head --json`` prints it."""
         return self._call("GET", "/v1/audit/heads").json()
 
-    def add_token(self, role: str, *, note: str = "", nodes: tuple[str, ...] = ()) -> tuple[str, str]:
-        d = self._call("POST", "/v1/tokens", json={"role": role, "note": note, "nodes": list(nodes)}).json()
+    def add_token(self, role: str, *, note: str = "", nodes: tuple[str, ...] = (), clusters: tuple[str, ...] = (),
+                  node_roles: tuple[str, ...] = (), expires_in_s: int | None = None) -> tuple[str, str]:
+        body: dict[str, object] = {"role": role, "note": note, "nodes": list(nodes)}
+        if clusters or node_roles:
+            body.update(clusters=list(clusters), node_roles=list(node_roles))
+        if expires_in_s is not None:
+            body["expires_in_s"] = expires_in_s
+        d = self._call("POST", "/v1/tokens", json=body).json()
         return d["token_id"], d["token"]
 
     def list_tokens(self) -> list[dict]:

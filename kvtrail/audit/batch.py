@@ -174,6 +174,9 @@ def parse_jsonl_lines(data: bytes | str) -> tuple[pa.Table, list[int]]:
         except json.JSONDecodeError as exc:
             raise ValidationError("(json)", f"line {lineno} is not valid JSON: {exc.msg}",
                                   event=len(events)) from None
+        except RecursionError:  # e.g. 10^5 nested '[': no event nests more than two levels
+            raise ValidationError("(json)", f"line {lineno} nests too deeply to be an event",
+                                  event=len(events)) from None
         lines.append(lineno)
     try:
         return from_dicts(events, null_is_absent=False), lines
@@ -208,11 +211,14 @@ def to_jsonl(table: pa.Table) -> str:
 
 
 def read_ipc(data: bytes) -> pa.Table:
-    """Decode an Arrow IPC stream (the bulk wire format) into a batch."""
+    """Decode an Arrow IPC stream (the bulk wire format) into a batch; ValidationError for bytes that are
+    not one: random, truncated mid-message, or whose buffers do not hold what the schema says (checked in
+    full, offsets and UTF-8 included, before any kernel reads them)."""
     try:
-        reader = pa.ipc.open_stream(io.BytesIO(data))
-        return reader.read_all()
-    except pa.ArrowInvalid as exc:
+        table = pa.ipc.open_stream(io.BytesIO(data)).read_all()
+        table.validate(full=True)
+        return table
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:  # a truncated body: ArrowIOError, an OSError
         raise ValidationError("(arrow)", f"not a valid Arrow IPC stream: {exc}") from None
 
 

@@ -115,18 +115,29 @@ def batch_digest(prev: bytes, header: tuple[int, ...], events: pa.Table, events_
     return h.digest()
 
 
+def _ed25519():
+    """The parts of ``cryptography`` signatures use (a base dependency); ChainError, one line, where an
+    install lacks it, rather than an ImportError out of a command."""
+    try:
+        from cryptography import exceptions
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ed25519
+    except ImportError as exc:
+        raise ChainError(f"signatures need the 'cryptography' package, which this install lacks ({exc}): "
+                         "pip install cryptography") from None
+    return serialization, ed25519, exceptions
+
+
 class Signer:
     """Signs batch digests with an Ed25519 private key the operator supplies (PEM, PKCS#8)."""
 
     def __init__(self, private_key_pem: bytes):
-        from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
+        serialization, ed25519, exceptions = _ed25519()
         try:
             key = serialization.load_pem_private_key(private_key_pem, password=None)
-        except (ValueError, TypeError) as exc:
-            raise ChainError(f"signing key: not a PEM private key without password ({exc})") from None
-        if not isinstance(key, Ed25519PrivateKey):
+        except (ValueError, TypeError, exceptions.UnsupportedAlgorithm) as exc:
+            raise ChainError(f"signing key: not a PEM private key without password ({_first_line(exc)})") from None
+        if not isinstance(key, ed25519.Ed25519PrivateKey):
             raise ChainError(f"signing key: an Ed25519 key is required, got {type(key).__name__}")
         self._key = key
         pub = self._key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
@@ -138,6 +149,8 @@ class Signer:
             return cls(Path(path).read_bytes())
         except FileNotFoundError:
             raise ChainError(f"signing key: file not found: {path}") from None
+        except OSError as exc:
+            raise ChainError(f"signing key: cannot read {path}: {exc.strerror or exc}") from None
 
     def sign(self, digest: bytes) -> bytes:
         return self._key.sign(digest)
@@ -147,37 +160,46 @@ class SignatureChecker:
     """Checks signatures with the matching Ed25519 public key (PEM)."""
 
     def __init__(self, public_key_pem: bytes):
-        from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
+        serialization, ed25519, exceptions = _ed25519()
         try:
             key = serialization.load_pem_public_key(public_key_pem)
-        except (ValueError, TypeError) as exc:
-            raise ChainError(f"public key: not a PEM public key ({exc})") from None
-        if not isinstance(key, Ed25519PublicKey):
+        except (ValueError, TypeError, exceptions.UnsupportedAlgorithm) as exc:
+            raise ChainError(f"public key: not a PEM public key ({_first_line(exc)})") from None
+        if not isinstance(key, ed25519.Ed25519PublicKey):
             raise ChainError(f"public key: an Ed25519 key is required, got {type(key).__name__}")
         self._key = key
         pub = self._key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         self.key_id = hashlib.sha256(pub).hexdigest()[:16]
+        self._invalid = exceptions.InvalidSignature
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "SignatureChecker":
+        try:
+            return cls(Path(path).read_bytes())
+        except FileNotFoundError:
+            raise ChainError(f"public key: file not found: {path}") from None
+        except OSError as exc:
+            raise ChainError(f"public key: cannot read {path}: {exc.strerror or exc}") from None
 
     def check(self, digest: bytes, signature: bytes | None) -> bool:
-        from cryptography.exceptions import InvalidSignature
-
         if signature is None:
             return False
         try:
             self._key.verify(signature, digest)
             return True
-        except InvalidSignature:
+        except self._invalid:
             return False
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception's message on one line (cryptography's parse errors span several)."""
+    return " ".join(str(exc).split())
 
 
 def generate_keypair(private_path: Path, public_path: Path) -> str:
     """Write a new Ed25519 key pair as PEM files; returns the key id."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    key = Ed25519PrivateKey.generate()
+    serialization, ed25519, _ = _ed25519()
+    key = ed25519.Ed25519PrivateKey.generate()
     private_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                                serialization.NoEncryption()))
     private_path.chmod(0o600)

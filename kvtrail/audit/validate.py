@@ -32,6 +32,9 @@ from kvtrail.errors import ValidationError
 
 PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
 _KEY_SEP = "\x1f"
+# The largest pool a node_config may declare: 2^31 pages is far beyond what any GPU holds (at 16 tokens a
+# page, 32 G tokens of KV). A larger pool is a broken or hostile producer, refused with its batch.
+MAX_POOL_PAGES = 1 << 31
 
 
 def producer_id(p: Producer) -> int:
@@ -235,6 +238,7 @@ def _check_values(t: pa.Table, codes: np.ndarray) -> None:
         less = pc.less(t.column("token_end"), t.column("token_start"))
         if pc.any(less).as_py():  # nulls skipped: only a pair with both values can be backwards
             _fail(pc.fill_null(less, False).to_numpy(zero_copy_only=False), "token_end", "must be >= token_start", t)
+    _check_pool(t, codes)
     for name in ("pages", "dst_pages", "page_digests", "block_hashes"):
         col = t.column(name)
         flat = pc.list_flatten(col)
@@ -243,6 +247,32 @@ def _check_values(t: pa.Table, codes: np.ndarray) -> None:
             row_of = np.repeat(np.arange(t.num_rows), lengths)
             r = row_of[np.flatnonzero(~_valid_mask(flat))[0]]
             _fail(np.arange(t.num_rows) == r, name, "list entries must not be null", t)
+
+
+def _check_pool(t: pa.Table, codes: np.ndarray) -> None:
+    """A node_config's pool must be plausible: at most MAX_POOL_PAGES pages, and pool_pages the whole
+    pages of pool_tokens (``pool_tokens // page_size``, as SGLang sizes its page allocator)."""
+    is_config = codes == KIND_CODES["node_config"]
+    if not is_config.any():
+        return
+    rows = np.flatnonzero(is_config)  # the kind's required fields are present on these rows
+    idx = pa.array(rows)
+    pages = t.column("pool_pages").take(idx).to_numpy(zero_copy_only=False).astype(np.int64)
+    tokens = t.column("pool_tokens").take(idx).to_numpy(zero_copy_only=False).astype(np.int64)
+    size = t.column("page_size").take(idx).to_numpy(zero_copy_only=False).astype(np.int64)
+    mask = np.zeros(t.num_rows, bool)
+    huge = pages > MAX_POOL_PAGES
+    if huge.any():
+        mask[rows[np.flatnonzero(huge)[0]]] = True
+        _fail(mask, "pool_pages", f"implausible pool of {int(pages[huge][0])} pages "
+                                  f"(at most {MAX_POOL_PAGES} = 2^31)", t)
+    whole = tokens // size
+    bad = pages != whole
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        mask[rows[i]] = True
+        _fail(mask, "pool_pages", f"{int(pages[i])} pages do not match pool_tokens {int(tokens[i])} at page_size "
+                                  f"{int(size[i])} (expected pool_tokens // page_size = {int(whole[i])})", t)
 
 
 def _group_producers(t: pa.Table) -> tuple[list[int], list[Producer], np.ndarray]:

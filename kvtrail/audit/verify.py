@@ -144,7 +144,7 @@ def verify_store(db: str | Path | duckdb.DuckDBPyConnection, *, checker: chain.S
     for pid, batch_no, n in stray:
         report.problems.append(Problem(pid, None, batch_no, f"{n} rows belong to no committed batch (inserted?)"))
     _verify_prunes(con, report)
-    report.unclean_ends = unclean_ends(con)
+    report.unclean_ends = unclean_ends(con, resting=at_rest(con))  # read read-only: nothing will commit the ends
     if isinstance(db, (str, Path)):
         con.close()
     return report
@@ -245,17 +245,28 @@ def _has(con: duckdb.DuckDBPyConnection, table: str, column: str | None = None) 
     return bool(row and row[0])
 
 
-def unclean_ends(con: duckdb.DuckDBPyConnection, *, kinds: bool | None = None) -> list[UncleanEnd]:
+def at_rest(con: duckdb.DuckDBPyConnection) -> bool:
+    """Whether ``con`` reads the store read-only: then no process holds it for writing (DuckDB refuses a
+    read-only open of a file another process has open read-write), so its owner is not running."""
+    row = con.execute("SELECT readonly FROM duckdb_databases() WHERE database_name = current_database()").fetchone()
+    return bool(row and row[0])
+
+
+def unclean_ends(con: duckdb.DuckDBPyConnection, *, kinds: bool | None = None,
+                 resting: bool = False) -> list[UncleanEnd]:
     """Producer instances that ended without ``recorder_closed``, in producer order.
 
     Judged are instances that announce their lifecycle (a ``recorder_started`` event, or a first batch
     pruned so we cannot tell) and whose last batch is still stored. One without ``recorder_closed``
     has ended uncleanly when a later instance of its (cluster, node) started after its last stored
     event, or when the store was opened for writing again after its last commit (its owner restarted:
-    the ``store_opens`` table, where the store has one). Otherwise it is open: still running, or stopped
-    and not yet known, and not reported. Producers that record no lifecycle events (older stores,
-    other engines' files, the simulator) are not judged. ``kinds``: whether the store has its kind
-    tables (``layout.has_kind_tables``; None: look).
+    the ``store_opens`` table, where the store has one), or when the caller knows the store is at rest
+    (``resting``, e.g. :func:`at_rest`: a copy of a crashed store read read-only), since nothing can commit its
+    ``recorder_closed`` any more: its last stored batch is the last word the store has of it. Otherwise
+    (a store its owner holds) it is open: still running, or stopped and not yet known, and not
+    reported. Producers that record no lifecycle events (older stores, other engines' files, the
+    simulator) are not judged. ``kinds``: whether the store has its kind tables
+    (``layout.has_kind_tables``; None: look).
     """
     if has_kind_tables(con) if kinds is None else kinds:  # the two kinds' own tables, not the events view
         life = ("SELECT producer_id, bool_or(kind = 'recorder_closed') AS closed, "
@@ -302,6 +313,10 @@ def unclean_ends(con: duckdb.DuckDBPyConnection, *, kinds: bool | None = None) -
             ended_by, reason = later[0][0], f"a later instance {later[0][1]} started at {format_utc(later[0][0])}"
         elif reopened:
             ended_by, reason = reopened[0], f"the store's owner restarted at {format_utc(reopened[0])}"
+        elif resting:
+            ended_by = None  # the owner stopped at some time after the last commit (not recorded)
+            reason = (f"no recorder_closed and no later instance, and the store is at rest (read read-only) since "
+                      f"its last commit at {format_utc(int(last_commit))}")
         else:
             continue
         ends.append(UncleanEnd(int(pid), node, instance, int(last_seq), last_wall,

@@ -142,7 +142,7 @@ def _verify_local(db: str, public_key: str | None, saved: list | None) -> tuple[
     from kvtrail.audit.store import connect_readonly, fetch_row
     from kvtrail.audit.verify import compare_heads, verify_store
 
-    checker = SignatureChecker(Path(public_key).read_bytes()) if public_key else None
+    checker = SignatureChecker.from_file(public_key) if public_key else None
     con = connect_readonly(_existing(db))
     total = fetch_row(con, "SELECT count(*) FROM batches")[0]
     with _progress(total, "verify") as bar:
@@ -340,7 +340,7 @@ def backup(db: str, to: str, force: bool, public_key: str | None) -> None:
     from kvtrail.audit.backup import backup_store
     from kvtrail.audit.chain import SignatureChecker
 
-    checker = SignatureChecker(Path(public_key).read_bytes()) if public_key else None
+    checker = SignatureChecker.from_file(public_key) if public_key else None
     with _progress(None, "backup") as bar:
         res = backup_store(_existing(db), to, force=force, checker=checker, progress=bar.update)
     report = res.report

@@ -50,7 +50,7 @@ def export_cmd(db: str, to: str, since: str | None, signing_key: str | None) -> 
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def verify_cmd(url: str, public_key: str | None, as_json: bool) -> None:
     """Check every file against the manifest and the batches' chain; exit 1 naming each problem."""
-    checker = SignatureChecker(Path(public_key).read_bytes()) if public_key else None
+    checker = SignatureChecker.from_file(public_key) if public_key else None
     r = verify_lake(url, checker=checker)
     if as_json:
         click.echo(json.dumps({"ok": r.ok, "manifest": r.manifest, "files_checked": r.files_checked,

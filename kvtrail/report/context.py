@@ -203,6 +203,31 @@ class _StrictLoader(yaml.SafeLoader):
         finally:
             self.path.pop()
 
+    def _at(self, node, reason: str) -> KvtrailError:
+        return KvtrailError(f"{self.source}: line {node.start_mark.line + 1}: {reason}")
+
+    def construct_mapping(self, node, deep=False):
+        """A mapping that names a key twice is refused (YAML would keep the last value silently)."""
+        if isinstance(node, yaml.MappingNode):
+            seen: set = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    hash(key)
+                except TypeError:
+                    raise self._at(key_node, "a mapping key must be a plain value") from None
+                if key in seen:
+                    raise self._at(key_node, f"duplicate key {str(key)[:60]!r}")
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_bounded_int(self, node):
+        """An integer beyond Python's conversion limit (thousands of digits) is refused, not a traceback."""
+        try:
+            return self.construct_yaml_int(node)
+        except ValueError:
+            raise self._at(node, f"an integer of {len(str(node.value))} characters is too long") from None
+
     def construct_lenient_timestamp(self, node):
         """A timestamp-shaped value that is no valid date (2026-02-30) stays a string, for the field to refuse."""
         try:
@@ -212,6 +237,7 @@ class _StrictLoader(yaml.SafeLoader):
 
 
 _StrictLoader.add_constructor("tag:yaml.org,2002:timestamp", _StrictLoader.construct_lenient_timestamp)
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_bounded_int)
 
 
 def _load_yaml(path: str | Path):

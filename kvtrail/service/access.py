@@ -2,8 +2,9 @@
 
 Each entry's ``digest`` is SHA-256 over the previous entry's digest and the entry's canonical JSON, so
 editing, deleting or reordering a row breaks the chain from that row on (:func:`verify_access_log`).
-Query parameters are stored as given minus anything secret (see :data:`SECRET_PARAMS`); the token
-itself is never stored, only its public id.
+Query parameters are stored as given minus anything secret (see :data:`SECRET_PARAMS`), and anything
+token-shaped (``kvt_...``) in a parameter's name or value, or in the path, whatever the name, is stored
+as ``kvt_<id>_[redacted]`` (:func:`redact`); the token's secret is never stored, only its public id.
 
 In the service every append runs under ``ServiceState.write_lock`` (it reads the last digest and
 inserts in one transaction); the ``kvtrail token`` commands own the store alone and need no lock.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +25,8 @@ TABLE = "access_log"
 GENESIS = bytes(32)
 # Parameter names that never reach the log (a client may put its token in the query string by mistake).
 SECRET_PARAMS = frozenset({"token", "access_token", "authorization", "secret", "password"})
+# A token as `kvtrail token add` prints it (kvt_<12 hex id>_<secret>), or anything that starts like one.
+_TOKEN_SHAPED = re.compile(r"kvt_([0-9a-f]{12}_)?[^\s&?#/\"',;]*", re.IGNORECASE)
 _FIELDS = ("entry_no", "wall_ns", "token_id", "role", "method", "path", "query", "status")
 
 
@@ -46,9 +50,23 @@ class AccessEntry:
     wall_ns: int = 0
 
 
+def redact(text: str) -> str:
+    """``text`` with every token-shaped part replaced by ``kvt_<id>_[redacted]`` (the id is public)."""
+    return _TOKEN_SHAPED.sub(lambda m: f"kvt_{m.group(1) or ''}[redacted]", text)
+
+
+def _redacted(value: object) -> object:
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, (list, tuple)):
+        return [_redacted(v) for v in value]
+    return value
+
+
 def scrub(params: Mapping[str, object]) -> dict[str, object]:
-    """``params`` without secret-looking keys, keys sorted (so the canonical form is stable)."""
-    return {k: params[k] for k in sorted(params) if k.lower() not in SECRET_PARAMS}
+    """``params`` without secret-looking keys and with token-shaped text redacted in the other keys and
+    their values, keys sorted (so the canonical form is stable)."""
+    return {redact(k): _redacted(params[k]) for k in sorted(params) if k.lower() not in SECRET_PARAMS}
 
 
 def entry_digest(prev_digest: bytes, row: Mapping[str, object]) -> bytes:
@@ -68,7 +86,7 @@ def append(con: duckdb.DuckDBPyConnection, entry: AccessEntry) -> int:
         last = con.execute(f"SELECT entry_no, digest FROM {TABLE} ORDER BY entry_no DESC LIMIT 1").fetchone()
         entry_no, prev = (0, GENESIS) if last is None else (int(last[0]) + 1, bytes(last[1]))
         row = {"entry_no": entry_no, "wall_ns": entry.wall_ns or time.time_ns(), "token_id": entry.token_id,
-               "role": entry.role, "method": entry.method, "path": entry.path,
+               "role": entry.role, "method": entry.method, "path": redact(entry.path),
                "query": json.dumps(scrub(entry.query), sort_keys=True, separators=(",", ":"), default=str),
                "status": int(entry.status)}
         digest = entry_digest(prev, row)

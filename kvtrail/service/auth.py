@@ -16,6 +16,7 @@ from typing import Annotated, Any
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from kvtrail.audit.events import Producer
 from kvtrail.service.tokens import Principal, authenticate
 
 # auto_error off: a missing header is our 401 with our message, not FastAPI's 403.
@@ -48,7 +49,7 @@ class VerifiedTokens:
             hit = self._known.get(key)
             if hit is None:
                 return None
-            if now - hit[0] > self.ttl_s:
+            if now - hit[0] > self.ttl_s or hit[1].expired():  # an expired token is refused at once
                 del self._known[key]
                 return None
             return hit[1]
@@ -67,7 +68,7 @@ class VerifiedTokens:
 
 
 def principal_dependency(state: Any) -> Callable[..., Principal]:
-    """A dependency returning the request's :class:`Principal`; 401 for a missing, unknown or revoked token."""
+    """A dependency returning the request's :class:`Principal`; 401 for a missing, unknown, revoked or expired token."""
 
     def principal(request: Request,
                   credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
@@ -82,7 +83,7 @@ def principal_dependency(state: Any) -> Callable[..., Principal]:
             finally:
                 cur.close()
             if who is None:
-                raise HTTPException(401, "unknown or revoked token", headers=UNAUTHORIZED)
+                raise HTTPException(401, "unknown, revoked or expired token", headers=UNAUTHORIZED)
             if verified is not None:
                 verified.put(credentials.credentials, who)
         request.state.principal = who
@@ -97,12 +98,14 @@ def require_role(principal: Principal, *roles: str) -> None:
         raise HTTPException(403, f"a {principal.role} token may not do this (needs {' or '.join(roles)})")
 
 
-def check_ingest(principal: Principal, nodes: Iterable[str]) -> None:
-    """403 unless the principal may send events for every node in ``nodes`` (an operator, or a producer
-    token bound to no nodes or to all of these)."""
+def check_ingest(principal: Principal, producers: Iterable[Producer]) -> None:
+    """403 unless the principal may send events for every producer identity in ``producers``: an operator,
+    or a producer token whose bindings (nodes, clusters, node roles; each empty: any) all hold them."""
     require_role(principal, "producer", "operator")
-    if principal.role == "operator" or not principal.nodes:
+    if principal.role == "operator":
         return
-    foreign = sorted(set(nodes) - set(principal.nodes))
-    if foreign:
-        raise HTTPException(403, f"node: this producer token may not send for node {foreign[0]!r}")
+    for p in producers:
+        for what, value, allowed in (("node", p.node, principal.nodes), ("cluster", p.cluster, principal.clusters),
+                                     ("role", p.role, principal.node_roles)):
+            if allowed and value not in allowed:
+                raise HTTPException(403, f"{what}: this producer token may not send for {what} {value!r}")

@@ -165,7 +165,7 @@ def router(state: ServiceState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES)
             return precheck_batch(table), producer, seq
 
         pre, producer, seq = await run_in_threadpool(parse)
-        check_ingest(who, [producer.node])
+        check_ingest(who, [producer])
         # Shielded: a client that hangs up must not cancel a batch the committer may be storing.
         commit = await asyncio.shield(asyncio.wrap_future(state.committer.submit(pre, producer_id(producer), seq)))
         return commit

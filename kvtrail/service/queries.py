@@ -48,7 +48,7 @@ Format = Literal["json", "csv", "parquet"]
 IdReasons = Annotated[list[str], Query(description="ID[=REASON], repeatable: left out of every count.")]
 ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": models.ErrorBody, "description": "Bad parameter (named in the message)."},
-    401: {"model": models.ErrorBody, "description": "Missing, unknown or revoked token."},
+    401: {"model": models.ErrorBody, "description": "Missing, unknown, revoked or expired token."},
     403: {"model": models.ErrorBody, "description": "The token's role may not ask this."},
 }
 

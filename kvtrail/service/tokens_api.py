@@ -2,6 +2,7 @@
 store, so ``kvtrail token --url`` is how tokens change while it runs). Every change is in the access log."""
 
 # No "from __future__ import annotations": FastAPI must see the route-local dependency as an object.
+import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Path
@@ -14,12 +15,16 @@ from kvtrail.service.tokens import Principal
 
 
 class NewToken(BaseModel):
-    """A token to make: its role, a note, and (producers) the nodes it may send for."""
+    """A token to make: its role, a note, (producers) the nodes, clusters and node roles it may send for,
+    and how long it lasts (seconds; none: until revoked)."""
 
     model_config = ConfigDict(extra="forbid")
     role: str = Field(max_length=210)
     note: str = Field(default="", max_length=1000)
     nodes: list[str] = Field(default=[], max_length=1000)
+    clusters: list[str] = Field(default=[], max_length=1000)
+    node_roles: list[str] = Field(default=[], max_length=10)
+    expires_in_s: int | None = Field(default=None, ge=1, le=tokens.MAX_LIFETIME_NS // 10**9)
 
 
 class MadeToken(BaseModel):
@@ -38,6 +43,9 @@ class TokenRow(BaseModel):
     note: str
     created_ns: int
     revoked_ns: int | None
+    clusters: list[str] = []
+    node_roles: list[str] = []
+    expires_ns: int | None = None
 
 
 class Revoked(BaseModel):
@@ -49,7 +57,8 @@ class Revoked(BaseModel):
 def router(state: Any, route_class: type) -> APIRouter:
     """The token routes (operator tokens only)."""
     errors: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody, "description": d} for c, d in (
-        (400, "Bad role or node."), (401, "Missing, unknown or revoked token."), (403, "Not an operator token."))}
+        (400, "Bad role, binding or expiry."), (401, "Missing, unknown, revoked or expired token."),
+        (403, "Not an operator token."))}
     # mounted inside the query router, whose prefix is /v1
     r = APIRouter(prefix="/tokens", route_class=route_class, tags=["tokens"], responses=errors)
     who_dep = principal_dependency(state)
@@ -71,9 +80,11 @@ def router(state: Any, route_class: type) -> APIRouter:
     def add(who: Annotated[Principal, Depends(who_dep)], body: NewToken) -> MadeToken:
         """Make a token; its secret is in this answer only."""
         require_role(who, "operator")
+        expires = None if body.expires_in_s is None else time.time_ns() + body.expires_in_s * 10**9
+        binding = tokens.Binding(tuple(body.nodes), tuple(body.clusters), tuple(body.node_roles), expires)
         try:
-            token_id, secret = write(lambda cur: tokens.add_token(cur, body.role, note=body.note,
-                                                                  nodes=tuple(body.nodes), actor=who.token_id))
+            token_id, secret = write(lambda cur: tokens.add_token(cur, body.role, note=body.note, binding=binding,
+                                                                  actor=who.token_id))
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from None
         return MadeToken(token_id=token_id, token=secret)
@@ -82,7 +93,8 @@ def router(state: Any, route_class: type) -> APIRouter:
     def list_all(who: Annotated[Principal, Depends(who_dep)]) -> list[TokenRow]:
         """Every token, revoked ones included."""
         require_role(who, "operator")
-        return [TokenRow(**{**t.__dict__, "nodes": list(t.nodes)}) for t in write(tokens.list_tokens)]
+        return [TokenRow(**{**t.__dict__, "nodes": list(t.nodes), "clusters": list(t.clusters),
+                            "node_roles": list(t.node_roles)}) for t in write(tokens.list_tokens)]
 
     @r.delete("/{token_id}", response_model=Revoked,
               responses={404: {"model": ErrorBody, "description": "No such token."}})

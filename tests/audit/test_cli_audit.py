@@ -231,3 +231,12 @@ def test_bad_export_and_import_arguments_exit_2(capsys, db, tmp_path):
     assert not target.exists()
     rc, _, err = _run(capsys, "audit", "import", "--db", str(target), str(tmp_path / "nowhere"))
     assert rc == 2 and any("does not exist" in line for line in err)
+
+
+def test_ingesting_an_implausible_pool_exits_2_naming_pool_pages_and_stores_nothing(capsys, db, tmp_path):
+    before = _scalar(db, "SELECT count(*) FROM batches")
+    bad = _jsonl(tmp_path / "huge.jsonl", [dict(config(5, wall_ns=_ns(10)), pool_pages=2**25)])
+    rc, out, err = _run(capsys, "audit", "ingest", "--db", db, bad)
+    assert rc == 2 and len(err) == 1 and "pool_pages" in err[0], err
+    assert "Traceback" not in "\n".join(out + err)
+    assert _scalar(db, "SELECT count(*) FROM batches") == before

@@ -3,6 +3,8 @@ instance that ended without recorder_closed (killed) is named by ``unclean_ends`
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 import time
@@ -15,10 +17,10 @@ from kvtrail.audit.buffer import EventBuffer
 from kvtrail.audit.events import PAYLOAD_LAYOUT, Producer
 from kvtrail.audit.recorder import Recorder, RecorderConfig
 from kvtrail.audit.spec import shipped_schema
-from kvtrail.audit.store import AuditStore, read_events
+from kvtrail.audit.store import AuditStore, connect_readonly, read_events
 from kvtrail.audit.verify import unclean_ends, verify_store
 from kvtrail.errors import ValidationError
-from tests.conftest import T0, alloc, config, event, producer, stored_events
+from tests.conftest import T0, alloc, config, event, producer, run_cli, stored_events
 
 SECOND_NS = 10**9
 PROD = Producer("c1", "decode-0", "decode", "kvtrail-reference", "0.1", "inst-1")
@@ -210,3 +212,47 @@ def test_a_killed_store_owner_leaves_an_unclean_end_with_its_bound(tmp_path):
         assert "store's owner restarted" in end.reason
         # What is stored ends within the bound (plus a commit's time) before the kill.
         assert killed_ns - end.last_wall_ns < SECOND_NS // 2 + SECOND_NS
+
+
+def test_read_only_verify_of_a_crashed_store_copy_reports_its_unclean_end(tmp_path, capsys):
+    # the probe: a store whose owner was killed, copied (main file and WAL), verified without any writer
+    # opening it first
+    path = tmp_path / "a.duckdb"
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 60
+        while True:
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, "recorder process stopped early"
+            if int(line) >= 100:
+                break
+        proc.kill()  # only our own child, by its handle
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    copy = tmp_path / "copy.duckdb"
+    shutil.copyfile(path, copy)
+    if path.with_name(path.name + ".wal").exists():
+        shutil.copyfile(path.with_name(path.name + ".wal"), copy.with_name(copy.name + ".wal"))
+    rc, out, err = run_cli(capsys, "audit", "verify", "--db", str(copy), "--json")
+    assert rc == 0, err  # a coverage gap, not a broken chain
+    doc = json.loads("\n".join(out))
+    [end] = doc["unclean_ends"]
+    assert (end["node"], end["instance"], end["bound_ns"]) == ("router-0", "killed", SECOND_NS // 2)
+    assert "store is at rest" in end["reason"] and end["gap_end_ns"] == end["last_wall_ns"] + SECOND_NS // 2
+    rc, out, _ = run_cli(capsys, "audit", "verify", "--db", str(copy))
+    assert rc == 0 and any("unclean end after seq" in line and "killed" in line for line in out), out
+    # nothing wrote to the copy: the read-only check found the end on its own
+    con = connect_readonly(copy)
+    try:
+        assert con.execute("SELECT count(*) FROM store_opens").fetchone()[0] == 1  # the killed owner's open only
+    finally:
+        con.close()
+
+
+def test_a_store_its_owner_holds_does_not_report_a_running_instance(store):
+    store.append(from_dicts(_instance("running", T0)))
+    assert verify_store(store.con).unclean_ends == []  # the owner's own connection: the instance may still run

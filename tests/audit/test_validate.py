@@ -47,6 +47,11 @@ BAD = [
     ("negative count", lambda: [event(2, "transfer_reserved", request={"request_id": "r", "transfer_id": 1},
                                       pages=[4], num_tokens=-3)], "num_tokens", ">= 0", 0),
     ("no pool known", lambda: [alloc(0, [1], prod=producer(node="other"))], "pages", "pool size unknown", 0),
+    # a 336-byte event that declared 2^25 pages for a 1,024-token pool made every replay allocate ~3 GB
+    ("pool_pages not pool_tokens' pages", lambda: [alloc(2, [4]), dict(config(3), pool_pages=2**25)], "pool_pages",
+     "expected pool_tokens // page_size = 64", 1),
+    ("pool beyond any GPU", lambda: [config(2, pool_pages=2**31 + 1)], "pool_pages", "implausible pool", 0),
+    ("pool of 2^63-1 pages", lambda: [dict(config(2), pool_pages=2**63 - 1)], "pool_pages", "implausible pool", 0),
 ]
 
 
@@ -90,6 +95,14 @@ def test_arrow_ipc_with_wrong_column_type_is_rejected(store):
 def test_garbage_ipc_is_rejected():
     with pytest.raises(ValidationError, match="Arrow IPC"):
         read_ipc(b"not arrow at all")
+
+
+def test_a_partial_page_of_pool_tokens_is_not_a_page(store):
+    # SGLang's allocator has pool_tokens // page_size pages: a pool of 1,000 tokens at 16 holds 62 of them
+    store.append(from_dicts([dict(config(0, pool_pages=62), pool_tokens=1000), alloc(1, [62])]))
+    with pytest.raises(ValidationError, match="expected pool_tokens // page_size = 62"):
+        store.append(from_dicts([dict(config(2, pool_pages=63), pool_tokens=1000)]))
+    store.append(from_dicts([config(3, pool_pages=2**31)]))  # the largest plausible pool is accepted
 
 
 def test_node_config_in_same_batch_sets_the_pool_bound(store):

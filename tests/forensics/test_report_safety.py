@@ -139,6 +139,12 @@ BAD_FILES = [
     (OK_YAML + '"bad\\nkey": 1\n', "field 'bad\\nkey': unknown field"),
     ((OK_YAML + "title: caf\xe9\n").encode("latin-1"), "incident.yaml: not UTF-8 text (byte 0xe9 at offset"),
     (OK_YAML + "#" * MAX_FILE_BYTES + "\n", "incident.yaml: larger than the limit of 1 MiB"),
+    # the probe: a key named twice was kept silently (the last value won); a 5,000-digit integer was a traceback
+    (OK_YAML + "title: first\ntitle: second\n", "incident.yaml: line 4: duplicate key 'title'"),
+    (OK_YAML + "contact: {name: a, name: b}\n", "duplicate key 'contact'"),
+    ("organisation: Org\ncontact: {name: a, email: a@example.org, name: b}\n",
+     "incident.yaml: line 2: duplicate key 'name'"),
+    (OK_YAML + "detected_at: " + "9" * 5000 + "\n", "an integer of 5000 characters is too long"),
 ]
 
 

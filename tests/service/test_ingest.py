@@ -229,3 +229,18 @@ def test_committer_conflict_names_the_stored_batch(service_state):
     part = t.slice(1, 2)
     with pytest.raises(ConflictError, match="batch 0"):
         service_state.committer.submit(part, producer_id(p), np.asarray(seq[1:])).result(30)
+
+
+@pytest.mark.parametrize("pool_pages", [2**25, 2**63 - 1])
+def test_an_implausible_pool_is_refused_whole_naming_pool_pages(client, service_state, pool_pages):
+    # the probe's 336-byte event, sent with a producer token bound to its own node
+    token = make_token(service_state, "producer", nodes=(producer()["node"],))
+    events = [dict(config(0), pool_pages=pool_pages), alloc(1, [1])]
+    for body, ctype in ((arrow_body(events), "arrow"), (jsonl_body(events), NDJSON)):
+        r = client.post("/v1/events", content=body, headers=auth(token) if ctype == "arrow" else auth(token, NDJSON))
+        assert r.status_code == 422, r.text
+        [err] = r.json()["errors"]
+        assert (err["event"], err["kind"], err["field"]) == (0, "node_config", "pool_pages")
+    assert _count(service_state, "SELECT count(*) FROM batches") == 0
+    r = client.post("/v1/events", content=arrow_body([config(0, pool_pages=2**25)]), headers=auth(token))
+    assert r.status_code == 200, r.text  # 2^25 pages of 16 tokens, stated consistently, is a plausible pool

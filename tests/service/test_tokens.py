@@ -170,3 +170,94 @@ def test_verified_tokens_expire_are_bounded_and_keep_no_secret():
     assert v.get("kvt_0") is None and v.get("kvt_2") == who
     v.clear()
     assert v.get("kvt_2") is None
+
+
+# ---- expiry, bindings beyond the node name, the list's separators ------------------------------------
+
+def test_an_expired_token_is_refused_and_an_unexpired_one_works(con):
+    now = time.time_ns()
+    _, old = tokens.add_token(con, "operator", binding=tokens.Binding(expires_ns=now - 1))
+    tid, fresh = tokens.add_token(con, "operator", binding=tokens.Binding(expires_ns=now + 3600 * 10**9))
+    assert tokens.authenticate(con, old) is None
+    assert tokens.authenticate(con, fresh) == tokens.Principal(tid, "operator", None, expires_ns=now + 3600 * 10**9)
+    [row] = [t for t in tokens.list_tokens(con) if t.token_id == tid]
+    assert row.expires_ns == now + 3600 * 10**9
+
+
+def test_the_verified_cache_drops_a_token_the_moment_it_expires():
+    from kvtrail.service.auth import VerifiedTokens
+
+    v = VerifiedTokens(ttl_s=60)
+    v.put("kvt_abc_secret", tokens.Principal("abc", "operator", None, expires_ns=time.time_ns() + 50_000_000))
+    assert v.get("kvt_abc_secret") is not None
+    time.sleep(0.06)
+    assert v.get("kvt_abc_secret") is None  # well within the cache's ttl
+
+
+@pytest.mark.parametrize("text, ns", [("30m", 1800 * 10**9), ("12h", 43_200 * 10**9), ("90d", 90 * 86_400 * 10**9),
+                                      ("2w", 14 * 86_400 * 10**9), ("3600s", 3600 * 10**9)])
+def test_durations(text, ns):
+    assert tokens.parse_duration(text) == ns
+
+
+@pytest.mark.parametrize("text", ["", "0d", "12", "1y", "-5m", "1.5h", "99999999w"])
+def test_bad_durations_name_the_option(text):
+    with pytest.raises(ValueError, match="^expires-in: "):
+        tokens.parse_duration(text)
+
+
+def test_bindings_are_checked_and_only_for_producers(con):
+    with pytest.raises(ValueError, match="^node-role: 'cache' is not one of"):
+        tokens.add_token(con, "producer", binding=tokens.Binding(("d0",), node_roles=("cache",)))
+    with pytest.raises(ValueError, match="^cluster: only a producer token"):
+        tokens.add_token(con, "operator", binding=tokens.Binding(clusters=("c1",)))
+    tid, secret = tokens.add_token(con, "producer", binding=tokens.Binding(("d0",), ("c1",), ("decode",)))
+    assert tokens.authenticate(con, secret) == tokens.Principal(tid, "producer", None, ("d0",), ("c1",), ("decode",))
+
+
+def test_the_token_file_carries_bindings_and_expiry(con, tmp_path):
+    binding = tokens.Binding(("d0",), ("c1",), ("decode",), time.time_ns() + 10**12)
+    tid, secret, stored = tokens.new_token("producer", binding=binding)
+    path = tmp_path / "tokens.txt"
+    path.write_text(tokens.token_line(tid, "producer", stored, binding=binding) + "\n")
+    assert "clusters=c1" in path.read_text() and "node_roles=decode" in path.read_text()
+    assert tokens.load_token_file(con, path) == 1
+    assert tokens.authenticate(con, secret) == tokens.Principal(tid, "producer", None, ("d0",), ("c1",), ("decode",),
+                                                                binding.expires_ns)
+
+
+def test_a_store_from_before_expiry_gets_the_new_columns_empty(tmp_path):
+    c = duckdb.connect(str(tmp_path / "old.duckdb"))
+    c.execute(f"CREATE TABLE {tokens.TABLE} (token_id VARCHAR PRIMARY KEY, role VARCHAR NOT NULL, "
+              "tenant_id VARCHAR, nodes VARCHAR[] NOT NULL, note VARCHAR NOT NULL, hash VARCHAR NOT NULL, "
+              "created_ns BIGINT NOT NULL, revoked_ns BIGINT)")
+    tid, secret, stored = tokens.new_token("operator")
+    c.execute(f"INSERT INTO {tokens.TABLE} VALUES (?, 'operator', NULL, [], '', ?, 1, NULL)", [tid, stored])
+    tokens.ensure_tables(c)
+    assert tokens.authenticate(c, secret) == tokens.Principal(tid, "operator", None)
+    c.close()
+
+
+def test_token_add_expires_in_and_list_separates_fields_with_real_tabs(tmp_path):
+    db = str(tmp_path / "s.duckdb")
+    runner = CliRunner()
+    added = runner.invoke(token_cli, ["add", "--db", db, "--role", "producer", "--node", "decode-0", "--cluster",
+                                      "c1", "--node-role", "decode", "--expires-in", "12h", "--note", "dec\tode"])
+    assert added.exit_code == 0, added.output
+    listed = runner.invoke(token_cli, ["list", "--db", db]).output.splitlines()
+    [line] = listed
+    assert "\\x09" not in line.replace("dec\\x09ode", "")  # the note's own tab stays escaped, not the separators
+    fields = line.split("\t")
+    assert len(fields) == 6, fields
+    assert fields[1:3] == ["producer", "decode-0 cluster=c1 role=decode"]
+    assert fields[4].startswith("active, expires 20") and fields[5] == "dec\\x09ode"
+    bad = runner.invoke(token_cli, ["add", "--db", db, "--role", "operator", "--expires-in", "soon"])
+    assert isinstance(bad.exception, KvtrailError) and str(bad.exception).startswith("--expires-in: ")
+
+
+def test_token_list_fields_are_separated_by_tabs_not_escaped_ones(tmp_path):
+    db = str(tmp_path / "s.duckdb")
+    runner = CliRunner()
+    assert runner.invoke(token_cli, ["add", "--db", db, "--role", "tenant:acme", "--note", "x"]).exit_code == 0
+    [line] = runner.invoke(token_cli, ["list", "--db", db]).output.splitlines()
+    assert "\\x09" not in line and len(line.split("\t")) == 6 and line.split("\t")[1] == "tenant:acme"

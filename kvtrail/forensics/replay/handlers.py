@@ -76,10 +76,9 @@ class EventHandlers:
         state, key, n = self.state, ev.node_key, int(required(ev.pool_pages, "pool_pages"))
         pool = state.pools.get(key)
         if pool is None or state.pool_instance.get(key) != ev.instance:
-            state.pools[key] = PageState.empty(n)  # a new producer instance starts with a new, unwritten pool
+            # a new producer instance starts with a new, unwritten pool (its arrays sized by use, not by n)
+            state.pools[key] = PageState.for_pool(n)
             state.pool_instance[key] = ev.instance
-        elif pool.num_entries < n + 1:
-            pool.grow(n + 1)
         state.joins.page_size[key] = int(required(ev.page_size, "page_size"))
         state.joins.configs[key] = ev
         pool_tokens = required(ev.pool_tokens, "pool_tokens")

@@ -9,6 +9,11 @@ shared as prefix-cache hits (with the block hash each hit was keyed by) are freq
 radix cache: they live in arrays too (:class:`~kvtrail.forensics.replay.shares.PrefixShares`), so that
 the compiled path replays hits and their reads.
 
+The arrays are sized by the highest page id events actually use, not by the pool the node_config
+declares: a pool starts small (:meth:`PageState.for_pool`) and grows on demand, doubling, so that a
+node declaring 2^25 pages that uses a few hundred costs kilobytes (``PageState.fit``/``reserve``; the
+fast path reserves a batch's highest page id before its kernel runs).
+
 Each page array is declared once, as a field of :class:`PageState` carrying its dtype and the value of
 an unused page; :data:`PAGE_ARRAYS` lists those declarations in order, and allocation, growth and the
 compiled kernel's arguments (:mod:`kvtrail.forensics.replay.kernels`) are all derived from it.
@@ -22,10 +27,14 @@ from typing import Any
 
 import numpy as np
 
+from kvtrail.audit.validate import MAX_POOL_PAGES
+from kvtrail.errors import StoreError
 from kvtrail.forensics.replay.shares import PrefixShares
 
 # Released page lists kept per pool (entries); older requests' lists are forgotten first.
 RELEASED_CAP_PAGES = 1 << 22
+# Pages a new pool's arrays hold before any event uses more (then they grow, doubling).
+INITIAL_PAGES = 1 << 10
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,12 @@ class PageState:
     def empty(cls, num_pages: int) -> PageState:
         """A pool of ``num_pages`` unused, unwritten pages (plus the padding page)."""
         return cls(**{spec.name: spec.allocate(num_pages + 1) for spec in PAGE_ARRAYS})
+
+    @classmethod
+    def for_pool(cls, pool_pages: int) -> PageState:
+        """The state of a new pool of ``pool_pages`` pages: its arrays start small and grow to the highest
+        page id the events use (``reserve``), whatever the pool declares."""
+        return cls.empty(max(0, min(pool_pages, INITIAL_PAGES)))
 
     @property
     def num_entries(self) -> int:
@@ -205,9 +220,19 @@ class PageState:
         return np.isin(pages, np.concatenate(lists)) if lists else np.zeros(len(pages), bool)
 
     def fit(self, pages: np.ndarray) -> None:
-        need = int(pages.max()) + 1
-        if need > self.num_entries:
-            self.grow(need)
+        """Make every page id of ``pages`` (non-empty) an index of the arrays."""
+        self.reserve(int(pages.max()))
+
+    def reserve(self, max_page: int) -> None:
+        """Make page ids up to ``max_page`` indices of the arrays: grown at least twofold, so that a pool used
+        up to page n costs O(n) memory and O(n) copying in all. A page id beyond any plausible pool (a store
+        written before ingest refused such pools) is a StoreError, not an allocation of its size."""
+        if max_page < self.num_entries:
+            return
+        if max_page > MAX_POOL_PAGES:
+            raise StoreError(f"replay: page id {max_page} is beyond any plausible pool ({MAX_POOL_PAGES} pages); "
+                             "the store holds an event no engine recorded")
+        self.grow(min(max(max_page + 1, 2 * self.num_entries), MAX_POOL_PAGES + 1))
 
     def grow(self, num_entries: int) -> None:
         """Extend every page array to ``num_entries`` entries with the values of an unused page."""
