@@ -103,7 +103,9 @@ def test_demo_reproduces_the_incident_then_the_fix(tmp_path, capsys):
 
 
 def _commands(group, prefix=()):
-    for name, cmd in group.commands.items():
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):
+        cmd = group.get_command(ctx, name)
         path = prefix + (name,)
         if isinstance(cmd, click.Group):
             yield from _commands(cmd, path)
@@ -120,3 +122,30 @@ def test_every_command_and_flag_is_in_the_readme():
             for opt in getattr(param, "opts", []):
                 if opt.startswith("--"):
                     assert opt in readme, f"README does not document {opt} of `{line}`"
+
+
+def test_version_loads_no_command_group():
+    """`kvtrail --version` imports the root only: each group's module (and pandas, DuckDB) on first use."""
+    import subprocess
+    import sys
+
+    heavy = ("kvtrail.cli.audit", "kvtrail.cli.forensics", "kvtrail.cli.stack", "duckdb", "pandas", "pyarrow",
+             "numpy")
+    code = ("import sys; from kvtrail.cli import main; code = main(['--version']); "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in ('duckdb', 'pandas', 'pyarrow', 'numpy') "
+            f"or m in {heavy!r})); sys.exit(code)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    version, loaded = out.splitlines()
+    assert version.startswith("kvtrail, version ")
+    assert loaded == "[]"
+
+
+def test_every_command_group_loads_on_first_use_with_its_name():
+    ctx = click.Context(cli)
+    names = cli.list_commands(ctx)
+    assert {"audit", "demo", "forensics", "serve", "stack", "simulate", "token"} <= set(names)
+    for name in names:
+        cmd = cli.get_command(ctx, name)
+        assert isinstance(cmd, click.Command) and cmd.name == name
+    assert cli.get_command(ctx, "no-such-command") is None
+    assert main(["no-such-command"]) == 2

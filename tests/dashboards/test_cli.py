@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import click
+
 from kvtrail.cli import cli, main
 from kvtrail.cli import dashboard as dash
 
 
 def test_dashboard_is_a_root_command():
-    assert cli.commands["dashboard"] is dash.dashboard
+    assert cli.get_command(click.Context(cli), "dashboard") is dash.dashboard
     assert {p.name for p in dash.dashboard.params} == {"db", "url", "token", "port"}
 
 
