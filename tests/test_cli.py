@@ -149,3 +149,27 @@ def test_every_command_group_loads_on_first_use_with_its_name():
         assert isinstance(cmd, click.Command) and cmd.name == name
     assert cli.get_command(ctx, "no-such-command") is None
     assert main(["no-such-command"]) == 2
+
+
+def test_the_demo_names_the_window_its_f9_count_was_judged_in(capsys):
+    """F9 depends on the prefill rate measured in the window: the demo prints the flags that repeat its
+    count, a window (in the CLI's microseconds) that covers the run's nanoseconds whole."""
+    demo = pytest.importorskip("kvtrail.cli.demo")
+    from kvtrail.forensics.findings import make_finding
+    from kvtrail.timeutil import parse_utc
+
+    from_ns, to_ns = 1_796_292_650_442_262_938, 1_796_292_745_000_000_001
+    flags = demo._window_flags("k.duckdb", from_ns, to_ns)
+    args = flags.split()
+    assert args[:2] == ["--db", "k.duckdb"]
+    start, end = parse_utc(args[args.index("--from") + 1]), parse_utc(args[args.index("--to") + 1])
+    assert start <= from_ns and end >= to_ns and end - start < to_ns - from_ns + 2_000
+    fast = make_finding("F9", node="prefill-0", request_id="r1", tenant_id="acme", victim_request_ids=(),
+                        victim_tenant_ids=(), pages=(), first_ns=from_ns, last_ns=from_ns, evidence=(),
+                        detail="TTFT 20 ms for 13080 tokens to prefill")
+    demo._report_findings([fast], [], flags)
+    out = capsys.readouterr().out
+    assert "implausible latency (F9): 1 responses" in out
+    assert f"`kvtrail forensics findings {flags}` repeats this count" in out
+    demo._report_findings([], [], flags)
+    assert "repeats this count" not in capsys.readouterr().out
