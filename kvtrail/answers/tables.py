@@ -246,6 +246,20 @@ def _affected_summary(df: pl.DataFrame) -> str:
             f"{len(victims)} victim")
 
 
+def _tenant_affected_summary(df: pl.DataFrame) -> str:
+    return (f"{_plural(len(df), 'affected response')} of this tenant; data of up to "
+            f"{max(df['other_tenants'].fill_null(0).to_list(), default=0)} other tenant(s) read by one response")
+
+
+def _tenant_exposure_summary(df: pl.DataFrame) -> str:
+    r = df.row(0, named=True)
+    if not r["exposed"]:
+        return f"{printable(r['tenant_id'])}: no other request read this tenant's data"
+    return (f"{printable(r['tenant_id'])}: data of {_plural(len(items(r['my_requests_read'])), 'request')} read by "
+            f"{_plural(r['reading_responses'], 'response')} of {r['reading_tenants']} other tenant(s), "
+            f"{_plural(r['pages'], 'page')}")
+
+
 def _exposure_summary(df: pl.DataFrame) -> str:
     return (f"{_plural(len(df), 'recipient x victim pair')}: "
             f"{_plural(len(_tenants(df['recipient_tenant'])), 'recipient tenant')}, "
@@ -299,3 +313,22 @@ EXPLOITATION = TableView(spec.EXPLOITATION, _exploitation_summary, (
     number("long_per_hour", "long/h"), number("baseline_long_per_hour", "base/h"),
     number("max_long_in_burst", "burst"), ident("verdict", 40), text("reason", 90)),
     "no recipient tenant and no over-long prompt in this window")
+# What a tenant's token gets for the same commands (its own rows, other tenants as counts).
+TENANT_AFFECTED = TableView(spec.TENANT_AFFECTED, _tenant_affected_summary, (
+    ident("request_id"), number("http_status", "status"), number("prompt_tokens", "prompt"),
+    number("completion_tokens", "completion"), joined("codes", 8), number("pages_read_foreign", "pages"),
+    number("other_requests", "other_reqs"), number("other_tenants", "other_tenants"), time_at("first_ns")),
+    "no affected responses of this tenant in this window")
+TENANT_EXPOSURE = TableView(spec.TENANT_EXPOSURE, _tenant_exposure_summary, (
+    ident("tenant_id", 16), flag("exposed"), joined("my_requests_read", 40, "requests_read"),
+    number("reading_responses", "responses"), number("reading_tenants", "tenants"), number("pages")),
+    "no answer")
+VIEWS = (FINDINGS, AFFECTED, TENANT_AFFECTED, EXPOSURE, TENANT_EXPOSURE, THRESHOLDS, EXPLOITATION)
+
+
+def view_for(df: pl.DataFrame, view: TableView) -> TableView:
+    """``view``, or the view whose spec has exactly ``df``'s columns (a tenant's token gets its own table
+    for the same command: ``TENANT_AFFECTED`` for ``AFFECTED``)."""
+    if set(view.spec.names) <= set(df.columns):
+        return view
+    return next((v for v in VIEWS if v.spec.names == tuple(df.columns)), view)

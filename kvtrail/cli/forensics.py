@@ -25,6 +25,7 @@ from kvtrail.answers.tables import (
     printable,
     render_table,
     terminal_text,
+    view_for,
     window_scope,
 )
 from kvtrail.cli.options import exclusion_options, exclusions, probe_options, report_options
@@ -95,8 +96,8 @@ def _emit(answer, fmt: str, out: str | None, view: TableView, w: Window, db: str
     df = answer.rows
     if fmt == "table":
         width, color = _terminal() if out is None else (120, False)
-        text = render_table(df, view, window_scope(w.from_ns, w.to_ns, w.tenant, w.node), notes=answer.notes,
-                            width_chars=width, color=color)
+        text = render_table(df, view_for(df, view), window_scope(w.from_ns, w.to_ns, w.tenant, w.node),
+                            notes=answer.notes, width_chars=width, color=color)
     elif fmt == "csv":
         text = csv_frame(df).write_csv()
     elif fmt == "json":
