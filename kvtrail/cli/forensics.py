@@ -29,6 +29,7 @@ from kvtrail.answers.tables import (
     window_scope,
 )
 from kvtrail.cli.options import exclusion_options, exclusions, probe_options, report_options
+from kvtrail.cli.progress import replaying, step
 from kvtrail.cli.report import report, verify_report_cmd
 from kvtrail.cli.sources import (
     Remote,
@@ -192,9 +193,11 @@ def findings_cmd(db, url, api_token, from_, to, tenant, node, fmt, out, force, c
     with open_answers(db, url, api_token, lake_url, scheduler, workers) as answers:
         if save and answers.kind == "service":
             raise KvtrailError("--save: not with --url (the service's live judge keeps the findings)")
-        answer = answers.findings(w, codes=tuple(codes), exclusions=excl, engine=engine, policy=policy)
+        with replaying("findings: replaying the store"):
+            answer = answers.findings(w, codes=tuple(codes), exclusions=excl, engine=engine, policy=policy)
     if save:
-        _save(db, list(answer.found), w, engine, policy)
+        with step(f"findings: saving {len(answer.found):,} findings into {db}"):
+            _save(db, list(answer.found), w, engine, policy)
     if len(answer.excluded):
         click.echo(f"excluded: {len(answer.excluded)} findings of excluded accounts", err=True)
     _emit(answer, fmt, out, FINDINGS, w, db, force)

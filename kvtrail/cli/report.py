@@ -11,6 +11,7 @@ import click
 from kvtrail.answers.tables import printable
 from kvtrail.audit.snapshot import open_snapshot
 from kvtrail.cli.options import exclusion_options, exclusions, probe_options, report_options
+from kvtrail.cli.progress import replaying, step
 from kvtrail.cli.sources import (
     lake_answer,
     lake_options,
@@ -67,10 +68,12 @@ def report(db, from_, to, out, force, context, exclude_tenants, exclude_file, ur
     if r is None:
         con, heads = local(lambda: open_snapshot(db))
         try:
-            r = build_report(con, options, ctx, heads)
+            with replaying("report: answering every question"):
+                r = build_report(con, options, ctx, heads)
         finally:
             con.close()
-    manifest = write_report(r, out, lake_url or Path(db).name, force=force, protected=(db,))
+    with step(f"report: writing the files into {out}"):
+        manifest = write_report(r, out, lake_url or Path(db).name, force=force, protected=(db,))
     report_lines(before, {*manifest["files"], MANIFEST}, out, len(r.coverage),
                   int(r.coverage["unexplained"].sum()) if len(r.coverage) else 0, r.counts, manifest["results_digest"])
 
