@@ -76,6 +76,19 @@ def shorten(text: str, max_chars: int, *, middle: bool = False) -> str:
     return text[:head] + ELLIPSIS + text[len(text) - (max_chars - 1 - head):]
 
 
+def shorten_items(text: str, max_chars: int) -> str:
+    """A joined list (``a,b,c``) cut to ``max_chars`` between items, never inside one: ``a,b +1``."""
+    if cell_len(text) <= max_chars:
+        return text
+    parts = text.split(",")
+    for keep in range(len(parts) - 1, 0, -1):
+        head = ",".join(parts[:keep]) + f" +{len(parts) - keep}"
+        if cell_len(head) <= max_chars:
+            return head
+    return f"{len(parts)} items" if len(parts) > 1 and cell_len(f"{len(parts)} items") <= max_chars else (
+        shorten(text, max_chars))
+
+
 def items(value: object) -> list:
     """The items of a list cell (a scalar is one item; None: none)."""
     if value is None:
@@ -97,6 +110,7 @@ class Column:
     numeric: bool = False
     middle: bool = False
     flex: bool = False
+    listing: bool = False  # a joined list: cut between items, never inside an id
 
 
 def ident(name: str, max_chars: int = 20, header: str | None = None) -> Column:
@@ -128,7 +142,7 @@ def _names(values) -> str:
 
 def joined(name: str, max_chars: int = 28, header: str | None = None) -> Column:
     """A list column as its distinct items joined with "," (e.g. victim tenants)."""
-    return Column(header or name, (name,), lambda r: _names(items(r[name])), max_chars, flex=True)
+    return Column(header or name, (name,), lambda r: _names(items(r[name])), max_chars, flex=True, listing=True)
 
 
 def text(name: str, max_chars: int = 60, header: str | None = None) -> Column:
@@ -236,7 +250,8 @@ def _print_table(console: Console, df: pl.DataFrame, view: TableView, scope: str
         table.add_column(Text(c.header), justify="right" if c.numeric else "left", no_wrap=not whole,
                          overflow="fold" if whole else "ellipsis", width=w)
     for row in all_cells:
-        table.add_row(*(Text(row[i] if c.middle or c.numeric else shorten(row[i], w))
+        table.add_row(*(Text(row[i] if c.middle or c.numeric else shorten_items(row[i], w) if c.listing
+                             else shorten(row[i], w))
                         for i, c, w in zip(layout.shown, cols, layout.widths)))
     summary = printable(view.summary(df))
     if scope and cell_len(summary) + 2 + cell_len(scope) <= width_chars:
@@ -345,7 +360,7 @@ AFFECTED = TableView(spec.AFFECTED, _affected_summary, (
     ident("request_id"), ident("tenant_id", 16), number("http_status", "status"), number("prompt_tokens", "prompt"),
     number("completion_tokens", "completion"), number("pages_read_foreign", "pages"), joined("victim_tenants", 32),
     count("victim_requests", "victim_reqs"), time_at("first_ns")), "no affected responses in this window",
-    ("first_at", "victim_reqs", "completion", "prompt", "status"))
+    ("victim_reqs", "first_at", "completion", "prompt", "status"))
 EXPOSURE = TableView(spec.EXPOSURE, _exposure_summary, (
     ident("recipient_tenant", 24), ident("victim_tenant", 24), number("responses"), number("pages"),
     number("victim_requests")), "no exposure in this window")

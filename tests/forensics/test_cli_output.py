@@ -228,6 +228,22 @@ def test_ids_and_numbers_are_never_cut_and_left_out_columns_are_named(width):
 
 
 def test_the_view_chooses_what_gives_way_first():
+    wide = render_table(WIDE, AFFECTED, width_chars=120)
+    assert "first_at" in wide.splitlines()[1] and "victim_reqs" not in wide.splitlines()[1]
+    assert "(left out to fit 120 characters: victim_reqs;" in wide
     text = render_table(WIDE, AFFECTED, width_chars=100)
     assert "first_at" not in text.splitlines()[1] and "victim_tenants" in text.splitlines()[1]
-    assert "(left out to fit 100 characters: first_at;" in text
+    assert "(left out to fit 100 characters: victim_reqs, first_at;" in text
+
+
+def test_a_joined_list_is_cut_between_ids_never_inside_one():
+    from kvtrail.answers.tables import shorten_items
+
+    assert shorten_items("acme,initech,(never written)", 40) == "acme,initech,(never written)"
+    assert shorten_items("acme,initech,(never written)", 20) == "acme,initech +1"
+    assert shorten_items("acme,initech,(never written)", 10) == "acme +2"
+    assert shorten_items("a-very-long-tenant-id,b", 8) == "2 items"
+    text = render_table(WIDE.with_columns(pl.Series("victim_tenants", [["globex", "initech", "umbrella-corp"]] * 2)),
+                        AFFECTED, width_chars=100)
+    row = text.splitlines()[3]
+    assert "globex,initech +1" in row or "globex,initech,umbrella-corp" in row, row
