@@ -92,3 +92,14 @@ def test_lake_export_counts_the_events_it_reads(incident, capsys, monkeypatch, t
     assert re.search(r"producer \d+: \d+ batches", text)  # the export's own steps, above the count
     m = re.search("lake export: events read: " + COUNT.format(unit="events"), text)
     assert m and int(m.group(1).replace(",", "")) > 0, text
+
+
+def test_a_count_of_nothing_reads_as_the_time_alone(capsys, monkeypatch):
+    monkeypatch.setattr(progress, "on_terminal", lambda: True)
+    with progress.ticking("findings: asking the service"):
+        pass
+    err = capsys.readouterr().err
+    assert re.search(r"findings: asking the service: done in \d+\.\d s\n", err) and "0 events" not in err
+    with progress.ticking("simulate: events stored") as ticker:
+        ticker.update(1234)
+    assert re.search("simulate: events stored: 1,234 events in ", capsys.readouterr().err)

@@ -193,7 +193,8 @@ def findings_cmd(db, url, api_token, from_, to, tenant, node, fmt, out, force, c
     with open_answers(db, url, api_token, lake_url, scheduler, workers) as answers:
         if save and answers.kind == "service":
             raise KvtrailError("--save: not with --url (the service's live judge keeps the findings)")
-        with replaying("findings: replaying the store"):
+        doing = "replaying the store" if answers.kind == "store" else f"asking the {answers.kind}"
+        with replaying(f"findings: {doing}"):
             answer = answers.findings(w, codes=tuple(codes), exclusions=excl, engine=engine, policy=policy)
     if save:
         with step(f"findings: saving {len(answer.found):,} findings into {db}"):

@@ -47,8 +47,10 @@ def ticking(desc: str, unit: str = "events") -> Iterator[Ticker]:
         yield Ticker(bar)
         done = bar.n
     elapsed = time.perf_counter() - t0
-    print(f"{desc}: {done:,} {unit} in {elapsed:.1f} s ({done / max(elapsed, 1e-9):,.0f} {unit}/s)",
-          file=sys.stderr, flush=True)
+    # Nothing counted (a service or a lake's workers did the work): the time alone.
+    line = (f"{done:,} {unit} in {elapsed:.1f} s ({done / max(elapsed, 1e-9):,.0f} {unit}/s)" if done
+            else f"done in {elapsed:.1f} s")
+    print(f"{desc}: {line}", file=sys.stderr, flush=True)
 
 
 @contextmanager
