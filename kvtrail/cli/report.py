@@ -4,6 +4,7 @@ running service or a lake) and its re-check."""
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import click
@@ -60,10 +61,12 @@ def report(db, from_, to, out, force, context, exclude_tenants, exclude_file, ur
     ctx = load_context(context) if context else None
     excl = exclusions(exclude_tenants, exclude_file, ctx.exclusions if ctx else None)
     options = report_options(parse_utc(from_, field="--from"), parse_utc(to, field="--to"), excl, **probe)
-    r = lake_answer(lake_url, scheduler, workers, url, lambda lk, ex: lake_report(lk, options, ctx, executor=ex))
+    with replaying("report: answering every question on the lake") if lake_url is not None else nullcontext():
+        r = lake_answer(lake_url, scheduler, workers, url, lambda lk, ex: lake_report(lk, options, ctx, executor=ex))
     if r is None and remote is not None:
-        remote_report(remote, out, force, db, from_, to, excl, Path(context).read_text(encoding="utf-8")
-                       if context else None, before, probe)
+        with step("report: the service writes the report"):
+            remote_report(remote, out, force, db, from_, to, excl, Path(context).read_text(encoding="utf-8")
+                           if context else None, before, probe)
         return
     if r is None:
         con, heads = local(lambda: open_snapshot(db))
