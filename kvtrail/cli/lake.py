@@ -15,7 +15,7 @@ import click
 from kvtrail.audit.chain import SignatureChecker, Signer
 from kvtrail.audit.lake.export import export_lake
 from kvtrail.audit.lake.verify import verify_lake
-from kvtrail.cli.progress import on_terminal, replaying
+from kvtrail.cli.progress import replaying
 from kvtrail.forensics.lake.checkpointer import write_checkpoints
 from kvtrail.timeutil import parse_utc
 
@@ -38,7 +38,7 @@ def export_cmd(db: str, to: str, since: str | None, signing_key: str | None) -> 
     # On a terminal: each producer's batches and checkpoints as lines, the events read as a count and rate.
     with replaying("lake export: events read") as ticker:
         r = export_lake(db, to, since_ns=since_ns, signer=signer, checkpoints=write_checkpoints,
-                        progress=ticker.note if on_terminal() else None)
+                        progress=ticker.note if ticker.shown else None)
     if not r.files:
         click.echo(f"nothing new: the lake holds every batch of {Path(db).name} (manifest {r.export_no})")
         return

@@ -24,6 +24,11 @@ class Ticker:
     def __init__(self, bar: Any | None):
         self.bar = bar
 
+    @property
+    def shown(self) -> bool:
+        """Whether this ticker writes anything (stderr is a terminal)."""
+        return self.bar is not None
+
     def update(self, n: int) -> None:
         if self.bar is not None:
             self.bar.update(n)
