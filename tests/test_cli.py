@@ -103,7 +103,9 @@ def test_demo_reproduces_the_incident_then_the_fix(tmp_path, capsys):
 
 
 def _commands(group, prefix=()):
-    for name, cmd in group.commands.items():
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):
+        cmd = group.get_command(ctx, name)
         path = prefix + (name,)
         if isinstance(cmd, click.Group):
             yield from _commands(cmd, path)
@@ -120,3 +122,54 @@ def test_every_command_and_flag_is_in_the_readme():
             for opt in getattr(param, "opts", []):
                 if opt.startswith("--"):
                     assert opt in readme, f"README does not document {opt} of `{line}`"
+
+
+def test_version_loads_no_command_group():
+    """`kvtrail --version` imports the root only: each group's module (and pandas, DuckDB) on first use."""
+    import subprocess
+    import sys
+
+    heavy = ("kvtrail.cli.audit", "kvtrail.cli.forensics", "kvtrail.cli.stack", "duckdb", "pandas", "pyarrow",
+             "numpy")
+    code = ("import sys; from kvtrail.cli import main; code = main(['--version']); "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in ('duckdb', 'pandas', 'pyarrow', 'numpy') "
+            f"or m in {heavy!r})); sys.exit(code)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    version, loaded = out.splitlines()
+    assert version.startswith("kvtrail, version ")
+    assert loaded == "[]"
+
+
+def test_every_command_group_loads_on_first_use_with_its_name():
+    ctx = click.Context(cli)
+    names = cli.list_commands(ctx)
+    assert {"audit", "demo", "forensics", "serve", "stack", "simulate", "token"} <= set(names)
+    for name in names:
+        cmd = cli.get_command(ctx, name)
+        assert isinstance(cmd, click.Command) and cmd.name == name
+    assert cli.get_command(ctx, "no-such-command") is None
+    assert main(["no-such-command"]) == 2
+
+
+def test_the_demo_names_the_window_its_f9_count_was_judged_in(capsys):
+    """F9 depends on the prefill rate measured in the window: the demo prints the flags that repeat its
+    count, a window (in the CLI's microseconds) that covers the run's nanoseconds whole."""
+    demo = pytest.importorskip("kvtrail.cli.demo")
+    from kvtrail.forensics.findings import make_finding
+    from kvtrail.timeutil import parse_utc
+
+    from_ns, to_ns = 1_796_292_650_442_262_938, 1_796_292_745_000_000_001
+    flags = demo._window_flags("k.duckdb", from_ns, to_ns)
+    args = flags.split()
+    assert args[:2] == ["--db", "k.duckdb"]
+    start, end = parse_utc(args[args.index("--from") + 1]), parse_utc(args[args.index("--to") + 1])
+    assert start <= from_ns and end >= to_ns and end - start < to_ns - from_ns + 2_000
+    fast = make_finding("F9", node="prefill-0", request_id="r1", tenant_id="acme", victim_request_ids=(),
+                        victim_tenant_ids=(), pages=(), first_ns=from_ns, last_ns=from_ns, evidence=(),
+                        detail="TTFT 20 ms for 13080 tokens to prefill")
+    demo._report_findings([fast], [], flags)
+    out = capsys.readouterr().out
+    assert "implausible latency (F9): 1 responses" in out
+    assert f"`kvtrail forensics findings {flags}` repeats this count" in out
+    demo._report_findings([], [], flags)
+    assert "repeats this count" not in capsys.readouterr().out

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Protocol, TypeVar
 
 import polars as pl
 
 from kvtrail.answers.client import Client
-from kvtrail.answers.spec import COVERAGE
+from kvtrail.answers.spec import COVERAGE, TENANT_EXPOSURE
 from kvtrail.errors import KvtrailError, StoreError
 from kvtrail.forensics import (
     Answer,
@@ -146,7 +147,12 @@ class ServiceAnswers:
         return self.answer("/v1/affected", window_params(w, exclusions))
 
     def exposure(self, w: Window, *, exclusions: Exclusions = NO_EXCLUSIONS) -> Answer:
-        return self.answer("/v1/exposure", window_params(w, exclusions))
+        answer = self.answer("/v1/exposure", window_params(w, exclusions))
+        if "recipient_tenant" in answer.rows.columns:
+            return answer
+        # A tenant's token: whether its own data was read, as one row of counts (spec.TENANT_EXPOSURE).
+        rows = answer.rows.select([pl.col(c.name).cast(c.dtype) for c in TENANT_EXPOSURE.columns])
+        return replace(answer, rows=rows)
 
     def thresholds(self, w: Window, *, exclusions: Exclusions = NO_EXCLUSIONS) -> Answer:
         return self.answer("/v1/thresholds", window_params(w, exclusions))

@@ -65,8 +65,11 @@ class Client:
         return r
 
     def table(self, path: str, params: dict) -> tuple[pl.DataFrame, dict]:
-        """A table route's rows and answer metadata (asked as Parquet)."""
+        """A table route's rows and answer metadata (asked as Parquet). A route that answers a tenant's
+        token with one JSON document instead (``GET /v1/exposure``) gives it as one row."""
         r = self._call("GET", path, params={**_clean(params), "format": "parquet"})
+        if r.headers.get("content-type", "").startswith("application/json"):
+            return pl.DataFrame([r.json()]), {}
         return read_parquet_answer(r.content)
 
     def document(self, path: str, params: dict) -> Any:

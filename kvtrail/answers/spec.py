@@ -110,6 +110,16 @@ TENANT_AFFECTED = AnswerSpec(
         ("first_ns", I64, "its first foreign read (ns since the epoch, UTC)", True),
         ("last_ns", I64, "its last foreign read", True),
     ))
+TENANT_EXPOSURE = AnswerSpec(
+    "tenant_exposure", "Whether other requests read the tenant's data in the window, and how much (counts only): "
+    "what a tenant's token gets for ``kvtrail forensics exposure``.", _cols(
+        ("tenant_id", S, "the asking tenant", True),
+        ("exposed", B, "whether any other request read its data", True),
+        ("my_requests_read", IDS, "its requests whose data was read", True),
+        ("reading_responses", I64, "responses that read its data", True),
+        ("reading_tenants", I64, "other tenants whose responses read it", True),
+        ("pages", I64, "pages of its data read", True),
+    ))
 EXPOSURE = AnswerSpec("exposure", "Recipient tenant x victim tenant (``kvtrail forensics exposure``).", _cols(
     ("recipient_tenant", S, "the tenant whose responses read foreign pages"),
     ("victim_tenant", S, "the tenant whose data they read, or a pseudo-victim"),
@@ -176,5 +186,5 @@ TRANSFERS = AnswerSpec(
         ("detail", S, "the mismatch in words"),
     ))
 
-SPECS = {s.name: s for s in (FINDINGS, STORED_FINDINGS, AFFECTED, TENANT_AFFECTED, EXPOSURE, NODES, THRESHOLDS,
-                             EXPLOITATION, COVERAGE, TRANSFERS)}
+SPECS = {s.name: s for s in (FINDINGS, STORED_FINDINGS, AFFECTED, TENANT_AFFECTED, EXPOSURE, TENANT_EXPOSURE, NODES,
+                             THRESHOLDS, EXPLOITATION, COVERAGE, TRANSFERS)}

@@ -41,9 +41,33 @@ def backup_hint(path: str | Path) -> str:
             "'kvtrail audit backup' makes a single-file copy")
 
 
+# A DuckDB database file carries this at byte 8 of its first block.
+_DUCKDB_MAGIC, _MAGIC_AT = b"DUCK", 8
+# What a file that is not a database often is (the header's first bytes, how to name it).
+_FOREIGN_HEADS = ((b"{", "JSON text"), (b"[", "JSON text"), (b"PAR1", "a Parquet file"),
+                  (b"SQLite format 3", "an SQLite database"), (b"ARROW1", "an Arrow file"))
+
+
+def refuse_foreign_file(path: str | Path) -> None:
+    """StoreError unless ``path`` is missing, empty or starts like a DuckDB database: DuckDB itself would
+    open a ``.json``, ``.csv`` or ``.parquet`` file as an in-memory view of its data, and say only that an
+    in-memory database cannot be read-only."""
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            head = f.read(64)
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        return  # DuckDB's own error names these
+    if not head or head[_MAGIC_AT:_MAGIC_AT + len(_DUCKDB_MAGIC)] == _DUCKDB_MAGIC:
+        return
+    kind = next((name for start, name in _FOREIGN_HEADS if head.lstrip().startswith(start)), None)
+    raise StoreError(f"{path} is not a DuckDB database file" + (f" ({kind}): not a kvtrail store" if kind else ""))
+
+
 def connect(path: str | Path, *, read_only: bool) -> duckdb.DuckDBPyConnection:
     """Open ``path`` with DuckDB, turning its errors into one-line StoreErrors (another process
     holding the lock, a file that is not a DuckDB database, an unreadable WAL)."""
+    refuse_foreign_file(path)
     try:
         return duckdb.connect(str(path), read_only=read_only)
     except duckdb.Error as exc:

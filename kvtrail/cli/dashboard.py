@@ -21,6 +21,7 @@ from kvtrail.dashboards.launch import (
     HOST,
     DashboardConfig,
     free_port,
+    require_extra,
     source_env,
     streamlit_command,
     wait_healthy,
@@ -45,6 +46,7 @@ def dashboard(db: str | None, url: str | None, token: str | None, port: int) -> 
     from kvtrail.signals import interrupt_on_stop_signals
 
     env = source_env(db, url, token)
+    require_extra()
     port = port or free_port()
     address = f"http://{HOST}:{port}"
     proc = subprocess.Popen(streamlit_command(port), env=env, stdout=sys.stderr, stderr=sys.stderr,

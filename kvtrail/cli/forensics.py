@@ -25,9 +25,11 @@ from kvtrail.answers.tables import (
     printable,
     render_table,
     terminal_text,
+    view_for,
     window_scope,
 )
 from kvtrail.cli.options import exclusion_options, exclusions, probe_options, report_options
+from kvtrail.cli.progress import replaying, step
 from kvtrail.cli.report import report, verify_report_cmd
 from kvtrail.cli.sources import (
     Remote,
@@ -95,8 +97,8 @@ def _emit(answer, fmt: str, out: str | None, view: TableView, w: Window, db: str
     df = answer.rows
     if fmt == "table":
         width, color = _terminal() if out is None else (120, False)
-        text = render_table(df, view, window_scope(w.from_ns, w.to_ns, w.tenant, w.node), notes=answer.notes,
-                            width_chars=width, color=color)
+        text = render_table(df, view_for(df, view), window_scope(w.from_ns, w.to_ns, w.tenant, w.node),
+                            notes=answer.notes, width_chars=width, color=color)
     elif fmt == "csv":
         text = csv_frame(df).write_csv()
     elif fmt == "json":
@@ -191,9 +193,12 @@ def findings_cmd(db, url, api_token, from_, to, tenant, node, fmt, out, force, c
     with open_answers(db, url, api_token, lake_url, scheduler, workers) as answers:
         if save and answers.kind == "service":
             raise KvtrailError("--save: not with --url (the service's live judge keeps the findings)")
-        answer = answers.findings(w, codes=tuple(codes), exclusions=excl, engine=engine, policy=policy)
+        doing = "replaying the store" if answers.kind == "store" else f"asking the {answers.kind}"
+        with replaying(f"findings: {doing}"):
+            answer = answers.findings(w, codes=tuple(codes), exclusions=excl, engine=engine, policy=policy)
     if save:
-        _save(db, list(answer.found), w, engine, policy)
+        with step(f"findings: saving {len(answer.found):,} findings into {db}"):
+            _save(db, list(answer.found), w, engine, policy)
     if len(answer.excluded):
         click.echo(f"excluded: {len(answer.excluded)} findings of excluded accounts", err=True)
     _emit(answer, fmt, out, FINDINGS, w, db, force)

@@ -15,6 +15,7 @@ import click
 from kvtrail.audit.chain import SignatureChecker, Signer
 from kvtrail.audit.lake.export import export_lake
 from kvtrail.audit.lake.verify import verify_lake
+from kvtrail.cli.progress import replaying
 from kvtrail.forensics.lake.checkpointer import write_checkpoints
 from kvtrail.timeutil import parse_utc
 
@@ -34,8 +35,10 @@ def export_cmd(db: str, to: str, since: str | None, signing_key: str | None) -> 
     """Export the store's batches the lake does not hold yet, with page-state checkpoints and a new manifest."""
     since_ns = parse_utc(since, field="--since") if since else None
     signer = Signer.from_file(signing_key) if signing_key else None
-    r = export_lake(db, to, since_ns=since_ns, signer=signer, checkpoints=write_checkpoints,
-                    progress=(lambda s: click.echo(s, err=True)) if sys.stderr.isatty() else None)
+    # On a terminal: each producer's batches and checkpoints as lines, the events read as a count and rate.
+    with replaying("lake export: events read") as ticker:
+        r = export_lake(db, to, since_ns=since_ns, signer=signer, checkpoints=write_checkpoints,
+                        progress=ticker.note if ticker.shown else None)
     if not r.files:
         click.echo(f"nothing new: the lake holds every batch of {Path(db).name} (manifest {r.export_no})")
         return

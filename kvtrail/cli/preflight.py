@@ -17,6 +17,9 @@ from kvtrail.preflight.sources import SourceError, read_source
               help="One line per node, or exactly one JSON object.")
 @click.option("--role", type=click.Choice(["prefill", "decode"]),
               help="The role of every node of these sources (overrides what they state).")
+@click.option("--node", "node_names", multiple=True,
+              help="The node each SOURCE describes, in order (repeat once per SOURCE): its name in the table "
+                   "and in the recorded configuration (default: the file's stem or the URL's host:port).")
 @click.option("--allow-unknown", is_flag=True, help="Pass a check that cannot be established (default: fail closed).")
 @click.option("--db", type=click.Path(dir_okay=False), help="Also record the configurations in this store.")
 @click.option("--url", default=lambda: os.environ.get("KVTRAIL_URL"),
@@ -24,8 +27,8 @@ from kvtrail.preflight.sources import SourceError, read_source
 @click.option("--token", default=lambda: os.environ.get("KVTRAIL_TOKEN"),
               help="Producer token for --url (or KVTRAIL_TOKEN).")
 @click.argument("sources", nargs=-1, required=True)
-def preflight(fmt: str, role: str | None, allow_unknown: bool, db: str | None, url: str | None, token: str | None,
-              sources: tuple[str, ...]) -> None:
+def preflight(fmt: str, role: str | None, node_names: tuple[str, ...], allow_unknown: bool, db: str | None,
+              url: str | None, token: str | None, sources: tuple[str, ...]) -> None:
     """Check a deployment before it serves: pool >= context on every node, integrity settings equal on both
     roles, an engine with the PD admission fix, bounded transfer batches.
 
@@ -38,14 +41,18 @@ def preflight(fmt: str, role: str | None, allow_unknown: bool, db: str | None, u
         raise click.UsageError("--db and --url: record into one of them")
     if url and not token:
         raise click.UsageError("--url needs --token (a producer token) or KVTRAIL_TOKEN")
+    if node_names and len(node_names) != len(sources):
+        raise click.UsageError(f"--node: give one per SOURCE, in order ({len(node_names)} for {len(sources)} "
+                               "source(s))")
     nodes, errors = [], []
-    for source in sources:
+    for i, source in enumerate(sources):
         try:
             found = read_source(source)
         except SourceError as exc:
             errors.append(str(exc))
             continue
-        nodes += [replace(n, role=role) if role else n for n in found]
+        named = node_names[i] if node_names else None
+        nodes += [replace(n, role=role or n.role, node=named or n.node) for n in found]
     verdict = judge(nodes, errors, allow_unknown=allow_unknown)
     click.echo(verdict.to_json() if fmt == "json" else verdict.to_table())
     if db or url:

@@ -4,6 +4,7 @@ running service or a lake) and its re-check."""
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import click
@@ -11,6 +12,7 @@ import click
 from kvtrail.answers.tables import printable
 from kvtrail.audit.snapshot import open_snapshot
 from kvtrail.cli.options import exclusion_options, exclusions, probe_options, report_options
+from kvtrail.cli.progress import replaying, step
 from kvtrail.cli.sources import (
     lake_answer,
     lake_options,
@@ -59,18 +61,22 @@ def report(db, from_, to, out, force, context, exclude_tenants, exclude_file, ur
     ctx = load_context(context) if context else None
     excl = exclusions(exclude_tenants, exclude_file, ctx.exclusions if ctx else None)
     options = report_options(parse_utc(from_, field="--from"), parse_utc(to, field="--to"), excl, **probe)
-    r = lake_answer(lake_url, scheduler, workers, url, lambda lk, ex: lake_report(lk, options, ctx, executor=ex))
+    with replaying("report: answering every question on the lake") if lake_url is not None else nullcontext():
+        r = lake_answer(lake_url, scheduler, workers, url, lambda lk, ex: lake_report(lk, options, ctx, executor=ex))
     if r is None and remote is not None:
-        remote_report(remote, out, force, db, from_, to, excl, Path(context).read_text(encoding="utf-8")
-                       if context else None, before, probe)
+        with step("report: the service writes the report"):
+            remote_report(remote, out, force, db, from_, to, excl, Path(context).read_text(encoding="utf-8")
+                           if context else None, before, probe)
         return
     if r is None:
         con, heads = local(lambda: open_snapshot(db))
         try:
-            r = build_report(con, options, ctx, heads)
+            with replaying("report: answering every question"):
+                r = build_report(con, options, ctx, heads)
         finally:
             con.close()
-    manifest = write_report(r, out, lake_url or Path(db).name, force=force, protected=(db,))
+    with step(f"report: writing the files into {out}"):
+        manifest = write_report(r, out, lake_url or Path(db).name, force=force, protected=(db,))
     report_lines(before, {*manifest["files"], MANIFEST}, out, len(r.coverage),
                   int(r.coverage["unexplained"].sum()) if len(r.coverage) else 0, r.counts, manifest["results_digest"])
 

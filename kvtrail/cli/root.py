@@ -10,35 +10,24 @@ from __future__ import annotations
 import sys
 
 import click
-import duckdb
 
 from kvtrail import __version__
-from kvtrail.cli.audit import audit
-from kvtrail.cli.dashboard import dashboard
-from kvtrail.cli.forensics import forensics
-from kvtrail.cli.lake import lake
-from kvtrail.cli.preflight import preflight
-from kvtrail.cli.simulate import simulate
-from kvtrail.cli.token import token
+from kvtrail.cli.lazy import LazyGroup
 from kvtrail.errors import KvtrailError, StoreError
 from kvtrail.service.config import BANNER, ServeConfig
-from kvtrail.serving.config import StackConfig
+
+# Each command group's module is imported when the command runs (or --help lists it): `kvtrail --version`
+# and a mistyped name pay for click, not for pandas, pyarrow, numba and DuckDB.
+_LAZY = {"audit": "kvtrail.cli.audit:audit", "dashboard": "kvtrail.cli.dashboard:dashboard",
+         "forensics": "kvtrail.cli.forensics:forensics", "lake": "kvtrail.cli.lake:lake",
+         "preflight": "kvtrail.cli.preflight:preflight", "simulate": "kvtrail.cli.simulate:simulate",
+         "stack": "kvtrail.cli.stack:stack", "token": "kvtrail.cli.token:token"}
 
 
-@click.group()
+@click.group(cls=LazyGroup, lazy=_LAZY)
 @click.version_option(__version__, prog_name="kvtrail")
 def cli() -> None:
     """kvtrail: audit and forensics of KV-cache page ownership in LLM serving."""
-
-
-_STACK_DEFAULTS = StackConfig()
-cli.add_command(audit)
-cli.add_command(dashboard)
-cli.add_command(forensics)
-cli.add_command(lake)
-cli.add_command(preflight)
-cli.add_command(simulate)
-cli.add_command(token)
 
 
 @cli.command()
@@ -56,64 +45,6 @@ def demo(db: str, seed: int, requests: int) -> None:
 
     with interrupt_on_stop_signals():
         run_demo(db, seed=seed, requests=requests)
-
-
-@cli.command()
-@click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False),
-              help="DuckDB audit store to write.")
-@click.option("--mode", type=click.Choice(["vulnerable", "patched"]), default="patched", show_default=True)
-@click.option("--incident", is_flag=True, help="Start from the incident's shape (prefill pool < context).")
-@click.option("--prefill-pool-tokens", type=click.IntRange(1), help="Prefill KV pool size in tokens.")
-@click.option("--decode-pool-tokens", type=click.IntRange(1), help="Decode KV pool size in tokens.")
-@click.option("--context-tokens", type=click.IntRange(1), help="Context length the router advertises.")
-@click.option("--page-size", type=click.IntRange(1), help="Tokens per KV page.")
-@click.option("--max-new-tokens", type=click.IntRange(1), help="Largest max_tokens a request may ask for.")
-@click.option("--reuse", type=click.Choice(["lowest", "lifo"]), help="Page reuse order of the allocators.")
-@click.option("--fault", "faults", multiple=True,
-              type=click.Choice(["premature_free", "late_write", "double_alloc", "corrupt_transfer"]),
-              help="Enable a fault injection (repeatable).")
-@click.option("--audit-flush-interval-s", type=click.FloatRange(0, min_open=True),
-              default=_STACK_DEFAULTS.recorder.flush_interval_s, show_default=True,
-              help="How often each process commits its audit events: the most a killed stack can lose of "
-                   "each producer's newest events (verify reports such an unclean end with this bound).")
-@click.option("--drain-timeout-s", type=click.FloatRange(0), default=_STACK_DEFAULTS.drain_timeout_s,
-              show_default=True, help="On SIGINT/SIGTERM: how long to wait for requests in flight.")
-def stack(db: str, mode: str, incident: bool, faults: tuple[str, ...], audit_flush_interval_s: float,
-          drain_timeout_s: float, **sizes) -> None:
-    """Run the reference PD stack (router, prefill, decode) until SIGINT (Ctrl-C) or SIGTERM; prints the router's URL.
-
-    On either signal it stops accepting, drains the requests in flight, flushes every process's audit and
-    exits 0. If a worker process dies it stops the stack and exits 1 with one line naming the worker, so a
-    supervisor restarts it. Defaults come from StackConfig (or StackConfig.incident() with --incident).
-    """
-    from dataclasses import replace
-
-    from kvtrail.serving.config import Faults, StackConfig
-    from kvtrail.serving.stack import Stack
-    from kvtrail.signals import interrupt_on_stop_signals
-
-    changes = {k: v for k, v in sizes.items() if v is not None}
-    changes.update(mode=mode, faults=Faults(**{f: True for f in faults}), drain_timeout_s=drain_timeout_s)
-    try:
-        changes["recorder"] = replace(_STACK_DEFAULTS.recorder, flush_interval_s=audit_flush_interval_s)
-        cfg = (StackConfig.incident if incident else StackConfig)(**changes)
-    except ValueError as exc:
-        raise KvtrailError(str(exc)) from None
-    failed: dict[str, int] = {}
-    with interrupt_on_stop_signals(), Stack(cfg, db) as stack:
-        workers = ", ".join(f"{role} pid {p.pid}" for role, p in stack.procs.items())
-        click.echo(f"router: {stack.url}/v1/completions  (API keys: {', '.join(k for k, _ in cfg.api_keys)}); "
-                   f"audit: {db}; workers: {workers}; Ctrl-C or SIGTERM stops")
-        try:
-            stack.wait_for_worker_exit()
-            failed = stack.failed_workers() or {role: p.exitcode or 0 for role, p in stack.procs.items()
-                                                if not p.is_alive()}
-            what = ", ".join(f"{role} worker exited with code {code}" for role, code in failed.items())
-            click.echo(f"kvtrail stack: {what}; stopping the stack (worker log: {stack.worker_log_path})", err=True)
-        except KeyboardInterrupt:
-            click.echo("stopping")
-    if failed:
-        raise SystemExit(1)
 
 
 _SERVE_DEFAULTS = ServeConfig()
@@ -175,12 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     except KvtrailError as exc:
         click.echo(f"error: {exc}", err=True)
         return 2
-    except duckdb.IOException as exc:
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    except Exception as exc:
+        # DuckDB is imported by the commands that open a store; an error of it needs it loaded.
+        duckdb = sys.modules.get("duckdb")
+        if duckdb is None or not isinstance(exc, duckdb.IOException):
+            raise
         # Typically another process holds the store's write lock, or the path is unwritable.
         click.echo(f"error: cannot use the store: {str(exc).splitlines()[0]}", err=True)
         return 2
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 1
     return 0
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from kvtrail.audit.store import AuditStore
+from kvtrail.cli.progress import ticking
 from kvtrail.errors import KvtrailError
 from kvtrail.sim.fleet import (
     FAULT_CLASSES,
@@ -106,7 +107,8 @@ def simulate(db: str, nodes: int | None, bugs: str, rate: float, no_cache_namesp
     truth_path = truth or f"{db}.truth.json"
     with AuditStore(db) as store:
         cfg = _placed_run(store, db, cfg, append=append, start_given=start is not None)
-        summary = write_fleet(cfg, store, truth_path)
+        with ticking("simulate: events stored") as ticker:
+            summary = write_fleet(cfg, store, truth_path, progress=ticker.update)
     _echo_summary(cfg, summary, truth_path)
 
 

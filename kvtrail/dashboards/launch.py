@@ -4,6 +4,7 @@ the wait until the app answers its health check."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -20,6 +21,9 @@ BANNER = "kvtrail dashboard listening on {url}"
 # How the app learns its source (the script Streamlit runs takes no arguments of ours).
 ENV_DB, ENV_URL, ENV_TOKEN = "KVTRAIL_DASHBOARD_DB", "KVTRAIL_DASHBOARD_URL", "KVTRAIL_DASHBOARD_TOKEN"
 HOST = "127.0.0.1"
+# The app's one uploader takes incident.yaml, which the report reads up to 1 MiB
+# (kvtrail.report.context.MAX_FILE_BYTES); Streamlit's default says "200MB per file".
+MAX_UPLOAD_MB = 1
 
 
 @dataclass(frozen=True)
@@ -38,11 +42,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# What the app imports that the base install lacks: all of it comes with the `dashboard` extra.
+EXTRA_MODULES = ("streamlit", "altair")
+
+
+def require_extra() -> None:
+    """KvtrailError naming the extra to install when the app's packages are missing (Streamlit would only say
+    'No module named streamlit' and exit 1)."""
+    missing = [m for m in EXTRA_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise KvtrailError(f"dashboard: {', '.join(missing)} not installed; install the dashboard extra: "
+                           "pip install -e '.[dashboard]' in a clone (or pip install 'kvtrail[dashboard]')")
+
+
 def streamlit_command(port: int) -> list[str]:
     app = Path(__file__).with_name("app.py")
-    return [sys.executable, "-m", "streamlit", "run", str(app), "--server.address", HOST, "--server.port", str(port),
+    # -P: the current directory does not go first on the app's sys.path. Started from a clone's parent,
+    # the clone's folder (also named kvtrail) would shadow the installed package.
+    return [sys.executable, "-P", "-m", "streamlit", "run", str(app), "--server.address", HOST,
+            "--server.port", str(port),
             "--server.headless", "true", "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
-            "--global.developmentMode", "false", "--client.toolbarMode", "viewer", "--theme.base", "light"]
+            "--global.developmentMode", "false", "--client.toolbarMode", "viewer", "--theme.base", "light",
+            "--server.maxUploadSize", str(MAX_UPLOAD_MB)]
 
 
 def source_env(db: str | None, url: str | None, token: str | None) -> dict[str, str]:

@@ -71,7 +71,7 @@ def _integrity(node: NodeConfig, nodes: list[NodeConfig], name: str, attr: str) 
     words = "; ".join(f"{r} {'/'.join('on' if v else 'off' for v in vs)}" for r, vs in by_role.items())
     if len({getattr(n, attr) for n in carriers}) > 1:
         return CheckResult(check, "fail", f"{name} differs between the roles ({words}): set it the same on both")
-    return CheckResult(check, "pass", f"{name} {'on' if mine else 'off'} on both roles")
+    return CheckResult(check, "pass", f"{name} {'enabled' if mine else 'disabled'} on both roles")
 
 
 def transfer_bound(node: NodeConfig, nodes: list[NodeConfig]) -> CheckResult | None:

@@ -31,6 +31,7 @@ class NodeConfig:
     transfer_batch_max_pages: int | None = None
     config_source: str = ""
     notes: tuple[str, ...] = ()
+    node: str | None = None  # the node's name as the operator gave it (--node); None: named after the source
 
     @property
     def is_empty(self) -> bool:
@@ -55,4 +56,4 @@ class NodeConfig:
 
 
 _VALUES = tuple(f.name for f in fields(NodeConfig) if f.name not in ("source", "rank", "role", "config_source",
-                                                                        "notes"))
+                                                                        "notes", "node"))

@@ -21,8 +21,11 @@ TIMEOUT_S = 30.0
 
 
 def node_name(node: NodeConfig) -> str:
-    """The node's name in the store: the source's file stem or host:port, and its DP rank."""
-    if node.source.startswith(("http://", "https://")):
+    """The node's name in the store: the name given with --node, else the source's file stem or host:port;
+    and its DP rank."""
+    if node.node:
+        base = node.node
+    elif node.source.startswith(("http://", "https://")):
         base = re.sub(r"^https?://", "", node.source).split("/")[0]
     else:
         base = Path(node.source).stem

@@ -40,7 +40,8 @@ class Verdict:
             statuses = {c.status for c in checks}
             verdict = "FAIL" if "fail" in statuses else "UNKNOWN" if "unknown" in statuses else "PASS"
             name = " ".join(x for x in (node.role or "-", node.rank) if x)
-            lines.append(f"{name}  {_pool_phrase(node)}  {verdict}  ({node.source})")
+            where = f"node {node.node}: {node.source}" if node.node else node.source
+            lines.append(f"{name}  {_pool_phrase(node)}  {verdict}  ({where})")
             for c in checks:
                 if c.status != "pass" or c.check != "pool_vs_context":
                     lines.append(f"    {c.check}: {c.status}: {c.detail}")

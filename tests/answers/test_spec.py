@@ -80,8 +80,7 @@ def test_a_column_of_a_type_no_model_knows_is_refused():
         models.row_model("Bad", spec.AnswerSpec("bad", "bad", (spec.Col("x", pl.List(pl.Float32), "x"),)))
 
 
-@pytest.mark.parametrize("view", [tables.FINDINGS, tables.AFFECTED, tables.EXPOSURE, tables.THRESHOLDS,
-                                  tables.EXPLOITATION], ids=lambda v: v.spec.name)
+@pytest.mark.parametrize("view", tables.VIEWS, ids=lambda v: v.spec.name)
 def test_the_cli_columns_show_the_spec_columns(view):
     shown = {s for c in view.columns for s in c.sources}
     assert shown and shown <= set(view.spec.names), shown - set(view.spec.names)
@@ -94,3 +93,17 @@ def test_every_column_is_documented_and_tenant_columns_exist():
     # what a tenant may see of its own affected responses is what its own table holds
     assert set(spec.AFFECTED.tenant_names) <= set(spec.TENANT_AFFECTED.names)
     assert "victim_tenants" not in spec.TENANT_AFFECTED.names
+
+
+def test_a_tenants_exposure_is_the_services_document():
+    assert spec.TENANT_EXPOSURE.names == tuple(models.TenantExposure.model_fields)
+    assert all(c.tenant for c in spec.TENANT_EXPOSURE.columns)
+
+
+def test_each_answer_finds_its_table_view():
+    assert len({v.spec.names for v in tables.VIEWS}) == len(tables.VIEWS)  # a frame's columns name one view
+    tenant_rows = pl.DataFrame(schema=spec.TENANT_AFFECTED.schema)
+    assert tables.view_for(tenant_rows, tables.AFFECTED) is tables.TENANT_AFFECTED
+    assert tables.view_for(pl.DataFrame(schema=spec.AFFECTED.schema), tables.AFFECTED) is tables.AFFECTED
+    tenant_exposure = pl.DataFrame(schema=spec.TENANT_EXPOSURE.schema)
+    assert tables.view_for(tenant_exposure, tables.EXPOSURE) is tables.TENANT_EXPOSURE

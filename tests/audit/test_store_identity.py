@@ -136,3 +136,20 @@ def test_a_store_from_before_store_opens_gets_it_on_its_next_writable_open(tmp_p
         assert s.open_no == 0
         s.append(from_dicts([alloc(2, [2])]))
     assert "store_opens" in _tables(path)
+
+
+@pytest.mark.parametrize("command", [["audit", "stats"], ["audit", "verify"], ["forensics", "findings"],
+                                     ["token", "list"]])
+def test_a_json_file_as_db_is_named_and_refused_unchanged(tmp_path, capsys, command):
+    """DuckDB would open a .json file as an in-memory view of its data (and say only 'Cannot launch
+    in-memory database in read-only mode!'); a reader and a writer both name the file instead."""
+    path = tmp_path / "ground_truth.json"
+    path.write_text('{"affected": ["r1", "r2"]}\n')
+    capsys.readouterr()
+    assert main([*command, "--db", str(path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"error: {path} is not a DuckDB database file (JSON text): not a kvtrail store"]
+    with pytest.raises(StoreError, match="not a kvtrail store"):
+        AuditStore(path)
+    assert path.read_text() == '{"affected": ["r1", "r2"]}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ground_truth.json"]

@@ -89,6 +89,9 @@ def test_every_view_renders_in_chromium(served, seeded, window):
                 assert page.locator("[data-testid=stException]").count() == 0, view
                 assert page.get_by_role("heading", name=view.split()[0]).count() >= 1, view
                 page.screenshot(path=str(SHOTS / f"{view.lower().replace(' ', '-')}.png"))
+                if view == "Report":  # the uploader states incident.yaml's limit, not Streamlit's 200MB
+                    limit = page.locator("[data-testid=stFileUploaderDropzoneInstructions]").inner_text()
+                    assert "1MB per file" in limit and "200MB" not in limit, limit
             _open(page, f"{served}/?{urlencode({'view': 'Affected responses', 'request': victim, **span})}",
                   "Reserved vs sent vs landed")
             timeline = page.locator("[data-testid=stVegaLiteChart]").first

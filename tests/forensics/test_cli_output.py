@@ -143,8 +143,9 @@ def test_a_hostile_id_prints_harmlessly_and_whole_in_files(tmp_path, capsys):
         assert "\\x1b[31m[b]" in out  # printed literally, not as colour or markup
         assert all(len(line) <= 120 for line in out.splitlines())
     out = _out(capsys, ["forensics", "affected", "--db", db])
-    assert "[bold]" in out and "…" in out and "-end " in out  # the long id cut in the middle
-    assert re.search(r" 2026-09-09T13:22:00\.\d{6}Z\n", out) and "victim_tenants" in out  # nothing else cut
+    # the long id shown whole (never cut: a responder copies it); columns left out to fit, and named
+    assert printable(HOSTILE_RID) in out and "victim_tenants" in out
+    assert "(left out to fit 120 characters: " in out and "first_at" in out.split("(left out")[1]
     (row,) = json.loads(_out(capsys, ["forensics", "affected", "--db", db, "--format", "json"]))
     assert row["request_id"] == HOSTILE_RID and row["tenant_id"] == HOSTILE_TENANT
 
@@ -191,3 +192,58 @@ def test_formatting_helpers():
     assert flat["evidence"].to_list() == ["1:2;3:4", ""] and flat["pages"].to_list() == ["1,2", None]
     assert flat["victim_tenant_ids"].to_list() == ["a,", ""]
     assert tables.window_scope(None, None, "acme") == "whole store, tenant acme"
+
+
+WIDE = pl.DataFrame({"request_id": ["a282094c90274d82", "5e0c1a9b77d3f601"], "tenant_id": ["acme", "initech"],
+                     "http_status": [200, 200], "prompt_tokens": [13080, 131072], "completion_tokens": [48, 4096],
+                     "pages_read_foreign": [817, 8192], "victim_tenants": [["globex", "initech"], ["acme"]],
+                     "victim_requests": [["x", "y", "z"], ["w"]], "first_ns": [1_788_912_420_000_009_000] * 2})
+
+
+@pytest.mark.parametrize("width", [120, 100, 80, 60])
+def test_ids_and_numbers_are_never_cut_and_left_out_columns_are_named(width):
+    """Rule changed with the 'never cut' fix: a 16-character id at 120 columns showed as 'a282094…0274d82'
+    and, at 100, 13080 as '130…'; now a table too wide leaves out whole columns and says which."""
+    text = render_table(WIDE, AFFECTED, width_chars=width)
+    lines = text.splitlines()
+    assert all(len(line) <= width for line in lines), max(lines, key=len)
+    header = lines[1].split()
+    rows = [line.split() for line in lines[3:5]]
+    for row, rid in zip(rows, WIDE["request_id"]):
+        assert row[0] == rid
+    numbers = {"status": "http_status", "prompt": "prompt_tokens", "completion": "completion_tokens",
+               "pages": "pages_read_foreign"}
+    for head, name in numbers.items():
+        if head in header:
+            i = header.index(head)
+            assert [r[i] for r in rows] == [str(v) for v in WIDE[name]], head
+    shown = set(header)
+    every = {c.header for c in AFFECTED.columns}
+    left_out = every - shown
+    if left_out:
+        note = next(line for line in text.replace("\n(", "\n\0(").split("\0") if line.startswith("(left out"))
+        assert all(h in note for h in left_out) and f"fit {width} characters" in note
+    else:
+        assert "left out" not in text
+
+
+def test_the_view_chooses_what_gives_way_first():
+    wide = render_table(WIDE, AFFECTED, width_chars=120)
+    assert "first_at" in wide.splitlines()[1] and "victim_reqs" not in wide.splitlines()[1]
+    assert "(left out to fit 120 characters: victim_reqs;" in wide
+    text = render_table(WIDE, AFFECTED, width_chars=100)
+    assert "first_at" not in text.splitlines()[1] and "victim_tenants" in text.splitlines()[1]
+    assert "(left out to fit 100 characters: victim_reqs, first_at;" in text
+
+
+def test_a_joined_list_is_cut_between_ids_never_inside_one():
+    from kvtrail.answers.tables import shorten_items
+
+    assert shorten_items("acme,initech,(never written)", 40) == "acme,initech,(never written)"
+    assert shorten_items("acme,initech,(never written)", 20) == "acme,initech +1"
+    assert shorten_items("acme,initech,(never written)", 10) == "acme +2"
+    assert shorten_items("a-very-long-tenant-id,b", 8) == "2 items"
+    text = render_table(WIDE.with_columns(pl.Series("victim_tenants", [["globex", "initech", "umbrella-corp"]] * 2)),
+                        AFFECTED, width_chars=100)
+    row = text.splitlines()[3]
+    assert "globex,initech +1" in row or "globex,initech,umbrella-corp" in row, row

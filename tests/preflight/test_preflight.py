@@ -200,3 +200,29 @@ def test_recording_through_a_running_service(capsys, tmp_path):
     finally:
         sock.close()
         state.close()
+
+
+def test_node_names_each_source_in_the_table_and_the_store(capsys, tmp_path):
+    db = tmp_path / "a.duckdb"
+    code, out, err = run(capsys, "--db", str(db), "--node", "pf-a17", "--node", "dc-b03",
+                         str(DATA / "prefill_tp8.log"), str(DATA / "decode_mla.log"))
+    assert code == 1 and "recorded 2 node configuration(s)" in err
+    assert f"(node pf-a17: {DATA / 'prefill_tp8.log'})" in out.splitlines()[0]
+    con = connect_readonly(db)
+    try:
+        rows = con.execute("SELECT node, role FROM events_v WHERE kind = 'node_config' ORDER BY node").fetchall()
+    finally:
+        con.close()
+    assert rows == [("dc-b03", "decode"), ("pf-a17", "prefill")]  # not the files' stems
+    code, out, err = run(capsys, "--node", "only-one", str(DATA / "prefill_tp8.log"), str(DATA / "decode_mla.log"))
+    assert code == 2 and "--node: give one per SOURCE" in err
+
+
+def test_an_integrity_setting_the_same_on_both_roles_reads_as_one_phrase():
+    nodes = [NodeConfig("p.log", role="prefill", checksum_enabled=True),
+             NodeConfig("d.log", role="decode", checksum_enabled=True)]
+    [checksum] = [c for c in check_node(nodes[0], nodes) if c.check == "integrity_checksum"]
+    assert (checksum.status, checksum.detail) == ("pass", "checksum enabled on both roles")
+    off = [NodeConfig(n.source, role=n.role, checksum_enabled=False) for n in nodes]
+    [checksum] = [c for c in check_node(off[1], off) if c.check == "integrity_checksum"]
+    assert checksum.detail == "checksum disabled on both roles"

@@ -16,7 +16,7 @@ FLAGS = ["--nodes", "2", "--hours", "0.0005", "--rate", "20", "--prefill-pool-to
 
 
 def test_simulate_is_a_root_command_and_its_defaults_are_the_configs():
-    assert cli.commands["simulate"] is simulate
+    assert cli.get_command(click.Context(cli), "simulate") is simulate
     defaults = config_defaults()
     checked = 0
     for param in simulate.params:

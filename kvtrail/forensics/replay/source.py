@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 from kvtrail.audit.arrowutil import flat_list, offsets_from_lengths
 from kvtrail.audit.batch import BATCH_SCHEMA
 from kvtrail.audit.events import KINDS
+from kvtrail.forensics.progress import advance
 from kvtrail.forensics.replay.batch import PAGE_KINDS, PRODUCER_NAMES, ReplayBatch, request_codes
 from kvtrail.forensics.replay.event import SCALARS
 from kvtrail.forensics.replay.kernels import gather_runs, read_only
@@ -280,6 +281,7 @@ def store_batches(con, where: str, params: list, page_events_per_slice: int = PA
                 meanwhile()
             for lo, hi in zip(bounds, bounds[1:]):
                 if (b := reader.read(lo, hi)) is not None:
+                    advance(b.num_rows)
                     yield b
                     reader.recycle(b)
             return
@@ -290,10 +292,12 @@ def store_batches(con, where: str, params: list, page_events_per_slice: int = PA
                 if ahead is None and meanwhile is not None:
                     meanwhile()
                 if ahead is not None and (b := ahead.result()) is not None:
+                    advance(b.num_rows)
                     yield b
                     reader.recycle(b)
                 ahead = nxt
             if ahead is not None and (b := ahead.result()) is not None:
+                advance(b.num_rows)
                 yield b
     finally:
         reader.close()

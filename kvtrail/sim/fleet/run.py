@@ -13,7 +13,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pyarrow as pa
 
@@ -53,16 +53,20 @@ def fleet_batches(config: FleetConfig, truth: dict | None = None) -> Iterator[pa
         truth.update(sim.truth())
 
 
-def write_fleet(config: FleetConfig, store: AuditStore, truth_path: str | Path | None = None) -> FleetSummary:
+def write_fleet(config: FleetConfig, store: AuditStore, truth_path: str | Path | None = None,
+                progress: Callable[[int], None] | None = None) -> FleetSummary:
     """Simulate into ``store`` (an open AuditStore) through its normal ingest path; write the ground truth.
 
     Returns counts; the ground truth JSON goes to ``truth_path`` when given (one line: placeholder
-    plants list tens of thousands of pages; ``jq .`` shows it indented).
+    plants list tens of thousands of pages; ``jq .`` shows it indented). ``progress(n)`` is called
+    with each stored batch's number of events.
     """
     t0 = time.perf_counter()
     sim = FleetSim(config)
     for table in sim.batches():
         store.append(table)
+        if progress is not None:
+            progress(table.num_rows)
     truth = sim.truth()
     if truth_path is not None:
         Path(truth_path).write_text(json.dumps(truth, separators=(",", ":")) + "\n")
