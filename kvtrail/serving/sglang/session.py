@@ -30,6 +30,7 @@ class ReqState:
     has_read: bool = False
     aborted: bool = False
     landed_tokens: int | None = None  # decode: what the commit recorded as landed (the checksum receipt reuses it)
+    unverified: bool = False  # decode: the commit could not show what landed (the checksum may prove it later)
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Session:
     requests: dict[str, ReqState] = field(default_factory=dict)
     rooms: dict[int, RequestRef] = field(default_factory=dict)  # prefill: bootstrap room -> request (for sends)
     digests: dict[int, int] = field(default_factory=dict)  # prefill: room -> SGLang's Adler-32 of the transfer
+    fake_sends: dict[int, list[int]] = field(default_factory=dict)  # prefill, fake backend: room -> [promised, sent]
     groups: dict[int, list] = field(default_factory=dict)  # id(allocator) -> frees its open free group postponed
     lock: threading.Lock = field(default_factory=threading.Lock)
     local: threading.local = field(default_factory=threading.local)
@@ -71,6 +73,7 @@ class Session:
             if room is not None:
                 self.rooms.pop(room, None)
                 self.digests.pop(room, None)
+                self.fake_sends.pop(room, None)
 
     def later(self, hook: str, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` on the resolver thread (after the snapshots in args are copied)."""

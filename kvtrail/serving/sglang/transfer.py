@@ -88,6 +88,39 @@ def send_post(s: Session, token: Any, _result: Any) -> None:
     s.later("CommonKVSender.send", _record_sent, s, ref, pages, dst, n, last, digest)
 
 
+# ---- prefill, the fake backend: FakeKVSender.init (AFTER), FakeKVSender.send (BEFORE) ----------------------
+
+def on_fake_init(s: Session, _result: Any, sender: Any, num_kv_indices: int, aux_index: Any = None) -> None:
+    """The pages the fake sender was promised (its own init keeps no count): its last chunk reaches them."""
+    with s.lock:
+        s.fake_sends[int(sender.bootstrap_room)] = [int(num_kv_indices), 0]
+
+
+def on_fake_send(s: Session, sender: Any, kv_indices: Any, state_indices: Any = None,
+                 num_kv_tokens: Any = None) -> None:
+    """A chunk the fake backend "sends" (nothing moves): recorded as sent, decode's pages unknown."""
+    room = int(sender.bootstrap_room)
+    ref = s.rooms.get(room)
+    if ref is None:
+        return
+    n_pages = len(kv_indices)
+    with s.lock:
+        count = s.fake_sends.get(room)
+        if count is not None:
+            before = count[1]
+            count[1] += n_pages
+            last = count[1] >= count[0]
+            if last and before >= count[0]:
+                return  # a zero-page last chunk after the promise was met: the last chunk is on record
+        else:
+            last = False
+    if not n_pages and not last:
+        return
+    n = int(num_kv_tokens) if num_kv_tokens is not None else n_pages * s.page_size
+    digest = s.digests.pop(room, None) if last else None
+    s.later("FakeKVSender.send", _record_sent, s, ref, snapshot(kv_indices), None, n, last, digest)
+
+
 def _dst_pages(sender: Any, start: int, end: int) -> np.ndarray | None:
     infos = getattr(sender.kv_mgr, "transfer_infos", {}).get(sender.bootstrap_room) or {}
     for info in infos.values():
@@ -107,44 +140,91 @@ def _record_sent(s: Session, ref: Any, pages: Snapshot, dst: np.ndarray | None, 
 
 # ---- decode: DecodeTransferQueue._commit_transfer_to_req ------------------------------------------------
 
+UNVERIFIED = "unverified"
+
+
 def record_landed(s: Session, decode_req: Any, covered: int | None, status: str) -> None:
-    """The transfer's receipt and the KV it wrote into decode's reserved pages (only what prefill covered)."""
+    """The transfer's receipt, and the KV it wrote into decode's reserved pages, as far as decode can show it.
+
+    ``covered``: the tokens prefill's slot says this transfer covers for this room; then the receipt and
+    the ``transfer_in`` write cover exactly that (at most the reservation). None: decode cannot tell (the
+    slot is another room's: prefill without the plugin, or no metadata for this room arrived), and the
+    receipt says so: status ``unverified``, 0 tokens proven, every reserved page listed (their writer is
+    unknown from now on) and no write recorded. SGLang's checksum, where enabled, can still prove it later
+    (:func:`record_verified`).
+    """
     req = decode_req.req
     st = s.state(str(req.rid))
+    if covered is None:
+        st.landed_tokens, st.unverified = 0, True
+        s.later("_commit_transfer_to_req", _record_landed, s, s.ref(req), st.reserved_pages, st.prefix_tokens,
+                0, UNVERIFIED if status == "ok" else status, None, None, True)
+        return
     reserved = st.reserved_tokens or reserved_tokens(req)
-    landed = reserved if covered is None else min(covered, reserved)
-    st.landed_tokens = landed
+    landed = min(covered, reserved)
+    st.landed_tokens, st.unverified = landed, False
     s.later("_commit_transfer_to_req", _record_landed, s, s.ref(req), st.reserved_pages, st.prefix_tokens,
             landed, status, None, req.origin_input_ids)
 
 
+def digested_tokens(req: Any) -> int:
+    """The tokens SGLang's ``_verify_kv_checksums`` digests on decode: the prompt past the prefix decode's
+    tree cache holds (what prefill sent and digested)."""
+    return len(req.origin_input_ids) - int(req.kv.cache_protected_len)
+
+
 def record_verified(s: Session, req: Any, st: ReqState, status: str, digest: int | None) -> None:
     """Decode's checksum verdict (SGLang's _verify_kv_checksums): a second receipt of the same transfer that
-    carries the digest decode computed over its reserved pages, ``ok`` or ``mismatch``."""
+    carries the digest decode computed over its reserved pages, ``ok`` or ``mismatch``.
+
+    After an unverified commit a matching digest is the proof the commit lacked: decode's pages hold what
+    prefill digested, so the receipt covers the digested tokens and records the transfer's write. A
+    mismatch proves nothing landed as sent: 0 tokens, the pages' writer stays unknown.
+    """
+    if st.unverified:
+        if status == "ok" and digest is not None:
+            st.landed_tokens, st.unverified = digested_tokens(req), False
+            s.later("_verify_kv_checksums", _record_landed, s, s.ref(req), st.reserved_pages, st.prefix_tokens,
+                    st.landed_tokens, status, digest, req.origin_input_ids)
+            return
+        s.later("_verify_kv_checksums", _record_landed, s, s.ref(req), st.reserved_pages, st.prefix_tokens,
+                0, status, digest, None, True)
+        return
     landed = st.landed_tokens if st.landed_tokens is not None else reserved_tokens(req)
     s.later("_verify_kv_checksums", _record_landed, s, s.ref(req), st.reserved_pages, st.prefix_tokens,
             landed, status, digest, None)
 
 
 def _record_landed(s: Session, ref: Any, reserved: Snapshot | None, prefix: int, landed: int, status: str,
-                   digest: int | None, ids: Any) -> None:
+                   digest: int | None, ids: Any, every_page: bool = False) -> None:
     """The receipt; with the request's token ids (``ids``; None: a receipt only) the KV written into decode's
-    pages, with the pages' content keys, so a later prefix hit on decode's radix cache matches its writer."""
+    pages, with the pages' content keys, so a later prefix hit on decode's radix cache matches its writer.
+    ``every_page``: the receipt lists every reserved page (an unproven landing: their writer is unknown)."""
     ps = s.page_size
     pages = pages_of(reserved.numpy(), ps) if reserved is not None else np.zeros(0, dtype=np.int64)
-    covered = pages[:-(-landed // ps)] if landed else pages[:0]
+    covered = pages if every_page else (pages[:-(-landed // ps)] if landed else pages[:0])
     s.recorder.transfer_received(ref, covered, landed, status, digest, DIGEST_ALGO if digest is not None else None)
     if ids is not None and len(covered):
         keys = block_hashes(ids, prefix // ps, len(covered), ps)
         s.recorder.kv_written(ref, covered, prefix, prefix + landed, "transfer_in", block_hashes=keys)
 
 
-def abort_mismatch(queue: Any, decode_req: Any, covered: int, reserved: int) -> None:
-    """Enforcement: abort just this request with 500, as SGLang's own metadata-corruption path does."""
+def exempt(req: Any) -> bool:
+    """Requests SGLang itself commits without a transfer (its fake transfers: warm-up, health checks)."""
+    from sglang.srt.disaggregation.utils import _is_fake_transfer
+
+    return bool(_is_fake_transfer(req))
+
+
+def abort_mismatch(queue: Any, decode_req: Any, covered: int | None, reserved: int) -> None:
+    """Enforcement: abort just this request with 500, as SGLang's own metadata-corruption path does.
+    ``covered`` None: decode cannot show that any transfer wrote this request's KV."""
     from sglang.srt.disaggregation.utils import prepare_abort
 
-    prepare_abort(decode_req.req, f"Transferred length mismatch: prefill covered {covered} tokens, "
-                  f"decode reserved {reserved}", status_code=HTTP_INTERNAL_ERROR)
+    what = (f"prefill covered {covered} tokens" if covered is not None
+            else "no transfer metadata of this request's room")
+    prepare_abort(decode_req.req, f"Transferred length mismatch: {what}, decode reserved {reserved}",
+                  status_code=HTTP_INTERNAL_ERROR)
     if decode_req.kv_receiver is not None:
         decode_req.kv_receiver.clear()
         decode_req.kv_receiver = None
