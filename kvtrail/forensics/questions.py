@@ -349,7 +349,7 @@ def ask_exploitation(store: Store, options: ReportOptions, w: Window | None = No
 
 def _symptom_notes(con: duckdb.DuckDBPyConnection, w: Window, *, kinds: bool | None = None) -> tuple[str, ...]:
     notes = (empty_after_abort_note(empty_after_abort(con, w, kinds=kinds)),
-             unverified_landings_note(unverified_landings(con, w)))
+             unverified_landings_note(unverified_landings(con, w, kinds=kinds)))
     return tuple(n for n in notes if n)
 
 

@@ -111,16 +111,26 @@ def empty_after_abort_note(empty: pl.DataFrame) -> str | None:
             f"SGLang's abort-returns-200 pattern): {_ids(empty['request_id'].to_list())}")
 
 
-def unverified_landings(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> pl.DataFrame:
+def unverified_landings(con: duckdb.DuckDBPyConnection, w: Window = Window(), *,
+                        kinds: bool | None = None) -> pl.DataFrame:
     """Transfers decode committed without evidence of what landed (``transfer_received`` status
     ``unverified``), per (prefill node, decode node) pair: the prefill node from the transfer's sends
-    (None: prefill recorded none), the number of transfers and of pages whose writer is unknown."""
-    ev, params = _windowed(w)
+    (None: prefill recorded none), the number of transfers and of pages whose writer is unknown.
+    ``kinds``: as for :func:`shared_transfer_ids`."""
+    if has_kind_tables(con) if kinds is None else kinds:  # the receipts' own table, not the union
+        where, params = kind_window_filter(w.from_ns, w.to_ns, "x")
+        rec = (f"SELECT x.*, p.node FROM {kind_rows('transfer_received', 'x')} JOIN producers p "
+               f"ON p.producer_id = x.producer_id WHERE {where} AND x.status = 'unverified'")
+        sends = (f"SELECT x.transfer_id, x.request_id, p.node FROM {kind_rows('transfer_sent', 'x')} "
+                 "JOIN producers p ON p.producer_id = x.producer_id")
+    else:
+        ev, params = _windowed(w)
+        rec = f"SELECT * FROM {ev} WHERE kind = 'transfer_received' AND status = 'unverified'"
+        sends = "SELECT transfer_id, request_id, node FROM events_v WHERE kind = 'transfer_sent'"
     rows = con.execute(f"""
-        WITH rec AS (SELECT * FROM {ev} WHERE kind = 'transfer_received' AND status = 'unverified'),
-             snd AS (SELECT transfer_id, request_id, min(node) AS node FROM events_v
-                     WHERE kind = 'transfer_sent' AND (transfer_id, request_id) IN
-                           (SELECT (transfer_id, request_id) FROM rec) GROUP BY ALL)
+        WITH rec AS ({rec}),
+             snd AS (SELECT transfer_id, request_id, min(node) AS node FROM ({sends})
+                     WHERE (transfer_id, request_id) IN (SELECT (transfer_id, request_id) FROM rec) GROUP BY ALL)
         SELECT s.node, r.node, count(*), sum(r.num_pages)
         FROM rec r LEFT JOIN snd s ON s.transfer_id = r.transfer_id AND s.request_id = r.request_id
         GROUP BY ALL ORDER BY 2, 1 NULLS FIRST""", params).fetchall()

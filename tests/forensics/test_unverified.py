@@ -117,3 +117,15 @@ def test_a_verified_landing_keeps_its_writer(mem_store):
     assert judged(mem_store, tl) == []
     found = ask_findings(mem_store.con).found
     assert found == ()
+
+
+def test_the_note_reads_the_same_from_the_kind_tables_and_the_union(mem_store):
+    from kvtrail.audit.layout import has_kind_tables
+    from kvtrail.forensics.symptoms import unverified_landings
+
+    tl, _, _ = unwritten_commit(sent=True)
+    judged(mem_store, tl)
+    union = unverified_landings(mem_store.con, kinds=False)
+    assert union.rows() == [("p", "d", 1, 3)]
+    if has_kind_tables(mem_store.con):
+        assert unverified_landings(mem_store.con, kinds=True).equals(union)

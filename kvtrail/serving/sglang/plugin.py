@@ -3,7 +3,8 @@
 SGLang's ``load_plugins()`` calls :func:`register` once in every process (engine, each scheduler,
 detokenizer, DP controller). With kvtrail's environment set (``KVTRAIL_URL`` + ``KVTRAIL_TOKEN``, or
 ``KVTRAIL_DB``), it registers the hooks of :mod:`~kvtrail.serving.sglang.targets`; recording starts in
-a scheduler process once its pools exist, on attention-TP rank 0 only, and in the HTTP (tokenizer)
+a scheduler process once its pools exist, on attention-TP rank 0 only (SGLang's parallel state:
+:mod:`~kvtrail.serving.sglang.ranks`), and in the HTTP (tokenizer)
 process at its first finished request (the client's status). Right after the registry applied
 the hooks, every target is checked: one that was not patched is warned about loudly (on stderr: in the
 scheduler, plugins load before logging is configured) and named in the node's configuration event.
@@ -54,8 +55,6 @@ class Plugin:
             T.Target(T.PAGE_RETURN, "BEFORE", before(self, "_release_page_ids", memory.pages_returned)),
             T.Target(T.TOKEN_RETURN, "BEFORE", before(self, "TokenToKVPoolAllocator.free", memory.tokens_returned)),
             T.Target(T.SEND, "AROUND", around(self, "CommonKVSender.send", transfer.send_pre, transfer.send_post)),
-            T.Target(T.FAKE_INIT, "AFTER", after(self, "FakeKVSender.init", transfer.on_fake_init)),
-            T.Target(T.FAKE_SEND, "BEFORE", before(self, "FakeKVSender.send", transfer.on_fake_send)),
             T.Target(T.SET_BUF, "AFTER", self._on_set_buf),
             T.Target(T.SET_CHECKSUM, "AFTER", after(self, "set_kv_checksum", transfer.on_set_kv_checksum)),
             T.Target(T.COMMIT, "AROUND", self._on_commit),

@@ -46,7 +46,6 @@ class Session:
     requests: dict[str, ReqState] = field(default_factory=dict)
     rooms: dict[int, RequestRef] = field(default_factory=dict)  # prefill: bootstrap room -> request (for sends)
     digests: dict[int, int] = field(default_factory=dict)  # prefill: room -> SGLang's Adler-32 of the transfer
-    fake_sends: dict[int, list[int]] = field(default_factory=dict)  # prefill, fake backend: room -> [promised, sent]
     groups: dict[int, list] = field(default_factory=dict)  # id(allocator) -> frees its open free group postponed
     lock: threading.Lock = field(default_factory=threading.Lock)
     local: threading.local = field(default_factory=threading.local)
@@ -73,7 +72,6 @@ class Session:
             if room is not None:
                 self.rooms.pop(room, None)
                 self.digests.pop(room, None)
-                self.fake_sends.pop(room, None)
 
     def later(self, hook: str, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` on the resolver thread (after the snapshots in args are copied)."""

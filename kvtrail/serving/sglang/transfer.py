@@ -3,9 +3,11 @@
 Prefill writes the tokens it actually covers, bound to the bootstrap room, into a spare slot of the
 metadata ("aux") buffer that travels with the KV (``cached_tokens[idx][7..8]``: unused in 0.5.23 and
 not reset by ``clear_slot``, hence the room tag). Decode reads it before it commits the transfer: that
-is the only way decode learns how much of what it reserved was written. With enforcement on (off by
-default; both roles must run the plugin) decode aborts a request whose covered length differs from
-its reservation with HTTP 500, as SGLang's own corruption path does, instead of serving it.
+is the only way decode learns how much of what it reserved was written. Where the slot is not this
+room's, decode cannot tell: the receipt is ``unverified`` (nothing proven, no ``transfer_in`` write), unless
+SGLang's checksum later proves the landing. With enforcement on (off by default; both roles must run the
+plugin) decode aborts a request whose covered length differs from its reservation, or cannot be shown,
+with HTTP 500, as SGLang's own corruption path does, instead of serving it.
 """
 
 from __future__ import annotations
@@ -88,39 +90,6 @@ def send_post(s: Session, token: Any, _result: Any) -> None:
     s.later("CommonKVSender.send", _record_sent, s, ref, pages, dst, n, last, digest)
 
 
-# ---- prefill, the fake backend: FakeKVSender.init (AFTER), FakeKVSender.send (BEFORE) ----------------------
-
-def on_fake_init(s: Session, _result: Any, sender: Any, num_kv_indices: int, aux_index: Any = None) -> None:
-    """The pages the fake sender was promised (its own init keeps no count): its last chunk reaches them."""
-    with s.lock:
-        s.fake_sends[int(sender.bootstrap_room)] = [int(num_kv_indices), 0]
-
-
-def on_fake_send(s: Session, sender: Any, kv_indices: Any, state_indices: Any = None,
-                 num_kv_tokens: Any = None) -> None:
-    """A chunk the fake backend "sends" (nothing moves): recorded as sent, decode's pages unknown."""
-    room = int(sender.bootstrap_room)
-    ref = s.rooms.get(room)
-    if ref is None:
-        return
-    n_pages = len(kv_indices)
-    with s.lock:
-        count = s.fake_sends.get(room)
-        if count is not None:
-            before = count[1]
-            count[1] += n_pages
-            last = count[1] >= count[0]
-            if last and before >= count[0]:
-                return  # a zero-page last chunk after the promise was met: the last chunk is on record
-        else:
-            last = False
-    if not n_pages and not last:
-        return
-    n = int(num_kv_tokens) if num_kv_tokens is not None else n_pages * s.page_size
-    digest = s.digests.pop(room, None) if last else None
-    s.later("FakeKVSender.send", _record_sent, s, ref, snapshot(kv_indices), None, n, last, digest)
-
-
 def _dst_pages(sender: Any, start: int, end: int) -> np.ndarray | None:
     infos = getattr(sender.kv_mgr, "transfer_infos", {}).get(sender.bootstrap_room) or {}
     for info in infos.values():
@@ -134,7 +103,10 @@ def _record_sent(s: Session, ref: Any, pages: Snapshot, dst: np.ndarray | None, 
                  digest: int | None) -> None:
     src = pages.numpy().reshape(-1).copy()
     if dst is None or len(dst) != len(src):
-        dst = np.zeros(len(src), dtype=np.int64)  # decode's pages unknown here: 0 is the padding page
+        # decode's pages unknown here (no handshake info for the room): the event cannot be stored; say so
+        s.recorder.events_lost("invalid", 1, len(src), f"sglang transfer_sent of transfer {ref.transfer_id}: "
+                               "decode's destination pages unknown to prefill")
+        return
     s.recorder.transfer_sent(ref, src, dst, n, last, digest, DIGEST_ALGO if digest is not None else None)
 
 
