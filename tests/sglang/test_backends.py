@@ -58,7 +58,7 @@ def test_senders_that_cannot_import_here_send_through_the_hooked_common_sender(b
         if _defines_send(cls):
             assert cls.name in DELEGATES and _runs_super_send(cls), f"{cls.name}.send does not call super().send"
         base = cls.bases[0]
-        base_name = base.id if isinstance(base, ast.Name) else base.attr  # type: ignore[attr-defined]
+        base_name = base.id if isinstance(base, ast.Name) else base.attr
         if base_name == "CommonKVSender":
             break
         if base_name == "MooncakeKVSender":
