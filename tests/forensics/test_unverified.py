@@ -129,3 +129,21 @@ def test_the_note_reads_the_same_from_the_kind_tables_and_the_union(mem_store):
     assert union.rows() == [("p", "d", 1, 3)]
     if has_kind_tables(mem_store.con):
         assert unverified_landings(mem_store.con, kinds=True).equals(union)
+
+
+def test_a_lake_checkpoint_prelude_carries_the_unverified_landing():
+    """The SQL engine's checkpoint prelude (a lake's hour boundary) restates an unverified landing as that
+    receipt, standing for the real one, so a read in the next hour is judged as on the store."""
+    from kvtrail.forensics.lake.prelude import build_prelude
+    from kvtrail.forensics.replay.engine import ReplayEngine
+
+    tl, rec, _ = unwritten_commit(sent=False)
+    engine = ReplayEngine(fast=False)
+    engine.feed(from_dicts(tl.events[:tl.events.index(rec) + 1]))  # the checkpoint right after the receipt
+    [(key, pool)] = [(k, p) for k, p in engine.state.pools.items() if k[1] == "d"]
+    prelude = build_prelude(pool, engine.state.requests, engine.state.tenants, 99, tl.events[-1]["wall_ns"])
+    receipts = [r for r in prelude.rows if r["kind"] == "transfer_received"]
+    assert [(r["status"], r["request_id"], r["num_pages"]) for r in receipts] == [("unverified", None, 3)]
+    assert prelude.keys[receipts[0]["seq"]] == (int(pool.write_ev[1, 0]), rec["seq"])
+    assert not [r for r in prelude.rows if r["kind"] == "kv_written" and r["num_pages"]
+                and r["request_id"] == "a"]  # a's write is no longer the pages' last
