@@ -147,3 +147,22 @@ def test_a_lake_checkpoint_prelude_carries_the_unverified_landing():
     assert prelude.keys[receipts[0]["seq"]] == (int(pool.write_ev[1, 0]), rec["seq"])
     assert not [r for r in prelude.rows if r["kind"] == "kv_written" and r["num_pages"]
                 and r["request_id"] == "a"]  # a's write is no longer the pages' last
+
+
+def test_a_late_write_over_an_unverified_landing_did_not_overwrite_the_readers_own_write(mem_store):
+    """r wrote page 1, then an unverified landing made its writer unknown; w's late write lands after: r's
+    read has w as victim, and r's own KV was not what the late bytes overwrote (the landing came between)."""
+    tl = Timeline()
+    tl.node("d", "decode")
+    tl.alloc("d", "w", [1])
+    tl.write("d", "w", [1])
+    tl.free("d", "w", [1])
+    tl.alloc("d", "r", [1])
+    tl.write("d", "r", [1])
+    tl.add("d", "transfer_received", "r", 3, pages=[1], num_tokens=0, status="unverified")
+    tl.write("d", "w", [1])  # late: w released the page
+    tl.read("d", "r", [1])
+    found = judged(mem_store, tl)
+    f1 = [f for f in found if f.code == "F1"]
+    assert [(f.request_id, f.victim_request_ids) for f in f1] == [("r", ("w",))]
+    assert "written late by w" in f1[0].detail and "its own KV was corrupted" not in f1[0].detail

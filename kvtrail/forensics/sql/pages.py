@@ -303,7 +303,7 @@ def f1_f10(ctx, allow_tenant_cache_sharing: bool) -> list[Finding]:
                AND (m.request_id = c.w.rid OR (NOT m.is_alloc AND m.request_id IS NULL))
                AND c.page BETWEEN m.page_start AND m.page_end
               GROUP BY ALL),
-    pw AS (SELECT c.producer_id, c.seq, c.page, max_by(w.request_id, w.ord) AS prev_rid, max(w.ord) AS prev_ord
+    pw AS (SELECT c.producer_id, c.seq, c.page, arg_max_null(w.request_id, w.ord) AS prev_rid, max(w.ord) AS prev_ord
            FROM f1w c JOIN wr w
              ON w.cluster = c.cluster AND w.node = c.node AND w.epoch = c.epoch AND w.bucket = c.bucket
             AND w.ord < c.w.word
