@@ -125,3 +125,39 @@ def test_decode_nodes_are_not_judged_on_the_sender(plugin, tmp_path):
     s.close()
     [cfg] = [e for e in stored_events(db) if e["kind"] == "node_config"]
     assert "transfer backend" not in cfg["config_source"]
+
+
+def test_a_send_whose_decode_pages_prefill_does_not_know_is_a_gap(plugin, tmp_path):
+    """No handshake info for the room: the send cannot be stored (decode's pages are required), so it is a
+    recorder_gap naming the transfer, not an event the store rejects."""
+    import numpy as np
+    import torch
+    from sglang.srt.mem_cache import allocation
+
+    from tests.sglang.pd import intake
+    from tests.sglang.world import PAGE_SIZE, FakeMooncake, req, sender
+
+    db = tmp_path / "nodst.duckdb"
+    node = Node("prefill")
+    s = plugin.start(node.scheduler, sink=str(db))
+    mgr = FakeMooncake()
+    try:
+        intake(node, "N", 88, list(range(8)))
+        r = req("N", list(range(8)), 88)
+        r.init_next_round_input(node.tree)
+        b = node.batch([r])
+        b.prefix_lens, b.extend_lens, b.extend_num_tokens = [0], [8], 8
+        b.seq_lens = b.seq_lens_cpu = torch.tensor([8])
+        allocation.alloc_for_extend(b)
+        pages = (node.pool.req_to_token[r.kv.req_pool_idx, :8][::PAGE_SIZE] // PAGE_SIZE).numpy().astype(np.int32)
+        snd = sender(mgr, 88, len(pages), np.array([5, 6]))
+        mgr.transfer_infos.pop(88)  # the handshake's info for the room is gone
+        snd.send(pages, num_kv_tokens=8)
+        assert len(mgr.requests) == 1  # SGLang's send ran
+    finally:
+        plugin.session = None
+        s.close()
+    events = stored_events(db)
+    assert not [e for e in events if e["kind"] == "transfer_sent"]
+    [gap] = [e for e in events if e["kind"] == "recorder_gap"]
+    assert gap["gap_reason"] == "invalid" and "transfer 88" in gap["detail"] and gap["dropped_events"] == 1
