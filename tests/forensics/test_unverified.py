@@ -166,3 +166,33 @@ def test_a_late_write_over_an_unverified_landing_did_not_overwrite_the_readers_o
     f1 = [f for f in found if f.code == "F1"]
     assert [(f.request_id, f.victim_request_ids) for f in f1] == [("r", ("w",))]
     assert "written late by w" in f1[0].detail and "its own KV was corrupted" not in f1[0].detail
+
+
+def test_a_lake_judges_a_read_across_an_hour_boundary_after_an_unverified_landing_as_the_store(tmp_path):
+    """The landing in one hour, the read in the next: per-(node, hour) replay and SQL (from the checkpoint's
+    prelude) on the lake find what both engines find on the store."""
+    from kvtrail.audit.store import AuditStore
+    from kvtrail.forensics import Window
+    from kvtrail.forensics.lake.checkpointer import write_checkpoints
+    from kvtrail.forensics.lake.questions import lake_findings, open_lake
+    from kvtrail.forensics.lake.sqltask import sql_lake_findings
+    from kvtrail.forensics.policy import ForensicsPolicy
+    from kvtrail.lake.export import export_lake
+    from kvtrail.lake.partition import HOUR_NS
+
+    tl, rec, read = unwritten_commit(sent=True)
+    boundary = (rec["wall_ns"] // HOUR_NS + 1) * HOUR_NS
+    shift = boundary - rec["wall_ns"]
+    for e in tl.events[tl.events.index(rec) + 1:]:  # the read and the response come in the next hour
+        e["wall_ns"] += shift
+    db = str(tmp_path / "s.duckdb")
+    with AuditStore(db) as store:
+        store.append(from_dicts(tl.events))
+        want = replay_store(store.con)
+        assert sql_findings(store.con) == want
+    assert {(f.code, f.request_id) for f in want} == {("F1", "b"), ("F2", "b")}
+    lake = str(tmp_path / "lake")
+    export_lake(db, lake, checkpoints=write_checkpoints)
+    with open_lake(lake) as lk:
+        assert lake_findings(lk, Window()) == want
+        assert sql_lake_findings(lk, None, None, ForensicsPolicy(), None) == want
