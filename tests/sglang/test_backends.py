@@ -161,3 +161,25 @@ def test_a_send_whose_decode_pages_prefill_does_not_know_is_a_gap(plugin, tmp_pa
     assert not [e for e in events if e["kind"] == "transfer_sent"]
     [gap] = [e for e in events if e["kind"] == "recorder_gap"]
     assert gap["gap_reason"] == "invalid" and "transfer 88" in gap["detail"] and gap["dropped_events"] == 1
+
+
+def test_a_hook_check_after_the_start_names_the_backend_it_leaves_unaudited(plugin, tmp_path, capsys):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from kvtrail.serving.sglang import targets as T
+
+    saved = plugin.missing
+    db = tmp_path / "late-check.duckdb"
+    node = Node("prefill")
+    node.scheduler.server_args.disaggregation_transfer_backend = "nixl"
+    s = plugin.start(node.scheduler, sink=str(db))
+    try:
+        assert plugin.check(set(HookRegistry._patched) - {T.SEND}) == [T.SEND]
+    finally:
+        plugin.session = None
+        s.close()
+        plugin.missing = saved
+    assert T.SEND in capsys.readouterr().err
+    first, second = [e["config_source"] for e in stored_events(db) if e["kind"] == "node_config"]
+    assert "not audited" not in first
+    assert second.startswith(f"sglang-plugin; hooks missing: {T.SEND}; not audited: transfer backend nixl")

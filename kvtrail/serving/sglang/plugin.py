@@ -41,6 +41,7 @@ class Plugin:
         self._frontend_tried = False
         self._scheduler: Any = None
         self._started: set[int] = set()  # the schedulers (ids) a start was tried for
+        self._place_unaudited: list[str] = []  # what the parallel layout leaves unaudited (ranks.placement)
         self._intake = before(self, "handle_generate_request", lifecycle.on_generate_request)
         self.targets = self._targets()
 
@@ -182,10 +183,8 @@ class Plugin:
                 or T.HTTP_OUTCOME in self.missing)
         self.session = Session(recorder, int(scheduler.page_size), role, self.config.enforce_length,
                                records_responses=here)
-        self.unaudited = [*modes.unaudited(scheduler), *place.unaudited]
-        gap = senders.backend_gap(_backend(scheduler), self.missing) if role == "prefill" else None
-        if gap:
-            self.unaudited.append(gap)
+        self._place_unaudited = list(place.unaudited)
+        self.unaudited = self._unaudited(scheduler, role)
         if self.unaudited:
             _warn(f"kvtrail: WARNING: this node runs SGLang modes the plugin does not audit, the record has "
                   f"holes: {', '.join(self.unaudited)}")
@@ -218,7 +217,15 @@ class Plugin:
                 _warn(f"kvtrail: WARNING: response recording not started: {type(exc).__name__}: {exc}")
         return self.frontend
 
+    def _unaudited(self, scheduler: Any, role: str) -> list[str]:
+        """The modes of this scheduler the record does not cover; a prefill node's transfer backend among them
+        when no patched hook sees its sender's sends (judged against the hook check as it stands now)."""
+        out = [*modes.unaudited(scheduler), *self._place_unaudited]
+        gap = senders.backend_gap(_backend(scheduler), self.missing) if role == "prefill" else None
+        return out + [gap] if gap else out
+
     def _record_config(self, s: Session, scheduler: Any) -> None:
+        self.unaudited = self._unaudited(scheduler, s.role)
         args = scheduler.server_args
         pool_tokens = int(scheduler.max_total_num_tokens)
         source = "sglang-plugin; hooks " + (("missing: " + ",".join(self.missing)) if self.missing else "all patched")
