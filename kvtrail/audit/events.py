@@ -29,6 +29,10 @@ VALUE_DOCS: dict[str, dict[str, str]] = {
         "mismatch": "Decode's check (length or checksum) found a difference between what was sent and what landed.",
         "aborted": "The request was aborted while its transfer was in flight.",
         "timeout": "Decode gave up waiting for the transfer.",
+        "unverified": "Decode committed the transfer but cannot show what landed (its transfer metadata is not "
+                      "this request's: prefill without kvtrail's plugin, or another room's slot). `num_tokens` is "
+                      "0 (nothing proven), `pages` the pages the transfer may have written: their writer is "
+                      "unknown from then on (a read of them is judged like a read of never-written pages).",
     },
 }
 TRANSFER_STATUSES = tuple(VALUE_DOCS["status"])

@@ -94,6 +94,20 @@ def late_write_detail(why: str) -> str:
     return f"write {why}: a source of foreign data; the next reader of these pages has the F1"
 
 
+# A transfer_received status: decode committed the transfer without evidence of what landed.
+UNVERIFIED = "unverified"
+NEVER_WRITTEN_DETAIL = "read of pages never written since the pool was created"
+
+
+def unknown_writer_detail(num_unverified: int) -> str:
+    """F1 detail for pages whose writer is unknown: never written, or landed by a transfer decode could not
+    verify (``num_unverified`` of them; their receipts are the finding's evidence)."""
+    if not num_unverified:
+        return NEVER_WRITTEN_DETAIL
+    return (f"read of pages whose writer is unknown: {num_unverified} page(s) landed by a transfer decode could "
+            "not verify (stale origin unknown), the rest never written since the pool was created")
+
+
 def foreign_read_detail(writer: str | None, num_late: int, num_lost: int) -> str:
     """F1 detail: whose write the reader saw; how many of the pages a late write (F7) filled, and on how
     many of those the late bytes landed after the reader's own write (its own KV corrupted)."""

@@ -55,6 +55,8 @@ from kvtrail.forensics.symptoms import (
     incomplete_requests,
     integrity_warnings,
     shared_transfer_ids,
+    unverified_landings,
+    unverified_landings_note,
     window_ends,
     withhold_incomplete,
 )
@@ -346,8 +348,9 @@ def ask_exploitation(store: Store, options: ReportOptions, w: Window | None = No
 
 
 def _symptom_notes(con: duckdb.DuckDBPyConnection, w: Window, *, kinds: bool | None = None) -> tuple[str, ...]:
-    note = empty_after_abort_note(empty_after_abort(con, w, kinds=kinds))
-    return (note,) if note else ()
+    notes = (empty_after_abort_note(empty_after_abort(con, w, kinds=kinds)),
+             unverified_landings_note(unverified_landings(con, w, kinds=kinds)))
+    return tuple(n for n in notes if n)
 
 
 def report_requests(con: duckdb.DuckDBPyConnection, o: ReportOptions, kept: pl.DataFrame,

@@ -111,6 +111,46 @@ def empty_after_abort_note(empty: pl.DataFrame) -> str | None:
             f"SGLang's abort-returns-200 pattern): {_ids(empty['request_id'].to_list())}")
 
 
+def unverified_landings(con: duckdb.DuckDBPyConnection, w: Window = Window(), *,
+                        kinds: bool | None = None) -> pl.DataFrame:
+    """Transfers decode committed without evidence of what landed (``transfer_received`` status
+    ``unverified``), per (prefill node, decode node) pair: the prefill node from the transfer's sends
+    (None: prefill recorded none), the number of transfers and of pages whose writer is unknown.
+    ``kinds``: as for :func:`shared_transfer_ids`."""
+    if has_kind_tables(con) if kinds is None else kinds:  # the receipts' own table, not the union
+        where, params = kind_window_filter(w.from_ns, w.to_ns, "x")
+        rec = (f"SELECT x.*, p.node FROM {kind_rows('transfer_received', 'x')} JOIN producers p "
+               f"ON p.producer_id = x.producer_id WHERE {where} AND x.status = 'unverified'")
+        sends = (f"SELECT x.transfer_id, x.request_id, p.node FROM {kind_rows('transfer_sent', 'x')} "
+                 "JOIN producers p ON p.producer_id = x.producer_id")
+    else:
+        ev, params = _windowed(w)
+        rec = f"SELECT * FROM {ev} WHERE kind = 'transfer_received' AND status = 'unverified'"
+        sends = "SELECT transfer_id, request_id, node FROM events_v WHERE kind = 'transfer_sent'"
+    rows = con.execute(f"""
+        WITH rec AS ({rec}),
+             snd AS (SELECT transfer_id, request_id, min(node) AS node FROM ({sends})
+                     WHERE (transfer_id, request_id) IN (SELECT (transfer_id, request_id) FROM rec) GROUP BY ALL)
+        SELECT s.node, r.node, count(*), sum(r.num_pages)
+        FROM rec r LEFT JOIN snd s ON s.transfer_id = r.transfer_id AND s.request_id = r.request_id
+        GROUP BY ALL ORDER BY 2, 1 NULLS FIRST""", params).fetchall()
+    return pl.DataFrame([{"prefill_node": p, "decode_node": d, "transfers": n, "pages": int(pg or 0)}
+                         for p, d, n, pg in rows],
+                        schema={"prefill_node": pl.Utf8, "decode_node": pl.Utf8, "transfers": pl.Int64,
+                                "pages": pl.Int64})
+
+
+def unverified_landings_note(landings: pl.DataFrame) -> str | None:
+    """The coverage note for :func:`unverified_landings` (None when there are none)."""
+    if landings.is_empty():
+        return None
+    pairs = "; ".join(f"{p or '(no prefill record)'} -> {d}: {n} transfer(s), {pg} page(s)"
+                      for p, d, n, pg in landings.iter_rows())
+    return ("unverified landings (coverage): decode committed transfers it could not verify (its transfer "
+            "metadata was not the request's: prefill without kvtrail's plugin, or another room's slot); their "
+            f"pages' writer is unknown, a read of them is judged as of never-written pages: {pairs}")
+
+
 def window_ends(con: duckdb.DuckDBPyConnection, w: Window = Window(), *, kinds: bool | None = None) -> list[UncleanEnd]:
     """The unclean ends whose possible gap (after the last stored event, up to the bound) meets the window."""
     return [e for e in unclean_ends(con, kinds=kinds)

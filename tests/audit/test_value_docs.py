@@ -12,7 +12,8 @@ F2 = ("Forensics (F2) compares what decode reserved, what prefill sent and what 
 
 
 def test_every_transfer_status_is_documented():
-    assert tuple(VALUE_DOCS["status"]) == TRANSFER_STATUSES == ("ok", "failed", "mismatch", "aborted", "timeout")
+    assert tuple(VALUE_DOCS["status"]) == TRANSFER_STATUSES == ("ok", "failed", "mismatch", "aborted", "timeout",
+                                                                     "unverified")
     for field, docs in VALUE_DOCS.items():
         assert tuple(docs) == FIELDS[field].choices
         assert all(doc.strip() for doc in docs.values())
@@ -29,6 +30,7 @@ def test_status_meanings_are_in_the_markdown_and_docs():
     assert "length or checksum" in VALUE_DOCS["status"]["mismatch"]
     assert "in flight" in VALUE_DOCS["status"]["aborted"]
     assert "gave up waiting" in VALUE_DOCS["status"]["timeout"]
+    assert "cannot show what landed" in VALUE_DOCS["status"]["unverified"]
     assert F2 in text
 
 

@@ -27,7 +27,7 @@ from tests.forensics.test_replay import Oracle, Timeline
 POOL = 10
 TENANTS = ("acme", "globex")
 PAGE_ACTIONS = ("admit", "admit", "read", "free", "grow", "read_after_free", "late_write", "double_alloc",
-                "hit", "hit", "hit_cross", "hit_stale", "scribble", "late_then_read", "late_then_read")
+                "hit", "hit", "hit_cross", "hit_stale", "scribble", "late_then_read", "late_then_read", "unverified")
 
 
 class PageOracle(Oracle):
@@ -140,6 +140,15 @@ class PageOracle(Oracle):
         super().free(rid)
         for p in self.pages[rid]:
             self.hits.pop((rid, p), None)
+
+    def unverified(self, rid):
+        """An unverified landing: no writer, no block hash or digest on record, no late write current."""
+        super().unverified(rid)
+        for p in self.pages[rid]:
+            self.bhash.pop(p, None)
+            self.wdigest.pop(p, None)
+            self.late.pop(p, None)
+            self.wgen[p] = self.gen.get(p, 0)
 
     def step(self, action, data):
         if action in ("hit", "hit_cross", "hit_stale"):

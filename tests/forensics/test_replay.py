@@ -431,7 +431,7 @@ def test_digest_lineage_names_whose_bytes_a_stale_page_held():
 # ---- property: random valid single-node histories with planted violations ------------------------------
 
 POOL = 10
-ACTIONS = ("admit", "admit", "read", "free", "grow", "read_after_free", "late_write", "double_alloc")
+ACTIONS = ("admit", "admit", "read", "free", "grow", "read_after_free", "late_write", "double_alloc", "unverified")
 
 
 class Oracle:
@@ -483,6 +483,14 @@ class Oracle:
         for w, ps in by_writer.items():
             self._expect("F1", rid, {w}, ps, e)
 
+    def unverified(self, rid):
+        """Decode commits a transfer it cannot verify over the request's pages: their writer is unknown."""
+        self.tl.add("d", "transfer_received", rid, 900 + len(self.tl.events), pages=self.pages[rid], num_tokens=0,
+                    status="unverified")
+        for p in self.pages[rid]:
+            self.writer[p] = None
+            self.fresh = {(r, q) for r, q in self.fresh if q != p}
+
     def free(self, rid):
         self.tl.free("d", rid, self.pages[rid])
         for p in self.pages[rid]:
@@ -518,6 +526,10 @@ class Oracle:
         elif action == "late_write" and self.freed:
             rid = pick(self.freed)
             self.write(rid, self.pages[rid])
+        elif action == "unverified" and self.live:
+            rid = pick(self.live)
+            self.unverified(rid)
+            self.read(rid, self.pages[rid])  # decode reads what it committed
         elif action == "double_alloc" and self.live:
             victim = pick(self.live)
             rid = self.new_rid()
@@ -535,7 +547,7 @@ def test_property_engine_reports_exactly_the_planted_findings(data):
     tl = Timeline()
     tl.node("d", pool_pages=POOL)
     oracle = Oracle(tl)
-    planted = {"read_after_free": "F5", "late_write": "F7", "double_alloc": "F6"}
+    planted = {"read_after_free": "F5", "late_write": "F7", "double_alloc": "F6", "unverified": "F1"}
     done = []
     for action in data.draw(st.lists(st.sampled_from(ACTIONS), max_size=30)):
         before = len(oracle.expected)

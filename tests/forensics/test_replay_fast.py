@@ -79,7 +79,7 @@ def test_oracle_histories_fast_equals_pure(data):
 
 EVENT = st.tuples(
     st.sampled_from(("alloc", "alloc", "growth", "prefix", "free", "free", "evict", "write", "write", "read", "read",
-                     "restart", "response")),
+                     "restart", "response", "unverified")),
     st.sampled_from(("a", "b")),  # node
     st.integers(0, 5),  # request
     st.lists(st.integers(1, 9) | st.sampled_from((-1, 0, 11)), min_size=0, max_size=4),  # pages: repeats,
@@ -112,6 +112,8 @@ def free_form(events) -> pa.Table:
         elif kind == "restart" and r == 0:
             restarts += 1
             tl.node(node, pool_pages=8 + restarts, instance=f"{node}{restarts + 1}")
+        elif kind == "unverified":  # a landing decode cannot prove: its pages' writer becomes unknown
+            tl.add(node, "transfer_received", rid, r, pages=pages, num_tokens=0, status="unverified")
         elif kind == "response":
             tl.add(node, "response_sent", rid, http_status=200, prompt_tokens=10, completion_tokens=1, latency_ns=5)
     return from_dicts(tl.events)

@@ -1,5 +1,5 @@
 """Hot-path discipline against the real classes: prefix hits and radix evictions, failures counted as gaps,
-recording on attention-TP rank 0 only, configuration from the environment."""
+configuration from the environment (ranks: test_ranks.py)."""
 
 from __future__ import annotations
 
@@ -84,12 +84,6 @@ def test_a_failing_hook_never_raises_into_sglang_and_is_recorded_as_a_gap(plugin
     assert gap["gap_reason"] == "hook_error"
 
 
-def test_only_attention_tp_rank_0_records(plugin):
-    node = Node("decode")
-    node.scheduler.attn_tp_rank = 1
-    assert plugin.start(node.scheduler, sink="unused") is None and plugin.session is None
-
-
 def test_configuration_comes_from_kvtrails_environment():
     from kvtrail.serving.sglang.config import PluginConfig
 
@@ -104,6 +98,14 @@ def test_configuration_comes_from_kvtrails_environment():
         PluginConfig.from_env({"KVTRAIL_URL": "http://a", "KVTRAIL_DB": "x"})
     with pytest.raises(ValueError, match="ENFORCE"):
         PluginConfig.from_env({"KVTRAIL_DB": "x", "KVTRAIL_SGLANG_ENFORCE_LENGTH": "yes"})
+
+
+def cover(pnode, room, tokens):
+    """What prefill's plugin writes into the metadata slot: the tokens this transfer covers, tagged with the room."""
+    from kvtrail.serving.sglang.transfer import SLOT_TAG, SLOT_TOKENS, room_tag
+
+    pnode.metadata.cached_tokens[0][SLOT_TOKENS] = tokens
+    pnode.metadata.cached_tokens[0][SLOT_TAG] = room_tag(room)
 
 
 def test_decode_radix_prefix_hits_carry_the_landed_writes_block_hashes(plugin, tmp_path):
@@ -125,7 +127,8 @@ def test_decode_radix_prefix_hits_carry_the_landed_writes_block_hashes(plugin, t
                                              swa_tail_len=0, req_to_token_pool=dnode.pool)
         dnode.pool.write((a.kv.req_pool_idx, slice(0, 11)), loc.to(torch.int32))
         pnode.metadata.bootstrap_room[0, 0] = 21  # what prefill's set_buf writes (its slot reaches decode)
-        commit(dnode, pnode, a)  # prefill without the plugin: every reserved page landed
+        cover(pnode, 21, 11)  # prefill's plugin: this transfer covers all 11 tokens
+        commit(dnode, pnode, a)
         assert a.finished_reason is None  # committed, not aborted
         b = req("B", shared + [70, 71], 22)
         intake(dnode, "B", 22, b.origin_input_ids)
@@ -138,6 +141,7 @@ def test_decode_radix_prefix_hits_carry_the_landed_writes_block_hashes(plugin, t
         dnode.pool.write((b.kv.req_pool_idx, slice(8, 10)), new.to(torch.int32))
         b.kv.cache_protected_len = 8
         pnode.metadata.bootstrap_room[0, 0] = 22
+        cover(pnode, 22, 2)  # the 2 tokens past decode's prefix
         commit(dnode, pnode, b, slot=2)
         decode_step(dnode, b)  # attention reads B's whole table, the shared pages included
     finally:

@@ -36,7 +36,8 @@ def test_a_renamed_target_is_reported_not_silent(tmp_path):
         from sglang.srt.plugins import load_plugins
         load_plugins()
         from kvtrail.serving.sglang import plugin
-        from tests.sglang.world import Node
+        from tests.sglang.world import Node, publish
+        publish()  # the runtime context the launcher publishes: the ranks the plugin reads
         plugin.PLUGIN.start(Node("decode").scheduler)
         plugin.PLUGIN.stop()
         print("missing:", plugin.PLUGIN.missing)

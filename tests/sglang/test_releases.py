@@ -88,3 +88,27 @@ def test_modes_the_plugin_does_not_audit_are_named_in_the_node_config_and_warned
     from kvtrail.serving.sglang.modes import unaudited
 
     assert unaudited(plain.scheduler) == []
+
+
+def test_hicache_and_context_parallelism_are_declared_not_audited(plugin, tmp_path, capsys):
+    """HiCache loads pages back through PagedTokenToKVPoolAllocator.alloc, which no hook sees; attention CP
+    shards each page's content across ranks: the node says so instead of recording as if it saw them."""
+    from sglang.srt import runtime_context
+
+    from tests.sglang.world import publish
+
+    db = tmp_path / "hicache.duckdb"
+    node = Node("decode")
+    node.scheduler.enable_hierarchical_cache = True
+    publish("decode", tp_size=2, world_rank=0)
+    runtime_context.get_parallel().override_permanently(attn_cp_size=2, attn_tp_size=1)
+    try:
+        s = plugin.start(node.scheduler, sink=str(db))
+        plugin.session = None
+        s.close()
+    finally:
+        publish()
+    assert "HiCache" in capsys.readouterr().err
+    [cfg] = [e for e in stored_events(db) if e["kind"] == "node_config"]
+    assert cfg["config_source"] == ("sglang-plugin; hooks all patched; not audited: HiCache load-back and "
+                                    "write-back allocations,context parallelism attn_cp_size=2")

@@ -30,10 +30,19 @@ PAGE_BYTES = 16  # one page of the stand-in KV buffer (what the transfer copies 
 MODEL = types.SimpleNamespace(is_encoder_decoder=False, vocab_size=1000, is_multimodal=False, context_len=4096)
 
 
-def publish(role: str = "null") -> ServerArgs:
-    args = ServerArgs(model_path="dummy", device="cpu", page_size=PAGE_SIZE, disaggregation_mode=role)
-    runtime_context.publish(args, role="scheduler")
-    runtime_context.get_parallel().override_permanently(tp_rank=0)
+def publish(role: str = "null", *, world_rank: int | None = None, dp_rank: int | None = None,
+            **parallel) -> ServerArgs:
+    """SGLang's runtime context as its launcher publishes it for one scheduler process: ``parallel`` are
+    ServerArgs widths (tp_size, dp_size, enable_dp_attention), ``world_rank`` / ``dp_rank`` the process's
+    placement (SpawnRanks); without a placement, TP rank 0 of one rank."""
+    runtime_context.get_parallel().clear_stamp()
+    args = ServerArgs(model_path="dummy", device="cpu", page_size=PAGE_SIZE, disaggregation_mode=role, **parallel)
+    if world_rank is None:
+        runtime_context.publish(args, role="scheduler")
+        runtime_context.get_parallel().override_permanently(tp_rank=0)
+    else:
+        runtime_context.publish(args, role="scheduler",
+                                ranks=runtime_context.SpawnRanks(world_rank=world_rank, dp_rank=dp_rank))
     return args
 
 
@@ -50,8 +59,9 @@ class Node:
         self.metadata = MetadataBuffers(size=8, hidden_size=16, hidden_states_dtype=torch.float32,
                                         max_sampling_mask_tokens=0, kv_checksum_enabled=checksum)
         self.kv = torch.zeros((num_pages + 1, PAGE_BYTES), dtype=torch.uint8)  # page 0 is SGLang's padding page
+        # ranks are not the scheduler's: the plugin reads them from the runtime context publish() set
         self.scheduler = types.SimpleNamespace(
-            attn_tp_rank=0, tp_rank=0, dp_rank=None, page_size=PAGE_SIZE,
+            page_size=PAGE_SIZE,
             disaggregation_mode=types.SimpleNamespace(value=mode), max_total_num_tokens=num_pages * PAGE_SIZE,
             model_config=MODEL, max_running_requests=16,
             server_args=types.SimpleNamespace(disaggregation_enable_kv_checksum=False, kv_canary="none"))

@@ -10,7 +10,8 @@ an order that keeps what the engine compares:
 - the page's last write (its real writer, time, digests and block hashes) before or after the page's
   last exclusive allocation as its generation says (a fresh growth page, F1's own-KV corruption), the
   writer holding the page at that moment unless it was a late write, in which case the write it
-  overwrote comes before it;
+  overwrote comes before it; a page an unverified transfer landed on (writer unknown) gets that receipt
+  instead, at the same place;
 - the owner's allocation, further exclusive holders, the last exclusive allocation (its purpose: a
   growth page or not), the prefix-cache holders with their block hashes, and last the release of
   every synthetic holder the checkpoint no longer names.
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from kvtrail.forensics.findings import UNVERIFIED
 from kvtrail.forensics.replay.pagestate import PageState
 from kvtrail.forensics.sql.engine import HOLD_PURPOSE
 
@@ -46,10 +48,10 @@ class Prelude:
 
     def add(self, kind: str, rid: str | None, tenant: str | None, pages: np.ndarray, wall_ns: int, *,
             purpose: str | None = None, hashes: np.ndarray | None = None, digests: np.ndarray | None = None,
-            real: Key | None = None) -> None:
+            real: Key | None = None, status: str | None = None) -> None:
         seq = len(self.rows)
         self.rows.append({"producer_id": self.producer_id, "seq": seq, "pre": seq, "wall_ns": int(wall_ns),
-                          "kind": kind, "request_id": rid, "tenant_id": tenant, "purpose": purpose,
+                          "kind": kind, "request_id": rid, "tenant_id": tenant, "purpose": purpose, "status": status,
                           "num_pages": len(pages), "num_dst_pages": 0,
                           "block_hashes": None if hashes is None else hashes.tolist(),
                           "page_digests": None if digests is None else digests.tolist()})
@@ -132,6 +134,13 @@ class _Builder:
                          hashes=pool.bhash[ps] if has_bh else None,
                          digests=pool.digest[ps] if has_dg else None, real=(k0, k1))
 
+    def unverified(self, pages: np.ndarray) -> None:
+        """Pages an unverified transfer landed on (writer unknown): that receipt, as the engine reads it."""
+        pool = self.pool
+        for (k0, k1), ps in _groups(pages, pool.write_ev[pages, 0], pool.write_ev[pages, 1]):
+            self.out.add("transfer_received", None, None, ps, int(pool.write_ns[ps[0]]), real=(k0, k1),
+                         status=UNVERIFIED)
+
 
 def build_prelude(pool: PageState, requests: list, tenants: dict, producer_id: int, prelude_ns: int) -> Prelude:
     """The synthetic events that leave ``pool`` behind (see the module doc)."""
@@ -168,6 +177,7 @@ def build_prelude(pool: PageState, requests: list, tenants: dict, producer_id: i
     written = writer >= 0
     early = written & (wgen < gen)  # written before the page's last exclusive allocation
     after = written & ~early
+    unverified = (writer < 0) & (pool.write_ev[:, 0] >= 0)  # landed by an unverified transfer: writer unknown
     in_extra = np.zeros(n, bool)
     for p, rs in pool.extra.items():
         in_extra[p] = int(writer[p]) in rs
@@ -175,6 +185,7 @@ def build_prelude(pool: PageState, requests: list, tenants: dict, producer_id: i
     b.emit("kv_written", idx[prev & (late_gen < gen)], late_prev)
     b.emit("pages_allocated", idx[early & ~late_cur], writer, purpose=HOLD_PURPOSE)
     b.writes(idx[early])
+    b.unverified(idx[unverified & (wgen < gen)])
     b.emit("pages_allocated", idx[(owner >= 0) & (owner != areq)], owner, real=pool.alloc_ev)
     extras = [(p, r) for p, rs in sorted(pool.extra.items()) for r in sorted(rs) if r != areq[p]]
     if extras:
@@ -192,6 +203,7 @@ def build_prelude(pool: PageState, requests: list, tenants: dict, producer_id: i
     hold_after = after & ~late_cur & (writer != areq) & (writer != owner) & ~in_extra
     b.emit("pages_allocated", idx[hold_after], writer, purpose=HOLD_PURPOSE)
     b.writes(idx[after])
+    b.unverified(idx[unverified & (wgen >= gen)])
     for r, ps_hs in _hits_by_request(b.shared).items():
         rid = b.rid(r)
         ps = np.array([p for p, _ in ps_hs], np.int64)

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvtrail.audit.store import read_events
-from kvtrail.forensics.findings import Finding
+from kvtrail.forensics.findings import UNVERIFIED, Finding
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.batch import (
     JOIN_CODES,
@@ -107,8 +107,8 @@ class ReplayEngine:
                        hashes[hoff[i]:hoff[i + 1]] if hoff[i + 1] > hoff[i] else None, ndst[i]))
             if ev.request_id is not None and ev.tenant_id is not None:
                 tenants.setdefault(ev.request_id, ev.tenant_id)
-            if not self.need_joins and ev.kind in JOIN_KINDS:
-                continue
+            if not self.need_joins and ev.kind in JOIN_KINDS and ev.status != UNVERIFIED:
+                continue  # an unverified receipt changes page state (its pages' writer becomes unknown)
             handle(ev)
 
     def feed_batch(self, batch: ReplayBatch) -> None:

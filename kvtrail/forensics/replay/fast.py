@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kvtrail.forensics.findings import UNVERIFIED
 from kvtrail.forensics.replay import kernels as K
 from kvtrail.forensics.replay.batch import JOIN_KINDS, PAGE_KINDS, ReplayBatch, codes_of, first_rows
 from kvtrail.forensics.replay.event import NodeKey
@@ -35,6 +36,17 @@ from kvtrail.forensics.replay.state import ReplayState
 _INT64_MAX = 2**63 - 1
 _NO_POOL = tuple(spec.allocate(0) for spec in K.KERNEL_ARRAYS)  # what the kernel gets for a node without a pool
 _NO_SHARES = PrefixShares(1).arrays()
+
+
+_RECEIPT = len(PAGE_KINDS) + JOIN_KINDS.index("transfer_received")
+
+
+def _unverified(b: ReplayBatch, kind: np.ndarray) -> np.ndarray:
+    """Rows that are unverified transfer receipts: page events of their node (handled in Python)."""
+    receipt = kind == _RECEIPT
+    if not receipt.any():
+        return receipt
+    return receipt & (codes_of(b.column("status"), (UNVERIFIED,)) == 0)
 
 
 class _Slot:
@@ -118,6 +130,7 @@ class FastReplay:
                      | b.column("token_end").is_null().to_numpy(zero_copy_only=False))
         op[(kind == 2) & forward & no_tokens] = K.OP_PYTHON
         op[pc.fill_null(b.column("seq"), 0).to_numpy(zero_copy_only=False) > _INT64_MAX] = K.OP_PYTHON  # int64 keys
+        op[_unverified(b, kind)] = K.OP_PYTHON  # its handler changes page state: judged even without the joins
         return op
 
     def feed(self, b: ReplayBatch) -> None:
@@ -138,7 +151,8 @@ class FastReplay:
         known = b.events(np.flatnonzero(op == K.OP_PYTHON), ord0)
         handle = self.handlers.handle
         # One lane of rows per pool (page events and node_config), in order.
-        pooled = ((kind >= 0) & (kind < len(PAGE_KINDS))) | (kind == len(PAGE_KINDS) + len(JOIN_KINDS))
+        pooled = (((kind >= 0) & (kind < len(PAGE_KINDS))) | (kind == len(PAGE_KINDS) + len(JOIN_KINDS))
+                  | _unverified(b, kind))  # an unverified landing leaves its pages' writer unknown
         rows = np.flatnonzero(pooled)
         by_slot = rows[np.argsort(slot[rows].astype(np.uint16 if len(self.slots) < 1 << 16 else np.int64),
                                   kind="stable")]

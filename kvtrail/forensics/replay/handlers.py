@@ -18,7 +18,15 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from kvtrail.forensics.findings import REPEAT_DETAIL, Finding, foreign_read_detail, late_write_detail, make_finding
+from kvtrail.forensics.findings import (
+    REPEAT_DETAIL,
+    UNVERIFIED,
+    Finding,
+    foreign_read_detail,
+    late_write_detail,
+    make_finding,
+    unknown_writer_detail,
+)
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.batch import JOIN_KINDS, PAGE_KINDS
 from kvtrail.forensics.replay.event import EventKey, ReplayEvent, required
@@ -37,7 +45,8 @@ class EventHandlers:
         self.policy = policy
         self._by_kind: dict[str, Callable[[ReplayEvent], None]] = {
             **{kind: getattr(self, "on_" + kind) for kind in POOL_KINDS},
-            **{kind: getattr(state.joins, kind) for kind in JOIN_KINDS}}
+            **{kind: getattr(state.joins, kind) for kind in JOIN_KINDS},
+            "transfer_received": self.on_transfer_received}
 
     def handle(self, ev: ReplayEvent) -> None:
         """Apply one event (kinds without a handler change nothing)."""
@@ -182,6 +191,26 @@ class EventHandlers:
         if ev.hashes is not None:
             pool.bhash[pages] = ev.hashes
 
+    def on_transfer_received(self, ev: ReplayEvent) -> None:
+        """A receipt feeds the joins; an ``unverified`` one also leaves its pages' writer unknown.
+
+        Decode committed the transfer without evidence of what landed: the pages may hold what prefill sent
+        or whatever was there before. Their writer becomes unknown (as never written), the receipt is
+        remembered as the pages' last write event, so a later read's F1 names it.
+        """
+        self.state.joins.transfer_received(ev)
+        if ev.status != UNVERIFIED:
+            return
+        pool, pages = self._pool(ev), ev.pages
+        if pool is None:
+            return
+        pool.writer[pages] = -1
+        pool.write_ns[pages] = ev.wall_ns
+        pool.write_gen[pages] = pool.gen[pages]
+        pool.write_ev[pages] = ev.key
+        pool.has_digest[pages] = False
+        pool.has_bhash[pages] = False
+
     def on_kv_read(self, ev: ReplayEvent) -> None:
         pool, pages = self._pool(ev), ev.pages
         if pool is None:
@@ -206,8 +235,11 @@ class EventHandlers:
         for w in np.unique(writer[foreign]).tolist():
             sel = foreign & (writer == w)
             if w < 0:
+                landed = pool.write_ev[pages[sel]]
+                unverified = landed[landed[:, 0] >= 0]  # unknown writer: an unverified landing's pages
                 self.emit("F1", ev, request=ev.request_id, victims=[-1], pages=pages[sel],
-                          detail="read of pages never written since the pool was created")
+                          evidence={(int(k[0]), int(k[1])) for k in unverified.tolist()},
+                          detail=unknown_writer_detail(len(unverified)))
                 continue
             num_late, num_lost = pool.late_writes(pages[sel], r)
             self.emit("F1", ev, request=ev.request_id, victims=[w], pages=pages[sel],

@@ -21,6 +21,8 @@ Model (the replay engine's rules, restated over the record):
   does not hold. F6: an allocation (not a prefix hit) of a page another request holds. Victims are
   the page's holders at that moment. Also F6: any allocation listing a page twice (the allocator
   handed it out twice; the request is its own victim).
+* An ``unverified`` ``transfer_received`` (decode could not show what landed) is a write by nobody: its
+  pages' writer is unknown, as if never written (F1's "never written" victim), its receipt the evidence.
 * F1: a page R reads whose last write before the read was by another request (or never happened),
   unless R holds it as a prefix-cache hit whose block hash equals the one the last write stored, or it
   is a fresh growth page (R holds it, the page's last exclusive allocation was R's ``decode_growth``,
@@ -46,7 +48,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtrail.forensics.findings import Finding, late_transfer_detail, make_finding, transfer_mismatch_detail
+from kvtrail.forensics.findings import (
+    UNVERIFIED,
+    Finding,
+    late_transfer_detail,
+    make_finding,
+    transfer_mismatch_detail,
+)
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.sql.pages import f1_f10, f5_f7, f6, repeats
 from kvtrail.forensics.window import window_filter
@@ -91,7 +99,7 @@ def _base(where: str, order: str) -> str:
                   FROM ev WHERE kind = 'node_config')),
     pe AS (SELECT e.*, c.epoch FROM ev e ASOF JOIN cfg c
            ON e.cluster = c.cluster AND e.node = c.node AND e.ord >= c.ord
-           WHERE e.kind IN {_PAGE_KINDS}),
+           WHERE e.kind IN {_PAGE_KINDS} OR (e.kind = 'transfer_received' AND e.status = '{UNVERIFIED}')),
     runs AS (SELECT pe.cluster, pe.node, pe.epoch, pe.ord, pe.producer_id, pe.seq, pe.wall_ns, pe.kind,
                     pe.request_id, pe.purpose, pe.num_pages AS ev_pages, r.pos AS run_pos, r.page_start AS run_start,
                     r.page_start + r.num_pages - 1 AS run_end

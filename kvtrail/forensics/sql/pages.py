@@ -8,7 +8,13 @@ and returns findings; the rules are restated in :mod:`kvtrail.forensics.sql.engi
 
 from __future__ import annotations
 
-from kvtrail.forensics.findings import REPEAT_DETAIL, Finding, foreign_read_detail, late_write_detail
+from kvtrail.forensics.findings import (
+    REPEAT_DETAIL,
+    Finding,
+    foreign_read_detail,
+    late_write_detail,
+    unknown_writer_detail,
+)
 
 
 def holders_ctes(probe: str, other_only: bool) -> str:
@@ -239,8 +245,9 @@ def f1_f10(ctx, allow_tenant_cache_sharing: bool) -> list[Finding]:
              LEFT JOIN (SELECT producer_id, seq, block_hashes FROM events WHERE purpose = 'prefix_hit') e
              USING (producer_id, seq)),
     rd AS (SELECT * FROM pr WHERE kind = 'kv_read'),
-    wr AS (SELECT pr.*, e.block_hashes, e.page_digests FROM pr JOIN events e USING (producer_id, seq)
-           WHERE pr.kind = 'kv_written'),
+    wr AS (SELECT pr.* REPLACE (CASE WHEN pr.kind = 'kv_written' THEN pr.request_id END AS request_id),
+                  e.block_hashes, e.page_digests FROM pr JOIN events e USING (producer_id, seq)
+           WHERE pr.kind IN ('kv_written', 'transfer_received')),
     rp AS (SELECT r.producer_id, r.seq, r.cluster, r.node, r.epoch, r.bucket, r.ord, r.request_id, r.wall_ns, g.page,
                   r.pos + g.page - r.page_start AS idx
            FROM rd r, generate_series(r.page_start, r.page_end) AS g(page)),
@@ -296,7 +303,7 @@ def f1_f10(ctx, allow_tenant_cache_sharing: bool) -> list[Finding]:
                AND (m.request_id = c.w.rid OR (NOT m.is_alloc AND m.request_id IS NULL))
                AND c.page BETWEEN m.page_start AND m.page_end
               GROUP BY ALL),
-    pw AS (SELECT c.producer_id, c.seq, c.page, max_by(w.request_id, w.ord) AS prev_rid, max(w.ord) AS prev_ord
+    pw AS (SELECT c.producer_id, c.seq, c.page, arg_max_null(w.request_id, w.ord) AS prev_rid, max(w.ord) AS prev_ord
            FROM f1w c JOIN wr w
              ON w.cluster = c.cluster AND w.node = c.node AND w.epoch = c.epoch AND w.bucket = c.bucket
             AND w.ord < c.w.word
@@ -313,16 +320,18 @@ def f1_f10(ctx, allow_tenant_cache_sharing: bool) -> list[Finding]:
            min(w.wns), list(DISTINCT [w.pid, w.wseq]) FILTER (WHERE w.pid IS NOT NULL),
            count(*) FILTER (WHERE read_dg IS NOT NULL AND w.dg IS NOT NULL),
            count(*) FILTER (WHERE read_dg IS NOT NULL AND w.dg IS NOT NULL AND read_dg = w.dg),
-           count(*) FILTER (WHERE l.is_late), count(*) FILTER (WHERE l.own_lost)
+           count(*) FILTER (WHERE l.is_late), count(*) FILTER (WHERE l.own_lost),
+           count(*) FILTER (WHERE w.pid IS NOT NULL AND w.rid IS NULL)
     FROM cls LEFT JOIN late l USING (producer_id, seq, page) WHERE NOT fresh AND (NOT cached OR w.rid IS NOT NULL)
     GROUP BY producer_id, seq, node, request_id, wall_ns, cached, w.rid""", ctes)
     out = []
-    for pid, seq, node, rid, wall, cached, writer, pages, first, wkeys, checked, matched, num_late, num_lost in rows:
+    for (pid, seq, node, rid, wall, cached, writer, pages, first, wkeys, checked, matched, num_late, num_lost,
+         num_unverified) in rows:
         if not cached:
-            if writer is None:
+            if writer is None:  # never written, or landed by an unverified transfer (its receipts are evidence)
                 out.append(ctx.finding("F1", node=node, request=rid, victims=[None], pages=pages, first_ns=wall,
-                                       last_ns=wall, evidence=[(pid, seq)],
-                                       detail="read of pages never written since the pool was created"))
+                                       last_ns=wall, evidence=[(pid, seq), *(wkeys or ())],
+                                       detail=unknown_writer_detail(num_unverified)))
             else:
                 out.append(ctx.finding("F1", node=node, request=rid, victims=[writer], pages=pages, first_ns=first,
                                        last_ns=wall, evidence=[(pid, seq), *wkeys],

@@ -3,7 +3,9 @@
 The hooks follow the paged and token allocators' page lists and the plain decode step. SGLang 0.5.23's
 hybrid SWA, HiSparse, Mamba, unified and sharded allocators keep second page spaces (sliding-window or
 host pages, state slots) with their own free paths, and speculative decoding allocates through
-``alloc_for_spec_decode``: a node running one of them is recorded, but its record has holes. The plugin
+``alloc_for_spec_decode``; HiCache (``--enable-hierarchical-cache``) loads pages back from host memory
+through ``PagedTokenToKVPoolAllocator.alloc``, which no hook sees, and decode's KV offload copies pages
+out: a node running one of them is recorded, but its record has holes. The plugin
 names them in the node's ``node_config`` event and warns, instead of pretending to audit them.
 """
 
@@ -20,6 +22,11 @@ def unaudited(scheduler: Any) -> list[str]:
     allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
     if allocator is not None and type(allocator).__name__ not in AUDITED_ALLOCATORS:
         out.append(f"allocator {type(allocator).__name__}")
+    if getattr(scheduler, "enable_hierarchical_cache", False):
+        # host-cache load-back allocates through PagedTokenToKVPoolAllocator.alloc, which no hook sees
+        out.append("HiCache load-back and write-back allocations")
+    if getattr(scheduler, "decode_offload_manager", None) is not None:
+        out.append("decode KV offload")
     spec = getattr(scheduler, "spec_algorithm", None)
     if spec is not None and hasattr(spec, "is_none") and not spec.is_none():
         out.append(f"speculative decoding {getattr(spec, 'name', spec)}")

@@ -3,7 +3,8 @@
 SGLang's ``load_plugins()`` calls :func:`register` once in every process (engine, each scheduler,
 detokenizer, DP controller). With kvtrail's environment set (``KVTRAIL_URL`` + ``KVTRAIL_TOKEN``, or
 ``KVTRAIL_DB``), it registers the hooks of :mod:`~kvtrail.serving.sglang.targets`; recording starts in
-a scheduler process once its pools exist, on attention-TP rank 0 only, and in the HTTP (tokenizer)
+a scheduler process once its pools exist, on attention-TP rank 0 only (SGLang's parallel state:
+:mod:`~kvtrail.serving.sglang.ranks`), and in the HTTP (tokenizer)
 process at its first finished request (the client's status). Right after the registry applied
 the hooks, every target is checked: one that was not patched is warned about loudly (on stderr: in the
 scheduler, plugins load before logging is configured) and named in the node's configuration event.
@@ -17,7 +18,7 @@ from typing import Any
 
 from kvtrail.audit.events import Producer
 from kvtrail.audit.recorder import Recorder, RecorderConfig
-from kvtrail.serving.sglang import checksum, frontend, lifecycle, memory, modes, transfer
+from kvtrail.serving.sglang import checksum, frontend, lifecycle, memory, modes, ranks, senders, transfer
 from kvtrail.serving.sglang import targets as T
 from kvtrail.serving.sglang.config import PluginConfig
 from kvtrail.serving.sglang.guard import after, around, before
@@ -39,12 +40,15 @@ class Plugin:
         self.frontend: Session | None = None  # the HTTP (tokenizer) process's session, started at its first response
         self._frontend_tried = False
         self._scheduler: Any = None
+        self._started: set[int] = set()  # the schedulers (ids) a start was tried for
+        self._place_unaudited: list[str] = []  # what the parallel layout leaves unaudited (ranks.placement)
+        self._intake = before(self, "handle_generate_request", lifecycle.on_generate_request)
         self.targets = self._targets()
 
     def _targets(self) -> list[T.Target]:
         return [
             T.Target(T.NODE_CONFIG, "AFTER", self._on_scheduler_ready),
-            T.Target(T.INTAKE, "BEFORE", before(self, "handle_generate_request", lifecycle.on_generate_request)),
+            T.Target(T.INTAKE, "BEFORE", self._on_intake),
             T.Target(T.ALLOC_EXTEND, "AFTER", after(self, "alloc_for_extend", memory.on_extend)),
             T.Target(T.ALLOC_PREALLOC, "AFTER", after(self, "alloc_for_decode_prealloc", memory.on_prealloc)),
             T.Target(T.ALLOC_DECODE, "AFTER", after(self, "alloc_for_decode", memory.on_decode)),
@@ -103,10 +107,24 @@ class Plugin:
     # ---- hooks that are not plain recorders ----------------------------------------------------------
 
     def _on_scheduler_ready(self, _result: Any, scheduler: Any) -> None:
+        self.ensure_started(scheduler)
+
+    def _on_intake(self, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+        # A scheduler whose pools exist starts recording at its first request at the latest, whichever
+        # way it was built (a harness that never ran init_disaggregation).
+        if self.session is None and getattr(scheduler, "token_to_kv_pool_allocator", None) is not None:
+            self.ensure_started(scheduler)
+        self._intake(scheduler, *args, **kwargs)
+
+    def ensure_started(self, scheduler: Any) -> None:
+        """Start recording in this scheduler process once (its pools exist); a failure is loud, not fatal."""
+        if self.session is not None or id(scheduler) in self._started:
+            return
+        self._started.add(id(scheduler))
         try:
             self.start(scheduler)
         except Exception as exc:  # noqa: BLE001 - a plugin failure must not stop SGLang; loud instead
-            print(f"kvtrail: WARNING: recording not started: {type(exc).__name__}: {exc}", file=sys.stderr)
+            _warn(f"kvtrail: WARNING: recording not started: {type(exc).__name__}: {exc}")
 
     def _on_set_buf(self, _result: Any, buffers: Any, req: Any) -> None:
         # Every prefill TP rank writes the slot, so every decode rank decides alike.
@@ -124,7 +142,8 @@ class Plugin:
         except Exception as exc:  # noqa: BLE001 - never raise into SGLang; counted
             if s is not None:
                 s.resolver.count_failure("_commit_transfer_to_req", exc)
-        if self.config.enforce_length and covered is not None and reserved is not None and covered != reserved:
+        if (self.config.enforce_length and reserved is not None and covered != reserved
+                and (covered is not None or not transfer.exempt(decode_req.req))):
             transfer.abort_mismatch(queue, decode_req, covered, reserved)
             if s is not None:
                 transfer.record_landed(s, decode_req, covered, "mismatch")
@@ -141,16 +160,20 @@ class Plugin:
     # ---- the recording session -----------------------------------------------------------------------
 
     def start(self, scheduler: Any, sink: Any = None) -> Session | None:
-        """Start recording in this scheduler process (attention-TP rank 0 only); the node configuration event.
+        """Start recording in this scheduler process; the node configuration event.
 
-        ``sink`` overrides the configured store or service (an object with ``append``, as for Recorder).
+        Only the process SGLang's parallel state places at attention-TP rank 0 (and attention-CP rank 0,
+        pipeline stage 0) records, as ``<node>-dp<N>`` where the node has several data-parallel pools
+        (:mod:`~kvtrail.serving.sglang.ranks`). ``sink`` overrides the configured store or service (an
+        object with ``append``, as for Recorder).
         """
-        if int(getattr(scheduler, "attn_tp_rank", getattr(scheduler, "tp_rank", 0)) or 0) != 0:
+        place = ranks.placement()
+        if not place.records:
+            if "unknown" in place.why:  # not an ordinary non-zero rank: say why nothing is recorded
+                _warn(f"kvtrail: WARNING: this scheduler records nothing: {place.why}")
             return None
-        mode = getattr(getattr(scheduler, "disaggregation_mode", None), "value", "null")
-        role = ROLES.get(str(mode), "unified")
-        dp_rank = getattr(scheduler, "dp_rank", None)
-        node = self.config.node + (f"-dp{dp_rank}" if dp_rank else "")  # each DP rank has its own pool
+        role = _role(scheduler)
+        node = place.node(self.config.node)  # each DP pool is its own node
         producer = Producer(self.config.cluster, node, role, "sglang", _sglang_version(), instance_id())
         sink = self.config.sink if sink is None else sink
         recorder = Recorder(sink, producer, RecorderConfig(flush_interval_s=self.config.flush_interval_s))
@@ -160,7 +183,8 @@ class Plugin:
                 or T.HTTP_OUTCOME in self.missing)
         self.session = Session(recorder, int(scheduler.page_size), role, self.config.enforce_length,
                                records_responses=here)
-        self.unaudited = modes.unaudited(scheduler)
+        self._place_unaudited = list(place.unaudited)
+        self.unaudited = self._unaudited(scheduler, role)
         if self.unaudited:
             _warn(f"kvtrail: WARNING: this node runs SGLang modes the plugin does not audit, the record has "
                   f"holes: {', '.join(self.unaudited)}")
@@ -193,7 +217,15 @@ class Plugin:
                 _warn(f"kvtrail: WARNING: response recording not started: {type(exc).__name__}: {exc}")
         return self.frontend
 
+    def _unaudited(self, scheduler: Any, role: str) -> list[str]:
+        """The modes of this scheduler the record does not cover; a prefill node's transfer backend among them
+        when no patched hook sees its sender's sends (judged against the hook check as it stands now)."""
+        out = [*modes.unaudited(scheduler), *self._place_unaudited]
+        gap = senders.backend_gap(_backend(scheduler), self.missing) if role == "prefill" else None
+        return out + [gap] if gap else out
+
     def _record_config(self, s: Session, scheduler: Any) -> None:
+        self.unaudited = self._unaudited(scheduler, s.role)
         args = scheduler.server_args
         pool_tokens = int(scheduler.max_total_num_tokens)
         source = "sglang-plugin; hooks " + (("missing: " + ",".join(self.missing)) if self.missing else "all patched")
@@ -212,6 +244,22 @@ class Plugin:
             if s is not None:
                 s.close()
         self.session = self.frontend = None
+
+
+def _role(scheduler: Any) -> str:
+    """The scheduler's role: its disaggregation mode (set by init_disaggregation), else its server args'."""
+    mode = getattr(getattr(scheduler, "disaggregation_mode", None), "value", None)
+    if mode is None:
+        mode = getattr(getattr(scheduler, "server_args", None), "disaggregation_mode", None) or "null"
+    return ROLES.get(str(mode), "unified")
+
+
+def _backend(scheduler: Any) -> str:
+    """The PD transfer backend (``--disaggregation-transfer-backend``) this scheduler uses."""
+    backend = getattr(getattr(scheduler, "transfer_backend", None), "value", None)
+    if backend is None:
+        backend = getattr(getattr(scheduler, "server_args", None), "disaggregation_transfer_backend", None)
+    return str(backend or "mooncake")
 
 
 def _store_file(sink: Any) -> bool:

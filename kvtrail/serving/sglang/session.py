@@ -30,6 +30,7 @@ class ReqState:
     has_read: bool = False
     aborted: bool = False
     landed_tokens: int | None = None  # decode: what the commit recorded as landed (the checksum receipt reuses it)
+    unverified: bool = False  # decode: the commit could not show what landed (the checksum may prove it later)
 
 
 @dataclass

@@ -3,9 +3,11 @@
 Prefill writes the tokens it actually covers, bound to the bootstrap room, into a spare slot of the
 metadata ("aux") buffer that travels with the KV (``cached_tokens[idx][7..8]``: unused in 0.5.23 and
 not reset by ``clear_slot``, hence the room tag). Decode reads it before it commits the transfer: that
-is the only way decode learns how much of what it reserved was written. With enforcement on (off by
-default; both roles must run the plugin) decode aborts a request whose covered length differs from
-its reservation with HTTP 500, as SGLang's own corruption path does, instead of serving it.
+is the only way decode learns how much of what it reserved was written. Where the slot is not this
+room's, decode cannot tell: the receipt is ``unverified`` (nothing proven, no ``transfer_in`` write), unless
+SGLang's checksum later proves the landing. With enforcement on (off by default; both roles must run the
+plugin) decode aborts a request whose covered length differs from its reservation, or cannot be shown,
+with HTTP 500, as SGLang's own corruption path does, instead of serving it.
 """
 
 from __future__ import annotations
@@ -101,50 +103,100 @@ def _record_sent(s: Session, ref: Any, pages: Snapshot, dst: np.ndarray | None, 
                  digest: int | None) -> None:
     src = pages.numpy().reshape(-1).copy()
     if dst is None or len(dst) != len(src):
-        dst = np.zeros(len(src), dtype=np.int64)  # decode's pages unknown here: 0 is the padding page
+        # decode's pages unknown here (no handshake info for the room): the event cannot be stored; say so
+        s.recorder.events_lost("invalid", 1, len(src), f"sglang transfer_sent of transfer {ref.transfer_id}: "
+                               "decode's destination pages unknown to prefill")
+        return
     s.recorder.transfer_sent(ref, src, dst, n, last, digest, DIGEST_ALGO if digest is not None else None)
 
 
 # ---- decode: DecodeTransferQueue._commit_transfer_to_req ------------------------------------------------
 
+UNVERIFIED = "unverified"
+
+
 def record_landed(s: Session, decode_req: Any, covered: int | None, status: str) -> None:
-    """The transfer's receipt and the KV it wrote into decode's reserved pages (only what prefill covered)."""
+    """The transfer's receipt, and the KV it wrote into decode's reserved pages, as far as decode can show it.
+
+    ``covered``: the tokens prefill's slot says this transfer covers for this room; then the receipt and
+    the ``transfer_in`` write cover exactly that (at most the reservation). None: decode cannot tell (the
+    slot is another room's: prefill without the plugin, or no metadata for this room arrived), and the
+    receipt says so: status ``unverified``, 0 tokens proven, every reserved page listed (their writer is
+    unknown from now on) and no write recorded. SGLang's checksum, where enabled, can still prove it later
+    (:func:`record_verified`).
+    """
     req = decode_req.req
     st = s.state(str(req.rid))
+    if covered is None:
+        st.landed_tokens, st.unverified = 0, True
+        s.later("_commit_transfer_to_req", _record_landed, s, s.ref(req), st.reserved_pages, st.prefix_tokens,
+                0, UNVERIFIED if status == "ok" else status, None, None, True)
+        return
     reserved = st.reserved_tokens or reserved_tokens(req)
-    landed = reserved if covered is None else min(covered, reserved)
-    st.landed_tokens = landed
+    landed = min(covered, reserved)
+    st.landed_tokens, st.unverified = landed, False
     s.later("_commit_transfer_to_req", _record_landed, s, s.ref(req), st.reserved_pages, st.prefix_tokens,
             landed, status, None, req.origin_input_ids)
 
 
+def digested_tokens(req: Any) -> int:
+    """The tokens SGLang's ``_verify_kv_checksums`` digests on decode: the prompt past the prefix decode's
+    tree cache holds (what prefill sent and digested)."""
+    return len(req.origin_input_ids) - int(req.kv.cache_protected_len)
+
+
 def record_verified(s: Session, req: Any, st: ReqState, status: str, digest: int | None) -> None:
     """Decode's checksum verdict (SGLang's _verify_kv_checksums): a second receipt of the same transfer that
-    carries the digest decode computed over its reserved pages, ``ok`` or ``mismatch``."""
+    carries the digest decode computed over its reserved pages, ``ok`` or ``mismatch``.
+
+    After an unverified commit a matching digest is the proof the commit lacked: decode's pages hold what
+    prefill digested, so the receipt covers the digested tokens and records the transfer's write. A
+    mismatch proves nothing landed as sent: 0 tokens, the pages' writer stays unknown.
+    """
+    if st.unverified:
+        if status == "ok" and digest is not None:
+            st.landed_tokens, st.unverified = digested_tokens(req), False
+            s.later("_verify_kv_checksums", _record_landed, s, s.ref(req), st.reserved_pages, st.prefix_tokens,
+                    st.landed_tokens, status, digest, req.origin_input_ids)
+            return
+        s.later("_verify_kv_checksums", _record_landed, s, s.ref(req), st.reserved_pages, st.prefix_tokens,
+                0, status, digest, None, True)
+        return
     landed = st.landed_tokens if st.landed_tokens is not None else reserved_tokens(req)
     s.later("_verify_kv_checksums", _record_landed, s, s.ref(req), st.reserved_pages, st.prefix_tokens,
             landed, status, digest, None)
 
 
 def _record_landed(s: Session, ref: Any, reserved: Snapshot | None, prefix: int, landed: int, status: str,
-                   digest: int | None, ids: Any) -> None:
+                   digest: int | None, ids: Any, every_page: bool = False) -> None:
     """The receipt; with the request's token ids (``ids``; None: a receipt only) the KV written into decode's
-    pages, with the pages' content keys, so a later prefix hit on decode's radix cache matches its writer."""
+    pages, with the pages' content keys, so a later prefix hit on decode's radix cache matches its writer.
+    ``every_page``: the receipt lists every reserved page (an unproven landing: their writer is unknown)."""
     ps = s.page_size
     pages = pages_of(reserved.numpy(), ps) if reserved is not None else np.zeros(0, dtype=np.int64)
-    covered = pages[:-(-landed // ps)] if landed else pages[:0]
+    covered = pages if every_page else (pages[:-(-landed // ps)] if landed else pages[:0])
     s.recorder.transfer_received(ref, covered, landed, status, digest, DIGEST_ALGO if digest is not None else None)
     if ids is not None and len(covered):
         keys = block_hashes(ids, prefix // ps, len(covered), ps)
         s.recorder.kv_written(ref, covered, prefix, prefix + landed, "transfer_in", block_hashes=keys)
 
 
-def abort_mismatch(queue: Any, decode_req: Any, covered: int, reserved: int) -> None:
-    """Enforcement: abort just this request with 500, as SGLang's own metadata-corruption path does."""
+def exempt(req: Any) -> bool:
+    """Requests SGLang itself commits without a transfer (its fake transfers: warm-up, health checks)."""
+    from sglang.srt.disaggregation.utils import _is_fake_transfer
+
+    return bool(_is_fake_transfer(req))
+
+
+def abort_mismatch(queue: Any, decode_req: Any, covered: int | None, reserved: int) -> None:
+    """Enforcement: abort just this request with 500, as SGLang's own metadata-corruption path does.
+    ``covered`` None: decode cannot show that any transfer wrote this request's KV."""
     from sglang.srt.disaggregation.utils import prepare_abort
 
-    prepare_abort(decode_req.req, f"Transferred length mismatch: prefill covered {covered} tokens, "
-                  f"decode reserved {reserved}", status_code=HTTP_INTERNAL_ERROR)
+    what = (f"prefill covered {covered} tokens" if covered is not None
+            else "no transfer metadata of this request's room")
+    prepare_abort(decode_req.req, f"Transferred length mismatch: {what}, decode reserved {reserved}",
+                  status_code=HTTP_INTERNAL_ERROR)
     if decode_req.kv_receiver is not None:
         decode_req.kv_receiver.clear()
         decode_req.kv_receiver = None
