@@ -119,6 +119,9 @@ TENANT_EXPOSURE = AnswerSpec(
         ("reading_responses", I64, "responses that read its data", True),
         ("reading_tenants", I64, "other tenants whose responses read it", True),
         ("pages", I64, "pages of its data read", True),
+        ("same_tenant_responses", I64, "its own other responses that read its requests' pages", True),
+        ("same_tenant_pages", I64, "pages those responses read", True),
+        ("my_requests_read_by_own_responses", IDS, "its requests whose pages its own responses read", True),
     ))
 EXPOSURE = AnswerSpec("exposure", "Recipient tenant x victim tenant (``kvtrail forensics exposure``).", _cols(
     ("recipient_tenant", S, "the tenant whose responses read foreign pages"),

@@ -171,14 +171,14 @@ def test_a_late_write_over_an_unverified_landing_did_not_overwrite_the_readers_o
 def test_a_lake_judges_a_read_across_an_hour_boundary_after_an_unverified_landing_as_the_store(tmp_path):
     """The landing in one hour, the read in the next: per-(node, hour) replay and SQL (from the checkpoint's
     prelude) on the lake find what both engines find on the store."""
+    from kvtrail.audit.lake.export import export_lake
+    from kvtrail.audit.lake.partition import HOUR_NS
     from kvtrail.audit.store import AuditStore
     from kvtrail.forensics import Window
     from kvtrail.forensics.lake.checkpointer import write_checkpoints
     from kvtrail.forensics.lake.questions import lake_findings, open_lake
     from kvtrail.forensics.lake.sqltask import sql_lake_findings
     from kvtrail.forensics.policy import ForensicsPolicy
-    from kvtrail.lake.export import export_lake
-    from kvtrail.lake.partition import HOUR_NS
 
     tl, rec, read = unwritten_commit(sent=True)
     boundary = (rec["wall_ns"] // HOUR_NS + 1) * HOUR_NS
