@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 import duckdb
 
-from kvtrail.answers.ask import open_answers
+from kvtrail.answers.ask import ServiceAnswers, open_answers
 from kvtrail.answers.tables import (
     AFFECTED,
     EXPLOITATION,
@@ -32,7 +32,6 @@ from kvtrail.cli.options import exclusion_options, exclusions, probe_options, re
 from kvtrail.cli.progress import replaying, step
 from kvtrail.cli.report import report, verify_report_cmd
 from kvtrail.cli.sources import (
-    Remote,
     lake_options,
     remote_options,
     repeat_polls,
@@ -263,7 +262,7 @@ def watch(db, interval, polls, allow_tenant_cache_sharing, url, api_token, lake_
         if allow_tenant_cache_sharing:
             raise KvtrailError("--allow-tenant-cache-sharing: the service's judge runs with the service's policy; "
                                "it cannot be set with --url")
-        watch_remote(Remote(url, api_token), interval, polls)
+        watch_remote(ServiceAnswers(url, api_token), interval, polls)
         return
     require_store(db)
     online = OnlineReplay(policy)

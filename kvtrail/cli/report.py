@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from kvtrail.answers.ask import hint_service
 from kvtrail.answers.tables import printable
 from kvtrail.audit.snapshot import open_snapshot
 from kvtrail.cli.options import exclusion_options, exclusions, probe_options, report_options
@@ -16,7 +17,6 @@ from kvtrail.cli.progress import replaying, step
 from kvtrail.cli.sources import (
     lake_answer,
     lake_options,
-    local,
     remote_of,
     remote_options,
     remote_report,
@@ -69,7 +69,7 @@ def report(db, from_, to, out, force, context, exclude_tenants, exclude_file, ur
                            if context else None, before, probe)
         return
     if r is None:
-        con, heads = local(lambda: open_snapshot(db))
+        con, heads = hint_service(lambda: open_snapshot(db))
         try:
             with replaying("report: answering every question"):
                 r = build_report(con, options, ctx, heads)

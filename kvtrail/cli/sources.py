@@ -33,10 +33,6 @@ from kvtrail.timeutil import format_utc
 T = TypeVar("T")
 
 
-local = hint_service
-Remote = ServiceAnswers
-
-
 def remote_of(url: str | None, token: str | None) -> ServiceAnswers | None:
     return ServiceAnswers(url, token) if url else None
 
@@ -127,7 +123,7 @@ def report_check(report_dir, db: str, strict: bool, lake_url: str | None, schedu
     if lake_url is None:
         if scheduler is not None or workers is not None:
             raise KvtrailError("--scheduler/--workers: only with --lake")
-        return local(lambda: verify_report(report_dir, db, strict=strict))
+        return hint_service(lambda: verify_report(report_dir, db, strict=strict))
     return with_lake_executor(scheduler, workers, lambda ex: verify_lake_report(report_dir, lake_url, executor=ex,
                                                                                 strict=strict))
 
