@@ -46,16 +46,35 @@ def build(db: Path, page_events: int) -> Path:
     else:
         db.parent.mkdir(parents=True, exist_ok=True)
         t = time.perf_counter()
-        assert kvtrail(["simulate", "--db", str(raw), "--seed", "7", "--target-page-events", str(page_events),
-                        "--hours", "24"]) == 0
+        assert (
+            kvtrail(
+                ["simulate", "--db", str(raw), "--seed", "7", "--target-page-events", str(page_events), "--hours", "24"]
+            )
+            == 0
+        )
         print(f"simulated in {time.perf_counter() - t:.1f} s")
     if db.exists():
         print(f"reusing {db}")
         return raw
     shutil.copy(raw, db)
     t = time.perf_counter()
-    assert kvtrail(["forensics", "findings", "--db", str(db), "--save", "--format", "json",
-                    "--out", str(db.with_suffix(".findings.json")), "--force"]) == 0
+    assert (
+        kvtrail(
+            [
+                "forensics",
+                "findings",
+                "--db",
+                str(db),
+                "--save",
+                "--format",
+                "json",
+                "--out",
+                str(db.with_suffix(".findings.json")),
+                "--force",
+            ]
+        )
+        == 0
+    )
     print(f"findings and aggregates saved (one replay of the whole store) in {time.perf_counter() - t:.1f} s")
     return raw
 
@@ -71,6 +90,7 @@ def recompute_s(db: Path) -> float:
 
 def views(src: StoreSource, w: fx.Window) -> dict[str, Callable[[], object]]:
     """What each view asks its source for (see kvtrail/dashboards/*_view.py)."""
+
     def fleet() -> object:
         return src.bounds(), src.events_in(w), src.choices(), src.fleet(w), src.counts(w)
 
@@ -82,9 +102,13 @@ def views(src: StoreSource, w: fx.Window) -> dict[str, Callable[[], object]]:
         rows = src.affected(w)
         return src.request(rows["request_id"][0], w) if len(rows) else rows
 
-    return {"Fleet": fleet, "Findings": findings, "Affected responses": affected,
-            "Exposure": lambda: (src.exposure(w), src.thresholds(w), src.exploitation(w)),
-            "Transfers": lambda: (src.transfers(w), src.counts(w))}
+    return {
+        "Fleet": fleet,
+        "Findings": findings,
+        "Affected responses": affected,
+        "Exposure": lambda: (src.exposure(w), src.thresholds(w), src.exploitation(w)),
+        "Transfers": lambda: (src.transfers(w), src.counts(w)),
+    }
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -108,12 +132,14 @@ def main() -> None:
     w = fx.Window(bounds[0], bounds[1])
     with fx.open_store(a.db) as con:
         page_events = con.execute("SELECT sum(num_page_events) FROM batches").fetchall()[0][0]
-    print(f"store {a.db}: {page_events:,} page-events; window {(bounds[1] - bounds[0]) / 3.6e12:.2f} h; "
-          f"findings from: {probe.found(w)[1]}; {probe.counts(w).describe()}")
+    print(
+        f"store {a.db}: {page_events:,} page-events; window {(bounds[1] - bounds[0]) / 3.6e12:.2f} h; "
+        f"findings from: {probe.found(w)[1]}; {probe.counts(w).describe()}"
+    )
     print(f"store {raw}: findings from: {StoreSource(raw).found(w)[1]}; {StoreSource(raw).counts(w).describe()}")
     names = list(views(probe, w))
     for fn in views(StoreSource(a.db), w).values():  # one-off costs of a fresh process (imports, e.g. pandas,
-        fn()                                         # which a running Streamlit app has loaded), not timed
+        fn()  # which a running Streamlit app has loaded), not timed
     stores = {"saved": a.db, "no saved run": raw}
     cold = {(s, n): [] for s in stores for n in names}  # type: dict[tuple[str, str], list[float]]
     warm = {(s, n): [] for s in stores for n in names}  # type: dict[tuple[str, str], list[float]]
@@ -132,8 +158,10 @@ def main() -> None:
             c, h = Spread.of(cold[(store, n)]), Spread.of(warm[(store, n)])
             ok = c.max <= COLD_GOAL_S and h.max <= WARM_GOAL_S
             word = ("PASS" if ok else "MISS") if verdict_ok else "no verdict"
-            print(f"{store}: {n:<20} {c.text():>24} {h.text(1000, '.1f'):>26}  {word} "
-                  f"(goal <= {COLD_GOAL_S:g} s cold, <= {WARM_GOAL_S * 1000:.0f} ms warm, worst round)")
+            print(
+                f"{store}: {n:<20} {c.text():>24} {h.text(1000, '.1f'):>26}  {word} "
+                f"(goal <= {COLD_GOAL_S:g} s cold, <= {WARM_GOAL_S * 1000:.0f} ms warm, worst round)"
+            )
 
 
 if __name__ == "__main__":

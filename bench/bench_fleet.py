@@ -66,8 +66,11 @@ def _page_events(con, from_ns=None, to_ns=None) -> int:
     where, params = "TRUE", []
     if from_ns is not None:
         where, params = "wall_ns >= ? AND wall_ns <= ?", [from_ns, to_ns]
-    return int(con.execute(f"SELECT coalesce(sum(num_pages + num_dst_pages), 0) FROM events WHERE {where}",
-                           params).fetchone()[0])
+    return int(
+        con.execute(f"SELECT coalesce(sum(num_pages + num_dst_pages), 0) FROM events WHERE {where}", params).fetchone()[
+            0
+        ]
+    )
 
 
 def _peak_rss_of(_: int) -> float:
@@ -123,11 +126,15 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=4, help="Prefill nodes (and as many decode nodes).")
     ap.add_argument("--workers", type=int, nargs="*", default=[1, 2, 4])
     ap.add_argument("--rounds", type=int, default=None, help=f"rounds (default {MIN_ROUNDS}; 2 with --quick)")
-    ap.add_argument("--whole-rounds", type=int, default=None,
-                    help="rounds of the whole-history question (default: --rounds)")
+    ap.add_argument(
+        "--whole-rounds", type=int, default=None, help="rounds of the whole-history question (default: --rounds)"
+    )
     ap.add_argument("--quick", action="store_true", help="the default small fleet, 2 rounds")
-    ap.add_argument("--no-limit", action="store_true",
-                    help="skip the machine's limit (the same tasks on 1 and 2 plain processes, no Dask)")
+    ap.add_argument(
+        "--no-limit",
+        action="store_true",
+        help="skip the machine's limit (the same tasks on 1 and 2 plain processes, no Dask)",
+    )
     ap.add_argument("--dir", help="Keep the store and lake here (default: a temporary directory, removed).")
     args = ap.parse_args()
     rounds = check_rounds(args.rounds or (2 if args.quick else MIN_ROUNDS))
@@ -135,8 +142,13 @@ def main() -> int:
     base = args.dir or tempfile.mkdtemp(prefix="bench-fleet-")
     os.makedirs(base, exist_ok=True)
     db, lake_dir = os.path.join(base, "fleet.duckdb"), os.path.join(base, "lake")
-    cfg = FleetConfig(rate_per_s=args.rate, hours=args.hours, prefill_nodes=args.nodes, decode_nodes=args.nodes,
-                      start_ns=DEFAULT_START_NS)
+    cfg = FleetConfig(
+        rate_per_s=args.rate,
+        hours=args.hours,
+        prefill_nodes=args.nodes,
+        decode_nodes=args.nodes,
+        start_ns=DEFAULT_START_NS,
+    )
     executors: dict[str, DaskExecutor | PlainProcesses] = {}
     try:
         sim_s, export_s = build(cfg, db, lake_dir)
@@ -145,12 +157,19 @@ def main() -> int:
         w1 = (lo + HOUR_NS // 2, lo + HOUR_NS // 2 + HOUR_NS)  # one hour across a partition boundary
         questions = {"1-hour window": w1, "whole history": (None, None)}
         total = _page_events(con)
-        built = (f"simulated+stored in {sim_s:.1f} s, exported in {export_s:.1f} s" if sim_s > 1 else
-                 "store and lake reused from --dir")
-        print(f"history: {cfg.prefill_nodes}+{cfg.decode_nodes} nodes + router, {(hi - lo) / HOUR_NS:.2f} h, "
-              f"{total:,} page-events; {built}")
-        print(f"machine: {os.cpu_count()} CPUs, shared with other jobs; {rounds} rounds ({whole_rounds} of the whole "
-              "history), methods alternating")
+        built = (
+            f"simulated+stored in {sim_s:.1f} s, exported in {export_s:.1f} s"
+            if sim_s > 1
+            else "store and lake reused from --dir"
+        )
+        print(
+            f"history: {cfg.prefill_nodes}+{cfg.decode_nodes} nodes + router, {(hi - lo) / HOUR_NS:.2f} h, "
+            f"{total:,} page-events; {built}"
+        )
+        print(
+            f"machine: {os.cpu_count()} CPUs, shared with other jobs; {rounds} rounds ({whole_rounds} of the whole "
+            "history), methods alternating"
+        )
         methods = ["single store"] + [f"lake, {n} worker{'s' if n > 1 else ''}" for n in args.workers]
         for n, name in zip(args.workers, methods[1:]):
             executors[name] = DaskExecutor(workers=n, progress=False)
@@ -182,9 +201,15 @@ def main() -> int:
                             got = lake_findings(lake, fx.Window(f, to), codes=AFFECTED, executor=executors[m])
                         walls[(q, m)].append(time.perf_counter() - t)
                         same[(q, m)] = same.get((q, m), True) and got == want[q]
-                print(f"round {r + 1}: " + "; ".join(
-                    f"{q}: " + ", ".join(f"{m.removeprefix('lake, ')} {walls[(q, m)][-1]:.1f} s" for m in methods)
-                    for q in questions if len(walls[(q, methods[0])]) > r), flush=True)
+                print(
+                    f"round {r + 1}: "
+                    + "; ".join(
+                        f"{q}: " + ", ".join(f"{m.removeprefix('lake, ')} {walls[(q, m)][-1]:.1f} s" for m in methods)
+                        for q in questions
+                        if len(walls[(q, methods[0])]) > r
+                    ),
+                    flush=True,
+                )
         peaks = {"single store": _peak_rss_mb()}
         for name, ex in executors.items():
             if isinstance(ex, DaskExecutor):
@@ -203,40 +228,52 @@ def main() -> int:
 
 def _report(questions, methods, walls, same, pe, peaks, parts, total, workers) -> None:
     print()
-    head = (f"{'question':<15} {'engine':<16} {'wall s min / median / max':>27} {'M page-ev/s median':>19} "
-            f"{'peak MB/proc':>13} same")
+    head = (
+        f"{'question':<15} {'engine':<16} {'wall s min / median / max':>27} {'M page-ev/s median':>19} "
+        f"{'peak MB/proc':>13} same"
+    )
     print(head)
     print("-" * len(head))
     for q in questions:
         for m in methods:
             s = Spread.of(walls[(q, m)])
-            print(f"{q:<15} {m:<16} {s.text():>27} {pe[q] / s.median / 1e6:19.1f} {peaks[m]:13.0f} "
-                  f"{'yes' if same[(q, m)] else 'NO'}")
+            print(
+                f"{q:<15} {m:<16} {s.text():>27} {pe[q] / s.median / 1e6:19.1f} {peaks[m]:13.0f} "
+                f"{'yes' if same[(q, m)] else 'NO'}"
+            )
     if 1 in workers and 2 in workers:
         for q in questions:
             ratios = per_round_ratios(walls[(q, "lake, 1 worker")], walls[(q, "lake, 2 workers")])
             v = at_least("2 workers vs 1", ratios, SPEEDUP_GOAL)
-            print(f"speed-up 2 workers vs 1 ({q}): {Spread.of(ratios).text()} x (min / median / max); goal >= "
-                  f"{SPEEDUP_GOAL}x on the worst round: {v.worst:.2f}x -> {v.word}")
+            print(
+                f"speed-up 2 workers vs 1 ({q}): {Spread.of(ratios).text()} x (min / median / max); goal >= "
+                f"{SPEEDUP_GOAL}x on the worst round: {v.worst:.2f}x -> {v.word}"
+            )
             if "limit, 2 processes" in methods:
                 lim = per_round_ratios(walls[(q, "limit, 1 process")], walls[(q, "limit, 2 processes")])
-                print(f"  the machine's limit, the same tasks on 2 plain processes vs 1 ({q}): "
-                      f"{Spread.of(lim).text()} x; Dask's speed-up as a fraction of it per round: "
-                      + ", ".join(f"{a / b:.2f}" for a, b in zip(ratios, lim)))
+                print(
+                    f"  the machine's limit, the same tasks on 2 plain processes vs 1 ({q}): "
+                    f"{Spread.of(lim).text()} x; Dask's speed-up as a fraction of it per round: "
+                    + ", ".join(f"{a / b:.2f}" for a, b in zip(ratios, lim))
+                )
     worker_peaks = [peaks[m] for m in methods if m.startswith("lake")]
     if worker_peaks:
         v = at_most("memory per worker", worker_peaks, WORKER_MB_GOAL)
-        print(f"peak memory per worker: {max(worker_peaks):.0f} MB (goal <= {WORKER_MB_GOAL} MB) -> "
-              f"{'PASS' if v.worst <= WORKER_MB_GOAL else 'MISS'}")
+        print(
+            f"peak memory per worker: {max(worker_peaks):.0f} MB (goal <= {WORKER_MB_GOAL} MB) -> "
+            f"{'PASS' if v.worst <= WORKER_MB_GOAL else 'MISS'}"
+        )
     if 1 in workers:
         one = Spread.of(walls[("whole history", "lake, 1 worker")]).median
         per_pe_s = one / total
         fleet_parts = 500 * 14 * 24
         est_s = fleet_parts * PAGE_EVENTS_PER_NODE_HOUR * per_pe_s / 32
-        print(f"on paper: measured {one / parts:.2f} s per partition here ({total / parts:,.0f} page-events each, "
-              f"{1 / per_pe_s / 1e6:.1f} M page-events/s on one worker, median round); a two-week window of a "
-              f"500-node fleet is {fleet_parts:,} partitions of ~{PAGE_EVENTS_PER_NODE_HOUR / 1e6:.0f} M "
-              f"page-events -> {est_s / 3600:.1f} h on 32 workers at this per-worker rate")
+        print(
+            f"on paper: measured {one / parts:.2f} s per partition here ({total / parts:,.0f} page-events each, "
+            f"{1 / per_pe_s / 1e6:.1f} M page-events/s on one worker, median round); a two-week window of a "
+            f"500-node fleet is {fleet_parts:,} partitions of ~{PAGE_EVENTS_PER_NODE_HOUR / 1e6:.0f} M "
+            f"page-events -> {est_s / 3600:.1f} h on 32 workers at this per-worker rate"
+        )
 
 
 if __name__ == "__main__":

@@ -69,13 +69,20 @@ def child(args) -> int:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--db", default=os.path.join(tempfile.gettempdir(), "kvtrail-forensics-bench.duckdb"),
-                    help="store of the history (built when missing or built with other parameters)")
+    ap.add_argument(
+        "--db",
+        default=os.path.join(tempfile.gettempdir(), "kvtrail-forensics-bench.duckdb"),
+        help="store of the history (built when missing or built with other parameters)",
+    )
     ap.add_argument("--page-events", type=float, default=100e6, help="page-events of the history (default 1e8)")
     ap.add_argument("--quick", action="store_true", help="4 M page-events, pure path over 1 M, 2 rounds")
-    ap.add_argument("--source", choices=("fleet", "synth"), default="fleet",
-                    help="fleet: the fleet simulator (PD nodes, transfers, prefix cache, planted bugs); synth: "
-                         "per-node allocator streams with reads and planted unwritten pages (many small events)")
+    ap.add_argument(
+        "--source",
+        choices=("fleet", "synth"),
+        default="fleet",
+        help="fleet: the fleet simulator (PD nodes, transfers, prefix cache, planted bugs); synth: "
+        "per-node allocator streams with reads and planted unwritten pages (many small events)",
+    )
     ap.add_argument("--fleet-rate", type=float, default=0.5, help="fleet: request arrivals per second")
     ap.add_argument("--nodes", type=int, default=4, help="synth: nodes (half prefill-shaped, half decode-shaped)")
     ap.add_argument("--hours", type=float, default=2.0, help="synth: simulated span of the history")
@@ -84,13 +91,21 @@ def parse_args(argv):
     ap.add_argument("--events-per-batch", type=int, default=200_000, help="events per producer batch (synth)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--pure-page-events", type=float, default=5e6, help="history prefix the pure path replays")
-    ap.add_argument("--sql-page-events", type=float, default=10e6,
-                    help="history prefix the SQL engine questions (0: all; 100 M did not finish in 15 minutes)")
+    ap.add_argument(
+        "--sql-page-events",
+        type=float,
+        default=10e6,
+        help="history prefix the SQL engine questions (0: all; 100 M did not finish in 15 minutes)",
+    )
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     ap.add_argument("--part-timeout", type=float, default=900, help="seconds before a part is given up")
-    ap.add_argument("--rounds", type=int, default=None,
-                    help=f"rounds of the alternating parts (default {MIN_ROUNDS}; 2 with --quick); "
-                         f"a goal's verdict needs >= {MIN_ROUNDS}")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help=f"rounds of the alternating parts (default {MIN_ROUNDS}; 2 with --quick); "
+        f"a goal's verdict needs >= {MIN_ROUNDS}",
+    )
     ap.add_argument("--part", help=argparse.SUPPRESS)
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = ap.parse_args(argv)
@@ -117,8 +132,13 @@ def main(argv=None) -> int:
     if args.source == "fleet":
         params.update(fleet_rate=args.fleet_rate)
     else:
-        params.update(nodes=args.nodes, hours=args.hours, num_pages=args.num_pages,
-                      events_per_batch=args.events_per_batch, plant_rate=args.plant_rate)
+        params.update(
+            nodes=args.nodes,
+            hours=args.hours,
+            num_pages=args.num_pages,
+            events_per_batch=args.events_per_batch,
+            plant_rate=args.plant_rate,
+        )
     meta = forensics_history.build(args.db, params)
     print(forensics_history.describe(meta))
     in_rounds = [p for p in ROUND_PARTS if p in args.part_list]
@@ -147,17 +167,37 @@ def main(argv=None) -> int:
     figures = report(meta, runs, failed, args)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "forensics", "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
-                       "rounds": args.rounds, "history": {k: v for k, v in meta.items()
-                                                          if k != "truth_affected_request_ids"},
-                       "runs": runs, "failed": failed, **figures}, f, indent=2)
+            json.dump(
+                {
+                    "benchmark": "forensics",
+                    "date": time.strftime("%Y-%m-%d"),
+                    "cpus": os.cpu_count(),
+                    "rounds": args.rounds,
+                    "history": {k: v for k, v in meta.items() if k != "truth_affected_request_ids"},
+                    "runs": runs,
+                    "failed": failed,
+                    **figures,
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 
 def run_child(part: str, args) -> dict:
     """One part in a fresh process; its RESULT line, or an error."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--part", part, "--db", args.db,
-           "--pure-page-events", str(args.pure_page_events), "--sql-page-events", str(args.sql_page_events)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--part",
+        part,
+        "--db",
+        args.db,
+        "--pure-page-events",
+        str(args.pure_page_events),
+        "--sql-page-events",
+        str(args.sql_page_events),
+    ]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.part_timeout)
@@ -169,9 +209,11 @@ def run_child(part: str, args) -> dict:
         error = (proc.stderr.strip().splitlines() or ["failed"])[-1]
         print(f"  {part}: failed: {error}")
         return {"error": error}
-    out = json.loads(line[-1][len("RESULT "):])
-    print(f"  {part}: {out['wall_s']:.2f} s (process {time.perf_counter() - t0:.1f} s; "
-          f"compiled code made ready before the clock in {out.get('kernels_s', 0.0):.2f} s)")
+    out = json.loads(line[-1][len("RESULT ") :])
+    print(
+        f"  {part}: {out['wall_s']:.2f} s (process {time.perf_counter() - t0:.1f} s; "
+        f"compiled code made ready before the clock in {out.get('kernels_s', 0.0):.2f} s)"
+    )
     return out
 
 

@@ -84,27 +84,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--page-events", type=float, default=150e6, help="page-events to ingest per method and round")
     ap.add_argument("--quick", action="store_true", help="4M page-events in 50k-event batches, 2 rounds")
-    ap.add_argument("--events-per-batch", type=int, default=None,
-                    help="events per batch (default 200000, the recorder writer's largest batch; 50000 with --quick)")
+    ap.add_argument(
+        "--events-per-batch",
+        type=int,
+        default=None,
+        help="events per batch (default 200000, the recorder writer's largest batch; 50000 with --quick)",
+    )
     ap.add_argument("--num-pages", type=int, default=200_000, help="pages in the simulated pool (default 200000)")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     ap.add_argument("--reuse", choices=("lowest", "lifo"), default="lowest", help="allocator reuse order")
-    ap.add_argument("--decode-fraction", type=float, default=0.6,
-                    help="share of requests that decode (1-page growth events); 0 models a PD prefill node")
+    ap.add_argument(
+        "--decode-fraction",
+        type=float,
+        default=0.6,
+        help="share of requests that decode (1-page growth events); 0 models a PD prefill node",
+    )
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated subset of {','.join(METHODS)} "
-                    f"(default {DEFAULT_METHODS})")
-    ap.add_argument("--rounds", type=int, default=None,
-                    help=f"rounds (default {MIN_ROUNDS}; 2 with --quick); a verdict needs >= {MIN_ROUNDS}")
-    ap.add_argument("--max-wal-mb", type=float, default=DEFAULT_CHECKPOINT.max_wal_bytes / 2**20,
-                    help="kvtrail's checkpoint policy: WAL size bound in MiB (default: CheckpointPolicy's, 64)")
-    ap.add_argument("--checkpoint-interval-s", type=float, default=DEFAULT_CHECKPOINT.max_interval_s,
-                    help="kvtrail's checkpoint policy: time bound in seconds (default: CheckpointPolicy's, 10)")
+    ap.add_argument(
+        "--methods",
+        default=DEFAULT_METHODS,
+        help=f"comma-separated subset of {','.join(METHODS)} (default {DEFAULT_METHODS})",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help=f"rounds (default {MIN_ROUNDS}; 2 with --quick); a verdict needs >= {MIN_ROUNDS}",
+    )
+    ap.add_argument(
+        "--max-wal-mb",
+        type=float,
+        default=DEFAULT_CHECKPOINT.max_wal_bytes / 2**20,
+        help="kvtrail's checkpoint policy: WAL size bound in MiB (default: CheckpointPolicy's, 64)",
+    )
+    ap.add_argument(
+        "--checkpoint-interval-s",
+        type=float,
+        default=DEFAULT_CHECKPOINT.max_interval_s,
+        help="kvtrail's checkpoint policy: time bound in seconds (default: CheckpointPolicy's, 10)",
+    )
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = ap.parse_args(argv)
     try:
-        args.policy = CheckpointPolicy(max_wal_bytes=int(args.max_wal_mb * 2**20),
-                                       max_interval_s=args.checkpoint_interval_s)
+        args.policy = CheckpointPolicy(
+            max_wal_bytes=int(args.max_wal_mb * 2**20), max_interval_s=args.checkpoint_interval_s
+        )
         args.rounds = check_rounds(args.rounds if args.rounds is not None else 2 if args.quick else MIN_ROUNDS)
     except ValueError as exc:
         ap.error(str(exc))
@@ -120,13 +144,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _synth(args, producer: Producer, seed: int, target: int, **extra) -> list[pa.Table]:
-    return list(synth_batches(producer=producer, num_pages=args.num_pages, page_size=args.page_size, seed=seed,
-                              target_page_events=target, events_per_batch=args.events_per_batch, reuse=args.reuse,
-                              decode_fraction=args.decode_fraction, **extra))
+    return list(
+        synth_batches(
+            producer=producer,
+            num_pages=args.num_pages,
+            page_size=args.page_size,
+            seed=seed,
+            target_page_events=target,
+            events_per_batch=args.events_per_batch,
+            reuse=args.reuse,
+            decode_fraction=args.decode_fraction,
+            **extra,
+        )
+    )
 
 
-def _one_round(factories: dict[str, Callable[[str], Sink]], order: list[str], batches: list[pa.Table], pid: int,
-               folder: str, r: int, page_events: int, n_events: int) -> dict[str, dict]:
+def _one_round(
+    factories: dict[str, Callable[[str], Sink]],
+    order: list[str],
+    batches: list[pa.Table],
+    pid: int,
+    folder: str,
+    r: int,
+    page_events: int,
+    n_events: int,
+) -> dict[str, dict]:
     """Every method ingests every batch into a fresh file, taking turns batch by batch."""
     sinks = {m: factories[m](os.path.join(folder, f"r{r}-{m}.duckdb")) for m in order}
     spent = dict.fromkeys(order, 0.0)
@@ -149,10 +191,17 @@ def _one_round(factories: dict[str, Callable[[str], Sink]], order: list[str], ba
         for p in (s.path, s.path + ".wal"):
             if os.path.exists(p):
                 os.remove(p)
-        out[m] = {"insert_s": spent[m], "checkpoint_s": ck, "page_events_per_s": page_events / spent[m],
-                  "page_events_per_s_incl_checkpoint": page_events / (spent[m] + ck),
-                  "events_per_s": n_events / spent[m], "bytes": size, "bytes_per_page_event": size / page_events,
-                  "policy_checkpoints": n_ckpt, "policy_checkpoint_s": ckpt_s}
+        out[m] = {
+            "insert_s": spent[m],
+            "checkpoint_s": ck,
+            "page_events_per_s": page_events / spent[m],
+            "page_events_per_s_incl_checkpoint": page_events / (spent[m] + ck),
+            "events_per_s": n_events / spent[m],
+            "bytes": size,
+            "bytes_per_page_event": size / page_events,
+            "policy_checkpoints": n_ckpt,
+            "policy_checkpoint_s": ckpt_s,
+        }
     return out
 
 
@@ -167,13 +216,19 @@ def main(argv: list[str] | None = None) -> int:
     gen_s = time.perf_counter() - t0
     stats = runs_per_event(batches)
     n_events = sum(b.num_rows for b in batches)
-    print(f"data: {n_events:,} events, {stats.pages:,} page-events in {len(batches)} batches of "
-          f"{args.events_per_batch:,}; pool {args.num_pages:,} pages x {args.page_size} tokens, reuse={args.reuse}, "
-          f"decode fraction {args.decode_fraction}; generated in {gen_s:.1f} s (untimed)")
-    print(f"fragmentation: {stats.mean_runs:.2f} runs per page list, {stats.mean_pages:.1f} pages per list, "
-          f"{stats.pages_per_run:.1f} pages per run ({stats.runs:,} runs)")
-    print(f"machine: {os.cpu_count()} CPUs, Python {platform.python_version()}, duckdb {duckdb.__version__}, "
-          f"pyarrow {pa.__version__}")
+    print(
+        f"data: {n_events:,} events, {stats.pages:,} page-events in {len(batches)} batches of "
+        f"{args.events_per_batch:,}; pool {args.num_pages:,} pages x {args.page_size} tokens, reuse={args.reuse}, "
+        f"decode fraction {args.decode_fraction}; generated in {gen_s:.1f} s (untimed)"
+    )
+    print(
+        f"fragmentation: {stats.mean_runs:.2f} runs per page list, {stats.mean_pages:.1f} pages per list, "
+        f"{stats.pages_per_run:.1f} pages per run ({stats.runs:,} runs)"
+    )
+    print(
+        f"machine: {os.cpu_count()} CPUs, Python {platform.python_version()}, duckdb {duckdb.__version__}, "
+        f"pyarrow {pa.__version__}"
+    )
     rounds: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory(prefix="kvtrail-bench-") as tmp:
         encoded = None
@@ -187,19 +242,28 @@ def main(argv: list[str] | None = None) -> int:
             encoded = Encoded(enc_path, len(batches))
             os.remove(enc_path)
             if encoded.left_out:
-                print(f"limit-narrow leaves out event columns {', '.join(encoded.left_out)} (the node_config row's "
-                      "payload)")
+                print(
+                    f"limit-narrow leaves out event columns {', '.join(encoded.left_out)} (the node_config row's "
+                    "payload)"
+                )
         enc = encoded
         # The recorder's tuples, built untimed (what its hot path leaves in the buffer).
         items = [recorder_items(b) for b in batches] if "recorder" in methods else []
         factories: dict[str, Callable[[str], Sink]] = {
-            "kvtrail": lambda path: KvtrailSink(path, args.policy), "kv-wal": KvtrailWalSink,
-            "naive": NaiveSink, "list": ListSink,
-            "recorder": lambda path: RecorderSink(path, items, producer, args.policy)}
+            "kvtrail": lambda path: KvtrailSink(path, args.policy),
+            "kv-wal": KvtrailWalSink,
+            "naive": NaiveSink,
+            "list": ListSink,
+            "recorder": lambda path: RecorderSink(path, items, producer, args.policy),
+        }
         if enc is not None:
-            factories.update({"limit-kinds": lambda path: LimitKindsSink(path, enc),
-                              "limit-wide": lambda path: LimitWideSink(path, enc),
-                              "limit-narrow": lambda path: LimitNarrowSink(path, enc)})
+            factories.update(
+                {
+                    "limit-kinds": lambda path: LimitKindsSink(path, enc),
+                    "limit-wide": lambda path: LimitWideSink(path, enc),
+                    "limit-narrow": lambda path: LimitNarrowSink(path, enc),
+                }
+            )
         # Warm-up: every method ingests a short separate stream (the limits: the first batch) into a throwaway file.
         warm_producer = Producer("bench", "node-warm", "decode", "kvtrail-synth", "0", "warm")
         warm = _synth(args, warm_producer, args.seed + 1000, min(target, 3_000_000), warmup_page_events=args.num_pages)
@@ -213,27 +277,49 @@ def main(argv: list[str] | None = None) -> int:
         wall0 = time.perf_counter()
         for r in range(args.rounds):
             rounds.append(_one_round(factories, rotated(methods, r), batches, pid, tmp, r, stats.pages, n_events))
-            print(f"round {r + 1}/{args.rounds}: " + ", ".join(
-                f"{m} {rounds[-1][m]['page_events_per_s_incl_checkpoint'] / 1e6:.1f}" for m in methods)
-                + " M page-ev/s")
+            print(
+                f"round {r + 1}/{args.rounds}: "
+                + ", ".join(f"{m} {rounds[-1][m]['page_events_per_s_incl_checkpoint'] / 1e6:.1f}" for m in methods)
+                + " M page-ev/s"
+            )
         wall = time.perf_counter() - wall0
     print()
-    print(f"ingest of the same {len(batches)} batches in {args.rounds} rounds, methods interleaved batch by batch "
-          f"({wall:.1f} s wall in all)")
+    print(
+        f"ingest of the same {len(batches)} batches in {args.rounds} rounds, methods interleaved batch by batch "
+        f"({wall:.1f} s wall in all)"
+    )
     goal = GOAL_PREFILL_PAGE_EVENTS_PER_S if args.decode_fraction == 0 else GOAL_DECODE_PAGE_EVENTS_PER_S
     figures = report(methods, rounds, len(batches), args.policy, goal)
     if args.json:
         out = {
-            "benchmark": "ingest", "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "duckdb": duckdb.__version__, "pyarrow": pa.__version__,
-            "events": n_events, "page_events": stats.pages, "batches": len(batches), "rounds": args.rounds,
-            "events_per_batch": args.events_per_batch, "num_pages": args.num_pages, "page_size": args.page_size,
-            "reuse": args.reuse, "decode_fraction": args.decode_fraction, "seed": args.seed, "generate_s": gen_s,
-            "mean_runs_per_list": stats.mean_runs, "mean_pages_per_list": stats.mean_pages,
-            "pages_per_run": stats.pages_per_run, "runs": stats.runs, "wall_s": wall,
-            "per_round": rounds, **figures,
-            "checkpoint_policy": {"max_wal_bytes": args.policy.max_wal_bytes,
-                                  "max_interval_s": args.policy.max_interval_s},
+            "benchmark": "ingest",
+            "date": time.strftime("%Y-%m-%d"),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "duckdb": duckdb.__version__,
+            "pyarrow": pa.__version__,
+            "events": n_events,
+            "page_events": stats.pages,
+            "batches": len(batches),
+            "rounds": args.rounds,
+            "events_per_batch": args.events_per_batch,
+            "num_pages": args.num_pages,
+            "page_size": args.page_size,
+            "reuse": args.reuse,
+            "decode_fraction": args.decode_fraction,
+            "seed": args.seed,
+            "generate_s": gen_s,
+            "mean_runs_per_list": stats.mean_runs,
+            "mean_pages_per_list": stats.mean_pages,
+            "pages_per_run": stats.pages_per_run,
+            "runs": stats.runs,
+            "wall_s": wall,
+            "per_round": rounds,
+            **figures,
+            "checkpoint_policy": {
+                "max_wal_bytes": args.policy.max_wal_bytes,
+                "max_interval_s": args.policy.max_interval_s,
+            },
         }
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -59,8 +59,10 @@ def main() -> None:
         args.hours, args.checkpoints, args.rounds = 0.2, 2, 2
     check_rounds(args.rounds)
     tables = list(fleet_batches(FleetConfig(hours=args.hours, rate_per_s=args.rate, seed=1)))
-    print(f"history: {len(tables)} batches, {sum(t.num_rows for t in tables):,} events, {args.hours:g} h of a "
-          f"{args.rate:g} requests/s fleet (the fleet simulator's defaults otherwise)")
+    print(
+        f"history: {len(tables)} batches, {sum(t.num_rows for t in tables):,} events, {args.hours:g} h of a "
+        f"{args.rate:g} requests/s fleet (the fleet simulator's defaults otherwise)"
+    )
     engine = ReplayEngine()
     fed = 0
     engine.findings()  # load the compiled kernels before anything is timed
@@ -73,15 +75,20 @@ def main() -> None:
         times: dict[str, list[float]] = {"poll": [], "replay": []}
         for r in range(args.rounds):
             for method in rotated(["poll", "replay"], r):
-                times[method].append(timed(engine.findings if method == "poll"
-                                           else lambda upto=fed: fresh(tables[:upto])))
+                times[method].append(
+                    timed(engine.findings if method == "poll" else lambda upto=fed: fresh(tables[:upto]))
+                )
         joins = engine.state.joins
         ratios = per_round_ratios(times["poll"], times["replay"])
-        print(f"checkpoint {k}/{args.checkpoints}: {events:,} events judged, {len(joins.transfers):,} "
-              f"transfers, {len(joins.responses):,} 2xx responses, {len(engine.findings()):,} findings")
-        print(f"  poll {Spread.of(times['poll']).text(1e3, '.1f')} ms   "
-              f"replay {Spread.of(times['replay']).text(1, '.2f')} s  (min / median / max)   "
-              f"poll / replay per round {', '.join(f'{x:.3f}' for x in ratios)}")
+        print(
+            f"checkpoint {k}/{args.checkpoints}: {events:,} events judged, {len(joins.transfers):,} "
+            f"transfers, {len(joins.responses):,} 2xx responses, {len(engine.findings()):,} findings"
+        )
+        print(
+            f"  poll {Spread.of(times['poll']).text(1e3, '.1f')} ms   "
+            f"replay {Spread.of(times['replay']).text(1, '.2f')} s  (min / median / max)   "
+            f"poll / replay per round {', '.join(f'{x:.3f}' for x in ratios)}"
+        )
 
 
 if __name__ == "__main__":

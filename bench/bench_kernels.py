@@ -98,7 +98,7 @@ def _time_rounds(rows: Mapping[str, Callable[..., object]], rounds: int) -> dict
     names = list(rows)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             t0 = time.perf_counter()
             rows[name]()
             times[name].append(time.perf_counter() - t0)
@@ -128,7 +128,7 @@ def bench_digest(layers: int, rounds: int, seed: int) -> tuple[list[DigestRow], 
         for b, mv in enumerate(items):
             n = layout.item_lens[b]
             for p in id_list:
-                value = zlib.adler32(mv[p * n:(p + 1) * n], value)
+                value = zlib.adler32(mv[p * n : (p + 1) * n], value)
         return value
 
     def gather_sum() -> int:
@@ -153,15 +153,29 @@ def bench_digest(layers: int, rounds: int, seed: int) -> tuple[list[DigestRow], 
     out: list[DigestRow] = []
     for name, ts in times.items():
         med = statistics.median(ts)
-        out.append({"row": name, "median_ms": med * 1e3, "best_ms": min(ts) * 1e3,
-                    "gb_per_s": nbytes / med / 1e9, "best_gb_per_s": nbytes / min(ts) / 1e9})
+        out.append(
+            {
+                "row": name,
+                "median_ms": med * 1e3,
+                "best_ms": min(ts) * 1e3,
+                "gb_per_s": nbytes / med / 1e9,
+                "best_gb_per_s": nbytes / min(ts) / 1e9,
+            }
+        )
     by = {r["row"]: r["gb_per_s"] for r in out}
     ref_row = max(("sum int64", "sum f32"), key=lambda row: by[row])
     digest_vs_read = by["digest"] / by[ref_row]
     digest_vs_zlib = by["digest"] / by["zlib.adler32"]
-    config: DigestConfig = {"layers": layers, "buffers": len(layout.buffers), "item_len": layout.item_lens[0],
-                            "page_bytes": layout.page_bytes, "request_pages": REQUEST_PAGES, "pool_pages": num_pages,
-                            "bytes": nbytes, "rounds": rounds}
+    config: DigestConfig = {
+        "layers": layers,
+        "buffers": len(layout.buffers),
+        "item_len": layout.item_lens[0],
+        "page_bytes": layout.page_bytes,
+        "request_pages": REQUEST_PAGES,
+        "pool_pages": num_pages,
+        "bytes": nbytes,
+        "rounds": rounds,
+    }
     goals: DigestGoals = {
         "config": config,
         "reference_row": ref_row,
@@ -184,16 +198,24 @@ def bench_tags(rounds: int, seed: int, sizes: tuple[int, ...] = TAG_SIZES) -> li
         ids = torch.randperm(POOL_FACTOR * n, generator=g)[:n] + 1
         held = tags.allocate(ids)
         # bind this size's inputs now: the timed calls run after the loop variables move on
-        rows = {"fast": lambda tags=tags, ids=ids, held=held: fast.verify_tags(tags.table, ids, held),
-                "reference": lambda tags=tags, ids=ids, held=held: ref.verify_tags(tags.table, ids, held)}
+        rows = {
+            "fast": lambda tags=tags, ids=ids, held=held: fast.verify_tags(tags.table, ids, held),
+            "reference": lambda tags=tags, ids=ids, held=held: ref.verify_tags(tags.table, ids, held),
+        }
         for fn in rows.values():
             assert fn().numel() == 0
         calls = max(1, min(200, 2_000_000 // n))  # batch small requests so one timing spans ~ms
         batched = {k: (lambda fn=fn, calls=calls: [fn() for _ in range(calls)]) for k, fn in rows.items()}
         times = _time_rounds(batched, rounds)
         for name, ts in times.items():
-            out.append({"pages": n, "row": name, "ns_per_page": statistics.median(ts) / calls / n * 1e9,
-                        "us_per_call": statistics.median(ts) / calls * 1e6})
+            out.append(
+                {
+                    "pages": n,
+                    "row": name,
+                    "ns_per_page": statistics.median(ts) / calls / n * 1e9,
+                    "us_per_call": statistics.median(ts) / calls * 1e6,
+                }
+            )
     return out
 
 
@@ -213,15 +235,19 @@ def main(argv: list[str] | None = None) -> int:
     tag_rows = bench_tags(rounds, args.seed)
 
     c = goals["config"]
-    print(f"{c['request_pages']} pages x {c['page_bytes'] // 1024} KiB ({c['buffers']} buffers x "
-          f"{c['item_len']} B) from a pool of {c['pool_pages']}; {rounds} rounds; "
-          f"torch threads {torch.get_num_threads()}, numba threads {numba.get_num_threads()}")
+    print(
+        f"{c['request_pages']} pages x {c['page_bytes'] // 1024} KiB ({c['buffers']} buffers x "
+        f"{c['item_len']} B) from a pool of {c['pool_pages']}; {rounds} rounds; "
+        f"torch threads {torch.get_num_threads()}, numba threads {numba.get_num_threads()}"
+    )
     print(f"{'row':<14} {'median ms':>10} {'GB/s':>8} {'best GB/s':>10}")
     for r in digest_rows:
         print(f"{r['row']:<14} {r['median_ms']:>10.2f} {r['gb_per_s']:>8.2f} {r['best_gb_per_s']:>10.2f}")
     ok = {True: "PASS", False: "MISS"}
-    print(f"goal digest >= 50% of single-pass read ({goals['reference_row']}): "
-          f"{goals['digest_vs_read']:.0%} {ok[goals['digest_vs_read_pass']]}")
+    print(
+        f"goal digest >= 50% of single-pass read ({goals['reference_row']}): "
+        f"{goals['digest_vs_read']:.0%} {ok[goals['digest_vs_read_pass']]}"
+    )
     print(f"goal digest >= 3x zlib.adler32: {goals['digest_vs_zlib']:.1f}x {ok[goals['digest_vs_zlib_pass']]}")
     print(f"adler32 fast vs zlib.adler32: {goals['adler_fast_vs_zlib']:.1f}x")
     print()
@@ -231,10 +257,21 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(),
-                       "torch": torch.__version__, "numba": numba.__version__,
-                       "torch_threads": torch.get_num_threads(), "numba_threads": numba.get_num_threads(),
-                       "digest": digest_rows, "goals": goals, "tags": tag_rows}, fh, indent=2)
+            json.dump(
+                {
+                    "date": time.strftime("%Y-%m-%d"),
+                    "python": platform.python_version(),
+                    "torch": torch.__version__,
+                    "numba": numba.__version__,
+                    "torch_threads": torch.get_num_threads(),
+                    "numba_threads": numba.get_num_threads(),
+                    "digest": digest_rows,
+                    "goals": goals,
+                    "tags": tag_rows,
+                },
+                fh,
+                indent=2,
+            )
     return 0
 
 

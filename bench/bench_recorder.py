@@ -127,8 +127,17 @@ def timed_floor(dq: deque, req, inputs: list, n: int, copy: bool) -> tuple[np.nd
         for i in range(n):
             pages = inputs[i % m]
             t0 = clock()
-            append((_ALLOC, i, t0, req, pages.copy() if type(pages) is nd else tuple(pages), None,
-                    ("prefill_extend", None)))
+            append(
+                (
+                    _ALLOC,
+                    i,
+                    t0,
+                    req,
+                    pages.copy() if type(pages) is nd else tuple(pages),
+                    None,
+                    ("prefill_extend", None),
+                )
+            )
             t1 = clock()
             out[i] = t1 - t0
     else:
@@ -167,9 +176,15 @@ def untimed_calls(fn, req, inputs: list, n: int) -> int:
 
 def summarise(samples: list[np.ndarray], loop_ns: int, calls: int) -> Summary:
     s = np.concatenate(samples)
-    return {"calls": int(s.size), "median_ns": float(np.median(s)), "mean_ns": float(s.mean()),
-            "p99_ns": float(np.percentile(s, 99)), "p999_ns": float(np.percentile(s, 99.9)),
-            "max_ns": int(s.max()), "loop_calls_per_s": calls / (loop_ns / 1e9)}
+    return {
+        "calls": int(s.size),
+        "median_ns": float(np.median(s)),
+        "mean_ns": float(s.mean()),
+        "p99_ns": float(np.percentile(s, 99)),
+        "p999_ns": float(np.percentile(s, 99.9)),
+        "max_ns": int(s.max()),
+        "loop_calls_per_s": calls / (loop_ns / 1e9),
+    }
 
 
 class Trial(TypedDict):
@@ -182,8 +197,9 @@ class Trial(TypedDict):
     held: bool
 
 
-def paced_trial(rate: float, duration_s: float, arrays: list[np.ndarray], req, producer: Producer,
-                config: RecorderConfig, tmp: str) -> Trial:
+def paced_trial(
+    rate: float, duration_s: float, arrays: list[np.ndarray], req, producer: Producer, config: RecorderConfig, tmp: str
+) -> Trial:
     """A producer thread calling at ``rate`` calls/s for ``duration_s`` into a fresh Recorder and store."""
     path = os.path.join(tmp, "sustained.duckdb")
     rec = Recorder(path, producer, config)
@@ -222,12 +238,25 @@ def paced_trial(rate: float, duration_s: float, arrays: list[np.ndarray], req, p
             os.remove(p)
     achieved = done[0]
     held = dropped == 0 and achieved >= 0.97 * rate and backlog < config.capacity_events // 4
-    return {"target_calls_per_s": rate, "calls_per_s": achieved, "dropped_events": dropped,
-            "backlog_events": backlog, "held": held}
+    return {
+        "target_calls_per_s": rate,
+        "calls_per_s": achieved,
+        "dropped_events": dropped,
+        "backlog_events": backlog,
+        "held": held,
+    }
 
 
-def rate_search(start_rate: float, bisections: int, duration_s: float, arrays: list[np.ndarray], req,
-                producer: Producer, config: RecorderConfig, tmp: str) -> tuple[float, list[Trial]]:
+def rate_search(
+    start_rate: float,
+    bisections: int,
+    duration_s: float,
+    arrays: list[np.ndarray],
+    req,
+    producer: Producer,
+    config: RecorderConfig,
+    tmp: str,
+) -> tuple[float, list[Trial]]:
     """The highest rate that held: doubling from ``start_rate``, then bisecting. Returns (calls/s, trials)."""
     trials: list[Trial] = []
 
@@ -249,27 +278,39 @@ def rate_search(start_rate: float, bisections: int, duration_s: float, arrays: l
 
 
 def _why_not(t: Trial, config: RecorderConfig) -> str:
-    reasons = [name for name, bad in (("drops", t["dropped_events"] > 0),
-                                      ("short", t["calls_per_s"] < 0.97 * t["target_calls_per_s"]),
-                                      ("backlog", t["backlog_events"] >= config.capacity_events // 4)) if bad]
+    reasons = [
+        name
+        for name, bad in (
+            ("drops", t["dropped_events"] > 0),
+            ("short", t["calls_per_s"] < 0.97 * t["target_calls_per_s"]),
+            ("backlog", t["backlog_events"] >= config.capacity_events // 4),
+        )
+        if bad
+    ]
     return f" ({'+'.join(reasons)})" if reasons else ""
 
 
 def report_sustained(best: list[float], trials: list[list[Trial]], duration_s: float, config: RecorderConfig) -> None:
     rounds = len(best)
-    print(f"sustained rate, one producer thread, zero drops: {rounds} rounds of a rate search, {duration_s:g} s "
-          f"per trial, fresh Recorder + DuckDB store per trial (capacity {config.capacity_events:,} events, "
-          f"flush every {config.flush_interval_s * 1e3:g} ms)")
+    print(
+        f"sustained rate, one producer thread, zero drops: {rounds} rounds of a rate search, {duration_s:g} s "
+        f"per trial, fresh Recorder + DuckDB store per trial (capacity {config.capacity_events:,} events, "
+        f"flush every {config.flush_interval_s * 1e3:g} ms)"
+    )
     print("  calls alternate pages_allocated / pages_freed of the same 64 pages (64 page-events each)")
     for r, ts in enumerate(trials):
         steps = ", ".join(f"{t['target_calls_per_s'] / 1e3:.0f}k{_why_not(t, config)}" for t in ts)
         print(f"  round {r + 1}: {steps}  -> {best[r] / 1e3:,.0f}k calls/s held")
-    print("  (k calls/s tried; a rate that did not hold says why: drops, short = the producer fell > 3 % short "
-          "of the rate, backlog = buffer >= capacity/4 at the end)")
+    print(
+        "  (k calls/s tried; a rate that did not hold says why: drops, short = the producer fell > 3 % short "
+        "of the rate, backlog = buffer >= capacity/4 at the end)"
+    )
     spread = Spread.of(best)
-    print(f"highest rate held: {spread.text(1e-3, ',.0f')} k calls/s = "
-          f"{spread.text(PAGES_PER_CALL * 1e-6, ',.1f')} M page-events/s (min / median / max over rounds"
-          f"{'' if rounds >= MIN_ROUNDS else f'; only {rounds} rounds'})")
+    print(
+        f"highest rate held: {spread.text(1e-3, ',.0f')} k calls/s = "
+        f"{spread.text(PAGES_PER_CALL * 1e-6, ',.1f')} M page-events/s (min / median / max over rounds"
+        f"{'' if rounds >= MIN_ROUNDS else f'; only {rounds} rounds'})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,8 +346,15 @@ def main(argv: list[str] | None = None) -> int:
     producer = Producer("bench", "node-0", "prefill", "kvtrail-bench", "0", f"bench-{os.getpid()}")
     config = RecorderConfig()
 
-    rows = ("recorder ndarray", "recorder list", "floor ndarray", "floor list", "floor+copy ndarray",
-            "floor+copy list", "timer (no-op)")
+    rows = (
+        "recorder ndarray",
+        "recorder list",
+        "floor ndarray",
+        "floor list",
+        "floor+copy ndarray",
+        "floor+copy list",
+        "timer (no-op)",
+    )
     samples: dict[str, list[np.ndarray]] = {r: [] for r in rows}
     loops = {r: 0 for r in rows}
     untimed = {"recorder ndarray": 0, "recorder list": 0}
@@ -350,8 +398,9 @@ def main(argv: list[str] | None = None) -> int:
                 samples[row].append(s)
                 loops[row] += loop
             for row in untimed:
-                untimed[row] += untimed_calls(rec.pages_allocated, req,
-                                              lists if row.endswith("list") else arrays, untimed_per_round)
+                untimed[row] += untimed_calls(
+                    rec.pages_allocated, req, lists if row.endswith("list") else arrays, untimed_per_round
+                )
         loop_s = time.perf_counter() - t_start
         before_flush = rec.stats()
         t0 = time.perf_counter()
@@ -360,8 +409,10 @@ def main(argv: list[str] | None = None) -> int:
         stats = rec.stats()
         rec.close()
         size = os.path.getsize(path)
-        sustained = [rate_search(args.start_rate, args.bisections, args.sustain_s, arrays, req, producer, config, tmp)
-                     for _ in range(args.sustain_rounds)]
+        sustained = [
+            rate_search(args.start_rate, args.bisections, args.sustain_s, arrays, req, producer, config, tmp)
+            for _ in range(args.sustain_rounds)
+        ]
 
     summaries = {r: summarise(samples[r], loops[r], calls) for r in rows}
     timer = summaries["timer (no-op)"]["median_ns"]
@@ -375,20 +426,26 @@ def main(argv: list[str] | None = None) -> int:
 
     recorded = stats["recorded_events"] - stats0["recorded_events"]
     committed = stats["committed_events_total"] - stats0["committed_events_total"]
-    print(f"kvtrail recorder hot path: pages_allocated, {PAGES_PER_CALL} pages per call, writer running "
-          f"(default RecorderConfig), {calls} timed calls per row in {args.rounds} interleaved rounds")
+    print(
+        f"kvtrail recorder hot path: pages_allocated, {PAGES_PER_CALL} pages per call, writer running "
+        f"(default RecorderConfig), {calls} timed calls per row in {args.rounds} interleaved rounds"
+    )
     print(f"machine: {os.cpu_count()} CPUs, Python {platform.python_version()}, numpy {np.__version__}")
     print()
-    head = (f"{'row':<20} {'median':>8} {'mean':>8} {'p99':>8} {'p99.9':>8} {'med-timer':>10} "
-            f"{'ns/page':>8} {'loop calls/s':>13} {'untimed calls/s':>16}")
+    head = (
+        f"{'row':<20} {'median':>8} {'mean':>8} {'p99':>8} {'p99.9':>8} {'med-timer':>10} "
+        f"{'ns/page':>8} {'loop calls/s':>13} {'untimed calls/s':>16}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         x = res[r]
         unt = f"{x['untimed_calls_per_s']:>16,.0f}" if "untimed_calls_per_s" in x else f"{'':>16}"
-        print(f"{r:<20} {x['median_ns']:>8.0f} {x['mean_ns']:>8.0f} {x['p99_ns']:>8.0f} {x['p999_ns']:>8.0f} "
-              f"{x['median_minus_timer_ns']:>10.0f} {x['per_page_event_ns']:>8.2f} "
-              f"{x['loop_calls_per_s']:>13,.0f}{unt}")
+        print(
+            f"{r:<20} {x['median_ns']:>8.0f} {x['mean_ns']:>8.0f} {x['p99_ns']:>8.0f} {x['p999_ns']:>8.0f} "
+            f"{x['median_minus_timer_ns']:>10.0f} {x['per_page_event_ns']:>8.2f} "
+            f"{x['loop_calls_per_s']:>13,.0f}{unt}"
+        )
     print("(ns per call; med-timer = median minus the timer's median; ns/page = med-timer / 64)")
     print()
     timer_by_round = [float(np.median(x)) for x in samples["timer (no-op)"]]
@@ -399,33 +456,53 @@ def main(argv: list[str] | None = None) -> int:
         v = verdicts[r] = at_most(f"<= {GOAL_NS} ns/call", net, GOAL_NS)
         floor = res["floor " + r.split()[1]]["median_minus_timer_ns"]
         word = v.word if x["dropped_calls"] == 0 else f"{v.word[:4]} (timed calls found the buffer full: no verdict)"
-        print(f"goal <= {GOAL_NS} ns/call (median - timer, per round), {r}: {Spread.of(net).text(fmt='.0f')} ns "
-              f"(min / median / max); worst round {v.worst:.0f} ns -> {word}"
-              f"  ({x['median_minus_timer_ns'] / max(floor, 1):.1f}x the deque floor; "
-              f"{x['dropped_calls'] / x['calls']:.0%} of its timed calls found the buffer full)")
+        print(
+            f"goal <= {GOAL_NS} ns/call (median - timer, per round), {r}: {Spread.of(net).text(fmt='.0f')} ns "
+            f"(min / median / max); worst round {v.worst:.0f} ns -> {word}"
+            f"  ({x['median_minus_timer_ns'] / max(floor, 1):.1f}x the deque floor; "
+            f"{x['dropped_calls'] / x['calls']:.0%} of its timed calls found the buffer full)"
+        )
     print()
-    print(f"events recorded during the run: {recorded:,} (dropped, buffer full: "
-          f"{stats['dropped_events_total']:,}; invalid: {stats['invalid_events_total']}; "
-          f"writer errors: {stats['writer_errors_total']})")
-    print(f"buffered when the loop ended: {before_flush['buffered_events']:,} events; "
-          f"flush() drained in {drain_s * 1000:.0f} ms (ok={flushed})")
-    print(f"committed: {committed:,} events, {stats['committed_page_events_total']:,} page-events in total, "
-          f"{stats['committed_batches_total']} batches; store file {size / 1e6:.1f} MB; loop phase {loop_s:.1f} s")
+    print(
+        f"events recorded during the run: {recorded:,} (dropped, buffer full: "
+        f"{stats['dropped_events_total']:,}; invalid: {stats['invalid_events_total']}; "
+        f"writer errors: {stats['writer_errors_total']})"
+    )
+    print(
+        f"buffered when the loop ended: {before_flush['buffered_events']:,} events; "
+        f"flush() drained in {drain_s * 1000:.0f} ms (ok={flushed})"
+    )
+    print(
+        f"committed: {committed:,} events, {stats['committed_page_events_total']:,} page-events in total, "
+        f"{stats['committed_batches_total']} batches; store file {size / 1e6:.1f} MB; loop phase {loop_s:.1f} s"
+    )
     print()
     report_sustained([b for b, _ in sustained], [t for _, t in sustained], args.sustain_s, config)
 
     if args.json:
         out = {
-            "benchmark": "recorder", "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "pages_per_call": PAGES_PER_CALL, "calls_per_row": calls,
-            "rounds": args.rounds, "goal_ns": GOAL_NS, "rows": res,
+            "benchmark": "recorder",
+            "date": time.strftime("%Y-%m-%d"),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "pages_per_call": PAGES_PER_CALL,
+            "calls_per_row": calls,
+            "rounds": args.rounds,
+            "goal_ns": GOAL_NS,
+            "rows": res,
             "verdict": {r: v.word for r, v in verdicts.items()},
             "worst_round_ns": {r: v.worst for r, v in verdicts.items()},
-            "sustained_calls_per_s": [b for b, _ in sustained], "sustained_trials": [t for _, t in sustained],
-            "recorded_events": recorded, "dropped_events": stats["dropped_events_total"],
-            "invalid_events": stats["invalid_events_total"], "writer_errors": stats["writer_errors_total"],
-            "buffered_at_loop_end": before_flush["buffered_events"], "flush_s": drain_s, "flush_ok": flushed,
-            "committed_events": committed, "committed_batches": stats["committed_batches_total"],
+            "sustained_calls_per_s": [b for b, _ in sustained],
+            "sustained_trials": [t for _, t in sustained],
+            "recorded_events": recorded,
+            "dropped_events": stats["dropped_events_total"],
+            "invalid_events": stats["invalid_events_total"],
+            "writer_errors": stats["writer_errors_total"],
+            "buffered_at_loop_end": before_flush["buffered_events"],
+            "flush_s": drain_s,
+            "flush_ok": flushed,
+            "committed_events": committed,
+            "committed_batches": stats["committed_batches_total"],
             "store_bytes": size,
         }
         with open(args.json, "w") as f:

@@ -76,16 +76,20 @@ def _replay(rec: Recorder, table) -> None:
     cols = table.to_pydict()
     for i, kind in enumerate(cols["kind"]):
         pages = cols["pages"][i]
-        req = RequestRef(cols["request_id"][i] or "", tenant_id=cols["tenant_id"][i]) if cols["request_id"][i] \
-            else None
+        req = RequestRef(cols["request_id"][i] or "", tenant_id=cols["tenant_id"][i]) if cols["request_id"][i] else None
         if kind == "node_config":
-            rec.node_config(pool_tokens=cols["pool_tokens"][i], pool_pages=cols["pool_pages"][i],
-                            page_size=cols["page_size"][i], context_tokens=cols["context_tokens"][i])
+            rec.node_config(
+                pool_tokens=cols["pool_tokens"][i],
+                pool_pages=cols["pool_pages"][i],
+                page_size=cols["page_size"][i],
+                context_tokens=cols["context_tokens"][i],
+            )
         elif kind == "pages_allocated" and req is not None:
             rec.pages_allocated(req, np.asarray(pages, np.int32), cols["purpose"][i])
         elif kind == "kv_written" and req is not None:
-            rec.kv_written(req, np.asarray(pages, np.int32), cols["token_start"][i], cols["token_end"][i],
-                           cols["source"][i])
+            rec.kv_written(
+                req, np.asarray(pages, np.int32), cols["token_start"][i], cols["token_end"][i], cols["source"][i]
+            )
         elif kind == "pages_freed":
             rec.pages_freed(req, np.asarray(pages, np.int32), cols["free_reason"][i])
 
@@ -94,8 +98,9 @@ def _prepare(i: int, page_events: int, out: str) -> None:
     prod = Producer("bench", f"decode-{i}", "decode", "kvtrail-reference", "0.1", f"boot-{i}")
     sink = CapturingSink()
     rec = Recorder(sink, prod, RecorderConfig(flush_interval_s=0.05))
-    for table in synth_batches(producer=prod, num_pages=65_536, page_size=16, seed=i, target_page_events=page_events,
-                               events_per_batch=20_000):
+    for table in synth_batches(
+        producer=prod, num_pages=65_536, page_size=16, seed=i, target_page_events=page_events, events_per_batch=20_000
+    ):
         _replay(rec, table)
         rec.flush()  # the buffer never drops: every event of the stream is in some batch
     rec.close()
@@ -156,25 +161,43 @@ def _window(bodies: list[list[bytes]]) -> tuple[str, str]:
     return _iso(first), _iso(first + HOUR_NS)
 
 
-def run_http(bodies: list[list[bytes]], queries: int, tmp: Path, round_no: int, interval_s: float,
-             judge_interval_s: float) -> dict:
+def run_http(
+    bodies: list[list[bytes]], queries: int, tmp: Path, round_no: int, interval_s: float, judge_interval_s: float
+) -> dict:
     db = tmp / f"http{round_no}.duckdb"
     ptoken = new_token("producer")
     otoken = new_token("operator")
     tokens = tmp / f"tokens{round_no}.txt"
-    tokens.write_text(token_line(ptoken[0], "producer", ptoken[2]) + "\n" + token_line(otoken[0], "operator",
-                                                                                      otoken[2]) + "\n")
-    proc = subprocess.Popen([sys.executable, "-m", "kvtrail", "serve", "--db", str(db), "--tokens", str(tokens),
-                             "--judge-interval-s", str(judge_interval_s)],
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    tokens.write_text(
+        token_line(ptoken[0], "producer", ptoken[2]) + "\n" + token_line(otoken[0], "operator", otoken[2]) + "\n"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvtrail",
+            "serve",
+            "--db",
+            str(db),
+            "--tokens",
+            str(tokens),
+            "--judge-interval-s",
+            str(judge_interval_s),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert proc.stdout is not None
     m = _BANNER.match(proc.stdout.readline())
     assert m, "no banner"
     url = m.group(1)
     ctx = mp.get_context("spawn")
     out, qout, stop, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Queue(), ctx.Event()
-    qprocs = [ctx.Process(target=_query, args=(url, otoken[1], _window(bodies), interval_s, stop, qout, ready, go))
-              for _ in range(queries)]
+    qprocs = [
+        ctx.Process(target=_query, args=(url, otoken[1], _window(bodies), interval_s, stop, qout, ready, go))
+        for _ in range(queries)
+    ]
     sprocs = [ctx.Process(target=_send, args=(url, ptoken[1], b, out, ready, go)) for b in bodies]
     for p in qprocs + sprocs:
         p.start()
@@ -198,17 +221,26 @@ def run_http(bodies: list[list[bytes]], queries: int, tmp: Path, round_no: int, 
     con.close()
     wall = max(r[1] for r in results) - min(r[0] for r in results)
     events = sum(r[3] for r in results)
-    return {"wall_s": wall, "events": events, "page_events": sum(r[4] for r in results),
-            "lat": [x for r in results for x in r[2]], "lost": events - stored,
-            "q": {k: [x for d in qlat for x in d[k]] for k in ("affected", "findings")},
-            "lag_p50_s": health.get("judge_lag_p50_s"), "lag_p99_s": health.get("judge_lag_p99_s"),
-            "cpu_s": service_cpu, "batches": sum(map(len, bodies)), "load": load0,
-            "transactions": health.get("commit_transactions"), "checkpoints": health.get("checkpoints"),
-            "checkpoint_s": health.get("checkpoint_s")}
+    return {
+        "wall_s": wall,
+        "events": events,
+        "page_events": sum(r[4] for r in results),
+        "lat": [x for r in results for x in r[2]],
+        "lost": events - stored,
+        "q": {k: [x for d in qlat for x in d[k]] for k in ("affected", "findings")},
+        "lag_p50_s": health.get("judge_lag_p50_s"),
+        "lag_p99_s": health.get("judge_lag_p99_s"),
+        "cpu_s": service_cpu,
+        "batches": sum(map(len, bodies)),
+        "load": load0,
+        "transactions": health.get("commit_transactions"),
+        "checkpoints": health.get("checkpoints"),
+        "checkpoint_s": health.get("checkpoint_s"),
+    }
 
 
 def run_direct(bodies: list[list[bytes]], tmp: Path, round_no: int) -> dict:
-    order = [b for group in zip(*bodies) for b in group] + [b for p in bodies for b in p[min(map(len, bodies)):]]
+    order = [b for group in zip(*bodies) for b in group] + [b for p in bodies for b in p[min(map(len, bodies)) :]]
     tables = [read_ipc(b) for b in order]
     events = pages = 0
     load0 = os.getloadavg()[0]
@@ -220,8 +252,16 @@ def run_direct(bodies: list[list[bytes]], tmp: Path, round_no: int) -> dict:
             pages += res.num_page_events
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         checkpoints, checkpoint_s = store.checkpoints, store.checkpoint_s
-    return {"wall_s": wall, "events": events, "page_events": pages, "cpu_s": cpu, "batches": len(tables),
-            "load": load0, "checkpoints": checkpoints, "checkpoint_s": checkpoint_s}
+    return {
+        "wall_s": wall,
+        "events": events,
+        "page_events": pages,
+        "cpu_s": cpu,
+        "batches": len(tables),
+        "load": load0,
+        "checkpoints": checkpoints,
+        "checkpoint_s": checkpoint_s,
+    }
 
 
 def _cpu_s(pid: int) -> float:
@@ -239,11 +279,19 @@ def main() -> None:
     ap.add_argument("--producers", type=int, default=3)
     ap.add_argument("--queries", type=int, default=2)
     ap.add_argument("--page-events", type=int, default=6_000_000, help="per producer")
-    ap.add_argument("--query-interval", type=float, default=1.0,
-                    help="seconds from the start of one query pair (affected, findings) of a client to the next: "
-                         "a dashboard's refresh; 0 asks back to back")
-    ap.add_argument("--judge-interval-s", type=float, default=ServeConfig().judge_interval_s,
-                    help="the service's least time between two live-judge polls (kvtrail serve --judge-interval-s)")
+    ap.add_argument(
+        "--query-interval",
+        type=float,
+        default=1.0,
+        help="seconds from the start of one query pair (affected, findings) of a client to the next: "
+        "a dashboard's refresh; 0 asks back to back",
+    )
+    ap.add_argument(
+        "--judge-interval-s",
+        type=float,
+        default=ServeConfig().judge_interval_s,
+        help="the service's least time between two live-judge polls (kvtrail serve --judge-interval-s)",
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="small streams, 2 rounds, no verdict")
     args = ap.parse_args()
@@ -263,16 +311,23 @@ def main() -> None:
             p.join()
             assert p.exitcode == 0
         bodies = _bodies(root)
-        print(f"prepared {sum(map(len, bodies))} recorder batches of {args.producers} producers "
-              f"in {time.perf_counter() - t:.1f} s")
+        print(
+            f"prepared {sum(map(len, bodies))} recorder batches of {args.producers} producers "
+            f"in {time.perf_counter() - t:.1f} s"
+        )
         runs: dict[str, list[dict]] = {"http": [], "direct": []}
         for r in range(args.rounds):
             for method in rotated(["http", "direct"], r):
-                res = (run_http(bodies, args.queries, tmp, r, args.query_interval, args.judge_interval_s)
-                       if method == "http" else run_direct(bodies, tmp, r))
+                res = (
+                    run_http(bodies, args.queries, tmp, r, args.query_interval, args.judge_interval_s)
+                    if method == "http"
+                    else run_direct(bodies, tmp, r)
+                )
                 runs[method].append(res)
-                print(f"  round {r} {method:6s} {res['events'] / res['wall_s']:>10,.0f} events/s "
-                      f"{res['page_events'] / res['wall_s']:>12,.0f} page-events/s")
+                print(
+                    f"  round {r} {method:6s} {res['events'] / res['wall_s']:>10,.0f} events/s "
+                    f"{res['page_events'] / res['wall_s']:>12,.0f} page-events/s"
+                )
     report(runs, args)
 
 
@@ -282,38 +337,60 @@ def report(runs: dict[str, list[dict]], args) -> None:
         ev = Spread.of([r["events"] / r["wall_s"] for r in rs])
         pe = Spread.of([r["page_events"] / r["wall_s"] for r in rs])
         print(f"{name:6s} events/s {ev.text(1, ',.0f')}   page-events/s {pe.text(1, ',.0f')}  (min / median / max)")
-    ratios = per_round_ratios([r["page_events"] / r["wall_s"] for r in http],
-                              [r["page_events"] / r["wall_s"] for r in direct])
+    ratios = per_round_ratios(
+        [r["page_events"] / r["wall_s"] for r in http], [r["page_events"] / r["wall_s"] for r in direct]
+    )
     verdict = at_least(f"http >= {GOAL_RATIO}x direct append", ratios, GOAL_RATIO)
-    print(f"http / direct page-events/s per round: {', '.join(f'{x:.2f}' for x in ratios)}  "
-          f"-> {verdict.goal}: {verdict.word} (worst {verdict.worst:.2f})")
-    print("same batches on both sides (the recorder's, as Arrow IPC), each one durable commit (AuditStore.append, "
-          "the default checkpoint policy); the service also decodes and checks each request, runs the live "
-          "judge and writes the access log")
+    print(
+        f"http / direct page-events/s per round: {', '.join(f'{x:.2f}' for x in ratios)}  "
+        f"-> {verdict.goal}: {verdict.word} (worst {verdict.worst:.2f})"
+    )
+    print(
+        "same batches on both sides (the recorder's, as Arrow IPC), each one durable commit (AuditStore.append, "
+        "the default checkpoint policy); the service also decodes and checks each request, runs the live "
+        "judge and writes the access log"
+    )
     cpu = {name: [r["cpu_s"] / r["batches"] * 1e3 for r in rs] for name, rs in (("http", http), ("direct", direct))}
-    print(f"CPU per batch: direct {Spread.of(cpu['direct']).text(1, '.1f')} ms (one process), service "
-          f"{Spread.of(cpu['http']).text(1, '.1f')} ms (its process, all threads; min / median / max); "
-          f"load average at the start of the rounds {min(r['load'] for r in http + direct):.1f} to "
-          f"{max(r['load'] for r in http + direct):.1f} on {os.cpu_count()} cores")
+    print(
+        f"CPU per batch: direct {Spread.of(cpu['direct']).text(1, '.1f')} ms (one process), service "
+        f"{Spread.of(cpu['http']).text(1, '.1f')} ms (its process, all threads; min / median / max); "
+        f"load average at the start of the rounds {min(r['load'] for r in http + direct):.1f} to "
+        f"{max(r['load'] for r in http + direct):.1f} on {os.cpu_count()} cores"
+    )
     if all(r.get("transactions") is not None for r in http):
-        print("service commits per round (batches in transactions; checkpoints, their seconds): " + ", ".join(
-            f"{r['batches']} in {r['transactions']}; {r['checkpoints']}, {r['checkpoint_s']:.2f} s" for r in http))
-        print("direct append checkpoints per round (their seconds): " + ", ".join(
-            f"{r['checkpoints']}, {r['checkpoint_s']:.2f} s" for r in direct))
+        print(
+            "service commits per round (batches in transactions; checkpoints, their seconds): "
+            + ", ".join(
+                f"{r['batches']} in {r['transactions']}; {r['checkpoints']}, {r['checkpoint_s']:.2f} s" for r in http
+            )
+        )
+        print(
+            "direct append checkpoints per round (their seconds): "
+            + ", ".join(f"{r['checkpoints']}, {r['checkpoint_s']:.2f} s" for r in direct)
+        )
     lat = [x for r in http for x in r["lat"]]
-    print(f"ingest latency per batch: p50 {_pct(lat, 50) * 1e3:.1f} ms, p99 {_pct(lat, 99) * 1e3:.1f} ms "
-          f"({len(lat)} requests, {args.producers} producers)")
+    print(
+        f"ingest latency per batch: p50 {_pct(lat, 50) * 1e3:.1f} ms, p99 {_pct(lat, 99) * 1e3:.1f} ms "
+        f"({len(lat)} requests, {args.producers} producers)"
+    )
     for q in ("affected", "findings"):
         ql = [x for r in http for x in r["q"][q]]
-        print(f"query {q:9s} (1-hour window, during ingest): p50 {_pct(ql, 50) * 1e3:.1f} ms, "
-              f"p99 {_pct(ql, 99) * 1e3:.1f} ms ({len(ql)} queries, {args.queries} clients, "
-              + (f"each asking affected and findings once every {args.query_interval:g} s)" if args.query_interval
-                 else "each asking back to back)"))
+        print(
+            f"query {q:9s} (1-hour window, during ingest): p50 {_pct(ql, 50) * 1e3:.1f} ms, "
+            f"p99 {_pct(ql, 99) * 1e3:.1f} ms ({len(ql)} queries, {args.queries} clients, "
+            + (
+                f"each asking affected and findings once every {args.query_interval:g} s)"
+                if args.query_interval
+                else "each asking back to back)"
+            )
+        )
     lags = [(r["lag_p50_s"], r["lag_p99_s"]) for r in http if r["lag_p99_s"] is not None]
     if lags:
-        print(f"live judge lag (commit -> findings persisted): p50 {max(a for a, _ in lags) * 1e3:.0f} ms, "
-              f"p99 {max(b for _, b in lags) * 1e3:.0f} ms (worst round; the judge polls at most every "
-              f"{args.judge_interval_s:g} s)")
+        print(
+            f"live judge lag (commit -> findings persisted): p50 {max(a for a, _ in lags) * 1e3:.0f} ms, "
+            f"p99 {max(b for _, b in lags) * 1e3:.0f} ms (worst round; the judge polls at most every "
+            f"{args.judge_interval_s:g} s)"
+        )
     lost = sum(r["lost"] for r in http)
     print(f"lost events (acknowledged - stored): {lost}")
     assert lost == 0

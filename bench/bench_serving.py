@@ -119,8 +119,11 @@ class CpuClocks:
 
     @property
     def source(self) -> str:
-        return ("per-process CPU clocks (ns)" if all(c is not None for c in self.clocks.values())
-                else "/proc/<pid>/stat (10 ms ticks) for some processes")
+        return (
+            "per-process CPU clocks (ns)"
+            if all(c is not None for c in self.clocks.values())
+            else "/proc/<pid>/stat (10 ms ticks) for some processes"
+        )
 
 
 async def _traffic(url: str, keys: dict[str, str], traffic: TrafficConfig) -> tuple[float, float, float]:
@@ -129,15 +132,19 @@ async def _traffic(url: str, keys: dict[str, str], traffic: TrafficConfig) -> tu
     ttfts: list[float] = []
     tokens = 0
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+
         async def one(tenant, n, _overlong):
             nonlocal tokens
             async with sem:
-                r = await client.post("/v1/completions", json={"prompt": make_prompt(tenant, n),
-                                                               "max_tokens": traffic.max_tokens},
-                                      headers={"Authorization": f"Bearer {keys[tenant]}"})
+                r = await client.post(
+                    "/v1/completions",
+                    json={"prompt": make_prompt(tenant, n), "max_tokens": traffic.max_tokens},
+                    headers={"Authorization": f"Bearer {keys[tenant]}"},
+                )
                 assert r.status_code == 200, r.text
                 tokens += r.json()["usage"]["completion_tokens"]
                 ttfts.append(float(r.headers["x-kvtrail-ttft-ms"]))
+
         t0 = time.perf_counter()
         await asyncio.gather(*(one(*req) for req in requests))
         elapsed = time.perf_counter() - t0
@@ -163,10 +170,15 @@ def one_side(stack: Stack, client: Connection, clocks: CpuClocks, settle_s: floa
     def delta(p: str, key: str) -> int:
         return stats1[p].get(key, 0) - stats0[p].get(key, 0)
 
-    return {"tokens_per_s": tokens_per_s, "ttft_ms_median": ttft, "elapsed_s": elapsed, "cpu_s": cpu,
-            "cpu_ms_per_request": sum(cpu[p] for p in PROCESSES) * 1e3 / n,
-            "writer_cpu_s": {p: delta(p, "writer_cpu_ns_total") / 1e9 for p in PROCESSES},
-            "recorded_events": {p: delta(p, "recorded_events") for p in PROCESSES}}
+    return {
+        "tokens_per_s": tokens_per_s,
+        "ttft_ms_median": ttft,
+        "elapsed_s": elapsed,
+        "cpu_s": cpu,
+        "cpu_ms_per_request": sum(cpu[p] for p in PROCESSES) * 1e3 / n,
+        "writer_cpu_s": {p: delta(p, "writer_cpu_ns_total") / 1e9 for p in PROCESSES},
+        "recorded_events": {p: delta(p, "recorded_events") for p in PROCESSES},
+    }
 
 
 def hot_path_ns_per_call(calls: int = 20_000) -> float:
@@ -201,8 +213,13 @@ def hot_path_ns_per_call(calls: int = 20_000) -> float:
 def run(rounds: int, n: int, settle_s: float) -> tuple[dict[str, list[RoundFigures]], dict, str]:
     # Normal traffic (nothing over-long), the patched engine.
     traffic = TrafficConfig(num_requests=n, overlong_share=0.0, seed=7)
-    base = StackConfig(mode="patched", prefill_pool_tokens=16 * 1024, decode_pool_tokens=64 * 1024,
-                       context_tokens=16 * 1024, max_new_tokens=48)
+    base = StackConfig(
+        mode="patched",
+        prefill_pool_tokens=16 * 1024,
+        decode_pool_tokens=64 * 1024,
+        context_tokens=16 * 1024,
+        max_new_tokens=48,
+    )
     keys = {t: k for k, t in base.api_keys}
     results: dict[str, list[RoundFigures]] = {s: [] for s in SIDES}
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before the workers start: see the module doc
@@ -214,8 +231,11 @@ def run(rounds: int, n: int, settle_s: float) -> tuple[dict[str, list[RoundFigur
         client.start()
         try:
             assert stack.store is not None, "a started stack has a store process"
-            pids = {"router": os.getpid(), **{r: stack.procs[r].pid for r in ("prefill", "decode")},
-                    STORE: stack.store.pid}
+            pids = {
+                "router": os.getpid(),
+                **{r: stack.procs[r].pid for r in ("prefill", "decode")},
+                STORE: stack.store.pid,
+            }
             clocks = CpuClocks({p: pid for p, pid in pids.items() if pid is not None})
             for side in ("off", "on"):  # a warm-up side each, not counted
                 stack.set_audit(side == "on")
@@ -224,8 +244,11 @@ def run(rounds: int, n: int, settle_s: float) -> tuple[dict[str, list[RoundFigur
                 for side in rotated(SIDES, r):
                     stack.set_audit(side == "on")
                     results[side].append(one_side(stack, mine, clocks, settle_s, n))
-                print(f"round {r + 1}/{rounds} ({', '.join(rotated(SIDES, r))}): CPU ms/request "
-                      + ", ".join(f"{s} {results[s][-1]['cpu_ms_per_request']:.1f}" for s in SIDES), flush=True)
+                print(
+                    f"round {r + 1}/{rounds} ({', '.join(rotated(SIDES, r))}): CPU ms/request "
+                    + ", ".join(f"{s} {results[s][-1]['cpu_ms_per_request']:.1f}" for s in SIDES),
+                    flush=True,
+                )
         finally:
             if client.is_alive():
                 mine.send("stop")
@@ -243,16 +266,21 @@ def run(rounds: int, n: int, settle_s: float) -> tuple[dict[str, list[RoundFigur
 
 def report(results: dict[str, list[RoundFigures]], recorded: dict, source: str, hot_ns: float, args) -> dict:
     rounds, n = len(results["on"]), args.requests
-    print(f"{rounds} rounds x 3 sides ({', '.join(SIDES)}; first side rotating) x {n} requests, "
-          f"concurrency 4, 48 new tokens each; settle {args.settle_s:g} s after each side's traffic")
-    print(f"machine: {os.cpu_count()} CPUs, shared with other jobs; CPU from {source}; "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+    print(
+        f"{rounds} rounds x 3 sides ({', '.join(SIDES)}; first side rotating) x {n} requests, "
+        f"concurrency 4, 48 new tokens each; settle {args.settle_s:g} s after each side's traffic"
+    )
+    print(
+        f"machine: {os.cpu_count()} CPUs, shared with other jobs; CPU from {source}; "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}"
+    )
     print()
-    head = f"{'audit':<10}{'CPU ms/request':>26}{'router':>9}{'prefill':>9}{'decode':>9}{'store':>9}" \
-           f"{'tokens/s':>24}{'TTFT ms':>9}"
+    head = (
+        f"{'audit':<10}{'CPU ms/request':>26}{'router':>9}{'prefill':>9}{'decode':>9}{'store':>9}"
+        f"{'tokens/s':>24}{'TTFT ms':>9}"
+    )
     print(head)
-    print(f"{'':<10}{'min / median / max':>26}{'(median CPU ms/request)':>36}{'min / median / max':>24}"
-          f"{'median':>9}")
+    print(f"{'':<10}{'min / median / max':>26}{'(median CPU ms/request)':>36}{'min / median / max':>24}{'median':>9}")
     print("-" * len(head))
     for s in SIDES:
         x = results[s]
@@ -260,10 +288,14 @@ def report(results: dict[str, list[RoundFigures]], recorded: dict, source: str, 
         per = {p: statistics.median(r["cpu_s"].get(p, 0.0) * 1e3 / n for r in x) for p in (*PROCESSES, STORE)}
         tps = Spread.of([r["tokens_per_s"] for r in x])
         ttft = statistics.median(r["ttft_ms_median"] for r in x)
-        print(f"{s:<10}{cpu.text(fmt='.1f'):>26}{per['router']:>9.1f}{per['prefill']:>9.1f}{per['decode']:>9.1f}"
-              f"{per[STORE]:>9.1f}{tps.text(fmt='.0f'):>24}{ttft:>9.2f}")
-    print("(CPU ms/request counts the serving processes: router (this process), prefill and decode; the store "
-          "process, which commits every recorder's batches, is shown beside them; the traffic client is not counted)")
+        print(
+            f"{s:<10}{cpu.text(fmt='.1f'):>26}{per['router']:>9.1f}{per['prefill']:>9.1f}{per['decode']:>9.1f}"
+            f"{per[STORE]:>9.1f}{tps.text(fmt='.0f'):>24}{ttft:>9.2f}"
+        )
+    print(
+        "(CPU ms/request counts the serving processes: router (this process), prefill and decode; the store "
+        "process, which commits every recorder's batches, is shown beside them; the traffic client is not counted)"
+    )
     print(f"audited run recorded {recorded['events']:,} events, {recorded['page_events']:,} page-events")
     print()
 
@@ -289,52 +321,78 @@ def report(results: dict[str, list[RoundFigures]], recorded: dict, source: str, 
     v_tput = at_most("throughput overhead <= 1%", tput_over, GOAL)
     aa_worst = max(abs(x) for x in cpu_aa)
     print("CPU time per request of the serving processes (router, prefill, decode):")
-    print(f"  on / off - 1, per round:                       {Spread.of(cpu_over).text(100, '+.2f')} % "
-          f"(min / median / max)")
-    print(f"  A/A calibration, off-again / off - 1:          {Spread.of(cpu_aa).text(100, '+.2f')} % "
-          f"(worst |A/A| {aa_worst * 100:.2f} %)")
-    print(f"  goal <= 1 %: worst round {v_cpu.worst * 100:+.2f} % -> {v_cpu.word} "
-          f"(the A/A spread above is the noise such a round carries)")
-    print(f"with the store process counted too, on / off - 1: {Spread.of(all_over).text(100, '+.2f')} %; "
-          f"A/A {Spread.of(all_aa).text(100, '+.2f')} % (reported, not the goal)")
+    print(
+        f"  on / off - 1, per round:                       {Spread.of(cpu_over).text(100, '+.2f')} % "
+        f"(min / median / max)"
+    )
+    print(
+        f"  A/A calibration, off-again / off - 1:          {Spread.of(cpu_aa).text(100, '+.2f')} % "
+        f"(worst |A/A| {aa_worst * 100:.2f} %)"
+    )
+    print(
+        f"  goal <= 1 %: worst round {v_cpu.worst * 100:+.2f} % -> {v_cpu.word} "
+        f"(the A/A spread above is the noise such a round carries)"
+    )
+    print(
+        f"with the store process counted too, on / off - 1: {Spread.of(all_over).text(100, '+.2f')} %; "
+        f"A/A {Spread.of(all_aa).text(100, '+.2f')} % (reported, not the goal)"
+    )
     print(f"throughput, 1 - on / off, per round:             {Spread.of(tput_over).text(100, '+.2f')} %")
     print(f"  A/A calibration, 1 - off-again / off:          {Spread.of(tput_aa).text(100, '+.2f')} %")
     print(f"  goal <= 1 %: worst round {v_tput.worst * 100:+.2f} % -> {v_tput.word}")
     print("per process, CPU ms/request per round, min / median / max (where the cost lands, and each one's noise):")
     for p in (*PROCESSES, STORE):
+
         def ms(side: str, p: str = p) -> list[float]:
             return [r["cpu_s"].get(p, 0.0) * 1e3 / n for r in results[side]]
+
         delta = [a - b for a, b in zip(ms("on"), ms("off"))]
         aa = [a - b for a, b in zip(ms("off-again"), ms("off"))]
-        print(f"  {p:<8} on - off {Spread.of(delta).text(fmt='+.2f'):>24}    A/A off-again - off "
-              f"{Spread.of(aa).text(fmt='+.2f'):>24}")
+        print(
+            f"  {p:<8} on - off {Spread.of(delta).text(fmt='+.2f'):>24}    A/A off-again - off "
+            f"{Spread.of(aa).text(fmt='+.2f'):>24}"
+        )
     attributed = audit_work(results, hot_ns, n)
     ttft = statistics.median(per_round("on", "off", lambda r: r["ttft_ms_median"]))
     print(f"TTFT ratio on / off (median of rounds): {ttft:.3f}")
-    return {"cpu_overhead": cpu_over, "cpu_aa": cpu_aa, "cpu_overhead_with_store": all_over,
-            "cpu_aa_with_store": all_aa, "throughput_overhead": tput_over, "throughput_aa": tput_aa,
-            "audit_work_share": attributed, "hot_path_ns_per_call": hot_ns,
-            "cpu_verdict": v_cpu.word, "throughput_verdict": v_tput.word}
+    return {
+        "cpu_overhead": cpu_over,
+        "cpu_aa": cpu_aa,
+        "cpu_overhead_with_store": all_over,
+        "cpu_aa_with_store": all_aa,
+        "throughput_overhead": tput_over,
+        "throughput_aa": tput_aa,
+        "audit_work_share": attributed,
+        "hot_path_ns_per_call": hot_ns,
+        "cpu_verdict": v_cpu.word,
+        "throughput_verdict": v_tput.word,
+    }
 
 
 def audit_work(results: dict[str, list[RoundFigures]], hot_ns: float, n: int) -> list[float]:
     """Print the audit's own work in the serving processes, measured directly; return its share per round."""
-    print(f"audit work in the serving processes on the 'on' side, measured directly (per request; hot path = "
-          f"recorded events x {hot_ns:.0f} ns, one recorder call timed at start):")
+    print(
+        f"audit work in the serving processes on the 'on' side, measured directly (per request; hot path = "
+        f"recorded events x {hot_ns:.0f} ns, one recorder call timed at start):"
+    )
     shares = []
     for p in PROCESSES:
         writer = [r["writer_cpu_s"][p] * 1e3 / n for r in results["on"]]
         events = [r["recorded_events"][p] / n for r in results["on"]]
         hot_ms = statistics.median(events) * hot_ns / 1e6
-        print(f"  {p:<8} writer thread {Spread.of(writer).text(fmt='.3f')} ms, "
-              f"{Spread.of(events).text(fmt='.1f')} events -> hot path ~{hot_ms:.3f} ms")
+        print(
+            f"  {p:<8} writer thread {Spread.of(writer).text(fmt='.3f')} ms, "
+            f"{Spread.of(events).text(fmt='.1f')} events -> hot path ~{hot_ms:.3f} ms"
+        )
     for on in results["on"]:
         work_ms = sum(on["writer_cpu_s"][p] * 1e3 + on["recorded_events"][p] * hot_ns / 1e6 for p in PROCESSES) / n
         # Against the rest of the same side's CPU: both halves saw the same load on the machine.
         shares.append(work_ms / (on["cpu_ms_per_request"] - work_ms))
-    print(f"  audit work / the rest of the same side's serving CPU, per round: {Spread.of(shares).text(100, '.2f')} % "
-          f"(min / median / max; worst round {max(shares) * 100:.2f} % against the 1 % goal: a direct measurement "
-          f"of the writer threads plus an estimate of the hot path, not the verdict above)")
+    print(
+        f"  audit work / the rest of the same side's serving CPU, per round: {Spread.of(shares).text(100, '.2f')} % "
+        f"(min / median / max; worst round {max(shares) * 100:.2f} % against the 1 % goal: a direct measurement "
+        f"of the writer threads plus an estimate of the hot path, not the verdict above)"
+    )
     return shares
 
 

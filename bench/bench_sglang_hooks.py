@@ -68,8 +68,18 @@ def _time_calls(node, r, num_pages: int, calls: int, plain: bool) -> tuple[float
     clock, cpu = time.perf_counter_ns, time.thread_time_ns
     for _ in range(calls):
         c0, t0 = cpu(), clock()
-        loc = prealloc(alloc, req=r, fill_len=fill, delta_len=fill, prefix_len=0, total_prefix_len=0,
-                       prefix_indices=None, uses_swa_tail=False, swa_tail_len=0, req_to_token_pool=node.pool)
+        loc = prealloc(
+            alloc,
+            req=r,
+            fill_len=fill,
+            delta_len=fill,
+            prefix_len=0,
+            total_prefix_len=0,
+            prefix_indices=None,
+            uses_swa_tail=False,
+            swa_tail_len=0,
+            req_to_token_pool=node.pool,
+        )
         t1, c1 = clock(), cpu()
         pages = loc[::PAGE_SIZE] // PAGE_SIZE
         c2, t2 = cpu(), clock()
@@ -114,19 +124,25 @@ def main(argv: list[str] | None = None) -> int:
     assert session is not None
     lost = session.resolver.failures
     session.close()
-    print(f"SGLang plugin hooks on the real allocator (device cpu), {a.pages} pages of 4 tokens per call, "
-          f"{a.calls} calls x {a.rounds} rounds; ns min / median / max over rounds")
+    print(
+        f"SGLang plugin hooks on the real allocator (device cpu), {a.pages} pages of 4 tokens per call, "
+        f"{a.calls} calls x {a.rounds} rounds; ns min / median / max over rounds"
+    )
     for title, off in (("wall clock", 0), ("CPU time of SGLang's thread", 2)):
         print(f"{title}:")
         print(f"{'method':<11} {'alloc ns/call':>24} {'alloc ns/page':>22} {'free ns/call':>24} {'free ns/page':>22}")
         for m in METHODS:
             al, fr = Spread.of([x[off] for x in per[m]]), Spread.of([x[off + 1] for x in per[m]])
-            print(f"{m:<11} {al.text(fmt='.0f'):>24} {al.text(1 / a.pages, '.0f'):>22} "
-                  f"{fr.text(fmt='.0f'):>24} {fr.text(1 / a.pages, '.0f'):>22}")
+            print(
+                f"{m:<11} {al.text(fmt='.0f'):>24} {al.text(1 / a.pages, '.0f'):>22} "
+                f"{fr.text(fmt='.0f'):>24} {fr.text(1 / a.pages, '.0f'):>22}"
+            )
         for op, i in (("alloc", off), ("free", off + 1)):
             extra = [rec[i] - base[i] for rec, base in zip(per["recording"], per["sglang"])]
-            print(f"recording overhead on {op} ({title}): {Spread.of(extra).text(fmt='.0f')} ns/call "
-                  f"({Spread.of([e / a.pages for e in extra]).text(fmt='.0f')} ns/page)")
+            print(
+                f"recording overhead on {op} ({title}): {Spread.of(extra).text(fmt='.0f')} ns/call "
+                f"({Spread.of([e / a.pages for e in extra]).text(fmt='.0f')} ns/page)"
+            )
     print(f"hook failures: {dict(lost)}")
     return 0
 

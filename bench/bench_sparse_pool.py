@@ -33,12 +33,26 @@ def build(db: Path, pool_pages: int) -> None:
     if db.exists():
         db.unlink()
     db.parent.mkdir(parents=True, exist_ok=True)
-    producer = {"cluster": "c1", "node": "decode-0", "role": "decode", "engine": "kvtrail-reference",
-                "engine_version": "0.1", "instance": "i1"}
-    event = {"schema_version": 1, "producer": producer, "kind": "node_config", "seq": 0,
-             "wall_ns": 1_788_960_120 * 10**9, "mono_ns": 1,
-             "pool_tokens": pool_pages * PAGE_SIZE, "pool_pages": pool_pages, "page_size": PAGE_SIZE,
-             "context_tokens": 131_072}
+    producer = {
+        "cluster": "c1",
+        "node": "decode-0",
+        "role": "decode",
+        "engine": "kvtrail-reference",
+        "engine_version": "0.1",
+        "instance": "i1",
+    }
+    event = {
+        "schema_version": 1,
+        "producer": producer,
+        "kind": "node_config",
+        "seq": 0,
+        "wall_ns": 1_788_960_120 * 10**9,
+        "mono_ns": 1,
+        "pool_tokens": pool_pages * PAGE_SIZE,
+        "pool_pages": pool_pages,
+        "page_size": PAGE_SIZE,
+        "context_tokens": 131_072,
+    }
     with AuditStore(db) as store:
         store.append(from_dicts([event]))
 
@@ -87,8 +101,10 @@ def main() -> int:
         "findings --engine sql": ["forensics", "findings", "--engine", "sql", "--format", "json"],
         "findings --save": ["forensics", "findings", "--save", "--format", "json"],
     }
-    print(f"store: one node_config of {args.pool_pages:,} pages ({args.pool_pages * PAGE_SIZE:,} tokens); "
-          "control: the same of 64 pages")
+    print(
+        f"store: one node_config of {args.pool_pages:,} pages ({args.pool_pages * PAGE_SIZE:,} tokens); "
+        "control: the same of 64 pages"
+    )
     print(f"  {'judge':<26} {'exit':>4} {'peak RSS':>9} {'after imports':>14} {'judging':>8} {'control':>8}")
     worst = worst_control = pool_cost = 0.0
     failed = False
@@ -101,10 +117,14 @@ def main() -> int:
         pool_cost = max(pool_cost, peak - cpeak)
         print(f"  {name:<26} {rc:>4} {peak:7.1f}MB {floor:12.1f}MB {peak - floor:6.1f}MB {cpeak - cfloor:6.1f}MB")
     verdict = "ok" if pool_cost < GOAL_MB and not failed else "MISSED"
-    print(f"worst judging cost (peak RSS above the process's RSS after importing kvtrail): {worst:.1f} MB "
-          f"({worst_control:.1f} MB on the control)")
-    print(f"what the {args.pool_pages:,}-page pool adds to a judge's peak RSS over the 64-page control: "
-          f"{pool_cost:+.1f} MB (goal < {GOAL_MB:.0f} MB; before page state followed use: ~100 B a page): {verdict}")
+    print(
+        f"worst judging cost (peak RSS above the process's RSS after importing kvtrail): {worst:.1f} MB "
+        f"({worst_control:.1f} MB on the control)"
+    )
+    print(
+        f"what the {args.pool_pages:,}-page pool adds to a judge's peak RSS over the 64-page control: "
+        f"{pool_cost:+.1f} MB (goal < {GOAL_MB:.0f} MB; before page state followed use: ~100 B a page): {verdict}"
+    )
     return 0 if verdict == "ok" else 1
 
 

@@ -74,9 +74,17 @@ def build(db: str, params: dict) -> dict:
     with AuditStore(db) as store:
         summary = write_fleet(config, store)
         store.checkpoint()
-    meta = {"params": params, "events": summary.events, "page_events": summary.page_events,
-            "producers": summary.producers, "requests": summary.requests, "affected": summary.affected,
-            "from_ns": summary.from_ns, "to_ns": summary.to_ns, "build_s": summary.elapsed_s}
+    meta = {
+        "params": params,
+        "events": summary.events,
+        "page_events": summary.page_events,
+        "producers": summary.producers,
+        "requests": summary.requests,
+        "affected": summary.affected,
+        "from_ns": summary.from_ns,
+        "to_ns": summary.to_ns,
+        "build_s": summary.elapsed_s,
+    }
     with open(meta_path, "w") as f:
         json.dump(meta, f, indent=1)
     print(f"history: built {db} in {summary.elapsed_s:.1f} s")
@@ -86,8 +94,9 @@ def build(db: str, params: dict) -> dict:
 def window_page_events(db: str, from_ns: int, to_ns: int) -> tuple[int, int]:
     """(events, page-events) with wall time in [from_ns, to_ns]."""
     with duckdb.connect(db, read_only=True) as con:
-        row = con.execute("SELECT count(*), sum(num_pages) FROM events WHERE wall_ns BETWEEN ? AND ?",
-                          [from_ns, to_ns]).fetchone()
+        row = con.execute(
+            "SELECT count(*), sum(num_pages) FROM events WHERE wall_ns BETWEEN ? AND ?", [from_ns, to_ns]
+        ).fetchone()
     assert row is not None, "an aggregate query returns one row"
     return int(row[0]), int(row[1] or 0)
 
@@ -119,8 +128,11 @@ def run_engine(engine: str, db: str, from_ns: int, to_ns: int) -> tuple[float, l
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--db", default=os.path.join(tempfile.gettempdir(), "kvtrail-sql-window-bench.duckdb"),
-                    help="store of the history (built when missing or built with other parameters)")
+    ap.add_argument(
+        "--db",
+        default=os.path.join(tempfile.gettempdir(), "kvtrail-sql-window-bench.duckdb"),
+        help="store of the history (built when missing or built with other parameters)",
+    )
     ap.add_argument("--rate", type=float, default=0.1, help="fleet request arrivals per second (default 0.1)")
     ap.add_argument("--window-h", type=float, default=1.0, help="simulated hours of arrivals and of the window")
     ap.add_argument("--seed", type=int, default=1)
@@ -144,9 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     from_ns = meta["from_ns"]
     to_ns = from_ns + round(args.window_h * _HOUR_NS)
     events, page_events = window_page_events(args.db, from_ns, to_ns)
-    print(f"history (fleet simulator, {args.rate:g} requests/s; bench_forensics.py's fleet runs 0.5): "
-          f"{meta['events']:,} events, {meta['page_events']:,} page-events, {meta['producers']} producers, "
-          f"{meta['requests']:,} requests, {meta['affected']} affected responses planted")
+    print(
+        f"history (fleet simulator, {args.rate:g} requests/s; bench_forensics.py's fleet runs 0.5): "
+        f"{meta['events']:,} events, {meta['page_events']:,} page-events, {meta['producers']} producers, "
+        f"{meta['requests']:,} requests, {meta['affected']} affected responses planted"
+    )
     print(f"window: the first {args.window_h:g} h of simulated time: {events:,} events, {page_events:,} page-events")
     print(f"machine: {os.cpu_count()} CPUs, shared with other jobs; DuckDB {duckdb.__version__}")
 
@@ -162,8 +176,10 @@ def main(argv: list[str] | None = None) -> int:
             wall, got = run_engine(engine, args.db, from_ns, to_ns)
             assert found.setdefault(engine, got) == got, f"{engine}: findings changed between runs"
             walls[engine].append(wall)
-        print(f"round {r + 1}/{args.rounds} ({', '.join(order)}): "
-              + ", ".join(f"{e} {walls[e][-1]:.2f} s" for e in ENGINES))
+        print(
+            f"round {r + 1}/{args.rounds} ({', '.join(order)}): "
+            + ", ".join(f"{e} {walls[e][-1]:.2f} s" for e in ENGINES)
+        )
 
     same = found["replay"] == found["sql"] == found["sql-lake"]
     print()
@@ -175,22 +191,36 @@ def main(argv: list[str] | None = None) -> int:
         rate = Spread.of([page_events / w for w in walls[e]])
         print(f"{e:<8}{wall_s.text():>28}{rate.text(1e-6, '.2f'):>34}{len(found[e]):>10}")
     codes = sorted({f.code for f in found["replay"]})
-    print(f"same findings from every engine: {'yes' if same else 'NO'} ({len(found['replay'])} findings: "
-          f"{', '.join(codes) or 'none'})")
+    print(
+        f"same findings from every engine: {'yes' if same else 'NO'} ({len(found['replay'])} findings: "
+        f"{', '.join(codes) or 'none'})"
+    )
     all_ratios = {}
     for e in ENGINES[1:]:
         ratios = all_ratios[e] = per_round_ratios(walls[e], walls["replay"])
         v = at_most("SQL within 10x of the replay", ratios, GOAL_RATIO)
-        print(f"{e} / replay wall time per round: {Spread.of(ratios).text(fmt='.1f')} x (min / median / max); "
-              f"goal: within {GOAL_RATIO:g}x on a {args.window_h:g} h window: worst round {v.worst:.1f}x -> {v.word}")
+        print(
+            f"{e} / replay wall time per round: {Spread.of(ratios).text(fmt='.1f')} x (min / median / max); "
+            f"goal: within {GOAL_RATIO:g}x on a {args.window_h:g} h window: worst round {v.worst:.1f}x -> {v.word}"
+        )
     ratios = all_ratios["sql"]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "sql_window", "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
-                       "params": params, "window": {"from_ns": from_ns, "to_ns": to_ns, "events": events,
-                                                    "page_events": page_events},
-                       "wall_s": walls, "ratios": all_ratios, "same_findings": same,
-                       "verdict": at_most("sql", ratios, GOAL_RATIO).word}, f, indent=2)
+            json.dump(
+                {
+                    "benchmark": "sql_window",
+                    "date": time.strftime("%Y-%m-%d"),
+                    "cpus": os.cpu_count(),
+                    "params": params,
+                    "window": {"from_ns": from_ns, "to_ns": to_ns, "events": events, "page_events": page_events},
+                    "wall_s": walls,
+                    "ratios": all_ratios,
+                    "same_findings": same,
+                    "verdict": at_most("sql", ratios, GOAL_RATIO).word,
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 

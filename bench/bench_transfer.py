@@ -159,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
             "contiguous": lambda: handle.write_pages(peer, src_specs, dst_specs, contiguous, contiguous),
             "per-page": lambda: handle.write_plan(peer, per_page_plan(src_specs, dst_specs, src_pages, dst_pages)),
         }
-        lists = {"scattered": (src_pages, dst_pages), "contiguous": (contiguous, contiguous),
-                 "per-page": (src_pages, dst_pages)}
+        lists = {
+            "scattered": (src_pages, dst_pages),
+            "contiguous": (contiguous, contiguous),
+            "per-page": (src_pages, dst_pages),
+        }
 
         def checked(row: str) -> TransferResult:
             res = cases[row]()
@@ -174,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             checked(row)
         results: dict[str, list[TransferResult]] = {row: [] for row in ROWS}
         for r in range(args.rounds):
-            order = ROWS[r % 3:] + ROWS[:r % 3]
+            order = ROWS[r % 3 :] + ROWS[: r % 3]
             for row in order:
                 results[row].append(checked(row))
         conn.send(("exit", None))
@@ -193,41 +196,69 @@ def main(argv: list[str] | None = None) -> int:
         mbs = mbs_by_row[row]
         first = rs[0]
         summary[row] = {
-            "pages": first.num_pages, "runs": first.num_runs, "entries": first.num_entries,
-            "batches": first.num_batches, "entries_per_batch": first.num_entries / first.num_batches,
-            "bytes": first.num_bytes, "median_ms": float(np.median([x.elapsed_s for x in rs]) * 1e3),
-            "median_mb_per_s": float(np.median(mbs)), "min_mb_per_s": float(mbs.min()),
-            "max_mb_per_s": float(mbs.max()), "ratio_to_contiguous": float(np.median(mbs)) / base,
+            "pages": first.num_pages,
+            "runs": first.num_runs,
+            "entries": first.num_entries,
+            "batches": first.num_batches,
+            "entries_per_batch": first.num_entries / first.num_batches,
+            "bytes": first.num_bytes,
+            "median_ms": float(np.median([x.elapsed_s for x in rs]) * 1e3),
+            "median_mb_per_s": float(np.median(mbs)),
+            "min_mb_per_s": float(mbs.min()),
+            "max_mb_per_s": float(mbs.max()),
+            "ratio_to_contiguous": float(np.median(mbs)) / base,
         }
 
     mean_src = args.pages / len(merge_runs(src_pages, src_pages))
     mean_dst = args.pages / len(merge_runs(dst_pages, dst_pages))
-    print(f"kvtrail KV transfer, Mooncake {_mooncake_version()} loopback TCP, {num_buffers} buffers x "
-          f"{args.pages} pages x {args.item_len} B = {summary['contiguous']['bytes'] / 2**20:.0f} MiB per write, "
-          f"pool {pool_pages} pages; {args.rounds} rounds, rows interleaved")
-    print(f"machine: {os.cpu_count()} CPUs, Python {platform.python_version()}, numpy {np.__version__}; "
-          f"peer spawn to ready {spawn_s:.2f} s; engine init {handle.init_s * 1e3:.2f} ms; "
-          f"plan_entries for the scattered lists {plan_s * 1e3:.2f} ms")
-    print(f"page lists: mean run {mean_src:.1f} pages (prefill), {mean_dst:.1f} (decode), "
-          f"{summary['scattered']['pages'] / summary['scattered']['runs']:.1f} merged")
+    print(
+        f"kvtrail KV transfer, Mooncake {_mooncake_version()} loopback TCP, {num_buffers} buffers x "
+        f"{args.pages} pages x {args.item_len} B = {summary['contiguous']['bytes'] / 2**20:.0f} MiB per write, "
+        f"pool {pool_pages} pages; {args.rounds} rounds, rows interleaved"
+    )
+    print(
+        f"machine: {os.cpu_count()} CPUs, Python {platform.python_version()}, numpy {np.__version__}; "
+        f"peer spawn to ready {spawn_s:.2f} s; engine init {handle.init_s * 1e3:.2f} ms; "
+        f"plan_entries for the scattered lists {plan_s * 1e3:.2f} ms"
+    )
+    print(
+        f"page lists: mean run {mean_src:.1f} pages (prefill), {mean_dst:.1f} (decode), "
+        f"{summary['scattered']['pages'] / summary['scattered']['runs']:.1f} merged"
+    )
     print()
-    head = (f"{'row':<11} {'runs':>6} {'entries':>8} {'batches':>8} {'entries/batch':>14} {'median ms':>10} "
-            f"{'MB/s median':>12} {'MB/s min-max':>14} {'vs contiguous':>14}")
+    head = (
+        f"{'row':<11} {'runs':>6} {'entries':>8} {'batches':>8} {'entries/batch':>14} {'median ms':>10} "
+        f"{'MB/s median':>12} {'MB/s min-max':>14} {'vs contiguous':>14}"
+    )
     print(head)
     print("-" * len(head))
     for row in ROWS:
         x = summary[row]
-        print(f"{row:<11} {x['runs']:>6} {x['entries']:>8} {x['batches']:>8} {x['entries_per_batch']:>14.0f} "
-              f"{x['median_ms']:>10.1f} {x['median_mb_per_s']:>12.0f} "
-              f"{x['min_mb_per_s']:>6.0f}-{x['max_mb_per_s']:<7.0f} {x['ratio_to_contiguous']:>14.2f}")
+        print(
+            f"{row:<11} {x['runs']:>6} {x['entries']:>8} {x['batches']:>8} {x['entries_per_batch']:>14.0f} "
+            f"{x['median_ms']:>10.1f} {x['median_mb_per_s']:>12.0f} "
+            f"{x['min_mb_per_s']:>6.0f}-{x['max_mb_per_s']:<7.0f} {x['ratio_to_contiguous']:>14.2f}"
+        )
     print("(every write verified: CRC32 of source pages == CRC32 of destination pages, per buffer)")
 
     if args.json:
-        out = {"benchmark": "transfer", "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
-               "python": platform.python_version(), "mooncake": _mooncake_version(), "pages": args.pages,
-               "pool_pages": pool_pages, "item_len": args.item_len, "buffers": num_buffers,
-               "mean_run": args.mean_run, "rounds": args.rounds, "spawn_s": spawn_s, "engine_init_s": handle.init_s,
-               "plan_s": plan_s, "rows": summary}
+        out = {
+            "benchmark": "transfer",
+            "date": time.strftime("%Y-%m-%d"),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "mooncake": _mooncake_version(),
+            "pages": args.pages,
+            "pool_pages": pool_pages,
+            "item_len": args.item_len,
+            "buffers": num_buffers,
+            "mean_run": args.mean_run,
+            "rounds": args.rounds,
+            "spawn_s": spawn_s,
+            "engine_init_s": handle.init_s,
+            "plan_s": plan_s,
+            "rows": summary,
+        }
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
     return 0

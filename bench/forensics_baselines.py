@@ -83,9 +83,11 @@ WHERE list_contains(?, req_no)
 BASELINES = {"naive-text": NAIVE_TEXT_SQL, "naive-int": NAIVE_INT_SQL, "window": WINDOW_SQL}
 
 # The event columns the replay reads for page events, in its order; the floor reads them too.
-FLOOR_EVENTS_SQL = ("SELECT producer_id, seq, wall_ns, kind, request_id, transfer_id, tenant_id, purpose, "
-                    "free_reason, source, token_start, token_end, num_pages, num_dst_pages FROM events "
-                    "ORDER BY wall_ns, producer_id, seq")
+FLOOR_EVENTS_SQL = (
+    "SELECT producer_id, seq, wall_ns, kind, request_id, transfer_id, tenant_id, purpose, "
+    "free_reason, source, token_start, token_end, num_pages, num_dst_pages FROM events "
+    "ORDER BY wall_ns, producer_id, seq"
+)
 FLOOR_RUNS_SQL = "SELECT page_start, num_pages FROM page_runs ORDER BY producer_id, seq, list, pos"
 
 

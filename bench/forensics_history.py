@@ -42,8 +42,7 @@ class _ShapeArgs(TypedDict):
     decode_fraction: float
 
 
-def with_reads(t: pa.Table, first_seq: int, rng: np.random.Generator,
-               plant_rate: float) -> tuple[pa.Table, list[str]]:
+def with_reads(t: pa.Table, first_seq: int, rng: np.random.Generator, plant_rate: float) -> tuple[pa.Table, list[str]]:
     """Each kv_written followed by its reader's kv_read; planted: a prefill write left out, its read kept.
 
     Returns the table (seq renumbered from ``first_seq``) and the request ids of the writes left out
@@ -76,14 +75,18 @@ def _synth_streams(page_events: int, nodes: int, hours: float, seed: int, num_pa
         prod = Producer("bench-fleet", f"{shape}-{k}", shape, "kvtrail-synth", "0", f"{shape}-{k}-i0")
         kw = _ShapeArgs(num_pages=num_pages, page_size=16, seed=seed + k, decode_fraction=_SHAPES[shape])
         # A short run tells how many events a page-event costs in this shape, to spread the clock.
-        probe = pa.concat_tables(synth_batches(producer=prod, target_page_events=1_000_000,
-                                               events_per_batch=1 << 20, **kw))
+        probe = pa.concat_tables(
+            synth_batches(producer=prod, target_page_events=1_000_000, events_per_batch=1 << 20, **kw)
+        )
         per_page = probe.num_rows / pc.sum(pc.list_value_length(probe.column("pages"))).as_py()
         writes = pc.sum(pc.equal(probe.column("kind"), "kv_written")).as_py() / probe.num_rows
         target = page_events * 3 // (4 * nodes)  # reads add a quarter: alloc + write + read + free
         gap_ns = max(int(hours * 3600e9 / max(target * per_page * (1 + writes), 1)), 1)
-        streams.append(synth_batches(producer=prod, target_page_events=target, events_per_batch=events_per_batch,
-                                     mean_gap_ns=gap_ns, **kw))
+        streams.append(
+            synth_batches(
+                producer=prod, target_page_events=target, events_per_batch=events_per_batch, mean_gap_ns=gap_ns, **kw
+            )
+        )
     return streams
 
 
@@ -123,18 +126,35 @@ def build(db: str, params: dict, log=print) -> dict:
     planted: list[str] = []
     truth: dict = {}
     options = pa.ipc.IpcWriteOptions(compression="zstd")
-    with AuditStore(db) as store, pa.OSFile(db + ".batches.arrow", "wb") as sink, \
-            pa.ipc.new_stream(sink, NULLABLE_SCHEMA, options=options) as writer:
+    with (
+        AuditStore(db) as store,
+        pa.OSFile(db + ".batches.arrow", "wb") as sink,
+        pa.ipc.new_stream(sink, NULLABLE_SCHEMA, options=options) as writer,
+    ):
         store.con.execute("SET enable_progress_bar = false")
         if params["source"] == "fleet":
             from kvtrail.sim.fleet import FleetConfig, fleet_batches
 
-            source = ((0, b) for b in fleet_batches(FleetConfig(seed=params["seed"], rate_per_s=params["fleet_rate"],
-                                                                target_page_events=params["page_events"]),
-                                                   truth=truth))
+            source = (
+                (0, b)
+                for b in fleet_batches(
+                    FleetConfig(
+                        seed=params["seed"], rate_per_s=params["fleet_rate"], target_page_events=params["page_events"]
+                    ),
+                    truth=truth,
+                )
+            )
         else:
-            source = _merged(_synth_streams(params["page_events"], params["nodes"], params["hours"], params["seed"],
-                                            params["num_pages"], params["events_per_batch"]))
+            source = _merged(
+                _synth_streams(
+                    params["page_events"],
+                    params["nodes"],
+                    params["hours"],
+                    params["seed"],
+                    params["num_pages"],
+                    params["events_per_batch"],
+                )
+            )
         next_seq: dict[int, int] = {}
         for k, b in source:
             if params["source"] == "synth":
@@ -150,16 +170,25 @@ def build(db: str, params: dict, log=print) -> dict:
             if batches % 50 == 0:
                 log(f"  ... {page_events / 1e6:,.0f} M page-events, {time.perf_counter() - t0:.0f} s")
         store.checkpoint()
-        span = store.con.execute("SELECT min(wall_ns), max(wall_ns), count(DISTINCT producer_id) "
-                                 "FROM events").fetchone()
+        span = store.con.execute(
+            "SELECT min(wall_ns), max(wall_ns), count(DISTINCT producer_id) FROM events"
+        ).fetchone()
         assert span is not None, "an aggregate query returns one row"
     # The ground truth of "which responses are affected": the fleet simulator's own record of its plants
     # and foreign reads, or (synth) the requests whose prefill write was left out.
     truth_ids = truth["affected_request_ids"] if params["source"] == "fleet" else sorted(set(planted))
-    meta = {"params": params, "events": events, "page_events": page_events, "batches": batches,
-            "planted_unwritten_chunks": len(planted), "truth_affected_request_ids": truth_ids,
-            "producers": span[2], "span_hours": (span[1] - span[0]) / 3600e9,
-            "build_s": time.perf_counter() - t0, "db_bytes": os.path.getsize(db)}
+    meta = {
+        "params": params,
+        "events": events,
+        "page_events": page_events,
+        "batches": batches,
+        "planted_unwritten_chunks": len(planted),
+        "truth_affected_request_ids": truth_ids,
+        "producers": span[2],
+        "span_hours": (span[1] - span[0]) / 3600e9,
+        "build_s": time.perf_counter() - t0,
+        "db_bytes": os.path.getsize(db),
+    }
     with open(meta_path, "w") as f:
         json.dump(meta, f, indent=1)
     log(f"history: built {db} in {meta['build_s']:.0f} s")
@@ -168,13 +197,17 @@ def build(db: str, params: dict, log=print) -> dict:
 
 def describe(meta: dict) -> str:
     p = meta["params"]
-    text = (f"history ({p['source']}): {meta['events']:,} events, {meta['page_events']:,} page-events, "
-            f"{meta['producers']} nodes over {meta['span_hours']:.2f} h, {meta['batches']} batches, "
-            f"{meta['db_bytes'] / 1e6:,.0f} MB store; ground truth {len(meta['truth_affected_request_ids'])} "
-            "affected responses")
+    text = (
+        f"history ({p['source']}): {meta['events']:,} events, {meta['page_events']:,} page-events, "
+        f"{meta['producers']} nodes over {meta['span_hours']:.2f} h, {meta['batches']} batches, "
+        f"{meta['db_bytes'] / 1e6:,.0f} MB store; ground truth {len(meta['truth_affected_request_ids'])} "
+        "affected responses"
+    )
     if p["source"] == "fleet":
         text += f"; fleet simulator, {p['fleet_rate']:g} requests/s"
     if p["source"] == "synth":
-        text += (f"; pools of {p['num_pages']:,} pages, {meta['planted_unwritten_chunks']} planted unwritten "
-                 f"prefill chunks (plant rate {p['plant_rate']:g})")
+        text += (
+            f"; pools of {p['num_pages']:,} pages, {meta['planted_unwritten_chunks']} planted unwritten "
+            f"prefill chunks (plant rate {p['plant_rate']:g})"
+        )
     return text

@@ -20,8 +20,10 @@ def _summary(found) -> dict:
     is the late writer, a source, as in the question)."""
     from kvtrail.forensics.findings import AFFECTED_CODES
 
-    return {"f1_pages": sum(len(f.pages) for f in found if f.code == "F1"),
-            "affected_ids": sorted({f.request_id for f in found if f.code in AFFECTED_CODES})}
+    return {
+        "f1_pages": sum(len(f.pages) for f in found if f.code == "F1"),
+        "affected_ids": sorted({f.request_id for f in found if f.code in AFFECTED_CODES}),
+    }
 
 
 def against_truth(out: dict, meta: dict, whole: bool = True) -> dict:
@@ -71,9 +73,11 @@ def run_part(part: str, db: str, meta: dict, args) -> dict:
     prefix = {"pure": args.pure_page_events, "sql": args.sql_page_events}.get(part, 0)
     if prefix and prefix < meta["page_events"]:  # the history up to where it holds that many page-events
         with connect_readonly(db) as con:
-            row = con.execute("SELECT min(wall_ns) FROM (SELECT wall_ns, sum(num_pages) OVER (ORDER BY wall_ns "
-                              "ROWS UNBOUNDED PRECEDING) AS cum FROM events) WHERE cum >= ?",
-                              [int(prefix)]).fetchone()
+            row = con.execute(
+                "SELECT min(wall_ns) FROM (SELECT wall_ns, sum(num_pages) OVER (ORDER BY wall_ns "
+                "ROWS UNBOUNDED PRECEDING) AS cum FROM events) WHERE cum >= ?",
+                [int(prefix)],
+            ).fetchone()
             assert row is not None, "an aggregate query returns one row"
             to_ns = row[0]
             row = con.execute("SELECT sum(num_pages) FROM events WHERE wall_ns <= ?", [to_ns]).fetchone()
@@ -86,8 +90,9 @@ def run_part(part: str, db: str, meta: dict, args) -> dict:
         out.update(affected_ids=df.get_column("request_id").to_list())
     elif part in ("engine", "engine-seq", "pure"):
         with connect_readonly(db) as con:
-            found = replay_store(con, to_ns=to_ns, codes=AFFECTED_CODES, fast=part != "pure",
-                                 read_ahead=part != "engine-seq")
+            found = replay_store(
+                con, to_ns=to_ns, codes=AFFECTED_CODES, fast=part != "pure", read_ahead=part != "engine-seq"
+            )
         out.update(_summary(found))
     elif part == "sql":
         with connect_readonly(db) as con:
@@ -118,8 +123,12 @@ def _split(db: str) -> dict:
 
     warm_up()
     with connect_readonly(db) as con:
-        ids = {tuple(r[1:]): r[0] for r in con.execute(
-            "SELECT producer_id, cluster, node, role, engine, engine_version, instance FROM producers").fetchall()}
+        ids = {
+            tuple(r[1:]): r[0]
+            for r in con.execute(
+                "SELECT producer_id, cluster, node, role, engine, engine_version, instance FROM producers"
+            ).fetchall()
+        }
         t0 = time.perf_counter()
         for _ in store_batches(con, *window_filter(None, None)):
             pass
@@ -145,23 +154,30 @@ def _online(db: str) -> dict:
     clock = time.perf_counter
     spent = {"ingest": 0.0, "replay": 0.0}
     page_events = 0
-    with tempfile.TemporaryDirectory(prefix="kvtrail-bench-") as tmp, \
-            AuditStore(os.path.join(tmp, "online.duckdb")) as store, \
-            pa.ipc.open_stream(pa.OSFile(db + ".batches.arrow", "rb")) as reader:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvtrail-bench-") as tmp,
+        AuditStore(os.path.join(tmp, "online.duckdb")) as store,
+        pa.ipc.open_stream(pa.OSFile(db + ".batches.arrow", "rb")) as reader,
+    ):
         engine = ReplayEngine()
         for i, batch in enumerate(reader):
             table = pa.Table.from_batches([batch])
             page_events += pc.sum(pc.list_value_length(table.column("pages"))).as_py() or 0
             steps = [("ingest", store.append), ("replay", engine.feed)]
-            for name, step in steps[i % 2:] + steps[:i % 2]:
+            for name, step in steps[i % 2 :] + steps[: i % 2]:
                 t = clock()
                 step(table)
                 spent[name] += clock() - t
         t = clock()
         found = engine.findings()
         spent["replay"] += clock() - t
-    return {"ingest_s": spent["ingest"], "replay_s": spent["replay"], "page_events": page_events,
-            "wall_s": spent["replay"], **_summary(found)}
+    return {
+        "ingest_s": spent["ingest"],
+        "replay_s": spent["replay"],
+        "page_events": page_events,
+        "wall_s": spent["replay"],
+        **_summary(found),
+    }
 
 
 def peak_rss_bytes() -> int:

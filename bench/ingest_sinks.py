@@ -43,15 +43,35 @@ from kvtrail.audit.store import DEFAULT_CHECKPOINT, RUN_COLUMNS, AuditStore, Che
 from kvtrail.audit.writer import build_batch
 
 UNBOUNDED_WAL = CheckpointPolicy(max_wal_bytes=256 * 2**20, max_interval_s=math.inf)  # before CheckpointPolicy
-NARROW_DDL = ("CREATE TABLE events (producer_id BIGINT NOT NULL, seq UBIGINT NOT NULL, kind UTINYINT NOT NULL, "
-              "wall_ns BIGINT NOT NULL, mono_ns BIGINT NOT NULL, request_no INTEGER, code UTINYINT, "
-              "token_start BIGINT, token_end BIGINT, num_pages INTEGER NOT NULL)",
-              "CREATE TABLE requests (request_no INTEGER NOT NULL, request_id VARCHAR NOT NULL, "
-              "transfer_id UBIGINT, tenant_id VARCHAR)")
+NARROW_DDL = (
+    "CREATE TABLE events (producer_id BIGINT NOT NULL, seq UBIGINT NOT NULL, kind UTINYINT NOT NULL, "
+    "wall_ns BIGINT NOT NULL, mono_ns BIGINT NOT NULL, request_no INTEGER, code UTINYINT, "
+    "token_start BIGINT, token_end BIGINT, num_pages INTEGER NOT NULL)",
+    "CREATE TABLE requests (request_no INTEGER NOT NULL, request_id VARCHAR NOT NULL, "
+    "transfer_id UBIGINT, tenant_id VARCHAR)",
+)
 # What the narrow row holds; the other non-null event columns are listed by Encoded.left_out.
-NARROW_SOURCES = frozenset({"producer_id", "batch_no", "schema_version", "seq", "kind", "wall_ns", "mono_ns",
-                            "request_id", "transfer_id", "tenant_id", "purpose", "free_reason", "source",
-                            "token_start", "token_end", "num_pages", "num_dst_pages"})
+NARROW_SOURCES = frozenset(
+    {
+        "producer_id",
+        "batch_no",
+        "schema_version",
+        "seq",
+        "kind",
+        "wall_ns",
+        "mono_ns",
+        "request_id",
+        "transfer_id",
+        "tenant_id",
+        "purpose",
+        "free_reason",
+        "source",
+        "token_start",
+        "token_end",
+        "num_pages",
+        "num_dst_pages",
+    }
+)
 
 
 class Sink(Protocol):
@@ -98,8 +118,11 @@ def recorder_items(batch: pa.Table) -> tuple[list[tuple], int]:
     """A batch as the recorder's buffer holds it: ``(code, seq, mono_ns, req, pages, dst, payload)`` per
     event (the page kinds' pages as the recorder snapshots an ndarray: its bytes, its dtype in the dst
     slot; the transfer kinds' as arrays), and the wall-minus-monotonic offset."""
-    cols = {c: batch.column(c).to_pylist() for c in batch.column_names if batch.column(c).null_count < batch.num_rows
-            and c not in ("pages", "dst_pages")}
+    cols = {
+        c: batch.column(c).to_pylist()
+        for c in batch.column_names
+        if batch.column(c).null_count < batch.num_rows and c not in ("pages", "dst_pages")
+    }
     flat = pc.list_flatten(batch.column("pages")).to_numpy(zero_copy_only=False)
     lengths = pc.fill_null(pc.list_value_length(batch.column("pages")), 0).to_numpy(zero_copy_only=False)
     page_lists = np.split(flat, np.cumsum(lengths)[:-1])
@@ -109,8 +132,13 @@ def recorder_items(batch: pa.Table) -> tuple[list[tuple], int]:
     for i in range(batch.num_rows):
         code = KIND_CODES[cols["kind"][i]]
         rid = cols.get("request_id", none)[i]
-        req = None if rid is None else RequestRef(rid, cols.get("transfer_id", none)[i], cols.get("tenant_id", none)[i],
-                                                  cols.get("api_key_id", none)[i])
+        req = (
+            None
+            if rid is None
+            else RequestRef(
+                rid, cols.get("transfer_id", none)[i], cols.get("tenant_id", none)[i], cols.get("api_key_id", none)[i]
+            )
+        )
         payload = tuple(cols.get(name, none)[i] for name in PAYLOAD_LAYOUT_BY_CODE[code])
         pages: object = page_lists[i] if has_pages[i] else None
         dst: object = None
@@ -126,8 +154,13 @@ class RecorderSink(KvtrailSink):
 
     name = "recorder"
 
-    def __init__(self, path: str, items: list[tuple[list[tuple], int]], producer: Producer,
-                 policy: CheckpointPolicy = DEFAULT_CHECKPOINT) -> None:
+    def __init__(
+        self,
+        path: str,
+        items: list[tuple[list[tuple], int]],
+        producer: Producer,
+        policy: CheckpointPolicy = DEFAULT_CHECKPOINT,
+    ) -> None:
         super().__init__(path, policy)
         self.items = items
         self.producer = producer
@@ -187,8 +220,10 @@ class NaiveSink(_DuckSink):
     """One row per page: the layout a first attempt would use."""
 
     name = "naive"
-    ddl = ("CREATE TABLE page_rows (producer_id BIGINT NOT NULL, seq UBIGINT NOT NULL, pos INTEGER NOT NULL, "
-           "page_id INTEGER NOT NULL)",)
+    ddl = (
+        "CREATE TABLE page_rows (producer_id BIGINT NOT NULL, seq UBIGINT NOT NULL, pos INTEGER NOT NULL, "
+        "page_id INTEGER NOT NULL)",
+    )
 
     def append(self, i: int, batch: pa.Table, pid: int) -> None:
         col = batch.column("pages")
@@ -198,9 +233,17 @@ class NaiveSink(_DuckSink):
         np.cumsum(lengths[:-1], out=starts[1:])
         seq = batch.column("seq").to_numpy()
         pos = np.arange(flat.size, dtype=np.int64) - np.repeat(starts, lengths)
-        self._insert("page_rows", pa.table({"producer_id": pa.array(np.full(flat.size, pid, np.int64)),
-                                            "seq": pa.array(np.repeat(seq, lengths)),
-                                            "pos": pa.array(pos.astype(np.int32)), "page_id": pa.array(flat)}))
+        self._insert(
+            "page_rows",
+            pa.table(
+                {
+                    "producer_id": pa.array(np.full(flat.size, pid, np.int64)),
+                    "seq": pa.array(np.repeat(seq, lengths)),
+                    "pos": pa.array(pos.astype(np.int32)),
+                    "page_id": pa.array(flat),
+                }
+            ),
+        )
 
 
 class ListSink(_DuckSink):
@@ -210,8 +253,16 @@ class ListSink(_DuckSink):
     ddl = ("CREATE TABLE event_pages (producer_id BIGINT NOT NULL, seq UBIGINT NOT NULL, pages INTEGER[])",)
 
     def append(self, i: int, batch: pa.Table, pid: int) -> None:
-        self._insert("event_pages", pa.table({"producer_id": pa.array(np.full(batch.num_rows, pid, np.int64)),
-                                              "seq": batch.column("seq"), "pages": batch.column("pages")}))
+        self._insert(
+            "event_pages",
+            pa.table(
+                {
+                    "producer_id": pa.array(np.full(batch.num_rows, pid, np.int64)),
+                    "seq": batch.column("seq"),
+                    "pages": batch.column("pages"),
+                }
+            ),
+        )
 
 
 class Encoded:
@@ -227,15 +278,21 @@ class Encoded:
         left_out: set[str] = set()
         numbered = -1  # the highest request number the batches so far used
         for b in range(num_batches):
-            ev = con.sql("SELECT * FROM events WHERE batch_no = ? ORDER BY seq",
-                         params=[b]).to_arrow_table().combine_chunks()
+            ev = (
+                con.sql("SELECT * FROM events WHERE batch_no = ? ORDER BY seq", params=[b])
+                .to_arrow_table()
+                .combine_chunks()
+            )
             used = [c for c in ev.column_names if ev.column(c).null_count < ev.num_rows]
             left_out.update(c for c in used if c not in NARROW_SOURCES)
             self.wide.append((ev.select(used), ", ".join(used)))
             rows, numbered = _stored(con, b, numbered)
             self.kinds.append(rows)
-            self.runs.append(con.sql(f"SELECT {RUN_COLUMNS} FROM page_runs WHERE batch_no = ? "
-                                     "ORDER BY seq, list, pos", params=[b]).to_arrow_table().combine_chunks())
+            self.runs.append(
+                con.sql(f"SELECT {RUN_COLUMNS} FROM page_runs WHERE batch_no = ? ORDER BY seq, list, pos", params=[b])
+                .to_arrow_table()
+                .combine_chunks()
+            )
             self.narrow.append(_narrow(ev, seen))
         con.close()
         self.left_out = sorted(left_out)
@@ -257,8 +314,14 @@ def _stored(con: duckdb.DuckDBPyConnection, b: int, numbered: int) -> tuple[list
         out.append((table, part.select(used), ", ".join(used)))
         if "request_no" in used:
             top = max(top, int(pc.max(part.column("request_no")).as_py()))
-    new = con.sql(f"SELECT * FROM {REQUESTS_TABLE} WHERE request_no > ? AND request_no <= ? ORDER BY request_no",
-                  params=[numbered, top]).to_arrow_table().combine_chunks()
+    new = (
+        con.sql(
+            f"SELECT * FROM {REQUESTS_TABLE} WHERE request_no > ? AND request_no <= ? ORDER BY request_no",
+            params=[numbered, top],
+        )
+        .to_arrow_table()
+        .combine_chunks()
+    )
     if new.num_rows:
         out.insert(0, (REQUESTS_TABLE, new, ", ".join(new.column_names)))
     return out, top
@@ -276,27 +339,43 @@ def _narrow(ev: pa.Table, seen: dict[str, int]) -> tuple[pa.Table, pa.Table]:
             seen[r] = len(seen)
             new_rows.append(k)
         request_no[k] = seen[r]
-    code = pc.coalesce(*(pc.index_in(ev.column(c), value_set=pa.array(choices)) for c, choices in
-                         (("purpose", ALLOC_PURPOSES), ("free_reason", FREE_REASONS), ("source", WRITE_SOURCES))))
-    events = pa.table({
-        "producer_id": ev.column("producer_id"), "seq": ev.column("seq"),
-        "kind": pc.index_in(ev.column("kind"), value_set=pa.array(KIND_NAMES)).cast(pa.uint8()),
-        "wall_ns": ev.column("wall_ns"), "mono_ns": ev.column("mono_ns"),
-        "request_no": pa.array(request_no, mask=request_no < 0).cast(pa.int32()), "code": code.cast(pa.uint8()),
-        "token_start": ev.column("token_start"), "token_end": ev.column("token_end"),
-        "num_pages": ev.column("num_pages")})
+    code = pc.coalesce(
+        *(
+            pc.index_in(ev.column(c), value_set=pa.array(choices))
+            for c, choices in (("purpose", ALLOC_PURPOSES), ("free_reason", FREE_REASONS), ("source", WRITE_SOURCES))
+        )
+    )
+    events = pa.table(
+        {
+            "producer_id": ev.column("producer_id"),
+            "seq": ev.column("seq"),
+            "kind": pc.index_in(ev.column("kind"), value_set=pa.array(KIND_NAMES)).cast(pa.uint8()),
+            "wall_ns": ev.column("wall_ns"),
+            "mono_ns": ev.column("mono_ns"),
+            "request_no": pa.array(request_no, mask=request_no < 0).cast(pa.int32()),
+            "code": code.cast(pa.uint8()),
+            "token_start": ev.column("token_start"),
+            "token_end": ev.column("token_end"),
+            "num_pages": ev.column("num_pages"),
+        }
+    )
     take = pa.array(new_rows, pa.int64())
-    requests = pa.table({"request_no": pa.array([seen[rid[k]] for k in new_rows], pa.int32()),
-                         "request_id": ev.column("request_id").take(take),
-                         "transfer_id": ev.column("transfer_id").take(take),
-                         "tenant_id": ev.column("tenant_id").take(take)})
+    requests = pa.table(
+        {
+            "request_no": pa.array([seen[rid[k]] for k in new_rows], pa.int32()),
+            "request_id": ev.column("request_id").take(take),
+            "transfer_id": ev.column("transfer_id").take(take),
+            "tenant_id": ev.column("tenant_id").take(take),
+        }
+    )
     return events, requests
 
 
 _RUNS_DDL = tuple(st for st in schema_ddl() if st.startswith("CREATE TABLE IF NOT EXISTS page_runs"))
 _KIND_DDL = tuple(st for st in schema_ddl() if st.startswith("CREATE TABLE IF NOT EXISTS events_"))
-assert len(_RUNS_DDL) == 1 and len(_KIND_DDL) == len(KIND_NAMES) + 1, \
+assert len(_RUNS_DDL) == 1 and len(_KIND_DDL) == len(KIND_NAMES) + 1, (
     "schema_ddl makes page_runs, a table per kind and the request dictionary"
+)
 
 
 class LimitKindsSink(_DuckSink):
@@ -321,8 +400,10 @@ class LimitWideSink(_DuckSink):
     """The same rows into store format 1's one wide events table (the layout before the kind tables)."""
 
     name = "limit-wide"
-    ddl = ("CREATE TABLE events (" + ", ".join(f"{f.name} {column_type(f.name)}" for f in EVENTS_SCHEMA) + ")",
-           *_RUNS_DDL)
+    ddl = (
+        "CREATE TABLE events (" + ", ".join(f"{f.name} {column_type(f.name)}" for f in EVENTS_SCHEMA) + ")",
+        *_RUNS_DDL,
+    )
 
     def __init__(self, path: str, encoded: Encoded) -> None:
         super().__init__(path)

@@ -22,8 +22,9 @@ class ValidationError(KvtrailError, ValueError):
     ``field`` the field at fault (its name in the event schema), ``reason`` a short human explanation.
     """
 
-    def __init__(self, field: str, reason: str, *, event: int | None = None, kind: str | None = None,
-                 line: int | None = None):
+    def __init__(
+        self, field: str, reason: str, *, event: int | None = None, kind: str | None = None, line: int | None = None
+    ):
         self.field = field
         self.reason = reason
         self.event = event

@@ -42,17 +42,20 @@ def _list_as_text(dtype: pl.DataType, col: str) -> pl.Expr:
     inner = dtype.inner if isinstance(dtype, pl.List) else None
     if isinstance(inner, pl.Struct):
         fields = [f.name for f in inner.fields]
-        return pl.col(col).list.eval(pl.concat_str(
-            [pl.element().struct.field(f).cast(pl.Utf8).fill_null("") for f in fields], separator=":")
-        ).list.join(";")
+        return (
+            pl.col(col)
+            .list.eval(
+                pl.concat_str([pl.element().struct.field(f).cast(pl.Utf8).fill_null("") for f in fields], separator=":")
+            )
+            .list.join(";")
+        )
     return pl.col(col).list.eval(pl.element().cast(pl.Utf8).fill_null("")).list.join(",")
 
 
 def csv_frame(df: pl.DataFrame) -> pl.DataFrame:
     """``df`` with every list column joined into text (CSV holds no nested values) and text cells that
     would run as a spreadsheet formula neutralised; nothing dropped."""
-    joined = df.with_columns([_list_as_text(dt, c).alias(c) for c, dt in df.schema.items()
-                              if isinstance(dt, pl.List)])
+    joined = df.with_columns([_list_as_text(dt, c).alias(c) for c, dt in df.schema.items() if isinstance(dt, pl.List)])
     return neutralise_csv(joined)
 
 
@@ -70,12 +73,13 @@ def refuse_store(path: str | Path, protected: Iterable[str | Path], field: str =
     for store in protected:
         same_file = os.path.exists(path) and os.path.exists(store) and os.path.samefile(path, store)
         if same_file or any(real == s or real.startswith(s + ".") for s in _store_paths(store)):
-            raise KvtrailError(f"{field}: {path} is the audit store {store} or one of its files; "
-                               f"kvtrail never writes over it (choose another name)")
+            raise KvtrailError(
+                f"{field}: {path} is the audit store {store} or one of its files; "
+                f"kvtrail never writes over it (choose another name)"
+            )
 
 
-def refuse_clobber(path: str | Path, force: bool, protected: Iterable[str | Path] = (),
-                   field: str = "--out") -> Path:
+def refuse_clobber(path: str | Path, force: bool, protected: Iterable[str | Path] = (), field: str = "--out") -> Path:
     """``path`` as a :class:`Path`, once writing it is known to be safe: not a store file
     (:func:`refuse_store`), not a folder, and not an existing file unless ``force``."""
     refuse_store(path, protected, field)
@@ -92,8 +96,14 @@ def _new_name(parent: Path, name: str) -> Path:
     return parent / f".{name}.{secrets.token_hex(6)}.partial"
 
 
-def write_file_atomically(path: str | Path, write: Callable[[Path], None], *, force: bool,
-                          protected: Iterable[str | Path] = (), field: str = "--out") -> None:
+def write_file_atomically(
+    path: str | Path,
+    write: Callable[[Path], None],
+    *,
+    force: bool,
+    protected: Iterable[str | Path] = (),
+    field: str = "--out",
+) -> None:
     """Call ``write(tmp)`` to fill a new file beside ``path``, then rename it over ``path``: a failure
     leaves ``path`` as it was, and a symbolic link at ``path`` is replaced, never written through."""
     target = refuse_clobber(path, force, protected, field)
@@ -110,8 +120,9 @@ def write_file_atomically(path: str | Path, write: Callable[[Path], None], *, fo
         tmp.unlink(missing_ok=True)
 
 
-def check_out_dir(out_dir: str | Path, force: bool, protected: Iterable[str | Path] = (),
-                  field: str = "--out") -> list[str]:
+def check_out_dir(
+    out_dir: str | Path, force: bool, protected: Iterable[str | Path] = (), field: str = "--out"
+) -> list[str]:
     """The names already in ``out_dir``, once it is known to be usable: not a symbolic link, not a store
     file, a folder if it exists, and new or empty unless ``force``."""
     out = Path(out_dir)
@@ -124,14 +135,22 @@ def check_out_dir(out_dir: str | Path, force: bool, protected: Iterable[str | Pa
         raise KvtrailError(f"{field}: {out_dir} exists and is not a folder")
     existing = sorted(os.listdir(out))
     if existing and not force:
-        raise KvtrailError(f"{field}: {out_dir} is not empty ({len(existing)} entries); give a new or empty "
-                           f"folder, or add --force to replace the report's files in it")
+        raise KvtrailError(
+            f"{field}: {out_dir} is not empty ({len(existing)} entries); give a new or empty "
+            f"folder, or add --force to replace the report's files in it"
+        )
     return existing
 
 
-def write_dir_atomically(out_dir: str | Path, write: Callable[[Path], None], *, force: bool,
-                         protected: Iterable[str | Path] = (), last: Iterable[str] = (),
-                         field: str = "--out") -> list[str]:
+def write_dir_atomically(
+    out_dir: str | Path,
+    write: Callable[[Path], None],
+    *,
+    force: bool,
+    protected: Iterable[str | Path] = (),
+    last: Iterable[str] = (),
+    field: str = "--out",
+) -> list[str]:
     """Call ``write(staging)`` to fill a new folder beside ``out_dir``, then move it into place: renamed
     whole when ``out_dir`` is new or empty, else (``force``) file by file, the names in ``last`` after
     the others (e.g. a manifest, so that it never lists files not yet in place). A failure in ``write``

@@ -32,8 +32,10 @@ def utc_ns(dt: datetime, *, field: str = "time") -> int:
     falls outside what kvtrail can represent (1970-01-01 up to, not including, 2262-01-01)."""
     assert dt.tzinfo is not None, "utc_ns needs an aware datetime"
     if not _EPOCH <= dt < LATEST_UTC:
-        raise KvtrailError(f"{field}: {dt.isoformat()} is outside the times kvtrail can represent "
-                           f"(1970-01-01 to {LATEST_UTC.date().isoformat()})")
+        raise KvtrailError(
+            f"{field}: {dt.isoformat()} is outside the times kvtrail can represent "
+            f"(1970-01-01 to {LATEST_UTC.date().isoformat()})"
+        )
     return (dt - _EPOCH) // timedelta(microseconds=1) * 1_000
 
 

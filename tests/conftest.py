@@ -8,13 +8,25 @@ T0 = 1_788_960_120_000_000_000  # 2026-09-09T13:22:00Z
 
 
 def producer(node="prefill-0", role="prefill", instance="i1", cluster="c1"):
-    return {"cluster": cluster, "node": node, "role": role, "engine": "kvtrail-reference",
-            "engine_version": "0.1", "instance": instance}
+    return {
+        "cluster": cluster,
+        "node": node,
+        "role": role,
+        "engine": "kvtrail-reference",
+        "engine_version": "0.1",
+        "instance": instance,
+    }
 
 
 def event(seq, kind, prod=None, wall_ns=None, request=None, **payload):
-    e = {"schema_version": 1, "producer": prod or producer(), "seq": seq,
-         "wall_ns": T0 + seq * 1000 if wall_ns is None else wall_ns, "mono_ns": 1000 + seq, "kind": kind}
+    e = {
+        "schema_version": 1,
+        "producer": prod or producer(),
+        "seq": seq,
+        "wall_ns": T0 + seq * 1000 if wall_ns is None else wall_ns,
+        "mono_ns": 1000 + seq,
+        "kind": kind,
+    }
     if request is not None:
         e["request"] = request
     e.update(payload)
@@ -22,13 +34,28 @@ def event(seq, kind, prod=None, wall_ns=None, request=None, **payload):
 
 
 def config(seq=0, prod=None, pool_pages=64, page_size=16, **kw):
-    return event(seq, "node_config", prod, pool_tokens=pool_pages * page_size, pool_pages=pool_pages,
-                 page_size=page_size, context_tokens=4096, **kw)
+    return event(
+        seq,
+        "node_config",
+        prod,
+        pool_tokens=pool_pages * page_size,
+        pool_pages=pool_pages,
+        page_size=page_size,
+        context_tokens=4096,
+        **kw,
+    )
 
 
 def alloc(seq, pages, rid="r1", tenant="t1", prod=None, **kw):
-    return event(seq, "pages_allocated", prod, request={"request_id": rid, "tenant_id": tenant}, pages=pages,
-                 purpose=kw.pop("purpose", "prefill_extend"), **kw)
+    return event(
+        seq,
+        "pages_allocated",
+        prod,
+        request={"request_id": rid, "tenant_id": tenant},
+        pages=pages,
+        purpose=kw.pop("purpose", "prefill_extend"),
+        **kw,
+    )
 
 
 @pytest.fixture

@@ -66,12 +66,15 @@ def test_tampered_store_exits_1_naming_the_link(tmp_path, capsys):
     assert "FAILED: first problem: producer" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["audit", "verify", "--db", "missing.duckdb"], "store not found"),
-    (["audit", "prune", "--db", "x.duckdb", "--before", "last tuesday"], "--before"),
-    (["audit", "hold", "release", "--db", "x.duckdb", "7"], "store not found"),
-    (["audit", "nosuch"], "No such command"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["audit", "verify", "--db", "missing.duckdb"], "store not found"),
+        (["audit", "prune", "--db", "x.duckdb", "--before", "last tuesday"], "--before"),
+        (["audit", "hold", "release", "--db", "x.duckdb", "7"], "store not found"),
+        (["audit", "nosuch"], "No such command"),
+    ],
+)
 def test_bad_arguments_exit_2(tmp_path, monkeypatch, capsys, argv, needle):
     monkeypatch.chdir(tmp_path)
     if "prune" in argv:
@@ -129,11 +132,12 @@ def test_version_loads_no_command_group():
     import subprocess
     import sys
 
-    heavy = ("kvtrail.cli.audit", "kvtrail.cli.forensics", "kvtrail.cli.stack", "duckdb", "pandas", "pyarrow",
-             "numpy")
-    code = ("import sys; from kvtrail.cli import main; code = main(['--version']); "
-            f"print(sorted(m for m in sys.modules if m.split('.')[0] in ('duckdb', 'pandas', 'pyarrow', 'numpy') "
-            f"or m in {heavy!r})); sys.exit(code)")
+    heavy = ("kvtrail.cli.audit", "kvtrail.cli.forensics", "kvtrail.cli.stack", "duckdb", "pandas", "pyarrow", "numpy")
+    code = (
+        "import sys; from kvtrail.cli import main; code = main(['--version']); "
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in ('duckdb', 'pandas', 'pyarrow', 'numpy') "
+        f"or m in {heavy!r})); sys.exit(code)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     version, loaded = out.splitlines()
     assert version.startswith("kvtrail, version ")
@@ -164,9 +168,19 @@ def test_the_demo_names_the_window_its_f9_count_was_judged_in(capsys):
     assert args[:2] == ["--db", "k.duckdb"]
     start, end = parse_utc(args[args.index("--from") + 1]), parse_utc(args[args.index("--to") + 1])
     assert start <= from_ns and end >= to_ns and end - start < to_ns - from_ns + 2_000
-    fast = make_finding("F9", node="prefill-0", request_id="r1", tenant_id="acme", victim_request_ids=(),
-                        victim_tenant_ids=(), pages=(), first_ns=from_ns, last_ns=from_ns, evidence=(),
-                        detail="TTFT 20 ms for 13080 tokens to prefill")
+    fast = make_finding(
+        "F9",
+        node="prefill-0",
+        request_id="r1",
+        tenant_id="acme",
+        victim_request_ids=(),
+        victim_tenant_ids=(),
+        pages=(),
+        first_ns=from_ns,
+        last_ns=from_ns,
+        evidence=(),
+        detail="TTFT 20 ms for 13080 tokens to prefill",
+    )
     demo._report_findings([fast], [], flags)
     out = capsys.readouterr().out
     assert "implausible latency (F9): 1 responses" in out

@@ -32,8 +32,14 @@ def test_simulate_counts_on_a_pseudo_terminal_and_is_silent_in_a_pipe(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
     leader, follower = pty.openpty()
     try:
-        proc = subprocess.run([*cmd, "--db", str(tmp_path / "tty.duckdb")], stdout=subprocess.PIPE,
-                              stderr=follower, text=True, env=env, timeout=300)
+        proc = subprocess.run(
+            [*cmd, "--db", str(tmp_path / "tty.duckdb")],
+            stdout=subprocess.PIPE,
+            stderr=follower,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         os.close(follower)
         chunks = []
         while True:
@@ -51,8 +57,9 @@ def test_simulate_counts_on_a_pseudo_terminal_and_is_silent_in_a_pipe(tmp_path):
     m = re.search("simulate: events stored: " + COUNT.format(unit="events"), on_tty)
     assert m, on_tty[-500:]
     assert int(m.group(1).replace(",", "")) == _simulated_events(proc.stdout.splitlines())
-    piped = subprocess.run([*cmd, "--db", str(tmp_path / "pipe.duckdb")], capture_output=True, text=True, env=env,
-                           timeout=300)
+    piped = subprocess.run(
+        [*cmd, "--db", str(tmp_path / "pipe.duckdb")], capture_output=True, text=True, env=env, timeout=300
+    )
     assert piped.returncode == 0 and "events stored" not in piped.stderr and "events/s" not in piped.stderr
     assert piped.stdout.splitlines()[1:3] == proc.stdout.splitlines()[1:3]  # same run, same counts
 
@@ -64,8 +71,7 @@ def incident(tmp_path_factory) -> Path:
     return db
 
 
-def test_findings_save_and_report_say_what_they_do_when_forced_to_a_terminal(incident, capsys, monkeypatch,
-                                                                            tmp_path):
+def test_findings_save_and_report_say_what_they_do_when_forced_to_a_terminal(incident, capsys, monkeypatch, tmp_path):
     rc, out, err = run_cli(capsys, "forensics", "findings", "--db", str(incident), "--save", "--format", "json")
     assert rc == 0 and not any("replaying" in line or "saving" in line for line in err)  # not a terminal
     monkeypatch.setattr(progress, "on_terminal", lambda: True)
@@ -76,8 +82,19 @@ def test_findings_save_and_report_say_what_they_do_when_forced_to_a_terminal(inc
     assert m and int(m.group(1).replace(",", "")) > 0, text
     saved = re.search(r"saved run \d+: (\d+) findings", text)
     assert saved and f"findings: saving {int(saved.group(1)):,} findings into {incident}: done in " in text
-    rc, out, err = run_cli(capsys, "forensics", "report", "--db", str(incident), "--out", str(tmp_path / "r"),
-                           "--from", "2026-09-09T00:00:00Z", "--to", "2026-09-09T06:00:00Z")
+    rc, out, err = run_cli(
+        capsys,
+        "forensics",
+        "report",
+        "--db",
+        str(incident),
+        "--out",
+        str(tmp_path / "r"),
+        "--from",
+        "2026-09-09T00:00:00Z",
+        "--to",
+        "2026-09-09T06:00:00Z",
+    )
     text = "\n".join(err)
     assert rc == 0 and re.search("report: answering every question: " + COUNT.format(unit="events"), text), text
     assert f"report: writing the files into {tmp_path / 'r'}: done in " in text

@@ -21,9 +21,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "kvtrail"
 FORENSICS_SUBPACKAGES = ("replay", "sql")
-FLOORS = {"kvtrail.audit": 1, "kvtrail.forensics": 2, "kvtrail.answers": 3, "kvtrail.report": 4,
-          "kvtrail.service": 4, "kvtrail.dashboards": 4, "kvtrail.alerts": 4, "kvtrail.preflight": 4,
-          "kvtrail.cli": 5}
+FLOORS = {
+    "kvtrail.audit": 1,
+    "kvtrail.forensics": 2,
+    "kvtrail.answers": 3,
+    "kvtrail.report": 4,
+    "kvtrail.service": 4,
+    "kvtrail.dashboards": 4,
+    "kvtrail.alerts": 4,
+    "kvtrail.preflight": 4,
+    "kvtrail.cli": 5,
+}
 FACES = tuple(p for p, f in FLOORS.items() if f == 4)
 # what one face hands out through another, whole: the disclosure document and the metrics' exposition
 HANDED_OUT = {
@@ -86,7 +94,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(n)
         for m in sorted(graph.get(n, ())):
             if state.get(m) == 1:
-                return stack[stack.index(m):] + [m]
+                return stack[stack.index(m) :] + [m]
             if m not in state:
                 found = visit(m)
                 if found:
@@ -115,8 +123,9 @@ def test_the_graph_sees_the_imports():
 
 @pytest.mark.parametrize("judge", ["kvtrail.audit", "kvtrail.forensics"])
 def test_store_and_judge_do_not_depend_on_the_serving_stack(judge):
-    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if _package(m) == judge
-                 for t in ts if _package(t) == "kvtrail.serving")
+    bad = sorted(
+        f"{m} -> {t}" for m, ts in GRAPH.items() if _package(m) == judge for t in ts if _package(t) == "kvtrail.serving"
+    )
     assert not bad, bad
 
 
@@ -133,8 +142,13 @@ def test_no_import_circle_between_packages():
 
 def test_forensics_subpackages_are_private_to_forensics():
     private = tuple(f"kvtrail.forensics.{s}" for s in FORENSICS_SUBPACKAGES)
-    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if not m.startswith("kvtrail.forensics")
-                 for t in ts if t.startswith(private))
+    bad = sorted(
+        f"{m} -> {t}"
+        for m, ts in GRAPH.items()
+        if not m.startswith("kvtrail.forensics")
+        for t in ts
+        if t.startswith(private)
+    )
     assert not bad, bad
 
 
@@ -145,10 +159,13 @@ def test_modules_stay_readable():
 
 def test_the_sql_engine_is_independent_of_the_replay_engine():
     # the two engines cross-check each other: neither may reuse the other's code
-    pairs = [("kvtrail.forensics.sql", "kvtrail.forensics.replay"),
-             ("kvtrail.forensics.replay", "kvtrail.forensics.sql")]
-    bad = sorted(f"{m} -> {t}" for a, b in pairs for m, ts in GRAPH.items() if m.startswith(a)
-                 for t in ts if t.startswith(b))
+    pairs = [
+        ("kvtrail.forensics.sql", "kvtrail.forensics.replay"),
+        ("kvtrail.forensics.replay", "kvtrail.forensics.sql"),
+    ]
+    bad = sorted(
+        f"{m} -> {t}" for a, b in pairs for m, ts in GRAPH.items() if m.startswith(a) for t in ts if t.startswith(b)
+    )
     assert not bad, bad
 
 
@@ -175,23 +192,38 @@ def test_architecture_doc_lists_every_module_once_and_only_real_ones():
 
 
 def test_no_import_runs_back_up_a_floor():
-    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() for t in ts
-                 if _package(m) in FLOORS and _package(t) in FLOORS and FLOORS[_package(t)] > FLOORS[_package(m)])
+    bad = sorted(
+        f"{m} -> {t}"
+        for m, ts in GRAPH.items()
+        for t in ts
+        if _package(m) in FLOORS and _package(t) in FLOORS and FLOORS[_package(t)] > FLOORS[_package(m)]
+    )
     assert not bad, bad
 
 
 def test_no_face_imports_another_face():
-    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() for t in ts
-                 if _package(m) in FACES and _package(t) in FACES and _package(m) != _package(t)
-                 and (_package(m), _package(t)) not in HANDED_OUT)
+    bad = sorted(
+        f"{m} -> {t}"
+        for m, ts in GRAPH.items()
+        for t in ts
+        if _package(m) in FACES
+        and _package(t) in FACES
+        and _package(m) != _package(t)
+        and (_package(m), _package(t)) not in HANDED_OUT
+    )
     assert not bad, bad
 
 
 def test_only_the_cli_imports_click():
     def imports_click(path: Path) -> bool:
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             if any(n == "click" or n.startswith("click.") for n in names):
                 return True
         return False
@@ -220,8 +252,11 @@ def test_the_dashboards_run_no_sql():
 
 def test_the_forensics_surface_stays_small():
     tree = ast.parse(MODULES["kvtrail.forensics"].read_text())
-    names = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
-                 and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets))
+    names = next(
+        ast.literal_eval(n.value)
+        for n in tree.body
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)
+    )
     assert 0 < len(names) <= MAX_FORENSICS_NAMES, (len(names), names)
 
 
@@ -232,7 +267,11 @@ def test_one_lake_folder_per_layer():
     assert {"executor", "task", "merge", "checkpoint"} <= fan_out
     assert not any(m.startswith("kvtrail.lake") for m in MODULES)
     # the storage knows nothing of the judge: an export takes its checkpoint writer as an argument
-    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if m.startswith("kvtrail.audit.lake")
-                 for t in ts if not t.startswith(("kvtrail.audit", "kvtrail.errors", "kvtrail.timeutil"))
-                 and t != "kvtrail")
+    bad = sorted(
+        f"{m} -> {t}"
+        for m, ts in GRAPH.items()
+        if m.startswith("kvtrail.audit.lake")
+        for t in ts
+        if not t.startswith(("kvtrail.audit", "kvtrail.errors", "kvtrail.timeutil")) and t != "kvtrail"
+    )
     assert not bad, bad

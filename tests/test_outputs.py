@@ -31,8 +31,15 @@ def test_the_store_and_its_companions_are_refused_even_with_force(store, tmp_pat
     hard = tmp_path / "hard.csv"
     os.link(store, hard)
     monkeypatch.chdir(tmp_path)
-    for path in (store, "s.duckdb", "./sub/../s.duckdb", store.with_name("s.duckdb.wal"),
-                 store.with_name("s.duckdb.workers.log"), link, hard):
+    for path in (
+        store,
+        "s.duckdb",
+        "./sub/../s.duckdb",
+        store.with_name("s.duckdb.wal"),
+        store.with_name("s.duckdb.workers.log"),
+        link,
+        hard,
+    ):
         with pytest.raises(KvtrailError, match="--out: .* is the audit store"):
             refuse_clobber(path, True, protected=[store])
     assert refuse_clobber(tmp_path / "s.duckdbx", False, protected=[store]).name == "s.duckdbx"
@@ -68,6 +75,7 @@ def test_a_file_is_replaced_whole_or_not_at_all(tmp_path):
     def fail(tmp):
         tmp.write_text("half")
         raise RuntimeError("disk full")
+
     with pytest.raises(RuntimeError):
         write_file_atomically(out, fail, force=True)
     assert out.read_text() == "old" and os.listdir(tmp_path) == ["a.csv"]  # no partial file left
@@ -92,6 +100,7 @@ def _report(files: dict[str, str]):
     def write(folder):
         for name, text in files.items():
             (folder / name).write_text(text)
+
     return write
 
 
@@ -109,6 +118,7 @@ def test_a_failed_write_leaves_the_folder_as_it_was(tmp_path):
     def fail(folder):
         (folder / "a.md").write_text("half")
         raise RuntimeError("pdf failed")
+
     with pytest.raises(RuntimeError):
         write_dir_atomically(tmp_path / "new", fail, force=False)
     assert os.listdir(tmp_path) == []  # neither the folder nor a staging folder
@@ -134,9 +144,9 @@ def test_a_non_empty_folder_needs_force_which_replaces_only_the_reports_files(tm
     def spy(src, dst):
         order.append(os.path.basename(dst))
         real_replace(src, dst)
+
     monkeypatch.setattr(os, "replace", spy)
-    left = write_dir_atomically(out, _report({"a.md": "new", "z.md": "z", "m.json": "m"}), force=True,
-                                last=("m.json",))
+    left = write_dir_atomically(out, _report({"a.md": "new", "z.md": "z", "m.json": "m"}), force=True, last=("m.json",))
     monkeypatch.undo()
     assert left == ["notes.txt"] and order == ["a.md", "z.md", "m.json"]  # the manifest moves last
     assert (out / "a.md").read_text() == "new" and (out / "notes.txt").read_text() == "mine"
@@ -176,11 +186,15 @@ def test_the_folder_may_not_be_or_hold_the_store(store, tmp_path):
 
 
 def test_csv_cells_that_would_run_as_formulas_get_a_quote():
-    df = pl.DataFrame({"id": ["=1+1", "+1", "-x", "@SUM(A1)", "\tx", "\rx", "ok", "a=b", None, "", '"=q'],
-                       "n": [-1, 2, -3, 4, 5, 6, 7, 8, 9, 10, 11], "f": [-1.5] * 11})
+    df = pl.DataFrame(
+        {
+            "id": ["=1+1", "+1", "-x", "@SUM(A1)", "\tx", "\rx", "ok", "a=b", None, "", '"=q'],
+            "n": [-1, 2, -3, 4, 5, 6, 7, 8, 9, 10, 11],
+            "f": [-1.5] * 11,
+        }
+    )
     out = neutralise_csv(df)
-    assert out["id"].to_list() == ["'=1+1", "'+1", "'-x", "'@SUM(A1)", "'\tx", "'\rx", "ok", "a=b", None, "",
-                                   '"=q']
+    assert out["id"].to_list() == ["'=1+1", "'+1", "'-x", "'@SUM(A1)", "'\tx", "'\rx", "ok", "a=b", None, "", '"=q']
     assert out["n"].to_list() == df["n"].to_list() and out.schema["n"] == pl.Int64 and out["f"][0] == -1.5
     back = pl.read_csv(out.write_csv().encode())
     assert back["id"].to_list() == out["id"].to_list() and back["n"][0] == -1  # quotes escaped, RFC 4180

@@ -10,5 +10,19 @@ from kvtrail.alerts.exposition import CONTENT_TYPE, exposition, registry_for
 from kvtrail.alerts.metrics import BY_NAME, EXPOSED, METRICS, MetricSpec
 from kvtrail.alerts.rules import RULES_FILE, rule_metrics, rule_names, rules_path
 
-__all__ = ["BY_NAME", "CONTENT_TYPE", "EXPOSED", "METRICS", "RULES_FILE", "JudgeProgress", "MetricSpec",
-           "StoreCollector", "collector", "exposition", "registry_for", "rule_metrics", "rule_names", "rules_path"]
+__all__ = [
+    "BY_NAME",
+    "CONTENT_TYPE",
+    "EXPOSED",
+    "METRICS",
+    "RULES_FILE",
+    "JudgeProgress",
+    "MetricSpec",
+    "StoreCollector",
+    "collector",
+    "exposition",
+    "registry_for",
+    "rule_metrics",
+    "rule_names",
+    "rules_path",
+]

@@ -80,8 +80,9 @@ class StoreCollector(Collector):
     ``AuditStore``) or a function returning a fresh connection; ``judge_progress``: the live judge's
     per-producer watermark, for ``kvtrail_judge_lag_seconds`` (left out without it)."""
 
-    def __init__(self, source: _Cursors | Callable[[], duckdb.DuckDBPyConnection], *,
-                 judge_progress: JudgeProgress | None = None):
+    def __init__(
+        self, source: _Cursors | Callable[[], duckdb.DuckDBPyConnection], *, judge_progress: JudgeProgress | None = None
+    ):
         cursor = getattr(source, "cursor", None)
         self._connect = cast(Callable[[], duckdb.DuckDBPyConnection], source if cursor is None else cursor)
         self._judge_progress = judge_progress
@@ -105,8 +106,12 @@ class StoreCollector(Collector):
         specs = [(m, m.column) for m in METRICS if m.column is not None]
         fams: dict[str, Family] = {m.name: _family(m.name) for m, _ in specs}
         info = InfoMetricFamily("kvtrail_node_engine", BY_NAME["kvtrail_node_engine"].doc, labels=["node", "role"])
-        configs = latest_configs(con, ("node", "role", "engine", "engine_version", *(c for _, c in specs)),
-                                 per=("node", "role"), order_by=("node", "role")).to_pylist()
+        configs = latest_configs(
+            con,
+            ("node", "role", "engine", "engine_version", *(c for _, c in specs)),
+            per=("node", "role"),
+            order_by=("node", "role"),
+        ).to_pylist()
         for row in configs:
             labels = [row["node"], row["role"]]
             for m, column in specs:
@@ -119,18 +124,25 @@ class StoreCollector(Collector):
     # ---- findings -------------------------------------------------------------------------------
 
     def _findings(self, con: duckdb.DuckDBPyConnection) -> list[Metric]:
-        nodes = [r[0] for r in con.execute(
-            "SELECT DISTINCT node FROM events_v WHERE kind = 'node_config' ORDER BY node").fetchall()]
+        nodes = [
+            r[0]
+            for r in con.execute(
+                "SELECT DISTINCT node FROM events_v WHERE kind = 'node_config' ORDER BY node"
+            ).fetchall()
+        ]
         counts: dict[tuple[str, str], int] = {(code, n): 0 for code in CODES for n in nodes}
         affected: dict[str, int] = dict.fromkeys(nodes, 0)
         if _has_table(con, "findings"):
             for code, node, n in con.execute(
-                    "SELECT code, coalesce(node, ''), count(*) FROM findings GROUP BY ALL").fetchall():
+                "SELECT code, coalesce(node, ''), count(*) FROM findings GROUP BY ALL"
+            ).fetchall():
                 counts[(code, node)] = n
             codes = sorted(AFFECTED_CODES)
             for node, n in con.execute(
-                    f"SELECT coalesce(node, ''), count(DISTINCT request_id) FROM findings "
-                    f"WHERE code IN ({', '.join('?' for _ in codes)}) GROUP BY ALL", codes).fetchall():
+                f"SELECT coalesce(node, ''), count(DISTINCT request_id) FROM findings "
+                f"WHERE code IN ({', '.join('?' for _ in codes)}) GROUP BY ALL",
+                codes,
+            ).fetchall():
                 affected[node] = n
         total = _family("kvtrail_forensics_findings")
         for (code, node), n in sorted(counts.items()):
@@ -140,10 +152,12 @@ class StoreCollector(Collector):
         for node, n in sorted(affected.items()):
             aff.add_metric([node], n)
         out.append(aff)
-        for name, code in (("kvtrail_forensics_transfer_length_mismatches", "F2"),
-                           ("kvtrail_forensics_digest_mismatches", "F3"),
-                           ("kvtrail_forensics_rejected_but_served", "F4"),
-                           ("kvtrail_forensics_late_transfers", "F11")):
+        for name, code in (
+            ("kvtrail_forensics_transfer_length_mismatches", "F2"),
+            ("kvtrail_forensics_digest_mismatches", "F3"),
+            ("kvtrail_forensics_rejected_but_served", "F4"),
+            ("kvtrail_forensics_late_transfers", "F11"),
+        ):
             fam = _family(name)
             for (c, node), n in sorted(counts.items()):
                 if c == code:
@@ -154,11 +168,15 @@ class StoreCollector(Collector):
     # ---- transfers ------------------------------------------------------------------------------
 
     def _aborts(self, con: duckdb.DuckDBPyConnection) -> Metric:
-        counts = {(n, r, c): 0 for n, r in con.execute(
-            "SELECT DISTINCT node, role FROM events_v WHERE kind = 'node_config'").fetchall() for c in ABORT_CAUSES}
+        counts = {
+            (n, r, c): 0
+            for n, r in con.execute("SELECT DISTINCT node, role FROM events_v WHERE kind = 'node_config'").fetchall()
+            for c in ABORT_CAUSES
+        }
         for node, role, cause, n in con.execute(
-                f"SELECT node, role, {_CAUSE_SQL} AS cause, count(*) FROM events_v "
-                "WHERE kind = 'request_aborted' AND stage = 'transfer' GROUP BY ALL").fetchall():
+            f"SELECT node, role, {_CAUSE_SQL} AS cause, count(*) FROM events_v "
+            "WHERE kind = 'request_aborted' AND stage = 'transfer' GROUP BY ALL"
+        ).fetchall():
             counts[(node, role, cause)] = n
         fam = _family("kvtrail_transfer_aborts")
         for labels, n in sorted(counts.items()):
@@ -168,9 +186,16 @@ class StoreCollector(Collector):
     # ---- producers ------------------------------------------------------------------------------
 
     def _producers(self, con: duckdb.DuckDBPyConnection) -> list[Metric]:
-        names = ("kvtrail_ingest_events", "kvtrail_ingest_page_events", "kvtrail_ingest_last_batch_timestamp_seconds",
-                 "kvtrail_ingest_lag_seconds", "kvtrail_ingest_producer_open", "kvtrail_recorder_dropped_events",
-                 "kvtrail_recorder_missing_events", "kvtrail_recorder_explained_missing_events")
+        names = (
+            "kvtrail_ingest_events",
+            "kvtrail_ingest_page_events",
+            "kvtrail_ingest_last_batch_timestamp_seconds",
+            "kvtrail_ingest_lag_seconds",
+            "kvtrail_ingest_producer_open",
+            "kvtrail_recorder_dropped_events",
+            "kvtrail_recorder_missing_events",
+            "kvtrail_recorder_explained_missing_events",
+        )
         fams = {n: _family(n) for n in names}
         dropped = dict(con.execute(_GAPS_SQL).fetchall())
         is_open = dict(con.execute(_OPEN_SQL).fetchall())
@@ -178,8 +203,19 @@ class StoreCollector(Collector):
         for producer, node, role, n_ev, n_page, last_ns, lag_ns, missing in con.execute(_PRODUCER_SQL).fetchall():
             labels = labels_of[producer] = [producer, node, role]
             gaps = int(dropped.get(producer, 0))
-            for n, v in zip(names, (n_ev, n_page, last_ns / 1e9, max(0, lag_ns) / 1e9, int(bool(is_open.get(producer))),
-                                    gaps, missing, min(gaps, int(missing)))):
+            for n, v in zip(
+                names,
+                (
+                    n_ev,
+                    n_page,
+                    last_ns / 1e9,
+                    max(0, lag_ns) / 1e9,
+                    int(bool(is_open.get(producer))),
+                    gaps,
+                    missing,
+                    min(gaps, int(missing)),
+                ),
+            ):
                 fams[n].add_metric(labels, float(v))
         out: list[Metric] = list(fams.values())
         if self._judge_progress is not None:
@@ -191,11 +227,12 @@ class StoreCollector(Collector):
         now_ns = time.time_ns()
         lag: dict[str, float] = dict.fromkeys(labels_of, 0.0)
         for producer, oldest_ns in con.execute(
-                "WITH w AS (SELECT unnest(?::BIGINT[]) AS producer_id, unnest(?::BIGINT[]) AS judged) "
-                "SELECT p.cluster || '/' || p.node || '/' || p.role, min(b.committed_ns) FROM batches b "
-                "JOIN producers p USING (producer_id) LEFT JOIN w USING (producer_id) "
-                "WHERE b.batch_no > coalesce(w.judged, -1) GROUP BY ALL",
-                [list(judged), list(judged.values())]).fetchall():
+            "WITH w AS (SELECT unnest(?::BIGINT[]) AS producer_id, unnest(?::BIGINT[]) AS judged) "
+            "SELECT p.cluster || '/' || p.node || '/' || p.role, min(b.committed_ns) FROM batches b "
+            "JOIN producers p USING (producer_id) LEFT JOIN w USING (producer_id) "
+            "WHERE b.batch_no > coalesce(w.judged, -1) GROUP BY ALL",
+            [list(judged), list(judged.values())],
+        ).fetchall():
             lag[producer] = max(0, now_ns - oldest_ns) / 1e9
         fam = _family("kvtrail_judge_lag_seconds")
         for producer, v in sorted(lag.items()):
@@ -203,7 +240,8 @@ class StoreCollector(Collector):
         return fam
 
 
-def collector(store: _Cursors | Callable[[], duckdb.DuckDBPyConnection], *,
-              judge_progress: JudgeProgress | None = None) -> StoreCollector:
+def collector(
+    store: _Cursors | Callable[[], duckdb.DuckDBPyConnection], *, judge_progress: JudgeProgress | None = None
+) -> StoreCollector:
     """A collector over ``store`` to register in a ``prometheus_client`` registry."""
     return StoreCollector(store, judge_progress=judge_progress)

@@ -12,8 +12,9 @@ from kvtrail.alerts.collector import JudgeProgress, StoreCollector
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-def registry_for(connect: Callable[[], duckdb.DuckDBPyConnection], *,
-                 judge_progress: JudgeProgress | None = None) -> CollectorRegistry:
+def registry_for(
+    connect: Callable[[], duckdb.DuckDBPyConnection], *, judge_progress: JudgeProgress | None = None
+) -> CollectorRegistry:
     """A fresh registry with only the store's collector (no process or platform collectors: a scrape
     says what the audit holds, nothing about the Python process serving it)."""
     registry = CollectorRegistry(auto_describe=False)

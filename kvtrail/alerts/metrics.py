@@ -34,56 +34,118 @@ class MetricSpec:
         return self.name + {"counter": "_total", "info": "_info", "gauge": ""}[self.kind]
 
 
-def _m(name: str, kind: str, labels: tuple[str, ...], doc: str, column: str | None = None,
-       per_unit: float = 1.0) -> MetricSpec:
+def _m(
+    name: str, kind: str, labels: tuple[str, ...], doc: str, column: str | None = None, per_unit: float = 1.0
+) -> MetricSpec:
     return MetricSpec(name, kind, labels, doc, column, per_unit)
 
 
 METRICS: tuple[MetricSpec, ...] = (
     # node configuration: the latest node_config of each node and role
     _m("kvtrail_node_kv_pool_tokens", "gauge", NODE, "KV pool capacity in tokens.", "pool_tokens"),
-    _m("kvtrail_node_context_length_tokens", "gauge", NODE, "Context length the node advertises, in tokens.",
-       "context_tokens"),
+    _m(
+        "kvtrail_node_context_length_tokens",
+        "gauge",
+        NODE,
+        "Context length the node advertises, in tokens.",
+        "context_tokens",
+    ),
     _m("kvtrail_node_page_size_tokens", "gauge", NODE, "Tokens per KV page.", "page_size"),
-    _m("kvtrail_node_checksum_enabled", "gauge", NODE, "Per-transfer KV checksums on (1) or off (0).",
-       "checksum_enabled"),
+    _m(
+        "kvtrail_node_checksum_enabled",
+        "gauge",
+        NODE,
+        "Per-transfer KV checksums on (1) or off (0).",
+        "checksum_enabled",
+    ),
     _m("kvtrail_node_canary_enabled", "gauge", NODE, "KV canary on (1) or off (0).", "canary_enabled"),
-    _m("kvtrail_node_deferred_release_enabled", "gauge", NODE, "Deferred KV release on (1) or off (0).",
-       "deferred_release"),
-    _m("kvtrail_node_release_timeout_seconds", "gauge", NODE,
-       "How long the node holds the pages of an aborted transfer before reusing them (deferred release).",
-       "release_timeout_ns", 1e9),
-    _m("kvtrail_node_transfer_batch_max_pages", "gauge", NODE, "The most pages one transfer call moves.",
-       "transfer_batch_max_pages"),
+    _m(
+        "kvtrail_node_deferred_release_enabled",
+        "gauge",
+        NODE,
+        "Deferred KV release on (1) or off (0).",
+        "deferred_release",
+    ),
+    _m(
+        "kvtrail_node_release_timeout_seconds",
+        "gauge",
+        NODE,
+        "How long the node holds the pages of an aborted transfer before reusing them (deferred release).",
+        "release_timeout_ns",
+        1e9,
+    ),
+    _m(
+        "kvtrail_node_transfer_batch_max_pages",
+        "gauge",
+        NODE,
+        "The most pages one transfer call moves.",
+        "transfer_batch_max_pages",
+    ),
     _m("kvtrail_node_engine", "info", (*NODE, "engine", "version"), "Serving engine and version of the node."),
     # findings (the judge's persisted findings)
     _m("kvtrail_forensics_findings", "counter", ("code", "node"), "Findings stored, by code and node."),
-    _m("kvtrail_forensics_affected_responses", "counter", ("node",),
-       "Responses that read data they did not own (requests with an F1 or F5)."),
-    _m("kvtrail_forensics_transfer_length_mismatches", "counter", ("node",),
-       "Transfers whose reserved, sent and landed lengths differ (F2)."),
+    _m(
+        "kvtrail_forensics_affected_responses",
+        "counter",
+        ("node",),
+        "Responses that read data they did not own (requests with an F1 or F5).",
+    ),
+    _m(
+        "kvtrail_forensics_transfer_length_mismatches",
+        "counter",
+        ("node",),
+        "Transfers whose reserved, sent and landed lengths differ (F2).",
+    ),
     _m("kvtrail_forensics_digest_mismatches", "counter", ("node",), "Transfers whose digests differ (F3)."),
-    _m("kvtrail_forensics_rejected_but_served", "counter", ("node",),
-       "Requests rejected or aborted that the client still got as a 2xx with output (F4)."),
-    _m("kvtrail_forensics_late_transfers", "counter", ("node",),
-       "Transfers that outlived their decode node's release timeout (F11)."),
+    _m(
+        "kvtrail_forensics_rejected_but_served",
+        "counter",
+        ("node",),
+        "Requests rejected or aborted that the client still got as a 2xx with output (F4).",
+    ),
+    _m(
+        "kvtrail_forensics_late_transfers",
+        "counter",
+        ("node",),
+        "Transfers that outlived their decode node's release timeout (F11).",
+    ),
     # transfers
-    _m("kvtrail_transfer_aborts", "counter", (*NODE, "cause"),
-       "Requests aborted during their KV transfer, by cause (client_disconnect, timeout, error)."),
+    _m(
+        "kvtrail_transfer_aborts",
+        "counter",
+        (*NODE, "cause"),
+        "Requests aborted during their KV transfer, by cause (client_disconnect, timeout, error).",
+    ),
     # ingest, per producer
     _m("kvtrail_ingest_events", "counter", PRODUCER, "Events committed."),
     _m("kvtrail_ingest_page_events", "counter", PRODUCER, "Page entries committed (one per page an event lists)."),
     _m("kvtrail_ingest_last_batch_timestamp_seconds", "gauge", PRODUCER, "When the newest batch was committed."),
-    _m("kvtrail_ingest_lag_seconds", "gauge", PRODUCER,
-       "Of the newest batch: commit time minus its newest event's wall clock."),
-    _m("kvtrail_ingest_producer_open", "gauge", PRODUCER,
-       "1 while the producer's latest recorder instance has started and not closed cleanly."),
+    _m(
+        "kvtrail_ingest_lag_seconds",
+        "gauge",
+        PRODUCER,
+        "Of the newest batch: commit time minus its newest event's wall clock.",
+    ),
+    _m(
+        "kvtrail_ingest_producer_open",
+        "gauge",
+        PRODUCER,
+        "1 while the producer's latest recorder instance has started and not closed cleanly.",
+    ),
     _m("kvtrail_recorder_dropped_events", "counter", PRODUCER, "Events the recorder reported it dropped."),
     _m("kvtrail_recorder_missing_events", "gauge", PRODUCER, "Sequence numbers absent from the store."),
-    _m("kvtrail_recorder_explained_missing_events", "gauge", PRODUCER,
-       "Of the missing sequence numbers, how many the recorder's own gap events account for."),
-    _m("kvtrail_judge_lag_seconds", "gauge", PRODUCER,
-       "How long the producer's oldest committed batch the live judge has not judged yet has waited (0: none)."),
+    _m(
+        "kvtrail_recorder_explained_missing_events",
+        "gauge",
+        PRODUCER,
+        "Of the missing sequence numbers, how many the recorder's own gap events account for.",
+    ),
+    _m(
+        "kvtrail_judge_lag_seconds",
+        "gauge",
+        PRODUCER,
+        "How long the producer's oldest committed batch the live judge has not judged yet has waited (0: none).",
+    ),
 )
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
 EXPOSED: dict[str, MetricSpec] = {m.exposed: m for m in METRICS}

@@ -58,8 +58,15 @@ class Answers(Protocol):
 
     kind: str  # "store", "service" or "lake"
 
-    def findings(self, w: Window, *, codes: tuple[str, ...] = (), exclusions: Exclusions = NO_EXCLUSIONS,
-                 engine: str = "replay", policy: ForensicsPolicy = DEFAULT_POLICY) -> Answer: ...
+    def findings(
+        self,
+        w: Window,
+        *,
+        codes: tuple[str, ...] = (),
+        exclusions: Exclusions = NO_EXCLUSIONS,
+        engine: str = "replay",
+        policy: ForensicsPolicy = DEFAULT_POLICY,
+    ) -> Answer: ...
 
     def affected(self, w: Window, *, exclusions: Exclusions = NO_EXCLUSIONS) -> Answer: ...
 
@@ -77,8 +84,10 @@ def hint_service(fn: Callable[[], T]) -> T:
     except StoreError as exc:
         if "in use by another process" not in str(exc):
             raise
-        raise KvtrailError(f"{exc}; if a kvtrail service holds it, ask the service instead: "
-                           "--url URL --token TOKEN (or KVTRAIL_URL/KVTRAIL_TOKEN)") from None
+        raise KvtrailError(
+            f"{exc}; if a kvtrail service holds it, ask the service instead: "
+            "--url URL --token TOKEN (or KVTRAIL_URL/KVTRAIL_TOKEN)"
+        ) from None
 
 
 class StoreAnswers:
@@ -89,10 +98,18 @@ class StoreAnswers:
     def __init__(self, db: str):
         self.db = db
 
-    def findings(self, w: Window, *, codes: tuple[str, ...] = (), exclusions: Exclusions = NO_EXCLUSIONS,
-                 engine: str = "replay", policy: ForensicsPolicy = DEFAULT_POLICY) -> Answer:
-        return hint_service(lambda: ask_findings(self.db, w, codes=codes, engine=engine, policy=policy,
-                                                 exclusions=exclusions))
+    def findings(
+        self,
+        w: Window,
+        *,
+        codes: tuple[str, ...] = (),
+        exclusions: Exclusions = NO_EXCLUSIONS,
+        engine: str = "replay",
+        policy: ForensicsPolicy = DEFAULT_POLICY,
+    ) -> Answer:
+        return hint_service(
+            lambda: ask_findings(self.db, w, codes=codes, engine=engine, policy=policy, exclusions=exclusions)
+        )
 
     def affected(self, w: Window, *, exclusions: Exclusions = NO_EXCLUSIONS) -> Answer:
         return hint_service(lambda: ask_affected(self.db, w, exclusions=exclusions))
@@ -111,12 +128,18 @@ class StoreAnswers:
 def window_params(w: Window, excl: Exclusions | None = None) -> dict:
     """The HTTP parameters of a window (times as ISO UTC, which the service parses back to the same
     microsecond) and of exclusions."""
-    params: dict = {"from": format_utc(w.from_ns) if w.from_ns is not None else None,
-                    "to": format_utc(w.to_ns) if w.to_ns is not None else None,
-                    "tenant": w.tenant, "node": w.node}
+    params: dict = {
+        "from": format_utc(w.from_ns) if w.from_ns is not None else None,
+        "to": format_utc(w.to_ns) if w.to_ns is not None else None,
+        "tenant": w.tenant,
+        "node": w.node,
+    }
     if excl is not None:
-        for name, pairs in (("exclude_tenant", excl.tenants), ("exclude_api_key", excl.api_key_ids),
-                            ("exclude_request", excl.request_ids)):
+        for name, pairs in (
+            ("exclude_tenant", excl.tenants),
+            ("exclude_api_key", excl.api_key_ids),
+            ("exclude_request", excl.request_ids),
+        ):
             params[name] = [f"{k}={v}" for k, v in pairs]
     return params
 
@@ -132,16 +155,33 @@ class ServiceAnswers:
     def answer(self, path: str, params: dict) -> Answer:
         rows, meta = self.client.table(path, params)
         gaps = pl.DataFrame(meta.get("gaps", []), schema=COVERAGE.schema)
-        excluded = pl.DataFrame([{"excluded_by": by, "reason": why} for by, why, n in meta.get("excluded", [])
-                                 for _ in range(int(n))], schema={"excluded_by": pl.Utf8, "reason": pl.Utf8})
-        return Answer(rows, excluded, gaps, tuple(meta.get("notes", ())), tuple(meta.get("warnings", ())),
-                      meta.get("summary", {}))
+        excluded = pl.DataFrame(
+            [{"excluded_by": by, "reason": why} for by, why, n in meta.get("excluded", []) for _ in range(int(n))],
+            schema={"excluded_by": pl.Utf8, "reason": pl.Utf8},
+        )
+        return Answer(
+            rows, excluded, gaps, tuple(meta.get("notes", ())), tuple(meta.get("warnings", ())), meta.get("summary", {})
+        )
 
-    def findings(self, w: Window, *, codes: tuple[str, ...] = (), exclusions: Exclusions = NO_EXCLUSIONS,
-                 engine: str = "replay", policy: ForensicsPolicy = DEFAULT_POLICY) -> Answer:
-        return self.answer("/v1/findings", {**window_params(w, exclusions), "code": list(codes), "engine": engine,
-                                            "latency_factor": policy.latency_factor,
-                                            "allow_tenant_cache_sharing": policy.allow_tenant_cache_sharing or None})
+    def findings(
+        self,
+        w: Window,
+        *,
+        codes: tuple[str, ...] = (),
+        exclusions: Exclusions = NO_EXCLUSIONS,
+        engine: str = "replay",
+        policy: ForensicsPolicy = DEFAULT_POLICY,
+    ) -> Answer:
+        return self.answer(
+            "/v1/findings",
+            {
+                **window_params(w, exclusions),
+                "code": list(codes),
+                "engine": engine,
+                "latency_factor": policy.latency_factor,
+                "allow_tenant_cache_sharing": policy.allow_tenant_cache_sharing or None,
+            },
+        )
 
     def affected(self, w: Window, *, exclusions: Exclusions = NO_EXCLUSIONS) -> Answer:
         return self.answer("/v1/affected", window_params(w, exclusions))
@@ -159,11 +199,13 @@ class ServiceAnswers:
 
     def exploitation(self, w: Window, options: ReportOptions) -> Answer:
         r = options.rules
-        probe = {"baseline_from": format_utc(options.baseline_from_ns) if options.baseline_from_ns is not None
-                 else None,
-                 "baseline_to": format_utc(options.baseline_to_ns) if options.baseline_to_ns is not None else None,
-                 "long_prompt_tokens": options.long_prompt_tokens, "burst_minutes": r.burst_minutes,
-                 "burst_count": r.burst_count}
+        probe = {
+            "baseline_from": format_utc(options.baseline_from_ns) if options.baseline_from_ns is not None else None,
+            "baseline_to": format_utc(options.baseline_to_ns) if options.baseline_to_ns is not None else None,
+            "long_prompt_tokens": options.long_prompt_tokens,
+            "burst_minutes": r.burst_minutes,
+            "burst_count": r.burst_count,
+        }
         return self.answer("/v1/exploitation", {**window_params(w, options.exclusions), **probe})
 
 
@@ -176,10 +218,18 @@ class LakeAnswers:
         self.lake = lake
         self.executor = executor
 
-    def findings(self, w: Window, *, codes: tuple[str, ...] = (), exclusions: Exclusions = NO_EXCLUSIONS,
-                 engine: str = "replay", policy: ForensicsPolicy = DEFAULT_POLICY) -> Answer:
-        return ask_lake_findings(self.lake, w, codes=codes, policy=policy, exclusions=exclusions,
-                                 executor=self.executor, engine=engine)
+    def findings(
+        self,
+        w: Window,
+        *,
+        codes: tuple[str, ...] = (),
+        exclusions: Exclusions = NO_EXCLUSIONS,
+        engine: str = "replay",
+        policy: ForensicsPolicy = DEFAULT_POLICY,
+    ) -> Answer:
+        return ask_lake_findings(
+            self.lake, w, codes=codes, policy=policy, exclusions=exclusions, executor=self.executor, engine=engine
+        )
 
     def affected(self, w: Window, *, exclusions: Exclusions = NO_EXCLUSIONS) -> Answer:
         return ask_lake_affected(self.lake, w, exclusions=exclusions, executor=self.executor)
@@ -199,8 +249,7 @@ def lake_executor(scheduler: str | None, workers: int | None) -> Iterator[Execut
     """The executor the flags ask for (in-process without either), closed after."""
     if scheduler is not None and workers is not None:
         raise KvtrailError("--scheduler: give either --scheduler or --workers")
-    executor = (DaskExecutor(scheduler, workers) if scheduler is not None or workers is not None
-                else LocalExecutor())
+    executor = DaskExecutor(scheduler, workers) if scheduler is not None or workers is not None else LocalExecutor()
     try:
         yield executor
     finally:
@@ -208,9 +257,14 @@ def lake_executor(scheduler: str | None, workers: int | None) -> Iterator[Execut
 
 
 @contextmanager
-def open_answers(db: str | None = None, url: str | None = None, token: str | None = None,
-                 lake: str | None = None, scheduler: str | None = None,
-                 workers: int | None = None) -> Iterator[Answers]:
+def open_answers(
+    db: str | None = None,
+    url: str | None = None,
+    token: str | None = None,
+    lake: str | None = None,
+    scheduler: str | None = None,
+    workers: int | None = None,
+) -> Iterator[Answers]:
     """The source the flags name, chosen once: a lake (``--lake``), else a service (``--url``), else the
     store file (``--db``)."""
     if lake is None:

@@ -44,8 +44,9 @@ class Client:
         if not token:
             raise KvtrailError("--token: required with --url (or KVTRAIL_TOKEN)")
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"},
-                                  timeout=TIMEOUT_S, transport=transport)
+        self._http = httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=TIMEOUT_S, transport=transport
+        )
 
     def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:
@@ -58,8 +59,11 @@ class Client:
             except ValueError:
                 detail = r.text
             if not isinstance(detail, str):
-                detail = "; ".join(f"{'.'.join(str(x) for x in d.get('loc', ())[1:])}: {d.get('msg')}"
-                                   for d in detail if isinstance(d, dict))
+                detail = "; ".join(
+                    f"{'.'.join(str(x) for x in d.get('loc', ())[1:])}: {d.get('msg')}"
+                    for d in detail
+                    if isinstance(d, dict)
+                )
             where = "--token" if r.status_code in (401, 403) else "--url"
             raise KvtrailError(f"{where}: the service answered {r.status_code}: {detail}")
         return r
@@ -87,8 +91,9 @@ class Client:
 
     def report(self, body: dict) -> tuple[bytes, dict]:
         """The report archive (zip) and the counts the CLI prints."""
-        r = self._call("POST", "/v1/reports", json={**{k: v for k, v in body.items() if v is not None},
-                                                   "archive": "zip"})
+        r = self._call(
+            "POST", "/v1/reports", json={**{k: v for k, v in body.items() if v is not None}, "archive": "zip"}
+        )
         return r.content, json.loads(r.headers[REPORT_HEADER])
 
     def verify(self, *, expect_heads: list[dict] | None = None, public_key_pem: str | None = None) -> dict:
@@ -97,8 +102,9 @@ class Client:
         ``--public-key`` read from their files."""
         if expect_heads is None and public_key_pem is None:
             return self._call("GET", "/v1/audit/verify").json()
-        return self._call("POST", "/v1/audit/verify",
-                          json={"expect_heads": expect_heads, "public_key_pem": public_key_pem}).json()
+        return self._call(
+            "POST", "/v1/audit/verify", json={"expect_heads": expect_heads, "public_key_pem": public_key_pem}
+        ).json()
 
     def verify_report(self, manifest: dict, *, strict: bool = False) -> dict:
         """The store's part of ``verify-report`` for a report's ``report.json``: problems, notes, the store's name."""
@@ -108,8 +114,16 @@ class Client:
         """``{"heads": [...]}`` as ``kvtrail audit head --json`` prints it."""
         return self._call("GET", "/v1/audit/heads").json()
 
-    def add_token(self, role: str, *, note: str = "", nodes: tuple[str, ...] = (), clusters: tuple[str, ...] = (),
-                  node_roles: tuple[str, ...] = (), expires_in_s: int | None = None) -> tuple[str, str]:
+    def add_token(
+        self,
+        role: str,
+        *,
+        note: str = "",
+        nodes: tuple[str, ...] = (),
+        clusters: tuple[str, ...] = (),
+        node_roles: tuple[str, ...] = (),
+        expires_in_s: int | None = None,
+    ) -> tuple[str, str]:
         body: dict[str, object] = {"role": role, "note": note, "nodes": list(nodes)}
         if clusters or node_roles:
             body.update(clusters=list(clusters), node_roles=list(node_roles))
@@ -127,4 +141,3 @@ class Client:
 
 def _clean(params: dict) -> dict:
     return {k: v for k, v in params.items() if v is not None and v != () and v != []}
-

@@ -25,10 +25,27 @@ LEFT JOIN last ON last.producer_id = p.producer_id"""
 _INTEGRITY = ("checksum_enabled", "canary_enabled", "deferred_release", "page_tags")
 
 _MAX_NS = 2**63 - 1
-COLUMNS = ("node", "role", "pool_tokens", "context_tokens", "shortfall_tokens", "pool_covers_context",
-           "page_size", "pool_pages", "checksum_enabled", "canary_enabled", "deferred_release", "page_tags",
-           "engine", "engine_version", "instance", "effective_from_ns", "last_event_ns",
-           "recorder_dropped_events", "unexplained_gap_events")
+COLUMNS = (
+    "node",
+    "role",
+    "pool_tokens",
+    "context_tokens",
+    "shortfall_tokens",
+    "pool_covers_context",
+    "page_size",
+    "pool_pages",
+    "checksum_enabled",
+    "canary_enabled",
+    "deferred_release",
+    "page_tags",
+    "engine",
+    "engine_version",
+    "instance",
+    "effective_from_ns",
+    "last_event_ns",
+    "recorder_dropped_events",
+    "unexplained_gap_events",
+)
 
 
 def fleet_table(con: duckdb.DuckDBPyConnection, w: fx.Window, counts: WindowCounts) -> pl.DataFrame:
@@ -41,12 +58,17 @@ def fleet_table(con: duckdb.DuckDBPyConnection, w: fx.Window, counts: WindowCoun
         capacity = capacity.filter(pl.col("node") == w.node)
     drops = counts.events.select("producer_id", "recorder_dropped_events")
     integrity = pl.DataFrame(latest_configs(con, ("producer_id", *_INTEGRITY), at_ns=hi))
-    producers = (pl.DataFrame(con.sql(_PRODUCERS_SQL).to_arrow_table())
-                 .join(integrity, on="producer_id", how="left")
-                 .join(drops, on="producer_id", how="left")
-                 .with_columns(pl.col("recorder_dropped_events").fill_null(0)).drop("producer_id"))
+    producers = (
+        pl.DataFrame(con.sql(_PRODUCERS_SQL).to_arrow_table())
+        .join(integrity, on="producer_id", how="left")
+        .join(drops, on="producer_id", how="left")
+        .with_columns(pl.col("recorder_dropped_events").fill_null(0))
+        .drop("producer_id")
+    )
     gaps = fx.coverage_gaps(con).select("node", "instance", pl.col("unexplained").alias("unexplained_gap_events"))
-    table = (capacity.join(producers, on=["node", "instance"], how="left")
-             .join(gaps, on=["node", "instance"], how="left")
-             .with_columns(pl.col("unexplained_gap_events").fill_null(0)))
+    table = (
+        capacity.join(producers, on=["node", "instance"], how="left")
+        .join(gaps, on=["node", "instance"], how="left")
+        .with_columns(pl.col("unexplained_gap_events").fill_null(0))
+    )
     return table.select(COLUMNS).sort(["pool_covers_context", "node", "effective_from_ns"])

@@ -44,9 +44,12 @@ class RemoteSource:
 
     @staticmethod
     def _params(w: fx.Window, tenant_ok: bool = True) -> dict[str, Any]:
-        return {"from": format_utc(w.from_ns) if w.from_ns is not None else None,
-                "to": format_utc(w.to_ns) if w.to_ns is not None else None,
-                "node": w.node, "tenant": w.tenant if tenant_ok else None}
+        return {
+            "from": format_utc(w.from_ns) if w.from_ns is not None else None,
+            "to": format_utc(w.to_ns) if w.to_ns is not None else None,
+            "node": w.node,
+            "tenant": w.tenant if tenant_ok else None,
+        }
 
     def bounds(self) -> tuple[int, int] | None:
         now = time.time_ns()
@@ -70,7 +73,8 @@ class RemoteSource:
         if missing is None:
             return rows.with_columns(pl.lit(0, pl.Int64).alias("unexplained_gap_events"))
         return rows.join(missing.rename({"unexplained": "unexplained_gap_events"}), on="node", how="left").with_columns(
-            pl.col("unexplained_gap_events").fill_null(0))
+            pl.col("unexplained_gap_events").fill_null(0)
+        )
 
     def counts(self, w: fx.Window) -> None:
         """No route serves the per-minute aggregates: the views count the rows they are sent."""
@@ -85,18 +89,34 @@ class RemoteSource:
     def affected(self, w: fx.Window) -> pl.DataFrame:
         rows = self.client.table("/v1/affected", self._params(w, tenant_ok=self.role != "tenant"))[0]
         if self.role == "tenant":  # victims come as counts: the view's columns, without other tenants' ids
-            rows = rows.with_columns(pl.lit(None, pl.Utf8).alias("tenant_id"),
-                                     pl.lit([], pl.List(pl.Utf8)).alias("victim_tenants"))
+            rows = rows.with_columns(
+                pl.lit(None, pl.Utf8).alias("tenant_id"), pl.lit([], pl.List(pl.Utf8)).alias("victim_tenants")
+            )
         return rows
 
     def exposure(self, w: fx.Window) -> pl.DataFrame:
         if self.role == "tenant":
             r = self.client.document("/v1/exposure", self._params(w, tenant_ok=False))
-            return pl.DataFrame([{"recipient_tenant": "(other tenants)", "victim_tenant": r["tenant_id"],
-                                  "responses": r["reading_responses"], "pages": r["pages"],
-                                  "victim_requests": len(r["my_requests_read"])}] if r["exposed"] else [],
-                                schema={"recipient_tenant": pl.Utf8, "victim_tenant": pl.Utf8, "responses": pl.Int64,
-                                        "pages": pl.Int64, "victim_requests": pl.Int64})
+            return pl.DataFrame(
+                [
+                    {
+                        "recipient_tenant": "(other tenants)",
+                        "victim_tenant": r["tenant_id"],
+                        "responses": r["reading_responses"],
+                        "pages": r["pages"],
+                        "victim_requests": len(r["my_requests_read"]),
+                    }
+                ]
+                if r["exposed"]
+                else [],
+                schema={
+                    "recipient_tenant": pl.Utf8,
+                    "victim_tenant": pl.Utf8,
+                    "responses": pl.Int64,
+                    "pages": pl.Int64,
+                    "victim_requests": pl.Int64,
+                },
+            )
         return self.client.table("/v1/exposure", self._params(w))[0]
 
     def thresholds(self, w: fx.Window) -> Thresholds:
@@ -123,8 +143,17 @@ class RemoteSource:
         return pages.detail_from_document(self.client.request_pages(request_id, params))
 
     def report(self, w: fx.Window, context_yaml: bytes | None) -> tuple[bytes, dict, str]:
-        body = {"from": format_utc(w.from_ns), "to": format_utc(w.to_ns),
-                "context_yaml": context_yaml.decode("utf-8") if context_yaml is not None else None}
+        body = {
+            "from": format_utc(w.from_ns),
+            "to": format_utc(w.to_ns),
+            "context_yaml": context_yaml.decode("utf-8") if context_yaml is not None else None,
+        }
         data, counts = self.client.report(body)
-        return data, counts, ("written by the service on a snapshot of its store: check it with "
-                              "'kvtrail forensics verify-report DIR --db STORE' against the store")
+        return (
+            data,
+            counts,
+            (
+                "written by the service on a snapshot of its store: check it with "
+                "'kvtrail forensics verify-report DIR --db STORE' against the store"
+            ),
+        )

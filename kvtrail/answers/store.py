@@ -104,25 +104,41 @@ class StoreSource:
 
     def bounds(self) -> tuple[int, int] | None:
         """First and last event time in the store (ns), None when it holds none."""
+
         def compute(con: duckdb.DuckDBPyConnection) -> tuple[int, int] | None:
             row = con.execute("SELECT min(min_wall_ns), max(max_wall_ns) FROM batches").fetchall()[0]
             return None if row[0] is None else (int(row[0]), int(row[1]))
+
         return self._memoised("bounds", fx.Window(), compute)
 
     def events_in(self, w: fx.Window) -> int:
         """Events of batches overlapping the window (an upper bound; 0 means an empty window)."""
         span = fx.Window(w.from_ns, w.to_ns)
-        return self._memoised("events_in", span, lambda con: int(con.execute(
-            "SELECT coalesce(sum(num_events), 0) FROM batches WHERE max_wall_ns >= ? AND min_wall_ns <= ?",
-            [w.from_ns or 0, w.to_ns or 2**63 - 1]).fetchall()[0][0]))
+        return self._memoised(
+            "events_in",
+            span,
+            lambda con: int(
+                con.execute(
+                    "SELECT coalesce(sum(num_events), 0) FROM batches WHERE max_wall_ns >= ? AND min_wall_ns <= ?",
+                    [w.from_ns or 0, w.to_ns or 2**63 - 1],
+                ).fetchall()[0][0]
+            ),
+        )
 
     def choices(self) -> tuple[list[str], list[str]]:
         """Every node and tenant the store knows (the filter's choices)."""
+
         def compute(con: duckdb.DuckDBPyConnection) -> tuple[list[str], list[str]]:
             nodes = [r[0] for r in con.execute("SELECT DISTINCT node FROM producers ORDER BY 1").fetchall()]
-            tenants = [r[0] for r in con.execute("SELECT DISTINCT tenant_id FROM events_v WHERE kind = "
-                                                 "'request_received' AND tenant_id IS NOT NULL ORDER BY 1").fetchall()]
+            tenants = [
+                r[0]
+                for r in con.execute(
+                    "SELECT DISTINCT tenant_id FROM events_v WHERE kind = "
+                    "'request_received' AND tenant_id IS NOT NULL ORDER BY 1"
+                ).fetchall()
+            ]
             return nodes, tenants
+
         return self._memoised("choices", fx.Window(), compute)
 
     def fleet(self, w: fx.Window) -> pl.DataFrame:
@@ -172,6 +188,7 @@ class StoreSource:
             if run is not None:
                 return persisted.persisted_findings(con, w.from_ns, w.to_ns), f"{PERSISTED} (run {run})"
             return list(fx.ask_findings(con, span).found), "replay of the window"
+
         return self._memoised("found", span, compute)
 
     def findings(self, w: fx.Window) -> pl.DataFrame:
@@ -185,8 +202,7 @@ class StoreSource:
         """(kept, dropped, excluded) with no exclusions: the Affected view's rows and, for the whole span,
         the exploitation assessment's pieces (one computation when no filter is set)."""
         found = self.found(w)[0]
-        return self._memoised("affected", w, lambda con: affected_with_exclusions(
-            con, w, fx.Exclusions(), found))
+        return self._memoised("affected", w, lambda con: affected_with_exclusions(con, w, fx.Exclusions(), found))
 
     def exposure(self, w: fx.Window) -> pl.DataFrame:
         kept = set(self.affected(w)["request_id"])
@@ -195,13 +211,15 @@ class StoreSource:
         def compute(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
             frame = findings_frame(found, w, tuple(sorted(fx.AFFECTED_CODES)))
             return exposure_matrix(exposure_links(frame, kept))
+
         return self._memoised("exposure", w, compute)
 
     def _requests(self, w: fx.Window, also: list[str]) -> pl.DataFrame:
         """The window's requests plus ``also`` (shared by the threshold and exploitation analyses)."""
         key = f"requests:{hash(tuple(sorted(also)))}"
-        return self._memoised(key, fx.Window(w.from_ns, w.to_ns),
-                              lambda con: requests_table(con, w.from_ns, w.to_ns, also))
+        return self._memoised(
+            key, fx.Window(w.from_ns, w.to_ns), lambda con: requests_table(con, w.from_ns, w.to_ns, also)
+        )
 
     def thresholds(self, w: fx.Window) -> Thresholds:
         kept = self.affected(w)
@@ -218,6 +236,7 @@ class StoreSource:
             by_node, summary = threshold_analysis(requests, set(kept["request_id"]))
             table = thresholds_table(capacity, by_node)
             return Thresholds(table, threshold_sentence(summary))
+
         return self._memoised("thresholds", w, compute)
 
     def exploitation(self, w: fx.Window) -> pl.DataFrame:
@@ -233,6 +252,7 @@ class StoreSource:
             pieces = (kept, dropped, excluded, node_capacity(con, o.from_ns, o.to_ns), requests)
             df, _ = exploitation_for(con, o, w, pieces)
             return df.filter(pl.col("tenant_id") == w.tenant) if w.tenant else df
+
         return self._memoised("exploitation", w, compute)
 
     def transfers(self, w: fx.Window) -> pl.DataFrame:

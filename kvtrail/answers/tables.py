@@ -61,8 +61,10 @@ def terminal_text(text: str, *, json: bool = False) -> str:
     format or separator character escaped; ``json``: as ``\\uNNNN``, which keeps the text valid JSON
     meaning the same (such characters can only stand inside its strings)."""
     escape = _json_escape if json else _escape
-    return "\n".join(line if line.isprintable() else "".join(ch if ch.isprintable() else escape(ch) for ch in line)
-                     for line in text.split("\n"))
+    return "\n".join(
+        line if line.isprintable() else "".join(ch if ch.isprintable() else escape(ch) for ch in line)
+        for line in text.split("\n")
+    )
 
 
 def shorten(text: str, max_chars: int, *, middle: bool = False) -> str:
@@ -71,9 +73,9 @@ def shorten(text: str, max_chars: int, *, middle: bool = False) -> str:
     if len(text) <= max_chars:
         return text
     if not middle:
-        return text[:max_chars - 1] + ELLIPSIS
+        return text[: max_chars - 1] + ELLIPSIS
     head = (max_chars - 1) // 2 + (max_chars - 1) % 2
-    return text[:head] + ELLIPSIS + text[len(text) - (max_chars - 1 - head):]
+    return text[:head] + ELLIPSIS + text[len(text) - (max_chars - 1 - head) :]
 
 
 def shorten_items(text: str, max_chars: int) -> str:
@@ -85,8 +87,11 @@ def shorten_items(text: str, max_chars: int) -> str:
         head = ",".join(parts[:keep]) + f" +{len(parts) - keep}"
         if cell_len(head) <= max_chars:
             return head
-    return f"{len(parts)} items" if len(parts) > 1 and cell_len(f"{len(parts)} items") <= max_chars else (
-        shorten(text, max_chars))
+    return (
+        f"{len(parts)} items"
+        if len(parts) > 1 and cell_len(f"{len(parts)} items") <= max_chars
+        else (shorten(text, max_chars))
+    )
 
 
 def items(value: object) -> list:
@@ -121,6 +126,7 @@ def number(name: str, header: str | None = None) -> Column:
     def cell(r: dict) -> str:
         v = r[name]
         return "" if v is None else (f"{v:g}" if isinstance(v, float) else str(v))
+
     return Column(header or name, (name,), cell, 14, numeric=True)
 
 
@@ -215,17 +221,31 @@ def _layout(cols: list[Column], cells: list[list[str]], width_chars: int, leave_
         if cut > 0:
             widths[i] -= cut
             excess -= cut
-    return Layout(tuple(shown), tuple(widths[i] for i in shown),
-                  tuple(i for i in range(len(cols)) if i not in shown))
+    return Layout(tuple(shown), tuple(widths[i] for i in shown), tuple(i for i in range(len(cols)) if i not in shown))
 
 
-def render_table(df: pl.DataFrame, view: TableView, scope: str = "", *, notes: tuple[str, ...] = (),
-                 width_chars: int = 120, color: bool = False) -> str:
+def render_table(
+    df: pl.DataFrame,
+    view: TableView,
+    scope: str = "",
+    *,
+    notes: tuple[str, ...] = (),
+    width_chars: int = 120,
+    color: bool = False,
+) -> str:
     """The rows as a table, one line per row, under a one-line summary (``scope``, e.g. the window,
     appended to it), with a footer counting the columns only the file formats hold (and naming those left
     out to fit the width), then the notes."""
-    console = Console(file=io.StringIO(), width=width_chars, force_terminal=color, no_color=not color,
-                      color_system="auto" if color else None, markup=False, emoji=False, highlight=False)
+    console = Console(
+        file=io.StringIO(),
+        width=width_chars,
+        force_terminal=color,
+        no_color=not color,
+        color_system="auto" if color else None,
+        markup=False,
+        emoji=False,
+        highlight=False,
+    )
     if df.is_empty():
         console.print(Text(printable(view.empty)))
     else:
@@ -243,16 +263,29 @@ def _print_table(console: Console, df: pl.DataFrame, view: TableView, scope: str
     all_cells = [[c.cell(row) for c in all_cols] for row in df.iter_rows(named=True)]
     layout = _layout(all_cols, all_cells, width_chars, view.leave_out)
     cols = [all_cols[i] for i in layout.shown]
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0),
-                  header_style="bold" if console.is_terminal else "")
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        padding=(0, 1, 0, 0),
+        header_style="bold" if console.is_terminal else "",
+    )
     for c, w in zip(cols, layout.widths):
         whole = c.middle or c.numeric  # ids and numbers wrap rather than lose characters
-        table.add_column(Text(c.header), justify="right" if c.numeric else "left", no_wrap=not whole,
-                         overflow="fold" if whole else "ellipsis", width=w)
+        table.add_column(
+            Text(c.header),
+            justify="right" if c.numeric else "left",
+            no_wrap=not whole,
+            overflow="fold" if whole else "ellipsis",
+            width=w,
+        )
     for row in all_cells:
-        table.add_row(*(Text(row[i] if c.middle or c.numeric else shorten_items(row[i], w) if c.listing
-                             else shorten(row[i], w))
-                        for i, c, w in zip(layout.shown, cols, layout.widths)))
+        table.add_row(
+            *(
+                Text(row[i] if c.middle or c.numeric else shorten_items(row[i], w) if c.listing else shorten(row[i], w))
+                for i, c, w in zip(layout.shown, cols, layout.widths)
+            )
+        )
     summary = printable(view.summary(df))
     if scope and cell_len(summary) + 2 + cell_len(scope) <= width_chars:
         summary, scope = f"{summary}, {scope}", ""
@@ -266,8 +299,12 @@ def _print_table(console: Console, df: pl.DataFrame, view: TableView, scope: str
         console.print(Text(f"({len(left_out)} more columns in --format csv/json/parquet)"))
     if layout.dropped:
         names = ", ".join(all_cols[i].header for i in layout.dropped)
-        console.print(Text(f"(left out to fit {width_chars} characters: {names}; a wider terminal or --format "
-                           "csv/json/parquet shows them)"))
+        console.print(
+            Text(
+                f"(left out to fit {width_chars} characters: {names}; a wider terminal or --format "
+                "csv/json/parquet shows them)"
+            )
+        )
 
 
 def json_text(df: pl.DataFrame) -> str:
@@ -301,36 +338,46 @@ def _findings_summary(df: pl.DataFrame) -> str:
 
 def _affected_summary(df: pl.DataFrame) -> str:
     victims = _tenants(v for cell in df["victim_tenants"].to_list() for v in items(cell))
-    return (f"{_plural(len(df), 'affected response')}; tenants: {len(_tenants(df['tenant_id']))} recipient, "
-            f"{len(victims)} victim")
+    return (
+        f"{_plural(len(df), 'affected response')}; tenants: {len(_tenants(df['tenant_id']))} recipient, "
+        f"{len(victims)} victim"
+    )
 
 
 def _tenant_affected_summary(df: pl.DataFrame) -> str:
-    return (f"{_plural(len(df), 'affected response')} of this tenant; data of up to "
-            f"{max(df['other_tenants'].fill_null(0).to_list(), default=0)} other tenant(s) read by one response")
+    return (
+        f"{_plural(len(df), 'affected response')} of this tenant; data of up to "
+        f"{max(df['other_tenants'].fill_null(0).to_list(), default=0)} other tenant(s) read by one response"
+    )
 
 
 def _tenant_exposure_summary(df: pl.DataFrame) -> str:
     r = df.row(0, named=True)
     if not r["exposed"]:
         return f"{printable(r['tenant_id'])}: no other request read this tenant's data"
-    return (f"{printable(r['tenant_id'])}: data of {_plural(len(items(r['my_requests_read'])), 'request')} read by "
-            f"{_plural(r['reading_responses'], 'response')} of {r['reading_tenants']} other tenant(s), "
-            f"{_plural(r['pages'], 'page')}")
+    return (
+        f"{printable(r['tenant_id'])}: data of {_plural(len(items(r['my_requests_read'])), 'request')} read by "
+        f"{_plural(r['reading_responses'], 'response')} of {r['reading_tenants']} other tenant(s), "
+        f"{_plural(r['pages'], 'page')}"
+    )
 
 
 def _exposure_summary(df: pl.DataFrame) -> str:
-    return (f"{_plural(len(df), 'recipient x victim pair')}: "
-            f"{_plural(len(_tenants(df['recipient_tenant'])), 'recipient tenant')}, "
-            f"{_plural(len(_tenants(df['victim_tenant'])), 'victim tenant')}")
+    return (
+        f"{_plural(len(df), 'recipient x victim pair')}: "
+        f"{_plural(len(_tenants(df['recipient_tenant'])), 'recipient tenant')}, "
+        f"{_plural(len(_tenants(df['victim_tenant'])), 'victim tenant')}"
+    )
 
 
 def _thresholds_summary(df: pl.DataFrame) -> str:
     short = int((~df["pool_covers_context"].fill_null(True)).sum())
     affected = int(df["affected"].fill_null(0).sum()) if "affected" in df.columns else 0
     requests = int(df["requests"].fill_null(0).sum()) if "requests" in df.columns else 0
-    return (f"{_plural(len(df), 'node configuration')} on {_plural(df['node'].n_unique(), 'node')}, "
-            f"{short} with a pool smaller than the context; {affected} of {requests} prefill requests affected")
+    return (
+        f"{_plural(len(df), 'node configuration')} on {_plural(df['node'].n_unique(), 'node')}, "
+        f"{short} with a pool smaller than the context; {affected} of {requests} prefill requests affected"
+    )
 
 
 def _exploitation_summary(df: pl.DataFrame) -> str:
@@ -344,46 +391,126 @@ def _exploitation_summary(df: pl.DataFrame) -> str:
 def _victims(r: dict) -> str:
     """A finding's victims: their tenants when one or two, else how many."""
     rids, tenants = items(r["victim_request_ids"]), items(r["victim_tenant_ids"])
-    names = {t if t is not None else (NEVER_WRITTEN if i >= len(rids) or rids[i] is None else UNKNOWN_TENANT)
-             for i, t in enumerate(tenants)}
+    names = {
+        t if t is not None else (NEVER_WRITTEN if i >= len(rids) or rids[i] is None else UNKNOWN_TENANT)
+        for i, t in enumerate(tenants)
+    }
     return _names(names) if len(names) <= 2 else f"{len(names)} victims"
 
 
 # Per command, the columns a responder scans first; headers are the file formats' names, shortened
 # where the name is much wider than its values (120 characters hold about ten columns).
-FINDINGS = TableView(spec.FINDINGS, _findings_summary, (
-    ident("code", 4), ident("severity", 8), ident("node", 16), ident("request_id"), ident("tenant_id", 16),
-    Column("victims", ("victim_tenant_ids", "victim_request_ids"), _victims, 28, flex=True), count("pages"),
-    time_at("first_ns"), text("detail", 80)), "no findings in this window",
-    ("first_at", "severity", "pages", "detail", "node"))
-AFFECTED = TableView(spec.AFFECTED, _affected_summary, (
-    ident("request_id"), ident("tenant_id", 16), number("http_status", "status"), number("prompt_tokens", "prompt"),
-    number("completion_tokens", "completion"), number("pages_read_foreign", "pages"), joined("victim_tenants", 32),
-    count("victim_requests", "victim_reqs"), time_at("first_ns")), "no affected responses in this window",
-    ("victim_reqs", "first_at", "completion", "prompt", "status"))
-EXPOSURE = TableView(spec.EXPOSURE, _exposure_summary, (
-    ident("recipient_tenant", 24), ident("victim_tenant", 24), number("responses"), number("pages"),
-    number("victim_requests")), "no exposure in this window")
-THRESHOLDS = TableView(spec.THRESHOLDS, _thresholds_summary, (
-    ident("node", 16), ident("role", 8), time_at("effective_from_ns"), number("pool_tokens", "pool"),
-    number("context_tokens", "context"), number("shortfall_tokens", "shortfall"), number("requests"),
-    number("affected"), number("affected_over_pool", "aff>pool"), number("unaffected_over_pool", "unaff>pool")),
-    "no node configuration in this window", ("effective_from_at", "unaff>pool", "aff>pool", "role"))
-EXPLOITATION = TableView(spec.EXPLOITATION, _exploitation_summary, (
-    ident("tenant_id", 16), number("affected_responses", "affected"), number("long_requests", "long"),
-    number("long_per_hour", "long/h"), number("baseline_long_per_hour", "base/h"),
-    number("max_long_in_burst", "burst"), ident("verdict", 40), text("reason", 90)),
-    "no recipient tenant and no over-long prompt in this window", ("reason", "base/h", "long/h", "burst"))
+FINDINGS = TableView(
+    spec.FINDINGS,
+    _findings_summary,
+    (
+        ident("code", 4),
+        ident("severity", 8),
+        ident("node", 16),
+        ident("request_id"),
+        ident("tenant_id", 16),
+        Column("victims", ("victim_tenant_ids", "victim_request_ids"), _victims, 28, flex=True),
+        count("pages"),
+        time_at("first_ns"),
+        text("detail", 80),
+    ),
+    "no findings in this window",
+    ("first_at", "severity", "pages", "detail", "node"),
+)
+AFFECTED = TableView(
+    spec.AFFECTED,
+    _affected_summary,
+    (
+        ident("request_id"),
+        ident("tenant_id", 16),
+        number("http_status", "status"),
+        number("prompt_tokens", "prompt"),
+        number("completion_tokens", "completion"),
+        number("pages_read_foreign", "pages"),
+        joined("victim_tenants", 32),
+        count("victim_requests", "victim_reqs"),
+        time_at("first_ns"),
+    ),
+    "no affected responses in this window",
+    ("victim_reqs", "first_at", "completion", "prompt", "status"),
+)
+EXPOSURE = TableView(
+    spec.EXPOSURE,
+    _exposure_summary,
+    (
+        ident("recipient_tenant", 24),
+        ident("victim_tenant", 24),
+        number("responses"),
+        number("pages"),
+        number("victim_requests"),
+    ),
+    "no exposure in this window",
+)
+THRESHOLDS = TableView(
+    spec.THRESHOLDS,
+    _thresholds_summary,
+    (
+        ident("node", 16),
+        ident("role", 8),
+        time_at("effective_from_ns"),
+        number("pool_tokens", "pool"),
+        number("context_tokens", "context"),
+        number("shortfall_tokens", "shortfall"),
+        number("requests"),
+        number("affected"),
+        number("affected_over_pool", "aff>pool"),
+        number("unaffected_over_pool", "unaff>pool"),
+    ),
+    "no node configuration in this window",
+    ("effective_from_at", "unaff>pool", "aff>pool", "role"),
+)
+EXPLOITATION = TableView(
+    spec.EXPLOITATION,
+    _exploitation_summary,
+    (
+        ident("tenant_id", 16),
+        number("affected_responses", "affected"),
+        number("long_requests", "long"),
+        number("long_per_hour", "long/h"),
+        number("baseline_long_per_hour", "base/h"),
+        number("max_long_in_burst", "burst"),
+        ident("verdict", 40),
+        text("reason", 90),
+    ),
+    "no recipient tenant and no over-long prompt in this window",
+    ("reason", "base/h", "long/h", "burst"),
+)
 # What a tenant's token gets for the same commands (its own rows, other tenants as counts).
-TENANT_AFFECTED = TableView(spec.TENANT_AFFECTED, _tenant_affected_summary, (
-    ident("request_id"), number("http_status", "status"), number("prompt_tokens", "prompt"),
-    number("completion_tokens", "completion"), joined("codes", 8), number("pages_read_foreign", "pages"),
-    number("other_requests", "other_reqs"), number("other_tenants", "other_tenants"), time_at("first_ns")),
-    "no affected responses of this tenant in this window", ("first_at", "completion", "prompt", "status"))
-TENANT_EXPOSURE = TableView(spec.TENANT_EXPOSURE, _tenant_exposure_summary, (
-    ident("tenant_id", 16), flag("exposed"), joined("my_requests_read", 40, "requests_read"),
-    number("reading_responses", "responses"), number("reading_tenants", "tenants"), number("pages")),
-    "no answer")
+TENANT_AFFECTED = TableView(
+    spec.TENANT_AFFECTED,
+    _tenant_affected_summary,
+    (
+        ident("request_id"),
+        number("http_status", "status"),
+        number("prompt_tokens", "prompt"),
+        number("completion_tokens", "completion"),
+        joined("codes", 8),
+        number("pages_read_foreign", "pages"),
+        number("other_requests", "other_reqs"),
+        number("other_tenants", "other_tenants"),
+        time_at("first_ns"),
+    ),
+    "no affected responses of this tenant in this window",
+    ("first_at", "completion", "prompt", "status"),
+)
+TENANT_EXPOSURE = TableView(
+    spec.TENANT_EXPOSURE,
+    _tenant_exposure_summary,
+    (
+        ident("tenant_id", 16),
+        flag("exposed"),
+        joined("my_requests_read", 40, "requests_read"),
+        number("reading_responses", "responses"),
+        number("reading_tenants", "tenants"),
+        number("pages"),
+    ),
+    "no answer",
+)
 VIEWS = (FINDINGS, AFFECTED, TENANT_AFFECTED, EXPOSURE, TENANT_EXPOSURE, THRESHOLDS, EXPLOITATION)
 
 

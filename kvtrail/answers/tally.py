@@ -27,13 +27,22 @@ def findings_tally(src, w: fx.Window, found: pl.DataFrame) -> tuple[pl.DataFrame
     if counts is None or w.tenant is not None or not src.found(w)[1].startswith(PERSISTED) or not counts.answered:
         return rows, "counts from the findings rows"
     agg = counts.findings if w.node is None else counts.findings.filter(pl.col("node") == w.node)
-    spread = (agg.with_columns(pl.int_ranges(0, pl.col("findings")).alias("_k")).explode("_k")
-              .select(pl.col("minute_ns").alias("last_ns"), "code",
-                      pl.col("code").replace_strict(_TITLES, default=None, return_dtype=pl.Utf8).alias("title"),
-                      "severity", "node").cast(SCHEMA))
+    spread = (
+        agg.with_columns(pl.int_ranges(0, pl.col("findings")).alias("_k"))
+        .explode("_k")
+        .select(
+            pl.col("minute_ns").alias("last_ns"),
+            "code",
+            pl.col("code").replace_strict(_TITLES, default=None, return_dtype=pl.Utf8).alias("title"),
+            "severity",
+            "node",
+        )
+        .cast(SCHEMA)
+    )
     if counts.scanned:
-        rest = rows.filter(pl.any_horizontal([(pl.col("last_ns") >= a) & (pl.col("last_ns") < b)
-                                              for a, b in counts.scanned]))
+        rest = rows.filter(
+            pl.any_horizontal([(pl.col("last_ns") >= a) & (pl.col("last_ns") < b) for a, b in counts.scanned])
+        )
     else:
         rest = rows.clear()
     return pl.concat([spread, rest]), f"counts: {counts.describe()}"

@@ -12,9 +12,17 @@ import polars as pl
 from kvtrail.forensics import AFFECTED_CODES, PSEUDO_VICTIMS
 
 _AFFECTED_SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {
-    "request_id": pl.Utf8, "http_status": pl.Int32, "prompt_tokens": pl.Int64,
-                    "completion_tokens": pl.Int64, "codes": pl.List(pl.Utf8), "pages_read_foreign": pl.Int64,
-                    "other_requests": pl.Int64, "other_tenants": pl.Int64, "first_ns": pl.Int64, "last_ns": pl.Int64}
+    "request_id": pl.Utf8,
+    "http_status": pl.Int32,
+    "prompt_tokens": pl.Int64,
+    "completion_tokens": pl.Int64,
+    "codes": pl.List(pl.Utf8),
+    "pages_read_foreign": pl.Int64,
+    "other_requests": pl.Int64,
+    "other_tenants": pl.Int64,
+    "first_ns": pl.Int64,
+    "last_ns": pl.Int64,
+}
 
 
 def _others(tenants: list[str] | None, tenant: str) -> int:
@@ -23,12 +31,21 @@ def _others(tenants: list[str] | None, tenant: str) -> int:
 
 def tenant_affected(affected: pl.DataFrame, tenant: str) -> pl.DataFrame:
     """The tenant's own affected responses (rows of ``ask_affected``), victims reduced to counts."""
-    rows = [{"request_id": r["request_id"], "http_status": r["http_status"], "prompt_tokens": r["prompt_tokens"],
-             "completion_tokens": r["completion_tokens"], "codes": r["codes"],
-             "pages_read_foreign": r["pages_read_foreign"], "other_requests": len(r["victim_requests"] or ()),
-             "other_tenants": _others(r["victim_tenants"], tenant), "first_ns": r["first_ns"],
-             "last_ns": r["last_ns"]}
-            for r in affected.filter(pl.col("tenant_id") == tenant).iter_rows(named=True)]
+    rows = [
+        {
+            "request_id": r["request_id"],
+            "http_status": r["http_status"],
+            "prompt_tokens": r["prompt_tokens"],
+            "completion_tokens": r["completion_tokens"],
+            "codes": r["codes"],
+            "pages_read_foreign": r["pages_read_foreign"],
+            "other_requests": len(r["victim_requests"] or ()),
+            "other_tenants": _others(r["victim_tenants"], tenant),
+            "first_ns": r["first_ns"],
+            "last_ns": r["last_ns"],
+        }
+        for r in affected.filter(pl.col("tenant_id") == tenant).iter_rows(named=True)
+    ]
     return pl.DataFrame(rows, schema=_AFFECTED_SCHEMA)
 
 
@@ -57,10 +74,17 @@ def tenant_exposure(findings: pl.DataFrame, tenant: str) -> dict:
     others = findings.filter(pl.col("tenant_id").is_null() | (pl.col("tenant_id") != tenant))
     responses, tenants, pages, read = _reads_of(others, lambda rid, tid: tid == tenant)
     own_responses, _, own_pages, own_read = _reads_of(mine, lambda rid, tid: tid == tenant)
-    return {"tenant_id": tenant, "exposed": bool(responses), "my_requests_read": sorted(read),
-            "reading_responses": len(responses), "reading_tenants": len(tenants - {tenant}), "pages": len(pages),
-            "same_tenant_responses": len(own_responses), "same_tenant_pages": len(own_pages),
-            "my_requests_read_by_own_responses": sorted(own_read)}
+    return {
+        "tenant_id": tenant,
+        "exposed": bool(responses),
+        "my_requests_read": sorted(read),
+        "reading_responses": len(responses),
+        "reading_tenants": len(tenants - {tenant}),
+        "pages": len(pages),
+        "same_tenant_responses": len(own_responses),
+        "same_tenant_pages": len(own_pages),
+        "my_requests_read_by_own_responses": sorted(own_read),
+    }
 
 
 def request_status(findings: pl.DataFrame, request_id: str, tenant: str | None) -> dict:
@@ -78,10 +102,16 @@ def request_status(findings: pl.DataFrame, request_id: str, tenant: str | None) 
         victim_tenants.update(t for t in f["victim_tenant_ids"] or () if t)
     responses, tenants, _, _ = _reads_of(findings, lambda rid, tid: rid == request_id)
     me = tenant if tenant is not None else next(iter(own["tenant_id"].to_list()), None)
-    return {"request_id": request_id, "affected": bool(codes), "codes": sorted(codes, key=lambda c: int(c[1:])),
-            "pages_read_foreign": len(pages), "other_requests": len(victims - {request_id}),
-            "other_tenants": len({t for t in victim_tenants if t != me and t not in PSEUDO_VICTIMS}),
-            "read_by_responses": len(responses - {request_id}), "read_by_tenants": len(tenants - {me, None})}
+    return {
+        "request_id": request_id,
+        "affected": bool(codes),
+        "codes": sorted(codes, key=lambda c: int(c[1:])),
+        "pages_read_foreign": len(pages),
+        "other_requests": len(victims - {request_id}),
+        "other_tenants": len({t for t in victim_tenants if t != me and t not in PSEUDO_VICTIMS}),
+        "read_by_responses": len(responses - {request_id}),
+        "read_by_tenants": len(tenants - {me, None}),
+    }
 
 
 class _Pseudonyms:
@@ -123,15 +153,35 @@ def tenant_request_pages(doc: dict, tenant: str) -> dict:
         mine = s["request_id"] == p.me
         s["holder"] = f"this request ({tenant})" if mine else f"{s['request_id'] or '?'} ({s['tenant_id'] or '?'})"
         spans.append(s)
-    pages = [{**owner(row, "last_writer", "last_writer_tenant"), "next_holder": p.request(row["next_holder"])}
-             for row in doc["pages"]]
-    findings = [{**owner(f), "victim_request_ids": [p.request(r) for r in f["victim_request_ids"] or ()],
-                 "victim_tenant_ids": [p.tenant_id(t) for t in f["victim_tenant_ids"] or ()],
-                 "evidence": None, "detail": None} for f in doc["findings"]]
+    pages = [
+        {**owner(row, "last_writer", "last_writer_tenant"), "next_holder": p.request(row["next_holder"])}
+        for row in doc["pages"]
+    ]
+    findings = [
+        {
+            **owner(f),
+            "victim_request_ids": [p.request(r) for r in f["victim_request_ids"] or ()],
+            "victim_tenant_ids": [p.tenant_id(t) for t in f["victim_tenant_ids"] or ()],
+            "evidence": None,
+            "detail": None,
+        }
+        for f in doc["findings"]
+    ]
     response = doc["response"]
     if response is not None:
-        response = {**response, "tenant_id": tenant, "latency_finding": response["latency_finding"] and
-                    "TTFT implausible for its prefill node's measured rate (F9)"}
-    return {**doc, "tenant_id": tenant, "spans": spans, "marks": [owner(m) for m in doc["marks"]], "pages": pages,
-            "transfers": [{**t, "node": p.node(t["node"])} for t in doc["transfers"]], "response": response,
-            "findings": findings}
+        response = {
+            **response,
+            "tenant_id": tenant,
+            "latency_finding": response["latency_finding"]
+            and "TTFT implausible for its prefill node's measured rate (F9)",
+        }
+    return {
+        **doc,
+        "tenant_id": tenant,
+        "spans": spans,
+        "marks": [owner(m) for m in doc["marks"]],
+        "pages": pages,
+        "transfers": [{**t, "node": p.node(t["node"])} for t in doc["transfers"]],
+        "response": response,
+        "findings": findings,
+    }

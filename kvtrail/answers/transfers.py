@@ -23,14 +23,22 @@ def mismatches(con: duckdb.DuckDBPyConnection, found: list[fx.Finding], w: fx.Wi
     if frame.is_empty():
         return pl.DataFrame(schema=SCHEMA)
     ids = frame["request_id"].drop_nulls().unique().to_list()
-    ends = pl.DataFrame(con.sql(
-        "SELECT request_id, min(node) FILTER (role = 'prefill') AS prefill_node, "
-        "min(node) FILTER (role = 'decode') AS decode_node FROM events_v "
-        "WHERE kind IN ('transfer_sent', 'transfer_reserved', 'transfer_received') "
-        "AND list_contains(?::VARCHAR[], request_id) GROUP BY request_id", params=[ids]).to_arrow_table())
+    ends = pl.DataFrame(
+        con.sql(
+            "SELECT request_id, min(node) FILTER (role = 'prefill') AS prefill_node, "
+            "min(node) FILTER (role = 'decode') AS decode_node FROM events_v "
+            "WHERE kind IN ('transfer_sent', 'transfer_reserved', 'transfer_received') "
+            "AND list_contains(?::VARCHAR[], request_id) GROUP BY request_id",
+            params=[ids],
+        ).to_arrow_table()
+    )
     if ends.is_empty():
         ends = pl.DataFrame(schema={"request_id": pl.Utf8, "prefill_node": pl.Utf8, "decode_node": pl.Utf8})
-    out = frame.join(ends, on="request_id", how="left").with_columns(
-        pl.col("decode_node").fill_null(pl.col("node")),
-    ).with_columns(pl.format("{} -> {}", pl.col("prefill_node").fill_null("?"), pl.col("decode_node")).alias("pair"))
+    out = (
+        frame.join(ends, on="request_id", how="left")
+        .with_columns(
+            pl.col("decode_node").fill_null(pl.col("node")),
+        )
+        .with_columns(pl.format("{} -> {}", pl.col("prefill_node").fill_null("?"), pl.col("decode_node")).alias("pair"))
+    )
     return out.select(list(SCHEMA)).cast(SCHEMA).sort("last_ns")  # type: ignore[arg-type]

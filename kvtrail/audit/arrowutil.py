@@ -42,8 +42,9 @@ def pack_lists(items: Sequence, dtype) -> tuple[np.ndarray, np.ndarray, np.ndarr
     num_absent = int(absent.sum())
     if num_absent:
         lengths = np.zeros(n, dtype=np.int64)
-        lengths[~absent] = np.fromiter(map(len, compress(items, (~absent).tolist())), dtype=np.int64,
-                                       count=n - num_absent)
+        lengths[~absent] = np.fromiter(
+            map(len, compress(items, (~absent).tolist())), dtype=np.int64, count=n - num_absent
+        )
     else:
         lengths = np.fromiter(map(len, items), dtype=np.int64, count=n)
     offsets = offsets_from_lengths(lengths)
@@ -57,16 +58,25 @@ def pack_lists(items: Sequence, dtype) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return flat, offsets, absent if num_absent else None
 
 
-def list_array(flat: np.ndarray, offsets: np.ndarray, value_type: pa.DataType, absent: np.ndarray | None = None,
-               *, field: str = "pages") -> pa.ListArray:
+def list_array(
+    flat: np.ndarray,
+    offsets: np.ndarray,
+    value_type: pa.DataType,
+    absent: np.ndarray | None = None,
+    *,
+    field: str = "pages",
+) -> pa.ListArray:
     """An Arrow list column from flat values and int64 offsets; ``absent`` (bool per row) marks null lists.
 
     Raises ValueError naming ``field`` when the lists hold more entries than 32-bit offsets address.
     """
     if len(offsets) and int(offsets[-1]) > INT32_MAX:
         raise ValueError(f"{field}: a batch would hold more than 2**31 - 1 list entries")
-    return pa.ListArray.from_arrays(pa.array(np.asarray(offsets).astype(np.int32)), pa.array(flat, value_type),
-                                    mask=None if absent is None else pa.array(absent))
+    return pa.ListArray.from_arrays(
+        pa.array(np.asarray(offsets).astype(np.int32)),
+        pa.array(flat, value_type),
+        mask=None if absent is None else pa.array(absent),
+    )
 
 
 def list_from_items(items: Sequence, value_type: pa.DataType, dtype, *, field: str = "pages") -> pa.ListArray:
@@ -88,7 +98,7 @@ def flat_list(col: pa.Array | pa.ChunkedArray, dtype=None) -> tuple[np.ndarray, 
     if pa.types.is_list(arr.type) and arr.values.null_count == 0:
         # Read the list's own offsets in place; a null list spanning values (legal Arrow, which pyarrow
         # never builds) takes the general path, which leaves those values out.
-        raw = np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset: arr.offset + len(arr) + 1]
+        raw = np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset : arr.offset + len(arr) + 1]
         if not arr.null_count or not np.diff(raw)[~pc.is_valid(arr).to_numpy(zero_copy_only=False)].any():
             values = arr.values.slice(int(raw[0]), int(raw[-1] - raw[0])).to_numpy(zero_copy_only=False)
             offsets = raw.astype(np.int64) - int(raw[0])

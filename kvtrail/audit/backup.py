@@ -66,8 +66,9 @@ def _take_copy(src: Path, dst: Path) -> int:
         if _snapshot(src, dst):
             return attempt
         time.sleep(0.05 * attempt)
-    raise StoreError(f"store {src} was checkpointed during each of {MAX_ATTEMPTS} copies; try again, or stop "
-                     "its writer first")
+    raise StoreError(
+        f"store {src} was checkpointed during each of {MAX_ATTEMPTS} copies; try again, or stop its writer first"
+    )
 
 
 class _StaleWal(StoreError):
@@ -79,8 +80,10 @@ def _seal(path: Path, source: Path) -> tuple[int, int, int]:
     con = connect(path, read_only=False)
     try:
         check_store(con, source)
-        counts = fetch_row(con, "SELECT (SELECT count(*) FROM producers), (SELECT count(*) FROM batches), "
-                                "(SELECT count(*) FROM events)")
+        counts = fetch_row(
+            con,
+            "SELECT (SELECT count(*) FROM producers), (SELECT count(*) FROM batches), (SELECT count(*) FROM events)",
+        )
         con.execute("CHECKPOINT")
     finally:
         con.close()
@@ -92,8 +95,9 @@ def _seal(path: Path, source: Path) -> tuple[int, int, int]:
     return int(counts[0]), int(counts[1]), int(counts[2])
 
 
-def backup_store(db: str | Path, to: str | Path, *, force: bool = False, checker: SignatureChecker | None = None,
-                 progress=None) -> BackupResult:
+def backup_store(
+    db: str | Path, to: str | Path, *, force: bool = False, checker: SignatureChecker | None = None, progress=None
+) -> BackupResult:
     """Write a single-file copy of the store at ``db`` (its main file plus its WAL) to ``to``.
 
     Refuses (StoreError) an existing ``to`` unless ``force``, a target that is the store itself, and

@@ -72,24 +72,34 @@ def _flatten(event: Mapping, index: int, null_is_absent: bool) -> dict:
                 raise ValidationError(key, f"must be an object, got {type(value).__name__}", event=index, kind=kind)
             for sub, subval in value.items():
                 if sub not in names:
-                    raise ValidationError(sub, f"unknown field in '{key}' (known: {', '.join(names)})",
-                                          event=index, kind=kind)
+                    raise ValidationError(
+                        sub, f"unknown field in '{key}' (known: {', '.join(names)})", event=index, kind=kind
+                    )
                 if subval is None and not null_is_absent:
                     raise ValidationError(sub, _NULL, event=index, kind=kind)
                 row[sub] = subval
         elif key in FIELDS and key not in _PRODUCER_NAMES and key not in _REQUEST_NAMES:
             row[key] = value
         elif key in FIELDS:
-            raise ValidationError(key, f"belongs inside '{'producer' if key in _PRODUCER_NAMES else 'request'}'",
-                                  event=index, kind=kind)
+            raise ValidationError(
+                key, f"belongs inside '{'producer' if key in _PRODUCER_NAMES else 'request'}'", event=index, kind=kind
+            )
         else:
             raise ValidationError(key, "unknown field", event=index, kind=kind)
     return row
 
 
-_TYPE_WORDS = {"str": "a string", "enum": "a string", "bool": "true or false", "int32": "an integer",
-               "int64": "an integer", "uint64": "an integer", "pages": "a list of integer page ids",
-               "u64list": "a list of integers", "i64list": "a list of integers"}
+_TYPE_WORDS = {
+    "str": "a string",
+    "enum": "a string",
+    "bool": "true or false",
+    "int32": "an integer",
+    "int64": "an integer",
+    "uint64": "an integer",
+    "pages": "a list of integer page ids",
+    "u64list": "a list of integers",
+    "i64list": "a list of integers",
+}
 
 
 def _check_python_type(name: str, value, index: int, kind) -> None:
@@ -105,9 +115,13 @@ def _check_python_type(name: str, value, index: int, kind) -> None:
     else:
         ok = isinstance(value, int) and not isinstance(value, bool)
     if not ok:
-        raise ValidationError(name, f"wrong type: expected {_TYPE_WORDS[spec.type]}, got {type(value).__name__}"
-                              + (" with a non-integer entry" if isinstance(value, list) else ""),
-                              event=index, kind=kind)
+        raise ValidationError(
+            name,
+            f"wrong type: expected {_TYPE_WORDS[spec.type]}, got {type(value).__name__}"
+            + (" with a non-integer entry" if isinstance(value, list) else ""),
+            event=index,
+            kind=kind,
+        )
 
 
 def from_dicts(events: Iterable[Mapping], *, null_is_absent: bool = True) -> pa.Table:
@@ -134,8 +148,12 @@ def from_dicts(events: Iterable[Mapping], *, null_is_absent: bool = True) -> pa.
         except (pa.ArrowInvalid, OverflowError) as exc:
             bad = first_bad_index(columns[f.name], f.type)
             kind = columns["kind"][bad] if bad is not None else None
-            raise ValidationError(f.name, f"value out of range for {f.type}: {exc}", event=bad,
-                                  kind=kind if isinstance(kind, str) else None) from None
+            raise ValidationError(
+                f.name,
+                f"value out of range for {f.type}: {exc}",
+                event=bad,
+                kind=kind if isinstance(kind, str) else None,
+            ) from None
     return pa.Table.from_arrays(arrays, schema=NULLABLE_BATCH_SCHEMA)
 
 
@@ -165,18 +183,21 @@ def parse_jsonl_lines(data: bytes | str) -> tuple[pa.Table, list[int]]:
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ValidationError("(json)", f"line {lineno} is not valid UTF-8 (byte 0x{line[exc.start]:02x} "
-                                            f"at column {exc.start + 1})", event=len(events)) from None
+            raise ValidationError(
+                "(json)",
+                f"line {lineno} is not valid UTF-8 (byte 0x{line[exc.start]:02x} at column {exc.start + 1})",
+                event=len(events),
+            ) from None
         if not text.strip():
             continue
         try:
             events.append(json.loads(text))
         except json.JSONDecodeError as exc:
-            raise ValidationError("(json)", f"line {lineno} is not valid JSON: {exc.msg}",
-                                  event=len(events)) from None
+            raise ValidationError("(json)", f"line {lineno} is not valid JSON: {exc.msg}", event=len(events)) from None
         except RecursionError:  # e.g. 10^5 nested '[': no event nests more than two levels
-            raise ValidationError("(json)", f"line {lineno} nests too deeply to be an event",
-                                  event=len(events)) from None
+            raise ValidationError(
+                "(json)", f"line {lineno} nests too deeply to be an event", event=len(events)
+            ) from None
         lines.append(lineno)
     try:
         return from_dicts(events, null_is_absent=False), lines

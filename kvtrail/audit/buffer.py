@@ -99,8 +99,15 @@ class EventBuffer:
         """Reserve seq 0 for the ``recorder_started`` event; call once, before the first ``put``."""
         with self._lock:
             assert self._seq == 0 and self._started is None, "EventBuffer.begin: events were numbered already"
-            self._started = (STARTED_CODE, 0, monotonic_ns(), None, None, None,
-                             _payload("recorder_started", flush_interval_ns=flush_interval_ns))
+            self._started = (
+                STARTED_CODE,
+                0,
+                monotonic_ns(),
+                None,
+                None,
+                None,
+                _payload("recorder_started", flush_interval_ns=flush_interval_ns),
+            )
             self._seq = 1
 
     def end(self) -> None:
@@ -123,8 +130,14 @@ class EventBuffer:
         with self._lock:
             items, self._buf = self._buf, deque()
             if self.dropped_events:
-                gap_rows.append(("buffer_full", self.dropped_events, self.dropped_pages,
-                                 f"recorder buffer full (capacity {self.capacity_events} events)"))
+                gap_rows.append(
+                    (
+                        "buffer_full",
+                        self.dropped_events,
+                        self.dropped_pages,
+                        f"recorder buffer full (capacity {self.capacity_events} events)",
+                    )
+                )
                 self.dropped_events = self.dropped_pages = 0
             for reason, events, pages, detail in gap_rows:
                 seq = self._seq
@@ -135,8 +148,17 @@ class EventBuffer:
             if self._ending:
                 seq = self._seq
                 self._seq = seq + 1
-                items.append((CLOSED_CODE, seq, monotonic_ns(), None, None, None,
-                              _payload("recorder_closed", dropped_events=self.total_dropped)))
+                items.append(
+                    (
+                        CLOSED_CODE,
+                        seq,
+                        monotonic_ns(),
+                        None,
+                        None,
+                        None,
+                        _payload("recorder_closed", dropped_events=self.total_dropped),
+                    )
+                )
                 self._ending = False
         markers = [x for x in items if type(x) is threading.Event]
         out = [x for x in items if type(x) is not threading.Event] if markers else list(items)

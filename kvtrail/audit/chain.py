@@ -60,13 +60,15 @@ def _column_bytes(h, arr: pa.Array) -> None:
         h.update(pc.fill_null(arr, False).to_numpy(zero_copy_only=False).astype(np.uint8).tobytes())
     else:
         dtype = np.dtype(t.to_pandas_dtype())
-        values = np.frombuffer(arr.buffers()[1], dtype=dtype)[arr.offset: arr.offset + n]
+        values = np.frombuffer(arr.buffers()[1], dtype=dtype)[arr.offset : arr.offset + n]
         h.update(values if valid is None else np.where(valid, values, dtype.type(0)))
 
 
 def _offsets(arr: pa.Array, large: bool) -> np.ndarray:
     """The offsets of a string, binary or list array (one more than its length), read in place."""
-    return np.frombuffer(arr.buffers()[1], dtype=np.int64 if large else np.int32)[arr.offset: arr.offset + len(arr) + 1]
+    return np.frombuffer(arr.buffers()[1], dtype=np.int64 if large else np.int32)[
+        arr.offset : arr.offset + len(arr) + 1
+    ]
 
 
 def _offsets_bytes(h, arr: pa.Array, valid: np.ndarray | None, large: bool) -> bool:
@@ -78,7 +80,7 @@ def _offsets_bytes(h, arr: pa.Array, valid: np.ndarray | None, large: bool) -> b
     h.update(lengths)
     data = arr.buffers()[2]
     if data is not None and len(arr):
-        h.update(memoryview(data)[int(offsets[0]): int(offsets[-1])])
+        h.update(memoryview(data)[int(offsets[0]) : int(offsets[-1])])
     return True
 
 
@@ -105,8 +107,14 @@ def table_digest(h, table: pa.Table, schema: pa.Schema, added: frozenset[str] = 
         _column_bytes(h, col)
 
 
-def batch_digest(prev: bytes, header: tuple[int, ...], events: pa.Table, events_schema: pa.Schema,
-                 runs: pa.Table, runs_schema: pa.Schema) -> bytes:
+def batch_digest(
+    prev: bytes,
+    header: tuple[int, ...],
+    events: pa.Table,
+    events_schema: pa.Schema,
+    runs: pa.Table,
+    runs_schema: pa.Schema,
+) -> bytes:
     h = hashlib.sha256()
     h.update(prev)
     h.update(struct.pack(f"<{len(header)}q", *header))
@@ -123,8 +131,9 @@ def _ed25519():
         from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric import ed25519
     except ImportError as exc:
-        raise ChainError(f"signatures need the 'cryptography' package, which this install lacks ({exc}): "
-                         "pip install cryptography") from None
+        raise ChainError(
+            f"signatures need the 'cryptography' package, which this install lacks ({exc}): pip install cryptography"
+        ) from None
     return serialization, ed25519, exceptions
 
 
@@ -200,9 +209,11 @@ def generate_keypair(private_path: Path, public_path: Path) -> str:
     """Write a new Ed25519 key pair as PEM files; returns the key id."""
     serialization, ed25519, _ = _ed25519()
     key = ed25519.Ed25519PrivateKey.generate()
-    private_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
+    private_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     private_path.chmod(0o600)
-    public_path.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                          serialization.PublicFormat.SubjectPublicKeyInfo))
+    public_path.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
     return Signer(private_path.read_bytes()).key_id

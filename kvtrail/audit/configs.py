@@ -21,24 +21,38 @@ from kvtrail.audit.store import arrow_query
 _MIN_NS, _MAX_NS = -(2**63), 2**63 - 1
 
 
-def latest_configs(con: duckdb.DuckDBPyConnection, columns: Sequence[str], *, per: Sequence[str] = ("producer_id",),
-                   at_ns: int | None = None, order_by: Sequence[str] = ()) -> pa.Table:
+def latest_configs(
+    con: duckdb.DuckDBPyConnection,
+    columns: Sequence[str],
+    *,
+    per: Sequence[str] = ("producer_id",),
+    at_ns: int | None = None,
+    order_by: Sequence[str] = (),
+) -> pa.Table:
     """``columns`` of the newest ``node_config`` of each ``per`` group at or before ``at_ns`` (all time
     when None)."""
     bound = "" if at_ns is None else " AND wall_ns <= ?"
     order = f" ORDER BY {', '.join(order_by)}" if order_by else ""
-    return arrow_query(con, f"""
-        SELECT {', '.join(columns)} FROM events_v WHERE kind = 'node_config'{bound}
-        QUALIFY row_number() OVER (PARTITION BY {', '.join(per)} ORDER BY wall_ns DESC, seq DESC) = 1{order}""",
-                       [] if at_ns is None else [at_ns])
+    return arrow_query(
+        con,
+        f"""
+        SELECT {", ".join(columns)} FROM events_v WHERE kind = 'node_config'{bound}
+        QUALIFY row_number() OVER (PARTITION BY {", ".join(per)} ORDER BY wall_ns DESC, seq DESC) = 1{order}""",
+        [] if at_ns is None else [at_ns],
+    )
 
 
-def configs_in_effect(con: duckdb.DuckDBPyConnection, columns: Sequence[str], from_ns: int | None,
-                      to_ns: int | None) -> pa.Table:
+def configs_in_effect(
+    con: duckdb.DuckDBPyConnection, columns: Sequence[str], from_ns: int | None, to_ns: int | None
+) -> pa.Table:
     """``columns`` of every ``node_config`` in effect during [from_ns, to_ns], by node then time."""
     lo, hi = _MIN_NS if from_ns is None else from_ns, _MAX_NS if to_ns is None else to_ns
-    return arrow_query(con, f"""
-        SELECT {', '.join(columns)} FROM events_v c WHERE kind = 'node_config' AND wall_ns <= ?
+    return arrow_query(
+        con,
+        f"""
+        SELECT {", ".join(columns)} FROM events_v c WHERE kind = 'node_config' AND wall_ns <= ?
           AND wall_ns >= coalesce((SELECT max(wall_ns) FROM events x WHERE x.kind = 'node_config'
                                    AND x.producer_id = c.producer_id AND x.wall_ns <= ?), ?)
-        ORDER BY node, wall_ns, instance""", [hi, lo, lo])
+        ORDER BY node, wall_ns, instance""",
+        [hi, lo, lo],
+    )

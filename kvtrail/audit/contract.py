@@ -30,39 +30,84 @@ PageIds = ArrayLike
 class AuditRecorder(Protocol):
     """The recording API serving code calls. No method raises into the caller; ``stats`` reports losses."""
 
-    def node_config(self, *, pool_tokens: int, pool_pages: int, page_size: int, context_tokens: int,
-                    max_running_requests: int | None = None, checksum_enabled: bool | None = None,
-                    canary_enabled: bool | None = None, deferred_release: bool | None = None,
-                    page_tags: bool | None = None, config_source: str | None = None,
-                    release_timeout_ns: int | None = None, transfer_batch_max_pages: int | None = None) -> None: ...
+    def node_config(
+        self,
+        *,
+        pool_tokens: int,
+        pool_pages: int,
+        page_size: int,
+        context_tokens: int,
+        max_running_requests: int | None = None,
+        checksum_enabled: bool | None = None,
+        canary_enabled: bool | None = None,
+        deferred_release: bool | None = None,
+        page_tags: bool | None = None,
+        config_source: str | None = None,
+        release_timeout_ns: int | None = None,
+        transfer_batch_max_pages: int | None = None,
+    ) -> None: ...
 
     def request_received(self, req: RequestRef, prompt_tokens: int, max_new_tokens: int | None = None) -> None: ...
 
-    def pages_allocated(self, req: RequestRef, pages: PageIds, purpose: str,
-                        block_hashes: PageIds | None = None) -> None: ...
+    def pages_allocated(
+        self, req: RequestRef, pages: PageIds, purpose: str, block_hashes: PageIds | None = None
+    ) -> None: ...
 
     def pages_freed(self, req: RequestRef | None, pages: PageIds, reason: str) -> None: ...
 
-    def kv_written(self, req: RequestRef, pages: PageIds, token_start: int, token_end: int, source: str,
-                   page_digests: PageIds | None = None, digest_algo: str | None = None,
-                   block_hashes: PageIds | None = None) -> None: ...
+    def kv_written(
+        self,
+        req: RequestRef,
+        pages: PageIds,
+        token_start: int,
+        token_end: int,
+        source: str,
+        page_digests: PageIds | None = None,
+        digest_algo: str | None = None,
+        block_hashes: PageIds | None = None,
+    ) -> None: ...
 
-    def kv_read(self, req: RequestRef, pages: PageIds, page_digests: PageIds | None = None,
-                digest_algo: str | None = None) -> None: ...
+    def kv_read(
+        self, req: RequestRef, pages: PageIds, page_digests: PageIds | None = None, digest_algo: str | None = None
+    ) -> None: ...
 
     def transfer_reserved(self, req: RequestRef, pages: PageIds, num_tokens: int) -> None: ...
 
-    def transfer_sent(self, req: RequestRef, pages: PageIds, dst_pages: PageIds, num_tokens: int,
-                      is_last_chunk: bool, digest: int | None = None, digest_algo: str | None = None) -> None: ...
+    def transfer_sent(
+        self,
+        req: RequestRef,
+        pages: PageIds,
+        dst_pages: PageIds,
+        num_tokens: int,
+        is_last_chunk: bool,
+        digest: int | None = None,
+        digest_algo: str | None = None,
+    ) -> None: ...
 
-    def transfer_received(self, req: RequestRef, pages: PageIds, num_tokens: int, status: str,
-                          digest: int | None = None, digest_algo: str | None = None) -> None: ...
+    def transfer_received(
+        self,
+        req: RequestRef,
+        pages: PageIds,
+        num_tokens: int,
+        status: str,
+        digest: int | None = None,
+        digest_algo: str | None = None,
+    ) -> None: ...
 
-    def request_aborted(self, req: RequestRef, stage: str, reason: str, http_status: int,
-                        prompt_tokens: int | None = None) -> None: ...
+    def request_aborted(
+        self, req: RequestRef, stage: str, reason: str, http_status: int, prompt_tokens: int | None = None
+    ) -> None: ...
 
-    def response_sent(self, req: RequestRef, http_status: int, prompt_tokens: int, completion_tokens: int,
-                      latency_ns: int, ttft_ns: int | None = None, finish_reason: str | None = None) -> None: ...
+    def response_sent(
+        self,
+        req: RequestRef,
+        http_status: int,
+        prompt_tokens: int,
+        completion_tokens: int,
+        latency_ns: int,
+        ttft_ns: int | None = None,
+        finish_reason: str | None = None,
+    ) -> None: ...
 
     def events_lost(self, reason: str, events: int, pages: int, detail: str) -> None:
         """Record that ``events`` events (``pages`` page-events) the caller meant to record were lost.
@@ -107,9 +152,21 @@ class Sink(Protocol):
 
 
 CONTRACT_METHODS: tuple[str, ...] = (
-    "node_config", "request_received", "pages_allocated", "pages_freed", "kv_written", "kv_read",
-    "transfer_reserved", "transfer_sent", "transfer_received", "request_aborted", "response_sent",
-    "events_lost", "flush", "close", "stats",
+    "node_config",
+    "request_received",
+    "pages_allocated",
+    "pages_freed",
+    "kv_written",
+    "kv_read",
+    "transfer_reserved",
+    "transfer_sent",
+    "transfer_received",
+    "request_aborted",
+    "response_sent",
+    "events_lost",
+    "flush",
+    "close",
+    "stats",
 )
 
 
@@ -150,7 +207,10 @@ def contract_problems(impl: Any) -> list[str]:
                 problems.append(f"{name}: {problem}")
         known = {p.name for p in expected}
         for p in params:
-            if p.name not in known and p.default is inspect.Parameter.empty and p.kind not in (
-                    inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            if (
+                p.name not in known
+                and p.default is inspect.Parameter.empty
+                and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+            ):
                 problems.append(f"{name}: extra parameter {p.name!r} has no default")
     return problems

@@ -30,9 +30,9 @@ VALUE_DOCS: dict[str, dict[str, str]] = {
         "aborted": "The request was aborted while its transfer was in flight.",
         "timeout": "Decode gave up waiting for the transfer.",
         "unverified": "Decode committed the transfer but cannot show what landed (its transfer metadata is not "
-                      "this request's: prefill without kvtrail's plugin, or another room's slot). `num_tokens` is "
-                      "0 (nothing proven), `pages` the pages the transfer may have written: their writer is "
-                      "unknown from then on (a read of them is judged like a read of never-written pages).",
+        "this request's: prefill without kvtrail's plugin, or another room's slot). `num_tokens` is "
+        "0 (nothing proven), `pages` the pages the transfer may have written: their writer is "
+        "unknown from then on (a read of them is judged like a read of never-written pages).",
     },
 }
 TRANSFER_STATUSES = tuple(VALUE_DOCS["status"])
@@ -83,8 +83,12 @@ ENVELOPE_FIELDS: tuple[FieldSpec, ...] = (
 )
 REQUEST_FIELDS: tuple[FieldSpec, ...] = (
     _f("request_id", "str", "Request id as the serving engine knows it (SGLang rid)."),
-    _f("transfer_id", "uint64", "Joins the prefill and decode halves of one request (SGLang bootstrap room).",
-       minimum=0),
+    _f(
+        "transfer_id",
+        "uint64",
+        "Joins the prefill and decode halves of one request (SGLang bootstrap room).",
+        minimum=0,
+    ),
     _f("tenant_id", "str", "Tenant (customer account) the request belongs to."),
     _f("api_key_id", "str", "Hashed API-key id (never the key itself)."),
 )
@@ -93,8 +97,11 @@ PAYLOAD_FIELDS: tuple[FieldSpec, ...] = (
     _f("pages", "pages", "Ordered page ids the event is about (source pages for transfer_sent).", minimum=0),
     _f("dst_pages", "pages", "Destination page ids on the decode node (transfer_sent).", minimum=0),
     _f("page_digests", "u64list", "Optional per-page digests, one per entry of 'pages', same order."),
-    _f("block_hashes", "i64list", "Prefix-cache content keys, one per entry of 'pages' "
-       "(prefix_hit; on kv_written, the keys the writer stored)."),
+    _f(
+        "block_hashes",
+        "i64list",
+        "Prefix-cache content keys, one per entry of 'pages' (prefix_hit; on kv_written, the keys the writer stored).",
+    ),
     # allocation / free / write
     _f("purpose", "enum", "Why pages were allocated.", ALLOC_PURPOSES),
     _f("free_reason", "enum", "Why pages were freed.", FREE_REASONS),
@@ -106,15 +113,21 @@ PAYLOAD_FIELDS: tuple[FieldSpec, ...] = (
     _f("digest", "uint64", "Digest over the request's transferred pages."),
     _f("digest_algo", "str", "Algorithm of 'digest' and 'page_digests', e.g. 'adler32' or 'kvtrail-page64'."),
     _f("is_last_chunk", "bool", "Whether this send completes the request's transfer."),
-    _f("status", "enum", "Outcome of a transfer as seen by the receiver (decode). Forensics (F2) compares what "
-       "decode reserved, what prefill sent and what landed (`num_tokens` of the receipt) whatever the status; "
-       "the status is evidence of whether decode detected it.", TRANSFER_STATUSES),
+    _f(
+        "status",
+        "enum",
+        "Outcome of a transfer as seen by the receiver (decode). Forensics (F2) compares what "
+        "decode reserved, what prefill sent and what landed (`num_tokens` of the receipt) whatever the status; "
+        "the status is evidence of whether decode detected it.",
+        TRANSFER_STATUSES,
+    ),
     # request lifecycle
     _f("stage", "str", "Where an abort happened, e.g. 'router', 'prefill_queue', 'transfer', 'decode'."),
     _f("abort_reason", "str", "Engine's reason for an abort or rejection (error message class, no content)."),
     _f("http_status", "int32", "HTTP status returned or planned for the client.", minimum=100),
-    _f("prompt_tokens", "int64", "Prompt length in tokens (for aborts: before any placeholder replaced it).",
-       minimum=0),
+    _f(
+        "prompt_tokens", "int64", "Prompt length in tokens (for aborts: before any placeholder replaced it).", minimum=0
+    ),
     _f("completion_tokens", "int64", "Completion tokens reported to the client.", minimum=0),
     _f("max_new_tokens", "int64", "Requested generation budget.", minimum=0),
     _f("ttft_ns", "int64", "Time to first token, nanoseconds.", minimum=0),
@@ -131,20 +144,35 @@ PAYLOAD_FIELDS: tuple[FieldSpec, ...] = (
     _f("deferred_release", "bool", "Deferred KV release on (pages with writes in flight are not reused)."),
     _f("page_tags", "bool", "Page ownership tags verified before attention reads."),
     _f("config_source", "str", "Where the values came from, e.g. 'server_info', 'startup_log', 'engine'."),
-    _f("release_timeout_ns", "int64", "How long the node holds the pages of an aborted or failed transfer before "
-       "reusing them (deferred release's timeout), nanoseconds: a transfer call that lasts longer can land its "
-       "writes on pages already given to another request.", minimum=1),
-    _f("transfer_batch_max_pages", "int64", "The most pages one transfer call (a Mooncake batch) moves: the bound "
-       "that keeps each call shorter than the release timeout.", minimum=1),
+    _f(
+        "release_timeout_ns",
+        "int64",
+        "How long the node holds the pages of an aborted or failed transfer before "
+        "reusing them (deferred release's timeout), nanoseconds: a transfer call that lasts longer can land its "
+        "writes on pages already given to another request.",
+        minimum=1,
+    ),
+    _f(
+        "transfer_batch_max_pages",
+        "int64",
+        "The most pages one transfer call (a Mooncake batch) moves: the bound "
+        "that keeps each call shorter than the release timeout.",
+        minimum=1,
+    ),
     # recorder gaps
     _f("dropped_events", "int64", "Events the producer could not record.", minimum=0),
     _f("dropped_pages", "int64", "Page entries inside those events.", minimum=0),
     _f("gap_reason", "enum", "Why the events were lost.", GAP_REASONS),
     _f("detail", "str", "Free-text detail on a gap (first error message)."),
     # recorder lifecycle
-    _f("flush_interval_ns", "int64", "The most time an event of this recorder waits in memory before its batch is "
-       "committed (the flush interval): after an unclean end, up to about this much of the producer's newest "
-       "events may be lost.", minimum=1),
+    _f(
+        "flush_interval_ns",
+        "int64",
+        "The most time an event of this recorder waits in memory before its batch is "
+        "committed (the flush interval): after an unclean end, up to about this much of the producer's newest "
+        "events may be lost.",
+        minimum=1,
+    ),
 )
 
 
@@ -184,18 +212,36 @@ KINDS: dict[str, KindSpec] = {
             "node_config",
             "The node's KV pool and integrity configuration; first event of every producer instance.",
             ("pool_tokens", "pool_pages", "page_size", "context_tokens"),
-            ("max_running_requests", "checksum_enabled", "canary_enabled", "deferred_release", "page_tags",
-             "config_source", "release_timeout_ns", "transfer_batch_max_pages"),
+            (
+                "max_running_requests",
+                "checksum_enabled",
+                "canary_enabled",
+                "deferred_release",
+                "page_tags",
+                "config_source",
+                "release_timeout_ns",
+                "transfer_batch_max_pages",
+            ),
         ),
-        KindSpec("request_received", "A request arrived at this node.",
-                 (*_REQ, "tenant_id", "prompt_tokens"), (*_REQ_OPT[:1], "api_key_id", "max_new_tokens")),
+        KindSpec(
+            "request_received",
+            "A request arrived at this node.",
+            (*_REQ, "tenant_id", "prompt_tokens"),
+            (*_REQ_OPT[:1], "api_key_id", "max_new_tokens"),
+        ),
         KindSpec(
             "pages_allocated",
             "Pages handed to a request, in the order the request's page table uses them.",
-            (*_REQ, "pages", "purpose"), (*_REQ_OPT, "block_hashes"), (("pages", "block_hashes"),),
+            (*_REQ, "pages", "purpose"),
+            (*_REQ_OPT, "block_hashes"),
+            (("pages", "block_hashes"),),
         ),
-        KindSpec("pages_freed", "Pages returned to the pool (request_id absent for radix evictions).",
-                 ("pages", "free_reason"), (*_REQ, *_REQ_OPT)),
+        KindSpec(
+            "pages_freed",
+            "Pages returned to the pool (request_id absent for radix evictions).",
+            ("pages", "free_reason"),
+            (*_REQ, *_REQ_OPT),
+        ),
         KindSpec(
             "kv_written",
             "KV rows of these pages were written for the request (forward pass, transfer in, restore).",
@@ -206,32 +252,62 @@ KINDS: dict[str, KindSpec] = {
         KindSpec(
             "kv_read",
             "Attention first reads these pages for the request (page table at decode start, then each added page).",
-            (*_REQ, "pages"), (*_REQ_OPT, "page_digests", "digest_algo"), (("pages", "page_digests"),),
+            (*_REQ, "pages"),
+            (*_REQ_OPT, "page_digests", "digest_algo"),
+            (("pages", "page_digests"),),
         ),
-        KindSpec("transfer_reserved", "Decode reserved pages to receive a request's KV.",
-                 (*_REQ, "transfer_id", "pages", "num_tokens"), _REQ_OPT[1:]),
+        KindSpec(
+            "transfer_reserved",
+            "Decode reserved pages to receive a request's KV.",
+            (*_REQ, "transfer_id", "pages", "num_tokens"),
+            _REQ_OPT[1:],
+        ),
         KindSpec(
             "transfer_sent",
             "Prefill sent KV from its pages into decode's pages.",
             (*_REQ, "transfer_id", "pages", "dst_pages", "num_tokens", "is_last_chunk"),
-            (*_REQ_OPT[1:], "digest", "digest_algo"), (("pages", "dst_pages"),),
+            (*_REQ_OPT[1:], "digest", "digest_algo"),
+            (("pages", "dst_pages"),),
         ),
-        KindSpec("transfer_received", "KV landed on decode (or failed to).",
-                 (*_REQ, "transfer_id", "pages", "num_tokens", "status"), (*_REQ_OPT[1:], "digest", "digest_algo")),
-        KindSpec("request_aborted", "The node aborted or rejected the request.",
-                 (*_REQ, "stage", "abort_reason", "http_status"), (*_REQ_OPT, "prompt_tokens")),
-        KindSpec("response_sent", "The response as the client saw it.",
-                 (*_REQ, "http_status", "prompt_tokens", "completion_tokens", "latency_ns"),
-                 (*_REQ_OPT, "ttft_ns", "finish_reason")),
-        KindSpec("recorder_gap", "Events this producer could not record, counted.",
-                 ("dropped_events", "gap_reason"), ("dropped_pages", "detail")),
-        KindSpec("recorder_started", "First event of a recorder instance: how long its events may wait in memory "
-                 "before they are committed.", ("flush_interval_ns",)),
-        KindSpec("recorder_closed", "Last event of a clean close (its seq is the instance's last): everything the "
-                 "instance recorded before it was handed to the store. `dropped_events`: events its buffer "
-                 "dropped (full) in the instance's lifetime, each also counted by a recorder_gap. A started "
-                 "instance without this event that has ended (a later instance of its node, or a restart of the "
-                 "store's owner) ended uncleanly: its newest events may be lost.", (), ("dropped_events",)),
+        KindSpec(
+            "transfer_received",
+            "KV landed on decode (or failed to).",
+            (*_REQ, "transfer_id", "pages", "num_tokens", "status"),
+            (*_REQ_OPT[1:], "digest", "digest_algo"),
+        ),
+        KindSpec(
+            "request_aborted",
+            "The node aborted or rejected the request.",
+            (*_REQ, "stage", "abort_reason", "http_status"),
+            (*_REQ_OPT, "prompt_tokens"),
+        ),
+        KindSpec(
+            "response_sent",
+            "The response as the client saw it.",
+            (*_REQ, "http_status", "prompt_tokens", "completion_tokens", "latency_ns"),
+            (*_REQ_OPT, "ttft_ns", "finish_reason"),
+        ),
+        KindSpec(
+            "recorder_gap",
+            "Events this producer could not record, counted.",
+            ("dropped_events", "gap_reason"),
+            ("dropped_pages", "detail"),
+        ),
+        KindSpec(
+            "recorder_started",
+            "First event of a recorder instance: how long its events may wait in memory before they are committed.",
+            ("flush_interval_ns",),
+        ),
+        KindSpec(
+            "recorder_closed",
+            "Last event of a clean close (its seq is the instance's last): everything the "
+            "instance recorded before it was handed to the store. `dropped_events`: events its buffer "
+            "dropped (full) in the instance's lifetime, each also counted by a recorder_gap. A started "
+            "instance without this event that has ended (a later instance of its node, or a restart of the "
+            "store's owner) ended uncleanly: its newest events may be lost.",
+            (),
+            ("dropped_events",),
+        ),
     )
 }
 # Kinds the recorder writes itself, not the serving code: no recording method of the contract has their names.

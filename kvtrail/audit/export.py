@@ -41,9 +41,14 @@ FORMAT_VERSION = 1
 # Import order: producers first, so a duplicate producer is refused before any heavy reading.
 TABLES = ("producers", "meta", "batches", "events", "page_runs", "prunes", "prune_batches", "legal_holds")
 TABLE_KEYS = {
-    "producers": "producer_id", "meta": "key", "batches": "producer_id, batch_no",
-    "events": "producer_id, seq", "page_runs": "producer_id, seq, list, pos", "prunes": "prune_id",
-    "prune_batches": "prune_id, producer_id, batch_no", "legal_holds": "hold_id",
+    "producers": "producer_id",
+    "meta": "key",
+    "batches": "producer_id, batch_no",
+    "events": "producer_id, seq",
+    "page_runs": "producer_id, seq, list, pos",
+    "prunes": "prune_id",
+    "prune_batches": "prune_id, producer_id, batch_no",
+    "legal_holds": "hold_id",
 }
 _NODE_RE = re.compile(r"[A-Za-z0-9._-]+")
 # What verify_store reads: a chain check of an export needs only these.
@@ -80,17 +85,18 @@ def _chain_heads(con: duckdb.DuckDBPyConnection, producer_ids: list[int] | None 
     rows = con.execute(
         f"SELECT producer_id, batch_no, digest FROM batches WHERE {where} "
         "QUALIFY row_number() OVER (PARTITION BY producer_id ORDER BY batch_no DESC) = 1",
-        None if producer_ids is None else [producer_ids]).fetchall()
+        None if producer_ids is None else [producer_ids],
+    ).fetchall()
     return {str(pid): {"batch_no": no, "digest": bytes(d).hex()} for pid, no, d in rows}
 
 
 # Partitioned tables: each row with the UTC date of its event and its producer's node.
 _PARTITION_QUERIES = {
     "events": f"SELECT e.*, {_DATE_SQL} AS date, p.node AS node FROM events e "
-              "JOIN producers p ON p.producer_id = e.producer_id ORDER BY e.producer_id, e.seq",
+    "JOIN producers p ON p.producer_id = e.producer_id ORDER BY e.producer_id, e.seq",
     "page_runs": f"SELECT r.*, {_DATE_SQL} AS date, p.node AS node FROM page_runs r "
-                 "JOIN events e ON e.producer_id = r.producer_id AND e.seq = r.seq "
-                 "JOIN producers p ON p.producer_id = r.producer_id ORDER BY r.producer_id, r.seq, r.list, r.pos",
+    "JOIN events e ON e.producer_id = r.producer_id AND e.seq = r.seq "
+    "JOIN producers p ON p.producer_id = r.producer_id ORDER BY r.producer_id, r.seq, r.list, r.pos",
 }
 
 
@@ -118,15 +124,19 @@ def export_parquet(db_path: str | Path, out_dir: str | Path, *, progress: Progre
         con.begin()
         for (node,) in con.execute("SELECT DISTINCT node FROM producers ORDER BY node").fetchall():
             if not _NODE_RE.fullmatch(node):
-                raise StoreError(f"node name {node!r} cannot be a partition directory "
-                                 "(only letters, digits, '.', '_' and '-' are allowed)")
+                raise StoreError(
+                    f"node name {node!r} cannot be a partition directory "
+                    "(only letters, digits, '.', '_' and '-' are allowed)"
+                )
         counts = {t: fetch_row(con, f"SELECT count(*) FROM {t}")[0] for t in TABLES}
         fmt = con.execute("SELECT value FROM meta WHERE key = 'store_format'").fetchone()
         manifest = {
-            "format_version": FORMAT_VERSION, "kvtrail_version": __version__,
+            "format_version": FORMAT_VERSION,
+            "kvtrail_version": __version__,
             "store_format": fmt[0] if fmt else None,
             "exported_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "row_counts": counts, "chain_heads": _chain_heads(con),
+            "row_counts": counts,
+            "chain_heads": _chain_heads(con),
         }
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
@@ -137,8 +147,9 @@ def export_parquet(db_path: str | Path, out_dir: str | Path, *, progress: Progre
                 written = fetch_row(con, _copy_sql(table, tmp))[0]
                 if written != counts[table]:
                     # Only the joins of a partitioned table can drop rows: ones without their event or producer.
-                    raise StoreError(f"{table}: {counts[table] - written} rows have no event or producer to "
-                                     "partition them by")
+                    raise StoreError(
+                        f"{table}: {counts[table] - written} rows have no event or producer to partition them by"
+                    )
             if progress:
                 progress("manifest")
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -169,12 +180,15 @@ def _read_manifest(in_dir: Path) -> dict:
         raise StoreError(f"{path}: unsupported export format version {version!r}; this kvtrail reads {FORMAT_VERSION}")
     # An export's files have the same columns whatever the layout of the store it came from.
     if manifest.get("store_format") not in (STORE_FORMAT, *MIGRATABLE_FORMATS):
-        raise StoreError(f"{path}: export of store format {manifest.get('store_format')!r}; "
-                         f"this kvtrail reads {', '.join((*MIGRATABLE_FORMATS, STORE_FORMAT))}")
+        raise StoreError(
+            f"{path}: export of store format {manifest.get('store_format')!r}; "
+            f"this kvtrail reads {', '.join((*MIGRATABLE_FORMATS, STORE_FORMAT))}"
+        )
     counts, heads = manifest.get("row_counts"), manifest.get("chain_heads")
     if not isinstance(counts, dict) or set(counts) != set(TABLES) or not isinstance(heads, dict):
-        raise StoreError(f"{path}: row_counts must name exactly the tables {', '.join(TABLES)}, "
-                         "and chain_heads must be given")
+        raise StoreError(
+            f"{path}: row_counts must name exactly the tables {', '.join(TABLES)}, and chain_heads must be given"
+        )
     return manifest
 
 
@@ -190,8 +204,10 @@ def _files(in_dir: Path, table: str) -> list[str]:
 def _check_columns(con: duckdb.DuckDBPyConnection, table: str, files: list[str], store_table: str) -> str:
     """The store table's column list, after checking that the export's files have exactly its columns and types."""
     # Partition values are path segments, not file columns: compare the files themselves to the table.
-    file_cols = [(r[0], r[1]) for r in con.execute(
-        "DESCRIBE SELECT * FROM read_parquet(?, hive_partitioning=false)", [files]).fetchall()]
+    file_cols = [
+        (r[0], r[1])
+        for r in con.execute("DESCRIBE SELECT * FROM read_parquet(?, hive_partitioning=false)", [files]).fetchall()
+    ]
     table_cols = [(r[0], r[1]) for r in con.execute(f"DESCRIBE {store_table}").fetchall()]
     if file_cols != table_cols:
         diff = next((f"{a} vs {b}" for a, b in zip(file_cols, table_cols) if a != b), f"{file_cols} vs {table_cols}")
@@ -235,16 +251,19 @@ def _import_table(con: duckdb.DuckDBPyConnection, in_dir: Path, table: str, expe
         return 0
     cols = _check_columns(con, table, files, table)
     # Columns are selected by name, which drops the partition columns (and any key=value segment of in_dir).
-    src = (f"read_parquet(?, hive_partitioning={'true' if table in _PARTITION_QUERIES else 'false'}, "
-           "hive_types_autocast=false)")
+    src = (
+        f"read_parquet(?, hive_partitioning={'true' if table in _PARTITION_QUERIES else 'false'}, "
+        "hive_types_autocast=false)"
+    )
     if table == "events":  # split by kind into the kind tables
         n = insert_from(con, f"(SELECT {cols} FROM {src} ORDER BY {TABLE_KEYS[table]})", [files])
     elif table == "meta":
         n = fetch_row(con, f"SELECT count(*) FROM {src}", [files])[0]
         con.execute(f"INSERT INTO meta SELECT {cols} FROM {src} WHERE key NOT IN (SELECT key FROM meta)", [files])
     else:
-        n = fetch_row(con, f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {src} ORDER BY {TABLE_KEYS[table]}",
-                      [files])[0]
+        n = fetch_row(
+            con, f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {src} ORDER BY {TABLE_KEYS[table]}", [files]
+        )[0]
     if n != expected:
         raise StoreError(f"{table}: manifest says {expected} rows, the export holds {n}")
     return n
@@ -252,10 +271,17 @@ def _import_table(con: duckdb.DuckDBPyConnection, in_dir: Path, table: str, expe
 
 def _import_all(con: duckdb.DuckDBPyConnection, in_dir: Path, manifest: dict, progress: Progress) -> dict:
     counts = manifest["row_counts"]
-    pids = [r[0] for r in con.execute("SELECT producer_id FROM read_parquet(?, hive_partitioning=false)",
-                                      [_files(in_dir, "producers")]).fetchall()]
-    dup = con.execute("SELECT producer_id, node, instance FROM producers WHERE producer_id IN (SELECT unnest(?)) "
-                      "ORDER BY producer_id LIMIT 1", [pids]).fetchone()
+    pids = [
+        r[0]
+        for r in con.execute(
+            "SELECT producer_id FROM read_parquet(?, hive_partitioning=false)", [_files(in_dir, "producers")]
+        ).fetchall()
+    ]
+    dup = con.execute(
+        "SELECT producer_id, node, instance FROM producers WHERE producer_id IN (SELECT unnest(?)) "
+        "ORDER BY producer_id LIMIT 1",
+        [pids],
+    ).fetchone()
     if dup:
         raise StoreError(f"target store already holds producer {dup[0]} (node {dup[1]}, instance {dup[2]})")
     for table in ("prunes", "legal_holds"):
@@ -273,8 +299,9 @@ def _import_all(con: duckdb.DuckDBPyConnection, in_dir: Path, manifest: dict, pr
     return got
 
 
-def import_parquet(in_dir: str | Path, db_path: str | Path, *, progress: Progress = None,
-                   verify: bool = True) -> ImportResult:
+def import_parquet(
+    in_dir: str | Path, db_path: str | Path, *, progress: Progress = None, verify: bool = True
+) -> ImportResult:
     """Load an export made by :func:`export_parquet` into the store at ``db_path`` (created if missing).
 
     With ``verify`` (the default) the export's chain is recomputed first (:func:`verify_export`); a
@@ -289,8 +316,9 @@ def import_parquet(in_dir: str | Path, db_path: str | Path, *, progress: Progres
     if verify:
         report = verify_export(in_dir)
         if not report.ok:
-            raise ChainError(f"{in_dir}: the export's chain does not verify, nothing imported: "
-                             f"first problem: {report.first_problem}")
+            raise ChainError(
+                f"{in_dir}: the export's chain does not verify, nothing imported: first problem: {report.first_problem}"
+            )
     created = not db_path.exists()
     AuditStore(db_path).close()
     done = False

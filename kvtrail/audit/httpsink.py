@@ -65,8 +65,14 @@ class HttpSink:
     Used by one writer thread, like any sink; ``close`` releases the connection pool.
     """
 
-    def __init__(self, url: str, token: str, config: HttpSinkConfig = HttpSinkConfig(), *,
-                 transport: httpx.BaseTransport | None = None):
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        config: HttpSinkConfig = HttpSinkConfig(),
+        *,
+        transport: httpx.BaseTransport | None = None,
+    ):
         if not is_url(url):
             raise ValueError(f"url: {url!r} is not an http:// or https:// URL")
         self.url = url.rstrip("/")
@@ -74,9 +80,11 @@ class HttpSink:
         self.sent_requests = 0
         self.retried_requests = 0
         self._client = httpx.Client(
-            base_url=self.url, transport=transport,
+            base_url=self.url,
+            transport=transport,
             headers={"Authorization": f"Bearer {token}", "Content-Type": ARROW_STREAM},
-            timeout=httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s))
+            timeout=httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s),
+        )
 
     @classmethod
     def from_url(cls, url: str, token: str | None = None) -> HttpSink:
@@ -95,13 +103,21 @@ class HttpSink:
         if reply.status_code == 422:
             errors = reply.json().get("errors") or [{}]
             e = errors[0]
-            raise ValidationError(str(e.get("field", "(batch)")), str(e.get("reason", "refused by the service")),
-                                  event=e.get("event"), kind=e.get("kind"))
+            raise ValidationError(
+                str(e.get("field", "(batch)")),
+                str(e.get("reason", "refused by the service")),
+                event=e.get("event"),
+                kind=e.get("kind"),
+            )
         if reply.status_code == 413 and table.num_rows > 1:
             half = table.num_rows // 2
             first, second = self.append(table.slice(0, half)), self.append(table.slice(half))
-            return AppendResult(first.num_events + second.num_events,
-                                first.num_page_events + second.num_page_events, 0, first.batches + second.batches)
+            return AppendResult(
+                first.num_events + second.num_events,
+                first.num_page_events + second.num_page_events,
+                0,
+                first.batches + second.batches,
+            )
         raise StoreError(f"service {self.url}: HTTP {reply.status_code}: {_detail(reply)}")
 
     def _post(self, body: bytes) -> httpx.Response:

@@ -29,8 +29,16 @@ from kvtrail.audit.batch import arrow_type
 from kvtrail.audit.events import ALL_FIELDS, KIND_NAMES, KINDS, PAGE_LIST_FIELDS, PRODUCER_FIELDS, REQUEST_NAMES
 from kvtrail.errors import StoreError
 
-SQL_TYPES = {"str": "VARCHAR", "enum": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "uint64": "UBIGINT",
-             "bool": "BOOLEAN", "u64list": "UBIGINT[]", "i64list": "BIGINT[]"}
+SQL_TYPES = {
+    "str": "VARCHAR",
+    "enum": "VARCHAR",
+    "int32": "INTEGER",
+    "int64": "BIGINT",
+    "uint64": "UBIGINT",
+    "bool": "BOOLEAN",
+    "u64list": "UBIGINT[]",
+    "i64list": "BIGINT[]",
+}
 _PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
 # Stored event columns: everything but the producer identity (normalised into producers) and the
 # page lists (run-encoded into page_runs), plus the key and the list lengths.
@@ -42,17 +50,23 @@ EVENTS_SCHEMA = pa.schema(
 )
 EVENT_COLUMNS = ", ".join(f.name for f in EVENTS_SCHEMA)
 _TYPES = {f.name: SQL_TYPES[f.type] for f in EVENT_VALUE_FIELDS}
-_TYPES.update(producer_id="BIGINT", batch_no="BIGINT", num_pages="INTEGER", num_dst_pages="INTEGER",
-              request_no="BIGINT")
+_TYPES.update(
+    producer_id="BIGINT", batch_no="BIGINT", num_pages="INTEGER", num_dst_pages="INTEGER", request_no="BIGINT"
+)
 _NOT_NULL = ("producer_id", "batch_no", "schema_version", "seq", "wall_ns", "mono_ns", "num_pages", "num_dst_pages")
 # What every kind's table holds besides its own fields (``kind`` itself is the table).
 _ENVELOPE = ("schema_version", "seq", "wall_ns", "mono_ns")
 # The request dictionary: one row per request identity (the four request fields as events carried them).
 REQUESTS_TABLE = "events_requests"
-REQUESTS_SCHEMA = pa.schema([pa.field("request_no", pa.int64())]
-                            + [pa.field(f.name, arrow_type(f.type)) for f in ALL_FIELDS if f.name in REQUEST_NAMES])
-_REQUESTS_DDL = (f"CREATE TABLE IF NOT EXISTS {REQUESTS_TABLE} (request_no BIGINT NOT NULL, "
-                 + ", ".join(f"{f.name} {SQL_TYPES[f.type]}" for f in ALL_FIELDS if f.name in REQUEST_NAMES) + ")")
+REQUESTS_SCHEMA = pa.schema(
+    [pa.field("request_no", pa.int64())]
+    + [pa.field(f.name, arrow_type(f.type)) for f in ALL_FIELDS if f.name in REQUEST_NAMES]
+)
+_REQUESTS_DDL = (
+    f"CREATE TABLE IF NOT EXISTS {REQUESTS_TABLE} (request_no BIGINT NOT NULL, "
+    + ", ".join(f"{f.name} {SQL_TYPES[f.type]}" for f in ALL_FIELDS if f.name in REQUEST_NAMES)
+    + ")"
+)
 
 
 def table_name(kind: str) -> str:
@@ -72,8 +86,11 @@ def kind_columns(kind: str) -> tuple[str, ...]:
     cols = ["producer_id", "batch_no"]
     cols += [f.name for f in EVENT_VALUE_FIELDS if f.name in _ENVELOPE]
     cols += ["request_no"] if allowed & set(REQUEST_NAMES) else []
-    cols += [f.name for f in EVENT_VALUE_FIELDS if f.name not in _ENVELOPE and f.name in allowed
-             and f.name not in REQUEST_NAMES]
+    cols += [
+        f.name
+        for f in EVENT_VALUE_FIELDS
+        if f.name not in _ENVELOPE and f.name in allowed and f.name not in REQUEST_NAMES
+    ]
     cols += [n for n, lst in (("num_pages", "pages"), ("num_dst_pages", "dst_pages")) if lst in allowed]
     return tuple(cols)
 
@@ -116,8 +133,10 @@ def view_ddl() -> str:
     order and types. One join above the union (one hash table of the dictionary per query)."""
     cols = ", ".join(f"r.{f.name}" if f.name in REQUEST_NAMES else f"e.{f.name}" for f in EVENTS_SCHEMA)
     union = " UNION ALL ".join(_branch(k) for k in KIND_NAMES)
-    return (f"CREATE OR REPLACE VIEW events AS SELECT {cols} FROM ({union}) e "
-            f"LEFT JOIN {REQUESTS_TABLE} r ON e.request_no = r.request_no")
+    return (
+        f"CREATE OR REPLACE VIEW events AS SELECT {cols} FROM ({union}) e "
+        f"LEFT JOIN {REQUESTS_TABLE} r ON e.request_no = r.request_no"
+    )
 
 
 def ddl() -> list[str]:
@@ -125,8 +144,13 @@ def ddl() -> list[str]:
     return [_table_ddl(k) for k in KIND_NAMES] + [_REQUESTS_DDL, view_ddl()]
 
 
-def append_kinds(con: duckdb.DuckDBPyConnection, events: pa.Table, kind_code: np.ndarray,
-                 request_no: pa.Array, requests: pa.Table | None = None) -> None:
+def append_kinds(
+    con: duckdb.DuckDBPyConnection,
+    events: pa.Table,
+    kind_code: np.ndarray,
+    request_no: pa.Array,
+    requests: pa.Table | None = None,
+) -> None:
     """Insert ``events`` (:data:`EVENTS_SCHEMA` rows, ``kind_code`` and ``request_no`` per row) into their
     kinds' tables, and ``requests`` (:data:`REQUESTS_SCHEMA` rows: the numbers new to the dictionary).
 
@@ -147,7 +171,7 @@ def append_kinds(con: duckdb.DuckDBPyConnection, events: pa.Table, kind_code: np
     for code in np.flatnonzero(counts):
         kind = KIND_NAMES[code]
         n = int(counts[code])
-        rows = None if whole else pa.array(order[start:start + n])  # type: ignore[index]
+        rows = None if whole else pa.array(order[start : start + n])  # type: ignore[index]
         start += n
         part = {}
         for c in _COLUMNS[kind]:
@@ -177,27 +201,39 @@ def insert_from(con: duckdb.DuckDBPyConnection, source: str, params: list | None
     """
     con.execute(f"CREATE OR REPLACE TEMP TABLE _kv_src AS SELECT * FROM {source}", params)
     try:
-        unknown = con.execute("SELECT kind, count(*) FROM _kv_src WHERE kind IS NULL OR kind NOT IN "
-                              "(SELECT unnest(?)) GROUP BY ALL LIMIT 1", [list(KIND_NAMES)]).fetchone()
+        unknown = con.execute(
+            "SELECT kind, count(*) FROM _kv_src WHERE kind IS NULL OR kind NOT IN "
+            "(SELECT unnest(?)) GROUP BY ALL LIMIT 1",
+            [list(KIND_NAMES)],
+        ).fetchone()
         if unknown:
             raise StoreError(f"events: {unknown[1]} row(s) of unknown kind {unknown[0]!r}")
         for kind in KIND_NAMES:
-            stray = [f.name for f in EVENT_VALUE_FIELDS
-                     if f.name not in _COLUMNS[kind] and f.name != "kind"
-                     and not (f.name in REQUEST_NAMES and "request_no" in _COLUMNS[kind])]
+            stray = [
+                f.name
+                for f in EVENT_VALUE_FIELDS
+                if f.name not in _COLUMNS[kind]
+                and f.name != "kind"
+                and not (f.name in REQUEST_NAMES and "request_no" in _COLUMNS[kind])
+            ]
             if stray:
-                bad = con.execute(f"SELECT {', '.join(f'count({c})' for c in stray)} FROM _kv_src "
-                                  "WHERE kind = ?", [kind]).fetchone()
+                bad = con.execute(
+                    f"SELECT {', '.join(f'count({c})' for c in stray)} FROM _kv_src WHERE kind = ?", [kind]
+                ).fetchone()
                 assert bad is not None
                 extra = [c for c, n in zip(stray, bad) if n]
                 if extra:
-                    raise StoreError(f"events of kind {kind} carry field(s) the kind does not allow: "
-                                     f"{', '.join(extra)}")
-        con.execute(f"CREATE OR REPLACE TEMP TABLE _kv_req AS SELECT (SELECT coalesce(max(request_no) + 1, 0) "
-                    f"FROM {REQUESTS_TABLE}) + row_number() OVER (ORDER BY {_REQ_COLS}) - 1 AS request_no, "
-                    f"{_REQ_COLS} FROM (SELECT DISTINCT {_REQ_COLS} FROM _kv_src WHERE {_ANY_REQUEST})")
-        con.execute(f"INSERT INTO {REQUESTS_TABLE} (request_no, {_REQ_COLS}) SELECT request_no, {_REQ_COLS} "
-                    "FROM _kv_req")
+                    raise StoreError(
+                        f"events of kind {kind} carry field(s) the kind does not allow: {', '.join(extra)}"
+                    )
+        con.execute(
+            f"CREATE OR REPLACE TEMP TABLE _kv_req AS SELECT (SELECT coalesce(max(request_no) + 1, 0) "
+            f"FROM {REQUESTS_TABLE}) + row_number() OVER (ORDER BY {_REQ_COLS}) - 1 AS request_no, "
+            f"{_REQ_COLS} FROM (SELECT DISTINCT {_REQ_COLS} FROM _kv_src WHERE {_ANY_REQUEST})"
+        )
+        con.execute(
+            f"INSERT INTO {REQUESTS_TABLE} (request_no, {_REQ_COLS}) SELECT request_no, {_REQ_COLS} FROM _kv_req"
+        )
         same = " AND ".join(f"s.{n} IS NOT DISTINCT FROM q.{n}" for n in REQUEST_NAMES)
         total = 0
         for kind in KIND_NAMES:
@@ -205,8 +241,11 @@ def insert_from(con: duckdb.DuckDBPyConnection, source: str, params: list | None
             picked = ", ".join("q.request_no" if c == "request_no" else f"s.{c}" for c in _COLUMNS[kind])
             # The dictionary holds no all-null identity, so an event without request fields matches none.
             join = f" LEFT JOIN _kv_req q ON {same}" if "request_no" in _COLUMNS[kind] else ""
-            row = con.execute(f"INSERT INTO {table_name(kind)} ({cols}) SELECT {picked} FROM _kv_src s{join} "
-                              "WHERE s.kind = ? ORDER BY s.producer_id, s.seq", [kind]).fetchone()
+            row = con.execute(
+                f"INSERT INTO {table_name(kind)} ({cols}) SELECT {picked} FROM _kv_src s{join} "
+                "WHERE s.kind = ? ORDER BY s.producer_id, s.seq",
+                [kind],
+            ).fetchone()
             total += int(row[0]) if row else 0
         return total
     finally:
@@ -218,33 +257,45 @@ def delete_batches(con: duckdb.DuckDBPyConnection, using: str) -> None:
     """Delete the events of the batches listed in table ``using`` (columns producer_id, batch_no), and
     the request identities no event names any more (a pruned request leaves nothing of itself)."""
     for t in KIND_TABLES:
-        con.execute(f"DELETE FROM {t} USING {using} p WHERE {t}.producer_id = p.producer_id "
-                    f"AND {t}.batch_no = p.batch_no")
-    used = " UNION ALL ".join(f"SELECT request_no FROM {table_name(k)} WHERE request_no IS NOT NULL"
-                              for k in KIND_NAMES if "request_no" in _COLUMNS[k])
+        con.execute(
+            f"DELETE FROM {t} USING {using} p WHERE {t}.producer_id = p.producer_id AND {t}.batch_no = p.batch_no"
+        )
+    used = " UNION ALL ".join(
+        f"SELECT request_no FROM {table_name(k)} WHERE request_no IS NOT NULL"
+        for k in KIND_NAMES
+        if "request_no" in _COLUMNS[k]
+    )
     con.execute(f"DELETE FROM {REQUESTS_TABLE} WHERE request_no NOT IN ({used})")
 
 
 def missing_columns(con: duckdb.DuckDBPyConnection, names: tuple[str, ...]) -> list[tuple[str, str]]:
     """(table, column) for each field of ``names`` a kind allows but its table lacks (an older store)."""
-    rows = con.execute("SELECT table_name, column_name FROM duckdb_columns() WHERE schema_name = 'main' "
-                       "AND database_name = current_database() AND table_name LIKE 'events_%'").fetchall()
+    rows = con.execute(
+        "SELECT table_name, column_name FROM duckdb_columns() WHERE schema_name = 'main' "
+        "AND database_name = current_database() AND table_name LIKE 'events_%'"
+    ).fetchall()
     have: dict[str, set[str]] = {}
     for t, c in rows:
         have.setdefault(t, set()).add(c)
-    return [(table_name(k), n) for k in KIND_NAMES for n in names
-            if n in _COLUMNS[k] and table_name(k) in have and n not in have[table_name(k)]]
+    return [
+        (table_name(k), n)
+        for k in KIND_NAMES
+        for n in names
+        if n in _COLUMNS[k] and table_name(k) in have and n not in have[table_name(k)]
+    ]
 
 
 def has_kind_tables(con: duckdb.DuckDBPyConnection) -> bool:
     """Whether ``con``'s current catalog holds the kind tables and the request dictionary (a store of this
     format, or a snapshot's views of one), so a query about a few kinds can read their tables and skip the
     ``events`` view: binding that union of every kind costs milliseconds per query, whatever it selects."""
-    row = con.execute("SELECT count(*) FROM (SELECT table_name AS name FROM duckdb_tables() WHERE database_name = "
-                      "current_database() AND schema_name = 'main' UNION ALL SELECT view_name FROM duckdb_views() "
-                      "WHERE database_name = current_database() AND schema_name = 'main') "
-                      "WHERE name IN (?, ?, ?, ?, ?, ?, ?)",
-                      [REQUESTS_TABLE, *(table_name(k) for k in _LOOKED_UP)]).fetchone()
+    row = con.execute(
+        "SELECT count(*) FROM (SELECT table_name AS name FROM duckdb_tables() WHERE database_name = "
+        "current_database() AND schema_name = 'main' UNION ALL SELECT view_name FROM duckdb_views() "
+        "WHERE database_name = current_database() AND schema_name = 'main') "
+        "WHERE name IN (?, ?, ?, ?, ?, ?, ?)",
+        [REQUESTS_TABLE, *(table_name(k) for k in _LOOKED_UP)],
+    ).fetchone()
     return bool(row and row[0] == 1 + len(_LOOKED_UP))
 
 
@@ -261,5 +312,7 @@ def kind_rows(kind: str, alias: str = "e") -> str:
     if "request_no" not in _COLUMNS[kind]:
         return f"{table_name(kind)} {alias}"  # a kind without a request: its table as it is
     cols = ", ".join(f"d.{n}" for n in REQUEST_NAMES)
-    return (f"(SELECT k.*, {cols} FROM {table_name(kind)} k LEFT JOIN {REQUESTS_TABLE} d "
-            f"ON k.request_no = d.request_no) {alias}")
+    return (
+        f"(SELECT k.*, {cols} FROM {table_name(kind)} k LEFT JOIN {REQUESTS_TABLE} d "
+        f"ON k.request_no = d.request_no) {alias}"
+    )

@@ -47,25 +47,42 @@ def _format(con: duckdb.DuckDBPyConnection) -> str | None:
 
 
 def _is_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
-    return fetch_row(con, "SELECT count(*) FROM duckdb_tables() WHERE schema_name = 'main' "
-                          "AND database_name = current_database() AND table_name = ?", [name])[0] == 1
+    return (
+        fetch_row(
+            con,
+            "SELECT count(*) FROM duckdb_tables() WHERE schema_name = 'main' "
+            "AND database_name = current_database() AND table_name = ?",
+            [name],
+        )[0]
+        == 1
+    )
 
 
 def _same(before: VerifyReport, after: VerifyReport) -> bool:
-    return ((before.batches_checked, before.events_checked, [str(p) for p in before.problems])
-            == (after.batches_checked, after.events_checked, [str(p) for p in after.problems]))
+    return (before.batches_checked, before.events_checked, [str(p) for p in before.problems]) == (
+        after.batches_checked,
+        after.events_checked,
+        [str(p) for p in after.problems],
+    )
 
 
 def _events_v(con: duckdb.DuckDBPyConnection) -> None:
     con.execute("DROP VIEW IF EXISTS events_v")
-    con.execute("CREATE VIEW events_v AS SELECT p.cluster, p.node, p.role, p.engine, p.engine_version, p.instance, "
-                "e.* FROM events e JOIN producers p USING (producer_id)")
+    con.execute(
+        "CREATE VIEW events_v AS SELECT p.cluster, p.node, p.role, p.engine, p.engine_version, p.instance, "
+        "e.* FROM events e JOIN producers p USING (producer_id)"
+    )
 
 
 def _add_later_fields_format1(con: duckdb.DuckDBPyConnection) -> None:
     """Format 1's wide table gains the fields added later first, as an upgrade did."""
-    have = {r[0] for r in con.execute("SELECT column_name FROM duckdb_columns() WHERE schema_name = 'main' AND "
-                                      "database_name = current_database() AND table_name = 'events'").fetchall()}
+    have = {
+        r[0]
+        for r in con.execute(
+            "SELECT column_name FROM duckdb_columns() WHERE schema_name = 'main' AND "
+            "database_name = current_database() AND table_name = 'events'"
+        ).fetchall()
+    }
     for name in ADDED_FIELDS:
         if name not in have:
             con.execute(f"ALTER TABLE events ADD COLUMN {name} {column_type(name)}")
@@ -106,8 +123,10 @@ def _convert(con: duckdb.DuckDBPyConnection, path: Path, fmt: str) -> tuple[int,
             con.execute(stmt)
     after = verify_store(con)
     if not _same(before, after):
-        raise StoreError(f"store {path}: verification after the conversion differs from before it "
-                         f"({before.first_problem} vs {after.first_problem}); nothing changed")
+        raise StoreError(
+            f"store {path}: verification after the conversion differs from before it "
+            f"({before.first_problem} vs {after.first_problem}); nothing changed"
+        )
     con.execute("UPDATE meta SET value = ? WHERE key = 'store_format'", [STORE_FORMAT])
     con.execute("INSERT OR REPLACE INTO meta VALUES ('migrated_ns', ?)", [str(time.time_ns())])
     return int(moved), before
@@ -130,8 +149,9 @@ def migrate_store(path: str | Path) -> MigrateResult:
             return MigrateResult(None, 0, len(KIND_TABLES), 0, 0, 0, time.perf_counter() - t0)
         if fmt not in MIGRATABLE_FORMATS or (fmt == "1") != _is_table(con, "events"):
             check_store(con, path)  # names what the file is instead
-            raise StoreError(f"store {path} has format {fmt}; this kvtrail converts format(s) "
-                             f"{', '.join(MIGRATABLE_FORMATS)}")
+            raise StoreError(
+                f"store {path} has format {fmt}; this kvtrail converts format(s) {', '.join(MIGRATABLE_FORMATS)}"
+            )
         con.begin()
         try:
             moved, report = _convert(con, path, fmt)
@@ -141,8 +161,15 @@ def migrate_store(path: str | Path) -> MigrateResult:
             raise
         con.execute("CHECKPOINT")
         requests = fetch_row(con, f"SELECT count(*) FROM {REQUESTS_TABLE}")[0]
-        return MigrateResult(fmt, moved, len(KIND_TABLES), int(requests), report.batches_checked,
-                             len(report.problems), time.perf_counter() - t0)
+        return MigrateResult(
+            fmt,
+            moved,
+            len(KIND_TABLES),
+            int(requests),
+            report.batches_checked,
+            len(report.problems),
+            time.perf_counter() - t0,
+        )
     except duckdb.Error as exc:
         raise StoreError(f"migration of {path} failed, nothing changed: {str(exc).splitlines()[0]}") from None
     finally:

@@ -52,7 +52,7 @@ def _breaks(flat: np.ndarray, list_starts: np.ndarray) -> np.ndarray:
         m = hi - lo
         # Compared in the ids' own type, without widening: id + 1 wraps only at the type's maximum, to a
         # negative number, which no non-negative next id equals, so the wrap still reads as a break.
-        np.add(flat[lo - 1: hi - 1], 1, out=nxt[:m])
+        np.add(flat[lo - 1 : hi - 1], 1, out=nxt[:m])
         np.not_equal(flat[lo:hi], nxt[:m], out=is_break[:m])
         a, z = np.searchsorted(list_starts, (lo, hi))
         is_break[list_starts[a:z] - lo] = True
@@ -62,8 +62,9 @@ def _breaks(flat: np.ndarray, list_starts: np.ndarray) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def decode_runs(num_lists: int, row: np.ndarray, start: np.ndarray,
-                length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def decode_runs(
+    num_lists: int, row: np.ndarray, start: np.ndarray, length: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Inverse of :func:`encode_runs` (runs must be in list order, then position).
 
     Returns ``(flat, offsets)`` with ``offsets`` of length ``num_lists + 1``.

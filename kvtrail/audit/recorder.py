@@ -86,8 +86,9 @@ class Recorder:
     Every public recording method is safe to call from any thread and never raises.
     """
 
-    def __init__(self, sink: Sink | str | Path, producer: Producer, config: RecorderConfig = RecorderConfig(), *,
-                 signer=None):
+    def __init__(
+        self, sink: Sink | str | Path, producer: Producer, config: RecorderConfig = RecorderConfig(), *, signer=None
+    ):
         self.producer = producer
         self.config = config
         self._buffer = EventBuffer(config.capacity_events)
@@ -102,8 +103,13 @@ class Recorder:
             from kvtrail.audit.store import AuditStore  # DuckDB only where the recorder owns the store
 
             sink = AuditStore(sink, signer=signer)
-        self._writer = Writer(self._buffer, sink, producer, flush_interval_s=config.flush_interval_s,
-                              max_batch_events=config.max_batch_events)
+        self._writer = Writer(
+            self._buffer,
+            sink,
+            producer,
+            flush_interval_s=config.flush_interval_s,
+            max_batch_events=config.max_batch_events,
+        )
         self._writer.start()
 
     @property
@@ -113,15 +119,42 @@ class Recorder:
 
     # ---- hot path ------------------------------------------------------------------------------
 
-    def node_config(self, *, pool_tokens: int, pool_pages: int, page_size: int, context_tokens: int,
-                    max_running_requests: int | None = None, checksum_enabled: bool | None = None,
-                    canary_enabled: bool | None = None, deferred_release: bool | None = None,
-                    page_tags: bool | None = None, config_source: str | None = None,
-                    release_timeout_ns: int | None = None, transfer_batch_max_pages: int | None = None) -> None:
-        self._put(_C["node_config"], None, None, None,
-                  (pool_tokens, pool_pages, page_size, context_tokens, max_running_requests, checksum_enabled,
-                   canary_enabled, deferred_release, page_tags, config_source, release_timeout_ns,
-                   transfer_batch_max_pages))
+    def node_config(
+        self,
+        *,
+        pool_tokens: int,
+        pool_pages: int,
+        page_size: int,
+        context_tokens: int,
+        max_running_requests: int | None = None,
+        checksum_enabled: bool | None = None,
+        canary_enabled: bool | None = None,
+        deferred_release: bool | None = None,
+        page_tags: bool | None = None,
+        config_source: str | None = None,
+        release_timeout_ns: int | None = None,
+        transfer_batch_max_pages: int | None = None,
+    ) -> None:
+        self._put(
+            _C["node_config"],
+            None,
+            None,
+            None,
+            (
+                pool_tokens,
+                pool_pages,
+                page_size,
+                context_tokens,
+                max_running_requests,
+                checksum_enabled,
+                canary_enabled,
+                deferred_release,
+                page_tags,
+                config_source,
+                release_timeout_ns,
+                transfer_batch_max_pages,
+            ),
+        )
 
     def request_received(self, req: RequestRef, prompt_tokens: int, max_new_tokens: int | None = None) -> None:
         self._put(_C["request_received"], req, None, None, (prompt_tokens, max_new_tokens))
@@ -130,8 +163,9 @@ class Recorder:
     # is snapshot as its bytes, with its dtype in the (for these kinds unused) dst_pages slot of the
     # buffered tuple: ``tobytes`` costs about a third of ``copy``, and the writer joins the bytes of a
     # batch at once. A list becomes a tuple inline; anything else goes through _copy_pages.
-    def pages_allocated(self, req: RequestRef, pages: PageIds, purpose: str,
-                        block_hashes: PageIds | None = None) -> None:
+    def pages_allocated(
+        self, req: RequestRef, pages: PageIds, purpose: str, block_hashes: PageIds | None = None
+    ) -> None:
         extra = (purpose, None if block_hashes is None else _copy_pages(block_hashes))
         if type(pages) is _NDARRAY and pages.ndim == 1:
             self._put(_ALLOCATED, req, pages.tobytes(), pages.dtype, extra)
@@ -144,18 +178,33 @@ class Recorder:
         else:
             self._put(_FREED, req, tuple(pages) if type(pages) is list else _copy_pages(pages), None, (reason,))
 
-    def kv_written(self, req: RequestRef, pages: PageIds, token_start: int, token_end: int, source: str,
-                   page_digests: PageIds | None = None, digest_algo: str | None = None,
-                   block_hashes: PageIds | None = None) -> None:
-        extra = (token_start, token_end, source, None if page_digests is None else _copy_pages(page_digests),
-                 digest_algo, None if block_hashes is None else _copy_pages(block_hashes))
+    def kv_written(
+        self,
+        req: RequestRef,
+        pages: PageIds,
+        token_start: int,
+        token_end: int,
+        source: str,
+        page_digests: PageIds | None = None,
+        digest_algo: str | None = None,
+        block_hashes: PageIds | None = None,
+    ) -> None:
+        extra = (
+            token_start,
+            token_end,
+            source,
+            None if page_digests is None else _copy_pages(page_digests),
+            digest_algo,
+            None if block_hashes is None else _copy_pages(block_hashes),
+        )
         if type(pages) is _NDARRAY and pages.ndim == 1:
             self._put(_WRITTEN, req, pages.tobytes(), pages.dtype, extra)
         else:
             self._put(_WRITTEN, req, tuple(pages) if type(pages) is list else _copy_pages(pages), None, extra)
 
-    def kv_read(self, req: RequestRef, pages: PageIds, page_digests: PageIds | None = None,
-                digest_algo: str | None = None) -> None:
+    def kv_read(
+        self, req: RequestRef, pages: PageIds, page_digests: PageIds | None = None, digest_algo: str | None = None
+    ) -> None:
         extra = (None if page_digests is None else _copy_pages(page_digests), digest_algo)
         if type(pages) is _NDARRAY and pages.ndim == 1:
             self._put(_READ, req, pages.tobytes(), pages.dtype, extra)
@@ -165,23 +214,57 @@ class Recorder:
     def transfer_reserved(self, req: RequestRef, pages: PageIds, num_tokens: int) -> None:
         self._put(_C["transfer_reserved"], req, _copy_pages(pages), None, (num_tokens,))
 
-    def transfer_sent(self, req: RequestRef, pages: PageIds, dst_pages: PageIds, num_tokens: int,
-                      is_last_chunk: bool, digest: int | None = None, digest_algo: str | None = None) -> None:
-        self._put(_C["transfer_sent"], req, _copy_pages(pages), _copy_pages(dst_pages),
-                  (num_tokens, is_last_chunk, digest, digest_algo))
+    def transfer_sent(
+        self,
+        req: RequestRef,
+        pages: PageIds,
+        dst_pages: PageIds,
+        num_tokens: int,
+        is_last_chunk: bool,
+        digest: int | None = None,
+        digest_algo: str | None = None,
+    ) -> None:
+        self._put(
+            _C["transfer_sent"],
+            req,
+            _copy_pages(pages),
+            _copy_pages(dst_pages),
+            (num_tokens, is_last_chunk, digest, digest_algo),
+        )
 
-    def transfer_received(self, req: RequestRef, pages: PageIds, num_tokens: int, status: str,
-                          digest: int | None = None, digest_algo: str | None = None) -> None:
+    def transfer_received(
+        self,
+        req: RequestRef,
+        pages: PageIds,
+        num_tokens: int,
+        status: str,
+        digest: int | None = None,
+        digest_algo: str | None = None,
+    ) -> None:
         self._put(_C["transfer_received"], req, _copy_pages(pages), None, (num_tokens, status, digest, digest_algo))
 
-    def request_aborted(self, req: RequestRef, stage: str, reason: str, http_status: int,
-                        prompt_tokens: int | None = None) -> None:
+    def request_aborted(
+        self, req: RequestRef, stage: str, reason: str, http_status: int, prompt_tokens: int | None = None
+    ) -> None:
         self._put(_C["request_aborted"], req, None, None, (stage, reason, http_status, prompt_tokens))
 
-    def response_sent(self, req: RequestRef, http_status: int, prompt_tokens: int, completion_tokens: int,
-                      latency_ns: int, ttft_ns: int | None = None, finish_reason: str | None = None) -> None:
-        self._put(_C["response_sent"], req, None, None,
-                  (http_status, prompt_tokens, completion_tokens, latency_ns, ttft_ns, finish_reason))
+    def response_sent(
+        self,
+        req: RequestRef,
+        http_status: int,
+        prompt_tokens: int,
+        completion_tokens: int,
+        latency_ns: int,
+        ttft_ns: int | None = None,
+        finish_reason: str | None = None,
+    ) -> None:
+        self._put(
+            _C["response_sent"],
+            req,
+            None,
+            None,
+            (http_status, prompt_tokens, completion_tokens, latency_ns, ttft_ns, finish_reason),
+        )
 
     def events_lost(self, reason: str, events: int, pages: int, detail: str) -> None:
         """Record a ``recorder_gap`` for events lost before they reached this recorder (see the contract)."""
@@ -232,49 +315,94 @@ class Recorder:
 class NullRecorder:
     """The Recorder's API recording nothing: auditing switched off (the baseline of overhead benchmarks)."""
 
-    def node_config(self, *, pool_tokens: int, pool_pages: int, page_size: int, context_tokens: int,
-                    max_running_requests: int | None = None, checksum_enabled: bool | None = None,
-                    canary_enabled: bool | None = None, deferred_release: bool | None = None,
-                    page_tags: bool | None = None, config_source: str | None = None,
-                    release_timeout_ns: int | None = None, transfer_batch_max_pages: int | None = None) -> None:
+    def node_config(
+        self,
+        *,
+        pool_tokens: int,
+        pool_pages: int,
+        page_size: int,
+        context_tokens: int,
+        max_running_requests: int | None = None,
+        checksum_enabled: bool | None = None,
+        canary_enabled: bool | None = None,
+        deferred_release: bool | None = None,
+        page_tags: bool | None = None,
+        config_source: str | None = None,
+        release_timeout_ns: int | None = None,
+        transfer_batch_max_pages: int | None = None,
+    ) -> None:
         return None
 
     def request_received(self, req: RequestRef, prompt_tokens: int, max_new_tokens: int | None = None) -> None:
         return None
 
-    def pages_allocated(self, req: RequestRef, pages: PageIds, purpose: str,
-                        block_hashes: PageIds | None = None) -> None:
+    def pages_allocated(
+        self, req: RequestRef, pages: PageIds, purpose: str, block_hashes: PageIds | None = None
+    ) -> None:
         return None
 
     def pages_freed(self, req: RequestRef | None, pages: PageIds, reason: str) -> None:
         return None
 
-    def kv_written(self, req: RequestRef, pages: PageIds, token_start: int, token_end: int, source: str,
-                   page_digests: PageIds | None = None, digest_algo: str | None = None,
-                   block_hashes: PageIds | None = None) -> None:
+    def kv_written(
+        self,
+        req: RequestRef,
+        pages: PageIds,
+        token_start: int,
+        token_end: int,
+        source: str,
+        page_digests: PageIds | None = None,
+        digest_algo: str | None = None,
+        block_hashes: PageIds | None = None,
+    ) -> None:
         return None
 
-    def kv_read(self, req: RequestRef, pages: PageIds, page_digests: PageIds | None = None,
-                digest_algo: str | None = None) -> None:
+    def kv_read(
+        self, req: RequestRef, pages: PageIds, page_digests: PageIds | None = None, digest_algo: str | None = None
+    ) -> None:
         return None
 
     def transfer_reserved(self, req: RequestRef, pages: PageIds, num_tokens: int) -> None:
         return None
 
-    def transfer_sent(self, req: RequestRef, pages: PageIds, dst_pages: PageIds, num_tokens: int,
-                      is_last_chunk: bool, digest: int | None = None, digest_algo: str | None = None) -> None:
+    def transfer_sent(
+        self,
+        req: RequestRef,
+        pages: PageIds,
+        dst_pages: PageIds,
+        num_tokens: int,
+        is_last_chunk: bool,
+        digest: int | None = None,
+        digest_algo: str | None = None,
+    ) -> None:
         return None
 
-    def transfer_received(self, req: RequestRef, pages: PageIds, num_tokens: int, status: str,
-                          digest: int | None = None, digest_algo: str | None = None) -> None:
+    def transfer_received(
+        self,
+        req: RequestRef,
+        pages: PageIds,
+        num_tokens: int,
+        status: str,
+        digest: int | None = None,
+        digest_algo: str | None = None,
+    ) -> None:
         return None
 
-    def request_aborted(self, req: RequestRef, stage: str, reason: str, http_status: int,
-                        prompt_tokens: int | None = None) -> None:
+    def request_aborted(
+        self, req: RequestRef, stage: str, reason: str, http_status: int, prompt_tokens: int | None = None
+    ) -> None:
         return None
 
-    def response_sent(self, req: RequestRef, http_status: int, prompt_tokens: int, completion_tokens: int,
-                      latency_ns: int, ttft_ns: int | None = None, finish_reason: str | None = None) -> None:
+    def response_sent(
+        self,
+        req: RequestRef,
+        http_status: int,
+        prompt_tokens: int,
+        completion_tokens: int,
+        latency_ns: int,
+        ttft_ns: int | None = None,
+        finish_reason: str | None = None,
+    ) -> None:
         return None
 
     def events_lost(self, reason: str, events: int, pages: int, detail: str) -> None:
@@ -290,8 +418,9 @@ class NullRecorder:
         return {}
 
 
-def make_recorder(enabled: bool, sink: Callable[[], Sink], producer: Producer,
-                  config: RecorderConfig | None = None) -> AuditRecorder:
+def make_recorder(
+    enabled: bool, sink: Callable[[], Sink], producer: Producer, config: RecorderConfig | None = None
+) -> AuditRecorder:
     """A :class:`Recorder` committing into ``sink()`` when ``enabled``, else a :class:`NullRecorder`.
 
     ``sink`` is a factory so that a switched-off process never opens a store or a relay connection.

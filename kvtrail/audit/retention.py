@@ -40,8 +40,17 @@ class PruneResult:
     dry_run: bool
 
 
-def prune_digest(prev: bytes, prune_id: int, wall_ns: int, before_ns: int, num_batches: int, num_events: int,
-                 num_held: int, note: str | None, batches: list[tuple[int, int]]) -> bytes:
+def prune_digest(
+    prev: bytes,
+    prune_id: int,
+    wall_ns: int,
+    before_ns: int,
+    num_batches: int,
+    num_events: int,
+    num_held: int,
+    note: str | None,
+    batches: list[tuple[int, int]],
+) -> bytes:
     h = hashlib.sha256(prev)
     h.update(struct.pack("<6q", prune_id, wall_ns, before_ns, num_batches, num_events, num_held))
     h.update((note or "").encode() + b"\0")
@@ -50,8 +59,9 @@ def prune_digest(prev: bytes, prune_id: int, wall_ns: int, before_ns: int, num_b
     return h.digest()
 
 
-def add_hold(store: AuditStore, from_ns: int, to_ns: int, reason: str, *, tenant_id: str | None = None,
-             node: str | None = None) -> int:
+def add_hold(
+    store: AuditStore, from_ns: int, to_ns: int, reason: str, *, tenant_id: str | None = None, node: str | None = None
+) -> int:
     """Place a legal hold on a time window, optionally limited to one tenant or node. Returns its id."""
     if from_ns > to_ns:
         raise StoreError("hold: --from is after --to")
@@ -59,8 +69,10 @@ def add_hold(store: AuditStore, from_ns: int, to_ns: int, reason: str, *, tenant
         raise StoreError("hold: --reason must not be empty")
     con = store.con
     hold_id = fetch_row(con, "SELECT coalesce(max(hold_id), 0) + 1 FROM legal_holds")[0]
-    con.execute("INSERT INTO legal_holds VALUES (?, ?, ?, ?, ?, ?, ?, NULL)",
-                [hold_id, time.time_ns(), from_ns, to_ns, tenant_id, node, reason])
+    con.execute(
+        "INSERT INTO legal_holds VALUES (?, ?, ?, ?, ?, ?, ?, NULL)",
+        [hold_id, time.time_ns(), from_ns, to_ns, tenant_id, node, reason],
+    )
     return hold_id
 
 
@@ -108,8 +120,10 @@ def prune(store: AuditStore, before_ns: int, *, note: str | None = None, dry_run
         con.execute(_CANDIDATES, [before_ns])
         con.execute(_HELD)
         held = fetch_row(con, "SELECT count(*) FROM _prune_held")[0]
-        con.execute("CREATE OR REPLACE TEMP TABLE _pruned AS SELECT producer_id, batch_no, num_events FROM _prune_cand "
-                    "ANTI JOIN _prune_held USING (producer_id, batch_no)")
+        con.execute(
+            "CREATE OR REPLACE TEMP TABLE _pruned AS SELECT producer_id, batch_no, num_events FROM _prune_cand "
+            "ANTI JOIN _prune_held USING (producer_id, batch_no)"
+        )
         nb, ne = fetch_row(con, "SELECT count(*), coalesce(sum(num_events), 0) FROM _pruned")
         if dry_run or nb == 0:
             con.rollback()
@@ -119,14 +133,21 @@ def prune(store: AuditStore, before_ns: int, *, note: str | None = None, dry_run
         prune_id, prev = (last[0] + 1, bytes(last[1])) if last else (1, chain.GENESIS)
         now = time.time_ns()
         digest = prune_digest(prev, prune_id, now, before_ns, nb, int(ne), held, note, listed)
-        con.execute("INSERT INTO prunes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    [prune_id, now, before_ns, nb, int(ne), held, note, prev, digest])
+        con.execute(
+            "INSERT INTO prunes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [prune_id, now, before_ns, nb, int(ne), held, note, prev, digest],
+        )
         con.execute("INSERT INTO prune_batches SELECT ?, producer_id, batch_no FROM _pruned", [prune_id])
         delete_batches(con, "_pruned")
-        con.execute("DELETE FROM page_runs USING _pruned p WHERE page_runs.producer_id = p.producer_id "
-                    "AND page_runs.batch_no = p.batch_no")
-        con.execute("UPDATE batches SET pruned_by = ? FROM _pruned p WHERE batches.producer_id = p.producer_id "
-                    "AND batches.batch_no = p.batch_no", [prune_id])
+        con.execute(
+            "DELETE FROM page_runs USING _pruned p WHERE page_runs.producer_id = p.producer_id "
+            "AND page_runs.batch_no = p.batch_no"
+        )
+        con.execute(
+            "UPDATE batches SET pruned_by = ? FROM _pruned p WHERE batches.producer_id = p.producer_id "
+            "AND batches.batch_no = p.batch_no",
+            [prune_id],
+        )
         con.commit()
     except BaseException:
         con.rollback()

@@ -25,8 +25,7 @@ from kvtrail.errors import StoreError
 _BATCHED = (*KIND_TABLES, "page_runs", "batches")
 
 
-def _bind_views(con: duckdb.DuckDBPyConnection, src: str, tables: set[str], heads: list[dict],
-                source: str) -> None:
+def _bind_views(con: duckdb.DuckDBPyConnection, src: str, tables: set[str], heads: list[dict], source: str) -> None:
     """In ``con``'s current catalog: the store's tables in ``src`` (a catalog.schema holding ``tables``)
     as views that keep only batches up to ``heads``, and the store's own ``events``/``events_v``
     definitions re-bound to them (``source``: the store's catalog name, where those definitions live)."""
@@ -34,15 +33,19 @@ def _bind_views(con: duckdb.DuckDBPyConnection, src: str, tables: set[str], head
     if heads:
         con.executemany("INSERT INTO _heads VALUES (?, ?)", [(h["producer_id"], h["batch_no"]) for h in heads])
     for table in _BATCHED:
-        con.execute(f"CREATE VIEW {table} AS SELECT t.* FROM {src}.{table} t JOIN _heads h "
-                    "ON t.producer_id = h.producer_id AND t.batch_no <= h.batch_no")
-    con.execute(f"CREATE VIEW producers AS SELECT * FROM {src}.producers "
-                "WHERE producer_id IN (SELECT producer_id FROM _heads)")
+        con.execute(
+            f"CREATE VIEW {table} AS SELECT t.* FROM {src}.{table} t JOIN _heads h "
+            "ON t.producer_id = h.producer_id AND t.batch_no <= h.batch_no"
+        )
+    con.execute(
+        f"CREATE VIEW producers AS SELECT * FROM {src}.producers WHERE producer_id IN (SELECT producer_id FROM _heads)"
+    )
     for table in sorted(tables - set(_BATCHED) - {"producers"}):
         con.execute(f'CREATE VIEW "{table}" AS SELECT * FROM {src}."{table}"')
     for name in ("events", "events_v"):
-        view = con.execute("SELECT sql FROM duckdb_views() WHERE database_name = ? AND view_name = ?",
-                           [source, name]).fetchone()
+        view = con.execute(
+            "SELECT sql FROM duckdb_views() WHERE database_name = ? AND view_name = ?", [source, name]
+        ).fetchone()
         if view is None:
             raise StoreError(f"{source} is not a kvtrail audit store (no {name} view)")
         con.execute(re.sub(r"^CREATE (OR REPLACE )?VIEW", "CREATE VIEW", view[0].strip(), flags=re.I))
@@ -86,8 +89,9 @@ def make_snapshot(cur: duckdb.DuckDBPyConnection, heads: list[dict]) -> tuple[st
     cur.execute(f"ATTACH ':memory:' AS {snap}")
     try:
         cur.execute(f"USE {snap}")
-        rows = cur.execute("SELECT table_name FROM duckdb_tables() WHERE database_name = ? AND schema_name = 'main'",
-                           [store[0]]).fetchall()
+        rows = cur.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE database_name = ? AND schema_name = 'main'", [store[0]]
+        ).fetchall()
         _bind_views(cur, src, {r[0] for r in rows}, heads, store[0])
     except BaseException:
         cur.execute(f'USE "{store[0]}"')

@@ -68,7 +68,8 @@ def json_schema() -> dict:
     envelope = {f.name: _field_schema(f) for f in ENVELOPE_FIELDS if f.name not in {p.name for p in PRODUCER_FIELDS}}
     envelope["schema_version"] = {"const": SCHEMA_VERSION, "description": FIELDS["schema_version"].doc}
     producer = {
-        "type": "object", "additionalProperties": False,
+        "type": "object",
+        "additionalProperties": False,
         "required": [f.name for f in PRODUCER_FIELDS],
         "properties": {f.name: _field_schema(f) for f in PRODUCER_FIELDS},
     }
@@ -81,7 +82,8 @@ def json_schema() -> dict:
         required = ["schema_version", "producer", "seq", "wall_ns", "mono_ns", "kind"]
         if req_fields:
             props["request"] = {
-                "type": "object", "additionalProperties": False,
+                "type": "object",
+                "additionalProperties": False,
                 "required": [f.name for f in req_fields if f.name in kind.required],
                 "properties": {f.name: _field_schema(f) for f in req_fields},
             }

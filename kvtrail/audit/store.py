@@ -59,11 +59,17 @@ log = logging.getLogger(__name__)
 # From this many events a batch's chain digests are computed beside its inserts (a helper thread).
 _DIGEST_AHEAD_EVENTS = 16_384
 _PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
-RUNS_SCHEMA = pa.schema([
-    pa.field("producer_id", pa.int64()), pa.field("batch_no", pa.int64()), pa.field("seq", pa.uint64()),
-    pa.field("list", pa.int8()), pa.field("pos", pa.int32()), pa.field("page_start", pa.int32()),
-    pa.field("num_pages", pa.int32()),
-])
+RUNS_SCHEMA = pa.schema(
+    [
+        pa.field("producer_id", pa.int64()),
+        pa.field("batch_no", pa.int64()),
+        pa.field("seq", pa.uint64()),
+        pa.field("list", pa.int8()),
+        pa.field("pos", pa.int32()),
+        pa.field("page_start", pa.int32()),
+        pa.field("num_pages", pa.int32()),
+    ]
+)
 RUN_COLUMNS = ", ".join(f.name for f in RUNS_SCHEMA)
 
 
@@ -163,8 +169,15 @@ class AuditStore:
     no tables at all; never implied, because that is what a copy of a store taken without its WAL looks like.
     """
 
-    def __init__(self, path: str | Path, *, signer: chain.Signer | None = None, create: bool = True,
-                 init_empty: bool = False, checkpoint: CheckpointPolicy = DEFAULT_CHECKPOINT):
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        signer: chain.Signer | None = None,
+        create: bool = True,
+        init_empty: bool = False,
+        checkpoint: CheckpointPolicy = DEFAULT_CHECKPOINT,
+    ):
         self.path = Path(path)
         is_new = not self.path.exists()
         if is_new and (not create or wal_path(self.path).exists()):
@@ -207,8 +220,9 @@ class AuditStore:
         for stmt in views:
             self.con.execute(stmt)
         if fetch_row(self.con, "SELECT count(*) FROM meta WHERE key = 'store_format'")[0] == 0:
-            self.con.execute("INSERT INTO meta VALUES ('store_format', ?), ('created_ns', ?)",
-                             [STORE_FORMAT, str(time.time_ns())])
+            self.con.execute(
+                "INSERT INTO meta VALUES ('store_format', ?), ('created_ns', ?)", [STORE_FORMAT, str(time.time_ns())]
+            )
         self.open_no = int(fetch_row(self.con, f"SELECT coalesce(max(open_no) + 1, 0) FROM {OPENS_TABLE}")[0])
         self.con.execute(f"INSERT INTO {OPENS_TABLE} VALUES (?, ?, ?)", [self.open_no, time.time_ns(), __version__])
         self.con.commit()
@@ -220,7 +234,8 @@ class AuditStore:
             self._state[pid] = ProducerState(None, pool)
         rows = self.con.execute(
             "SELECT producer_id, batch_no, last_seq, digest FROM batches "
-            "QUALIFY row_number() OVER (PARTITION BY producer_id ORDER BY batch_no DESC) = 1").fetchall()
+            "QUALIFY row_number() OVER (PARTITION BY producer_id ORDER BY batch_no DESC) = 1"
+        ).fetchall()
         for pid, batch_no, last_seq, digest in rows:
             self._state.setdefault(pid, ProducerState()).last_seq = int(last_seq)
             self._chain[pid] = (batch_no, bytes(digest))
@@ -229,8 +244,9 @@ class AuditStore:
     def reset_requests(self) -> None:
         """Forget the request numbers this writer remembers and re-read the next free one: after a
         write that bypassed :meth:`append` changed the dictionary (a prune deletes unused identities)."""
-        self.requests = RequestNumbers(int(fetch_row(self.con, f"SELECT coalesce(max(request_no) + 1, 0) "
-                                                               f"FROM {REQUESTS_TABLE}")[0]))
+        self.requests = RequestNumbers(
+            int(fetch_row(self.con, f"SELECT coalesce(max(request_no) + 1, 0) FROM {REQUESTS_TABLE}")[0])
+        )
 
     def cursor(self) -> duckdb.DuckDBPyConnection:
         """A second connection to the same database, for a reader thread in this process."""
@@ -321,8 +337,10 @@ class AuditStore:
             batch_no = last_no + 1
             # A producer's rows in one stretch (batches committed together) are sliced, not copied.
             take = row_selection(rows, n)
-            cols = {"producer_id": pa.repeat(pa.scalar(pid, pa.int64()), len(rows)),
-                    "batch_no": pa.repeat(pa.scalar(batch_no, pa.int64()), len(rows))}
+            cols = {
+                "producer_id": pa.repeat(pa.scalar(pid, pa.int64()), len(rows)),
+                "batch_no": pa.repeat(pa.scalar(batch_no, pa.int64()), len(rows)),
+            }
             sub = pick_rows(t, take)
             for f in EVENT_VALUE_FIELDS:
                 cols[f.name] = sub.column(f.name)
@@ -336,18 +354,26 @@ class AuditStore:
 
             my_runs = pick(run_row)
             nr = len(my_runs)
-            runs = pa.table({
-                "producer_id": pa.repeat(pa.scalar(pid, pa.int64()), nr),
-                "batch_no": pa.repeat(pa.scalar(batch_no, pa.int64()), nr),
-                "seq": seq[my_runs], "list": pick(run_list), "pos": pick(run_pos),
-                "page_start": pick(run_start), "num_pages": pick(run_len)}, schema=RUNS_SCHEMA)
+            runs = pa.table(
+                {
+                    "producer_id": pa.repeat(pa.scalar(pid, pa.int64()), nr),
+                    "batch_no": pa.repeat(pa.scalar(batch_no, pa.int64()), nr),
+                    "seq": seq[my_runs],
+                    "list": pick(run_list),
+                    "pos": pick(run_pos),
+                    "page_start": pick(run_start),
+                    "num_pages": pick(run_len),
+                },
+                schema=RUNS_SCHEMA,
+            )
             first_seq, last_seq = int(seq[rows[0]]), int(seq[rows[-1]])
             npe = int(pick(run_len).sum(dtype=np.int64))
             header = (pid, batch_no, first_seq, last_seq, len(rows), nr)
             jobs.append((prev, header, ev, runs))
             w = wall if single else wall[rows]
-            batch_rows.append((pid, batch_no, first_seq, last_seq, len(rows), nr, npe,
-                               int(w.min()), int(w.max()), now, prev))
+            batch_rows.append(
+                (pid, batch_no, first_seq, last_seq, len(rows), nr, npe, int(w.min()), int(w.max()), now, prev)
+            )
             ev_parts.append(ev)
             code_parts.append(vb.kind_code if take is None else vb.kind_code[take])
             rq_parts.append(pick_rows(request_no, take))
@@ -373,12 +399,18 @@ class AuditStore:
         con.begin()
         try:
             if new_producers:
-                con.executemany(f"INSERT INTO producers VALUES (?, {', '.join('?' * len(_PRODUCER_NAMES))}, NULL, ?)",
-                                new_producers)
+                con.executemany(
+                    f"INSERT INTO producers VALUES (?, {', '.join('?' * len(_PRODUCER_NAMES))}, NULL, ?)", new_producers
+                )
             for pid, pool in new_pools.items():
                 con.execute("UPDATE producers SET pool_pages = ? WHERE producer_id = ?", [pool, pid])
-            append_kinds(con, events_tbl, np.concatenate(code_parts) if len(code_parts) > 1 else code_parts[0],
-                         pa.concat_arrays(rq_parts) if len(rq_parts) > 1 else rq_parts[0], new_requests)
+            append_kinds(
+                con,
+                events_tbl,
+                np.concatenate(code_parts) if len(code_parts) > 1 else code_parts[0],
+                pa.concat_arrays(rq_parts) if len(rq_parts) > 1 else rq_parts[0],
+                new_requests,
+            )
             con.register("_kv_runs", runs_tbl)
             con.execute(f"INSERT INTO page_runs ({RUN_COLUMNS}) SELECT {RUN_COLUMNS} FROM _kv_runs")
             if pending is not None:
@@ -386,8 +418,10 @@ class AuditStore:
                 pending = None
             key_id = self.signer.key_id if self.signer else None
             for row, (digest, sig) in zip(batch_rows, digests):  # one execute per row: executemany costs
-                con.execute("INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
-                            (*row, digest, sig, key_id))  # ~1.5 ms even for one row
+                con.execute(
+                    "INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
+                    (*row, digest, sig, key_id),
+                )  # ~1.5 ms even for one row
             con.commit()
         except BaseException:
             con.rollback()
@@ -423,8 +457,10 @@ class AuditStore:
 
     def maybe_checkpoint(self) -> bool:
         """Checkpoint if the policy says so (also for a writer's idle tick); True if it did."""
-        due = (time.monotonic() - self._last_checkpoint > self.policy.max_interval_s
-               or self.wal_bytes() > self.policy.max_wal_bytes)
+        due = (
+            time.monotonic() - self._last_checkpoint > self.policy.max_interval_s
+            or self.wal_bytes() > self.policy.max_wal_bytes
+        )
         if not due:
             return False
         try:
@@ -433,8 +469,7 @@ class AuditStore:
             # The batch just committed is durable in the WAL: a failed checkpoint must not report it as
             # lost (a caller would retry it). Keep the reason, log it, retry after the next commit.
             self.checkpoint_error = str(exc).splitlines()[0]
-            log.warning("checkpoint of %s failed, retried after the next commit: %s", self.path,
-                        self.checkpoint_error)
+            log.warning("checkpoint of %s failed, retried after the next commit: %s", self.path, self.checkpoint_error)
             return False
         self.checkpoint_error = None
         return True
@@ -453,7 +488,9 @@ def _read_events_snapshot(con, where: str, params: list | None) -> tuple[pa.Tabl
         f"WITH e AS (SELECT producer_id, seq, row_number() OVER (ORDER BY producer_id, seq) - 1 AS row "
         f"FROM events_v WHERE {where}) "
         f"SELECT e.row, r.list, r.page_start, r.num_pages FROM page_runs r JOIN e USING (producer_id, seq) "
-        f"ORDER BY e.row, r.list, r.pos", params)
+        f"ORDER BY e.row, r.list, r.pos",
+        params,
+    )
     return ev, runs
 
 
@@ -475,8 +512,9 @@ def read_events(con: duckdb.DuckDBPyConnection, where: str = "TRUE", params: lis
     lists = runs.column("list").to_numpy()
     for list_no, name in enumerate(PAGE_LIST_FIELDS):
         m = lists == list_no
-        flat, offsets = decode_runs(ev.num_rows, row[m], runs.column("page_start").to_numpy()[m],
-                                    runs.column("num_pages").to_numpy()[m])
+        flat, offsets = decode_runs(
+            ev.num_rows, row[m], runs.column("page_start").to_numpy()[m], runs.column("num_pages").to_numpy()[m]
+        )
         # A kind that requires a list always carries one (possibly empty); other kinds carry none.
         needs = [k for k in KIND_NAMES if name in KINDS[k].required]
         present = pc.is_in(ev.column("kind"), value_set=pa.array(needs)).to_numpy(zero_copy_only=False)

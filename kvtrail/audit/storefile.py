@@ -37,15 +37,22 @@ def wal_path(path: str | Path) -> Path:
 
 
 def backup_hint(path: str | Path) -> str:
-    return (f"if it was copied from a store, the data may be in {Path(path).name}.wal next to the original; "
-            "'kvtrail audit backup' makes a single-file copy")
+    return (
+        f"if it was copied from a store, the data may be in {Path(path).name}.wal next to the original; "
+        "'kvtrail audit backup' makes a single-file copy"
+    )
 
 
 # A DuckDB database file carries this at byte 8 of its first block.
 _DUCKDB_MAGIC, _MAGIC_AT = b"DUCK", 8
 # What a file that is not a database often is (the header's first bytes, how to name it).
-_FOREIGN_HEADS = ((b"{", "JSON text"), (b"[", "JSON text"), (b"PAR1", "a Parquet file"),
-                  (b"SQLite format 3", "an SQLite database"), (b"ARROW1", "an Arrow file"))
+_FOREIGN_HEADS = (
+    (b"{", "JSON text"),
+    (b"[", "JSON text"),
+    (b"PAR1", "a Parquet file"),
+    (b"SQLite format 3", "an SQLite database"),
+    (b"ARROW1", "an Arrow file"),
+)
 
 
 def refuse_foreign_file(path: str | Path) -> None:
@@ -58,7 +65,7 @@ def refuse_foreign_file(path: str | Path) -> None:
             head = f.read(64)
     except (FileNotFoundError, IsADirectoryError, PermissionError):
         return  # DuckDB's own error names these
-    if not head or head[_MAGIC_AT:_MAGIC_AT + len(_DUCKDB_MAGIC)] == _DUCKDB_MAGIC:
+    if not head or head[_MAGIC_AT : _MAGIC_AT + len(_DUCKDB_MAGIC)] == _DUCKDB_MAGIC:
         return
     kind = next((name for start, name in _FOREIGN_HEADS if head.lstrip().startswith(start)), None)
     raise StoreError(f"{path} is not a DuckDB database file" + (f" ({kind}): not a kvtrail store" if kind else ""))
@@ -75,8 +82,10 @@ def connect(path: str | Path, *, read_only: bool) -> duckdb.DuckDBPyConnection:
         if "Could not set lock" in first:
             pid = _LOCK_PID.search(first)
             owner = f" (pid {pid.group(1)})" if pid else ""
-            raise StoreError(f"store {path} is in use by another process{owner}: DuckDB lets one process open it "
-                             "at a time; 'kvtrail audit backup' copies it while it runs") from None
+            raise StoreError(
+                f"store {path} is in use by another process{owner}: DuckDB lets one process open it "
+                "at a time; 'kvtrail audit backup' copies it while it runs"
+            ) from None
         if "not a valid DuckDB database file" in first:
             raise StoreError(f"{path} is not a DuckDB database file") from None
         raise StoreError(f"cannot open store {path}: {first}") from None
@@ -84,8 +93,9 @@ def connect(path: str | Path, *, read_only: bool) -> duckdb.DuckDBPyConnection:
 
 def store_tables(con: duckdb.DuckDBPyConnection) -> set[str]:
     """Names of the tables in the main schema of the database ``con`` is attached to."""
-    rows = con.execute("SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' "
-                       "AND database_name = current_database()").fetchall()
+    rows = con.execute(
+        "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' AND database_name = current_database()"
+    ).fetchall()
     return {r[0] for r in rows}
 
 
@@ -97,8 +107,10 @@ def missing_added_columns(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str
 
 def migrate_hint(path: str | Path, found: str) -> str:
     layout = _FORMAT_LAYOUTS.get(found)
-    return (f"store {path} has format {found}{f' ({layout})' if layout else ''}; 'kvtrail audit migrate --db "
-            f"{path}' converts it to format {STORE_FORMAT} in place (its chain stays valid)")
+    return (
+        f"store {path} has format {found}{f' ({layout})' if layout else ''}; 'kvtrail audit migrate --db "
+        f"{path}' converts it to format {STORE_FORMAT} in place (its chain stays valid)"
+    )
 
 
 def check_store(con: duckdb.DuckDBPyConnection, path: str | Path, *, upgrading: bool = False) -> None:
@@ -121,8 +133,10 @@ def check_store(con: duckdb.DuckDBPyConnection, path: str | Path, *, upgrading: 
         raise StoreError(f"store {path} is incomplete: table(s) {', '.join(missing)} missing; {backup_hint(path)}")
     older = [] if upgrading else sorted({name for _table, name in missing_added_columns(con)})
     if older:
-        raise StoreError(f"store {path} was written by an older kvtrail (its events have no {', '.join(older)}): "
-                         f"'kvtrail audit upgrade --db {path}' adds them (its chain stays valid)")
+        raise StoreError(
+            f"store {path} was written by an older kvtrail (its events have no {', '.join(older)}): "
+            f"'kvtrail audit upgrade --db {path}' adds them (its chain stays valid)"
+        )
 
 
 def require_file(path: str | Path) -> Path:
@@ -131,6 +145,8 @@ def require_file(path: str | Path) -> Path:
     if p.exists():
         return p
     if wal_path(p).exists():
-        raise StoreError(f"store not found: {p}, but {wal_path(p).name} is there: a WAL cannot be opened "
-                         "without the database file it belongs to")
+        raise StoreError(
+            f"store not found: {p}, but {wal_path(p).name} is there: a WAL cannot be opened "
+            "without the database file it belongs to"
+        )
     raise StoreError(f"store not found: {p}")

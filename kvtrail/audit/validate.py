@@ -77,7 +77,8 @@ def merge_validated(parts: Sequence[ValidatedBatch]) -> ValidatedBatch:
         ids,
         [p for vb in parts for p in vb.producers],
         np.concatenate([vb.producer_index + off for vb, off in zip(parts, offsets)]),
-        sum(vb.num_page_events for vb in parts))
+        sum(vb.num_page_events for vb in parts),
+    )
 
 
 def _column_error(t: pa.Table, field: str, reason: str, rows: np.ndarray) -> ValidationError:
@@ -120,8 +121,12 @@ def _normalise(table: pa.Table) -> pa.Table:
             try:
                 col = col.cast(f.type)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-                raise _column_error(table, f.name, f"wrong type: expected {FIELDS[f.name].type}, got {col.type} "
-                                                   f"({exc})", _first_uncastable(col, f.type)) from None
+                raise _column_error(
+                    table,
+                    f.name,
+                    f"wrong type: expected {FIELDS[f.name].type}, got {col.type} ({exc})",
+                    _first_uncastable(col, f.type),
+                ) from None
         if isinstance(col, pa.ChunkedArray):
             col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
         arrays.append(col)
@@ -205,15 +210,19 @@ def _check_values(t: pa.Table, codes: np.ndarray) -> None:
             distinct[name] = set(pc.unique(col).drop_null().to_pylist())
             if distinct[name] <= set(spec.choices):
                 continue
-            bad = (pc.is_valid(col).to_numpy(zero_copy_only=False)
-                   & ~pc.fill_null(pc.is_in(col, value_set=pa.array(spec.choices)), True)
-                   .to_numpy(zero_copy_only=False))
+            bad = pc.is_valid(col).to_numpy(zero_copy_only=False) & ~pc.fill_null(
+                pc.is_in(col, value_set=pa.array(spec.choices)), True
+            ).to_numpy(zero_copy_only=False)
             value = col[int(np.flatnonzero(bad)[0])].as_py()
             _fail(bad, name, f"{value!r} is not one of {', '.join(spec.choices)}", t)
         elif spec.type == "str" and name in PRODUCER_NAMES:
             if pc.min(pc.binary_length(col)).as_py() == 0:  # lengths, not a hash of every value
-                _fail(pc.equal(pc.utf8_length(col), 0).to_numpy(zero_copy_only=False), name,
-                      "must be a non-empty string", t)
+                _fail(
+                    pc.equal(pc.utf8_length(col), 0).to_numpy(zero_copy_only=False),
+                    name,
+                    "must be a non-empty string",
+                    t,
+                )
         elif spec.minimum is not None and spec.type in ("int32", "int64"):
             low = pc.min(col).as_py()
             if low is not None and low < spec.minimum:
@@ -230,7 +239,8 @@ def _check_values(t: pa.Table, codes: np.ndarray) -> None:
                 _fail(bad, b, f"must have one entry per entry of '{a}'", t)
     if "prefix_hit" in distinct.get("purpose", ()):
         prefix_hit = (codes == KIND_CODES["pages_allocated"]) & (
-            pc.fill_null(pc.equal(t.column("purpose"), "prefix_hit"), False).to_numpy(zero_copy_only=False))
+            pc.fill_null(pc.equal(t.column("purpose"), "prefix_hit"), False).to_numpy(zero_copy_only=False)
+        )
         no_hashes = prefix_hit & ~_valid_mask(t.column("block_hashes"))
         if no_hashes.any():
             _fail(no_hashes, "block_hashes", "required when purpose is prefix_hit", t)
@@ -264,15 +274,21 @@ def _check_pool(t: pa.Table, codes: np.ndarray) -> None:
     huge = pages > MAX_POOL_PAGES
     if huge.any():
         mask[rows[np.flatnonzero(huge)[0]]] = True
-        _fail(mask, "pool_pages", f"implausible pool of {int(pages[huge][0])} pages "
-                                  f"(at most {MAX_POOL_PAGES} = 2^31)", t)
+        _fail(
+            mask, "pool_pages", f"implausible pool of {int(pages[huge][0])} pages (at most {MAX_POOL_PAGES} = 2^31)", t
+        )
     whole = tokens // size
     bad = pages != whole
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         mask[rows[i]] = True
-        _fail(mask, "pool_pages", f"{int(pages[i])} pages do not match pool_tokens {int(tokens[i])} at page_size "
-                                  f"{int(size[i])} (expected pool_tokens // page_size = {int(whole[i])})", t)
+        _fail(
+            mask,
+            "pool_pages",
+            f"{int(pages[i])} pages do not match pool_tokens {int(tokens[i])} at page_size "
+            f"{int(size[i])} (expected pool_tokens // page_size = {int(whole[i])})",
+            t,
+        )
 
 
 def _group_producers(t: pa.Table) -> tuple[list[int], list[Producer], np.ndarray]:
@@ -368,20 +384,32 @@ def validate_batch(table: pa.Table | Prechecked, state: dict[int, ProducerState]
             lo = np.minimum.reduceat(flat, starts)
             low = lo < 1
             r = nonempty[np.flatnonzero(low)[0]]
-            _fail(rows_idx == r, name,
-                  f"page id {int(lo[low][0])} out of pool (page ids start at 1; 0 is the padding page)", t)
+            _fail(
+                rows_idx == r,
+                name,
+                f"page id {int(lo[low][0])} out of pool (page ids start at 1; 0 is the padding page)",
+                t,
+            )
         if name == "pages":
             row_bound = bound[nonempty]
             if len(row_bound) and row_bound.min() >= 0 and flat.max() <= row_bound.min():
                 continue  # every page within the smallest pool bound of the batch
             unknown = row_bound < 0
             if unknown.any():
-                _fail(rows_idx == nonempty[np.flatnonzero(unknown)[0]], name,
-                      "pool size unknown: the producer has no node_config event before this one", t)
+                _fail(
+                    rows_idx == nonempty[np.flatnonzero(unknown)[0]],
+                    name,
+                    "pool size unknown: the producer has no node_config event before this one",
+                    t,
+                )
             hi = np.maximum.reduceat(flat, starts)
             high = hi > row_bound
             if high.any():
                 i = np.flatnonzero(high)[0]
-                _fail(rows_idx == nonempty[i], name,
-                      f"page id {int(hi[i])} out of pool (pool has {int(row_bound[i])} pages)", t)
+                _fail(
+                    rows_idx == nonempty[i],
+                    name,
+                    f"page id {int(hi[i])} out of pool (pool has {int(row_bound[i])} pages)",
+                    t,
+                )
     return ValidatedBatch(t, codes, pids, producers, pindex, total_pages)

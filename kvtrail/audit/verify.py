@@ -85,15 +85,23 @@ class UncleanEnd:
     @property
     def gap_end_ns(self) -> int | None:
         """The latest time a lost event can have: the bound or the end's evidence, whichever comes first."""
-        ends = [t for t in (None if self.bound_ns is None else self.last_wall_ns + self.bound_ns,
-                            self.ended_by_ns) if t is not None]
+        ends = [
+            t
+            for t in (None if self.bound_ns is None else self.last_wall_ns + self.bound_ns, self.ended_by_ns)
+            if t is not None
+        ]
         return min(ends) if ends else None
 
     def __str__(self) -> str:
-        lost = ("events up to an unknown time after it may be lost" if self.bound_ns is None
-                else f"events up to {self.bound_ns / 1e9:g} s after it may be lost")
-        return (f"{self.node} producer {self.producer_id} (instance {self.instance}): unclean end after seq "
-                f"{self.last_seq} at {format_utc(self.last_wall_ns)}: {lost} ({self.reason})")
+        lost = (
+            "events up to an unknown time after it may be lost"
+            if self.bound_ns is None
+            else f"events up to {self.bound_ns / 1e9:g} s after it may be lost"
+        )
+        return (
+            f"{self.node} producer {self.producer_id} (instance {self.instance}): unclean end after seq "
+            f"{self.last_seq} at {format_utc(self.last_wall_ns)}: {lost} ({self.reason})"
+        )
 
 
 @dataclass
@@ -119,16 +127,21 @@ class VerifyReport:
         """The document ``kvtrail audit verify --json`` prints (``head_problems``: from --expect-heads)."""
         extra = [str(p) for p in head_problems or []]
         return {
-            "ok": self.ok and not extra, "batches_checked": self.batches_checked,
-            "batches_pruned": self.batches_pruned, "events_checked": self.events_checked,
-            "signatures_checked": self.signatures_checked, "heads_checked": heads_checked,
+            "ok": self.ok and not extra,
+            "batches_checked": self.batches_checked,
+            "batches_pruned": self.batches_pruned,
+            "events_checked": self.events_checked,
+            "signatures_checked": self.signatures_checked,
+            "heads_checked": heads_checked,
             "problems": [str(p) for p in self.problems] + extra,
             "coverage": [dict(c.__dict__, unexplained=c.unexplained) for c in self.coverage],
-            "unclean_ends": [dict(u.__dict__, gap_end_ns=u.gap_end_ns) for u in self.unclean_ends]}
+            "unclean_ends": [dict(u.__dict__, gap_end_ns=u.gap_end_ns) for u in self.unclean_ends],
+        }
 
 
-def verify_store(db: str | Path | duckdb.DuckDBPyConnection, *, checker: chain.SignatureChecker | None = None,
-                 progress=None) -> VerifyReport:
+def verify_store(
+    db: str | Path | duckdb.DuckDBPyConnection, *, checker: chain.SignatureChecker | None = None, progress=None
+) -> VerifyReport:
     """Verify a store (path or open connection). ``progress(n)`` is called after each batch checked."""
     con = connect_readonly(db) if isinstance(db, (str, Path)) else db
     report = VerifyReport()
@@ -137,10 +150,12 @@ def verify_store(db: str | Path | duckdb.DuckDBPyConnection, *, checker: chain.S
         _verify_producer(con, pid, node, report, checker, progress)
     stray = con.execute(
         "SELECT e.producer_id, e.batch_no, count(*) FROM events e ANTI JOIN batches b USING (producer_id, batch_no) "
-        "GROUP BY ALL ORDER BY ALL LIMIT 5").fetchall()
+        "GROUP BY ALL ORDER BY ALL LIMIT 5"
+    ).fetchall()
     stray += con.execute(
         "SELECT r.producer_id, r.batch_no, count(*) FROM page_runs r ANTI JOIN batches b USING (producer_id, batch_no) "
-        "GROUP BY ALL ORDER BY ALL LIMIT 5").fetchall()
+        "GROUP BY ALL ORDER BY ALL LIMIT 5"
+    ).fetchall()
     for pid, batch_no, n in stray:
         report.problems.append(Problem(pid, None, batch_no, f"{n} rows belong to no committed batch (inserted?)"))
     _verify_prunes(con, report)
@@ -153,10 +168,13 @@ def verify_store(db: str | Path | duckdb.DuckDBPyConnection, *, checker: chain.S
 def _verify_producer(con, pid: int, node: str, report: VerifyReport, checker, progress) -> None:
     batches = con.execute(
         "SELECT batch_no, first_seq, last_seq, num_events, num_runs, prev_digest, digest, signature, pruned_by "
-        "FROM batches WHERE producer_id = ? ORDER BY batch_no", [pid]).fetchall()
+        "FROM batches WHERE producer_id = ? ORDER BY batch_no",
+        [pid],
+    ).fetchall()
     events = arrow_query(con, f"SELECT {EVENT_COLUMNS} FROM events WHERE producer_id = ? ORDER BY batch_no, seq", [pid])
-    runs = arrow_query(con, f"SELECT {RUN_COLUMNS} FROM page_runs WHERE producer_id = ? "
-                            f"ORDER BY batch_no, seq, list, pos", [pid])
+    runs = arrow_query(
+        con, f"SELECT {RUN_COLUMNS} FROM page_runs WHERE producer_id = ? ORDER BY batch_no, seq, list, pos", [pid]
+    )
     ev_batch = events.column("batch_no").to_numpy()
     run_batch = runs.column("batch_no").to_numpy()
     prev_digest, prev_last_seq, broken = chain.GENESIS, None, False
@@ -205,20 +223,28 @@ def _verify_producer(con, pid: int, node: str, report: VerifyReport, checker, pr
             progress(1)
     if batches:
         first, last = int(batches[0][1]), int(batches[-1][2])
-        gaps = con.execute("SELECT coalesce(sum(dropped_events), 0) FROM events WHERE producer_id = ? "
-                           "AND kind = 'recorder_gap'", [pid]).fetchone()[0]
+        gaps = con.execute(
+            "SELECT coalesce(sum(dropped_events), 0) FROM events WHERE producer_id = ? AND kind = 'recorder_gap'", [pid]
+        ).fetchone()[0]
         span = last - first + 1
-        report.coverage.append(Coverage(pid, node, first, last, int(stored), int(pruned_events),
-                                        int(span - stored - pruned_events), int(gaps)))
+        report.coverage.append(
+            Coverage(
+                pid, node, first, last, int(stored), int(pruned_events), int(span - stored - pruned_events), int(gaps)
+            )
+        )
 
 
 def _verify_prunes(con, report: VerifyReport) -> None:
-    prunes = con.execute("SELECT prune_id, wall_ns, before_ns, num_batches, num_events, num_held_batches, note, "
-                         "prev_digest, digest FROM prunes ORDER BY prune_id").fetchall()
+    prunes = con.execute(
+        "SELECT prune_id, wall_ns, before_ns, num_batches, num_events, num_held_batches, note, "
+        "prev_digest, digest FROM prunes ORDER BY prune_id"
+    ).fetchall()
     prev = chain.GENESIS
     for prune_id, wall_ns, before_ns, nb, ne, nh, note, prev_d, digest in prunes:
-        listed = con.execute("SELECT producer_id, batch_no FROM prune_batches WHERE prune_id = ? "
-                             "ORDER BY producer_id, batch_no", [prune_id]).fetchall()
+        listed = con.execute(
+            "SELECT producer_id, batch_no FROM prune_batches WHERE prune_id = ? ORDER BY producer_id, batch_no",
+            [prune_id],
+        ).fetchall()
         expect = prune_digest(prev, prune_id, wall_ns, before_ns, nb, ne, nh, note, listed)
         if bytes(prev_d) != prev or bytes(digest) != expect:
             report.problems.append(Problem(None, None, None, f"prune record {prune_id} does not match its digest"))
@@ -227,10 +253,12 @@ def _verify_prunes(con, report: VerifyReport) -> None:
         "SELECT b.producer_id, b.batch_no, b.pruned_by FROM batches b LEFT JOIN prune_batches pb "
         "ON pb.producer_id = b.producer_id AND pb.batch_no = b.batch_no AND pb.prune_id = b.pruned_by "
         "LEFT JOIN prunes p ON p.prune_id = b.pruned_by "
-        "WHERE b.pruned_by IS NOT NULL AND (pb.prune_id IS NULL OR b.max_wall_ns >= p.before_ns) LIMIT 5").fetchall()
+        "WHERE b.pruned_by IS NOT NULL AND (pb.prune_id IS NULL OR b.max_wall_ns >= p.before_ns) LIMIT 5"
+    ).fetchall()
     for pid, batch_no, prune_id in orphans:
-        report.problems.append(Problem(pid, None, batch_no,
-                                       f"marked pruned by {prune_id} but no prune record covers it"))
+        report.problems.append(
+            Problem(pid, None, batch_no, f"marked pruned by {prune_id} but no prune record covers it")
+        )
 
 
 # ---- producer ends -----------------------------------------------------------------------------
@@ -239,8 +267,10 @@ OPENS_TABLE = "store_opens"  # one row per writable open of the store: (open_no,
 
 
 def _has(con: duckdb.DuckDBPyConnection, table: str, column: str | None = None) -> bool:
-    sql = ("SELECT count(*) FROM duckdb_columns() WHERE database_name = current_database() "
-           "AND schema_name = 'main' AND table_name = ? AND (? IS NULL OR column_name = ?)")
+    sql = (
+        "SELECT count(*) FROM duckdb_columns() WHERE database_name = current_database() "
+        "AND schema_name = 'main' AND table_name = ? AND (? IS NULL OR column_name = ?)"
+    )
     row = con.execute(sql, [table, column, column]).fetchone()
     return bool(row and row[0])
 
@@ -252,8 +282,9 @@ def at_rest(con: duckdb.DuckDBPyConnection) -> bool:
     return bool(row and row[0])
 
 
-def unclean_ends(con: duckdb.DuckDBPyConnection, *, kinds: bool | None = None,
-                 resting: bool = False) -> list[UncleanEnd]:
+def unclean_ends(
+    con: duckdb.DuckDBPyConnection, *, kinds: bool | None = None, resting: bool = False
+) -> list[UncleanEnd]:
     """Producer instances that ended without ``recorder_closed``, in producer order.
 
     Judged are instances that announce their lifecycle (a ``recorder_started`` event, or a first batch
@@ -269,17 +300,21 @@ def unclean_ends(con: duckdb.DuckDBPyConnection, *, kinds: bool | None = None,
     (``layout.has_kind_tables``; None: look).
     """
     if has_kind_tables(con) if kinds is None else kinds:  # the two kinds' own tables, not the events view
-        life = ("SELECT producer_id, bool_or(kind = 'recorder_closed') AS closed, "
-                "bool_or(kind = 'recorder_started') AS started, "
-                "max(flush_interval_ns) FILTER (kind = 'recorder_started') AS bound_ns "
-                "FROM (SELECT producer_id, 'recorder_started' AS kind, flush_interval_ns FROM events_recorder_started "
-                "UNION ALL SELECT producer_id, 'recorder_closed', NULL::BIGINT FROM events_recorder_closed) "
-                "GROUP BY producer_id")
+        life = (
+            "SELECT producer_id, bool_or(kind = 'recorder_closed') AS closed, "
+            "bool_or(kind = 'recorder_started') AS started, "
+            "max(flush_interval_ns) FILTER (kind = 'recorder_started') AS bound_ns "
+            "FROM (SELECT producer_id, 'recorder_started' AS kind, flush_interval_ns FROM events_recorder_started "
+            "UNION ALL SELECT producer_id, 'recorder_closed', NULL::BIGINT FROM events_recorder_closed) "
+            "GROUP BY producer_id"
+        )
     elif _has(con, "events", "flush_interval_ns"):
-        life = ("SELECT producer_id, bool_or(kind = 'recorder_closed') AS closed, "
-                "bool_or(kind = 'recorder_started') AS started, "
-                "max(flush_interval_ns) FILTER (kind = 'recorder_started') AS bound_ns "
-                "FROM events WHERE kind IN ('recorder_started', 'recorder_closed') GROUP BY producer_id")
+        life = (
+            "SELECT producer_id, bool_or(kind = 'recorder_closed') AS closed, "
+            "bool_or(kind = 'recorder_started') AS started, "
+            "max(flush_interval_ns) FILTER (kind = 'recorder_started') AS bound_ns "
+            "FROM events WHERE kind IN ('recorder_started', 'recorder_closed') GROUP BY producer_id"
+        )
     else:  # a store from before the lifecycle kinds: nothing to judge but pruned beginnings
         life = "SELECT NULL::BIGINT AS producer_id, false AS closed, false AS started, NULL::BIGINT AS bound_ns"
     rows = con.execute(f"""
@@ -301,8 +336,21 @@ def unclean_ends(con: duckdb.DuckDBPyConnection, *, kinds: bool | None = None,
     for _pid, cluster, node, instance, first_wall, *_ in rows:
         starts.setdefault((cluster, node), []).append((int(first_wall), instance))
     ends = []
-    for pid, cluster, node, instance, _first, last_wall, last_seq, last_commit, last_pruned, first_pruned, closed, \
-            started, bound in rows:
+    for (
+        pid,
+        cluster,
+        node,
+        instance,
+        _first,
+        last_wall,
+        last_seq,
+        last_commit,
+        last_pruned,
+        first_pruned,
+        closed,
+        started,
+        bound,
+    ) in rows:
         if closed or last_pruned or not (started or first_pruned):
             continue
         last_wall = int(last_wall)
@@ -315,12 +363,25 @@ def unclean_ends(con: duckdb.DuckDBPyConnection, *, kinds: bool | None = None,
             ended_by, reason = reopened[0], f"the store's owner restarted at {format_utc(reopened[0])}"
         elif resting:
             ended_by = None  # the owner stopped at some time after the last commit (not recorded)
-            reason = (f"no recorder_closed and no later instance, and the store is at rest (read read-only) since "
-                      f"its last commit at {format_utc(int(last_commit))}")
+            reason = (
+                f"no recorder_closed and no later instance, and the store is at rest (read read-only) since "
+                f"its last commit at {format_utc(int(last_commit))}"
+            )
         else:
             continue
-        ends.append(UncleanEnd(int(pid), node, instance, int(last_seq), last_wall,
-                               None if bound is None else int(bound), reason, cluster, ended_by))
+        ends.append(
+            UncleanEnd(
+                int(pid),
+                node,
+                instance,
+                int(last_seq),
+                last_wall,
+                None if bound is None else int(bound),
+                reason,
+                cluster,
+                ended_by,
+            )
+        )
     return ends
 
 
@@ -339,9 +400,19 @@ def chain_heads(con: duckdb.DuckDBPyConnection, table: str = "batches", producer
         f"SELECT b.producer_id, p.node, p.instance, b.batch_no, b.last_seq, b.digest FROM {table} b "
         f"JOIN {producers} p USING (producer_id) "
         "QUALIFY row_number() OVER (PARTITION BY b.producer_id ORDER BY b.batch_no DESC) = 1 "
-        "ORDER BY b.producer_id").fetchall()
-    return [{"producer_id": int(pid), "node": node, "instance": inst, "batch_no": int(no), "last_seq": int(last),
-             "digest": bytes(digest).hex()} for pid, node, inst, no, last, digest in rows]
+        "ORDER BY b.producer_id"
+    ).fetchall()
+    return [
+        {
+            "producer_id": int(pid),
+            "node": node,
+            "instance": inst,
+            "batch_no": int(no),
+            "last_seq": int(last),
+            "digest": bytes(digest).hex(),
+        }
+        for pid, node, inst, no, last, digest in rows
+    ]
 
 
 def parse_heads(doc, source: str, path: str = "heads") -> list[dict]:
@@ -349,6 +420,7 @@ def parse_heads(doc, source: str, path: str = "heads") -> list[dict]:
 
     Raises KvtrailError naming the source and the field, e.g. ``heads.json: field 'heads[2].digest': ...``.
     """
+
     def bad(field: str, reason: str) -> KvtrailError:
         return KvtrailError(f"{source}: field '{field}': {reason}")
 
@@ -401,23 +473,45 @@ def compare_heads(con: duckdb.DuckDBPyConnection, heads: list[dict]) -> list[Pro
         saved = f"batch {batch_no}, seq {h['last_seq']}"
         if cur is None:
             row = con.execute("SELECT node FROM producers WHERE producer_id = ?", [pid]).fetchone()
-            what = ("behind the saved head: the store holds no batch of it" if row else
-                    "missing: the producer is not in the store")
+            what = (
+                "behind the saved head: the store holds no batch of it"
+                if row
+                else "missing: the producer is not in the store"
+            )
             problems.append(Problem(pid, row[0] if row else h.get("node"), batch_no, f"{what} (saved head {saved})"))
             continue
         node = cur["node"]
         if cur["batch_no"] < batch_no or cur["last_seq"] < h["last_seq"]:
-            problems.append(Problem(pid, node, batch_no,
-                                    f"behind the saved head: the store ends at batch {cur['batch_no']}, seq "
-                                    f"{cur['last_seq']}, the saved head is {saved} (newest batches deleted?)"))
+            problems.append(
+                Problem(
+                    pid,
+                    node,
+                    batch_no,
+                    f"behind the saved head: the store ends at batch {cur['batch_no']}, seq "
+                    f"{cur['last_seq']}, the saved head is {saved} (newest batches deleted?)",
+                )
+            )
             continue
-        row = con.execute("SELECT digest FROM batches WHERE producer_id = ? AND batch_no = ?",
-                          [pid, batch_no]).fetchone()
+        row = con.execute(
+            "SELECT digest FROM batches WHERE producer_id = ? AND batch_no = ?", [pid, batch_no]
+        ).fetchone()
         if row is None:
-            problems.append(Problem(pid, node, batch_no, "forked from the saved head: the store has no batch "
-                                                         f"{batch_no} (saved head {saved})"))
+            problems.append(
+                Problem(
+                    pid,
+                    node,
+                    batch_no,
+                    f"forked from the saved head: the store has no batch {batch_no} (saved head {saved})",
+                )
+            )
         elif bytes(row[0]).hex() != digest:
-            problems.append(Problem(pid, node, batch_no,
-                                    f"digest differs ({bytes(row[0]).hex()[:16]}... now, {digest[:16]}... saved): "
-                                    "forked from the saved head"))
+            problems.append(
+                Problem(
+                    pid,
+                    node,
+                    batch_no,
+                    f"digest differs ({bytes(row[0]).hex()[:16]}... now, {digest[:16]}... saved): "
+                    "forked from the saved head",
+                )
+            )
     return problems

@@ -121,8 +121,9 @@ def _convert(values, f: pa.Field, rows: np.ndarray | None) -> pa.Array:
         try:
             return pa.array(values, f.type)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
-            raise ValidationError(f.name, f"wrong type or out of range for {f.type}: {exc}",
-                                  event=first_bad_index(list(values), f.type)) from None
+            raise ValidationError(
+                f.name, f"wrong type or out of range for {f.type}: {exc}", event=first_bad_index(list(values), f.type)
+            ) from None
     except ValidationError as exc:
         if rows is None or exc.event is None:
             raise
@@ -211,8 +212,9 @@ def build_batch(producer: Producer, items: list, wall_offset: int | None = None)
 class Writer(threading.Thread):
     """Drains one producer's event buffer into one sink. Started by the recorder; stopped by ``Recorder.close``."""
 
-    def __init__(self, buffer: EventBuffer, sink: Sink, producer: Producer, *, flush_interval_s: float,
-                 max_batch_events: int):
+    def __init__(
+        self, buffer: EventBuffer, sink: Sink, producer: Producer, *, flush_interval_s: float, max_batch_events: int
+    ):
         super().__init__(name=f"kvtrail-writer-{producer.node}", daemon=True)
         self._buffer = buffer
         self._sink = sink
@@ -275,7 +277,7 @@ class Writer(threading.Thread):
             markers += new_markers
             step = self._max_batch_events
             for i in range(0, len(items), step):
-                self._commit(items[i:i + step])
+                self._commit(items[i : i + step])
             if not self._pending_gaps:
                 break
         for m in markers:
@@ -294,7 +296,7 @@ class Writer(threading.Thread):
                     self._one_by_one(items, invalid)
                     break
                 invalid.append(str(exc))
-                items = items[:exc.event] + items[exc.event + 1:]
+                items = items[: exc.event] + items[exc.event + 1 :]
                 continue
             except Exception as exc:  # noqa: BLE001 - sink failure: retried, then counted as lost
                 if self._retry(items, exc):

@@ -11,8 +11,14 @@ import click
 from kvtrail.errors import KvtrailError, StoreError, ValidationError
 from kvtrail.timeutil import format_utc, parse_utc
 
-DB_OPTION = click.option("--db", "db", default="kvtrail.duckdb", show_default=True,
-                         type=click.Path(dir_okay=False), help="DuckDB audit store file.")
+DB_OPTION = click.option(
+    "--db",
+    "db",
+    default="kvtrail.duckdb",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="DuckDB audit store file.",
+)
 
 
 def _progress(total: int | None, desc: str):
@@ -38,12 +44,16 @@ def audit() -> None:
 
 @audit.command()
 @DB_OPTION
-@click.option("--signing-key", type=click.Path(exists=True, dir_okay=False),
-              help="Ed25519 private key (PEM) to sign batches.")
-@click.option("--init-empty", is_flag=True,
-              help="Make kvtrail's tables in an existing DuckDB file that holds none (a missing --db is created "
-                   "without it; an empty one is refused without it, being what a copy taken without its WAL "
-                   "looks like).")
+@click.option(
+    "--signing-key", type=click.Path(exists=True, dir_okay=False), help="Ed25519 private key (PEM) to sign batches."
+)
+@click.option(
+    "--init-empty",
+    is_flag=True,
+    help="Make kvtrail's tables in an existing DuckDB file that holds none (a missing --db is created "
+    "without it; an empty one is refused without it, being what a copy taken without its WAL "
+    "looks like).",
+)
 @click.argument("files", nargs=-1, required=True, type=click.Path(allow_dash=True))
 def ingest(db: str, signing_key: str | None, init_empty: bool, files: tuple[str, ...]) -> None:
     """Ingest event files: JSON lines (.jsonl, '-' for stdin) or Arrow IPC streams (.arrow). One file = one batch.
@@ -78,8 +88,10 @@ def ingest(db: str, signing_key: str | None, init_empty: bool, files: tuple[str,
                 raise KvtrailError(f"{name}: {exc.at_lines(lines)} (nothing from this file was stored)") from None
             except KvtrailError as exc:
                 raise KvtrailError(f"{name}: {exc} (nothing from this file was stored)") from None
-            click.echo(f"{name}: stored {res.num_events} events, {res.num_page_events} page-events "
-                       f"in {res.num_runs} runs, {len(res.batches)} batch(es)")
+            click.echo(
+                f"{name}: stored {res.num_events} events, {res.num_page_events} page-events "
+                f"in {res.num_runs} runs, {len(res.batches)} batch(es)"
+            )
 
 
 def _read(name: str) -> bytes:
@@ -89,24 +101,31 @@ def _read(name: str) -> bytes:
         raise KvtrailError(f"{name}: cannot read ({exc.strerror})") from None
 
 
-URL_OPTION = click.option("--url", envvar="KVTRAIL_URL",
-                          help="Ask a running kvtrail service instead of --db (env KVTRAIL_URL).")
-TOKEN_OPTION = click.option("--token", "api_token", envvar="KVTRAIL_TOKEN",
-                            help="Operator API token for --url (env KVTRAIL_TOKEN).")
+URL_OPTION = click.option(
+    "--url", envvar="KVTRAIL_URL", help="Ask a running kvtrail service instead of --db (env KVTRAIL_URL)."
+)
+TOKEN_OPTION = click.option(
+    "--token", "api_token", envvar="KVTRAIL_TOKEN", help="Operator API token for --url (env KVTRAIL_TOKEN)."
+)
 
 
 @audit.command()
 @DB_OPTION
 @URL_OPTION
 @TOKEN_OPTION
-@click.option("--public-key", type=click.Path(exists=True, dir_okay=False),
-              help="Also check every batch's Ed25519 signature.")
+@click.option(
+    "--public-key", type=click.Path(exists=True, dir_okay=False), help="Also check every batch's Ed25519 signature."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("--expect-heads", type=click.Path(dir_okay=False),
-              help="JSON written earlier by 'kvtrail audit head --json': also fail if a producer's chain is "
-                   "behind (newest batches deleted) or forked from those heads.")
-def verify(db: str, url: str | None, api_token: str | None, public_key: str | None, as_json: bool,
-           expect_heads: str | None) -> None:
+@click.option(
+    "--expect-heads",
+    type=click.Path(dir_okay=False),
+    help="JSON written earlier by 'kvtrail audit head --json': also fail if a producer's chain is "
+    "behind (newest batches deleted) or forked from those heads.",
+)
+def verify(
+    db: str, url: str | None, api_token: str | None, public_key: str | None, as_json: bool, expect_heads: str | None
+) -> None:
     """Recompute the hash chain; name the first broken or missing link. Exit 1 if anything fails.
 
     With --expect-heads, also name each producer whose chain no longer reaches its saved head.
@@ -128,8 +147,9 @@ def verify(db: str, url: str | None, api_token: str | None, public_key: str | No
         sys.exit(1)
 
 
-def _verify_remote(url: str, api_token: str | None, saved: list | None,
-                   public_key_pem: str | None) -> tuple[dict, list[str]]:
+def _verify_remote(
+    url: str, api_token: str | None, saved: list | None, public_key_pem: str | None
+) -> tuple[dict, list[str]]:
     from kvtrail.answers.client import Client
 
     doc = Client(url, api_token).verify(expect_heads=saved, public_key_pem=public_key_pem)
@@ -149,19 +169,24 @@ def _verify_local(db: str, public_key: str | None, saved: list | None) -> tuple[
         report = verify_store(con, checker=checker, progress=bar.update)
     head_problems = compare_heads(con, saved) if saved is not None else []
     con.close()
-    return report.to_dict(head_problems=head_problems, heads_checked=len(saved or [])), \
-        [str(p) for p in report.problems]
+    return report.to_dict(head_problems=head_problems, heads_checked=len(saved or [])), [
+        str(p) for p in report.problems
+    ]
 
 
 def _print_verify(doc: dict, chain_problems: list[str], saved: list | None) -> None:
     from kvtrail.audit.verify import UncleanEnd
 
-    click.echo(f"checked {doc['batches_checked']} batches ({doc['batches_pruned']} pruned), "
-               f"{doc['events_checked']} events, {doc['signatures_checked']} signatures")
+    click.echo(
+        f"checked {doc['batches_checked']} batches ({doc['batches_pruned']} pruned), "
+        f"{doc['events_checked']} events, {doc['signatures_checked']} signatures"
+    )
     for c in doc["coverage"]:
-        click.echo(f"  {c['node']} producer {c['producer_id']}: seq {c['first_seq']}..{c['last_seq']}, "
-                   f"{c['stored_events']} stored, {c['pruned_events']} pruned, {c['missing_events']} missing "
-                   f"({c['explained_by_gaps']} reported by recorder_gap, {c['unexplained']} unexplained)")
+        click.echo(
+            f"  {c['node']} producer {c['producer_id']}: seq {c['first_seq']}..{c['last_seq']}, "
+            f"{c['stored_events']} stored, {c['pruned_events']} pruned, {c['missing_events']} missing "
+            f"({c['explained_by_gaps']} reported by recorder_gap, {c['unexplained']} unexplained)"
+        )
     for u in doc["unclean_ends"]:  # a coverage gap, not a broken chain: the exit code stays 0
         click.echo(f"  {UncleanEnd(**{k: v for k, v in u.items() if k != 'gap_end_ns'})}")
     if not chain_problems:
@@ -170,23 +195,29 @@ def _print_verify(doc: dict, chain_problems: list[str], saved: list | None) -> N
         click.echo(f"FAILED: first problem: {chain_problems[0]}")
         for p in chain_problems[1:10]:
             click.echo(f"  also: {p}")
-    head_problems = doc["problems"][len(chain_problems):]
+    head_problems = doc["problems"][len(chain_problems) :]
     if saved is not None and not head_problems:
         click.echo(f"OK: the store still holds all {len(saved)} saved chain heads")
     for p in head_problems:  # every one: each names a producer whose history was cut or rewritten
         click.echo(f"FAILED: saved chain head: {p}")
     log = doc.get("access_log")
     if log is not None:
-        click.echo(f"access log: {log['entries']} entries, " + ("OK" if log["ok"] else
-                   f"FAILED at entry {log['first_bad']}: {log['reason']}"))
+        click.echo(
+            f"access log: {log['entries']} entries, "
+            + ("OK" if log["ok"] else f"FAILED at entry {log['first_bad']}: {log['reason']}")
+        )
 
 
 @audit.command()
 @DB_OPTION
 @URL_OPTION
 @TOKEN_OPTION
-@click.option("--json", "as_json", is_flag=True,
-              help="Print {\"heads\": [...]} as JSON, the file 'kvtrail audit verify --expect-heads' reads.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print {\"heads\": [...]} as JSON, the file 'kvtrail audit verify --expect-heads' reads.",
+)
 def head(db: str, url: str | None, api_token: str | None, as_json: bool) -> None:
     """Print each producer's chain head (last batch and digest) to anchor outside the store."""
     if url:
@@ -237,9 +268,11 @@ def migrate(db: str) -> None:
         click.echo(f"store {db}: already format {STORE_FORMAT}, nothing to do")
         return
     note = "OK" if res.problems == 0 else f"{res.problems} problem(s), the same as before ('kvtrail audit verify')"
-    click.echo(f"store {db}: format {res.from_format} -> {STORE_FORMAT}: {res.events} events into "
-               f"{res.kind_tables} kind tables and {res.requests} request identities in {res.seconds:.1f} s; "
-               f"chain of {res.batches_checked} batches verified before and after: {note}")
+    click.echo(
+        f"store {db}: format {res.from_format} -> {STORE_FORMAT}: {res.events} events into "
+        f"{res.kind_tables} kind tables and {res.requests} request identities in {res.seconds:.1f} s; "
+        f"chain of {res.batches_checked} batches verified before and after: {note}"
+    )
 
 
 @audit.command()
@@ -249,8 +282,10 @@ def stats(db: str) -> None:
     from kvtrail.audit.store import connect_readonly
 
     con = connect_readonly(_existing(db))
-    rows = con.execute("SELECT node, role, kind, count(*), sum(num_pages + num_dst_pages), min(wall_ns), max(wall_ns) "
-                       "FROM events_v GROUP BY ALL ORDER BY node, kind").fetchall()
+    rows = con.execute(
+        "SELECT node, role, kind, count(*), sum(num_pages + num_dst_pages), min(wall_ns), max(wall_ns) "
+        "FROM events_v GROUP BY ALL ORDER BY node, kind"
+    ).fetchall()
     click.echo(f"{'node':<16}{'role':<9}{'kind':<20}{'events':>10}{'page-events':>14}  first .. last (UTC)")
     for node, role, kind, n, pages, t0, t1 in rows:
         click.echo(f"{node:<16}{role:<9}{kind:<20}{n:>10}{int(pages or 0):>14}  {format_utc(t0)} .. {format_utc(t1)}")
@@ -271,8 +306,10 @@ def prune_cmd(db: str, before: str, note: str | None, dry_run: bool) -> None:
         res = prune(store, before_ns, note=note, dry_run=dry_run)
     verb = "would remove" if dry_run else "removed"
     rec = f" (prune record {res.prune_id})" if res.prune_id else ""
-    click.echo(f"{verb} {res.num_batches} batches, {res.num_events} events before {format_utc(before_ns)}; "
-               f"kept {res.num_held_batches} batches under legal hold{rec}")
+    click.echo(
+        f"{verb} {res.num_batches} batches, {res.num_events} events before {format_utc(before_ns)}; "
+        f"kept {res.num_held_batches} batches under legal hold{rec}"
+    )
 
 
 @audit.group()
@@ -293,8 +330,9 @@ def hold_add(db: str, from_: str, to: str, tenant: str | None, node: str | None,
     from kvtrail.audit.store import AuditStore
 
     with AuditStore(_existing(db)) as store:
-        hold_id = add_hold(store, parse_utc(from_, field="--from"), parse_utc(to, field="--to"), reason,
-                           tenant_id=tenant, node=node)
+        hold_id = add_hold(
+            store, parse_utc(from_, field="--from"), parse_utc(to, field="--to"), reason, tenant_id=tenant, node=node
+        )
     click.echo(f"hold {hold_id} placed")
 
 
@@ -308,8 +346,10 @@ def hold_list(db: str) -> None:
     with AuditStore(_existing(db)) as store:
         for h in list_holds(store):
             state = f"released {format_utc(h.released_ns)}" if h.released_ns else "active"
-            click.echo(f"{h.hold_id}\t{format_utc(h.from_ns)} .. {format_utc(h.to_ns)}\ttenant={h.tenant_id or '*'}\t"
-                       f"node={h.node or '*'}\t{state}\t{h.reason}")
+            click.echo(
+                f"{h.hold_id}\t{format_utc(h.from_ns)} .. {format_utc(h.to_ns)}\ttenant={h.tenant_id or '*'}\t"
+                f"node={h.node or '*'}\t{state}\t{h.reason}"
+            )
 
 
 @hold.command("release")
@@ -329,8 +369,11 @@ def hold_release(db: str, hold_id: int) -> None:
 @DB_OPTION
 @click.option("--to", "to", required=True, type=click.Path(dir_okay=False), help="The single-file copy to write.")
 @click.option("--force", is_flag=True, help="Replace an existing --to.")
-@click.option("--public-key", type=click.Path(exists=True, dir_okay=False),
-              help="Also check every batch's Ed25519 signature in the copy.")
+@click.option(
+    "--public-key",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Also check every batch's Ed25519 signature in the copy.",
+)
 def backup(db: str, to: str, force: bool, public_key: str | None) -> None:
     """Copy a store (its .duckdb and .wal, live or crashed) into one checkpointed file and verify the copy.
 
@@ -345,11 +388,15 @@ def backup(db: str, to: str, force: bool, public_key: str | None) -> None:
         res = backup_store(_existing(db), to, force=force, checker=checker, progress=bar.update)
     report = res.report
     retried = f" (copied {res.attempts} times: the writer checkpointed meanwhile)" if res.attempts > 1 else ""
-    click.echo(f"backed up {db} to {res.path}: {res.num_bytes} bytes, {res.producers} producers, "
-               f"{res.batches} batches, {res.events} events{retried}")
+    click.echo(
+        f"backed up {db} to {res.path}: {res.num_bytes} bytes, {res.producers} producers, "
+        f"{res.batches} batches, {res.events} events{retried}"
+    )
     if report.ok:
-        click.echo(f"OK: the copy verifies ({report.batches_checked} batches, {report.events_checked} events, "
-                   f"{report.signatures_checked} signatures)")
+        click.echo(
+            f"OK: the copy verifies ({report.batches_checked} batches, {report.events_checked} events, "
+            f"{report.signatures_checked} signatures)"
+        )
     else:
         click.echo(f"FAILED: the copy's chain: first problem: {report.first_problem}")
         sys.exit(1)
@@ -395,10 +442,12 @@ def import_cmd(db: str, no_verify: bool, src: str) -> None:
 
 
 @audit.command()
-@click.option("--private", "private", required=True, type=click.Path(dir_okay=False),
-              help="Where to write the private key.")
-@click.option("--public", "public", required=True, type=click.Path(dir_okay=False),
-              help="Where to write the public key.")
+@click.option(
+    "--private", "private", required=True, type=click.Path(dir_okay=False), help="Where to write the private key."
+)
+@click.option(
+    "--public", "public", required=True, type=click.Path(dir_okay=False), help="Where to write the public key."
+)
 def keygen(private: str, public: str) -> None:
     """Create an Ed25519 key pair for signing batch digests."""
     from kvtrail.audit.chain import generate_keypair

@@ -36,8 +36,13 @@ _DEFAULTS = DashboardConfig()
 @click.option("--db", type=click.Path(dir_okay=False), help="Audit store to read (opened read-only per page load).")
 @click.option("--url", envvar="KVTRAIL_URL", help="A running kvtrail service to read through its API.")
 @click.option("--token", envvar="KVTRAIL_TOKEN", help="Bearer token for --url (a tenant token sees its tenant only).")
-@click.option("--port", default=_DEFAULTS.port, show_default=True, type=click.IntRange(0, 65535),
-              help="Port on 127.0.0.1; 0 lets the OS pick one (the first line of output names it).")
+@click.option(
+    "--port",
+    default=_DEFAULTS.port,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="Port on 127.0.0.1; 0 lets the OS pick one (the first line of output names it).",
+)
 def dashboard(db: str | None, url: str | None, token: str | None, port: int) -> None:
     """Serve the read-only dashboard (Fleet, Findings, Affected responses, Exposure, Transfers, Report) on loopback.
 
@@ -49,8 +54,9 @@ def dashboard(db: str | None, url: str | None, token: str | None, port: int) -> 
     require_extra()
     port = port or free_port()
     address = f"http://{HOST}:{port}"
-    proc = subprocess.Popen(streamlit_command(port), env=env, stdout=sys.stderr, stderr=sys.stderr,
-                            stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        streamlit_command(port), env=env, stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL
+    )
     try:
         with interrupt_on_stop_signals():
             try:

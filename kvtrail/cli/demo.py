@@ -64,15 +64,19 @@ def _report(db: str, mode: str, cfg: StackConfig, outcomes, started_ns: int, ela
     for o in outcomes:
         by_status[o.status] = by_status.get(o.status, 0) + 1
     leaks = [o for o in outcomes if o.foreign_canaries]
-    click.echo(f"\n== {mode}: prefill pool {cfg.prefill_pool_tokens:,} tokens < advertised context "
-               f"{cfg.context_tokens:,}; {len(outcomes)} requests in {elapsed_s:.1f} s; HTTP status counts "
-               + ", ".join(f"{s}: {n}" for s, n in sorted(by_status.items())))
+    click.echo(
+        f"\n== {mode}: prefill pool {cfg.prefill_pool_tokens:,} tokens < advertised context "
+        f"{cfg.context_tokens:,}; {len(outcomes)} requests in {elapsed_s:.1f} s; HTTP status counts "
+        + ", ".join(f"{s}: {n}" for s, n in sorted(by_status.items()))
+    )
     over = [o for o in outcomes if o.overlong]
     click.echo(f"   over-long prompts: {len(over)} -> statuses {sorted({o.status for o in over})}")
     click.echo(f"   ground truth (content): {len(leaks)} responses carried another tenant's canary")
     for o in leaks[:8]:
-        click.echo(f"     {o.tenant:<8} HTTP {o.status} prompt {o.prompt_tokens:>6} tokens -> saw "
-                   f"{', '.join(o.foreign_canaries)}'s data")
+        click.echo(
+            f"     {o.tenant:<8} HTTP {o.status} prompt {o.prompt_tokens:>6} tokens -> saw "
+            f"{', '.join(o.foreign_canaries)}'s data"
+        )
     ended_ns = time.time_ns()
     con = connect_readonly(db)
     try:
@@ -83,8 +87,10 @@ def _report(db: str, mode: str, cfg: StackConfig, outcomes, started_ns: int, ela
     # transfer id) and F4 (a request a node aborted that the client still got as a 2xx).
     mismatches = [f for f in findings if f.code == "F2"]
     served = sum(1 for f in findings if f.code == "F4")
-    click.echo(f"   audit alone: {len(mismatches)} transfers where decode reserved more than prefill sent; "
-               f"{served} requests rejected by prefill yet answered 2xx")
+    click.echo(
+        f"   audit alone: {len(mismatches)} transfers where decode reserved more than prefill sent; "
+        f"{served} requests rejected by prefill yet answered 2xx"
+    )
     for f in mismatches[:8]:
         click.echo(f"     request {f.request_id} ({f.tenant_id}): {f.detail}")
     _report_findings(findings, outcomes, _window_flags(db, started_ns, ended_ns))
@@ -107,23 +113,33 @@ def _report_findings(findings, outcomes, window_flags: str) -> None:
             victims = {t or "unknown (never written)" for t in f.victim_tenant_ids} or {"unknown"}
             affected.setdefault((f.request_id, f.tenant_id), set()).update(victims)
             checked, matched = checked + f.lineage_checked, matched + f.lineage_matched
-    click.echo("   forensics replay (audit only): findings "
-               + (", ".join(f"{c}: {n}" for c, n in sorted(counts.items())) or "none")
-               + f"; {len(affected)} affected responses (read foreign pages)")
+    click.echo(
+        "   forensics replay (audit only): findings "
+        + (", ".join(f"{c}: {n}" for c, n in sorted(counts.items())) or "none")
+        + f"; {len(affected)} affected responses (read foreign pages)"
+    )
     for (rid, tenant), victims in sorted(affected.items(), key=lambda kv: str(kv[0]))[:8]:
         click.echo(f"     request {rid} ({tenant}) read pages last written for: {', '.join(sorted(victims))}")
     if checked:
-        click.echo(f"   digest lineage: {matched} of {checked} foreign pages read carried exactly the bytes their "
-                   "previous writer recorded (proof of whose data it was)")
+        click.echo(
+            f"   digest lineage: {matched} of {checked} foreign pages read carried exactly the bytes their "
+            "previous writer recorded (proof of whose data it was)"
+        )
     fast = [f for f in findings if f.code == "F9"]
     if fast:
-        click.echo(f"   implausible latency (F9): {len(fast)} responses arrived faster than their prefill node "
-                   f"can compute the prompt, e.g. {fast[0].detail}")
+        click.echo(
+            f"   implausible latency (F9): {len(fast)} responses arrived faster than their prefill node "
+            f"can compute the prompt, e.g. {fast[0].detail}"
+        )
         # The rate is a quantile of the node's prefill samples in the window: over the whole store (this
         # run and the next) it is measured on other samples, and a response near the bound can flip.
-        click.echo("     (F9 judges each node against the prefill rate measured in the window: `kvtrail forensics "
-                   f"findings {window_flags}` repeats this count; the whole store's window measures the rate over "
-                   "every run in it and may count F9 differently)")
+        click.echo(
+            "     (F9 judges each node against the prefill rate measured in the window: `kvtrail forensics "
+            f"findings {window_flags}` repeats this count; the whole store's window measures the rate over "
+            "every run in it and may count F9 differently)"
+        )
     leaked = sum(1 for o in outcomes if o.foreign_canaries)
-    click.echo(f"   side by side: content shows {leaked} cross-tenant leaks; the audit flags {len(affected)} "
-               "affected responses (a superset: it also sees reads of never-written and same-tenant pages)")
+    click.echo(
+        f"   side by side: content shows {leaked} cross-tenant leaks; the audit flags {len(affected)} "
+        "affected responses (a superset: it also sees reads of never-written and same-tenant pages)"
+    )

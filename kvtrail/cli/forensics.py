@@ -58,18 +58,21 @@ ENGINES = ("replay", "sql")
 
 
 def _window(from_: str | None, to: str | None, tenant: str | None = None, node: str | None = None) -> Window:
-    return Window(parse_utc(from_, field="--from") if from_ else None, parse_utc(to, field="--to") if to else None,
-                  tenant, node)
+    return Window(
+        parse_utc(from_, field="--from") if from_ else None, parse_utc(to, field="--to") if to else None, tenant, node
+    )
 
 
 def _warn(answer) -> None:
     """Coverage gaps and integrity warnings go to stderr, whatever the format."""
     gaps = answer.gaps
     if len(gaps):
-        click.echo(f"warning: coverage gap: {int(gaps['unexplained'].sum())} events missing from "
-                   f"{len(gaps)} producer(s) without a recorder_gap explaining them "
-                   f"({', '.join(printable(n) for n in gaps['node'].to_list()[:5])}); answers may be incomplete",
-                   err=True)
+        click.echo(
+            f"warning: coverage gap: {int(gaps['unexplained'].sum())} events missing from "
+            f"{len(gaps)} producer(s) without a recorder_gap explaining them "
+            f"({', '.join(printable(n) for n in gaps['node'].to_list()[:5])}); answers may be incomplete",
+            err=True,
+        )
     for text in answer.warnings:
         click.echo(f"warning: {printable(text)}", err=True)
 
@@ -96,8 +99,14 @@ def _emit(answer, fmt: str, out: str | None, view: TableView, w: Window, db: str
     df = answer.rows
     if fmt == "table":
         width, color = _terminal() if out is None else (120, False)
-        text = render_table(df, view_for(df, view), window_scope(w.from_ns, w.to_ns, w.tenant, w.node),
-                            notes=answer.notes, width_chars=width, color=color)
+        text = render_table(
+            df,
+            view_for(df, view),
+            window_scope(w.from_ns, w.to_ns, w.tenant, w.node),
+            notes=answer.notes,
+            width_chars=width,
+            color=color,
+        )
     elif fmt == "csv":
         text = csv_frame(df).write_csv()
     elif fmt == "json":
@@ -110,11 +119,13 @@ def _emit(answer, fmt: str, out: str | None, view: TableView, w: Window, db: str
         # color=True: click would otherwise cut escape sequences out of ids on their way to a pipe
         click.echo(text, nl=False, color=True)
     else:
+
         def write(tmp: Path) -> None:
             if fmt == "parquet":
                 df.write_parquet(tmp)
             else:
                 tmp.write_text(text)
+
         write_file_atomically(out, write, force=force, protected=(db,))
     if fmt != "table":
         for note in answer.notes:
@@ -125,17 +136,22 @@ def _emit(answer, fmt: str, out: str | None, view: TableView, w: Window, db: str
 
 def _options(f):
     f = remote_options(f)
-    for opt in reversed([
-        click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False)),
-        click.option("--from", "from_", help="UTC start of the window (ISO 8601)."),
-        click.option("--to", "to", help="UTC end of the window (ISO 8601)."),
-        click.option("--tenant", help="Only this tenant (as recipient or victim)."),
-        click.option("--node", help="Only this node."),
-        click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True),
-        click.option("--out", type=click.Path(dir_okay=False), help="Write to this file instead of stdout "
-                                                                   "(never the store or one of its files)."),
-        click.option("--force", is_flag=True, help="Replace --out if it exists."),
-    ]):
+    for opt in reversed(
+        [
+            click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False)),
+            click.option("--from", "from_", help="UTC start of the window (ISO 8601)."),
+            click.option("--to", "to", help="UTC end of the window (ISO 8601)."),
+            click.option("--tenant", help="Only this tenant (as recipient or victim)."),
+            click.option("--node", help="Only this node."),
+            click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True),
+            click.option(
+                "--out",
+                type=click.Path(dir_okay=False),
+                help="Write to this file instead of stdout (never the store or one of its files).",
+            ),
+            click.option("--force", is_flag=True, help="Replace --out if it exists."),
+        ]
+    ):
         f = opt(f)
     return f
 
@@ -143,8 +159,12 @@ def _options(f):
 def _say_excluded(dropped) -> None:
     if len(dropped):
         reasons = sorted({f"{by} ({why})" for by, why in zip(dropped["excluded_by"], dropped["reason"])})
-        click.echo(printable(f"excluded: {len(dropped)} affected responses of {len(reasons)} account(s): "
-                             f"{'; '.join(reasons)}"), err=True)
+        click.echo(
+            printable(
+                f"excluded: {len(dropped)} affected responses of {len(reasons)} account(s): {'; '.join(reasons)}"
+            ),
+            err=True,
+        )
 
 
 @click.group()
@@ -154,15 +174,30 @@ def forensics() -> None:
 
 def _policy_options(f):
 
-    for opt in reversed([
-        click.option("--engine", type=click.Choice(ENGINES), default="replay", show_default=True,
-                     help="Findings engine: the streaming replay or the independent SQL engine."),
-        click.option("--allow-tenant-cache-sharing", is_flag=True,
-                     help="The deployment lets tenants share prefix-cache pages: no F10."),
-        click.option("--latency-factor", type=click.FloatRange(1.0), default=ForensicsPolicy.latency_factor,
-                     show_default=True, help="F9: how many times faster than its node's measured prefill "
-                                             "rate a response must be to be implausible."),
-    ]):
+    for opt in reversed(
+        [
+            click.option(
+                "--engine",
+                type=click.Choice(ENGINES),
+                default="replay",
+                show_default=True,
+                help="Findings engine: the streaming replay or the independent SQL engine.",
+            ),
+            click.option(
+                "--allow-tenant-cache-sharing",
+                is_flag=True,
+                help="The deployment lets tenants share prefix-cache pages: no F10.",
+            ),
+            click.option(
+                "--latency-factor",
+                type=click.FloatRange(1.0),
+                default=ForensicsPolicy.latency_factor,
+                show_default=True,
+                help="F9: how many times faster than its node's measured prefill "
+                "rate a response must be to be implausible.",
+            ),
+        ]
+    ):
         f = opt(f)
     return f
 
@@ -177,11 +212,35 @@ def _policy(allow_tenant_cache_sharing: bool, latency_factor: float):
 @click.option("--code", "codes", multiple=True, help="Only these finding codes (repeatable), e.g. F1.")
 @exclusion_options
 @_policy_options
-@click.option("--save", is_flag=True, help="Also keep the window's findings in the store (tables findings and "
-                                           "forensic_runs); re-running a window adds no duplicates.")
+@click.option(
+    "--save",
+    is_flag=True,
+    help="Also keep the window's findings in the store (tables findings and "
+    "forensic_runs); re-running a window adds no duplicates.",
+)
 @lake_options
-def findings_cmd(db, url, api_token, from_, to, tenant, node, fmt, out, force, codes, exclude_tenants, exclude_file,
-                 engine, allow_tenant_cache_sharing, latency_factor, save, lake_url, scheduler, workers) -> None:
+def findings_cmd(
+    db,
+    url,
+    api_token,
+    from_,
+    to,
+    tenant,
+    node,
+    fmt,
+    out,
+    force,
+    codes,
+    exclude_tenants,
+    exclude_file,
+    engine,
+    allow_tenant_cache_sharing,
+    latency_factor,
+    save,
+    lake_url,
+    scheduler,
+    workers,
+) -> None:
     """Every finding in the window, with the event ids that prove it (excluded accounts' requests left out)."""
     _check_out(db, fmt, out, force)
     excl = exclusions(exclude_tenants, exclude_file)
@@ -207,8 +266,23 @@ def findings_cmd(db, url, api_token, from_, to, tenant, node, fmt, out, force, c
 @_options
 @exclusion_options
 @lake_options
-def affected(db, url, api_token, from_, to, tenant, node, fmt, out, force, exclude_tenants, exclude_file,
-             lake_url, scheduler, workers) -> None:
+def affected(
+    db,
+    url,
+    api_token,
+    from_,
+    to,
+    tenant,
+    node,
+    fmt,
+    out,
+    force,
+    exclude_tenants,
+    exclude_file,
+    lake_url,
+    scheduler,
+    workers,
+) -> None:
     """Which responses read foreign pages in the window, and whose data it was."""
     _check_out(db, fmt, out, force)
     excl = exclusions(exclude_tenants, exclude_file)
@@ -221,7 +295,6 @@ def affected(db, url, api_token, from_, to, tenant, node, fmt, out, force, exclu
 
 def _save(db: str, found, w, engine: str, policy) -> None:
 
-
     try:
         con = duckdb.connect(db)
     except duckdb.Error as exc:
@@ -230,18 +303,32 @@ def _save(db: str, found, w, engine: str, policy) -> None:
         run = save_findings(con, found, from_ns=w.from_ns, to_ns=w.to_ns, engine=engine, policy=policy)
     finally:
         con.close()
-    click.echo(f"saved run {run.run_id}: {run.num_findings} findings, {run.num_new} new "
-               f"(results digest {run.results_digest[:16]})", err=True)
+    click.echo(
+        f"saved run {run.run_id}: {run.num_findings} findings, {run.num_new} new "
+        f"(results digest {run.results_digest[:16]})",
+        err=True,
+    )
 
 
 @forensics.command()
 @click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False))
-@click.option("--interval", type=click.FloatRange(0.05), default=2.0, show_default=True,
-              help="Seconds between polls of the store.")
-@click.option("--polls", type=click.IntRange(0), default=0, show_default=True,
-              help="Stop after this many polls (0: until Ctrl-C).")
-@click.option("--allow-tenant-cache-sharing", is_flag=True, help="The deployment lets tenants share prefix-cache "
-                                                                 "pages: no F10.")
+@click.option(
+    "--interval",
+    type=click.FloatRange(0.05),
+    default=2.0,
+    show_default=True,
+    help="Seconds between polls of the store.",
+)
+@click.option(
+    "--polls",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="Stop after this many polls (0: until Ctrl-C).",
+)
+@click.option(
+    "--allow-tenant-cache-sharing", is_flag=True, help="The deployment lets tenants share prefix-cache pages: no F10."
+)
 @remote_options
 @lake_options
 def watch(db, interval, polls, allow_tenant_cache_sharing, url, api_token, lake_url, scheduler, workers) -> None:
@@ -260,8 +347,10 @@ def watch(db, interval, polls, allow_tenant_cache_sharing, url, api_token, lake_
         raise KvtrailError("--scheduler/--workers: only with --lake")
     if url:
         if allow_tenant_cache_sharing:
-            raise KvtrailError("--allow-tenant-cache-sharing: the service's judge runs with the service's policy; "
-                               "it cannot be set with --url")
+            raise KvtrailError(
+                "--allow-tenant-cache-sharing: the service's judge runs with the service's policy; "
+                "it cannot be set with --url"
+            )
         watch_remote(ServiceAnswers(url, api_token), interval, polls)
         return
     require_store(db)
@@ -301,23 +390,43 @@ def _watch_lake(lake_url: str, policy: ForensicsPolicy, executor, interval: floa
             click.echo(_finding_line(f))
 
     done = repeat_polls(step, interval, polls)
-    click.echo(f"watched manifest {watcher.manifest} ({watcher.tasks_run} partition tasks run, "
-               f"{len(watcher.seen)} findings) in {done} polls", err=True)
+    click.echo(
+        f"watched manifest {watcher.manifest} ({watcher.tasks_run} partition tasks run, "
+        f"{len(watcher.seen)} findings) in {done} polls",
+        err=True,
+    )
 
 
 def _finding_line(f) -> str:
     """One finding as ``watch`` prints it; ids come from producers, so escaped (:func:`printable`)."""
     victims = ",".join(v or NEVER_WRITTEN for v in f.victim_request_ids)
-    return printable(f"{format_utc(f.last_ns)} {f.code} {f.severity:<8} {f.node} request {f.request_id} "
-                     f"({f.tenant_id})" + (f" victims {victims}" if victims else "") + f": {f.detail}")
+    return printable(
+        f"{format_utc(f.last_ns)} {f.code} {f.severity:<8} {f.node} request {f.request_id} "
+        f"({f.tenant_id})" + (f" victims {victims}" if victims else "") + f": {f.detail}"
+    )
 
 
 @forensics.command()
 @_options
 @exclusion_options
 @lake_options
-def exposure(db, url, api_token, from_, to, tenant, node, fmt, out, force, exclude_tenants, exclude_file,
-             lake_url, scheduler, workers) -> None:
+def exposure(
+    db,
+    url,
+    api_token,
+    from_,
+    to,
+    tenant,
+    node,
+    fmt,
+    out,
+    force,
+    exclude_tenants,
+    exclude_file,
+    lake_url,
+    scheduler,
+    workers,
+) -> None:
     """Exposure matrix: recipient tenant x victim tenant, with responses, pages and victim requests."""
     _check_out(db, fmt, out, force)
     excl = exclusions(exclude_tenants, exclude_file)
@@ -332,8 +441,23 @@ def exposure(db, url, api_token, from_, to, tenant, node, fmt, out, force, exclu
 @_options
 @exclusion_options
 @lake_options
-def thresholds(db, url, api_token, from_, to, tenant, node, fmt, out, force, exclude_tenants, exclude_file,
-               lake_url, scheduler, workers) -> None:
+def thresholds(
+    db,
+    url,
+    api_token,
+    from_,
+    to,
+    tenant,
+    node,
+    fmt,
+    out,
+    force,
+    exclude_tenants,
+    exclude_file,
+    lake_url,
+    scheduler,
+    workers,
+) -> None:
     """Pool vs advertised context per node, and affected vs unaffected prompts against the prefill pool."""
     _check_out(db, fmt, out, force)
     w = _window(from_, to, tenant, node)
@@ -349,8 +473,24 @@ def thresholds(db, url, api_token, from_, to, tenant, node, fmt, out, force, exc
 @exclusion_options
 @probe_options
 @lake_options
-def exploitation(db, url, api_token, from_, to, tenant, node, fmt, out, force, exclude_tenants, exclude_file,
-                 lake_url, scheduler, workers, **probe) -> None:
+def exploitation(
+    db,
+    url,
+    api_token,
+    from_,
+    to,
+    tenant,
+    node,
+    fmt,
+    out,
+    force,
+    exclude_tenants,
+    exclude_file,
+    lake_url,
+    scheduler,
+    workers,
+    **probe,
+) -> None:
     """Per recipient tenant: over-long prompts in the window vs its own baseline, bursts, and a verdict."""
     _check_out(db, fmt, out, force)
     w = _window(from_, to, tenant, node)

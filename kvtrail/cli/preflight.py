@@ -13,22 +13,47 @@ from kvtrail.preflight.sources import SourceError, read_source
 
 
 @click.command()
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
-              help="One line per node, or exactly one JSON object.")
-@click.option("--role", type=click.Choice(["prefill", "decode"]),
-              help="The role of every node of these sources (overrides what they state).")
-@click.option("--node", "node_names", multiple=True,
-              help="The node each SOURCE describes, in order (repeat once per SOURCE): its name in the table "
-                   "and in the recorded configuration (default: the file's stem or the URL's host:port).")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json"]),
+    default="table",
+    show_default=True,
+    help="One line per node, or exactly one JSON object.",
+)
+@click.option(
+    "--role",
+    type=click.Choice(["prefill", "decode"]),
+    help="The role of every node of these sources (overrides what they state).",
+)
+@click.option(
+    "--node",
+    "node_names",
+    multiple=True,
+    help="The node each SOURCE describes, in order (repeat once per SOURCE): its name in the table "
+    "and in the recorded configuration (default: the file's stem or the URL's host:port).",
+)
 @click.option("--allow-unknown", is_flag=True, help="Pass a check that cannot be established (default: fail closed).")
 @click.option("--db", type=click.Path(dir_okay=False), help="Also record the configurations in this store.")
-@click.option("--url", default=lambda: os.environ.get("KVTRAIL_URL"),
-              help="Also record them through this kvtrail service (or KVTRAIL_URL).")
-@click.option("--token", default=lambda: os.environ.get("KVTRAIL_TOKEN"),
-              help="Producer token for --url (or KVTRAIL_TOKEN).")
+@click.option(
+    "--url",
+    default=lambda: os.environ.get("KVTRAIL_URL"),
+    help="Also record them through this kvtrail service (or KVTRAIL_URL).",
+)
+@click.option(
+    "--token", default=lambda: os.environ.get("KVTRAIL_TOKEN"), help="Producer token for --url (or KVTRAIL_TOKEN)."
+)
 @click.argument("sources", nargs=-1, required=True)
-def preflight(fmt: str, role: str | None, node_names: tuple[str, ...], allow_unknown: bool, db: str | None,
-              url: str | None, token: str | None, sources: tuple[str, ...]) -> None:
+def preflight(
+    fmt: str,
+    role: str | None,
+    node_names: tuple[str, ...],
+    allow_unknown: bool,
+    db: str | None,
+    url: str | None,
+    token: str | None,
+    sources: tuple[str, ...],
+) -> None:
     """Check a deployment before it serves: pool >= context on every node, integrity settings equal on both
     roles, an engine with the PD admission fix, bounded transfer batches.
 
@@ -42,8 +67,9 @@ def preflight(fmt: str, role: str | None, node_names: tuple[str, ...], allow_unk
     if url and not token:
         raise click.UsageError("--url needs --token (a producer token) or KVTRAIL_TOKEN")
     if node_names and len(node_names) != len(sources):
-        raise click.UsageError(f"--node: give one per SOURCE, in order ({len(node_names)} for {len(sources)} "
-                               "source(s))")
+        raise click.UsageError(
+            f"--node: give one per SOURCE, in order ({len(node_names)} for {len(sources)} source(s))"
+        )
     nodes, errors = [], []
     for i, source in enumerate(sources):
         try:

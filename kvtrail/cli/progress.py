@@ -53,8 +53,11 @@ def ticking(desc: str, unit: str = "events") -> Iterator[Ticker]:
         done = bar.n
     elapsed = time.perf_counter() - t0
     # Nothing counted (a service or a lake's workers did the work): the time alone.
-    line = (f"{done:,} {unit} in {elapsed:.1f} s ({done / max(elapsed, 1e-9):,.0f} {unit}/s)" if done
-            else f"done in {elapsed:.1f} s")
+    line = (
+        f"{done:,} {unit} in {elapsed:.1f} s ({done / max(elapsed, 1e-9):,.0f} {unit}/s)"
+        if done
+        else f"done in {elapsed:.1f} s"
+    )
     print(f"{desc}: {line}", file=sys.stderr, flush=True)
 
 

@@ -38,17 +38,38 @@ from kvtrail.timeutil import parse_utc
 @click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False))
 @click.option("--from", "from_", required=True, help="UTC start of the window (ISO 8601).")
 @click.option("--to", "to", required=True, help="UTC end of the window (ISO 8601).")
-@click.option("--out", required=True, type=click.Path(file_okay=False),
-              help="Folder to write the report into: new or empty (written whole, or not at all).")
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Folder to write the report into: new or empty (written whole, or not at all).",
+)
 @click.option("--force", is_flag=True, help="--out may hold files: the report's own are replaced, others left alone.")
-@click.option("--context", type=click.Path(dir_okay=False),
-              help="The operator's incident.yaml (contact, times, measures, exclusions, tenant names).")
+@click.option(
+    "--context",
+    type=click.Path(dir_okay=False),
+    help="The operator's incident.yaml (contact, times, measures, exclusions, tenant names).",
+)
 @exclusion_options
 @probe_options
 @remote_options
 @lake_options
-def report(db, from_, to, out, force, context, exclude_tenants, exclude_file, url, api_token, lake_url, scheduler,
-           workers, **probe) -> None:
+def report(
+    db,
+    from_,
+    to,
+    out,
+    force,
+    context,
+    exclude_tenants,
+    exclude_file,
+    url,
+    api_token,
+    lake_url,
+    scheduler,
+    workers,
+    **probe,
+) -> None:
     """Write the disclosure report (Markdown, HTML, PDF, CSV/JSON, report.json manifest) for a window
     (with --url: the service runs it on a snapshot of its store and sends the files; with --lake: on an
     audit lake, report.json recording its manifest)."""
@@ -65,8 +86,18 @@ def report(db, from_, to, out, force, context, exclude_tenants, exclude_file, ur
         r = lake_answer(lake_url, scheduler, workers, url, lambda lk, ex: lake_report(lk, options, ctx, executor=ex))
     if r is None and remote is not None:
         with step("report: the service writes the report"):
-            remote_report(remote, out, force, db, from_, to, excl, Path(context).read_text(encoding="utf-8")
-                           if context else None, before, probe)
+            remote_report(
+                remote,
+                out,
+                force,
+                db,
+                from_,
+                to,
+                excl,
+                Path(context).read_text(encoding="utf-8") if context else None,
+                before,
+                probe,
+            )
         return
     if r is None:
         con, heads = hint_service(lambda: open_snapshot(db))
@@ -77,8 +108,15 @@ def report(db, from_, to, out, force, context, exclude_tenants, exclude_file, ur
             con.close()
     with step(f"report: writing the files into {out}"):
         manifest = write_report(r, out, lake_url or Path(db).name, force=force, protected=(db,))
-    report_lines(before, {*manifest["files"], MANIFEST}, out, len(r.coverage),
-                  int(r.coverage["unexplained"].sum()) if len(r.coverage) else 0, r.counts, manifest["results_digest"])
+    report_lines(
+        before,
+        {*manifest["files"], MANIFEST},
+        out,
+        len(r.coverage),
+        int(r.coverage["unexplained"].sum()) if len(r.coverage) else 0,
+        r.counts,
+        manifest["results_digest"],
+    )
 
 
 @click.command(name="verify-report")

@@ -18,10 +18,16 @@ from kvtrail.service.config import BANNER, ServeConfig
 
 # Each command group's module is imported when the command runs (or --help lists it): `kvtrail --version`
 # and a mistyped name pay for click, not for pandas, pyarrow, numba and DuckDB.
-_LAZY = {"audit": "kvtrail.cli.audit:audit", "dashboard": "kvtrail.cli.dashboard:dashboard",
-         "forensics": "kvtrail.cli.forensics:forensics", "lake": "kvtrail.cli.lake:lake",
-         "preflight": "kvtrail.cli.preflight:preflight", "simulate": "kvtrail.cli.simulate:simulate",
-         "stack": "kvtrail.cli.stack:stack", "token": "kvtrail.cli.token:token"}
+_LAZY = {
+    "audit": "kvtrail.cli.audit:audit",
+    "dashboard": "kvtrail.cli.dashboard:dashboard",
+    "forensics": "kvtrail.cli.forensics:forensics",
+    "lake": "kvtrail.cli.lake:lake",
+    "preflight": "kvtrail.cli.preflight:preflight",
+    "simulate": "kvtrail.cli.simulate:simulate",
+    "stack": "kvtrail.cli.stack:stack",
+    "token": "kvtrail.cli.token:token",
+}
 
 
 @click.group(cls=LazyGroup, lazy=_LAZY)
@@ -31,8 +37,13 @@ def cli() -> None:
 
 
 @cli.command()
-@click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False),
-              help="DuckDB audit store to write (created if missing; a rerun appends).")
+@click.option(
+    "--db",
+    default="kvtrail.duckdb",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="DuckDB audit store to write (created if missing; a rerun appends).",
+)
 @click.option("--seed", default=0, show_default=True, help="Seed of the generated traffic.")
 @click.option("--requests", default=60, show_default=True, type=click.IntRange(1), help="Requests per mode.")
 def demo(db: str, seed: int, requests: int) -> None:
@@ -51,22 +62,58 @@ _SERVE_DEFAULTS = ServeConfig()
 
 
 @cli.command()
-@click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False),
-              help="DuckDB audit store the service owns (created if missing).")
+@click.option(
+    "--db",
+    default="kvtrail.duckdb",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="DuckDB audit store the service owns (created if missing).",
+)
 @click.option("--host", default=_SERVE_DEFAULTS.host, show_default=True, help="Address to bind.")
-@click.option("--port", default=_SERVE_DEFAULTS.port, show_default=True, type=click.IntRange(0, 65535),
-              help="Port to bind; 0 lets the OS pick one (the first line of output names it).")
-@click.option("--tokens", "tokens_file", type=click.Path(exists=True, dir_okay=False),
-              help="Token file whose tokens the store gains at start (see 'kvtrail token add --file').")
-@click.option("--max-body-bytes", default=_SERVE_DEFAULTS.max_body_bytes, show_default=True,
-              type=click.IntRange(1), help="Largest ingest request body; larger ones get HTTP 413.")
-@click.option("--drain-timeout-s", default=_SERVE_DEFAULTS.drain_timeout_s, show_default=True,
-              type=click.FloatRange(0), help="On SIGINT/SIGTERM: how long to wait for requests in flight.")
-@click.option("--judge-interval-s", default=_SERVE_DEFAULTS.judge_interval_s, show_default=True,
-              type=click.FloatRange(0, 3600), help="Least time between two live-judge polls while batches stream "
-              "in: the bound on its lag; longer leaves ingest more CPU (docs/service.md).")
-def serve(db: str, host: str, port: int, tokens_file: str | None, max_body_bytes: int,
-          drain_timeout_s: float, judge_interval_s: float) -> None:
+@click.option(
+    "--port",
+    default=_SERVE_DEFAULTS.port,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="Port to bind; 0 lets the OS pick one (the first line of output names it).",
+)
+@click.option(
+    "--tokens",
+    "tokens_file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Token file whose tokens the store gains at start (see 'kvtrail token add --file').",
+)
+@click.option(
+    "--max-body-bytes",
+    default=_SERVE_DEFAULTS.max_body_bytes,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Largest ingest request body; larger ones get HTTP 413.",
+)
+@click.option(
+    "--drain-timeout-s",
+    default=_SERVE_DEFAULTS.drain_timeout_s,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="On SIGINT/SIGTERM: how long to wait for requests in flight.",
+)
+@click.option(
+    "--judge-interval-s",
+    default=_SERVE_DEFAULTS.judge_interval_s,
+    show_default=True,
+    type=click.FloatRange(0, 3600),
+    help="Least time between two live-judge polls while batches stream "
+    "in: the bound on its lag; longer leaves ingest more CPU (docs/service.md).",
+)
+def serve(
+    db: str,
+    host: str,
+    port: int,
+    tokens_file: str | None,
+    max_body_bytes: int,
+    drain_timeout_s: float,
+    judge_interval_s: float,
+) -> None:
     """Run the audit service (HTTP ingest, live judge, query API) until SIGINT or SIGTERM.
 
     The first line of output is `kvtrail service listening on http://HOST:PORT`. On either signal it
@@ -78,10 +125,18 @@ def serve(db: str, host: str, port: int, tokens_file: str | None, max_body_bytes
     except ImportError as exc:  # FastAPI and uvicorn come with an extra, not the base install
         raise KvtrailError(f"kvtrail serve needs FastAPI and uvicorn (the 'serving' extra): {exc}") from None
     try:
-        run_service(db, ServeConfig(host=host, port=port, max_body_bytes=max_body_bytes,
-                                    drain_timeout_s=drain_timeout_s, judge_interval_s=judge_interval_s),
-                    tokens_file=tokens_file,
-                    ready=lambda url: click.echo(BANNER.format(url=url)))
+        run_service(
+            db,
+            ServeConfig(
+                host=host,
+                port=port,
+                max_body_bytes=max_body_bytes,
+                drain_timeout_s=drain_timeout_s,
+                judge_interval_s=judge_interval_s,
+            ),
+            tokens_file=tokens_file,
+            ready=lambda url: click.echo(BANNER.format(url=url)),
+        )
     except StoreError as exc:
         if "in use by another process" not in str(exc):
             raise

@@ -38,11 +38,16 @@ def remote_of(url: str | None, token: str | None) -> ServiceAnswers | None:
 
 
 def remote_options(f):
-    for opt in reversed([
-        click.option("--url", envvar="KVTRAIL_URL", help="Ask a running kvtrail service instead of --db "
-                                                         "(env KVTRAIL_URL)."),
-        click.option("--token", "api_token", envvar="KVTRAIL_TOKEN", help="API token for --url (env KVTRAIL_TOKEN)."),
-    ]):
+    for opt in reversed(
+        [
+            click.option(
+                "--url", envvar="KVTRAIL_URL", help="Ask a running kvtrail service instead of --db (env KVTRAIL_URL)."
+            ),
+            click.option(
+                "--token", "api_token", envvar="KVTRAIL_TOKEN", help="API token for --url (env KVTRAIL_TOKEN)."
+            ),
+        ]
+    ):
         f = opt(f)
     return f
 
@@ -58,38 +63,65 @@ def remote_report(remote: ServiceAnswers, out, force, db, from_, to, excl, conte
     def write(staging: Path) -> None:
         for name, content in files.items():
             (staging / Path(name).name).write_bytes(content)
+
     write_dir_atomically(out, write, force=force, protected=(db,), last=(MANIFEST,))
-    report_lines(before, set(files), out, summary["coverage_producers"], summary["coverage_unexplained"],
-                  summary["counts"], summary["results_digest"])
+    report_lines(
+        before,
+        set(files),
+        out,
+        summary["coverage_producers"],
+        summary["coverage_unexplained"],
+        summary["counts"],
+        summary["results_digest"],
+    )
 
 
 def report_lines(before, ours: set, out, gap_producers: int, gap_events: int, c: dict, digest: str) -> None:
     """What ``report`` prints after writing, whether the store was local or a service's."""
     left = [name for name in before if name not in ours]
     if left:
-        click.echo(printable(f"note: --out: {len(left)} other entries in {out} left as they were (not part of "
-                             f"the report): {', '.join(left[:5])}" + (", ..." if len(left) > 5 else "")), err=True)
+        click.echo(
+            printable(
+                f"note: --out: {len(left)} other entries in {out} left as they were (not part of "
+                f"the report): {', '.join(left[:5])}" + (", ..." if len(left) > 5 else "")
+            ),
+            err=True,
+        )
     if gap_producers:
-        click.echo(f"warning: coverage gap: {gap_events} events missing from "
-                   f"{gap_producers} producer(s) without a recorder_gap explaining them; the report says so",
-                   err=True)
+        click.echo(
+            f"warning: coverage gap: {gap_events} events missing from "
+            f"{gap_producers} producer(s) without a recorder_gap explaining them; the report says so",
+            err=True,
+        )
     if c["events_in_window"] == 0:
         click.echo("the store holds no events in this window", err=True)
-    click.echo(f"{c['affected_responses']} affected responses, {c['recipient_tenants']} recipient tenants, "
-               f"{c['victim_tenants']} victim tenants ({c['excluded_responses']} responses excluded)")
+    click.echo(
+        f"{c['affected_responses']} affected responses, {c['recipient_tenants']} recipient tenants, "
+        f"{c['victim_tenants']} victim tenants ({c['excluded_responses']} responses excluded)"
+    )
     click.echo(printable(f"wrote {len(ours)} files to {out}; results digest {digest}"))
 
 
 def lake_options(f):
     """``--lake`` (instead of --db) and where its partition tasks run."""
-    for opt in reversed([
-        click.option("--lake", "lake_url", help="Ask an audit lake (a directory or s3://BUCKET/PREFIX written by "
-                                                "`kvtrail lake export`) instead of --db."),
-        click.option("--scheduler", help="With --lake: run the partition tasks on this Dask scheduler "
-                                         "(tcp://HOST:PORT)."),
-        click.option("--workers", type=click.IntRange(1), help="With --lake: start a local Dask cluster of N "
-                                                               "worker processes for the partition tasks."),
-    ]):
+    for opt in reversed(
+        [
+            click.option(
+                "--lake",
+                "lake_url",
+                help="Ask an audit lake (a directory or s3://BUCKET/PREFIX written by "
+                "`kvtrail lake export`) instead of --db.",
+            ),
+            click.option(
+                "--scheduler", help="With --lake: run the partition tasks on this Dask scheduler (tcp://HOST:PORT)."
+            ),
+            click.option(
+                "--workers",
+                type=click.IntRange(1),
+                help="With --lake: start a local Dask cluster of N worker processes for the partition tasks.",
+            ),
+        ]
+    ):
         f = opt(f)
     return f
 
@@ -116,16 +148,18 @@ def with_lake_executor(scheduler: str | None, workers: int | None, fn: Callable[
         return fn(executor)
 
 
-def report_check(report_dir, db: str, strict: bool, lake_url: str | None, scheduler: str | None,
-                 workers: int | None) -> ReportCheck:
+def report_check(
+    report_dir, db: str, strict: bool, lake_url: str | None, scheduler: str | None, workers: int | None
+) -> ReportCheck:
     """``verify-report``'s check: against the store, or (``--lake``) against the lake, its tasks where the
     flags say."""
     if lake_url is None:
         if scheduler is not None or workers is not None:
             raise KvtrailError("--scheduler/--workers: only with --lake")
         return hint_service(lambda: verify_report(report_dir, db, strict=strict))
-    return with_lake_executor(scheduler, workers, lambda ex: verify_lake_report(report_dir, lake_url, executor=ex,
-                                                                                strict=strict))
+    return with_lake_executor(
+        scheduler, workers, lambda ex: verify_lake_report(report_dir, lake_url, executor=ex, strict=strict)
+    )
 
 
 def remote_report_check(remote: ServiceAnswers, report_dir, strict: bool) -> tuple[ReportCheck, str]:
@@ -133,8 +167,9 @@ def remote_report_check(remote: ServiceAnswers, report_dir, strict: bool) -> tup
     check (problems in the local form's order) and the store's name."""
     doc = load_manifest(report_dir)
     got = remote.client.verify_report(doc, strict=strict)
-    return ReportCheck(problems=[*changed_files(doc, report_dir), *got["problems"]], notes=list(got["notes"])), \
-        str(got["store"])
+    return ReportCheck(problems=[*changed_files(doc, report_dir), *got["problems"]], notes=list(got["notes"])), str(
+        got["store"]
+    )
 
 
 def repeat_polls(step: Callable[[], None], interval: float, polls: int) -> int:
@@ -170,6 +205,7 @@ def watch_remote(remote: ServiceAnswers, interval: float, polls: int) -> None:
 def _row_line(r: dict) -> str:
     """A persisted finding (a row of the service's ``findings``) in :func:`_finding_line`'s form."""
     victims = ",".join(v or NEVER_WRITTEN for v in r["victim_request_ids"] or [])
-    return printable(f"{format_utc(r['last_ns'])} {r['code']} {r['severity']:<8} {r['node']} request "
-                     f"{r['request_id']} ({r['tenant_id']})" + (f" victims {victims}" if victims else "")
-                     + f": {r['detail']}")
+    return printable(
+        f"{format_utc(r['last_ns'])} {r['code']} {r['severity']:<8} {r['node']} request "
+        f"{r['request_id']} ({r['tenant_id']})" + (f" victims {victims}" if victims else "") + f": {r['detail']}"
+    )

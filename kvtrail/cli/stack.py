@@ -11,8 +11,13 @@ _STACK_DEFAULTS = StackConfig()
 
 
 @click.command()
-@click.option("--db", default="kvtrail.duckdb", show_default=True, type=click.Path(dir_okay=False),
-              help="DuckDB audit store to write.")
+@click.option(
+    "--db",
+    default="kvtrail.duckdb",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="DuckDB audit store to write.",
+)
 @click.option("--mode", type=click.Choice(["vulnerable", "patched"]), default="patched", show_default=True)
 @click.option("--incident", is_flag=True, help="Start from the incident's shape (prefill pool < context).")
 @click.option("--prefill-pool-tokens", type=click.IntRange(1), help="Prefill KV pool size in tokens.")
@@ -21,17 +26,37 @@ _STACK_DEFAULTS = StackConfig()
 @click.option("--page-size", type=click.IntRange(1), help="Tokens per KV page.")
 @click.option("--max-new-tokens", type=click.IntRange(1), help="Largest max_tokens a request may ask for.")
 @click.option("--reuse", type=click.Choice(["lowest", "lifo"]), help="Page reuse order of the allocators.")
-@click.option("--fault", "faults", multiple=True,
-              type=click.Choice(["premature_free", "late_write", "double_alloc", "corrupt_transfer"]),
-              help="Enable a fault injection (repeatable).")
-@click.option("--audit-flush-interval-s", type=click.FloatRange(0, min_open=True),
-              default=_STACK_DEFAULTS.recorder.flush_interval_s, show_default=True,
-              help="How often each process commits its audit events: the most a killed stack can lose of "
-                   "each producer's newest events (verify reports such an unclean end with this bound).")
-@click.option("--drain-timeout-s", type=click.FloatRange(0), default=_STACK_DEFAULTS.drain_timeout_s,
-              show_default=True, help="On SIGINT/SIGTERM: how long to wait for requests in flight.")
-def stack(db: str, mode: str, incident: bool, faults: tuple[str, ...], audit_flush_interval_s: float,
-          drain_timeout_s: float, **sizes) -> None:
+@click.option(
+    "--fault",
+    "faults",
+    multiple=True,
+    type=click.Choice(["premature_free", "late_write", "double_alloc", "corrupt_transfer"]),
+    help="Enable a fault injection (repeatable).",
+)
+@click.option(
+    "--audit-flush-interval-s",
+    type=click.FloatRange(0, min_open=True),
+    default=_STACK_DEFAULTS.recorder.flush_interval_s,
+    show_default=True,
+    help="How often each process commits its audit events: the most a killed stack can lose of "
+    "each producer's newest events (verify reports such an unclean end with this bound).",
+)
+@click.option(
+    "--drain-timeout-s",
+    type=click.FloatRange(0),
+    default=_STACK_DEFAULTS.drain_timeout_s,
+    show_default=True,
+    help="On SIGINT/SIGTERM: how long to wait for requests in flight.",
+)
+def stack(
+    db: str,
+    mode: str,
+    incident: bool,
+    faults: tuple[str, ...],
+    audit_flush_interval_s: float,
+    drain_timeout_s: float,
+    **sizes,
+) -> None:
     """Run the reference PD stack (router, prefill, decode) until SIGINT (Ctrl-C) or SIGTERM; prints the router's URL.
 
     On either signal it stops accepting, drains the requests in flight, flushes every process's audit and
@@ -53,12 +78,15 @@ def stack(db: str, mode: str, incident: bool, faults: tuple[str, ...], audit_flu
     failed: dict[str, int] = {}
     with interrupt_on_stop_signals(), Stack(cfg, db) as stack:
         workers = ", ".join(f"{role} pid {p.pid}" for role, p in stack.procs.items())
-        click.echo(f"router: {stack.url}/v1/completions  (API keys: {', '.join(k for k, _ in cfg.api_keys)}); "
-                   f"audit: {db}; workers: {workers}; Ctrl-C or SIGTERM stops")
+        click.echo(
+            f"router: {stack.url}/v1/completions  (API keys: {', '.join(k for k, _ in cfg.api_keys)}); "
+            f"audit: {db}; workers: {workers}; Ctrl-C or SIGTERM stops"
+        )
         try:
             stack.wait_for_worker_exit()
-            failed = stack.failed_workers() or {role: p.exitcode or 0 for role, p in stack.procs.items()
-                                                if not p.is_alive()}
+            failed = stack.failed_workers() or {
+                role: p.exitcode or 0 for role, p in stack.procs.items() if not p.is_alive()
+            }
             what = ", ".join(f"{role} worker exited with code {code}" for role, code in failed.items())
             click.echo(f"kvtrail stack: {what}; stopping the stack (worker log: {stack.worker_log_path})", err=True)
         except KeyboardInterrupt:

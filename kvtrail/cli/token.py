@@ -29,8 +29,10 @@ def _store(db: str) -> Iterator[duckdb.DuckDBPyConnection]:
         store = AuditStore(db)
     except StoreError as exc:
         if "in use by another process" in str(exc):
-            raise KvtrailError(f"--db: store {db} is held by a running service (or another process); "
-                               "manage tokens through it with --url URL --token OPERATOR_TOKEN") from None
+            raise KvtrailError(
+                f"--db: store {db} is held by a running service (or another process); "
+                "manage tokens through it with --url URL --token OPERATOR_TOKEN"
+            ) from None
         raise
     try:
         tokens.ensure_tables(store.con)
@@ -43,8 +45,10 @@ def _one_target(db: str | None, url: str | None, file: str | None = None) -> Non
     """Exactly one place the command works on."""
     given = [name for name, v in (("--db", db), ("--url", url), ("--file", file)) if v]
     if len(given) != 1:
-        raise KvtrailError(f"{given[1] if len(given) > 1 else '--db'}: give exactly one of --db, --url"
-                           + (" or --file" if file is not None else ""))
+        raise KvtrailError(
+            f"{given[1] if len(given) > 1 else '--db'}: give exactly one of --db, --url"
+            + (" or --file" if file is not None else "")
+        )
 
 
 @click.group()
@@ -56,26 +60,41 @@ def token() -> None:
 @DB
 @URL
 @TOKEN
-@click.option("--file", type=click.Path(dir_okay=False),
-              help="Append the token's line (id, role, hash; no secret) to this token file for "
-                   "'kvtrail serve --tokens'.")
+@click.option(
+    "--file",
+    type=click.Path(dir_okay=False),
+    help="Append the token's line (id, role, hash; no secret) to this token file for 'kvtrail serve --tokens'.",
+)
 @click.option("--role", required=True, help="producer, operator or tenant:<id>.")
 @click.option("--note", default="", help="What the token is for.")
 @click.option("--node", "nodes", multiple=True, help="Producer tokens: a node it may send for (repeatable).")
-@click.option("--cluster", "clusters", multiple=True,
-              help="Producer tokens: a cluster it may send for (repeatable; default any).")
-@click.option("--node-role", "node_roles", multiple=True,
-              help="Producer tokens: a node role it may send for: prefill, decode, unified, router (repeatable).")
-@click.option("--expires-in", "expires_in", metavar="DURATION",
-              help="The token stops working after this long: 30m, 12h, 90d, 2w (default: until revoked).")
+@click.option(
+    "--cluster", "clusters", multiple=True, help="Producer tokens: a cluster it may send for (repeatable; default any)."
+)
+@click.option(
+    "--node-role",
+    "node_roles",
+    multiple=True,
+    help="Producer tokens: a node role it may send for: prefill, decode, unified, router (repeatable).",
+)
+@click.option(
+    "--expires-in",
+    "expires_in",
+    metavar="DURATION",
+    help="The token stops working after this long: 30m, 12h, 90d, 2w (default: until revoked).",
+)
 def add(db, url, api_token, file, role, note, nodes, clusters, node_roles, expires_in) -> None:
     """Make a token and print it once, alone on the last line (only its hash is kept)."""
     _one_target(db, url, file)
     try:
         tokens.parse_role(role)
         lifetime_ns = tokens.parse_duration(expires_in) if expires_in is not None else None
-        binding = tokens.Binding(tuple(nodes), tuple(clusters), tuple(node_roles),
-                                 None if lifetime_ns is None else time.time_ns() + lifetime_ns).checked(role)
+        binding = tokens.Binding(
+            tuple(nodes),
+            tuple(clusters),
+            tuple(node_roles),
+            None if lifetime_ns is None else time.time_ns() + lifetime_ns,
+        ).checked(role)
         if file:
             token_id, secret, stored = tokens.new_token(role, binding=binding)
             line = tokens.token_line(token_id, role, stored, note=note, binding=binding)
@@ -83,8 +102,13 @@ def add(db, url, api_token, file, role, note, nodes, clusters, node_roles, expir
                 fh.write(line + "\n")
         elif url:
             token_id, secret = remote.Client(url, api_token).add_token(
-                role, note=note, nodes=binding.nodes, clusters=binding.clusters, node_roles=binding.node_roles,
-                expires_in_s=None if lifetime_ns is None else lifetime_ns // 10**9)
+                role,
+                note=note,
+                nodes=binding.nodes,
+                clusters=binding.clusters,
+                node_roles=binding.node_roles,
+                expires_in_s=None if lifetime_ns is None else lifetime_ns // 10**9,
+            )
         else:
             with _store(db) as con:
                 token_id, secret = tokens.add_token(con, role, note=note, binding=binding)

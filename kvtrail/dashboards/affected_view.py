@@ -11,8 +11,21 @@ from kvtrail.dashboards import widgets
 from kvtrail.outputs import csv_frame
 from kvtrail.report import charts
 
-COLUMNS = ["request_id", "tenant_id", "victim_tenants", "pages_read_foreign", "http_status", "prompt_tokens",
-           "completion_tokens", "codes", "victim_requests", "other_requests", "other_tenants", "first_ns", "last_ns"]
+COLUMNS = [
+    "request_id",
+    "tenant_id",
+    "victim_tenants",
+    "pages_read_foreign",
+    "http_status",
+    "prompt_tokens",
+    "completion_tokens",
+    "codes",
+    "victim_requests",
+    "other_requests",
+    "other_tenants",
+    "first_ns",
+    "last_ns",
+]
 VICTIM_IDS = ("tenant_id", "victim_tenants")  # a tenant token's rows have counts (other_*) instead
 
 
@@ -28,13 +41,20 @@ def render(src, w: fx.Window) -> None:
         return
     needle = st.text_input("filter (request, tenant or victim tenant contains)", key="affected-filter").strip()
     if needle:
-        rows = rows.filter(pl.col("request_id").str.contains(needle, literal=True)
-                           | pl.col("tenant_id").fill_null("").str.contains(needle, literal=True)
-                           | pl.col("victim_tenants").list.join(",").str.contains(needle, literal=True))
+        rows = rows.filter(
+            pl.col("request_id").str.contains(needle, literal=True)
+            | pl.col("tenant_id").fill_null("").str.contains(needle, literal=True)
+            | pl.col("victim_tenants").list.join(",").str.contains(needle, literal=True)
+        )
     hidden = VICTIM_IDS if src.role == "tenant" else ()
     widgets.table(rows, key="affected-table", columns=[c for c in COLUMNS if c in rows.columns and c not in hidden])
-    st.download_button("Download CSV", csv_frame(widgets.readable(rows)).write_csv(), "affected_responses.csv",
-                       "text/csv", key="affected-csv")
+    st.download_button(
+        "Download CSV",
+        csv_frame(widgets.readable(rows)).write_csv(),
+        "affected_responses.csv",
+        "text/csv",
+        key="affected-csv",
+    )
     st.subheader("Drill down to one request")
     ids = rows["request_id"].to_list()
     wanted = st.query_params.get("request")
@@ -46,11 +66,15 @@ def render(src, w: fx.Window) -> None:
 
 def request_detail(src, rid: str, w: fx.Window) -> None:
     d = src.request(rid, w)
-    st.markdown(f"**Request `{rid}`** of tenant `{d.tenant_id}`: read {d.pages_read:,} page(s); "
-                f"{int(d.pages['foreign'].sum())} of the {len(d.pages)} shown were foreign.")
+    st.markdown(
+        f"**Request `{rid}`** of tenant `{d.tenant_id}`: read {d.pages_read:,} page(s); "
+        f"{int(d.pages['foreign'].sum())} of the {len(d.pages)} shown were foreign."
+    )
     if charts.available() and not d.spans.is_empty():
-        widgets.chart(charts.page_timeline(d.spans.filter(pl.col("page").is_in(d.pages["page"].to_list())),
-                                           d.marks), "page-timeline-chart")
+        widgets.chart(
+            charts.page_timeline(d.spans.filter(pl.col("page").is_in(d.pages["page"].to_list())), d.marks),
+            "page-timeline-chart",
+        )
     widgets.table(d.pages, key="page-table")
     st.subheader("Reserved vs sent vs landed")
     widgets.table(d.transfers, key="transfer-detail")
@@ -67,6 +91,10 @@ def request_detail(src, rid: str, w: fx.Window) -> None:
         else:
             st.caption("TTFT is plausible for its prefill node's measured rate (no F9).")
     st.subheader("Its findings")
-    widgets.table(d.findings, key="request-findings",
-                  columns=["code", "title", "node", "pages", "victim_request_ids", "victim_tenant_ids", "evidence",
-                           "detail"] if len(d.findings) else None)
+    widgets.table(
+        d.findings,
+        key="request-findings",
+        columns=["code", "title", "node", "pages", "victim_request_ids", "victim_tenant_ids", "evidence", "detail"]
+        if len(d.findings)
+        else None,
+    )

@@ -25,8 +25,14 @@ from kvtrail.dashboards.filters import sidebar_window
 from kvtrail.dashboards.launch import ENV_DB, ENV_TOKEN, ENV_URL
 from kvtrail.errors import KvtrailError
 
-VIEWS = {"Fleet": fleet_view.render, "Findings": findings_view.render, "Affected responses": affected_view.render,
-         "Exposure": exposure_view.render, "Transfers": transfers_view.render, "Report": report_view.render}
+VIEWS = {
+    "Fleet": fleet_view.render,
+    "Findings": findings_view.render,
+    "Affected responses": affected_view.render,
+    "Exposure": exposure_view.render,
+    "Transfers": transfers_view.render,
+    "Report": report_view.render,
+}
 TENANT_VIEWS = ("Affected responses", "Exposure")
 REFRESH_S = (5, 10, 30, 60, 300)
 
@@ -45,12 +51,20 @@ def _source(db: str | None, url: str | None, token: str | None):
 def error_page(exc: SourceError) -> None:
     """One page that says what is wrong with the store and what to do."""
     st.title("kvtrail dashboard")
-    what = {"missing": ("Store not found", "Point --db at a kvtrail store (e.g. one written by `kvtrail simulate`)."),
-            "locked": ("Store locked by a writer", "Another process (the kvtrail service, an ingest) holds the store. "
-                       "Read it through the running service instead: `kvtrail dashboard --url URL --token T`."),
-            "newer": ("Store of another format", "This kvtrail cannot read the store's format; a store written by a "
-                      "newer kvtrail needs that kvtrail's dashboard."),
-            "invalid": ("Store cannot be read", "")}
+    what = {
+        "missing": ("Store not found", "Point --db at a kvtrail store (e.g. one written by `kvtrail simulate`)."),
+        "locked": (
+            "Store locked by a writer",
+            "Another process (the kvtrail service, an ingest) holds the store. "
+            "Read it through the running service instead: `kvtrail dashboard --url URL --token T`.",
+        ),
+        "newer": (
+            "Store of another format",
+            "This kvtrail cannot read the store's format; a store written by a "
+            "newer kvtrail needs that kvtrail's dashboard.",
+        ),
+        "invalid": ("Store cannot be read", ""),
+    }
     title, hint = what.get(exc.kind, what["invalid"])
     st.error(f"**{title}.** {exc}", icon=":material/error:")
     if hint:

@@ -15,8 +15,10 @@ def render(src, w: fx.Window) -> None:
     matrix = src.exposure(w)
     c = st.columns(3)
     c[0].metric("recipient tenants", matrix["recipient_tenant"].n_unique())
-    c[1].metric("victim tenants", matrix.filter(~matrix["victim_tenant"].is_in(list(fx.PSEUDO_VICTIMS)))
-                ["victim_tenant"].n_unique())
+    c[1].metric(
+        "victim tenants",
+        matrix.filter(~matrix["victim_tenant"].is_in(list(fx.PSEUDO_VICTIMS)))["victim_tenant"].n_unique(),
+    )
     c[2].metric("pages read foreign", int(matrix["pages"].sum()) if len(matrix) else 0)
     if matrix.is_empty():
         widgets.empty("No exposure in this window: no response read another request's pages.")
@@ -40,7 +42,22 @@ def render(src, w: fx.Window) -> None:
     ex = src.exploitation(w)
     out = ex.filter(ex["verdict"] == "stands out") if len(ex) else ex
     st.metric("tenants that stand out", len(out))
-    widgets.table(ex, key="exploitation-table",
-                  columns=[c for c in ("tenant_id", "excluded_by", "affected_responses", "long_requests",
-                                       "long_per_hour", "baseline_long_per_hour", "max_long_in_burst", "verdict",
-                                       "reason") if c in ex.columns])
+    widgets.table(
+        ex,
+        key="exploitation-table",
+        columns=[
+            c
+            for c in (
+                "tenant_id",
+                "excluded_by",
+                "affected_responses",
+                "long_requests",
+                "long_per_hour",
+                "baseline_long_per_hour",
+                "max_long_in_burst",
+                "verdict",
+                "reason",
+            )
+            if c in ex.columns
+        ],
+    )

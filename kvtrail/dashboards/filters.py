@@ -39,8 +39,10 @@ def sidebar_window(src) -> fx.Window | None:
     """The window the sidebar selects, or None after showing why there is nothing to show."""
     bounds = src.bounds()
     if bounds is None:
-        widgets.empty("The store holds no audit events yet: nothing to show. Record traffic (or run "
-                      "`kvtrail simulate`) and reload.")
+        widgets.empty(
+            "The store holds no audit events yet: nothing to show. Record traffic (or run "
+            "`kvtrail simulate`) and reload."
+        )
         return None
     st.sidebar.subheader("window (UTC)")
     try:
@@ -57,7 +59,9 @@ def sidebar_window(src) -> fx.Window | None:
         st.error("from: is after to")
         return None
     if src.events_in(w) == 0:
-        widgets.empty(f"No audit events in this window. The store holds events from {format_utc(bounds[0])} "
-                      f"to {format_utc(bounds[1])}.")
+        widgets.empty(
+            f"No audit events in this window. The store holds events from {format_utc(bounds[0])} "
+            f"to {format_utc(bounds[1])}."
+        )
         return None
     return w

@@ -10,8 +10,20 @@ from kvtrail.answers.tally import findings_tally
 from kvtrail.dashboards import widgets
 from kvtrail.report import charts
 
-COLUMNS = ["code", "title", "severity", "node", "request_id", "tenant_id", "victim_tenant_ids", "pages",
-           "first_ns", "last_ns", "evidence", "detail"]
+COLUMNS = [
+    "code",
+    "title",
+    "severity",
+    "node",
+    "request_id",
+    "tenant_id",
+    "victim_tenant_ids",
+    "pages",
+    "first_ns",
+    "last_ns",
+    "evidence",
+    "detail",
+]
 
 
 def render(src, w: fx.Window) -> None:
@@ -31,9 +43,13 @@ def render(src, w: fx.Window) -> None:
     stack = st.radio("stack by", ["code", "node"], horizontal=True, key="findings-stack")
     if charts.available():
         widgets.chart(charts.findings_over_time(tally, by=stack), "findings-chart")
-    counts = (tally.group_by("code", "title", "severity").agg(pl.len().alias("findings"),
-                                                             pl.col("node").n_unique().alias("nodes"))
-              .with_columns(pl.col("code").str.slice(1).cast(pl.Int32).alias("_n")).sort("_n").drop("_n"))
+    counts = (
+        tally.group_by("code", "title", "severity")
+        .agg(pl.len().alias("findings"), pl.col("node").n_unique().alias("nodes"))
+        .with_columns(pl.col("code").str.slice(1).cast(pl.Int32).alias("_n"))
+        .sort("_n")
+        .drop("_n")
+    )
     st.subheader("Counts by code")
     widgets.table(counts, key="findings-counts")
     st.subheader("Findings with evidence event ids (producer:seq)")

@@ -19,11 +19,16 @@ def render(src, w: fx.Window) -> None:
         return
     short = fleet.filter(~pl.col("pool_covers_context"))
     if len(short):
-        names = "; ".join(f"{r['node']} ({r['role']}): pool {r['pool_tokens']:,} < context {r['context_tokens']:,} "
-                          f"tokens, short by {r['shortfall_tokens']:,}" for r in short.iter_rows(named=True))
-        st.error(f"**{short['node'].n_unique()} node(s) have a KV pool smaller than the context they advertise** "
-                 f"(F8: prompts longer than the pool can read other requests' pages). {names}",
-                 icon=":material/warning:")
+        names = "; ".join(
+            f"{r['node']} ({r['role']}): pool {r['pool_tokens']:,} < context {r['context_tokens']:,} "
+            f"tokens, short by {r['shortfall_tokens']:,}"
+            for r in short.iter_rows(named=True)
+        )
+        st.error(
+            f"**{short['node'].n_unique()} node(s) have a KV pool smaller than the context they advertise** "
+            f"(F8: prompts longer than the pool can read other requests' pages). {names}",
+            icon=":material/warning:",
+        )
     else:
         st.success("Every node's KV pool covers the context it advertises.", icon=":material/check_circle:")
     c = st.columns(4)
@@ -40,8 +45,13 @@ def render(src, w: fx.Window) -> None:
     st.subheader("Node configurations (below context first)")
     flagged = fleet.with_columns((~pl.col("pool_covers_context")).alias("below_context"))
     first = ["node", "role", "below_context", "pool_tokens", "context_tokens", "shortfall_tokens"]
-    widgets.table(flagged.select(first + [c for c in flagged.columns if c not in first]), key="fleet-table",
-                  alarm="below_context", utc_first=False)
+    widgets.table(
+        flagged.select(first + [c for c in flagged.columns if c not in first]),
+        key="fleet-table",
+        alarm="below_context",
+        utc_first=False,
+    )
     if len(short):
-        st.markdown("Which prompts went through these nodes: see **Exposure** (threshold analysis) and "
-                    "**Affected responses**.")
+        st.markdown(
+            "Which prompts went through these nodes: see **Exposure** (threshold analysis) and **Affected responses**."
+        )

@@ -35,7 +35,6 @@ class DashboardConfig:
     stop_timeout_s: float = 10.0
 
 
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
@@ -51,19 +50,42 @@ def require_extra() -> None:
     'No module named streamlit' and exit 1)."""
     missing = [m for m in EXTRA_MODULES if importlib.util.find_spec(m) is None]
     if missing:
-        raise KvtrailError(f"dashboard: {', '.join(missing)} not installed; install the dashboard extra: "
-                           "pip install -e '.[dashboard]' in a clone (or pip install 'kvtrail[dashboard]')")
+        raise KvtrailError(
+            f"dashboard: {', '.join(missing)} not installed; install the dashboard extra: "
+            "pip install -e '.[dashboard]' in a clone (or pip install 'kvtrail[dashboard]')"
+        )
 
 
 def streamlit_command(port: int) -> list[str]:
     app = Path(__file__).with_name("app.py")
     # -P: the current directory does not go first on the app's sys.path. Started from a clone's parent,
     # the clone's folder (also named kvtrail) would shadow the installed package.
-    return [sys.executable, "-P", "-m", "streamlit", "run", str(app), "--server.address", HOST,
-            "--server.port", str(port),
-            "--server.headless", "true", "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
-            "--global.developmentMode", "false", "--client.toolbarMode", "viewer", "--theme.base", "light",
-            "--server.maxUploadSize", str(MAX_UPLOAD_MB)]
+    return [
+        sys.executable,
+        "-P",
+        "-m",
+        "streamlit",
+        "run",
+        str(app),
+        "--server.address",
+        HOST,
+        "--server.port",
+        str(port),
+        "--server.headless",
+        "true",
+        "--browser.gatherUsageStats",
+        "false",
+        "--server.fileWatcherType",
+        "none",
+        "--global.developmentMode",
+        "false",
+        "--client.toolbarMode",
+        "viewer",
+        "--theme.base",
+        "light",
+        "--server.maxUploadSize",
+        str(MAX_UPLOAD_MB),
+    ]
 
 
 def source_env(db: str | None, url: str | None, token: str | None) -> dict[str, str]:

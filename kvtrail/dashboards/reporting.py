@@ -51,8 +51,11 @@ def local_report(db: str, w: fx.Window, context_yaml: bytes | None) -> tuple[byt
         out = Path(tmp) / "report"
         write_report(report, out, Path(db).name, protected=(db,))
         check = verify_report(out, db)
-        verdict = ("confirmed: the report matches the store (results digest, chain heads, files)" if check.ok
-                   else "NOT confirmed: " + "; ".join(check.problems))
+        verdict = (
+            "confirmed: the report matches the store (results digest, chain heads, files)"
+            if check.ok
+            else "NOT confirmed: " + "; ".join(check.problems)
+        )
         buf = io.BytesIO()
         with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
             for f in sorted(out.iterdir()):

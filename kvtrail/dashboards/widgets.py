@@ -12,19 +12,34 @@ from kvtrail.timeutil import format_utc
 
 def readable(df: pl.DataFrame) -> pl.DataFrame:
     """ns columns as UTC text (``*_utc``) beside the exact numbers; evidence as ``producer:seq`` text."""
-    out = df.with_columns([pl.col(c).map_elements(format_utc, return_dtype=pl.Utf8).alias(c[:-3] + "_utc")
-                           for c in df.columns if c.endswith("_ns") and df[c].dtype.is_integer()])
+    out = df.with_columns(
+        [
+            pl.col(c).map_elements(format_utc, return_dtype=pl.Utf8).alias(c[:-3] + "_utc")
+            for c in df.columns
+            if c.endswith("_ns") and df[c].dtype.is_integer()
+        ]
+    )
     if "evidence" in out.columns:
-        out = out.with_columns(pl.col("evidence").map_elements(
-            lambda ev: ", ".join(f"{e['producer_id']}:{e['seq']}" for e in ev), return_dtype=pl.Utf8))
+        out = out.with_columns(
+            pl.col("evidence").map_elements(
+                lambda ev: ", ".join(f"{e['producer_id']}:{e['seq']}" for e in ev), return_dtype=pl.Utf8
+            )
+        )
     return out
 
 
 ALARM_CSS = "background-color: #ffcdd2; color: #b71c1c; font-weight: bold"
 
 
-def table(df: pl.DataFrame, *, key: str, columns: list[str] | None = None, height: int | None = None,
-          alarm: str | None = None, utc_first: bool = True) -> None:
+def table(
+    df: pl.DataFrame,
+    *,
+    key: str,
+    columns: list[str] | None = None,
+    height: int | None = None,
+    alarm: str | None = None,
+    utc_first: bool = True,
+) -> None:
     """A table (UTC times shown first), or a plain '(none)' line when it has no rows. ``alarm``: a boolean
     column; rows where it is true are shown red."""
     if df.is_empty():

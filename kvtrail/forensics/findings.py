@@ -90,6 +90,7 @@ def make_finding(code: str, **kw) -> Finding:
 
 REPEAT_DETAIL = "page(s) listed more than once in one allocation: the allocator handed them out twice"
 
+
 def late_write_detail(why: str) -> str:
     return f"write {why}: a source of foreign data; the next reader of these pages has the F1"
 
@@ -104,8 +105,10 @@ def unknown_writer_detail(num_unverified: int) -> str:
     verify (``num_unverified`` of them; their receipts are the finding's evidence)."""
     if not num_unverified:
         return NEVER_WRITTEN_DETAIL
-    return (f"read of pages whose writer is unknown: {num_unverified} page(s) landed by a transfer decode could "
-            "not verify (stale origin unknown), the rest never written since the pool was created")
+    return (
+        f"read of pages whose writer is unknown: {num_unverified} page(s) landed by a transfer decode could "
+        "not verify (stale origin unknown), the rest never written since the pool was created"
+    )
 
 
 def foreign_read_detail(writer: str | None, num_late: int, num_lost: int) -> str:
@@ -119,23 +122,25 @@ def foreign_read_detail(writer: str | None, num_late: int, num_lost: int) -> str
     return text
 
 
-FINDINGS_SCHEMA = pa.schema([
-    pa.field("code", pa.string()),
-    pa.field("title", pa.string()),
-    pa.field("severity", pa.string()),
-    pa.field("node", pa.string()),
-    pa.field("request_id", pa.string()),
-    pa.field("tenant_id", pa.string()),
-    pa.field("victim_request_ids", pa.list_(pa.string())),
-    pa.field("victim_tenant_ids", pa.list_(pa.string())),
-    pa.field("pages", pa.list_(pa.int32())),
-    pa.field("first_ns", pa.int64()),
-    pa.field("last_ns", pa.int64()),
-    pa.field("evidence", pa.list_(pa.struct([("producer_id", pa.int64()), ("seq", pa.uint64())]))),
-    pa.field("detail", pa.string()),
-    pa.field("lineage_checked", pa.int32()),
-    pa.field("lineage_matched", pa.int32()),
-])
+FINDINGS_SCHEMA = pa.schema(
+    [
+        pa.field("code", pa.string()),
+        pa.field("title", pa.string()),
+        pa.field("severity", pa.string()),
+        pa.field("node", pa.string()),
+        pa.field("request_id", pa.string()),
+        pa.field("tenant_id", pa.string()),
+        pa.field("victim_request_ids", pa.list_(pa.string())),
+        pa.field("victim_tenant_ids", pa.list_(pa.string())),
+        pa.field("pages", pa.list_(pa.int32())),
+        pa.field("first_ns", pa.int64()),
+        pa.field("last_ns", pa.int64()),
+        pa.field("evidence", pa.list_(pa.struct([("producer_id", pa.int64()), ("seq", pa.uint64())]))),
+        pa.field("detail", pa.string()),
+        pa.field("lineage_checked", pa.int32()),
+        pa.field("lineage_matched", pa.int32()),
+    ]
+)
 
 
 def findings_table(findings: list[Finding]) -> pa.Table:
@@ -145,8 +150,16 @@ def findings_table(findings: list[Finding]) -> pa.Table:
         cols["code"].append(f.code)
         cols["title"].append(CODES[f.code].title)
         cols["severity"].append(f.severity)
-        for name in ("node", "request_id", "tenant_id", "first_ns", "last_ns", "detail", "lineage_checked",
-                     "lineage_matched"):
+        for name in (
+            "node",
+            "request_id",
+            "tenant_id",
+            "first_ns",
+            "last_ns",
+            "detail",
+            "lineage_checked",
+            "lineage_matched",
+        ):
             cols[name].append(getattr(f, name))
         cols["victim_request_ids"].append(list(f.victim_request_ids))
         cols["victim_tenant_ids"].append(list(f.victim_tenant_ids))
@@ -157,14 +170,21 @@ def findings_table(findings: list[Finding]) -> pa.Table:
 
 def late_transfer_detail(duration_ns: int, node: str, timeout_ns: int) -> str:
     """F11 detail: how long the transfer ran against the time its decode node holds the pages."""
-    return (f"transfer ran {duration_ns / 1e9:.3f} s from its first send to its last event; {node} reuses the "
-            f"pages of an aborted transfer after {timeout_ns / 1e9:g} s: a write still in flight lands late")
+    return (
+        f"transfer ran {duration_ns / 1e9:.3f} s from its first send to its last event; {node} reuses the "
+        f"pages of an aborted transfer after {timeout_ns / 1e9:g} s: a write still in flight lands late"
+    )
 
 
-def transfer_mismatch_detail(reserved_tokens: int, reserved_pages: int, problems: list[str], status: str,
-                             responses: list[tuple[int, int]]) -> str:
+def transfer_mismatch_detail(
+    reserved_tokens: int, reserved_pages: int, problems: list[str], status: str, responses: list[tuple[int, int]]
+) -> str:
     """F2 detail: what was reserved, what differs, what decode reported (its receipt's status) and what
     the client got (``responses``: (HTTP status, completion tokens) of the request's 2xx responses)."""
     served = "; ".join(f"client got HTTP {h} with {c} completion tokens" for h, c in sorted(responses))
-    return (f"reserved {reserved_tokens} tokens/{reserved_pages} pages; " + ", ".join(problems)
-            + f"; decode reported {status}; " + (served or "no 2xx response"))
+    return (
+        f"reserved {reserved_tokens} tokens/{reserved_pages} pages; "
+        + ", ".join(problems)
+        + f"; decode reported {status}; "
+        + (served or "no 2xx response")
+    )

@@ -41,8 +41,9 @@ class StoreTail:
         new = [(pid, head) for pid, head in heads if head > self.watermark.get(pid, -1)]
         if not new:
             return None
-        self.producers = {tuple(r[1:]): r[0] for r in con.execute(
-            f"SELECT producer_id, {_PRODUCER_NAMES} FROM producers").fetchall()}
+        self.producers = {
+            tuple(r[1:]): r[0] for r in con.execute(f"SELECT producer_id, {_PRODUCER_NAMES} FROM producers").fetchall()
+        }
         where = " OR ".join("(producer_id = ? AND batch_no > ? AND batch_no <= ?)" for _ in new)
         params = [x for pid, head in new for x in (pid, self.watermark.get(pid, -1), head)]
         table = read_events(con, where, params)
@@ -71,8 +72,10 @@ class OnlineReplay:
         if any(no != self.tail.watermark.get(pid, -1) + 1 for pid, no in batches.items()):
             return False
         if not set(batches) <= set(self.engine.producer_ids.values()):  # a producer not yet known: its id
-            self.tail.producers = {tuple(r[1:]): r[0] for r in con.execute(
-                f"SELECT producer_id, {_PRODUCER_NAMES} FROM producers").fetchall()}
+            self.tail.producers = {
+                tuple(r[1:]): r[0]
+                for r in con.execute(f"SELECT producer_id, {_PRODUCER_NAMES} FROM producers").fetchall()
+            }
             self.engine.producer_ids.update(self.tail.producers)
         self.engine.feed(table)
         self.num_events += table.num_rows

@@ -26,13 +26,29 @@ class ReportOptions:
 
     def to_dict(self) -> dict:
         r = self.rules
-        return {"from_ns": self.from_ns, "to_ns": self.to_ns, "exclusions": self.exclusions.to_dict(),
-                "baseline_from_ns": self.baseline_from_ns, "baseline_to_ns": self.baseline_to_ns,
-                "long_prompt_tokens": self.long_prompt_tokens,
-                "rules": {"burst_minutes": r.burst_minutes, "burst_count": r.burst_count,
-                          "rate_ratio": r.rate_ratio, "min_long_requests": r.min_long_requests}}
+        return {
+            "from_ns": self.from_ns,
+            "to_ns": self.to_ns,
+            "exclusions": self.exclusions.to_dict(),
+            "baseline_from_ns": self.baseline_from_ns,
+            "baseline_to_ns": self.baseline_to_ns,
+            "long_prompt_tokens": self.long_prompt_tokens,
+            "rules": {
+                "burst_minutes": r.burst_minutes,
+                "burst_count": r.burst_count,
+                "rate_ratio": r.rate_ratio,
+                "min_long_requests": r.min_long_requests,
+            },
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> ReportOptions:
-        return cls(d["from_ns"], d["to_ns"], Exclusions.from_dict(d["exclusions"]), d["baseline_from_ns"],
-                   d["baseline_to_ns"], d["long_prompt_tokens"], ProbeRules(**d["rules"]))
+        return cls(
+            d["from_ns"],
+            d["to_ns"],
+            Exclusions.from_dict(d["exclusions"]),
+            d["baseline_from_ns"],
+            d["baseline_to_ns"],
+            d["long_prompt_tokens"],
+            ProbeRules(**d["rules"]),
+        )

@@ -76,7 +76,8 @@ def coverage_gaps(con: duckdb.DuckDBPyConnection, w: Window = Window(), *, kinds
         gaps, is_gap = kind_rows("recorder_gap", "e"), "TRUE"
     else:
         gaps, is_gap = "events e", "e.kind = 'recorder_gap'"
-    rows = con.execute(f"""
+    rows = con.execute(
+        f"""
         WITH sel AS (SELECT * FROM batches WHERE {where})
         SELECT p.node, p.instance, b.first_seq, b.last_seq, b.num_events, b.pruned,
                coalesce(g.dropped, 0) AS reported
@@ -87,19 +88,41 @@ def coverage_gaps(con: duckdb.DuckDBPyConnection, w: Window = Window(), *, kinds
         LEFT JOIN (SELECT e.producer_id, sum(e.dropped_events) AS dropped FROM {gaps}
                    {in_window}
                    WHERE {is_gap} GROUP BY e.producer_id) g USING (producer_id)""",
-                       [v for _, v in bounds if v is not None]).fetchall()
+        [v for _, v in bounds if v is not None],
+    ).fetchall()
     out = []
     for node, instance, first, last, stored, _pruned, reported in rows:
         missing = int(last - first + 1 - stored)
         if missing > reported:
-            out.append({"node": node, "instance": instance, "missing_events": missing,
-                        "reported_by_producer": int(reported), "unexplained": missing - int(reported)})
-    return pl.DataFrame(out, schema={"node": pl.Utf8, "instance": pl.Utf8, "missing_events": pl.Int64,
-                                     "reported_by_producer": pl.Int64, "unexplained": pl.Int64})
+            out.append(
+                {
+                    "node": node,
+                    "instance": instance,
+                    "missing_events": missing,
+                    "reported_by_producer": int(reported),
+                    "unexplained": missing - int(reported),
+                }
+            )
+    return pl.DataFrame(
+        out,
+        schema={
+            "node": pl.Utf8,
+            "instance": pl.Utf8,
+            "missing_events": pl.Int64,
+            "reported_by_producer": pl.Int64,
+            "unexplained": pl.Int64,
+        },
+    )
 
 
-def findings_of(con: duckdb.DuckDBPyConnection, w: Window = Window(), *, engine: str = "replay",
-                policy: ForensicsPolicy = ForensicsPolicy(), codes=None) -> list[Finding]:
+def findings_of(
+    con: duckdb.DuckDBPyConnection,
+    w: Window = Window(),
+    *,
+    engine: str = "replay",
+    policy: ForensicsPolicy = ForensicsPolicy(),
+    codes=None,
+) -> list[Finding]:
     """Every finding of the window's events (tenant and node filters not applied), from either engine;
     ``codes`` limits the work to what a question needs."""
     check_window(con, w)
@@ -112,20 +135,31 @@ def findings_of(con: duckdb.DuckDBPyConnection, w: Window = Window(), *, engine:
 
 def findings_frame(found: list[Finding], w: Window = Window(), codes: tuple[str, ...] = ()) -> pl.DataFrame:
     """Findings as a DataFrame, keeping ``codes`` (all when empty) and the window's tenant/node filters."""
-    found = [f for f in found if (not codes or f.code in codes)
-             and (w.tenant is None or f.tenant_id == w.tenant or w.tenant in f.victim_tenant_ids)
-             and (w.node is None or f.node == w.node)]
+    found = [
+        f
+        for f in found
+        if (not codes or f.code in codes)
+        and (w.tenant is None or f.tenant_id == w.tenant or w.tenant in f.victim_tenant_ids)
+        and (w.node is None or f.node == w.node)
+    ]
     return pl.DataFrame(findings_table(found))
 
 
-def findings(con: duckdb.DuckDBPyConnection, w: Window = Window(), codes: tuple[str, ...] = (), *,
-             engine: str = "replay", policy: ForensicsPolicy = ForensicsPolicy()) -> pl.DataFrame:
+def findings(
+    con: duckdb.DuckDBPyConnection,
+    w: Window = Window(),
+    codes: tuple[str, ...] = (),
+    *,
+    engine: str = "replay",
+    policy: ForensicsPolicy = ForensicsPolicy(),
+) -> pl.DataFrame:
     """Every finding in the window (optionally only ``codes``), with evidence event ids."""
     return findings_frame(findings_of(con, w, engine=engine, policy=policy), w, codes)
 
 
-def affected_responses(con: duckdb.DuckDBPyConnection, w: Window = Window(),
-                       found: list[Finding] | None = None) -> pl.DataFrame:
+def affected_responses(
+    con: duckdb.DuckDBPyConnection, w: Window = Window(), found: list[Finding] | None = None
+) -> pl.DataFrame:
     """Responses whose request read data it did not own (F1, F5): who, what the client got, whose data.
 
     ``codes``, ``victim_tenants`` and ``victim_requests`` are lists. A late writer (F7) is a source,
@@ -140,17 +174,31 @@ def affected_responses(con: duckdb.DuckDBPyConnection, w: Window = Window(),
     by_request: dict[str, dict] = {}
     for f in found:
         assert f.request_id is not None, f"{f.code} finding without a recipient request: {f.detail}"
-        row = by_request.setdefault(f.request_id, {
-            "request_id": f.request_id, "tenant_id": f.tenant_id, "codes": set(), "foreign_pages": set(),
-            "victim_request_ids": set(), "victim_tenant_ids": set(), "first_ns": f.first_ns, "last_ns": f.last_ns})
+        row = by_request.setdefault(
+            f.request_id,
+            {
+                "request_id": f.request_id,
+                "tenant_id": f.tenant_id,
+                "codes": set(),
+                "foreign_pages": set(),
+                "victim_request_ids": set(),
+                "victim_tenant_ids": set(),
+                "first_ns": f.first_ns,
+                "last_ns": f.last_ns,
+            },
+        )
         row["codes"].add(f.code)
         row["foreign_pages"].update((f.node, p) for p in f.pages)
         row["victim_request_ids"].update(v for v in f.victim_request_ids if v)
         row["victim_tenant_ids"].update(v if v else NEVER_WRITTEN for v in f.victim_tenant_ids)
         row["first_ns"], row["last_ns"] = min(row["first_ns"], f.first_ns), max(row["last_ns"], f.last_ns)
-    responses = {r[0]: r[1:] for r in con.execute(
-        "SELECT request_id, http_status, prompt_tokens, completion_tokens FROM events_v "
-        "WHERE kind = 'response_sent' AND request_id IS NOT NULL").fetchall()}
+    responses = {
+        r[0]: r[1:]
+        for r in con.execute(
+            "SELECT request_id, http_status, prompt_tokens, completion_tokens FROM events_v "
+            "WHERE kind = 'response_sent' AND request_id IS NOT NULL"
+        ).fetchall()
+    }
     rows = []
     for rid, row in by_request.items():
         if w.tenant is not None and row["tenant_id"] != w.tenant and w.tenant not in row["victim_tenant_ids"]:
@@ -158,23 +206,41 @@ def affected_responses(con: duckdb.DuckDBPyConnection, w: Window = Window(),
         if w.node is not None and w.node not in {n for n, _ in row["foreign_pages"]}:
             continue
         status, prompt, completion = responses.get(rid, (None, None, None))
-        rows.append({"request_id": rid, "tenant_id": row["tenant_id"], "http_status": status,
-                     "prompt_tokens": prompt, "completion_tokens": completion,
-                     "codes": sorted(row["codes"], key=lambda c: int(c[1:])),
-                     "pages_read_foreign": len(row["foreign_pages"]),
-                     "victim_tenants": sorted(row["victim_tenant_ids"]),
-                     "victim_requests": sorted(row["victim_request_ids"]),
-                     "first_ns": row["first_ns"], "last_ns": row["last_ns"]})
+        rows.append(
+            {
+                "request_id": rid,
+                "tenant_id": row["tenant_id"],
+                "http_status": status,
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "codes": sorted(row["codes"], key=lambda c: int(c[1:])),
+                "pages_read_foreign": len(row["foreign_pages"]),
+                "victim_tenants": sorted(row["victim_tenant_ids"]),
+                "victim_requests": sorted(row["victim_request_ids"]),
+                "first_ns": row["first_ns"],
+                "last_ns": row["last_ns"],
+            }
+        )
     ids = pl.List(pl.Utf8)
     schema: dict[str, pl.DataType | type[pl.DataType]] = {
-        "request_id": pl.Utf8, "tenant_id": pl.Utf8, "http_status": pl.Int32, "prompt_tokens": pl.Int64,
-        "completion_tokens": pl.Int64, "codes": ids, "pages_read_foreign": pl.Int64, "victim_tenants": ids,
-        "victim_requests": ids, "first_ns": pl.Int64, "last_ns": pl.Int64}
+        "request_id": pl.Utf8,
+        "tenant_id": pl.Utf8,
+        "http_status": pl.Int32,
+        "prompt_tokens": pl.Int64,
+        "completion_tokens": pl.Int64,
+        "codes": ids,
+        "pages_read_foreign": pl.Int64,
+        "victim_tenants": ids,
+        "victim_requests": ids,
+        "first_ns": pl.Int64,
+        "last_ns": pl.Int64,
+    }
     return pl.DataFrame(rows, schema=schema).sort("first_ns")
 
 
-def affected_with_exclusions(con: duckdb.DuckDBPyConnection, w: Window, excl: Exclusions,
-                             found: list[Finding] | None = None) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+def affected_with_exclusions(
+    con: duckdb.DuckDBPyConnection, w: Window, excl: Exclusions, found: list[Finding] | None = None
+) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     """(kept affected responses, excluded ones with reason, every excluded request) for a window
     (``found``: the window's findings, when the caller already has them)."""
     check_exclusions(con, excl)
@@ -227,9 +293,17 @@ def _connected(store: Store) -> Iterator[duckdb.DuckDBPyConnection]:
         con.close()
 
 
-def ask_findings(store: Store, w: Window = Window(), *, codes: tuple[str, ...] = (), engine: str = "replay",
-                 policy: ForensicsPolicy = ForensicsPolicy(), exclusions: Exclusions = Exclusions(),
-                 found: list[Finding] | None = None, context: WindowContext | None = None) -> Answer:
+def ask_findings(
+    store: Store,
+    w: Window = Window(),
+    *,
+    codes: tuple[str, ...] = (),
+    engine: str = "replay",
+    policy: ForensicsPolicy = ForensicsPolicy(),
+    exclusions: Exclusions = Exclusions(),
+    found: list[Finding] | None = None,
+    context: WindowContext | None = None,
+) -> Answer:
     """Every finding in the window (only ``codes`` when given) with evidence; excluded accounts' findings
     left out. ``Answer.found`` keeps every finding of the window (e.g. to persist them). ``found``: the
     window's findings already judged (the service's live judge), used instead of a replay; ``context``:
@@ -251,8 +325,14 @@ def ask_findings(store: Store, w: Window = Window(), *, codes: tuple[str, ...] =
     return Answer(df.filter(~hit), df.filter(hit), ctx.gaps, ctx.notes, warnings, found=tuple(found))
 
 
-def ask_affected(store: Store, w: Window = Window(), *, exclusions: Exclusions = Exclusions(),
-                 found: list[Finding] | None = None, context: WindowContext | None = None) -> Answer:
+def ask_affected(
+    store: Store,
+    w: Window = Window(),
+    *,
+    exclusions: Exclusions = Exclusions(),
+    found: list[Finding] | None = None,
+    context: WindowContext | None = None,
+) -> Answer:
     """Which responses read foreign pages in the window, and whose data it was (exclusions applied).
     ``found``: the window's findings already judged, used instead of a replay; ``context``: as for
     :func:`ask_findings`."""
@@ -275,16 +355,22 @@ class WindowContext:
     incomplete: pl.DataFrame
 
     def warnings(self, con: duckdb.DuckDBPyConnection, w: Window, withheld: int = 0) -> tuple[str, ...]:
-        return integrity_warnings(con, w, ends=self.ends, incomplete=self.incomplete, withheld=withheld,
-                                  shared=self.shared)
+        return integrity_warnings(
+            con, w, ends=self.ends, incomplete=self.incomplete, withheld=withheld, shared=self.shared
+        )
 
 
 def window_context(con: duckdb.DuckDBPyConnection, w: Window) -> WindowContext:
     """The :class:`WindowContext` of window ``w`` on ``con``'s store as it is now."""
     kinds = has_kind_tables(con)
     ends = window_ends(con, w, kinds=kinds)
-    return WindowContext(coverage_gaps(con, kinds=kinds), _symptom_notes(con, w, kinds=kinds),
-                         shared_transfer_ids(con, w, kinds=kinds), ends, incomplete_requests(con, w, ends))
+    return WindowContext(
+        coverage_gaps(con, kinds=kinds),
+        _symptom_notes(con, w, kinds=kinds),
+        shared_transfer_ids(con, w, kinds=kinds),
+        ends,
+        incomplete_requests(con, w, ends),
+    )
 
 
 def ask_exposure(store: Store, w: Window = Window(), *, exclusions: Exclusions = Exclusions()) -> Answer:
@@ -315,8 +401,9 @@ def ask_thresholds(store: Store, w: Window = Window(), *, exclusions: Exclusions
         return thresholds_answer(con, w, *affected_with_exclusions(con, w, exclusions))
 
 
-def thresholds_answer(con: duckdb.DuckDBPyConnection, w: Window, kept: pl.DataFrame, dropped: pl.DataFrame,
-                      excluded: pl.DataFrame) -> Answer:
+def thresholds_answer(
+    con: duckdb.DuckDBPyConnection, w: Window, kept: pl.DataFrame, dropped: pl.DataFrame, excluded: pl.DataFrame
+) -> Answer:
     """The threshold answer from the window's affected responses (``kept``, after exclusions; ``excluded``:
     the requests the exclusions removed), whichever engine found them (a store or a lake)."""
     capacity, gaps = node_capacity(con, w.from_ns, w.to_ns), coverage_gaps(con)
@@ -342,38 +429,57 @@ def ask_exploitation(store: Store, options: ReportOptions, w: Window | None = No
         warnings = integrity_warnings(con, w or Window(options.from_ns, options.to_ns))
     if w is not None and w.tenant:
         df = df.filter(pl.col("tenant_id") == w.tenant)
-    note = (f"over-long: more than {long_tokens:,} tokens" if long_tokens is not None else
-            "over-long: unknown (no node configuration in the window)")
+    note = (
+        f"over-long: more than {long_tokens:,} tokens"
+        if long_tokens is not None
+        else "over-long: unknown (no node configuration in the window)"
+    )
     return Answer(df, df.clear(), gaps, (note,), warnings, {"long_prompt_tokens": long_tokens})
 
 
 def _symptom_notes(con: duckdb.DuckDBPyConnection, w: Window, *, kinds: bool | None = None) -> tuple[str, ...]:
-    notes = (empty_after_abort_note(empty_after_abort(con, w, kinds=kinds)),
-             unverified_landings_note(unverified_landings(con, w, kinds=kinds)))
+    notes = (
+        empty_after_abort_note(empty_after_abort(con, w, kinds=kinds)),
+        unverified_landings_note(unverified_landings(con, w, kinds=kinds)),
+    )
     return tuple(n for n in notes if n)
 
 
-def report_requests(con: duckdb.DuckDBPyConnection, o: ReportOptions, kept: pl.DataFrame,
-                    dropped: pl.DataFrame) -> pl.DataFrame:
+def report_requests(
+    con: duckdb.DuckDBPyConnection, o: ReportOptions, kept: pl.DataFrame, dropped: pl.DataFrame
+) -> pl.DataFrame:
     """Requests of the window, plus affected ones received before it."""
     return requests_table(con, o.from_ns, o.to_ns, kept["request_id"].to_list() + dropped["request_id"].to_list())
 
 
-def exploitation_for(con: duckdb.DuckDBPyConnection, o: ReportOptions, w: Window | None = None,
-                     pieces: tuple | None = None) -> tuple[pl.DataFrame, int | None]:
+def exploitation_for(
+    con: duckdb.DuckDBPyConnection, o: ReportOptions, w: Window | None = None, pieces: tuple | None = None
+) -> tuple[pl.DataFrame, int | None]:
     """The exploitation assessment for the options' window and its over-long threshold (tokens).
 
     ``pieces`` (kept, dropped, excluded, capacity, requests) saves recomputing what the caller has.
     """
     if pieces is None:
         kept, dropped, excluded = affected_with_exclusions(con, w or Window(o.from_ns, o.to_ns), o.exclusions)
-        pieces = (kept, dropped, excluded, node_capacity(con, o.from_ns, o.to_ns),
-                  report_requests(con, o, kept, dropped))
+        pieces = (
+            kept,
+            dropped,
+            excluded,
+            node_capacity(con, o.from_ns, o.to_ns),
+            report_requests(con, o, kept, dropped),
+        )
     kept, dropped, excluded, capacity, requests = pieces
     long_tokens = o.long_prompt_tokens if o.long_prompt_tokens is not None else long_prompt_threshold(capacity)
     b_from, b_to = o.baseline
     everyone = pl.concat([kept, dropped.drop("excluded_by", "reason")])
     df = exploitation_assessment(
-        requests, requests_table(con, b_from, b_to), everyone, excluded, window_ns=(o.from_ns, o.to_ns),
-        baseline_ns=(b_from, b_to), long_prompt_tokens=long_tokens, rules=o.rules)
+        requests,
+        requests_table(con, b_from, b_to),
+        everyone,
+        excluded,
+        window_ns=(o.from_ns, o.to_ns),
+        baseline_ns=(b_from, b_to),
+        long_prompt_tokens=long_tokens,
+        rules=o.rules,
+    )
     return df, long_tokens

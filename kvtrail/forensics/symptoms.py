@@ -36,12 +36,16 @@ def _windowed(w: Window) -> tuple[str, list]:
     return f"(SELECT * FROM events_v WHERE {where})", params
 
 
-def shared_transfer_ids(con: duckdb.DuckDBPyConnection, w: Window = Window(), *,
-                        kinds: bool | None = None) -> pl.DataFrame:
+def shared_transfer_ids(
+    con: duckdb.DuckDBPyConnection, w: Window = Window(), *, kinds: bool | None = None
+) -> pl.DataFrame:
     """Transfer ids that events of more than one request carry in the window: (transfer_id,
     request_ids, num_events). ``kinds``: whether the store has its kind tables (None: look)."""
-    schema: dict[str, pl.DataType] = {"transfer_id": pl.UInt64(), "request_ids": pl.List(pl.Utf8),
-                                      "num_events": pl.Int64()}
+    schema: dict[str, pl.DataType] = {
+        "transfer_id": pl.UInt64(),
+        "request_ids": pl.List(pl.Utf8),
+        "num_events": pl.Int64(),
+    }
     if has_kind_tables(con) if kinds is None else kinds:  # the dictionary: every (request, transfer) events carry
         row = con.execute(f"""SELECT count(*) FROM (SELECT transfer_id FROM {REQUESTS_TABLE}
                               WHERE transfer_id IS NOT NULL AND request_id IS NOT NULL GROUP BY transfer_id
@@ -49,29 +53,38 @@ def shared_transfer_ids(con: duckdb.DuckDBPyConnection, w: Window = Window(), *,
         if not (row and row[0]):  # no id shared by two requests anywhere: none in the window either
             return pl.DataFrame(schema=schema)
     ev, params = _windowed(w)
-    rows = con.execute(f"""
+    rows = con.execute(
+        f"""
         SELECT transfer_id, list(DISTINCT request_id ORDER BY request_id), count(*)
         FROM {ev} WHERE transfer_id IS NOT NULL AND request_id IS NOT NULL
-        GROUP BY transfer_id HAVING count(DISTINCT request_id) > 1 ORDER BY transfer_id""", params).fetchall()
+        GROUP BY transfer_id HAVING count(DISTINCT request_id) > 1 ORDER BY transfer_id""",
+        params,
+    ).fetchall()
     return pl.DataFrame([{"transfer_id": t, "request_ids": r, "num_events": n} for t, r, n in rows], schema=schema)
 
 
-def empty_after_abort(con: duckdb.DuckDBPyConnection, w: Window = Window(), *,
-                      kinds: bool | None = None) -> pl.DataFrame:
+def empty_after_abort(
+    con: duckdb.DuckDBPyConnection, w: Window = Window(), *, kinds: bool | None = None
+) -> pl.DataFrame:
     """2xx responses with no completion tokens to requests aborted on some node (same attempt: the
     transfer ids agree where both events carry one). ``kinds``: as for :func:`shared_transfer_ids`."""
     if has_kind_tables(con) if kinds is None else kinds:  # the two kinds' tables, with requests and node
         where, wp = kind_window_filter(w.from_ns, w.to_ns, "x")  # the same filter on both kinds' rows
-        responses = (f"(SELECT x.* FROM {kind_rows('response_sent', 'x')} SEMI JOIN producers p "
-                     f"ON p.producer_id = x.producer_id WHERE {where})")
-        aborts = (f"(SELECT x.*, p.node FROM {kind_rows('request_aborted', 'x')} JOIN producers p "
-                  f"ON p.producer_id = x.producer_id WHERE {where})")
+        responses = (
+            f"(SELECT x.* FROM {kind_rows('response_sent', 'x')} SEMI JOIN producers p "
+            f"ON p.producer_id = x.producer_id WHERE {where})"
+        )
+        aborts = (
+            f"(SELECT x.*, p.node FROM {kind_rows('request_aborted', 'x')} JOIN producers p "
+            f"ON p.producer_id = x.producer_id WHERE {where})"
+        )
         is_abort, is_response, params = "TRUE", "TRUE", wp + wp
     else:
         ev, wp = _windowed(w)
         responses, aborts, params = ev, ev, wp + wp
         is_abort, is_response = "a.kind = 'request_aborted'", "r.kind = 'response_sent'"
-    rows = con.execute(f"""
+    rows = con.execute(
+        f"""
         SELECT r.request_id, any_value(r.tenant_id), r.http_status, r.wall_ns,
                list(DISTINCT a.node || ' ' || a.stage || ': ' || a.abort_reason ORDER BY
                     a.node || ' ' || a.stage || ': ' || a.abort_reason)
@@ -80,11 +93,22 @@ def empty_after_abort(con: duckdb.DuckDBPyConnection, w: Window = Window(), *,
          AND (a.transfer_id IS NULL OR r.transfer_id IS NULL OR a.transfer_id = r.transfer_id)
         WHERE {is_response} AND r.http_status BETWEEN 200 AND 299 AND r.completion_tokens = 0
         GROUP BY r.request_id, r.http_status, r.wall_ns, r.producer_id, r.seq
-        ORDER BY r.wall_ns, r.request_id""", params).fetchall()
-    return pl.DataFrame([{"request_id": rid, "tenant_id": t, "http_status": s, "response_ns": ns, "aborts": a}
-                         for rid, t, s, ns, a in rows],
-                        schema={"request_id": pl.Utf8, "tenant_id": pl.Utf8, "http_status": pl.Int32,
-                                "response_ns": pl.Int64, "aborts": pl.List(pl.Utf8)})
+        ORDER BY r.wall_ns, r.request_id""",
+        params,
+    ).fetchall()
+    return pl.DataFrame(
+        [
+            {"request_id": rid, "tenant_id": t, "http_status": s, "response_ns": ns, "aborts": a}
+            for rid, t, s, ns, a in rows
+        ],
+        schema={
+            "request_id": pl.Utf8,
+            "tenant_id": pl.Utf8,
+            "http_status": pl.Int32,
+            "response_ns": pl.Int64,
+            "aborts": pl.List(pl.Utf8),
+        },
+    )
 
 
 def _ids(values: list) -> str:
@@ -98,64 +122,82 @@ def shared_transfer_warning(shared: pl.DataFrame) -> str | None:
         return None
     tids = shared["transfer_id"].to_list()
     per = "; ".join(f"{t}: {_ids(r)}" for t, r in shared.head(SHOWN_IDS).select("transfer_id", "request_ids").rows())
-    return (f"integrity: {len(tids)} transfer id(s) carried by more than one request ({per}"
-            f"{'; ...' if len(tids) > SHOWN_IDS else ''}); their transfers are judged per request, "
-            "but the producer's ids are suspect")
+    return (
+        f"integrity: {len(tids)} transfer id(s) carried by more than one request ({per}"
+        f"{'; ...' if len(tids) > SHOWN_IDS else ''}); their transfers are judged per request, "
+        "but the producer's ids are suspect"
+    )
 
 
 def empty_after_abort_note(empty: pl.DataFrame) -> str | None:
     """The note for :func:`empty_after_abort` (None when there are none)."""
     if empty.is_empty():
         return None
-    return (f"{len(empty)} response(s) got HTTP 2xx with no output after an abort (not F4, not exposure: "
-            f"SGLang's abort-returns-200 pattern): {_ids(empty['request_id'].to_list())}")
+    return (
+        f"{len(empty)} response(s) got HTTP 2xx with no output after an abort (not F4, not exposure: "
+        f"SGLang's abort-returns-200 pattern): {_ids(empty['request_id'].to_list())}"
+    )
 
 
-def unverified_landings(con: duckdb.DuckDBPyConnection, w: Window = Window(), *,
-                        kinds: bool | None = None) -> pl.DataFrame:
+def unverified_landings(
+    con: duckdb.DuckDBPyConnection, w: Window = Window(), *, kinds: bool | None = None
+) -> pl.DataFrame:
     """Transfers decode committed without evidence of what landed (``transfer_received`` status
     ``unverified``), per (prefill node, decode node) pair: the prefill node from the transfer's sends
     (None: prefill recorded none), the number of transfers and of pages whose writer is unknown.
     ``kinds``: as for :func:`shared_transfer_ids`."""
     if has_kind_tables(con) if kinds is None else kinds:  # the receipts' own table, not the union
         where, params = kind_window_filter(w.from_ns, w.to_ns, "x")
-        rec = (f"SELECT x.*, p.node FROM {kind_rows('transfer_received', 'x')} JOIN producers p "
-               f"ON p.producer_id = x.producer_id WHERE {where} AND x.status = 'unverified'")
-        sends = (f"SELECT x.transfer_id, x.request_id, p.node FROM {kind_rows('transfer_sent', 'x')} "
-                 "JOIN producers p ON p.producer_id = x.producer_id")
+        rec = (
+            f"SELECT x.*, p.node FROM {kind_rows('transfer_received', 'x')} JOIN producers p "
+            f"ON p.producer_id = x.producer_id WHERE {where} AND x.status = 'unverified'"
+        )
+        sends = (
+            f"SELECT x.transfer_id, x.request_id, p.node FROM {kind_rows('transfer_sent', 'x')} "
+            "JOIN producers p ON p.producer_id = x.producer_id"
+        )
     else:
         ev, params = _windowed(w)
         rec = f"SELECT * FROM {ev} WHERE kind = 'transfer_received' AND status = 'unverified'"
         sends = "SELECT transfer_id, request_id, node FROM events_v WHERE kind = 'transfer_sent'"
-    rows = con.execute(f"""
+    rows = con.execute(
+        f"""
         WITH rec AS ({rec}),
              snd AS (SELECT transfer_id, request_id, min(node) AS node FROM ({sends})
                      WHERE (transfer_id, request_id) IN (SELECT (transfer_id, request_id) FROM rec) GROUP BY ALL)
         SELECT s.node, r.node, count(*), sum(r.num_pages)
         FROM rec r LEFT JOIN snd s ON s.transfer_id = r.transfer_id AND s.request_id = r.request_id
-        GROUP BY ALL ORDER BY 2, 1 NULLS FIRST""", params).fetchall()
-    return pl.DataFrame([{"prefill_node": p, "decode_node": d, "transfers": n, "pages": int(pg or 0)}
-                         for p, d, n, pg in rows],
-                        schema={"prefill_node": pl.Utf8, "decode_node": pl.Utf8, "transfers": pl.Int64,
-                                "pages": pl.Int64})
+        GROUP BY ALL ORDER BY 2, 1 NULLS FIRST""",
+        params,
+    ).fetchall()
+    return pl.DataFrame(
+        [{"prefill_node": p, "decode_node": d, "transfers": n, "pages": int(pg or 0)} for p, d, n, pg in rows],
+        schema={"prefill_node": pl.Utf8, "decode_node": pl.Utf8, "transfers": pl.Int64, "pages": pl.Int64},
+    )
 
 
 def unverified_landings_note(landings: pl.DataFrame) -> str | None:
     """The coverage note for :func:`unverified_landings` (None when there are none)."""
     if landings.is_empty():
         return None
-    pairs = "; ".join(f"{p or '(no prefill record)'} -> {d}: {n} transfer(s), {pg} page(s)"
-                      for p, d, n, pg in landings.iter_rows())
-    return ("unverified landings (coverage): decode committed transfers it could not verify (its transfer "
-            "metadata was not the request's: prefill without kvtrail's plugin, or another room's slot); their "
-            f"pages' writer is unknown, a read of them is judged as of never-written pages: {pairs}")
+    pairs = "; ".join(
+        f"{p or '(no prefill record)'} -> {d}: {n} transfer(s), {pg} page(s)" for p, d, n, pg in landings.iter_rows()
+    )
+    return (
+        "unverified landings (coverage): decode committed transfers it could not verify (its transfer "
+        "metadata was not the request's: prefill without kvtrail's plugin, or another room's slot); their "
+        f"pages' writer is unknown, a read of them is judged as of never-written pages: {pairs}"
+    )
 
 
 def window_ends(con: duckdb.DuckDBPyConnection, w: Window = Window(), *, kinds: bool | None = None) -> list[UncleanEnd]:
     """The unclean ends whose possible gap (after the last stored event, up to the bound) meets the window."""
-    return [e for e in unclean_ends(con, kinds=kinds)
-            if (w.to_ns is None or e.last_wall_ns <= w.to_ns)
-            and (w.from_ns is None or e.gap_end_ns is None or e.gap_end_ns >= w.from_ns)]
+    return [
+        e
+        for e in unclean_ends(con, kinds=kinds)
+        if (w.to_ns is None or e.last_wall_ns <= w.to_ns)
+        and (w.from_ns is None or e.gap_end_ns is None or e.gap_end_ns >= w.from_ns)
+    ]
 
 
 def incomplete_requests(con: duckdb.DuckDBPyConnection, w: Window, ends: list[UncleanEnd]) -> pl.DataFrame:
@@ -165,13 +207,19 @@ def incomplete_requests(con: duckdb.DuckDBPyConnection, w: Window, ends: list[Un
     if not ends:
         return pl.DataFrame(schema=schema)
     ev, params = _windowed(w)
-    spans = con.execute(f"""SELECT request_id, cluster, min(wall_ns), max(wall_ns) FROM {ev}
-                            WHERE request_id IS NOT NULL GROUP BY request_id, cluster""", params).fetchall()
+    spans = con.execute(
+        f"""SELECT request_id, cluster, min(wall_ns), max(wall_ns) FROM {ev}
+                            WHERE request_id IS NOT NULL GROUP BY request_id, cluster""",
+        params,
+    ).fetchall()
     rows = []
     for e in ends:
         close = e.gap_end_ns
-        rows += [{"request_id": rid, "node": e.node, "instance": e.instance} for rid, cluster, lo, hi in spans
-                 if cluster == e.cluster and hi > e.last_wall_ns and (close is None or lo <= close)]
+        rows += [
+            {"request_id": rid, "node": e.node, "instance": e.instance}
+            for rid, cluster, lo, hi in spans
+            if cluster == e.cluster and hi > e.last_wall_ns and (close is None or lo <= close)
+        ]
     return pl.DataFrame(rows, schema=schema).unique(maintain_order=True)
 
 
@@ -187,15 +235,23 @@ def unclean_end_warnings(ends: list[UncleanEnd], incomplete: pl.DataFrame, withh
     out = [f"coverage: {e}" for e in ends]
     if len(incomplete):
         ids = incomplete["request_id"].unique(maintain_order=True).to_list()
-        out.append(f"coverage: {len(ids)} request(s) were in flight when a producer ended uncleanly and may lack "
-                   f"its events ({_ids(ids)}); their transfer findings (F2, F3) are withheld as incomplete"
-                   + (f" ({withheld} withheld)" if withheld else ""))
+        out.append(
+            f"coverage: {len(ids)} request(s) were in flight when a producer ended uncleanly and may lack "
+            f"its events ({_ids(ids)}); their transfer findings (F2, F3) are withheld as incomplete"
+            + (f" ({withheld} withheld)" if withheld else "")
+        )
     return tuple(out)
 
 
-def integrity_warnings(con: duckdb.DuckDBPyConnection, w: Window = Window(), *,
-                       ends: list[UncleanEnd] | None = None, incomplete: pl.DataFrame | None = None,
-                       withheld: int = 0, shared: pl.DataFrame | None = None) -> tuple[str, ...]:
+def integrity_warnings(
+    con: duckdb.DuckDBPyConnection,
+    w: Window = Window(),
+    *,
+    ends: list[UncleanEnd] | None = None,
+    incomplete: pl.DataFrame | None = None,
+    withheld: int = 0,
+    shared: pl.DataFrame | None = None,
+) -> tuple[str, ...]:
     """The warnings every answer over the window carries: shared transfer ids, unclean ends and the
     requests they leave incomplete (``ends``/``incomplete``/``shared``: when the caller has them already;
     ``withheld``: how many findings the caller withheld for them)."""

@@ -31,8 +31,12 @@ def check_window(con: duckdb.DuckDBPyConnection, w: Window) -> None:
     for field, column, value in (("--tenant", "tenant_id", w.tenant), ("--node", "node", w.node)):
         if value is None:
             continue
-        known = [r[0] for r in con.execute(f"SELECT DISTINCT {column} FROM events_v WHERE {column} IS NOT NULL "
-                                           f"ORDER BY 1").fetchall()]
+        known = [
+            r[0]
+            for r in con.execute(
+                f"SELECT DISTINCT {column} FROM events_v WHERE {column} IS NOT NULL ORDER BY 1"
+            ).fetchall()
+        ]
         if value not in known:
             raise KvtrailError(f"{field}: unknown {column.split('_')[0]} {value!r}; known: {', '.join(known[:20])}")
 
@@ -42,8 +46,10 @@ def window_filter(from_ns: int | None, to_ns: int | None) -> tuple[str, list]:
     ``from_ns`` (so page state at the window's start is known), up to ``to_ns``."""
     where, params = ["TRUE"], []
     if from_ns is not None:
-        where.append("wall_ns >= coalesce((SELECT max(c.wall_ns) FROM events c WHERE c.kind = 'node_config' "
-                     "AND c.producer_id = events_v.producer_id AND c.wall_ns <= ?), ?)")
+        where.append(
+            "wall_ns >= coalesce((SELECT max(c.wall_ns) FROM events c WHERE c.kind = 'node_config' "
+            "AND c.producer_id = events_v.producer_id AND c.wall_ns <= ?), ?)"
+        )
         params += [from_ns, from_ns]
     if to_ns is not None:
         where.append("wall_ns <= ?")
@@ -56,8 +62,10 @@ def kind_window_filter(from_ns: int | None, to_ns: int | None, alias: str) -> tu
     rows of that kind, with the node_config looked up in its own table."""
     where, params = ["TRUE"], []
     if from_ns is not None:
-        where.append(f"{alias}.wall_ns >= coalesce((SELECT max(c.wall_ns) FROM events_node_config c "
-                     f"WHERE c.producer_id = {alias}.producer_id AND c.wall_ns <= ?), ?)")
+        where.append(
+            f"{alias}.wall_ns >= coalesce((SELECT max(c.wall_ns) FROM events_node_config c "
+            f"WHERE c.producer_id = {alias}.producer_id AND c.wall_ns <= ?), ?)"
+        )
         params += [from_ns, from_ns]
     if to_ns is not None:
         where.append(f"{alias}.wall_ns <= ?")

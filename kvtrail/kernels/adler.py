@@ -43,8 +43,7 @@ def item_adler32(byte_sum: int, weighted_sum: int, length: int) -> int:
     return (b << 16) | a
 
 
-def adler32_from_item_sums(byte_sums: torch.Tensor, weighted_sums: torch.Tensor,
-                           item_lens: torch.Tensor) -> int:
+def adler32_from_item_sums(byte_sums: torch.Tensor, weighted_sums: torch.Tensor, item_lens: torch.Tensor) -> int:
     """Adler-32 of the concatenation of items given per item ``s_i``, ``w_i`` and ``L_i``.
 
     All three are 1-D int64 tensors in concatenation order on one device; the sums may be given

@@ -69,9 +69,11 @@ class CpuBackend(ReferenceBackend):
         if bad_items:
             _raise_bad_ids(bad_items // len(lens), layout.num_pages)  # a bad page is bad in every buffer
         # sums are < 65521, so the int64 view is the same number
-        return adler32_from_item_sums(torch.from_numpy(out_s.view(np.int64)),
-                                      torch.from_numpy(out_w.view(np.int64)),
-                                      torch.from_numpy(np.repeat(lens, n)))
+        return adler32_from_item_sums(
+            torch.from_numpy(out_s.view(np.int64)),
+            torch.from_numpy(out_w.view(np.int64)),
+            torch.from_numpy(np.repeat(lens, n)),
+        )
 
     def verify_tags(self, table: torch.Tensor, page_ids: PageIds, held_tags: PageIds) -> torch.Tensor:
         ids, held = tag_args(table, page_ids, held_tags)

@@ -54,8 +54,9 @@ def _prefetch(typingctx, addr):
     def codegen(context, builder, signature, args):
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
-        fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p],
-                                              ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
+        fn = builder.module.declare_intrinsic(
+            "llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        )
         builder.call(fn, [builder.inttoptr(args[0], i8p), i32(0), i32(2), i32(1)])
         return context.get_dummy_value()
 
@@ -180,8 +181,9 @@ def digest_pages(addrs, item_lens, aligned, ids, num_pages, keys, seed, out):
                     _word_sums_8(addrs[b], item_lens[b], ids, i0, keys, row)
                 else:
                     for g in range(m):
-                        row[2 * g], row[2 * g + 1] = _word_sums_bytes(addrs[b] + ids[i0 + g] * item_lens[b],
-                                                                      item_lens[b], keys)
+                        row[2 * g], row[2 * g + 1] = _word_sums_bytes(
+                            addrs[b] + ids[i0 + g] * item_lens[b], item_lens[b], keys
+                        )
                 for g in range(m):
                     out[i0 + g] = _mix(_mix(out[i0 + g] ^ row[2 * g]) ^ row[2 * g + 1])
             for g in range(m):

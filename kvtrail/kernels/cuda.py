@@ -72,10 +72,12 @@ class CudaBackend(ReferenceBackend):
         keys = _keys(-(-max(layout.item_lens) // 8), str(layout.device))
         sums = torch.empty((n, nb, 2), dtype=torch.int64, device=layout.device)
         with torch.cuda.device(layout.device):
-            self._tk.item_sums_kernel[(n, nb)](addrs, lens, ids, keys, sums, nb,
-                                               BLOCK=_WORDS_PER_BLOCK, ALIGNED=aligned)
-            self._tk.fold_kernel[(-(-n // _FOLD_BLOCK),)](sums, out, signed(page_seed(layout.page_bytes)),
-                                                          n, nb, BLOCK_N=_FOLD_BLOCK)
+            self._tk.item_sums_kernel[(n, nb)](
+                addrs, lens, ids, keys, sums, nb, BLOCK=_WORDS_PER_BLOCK, ALIGNED=aligned
+            )
+            self._tk.fold_kernel[(-(-n // _FOLD_BLOCK),)](
+                sums, out, signed(page_seed(layout.page_bytes)), n, nb, BLOCK_N=_FOLD_BLOCK
+            )
         return out
 
     def request_digest(self, layout: KvLayout, page_ids: PageIds) -> int:
@@ -91,8 +93,7 @@ class CudaBackend(ReferenceBackend):
         byte_sums = torch.empty(nb * n, dtype=torch.int64, device=layout.device)
         weighted = torch.empty(nb * n, dtype=torch.int64, device=layout.device)
         with torch.cuda.device(layout.device):
-            self._tk.adler_items_kernel[(n, nb)](addrs, lens, ids, byte_sums, weighted, n,
-                                                 BLOCK=_BYTES_PER_BLOCK)
+            self._tk.adler_items_kernel[(n, nb)](addrs, lens, ids, byte_sums, weighted, n, BLOCK=_BYTES_PER_BLOCK)
         return adler32_from_item_sums(byte_sums, weighted, lens.repeat_interleave(n))
 
     def verify_tags(self, table: torch.Tensor, page_ids: PageIds, held_tags: PageIds) -> torch.Tensor:

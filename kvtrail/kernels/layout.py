@@ -79,8 +79,7 @@ class KvLayout:
         object.__setattr__(self, "device", buffers[0].device)
 
     @classmethod
-    def from_kv(cls, k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
-                num_pages: int) -> KvLayout:
+    def from_kv(cls, k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], num_pages: int) -> KvLayout:
         """The usual MHA layout: every layer's K buffer, then every layer's V buffer."""
         return cls(buffers=tuple(k_buffers) + tuple(v_buffers), num_pages=num_pages)
 
@@ -114,8 +113,12 @@ def as_page_ids(page_ids: PageIds, device: torch.device | str, field_name: str =
     Range is not checked here: the kernels check it in the same pass that reads the pages.
     """
     if isinstance(page_ids, torch.Tensor):
-        if (page_ids.dtype == torch.int64 and page_ids.dim() == 1 and page_ids.device == torch.device(device)
-                and page_ids.is_contiguous()):
+        if (
+            page_ids.dtype == torch.int64
+            and page_ids.dim() == 1
+            and page_ids.device == torch.device(device)
+            and page_ids.is_contiguous()
+        ):
             return page_ids  # the common case, kept cheap: tag checks run before every attention read
         ids = page_ids
     elif isinstance(page_ids, np.ndarray):

@@ -48,8 +48,9 @@ class ReferenceBackend:
         if not isinstance(layout, KvLayout):
             raise KernelError("layout", f"must be a KvLayout, got {type(layout).__name__}")
         if layout.device.type != self.device.type:
-            raise KernelError("layout", f"buffers are on {layout.device}; "
-                              f"the {self.name} backend runs on {self.device.type}")
+            raise KernelError(
+                "layout", f"buffers are on {layout.device}; the {self.name} backend runs on {self.device.type}"
+            )
 
     def _ids(self, layout: KvLayout, page_ids: PageIds) -> torch.Tensor:
         self.check_layout(layout)
@@ -60,8 +61,7 @@ class ReferenceBackend:
     def page_digests(self, layout: KvLayout, page_ids: PageIds) -> torch.Tensor:
         """One 64-bit digest per page (int64 bit patterns), in the order of ``page_ids``."""
         ids = self._ids(layout, page_ids)
-        h = torch.full((ids.numel(),), signed(page_seed(layout.page_bytes)), dtype=torch.int64,
-                       device=layout.device)
+        h = torch.full((ids.numel(),), signed(page_seed(layout.page_bytes)), dtype=torch.int64, device=layout.device)
         keys = word_keys_torch(-(-max(layout.item_lens) // 8), layout.device)
         for b in range(len(layout.buffers)):
             rows = layout.byte_view(b)[ids]

@@ -48,8 +48,7 @@ def supported_backends() -> list[str]:
 
 def available_backends() -> list[str]:
     """The supported backends this machine can run (CUDA ones only with a CUDA device)."""
-    return [name for name in supported_backends()
-            if not name.startswith("cuda") or torch.cuda.is_available()]
+    return [name for name in supported_backends() if not name.startswith("cuda") or torch.cuda.is_available()]
 
 
 def get_backend(device: torch.device | str = "cpu", kind: str = "fast") -> Backend:
@@ -57,17 +56,23 @@ def get_backend(device: torch.device | str = "cpu", kind: str = "fast") -> Backe
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise KernelError("device", f"{device!r} is not a device; supported backends: "
-                          f"{', '.join(supported_backends())}") from None
+        raise KernelError(
+            "device", f"{device!r} is not a device; supported backends: {', '.join(supported_backends())}"
+        ) from None
     if kind not in KINDS:
-        raise KernelError("kind", f"{kind!r} is not a kind ({', '.join(KINDS)}); supported backends: "
-                          f"{', '.join(supported_backends())}")
+        raise KernelError(
+            "kind",
+            f"{kind!r} is not a kind ({', '.join(KINDS)}); supported backends: {', '.join(supported_backends())}",
+        )
     if (dev.type, kind) not in _BACKENDS:
-        raise KernelError("device", f"no {kind} backend for {dev.type!r}; supported backends: "
-                          f"{', '.join(supported_backends())}")
+        raise KernelError(
+            "device", f"no {kind} backend for {dev.type!r}; supported backends: {', '.join(supported_backends())}"
+        )
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise KernelError("device", f"{dev} asked for, but CUDA is not available here; available "
-                          f"backends: {', '.join(available_backends())}")
+        raise KernelError(
+            "device",
+            f"{dev} asked for, but CUDA is not available here; available backends: {', '.join(available_backends())}",
+        )
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return _load(str(dev), kind)

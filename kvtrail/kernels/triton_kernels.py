@@ -30,8 +30,7 @@ def _mix(x):
 
 
 @triton.jit
-def item_sums_kernel(addrs_ptr, lens_ptr, ids_ptr, keys_ptr, sums_ptr, nb,
-                     BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+def item_sums_kernel(addrs_ptr, lens_ptr, ids_ptr, keys_ptr, sums_ptr, nb, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     """Grid (pages, buffers): ``sums[i, b] = (a_b, c_b)`` of page ``ids[i]`` in buffer ``b``."""
     i = tl.program_id(0)
     b = tl.program_id(1)

@@ -9,5 +9,17 @@ from kvtrail.preflight.serverinfo import parse_metrics, parse_server_info
 from kvtrail.preflight.sources import SourceError, parse_text, read_source
 from kvtrail.preflight.startlog import parse_startup_log
 
-__all__ = ["FIXED_VERSION", "CheckResult", "NodeConfig", "SourceError", "Verdict", "check_node", "judge",
-           "parse_metrics", "parse_server_info", "parse_startup_log", "parse_text", "read_source"]
+__all__ = [
+    "FIXED_VERSION",
+    "CheckResult",
+    "NodeConfig",
+    "SourceError",
+    "Verdict",
+    "check_node",
+    "judge",
+    "parse_metrics",
+    "parse_server_info",
+    "parse_startup_log",
+    "parse_text",
+    "read_source",
+]

@@ -41,9 +41,12 @@ def pool_vs_context(node: NodeConfig) -> CheckResult:
         missing = " and ".join(n for n, v in (("pool", pool), ("context length", ctx)) if v is None)
         return CheckResult("pool_vs_context", "unknown", f"{missing} not found in {node.source}")
     if pool < ctx:
-        return CheckResult("pool_vs_context", "fail",
-                           f"pool {_tokens(pool)} < context {_tokens(ctx)} tokens: one full-length request does "
-                           "not fit; lower --context-length or raise the pool")
+        return CheckResult(
+            "pool_vs_context",
+            "fail",
+            f"pool {_tokens(pool)} < context {_tokens(ctx)} tokens: one full-length request does "
+            "not fit; lower --context-length or raise the pool",
+        )
     return CheckResult("pool_vs_context", "pass", f"pool {_tokens(pool)} >= context {_tokens(ctx)} tokens")
 
 
@@ -78,25 +81,42 @@ def transfer_bound(node: NodeConfig, nodes: list[NodeConfig]) -> CheckResult | N
     """The batch bound and the release timeout are set, and the timeouts equal across the roles."""
     if not any(n.release_timeout_ns is not None or n.transfer_batch_max_pages is not None for n in nodes):
         return None
-    missing = [w for w, v in (("transfer batch bound", node.transfer_batch_max_pages),
-                              ("release timeout", node.release_timeout_ns)) if v is None]
+    missing = [
+        w
+        for w, v in (
+            ("transfer batch bound", node.transfer_batch_max_pages),
+            ("release timeout", node.release_timeout_ns),
+        )
+        if v is None
+    ]
     if missing:
-        return CheckResult("transfer_bound", "fail", f"{' and '.join(missing)} not set on {node.source}: bound "
-                           "Mooncake transfer batches so no call outlasts the release timeout")
+        return CheckResult(
+            "transfer_bound",
+            "fail",
+            f"{' and '.join(missing)} not set on {node.source}: bound "
+            "Mooncake transfer batches so no call outlasts the release timeout",
+        )
     timeouts = {n.release_timeout_ns for n in nodes if n.release_timeout_ns is not None}
     assert node.release_timeout_ns is not None
     if len(timeouts) > 1:
         shown = ", ".join(f"{t / 1e9:g} s" for t in sorted(t for t in timeouts if t is not None))
         return CheckResult("transfer_bound", "fail", f"release timeouts differ across the deployment ({shown})")
-    return CheckResult("transfer_bound", "pass", f"batches of at most {node.transfer_batch_max_pages} pages; "
-                       f"release timeout {node.release_timeout_ns / 1e9:g} s")
+    return CheckResult(
+        "transfer_bound",
+        "pass",
+        f"batches of at most {node.transfer_batch_max_pages} pages; "
+        f"release timeout {node.release_timeout_ns / 1e9:g} s",
+    )
 
 
 def check_node(node: NodeConfig, nodes: list[NodeConfig]) -> list[CheckResult]:
     """Every check that applies to ``node`` in the deployment ``nodes``."""
     out = [pool_vs_context(node)]
-    for result in (engine_version(node), *(_integrity(node, nodes, n, a) for n, a in INTEGRITY),
-                   transfer_bound(node, nodes)):
+    for result in (
+        engine_version(node),
+        *(_integrity(node, nodes, n, a) for n, a in INTEGRITY),
+        transfer_bound(node, nodes),
+    ):
         if result is not None:
             out.append(result)
     return out

@@ -55,5 +55,6 @@ class NodeConfig:
         return replace(self, **changes, notes=tuple(notes))
 
 
-_VALUES = tuple(f.name for f in fields(NodeConfig) if f.name not in ("source", "rank", "role", "config_source",
-                                                                        "notes", "node"))
+_VALUES = tuple(
+    f.name for f in fields(NodeConfig) if f.name not in ("source", "rank", "role", "config_source", "notes", "node")
+)

@@ -40,19 +40,47 @@ def events_of(nodes: list[NodeConfig], now_ns: int | None = None) -> tuple[list[
     for node in nodes:
         missing = [f for f in ("role", "pool_tokens", "context_tokens", "page_size") if getattr(node, f) is None]
         if missing:
-            skipped.append(f"{node.source} {node.rank or ''}: not recorded, {', '.join(missing)} unknown".replace(
-                "  ", " "))
+            skipped.append(
+                f"{node.source} {node.rank or ''}: not recorded, {', '.join(missing)} unknown".replace("  ", " ")
+            )
             continue
         assert node.pool_tokens is not None and node.page_size is not None
-        producer = {"cluster": CLUSTER, "node": node_name(node), "role": node.role, "engine": "sglang",
-                    "engine_version": node.version or "unknown", "instance": f"preflight-{now_ns}"}
-        payload = {k: getattr(node, k) for k in ("max_running_requests", "checksum_enabled", "canary_enabled",
-                                                 "deferred_release", "release_timeout_ns",
-                                                 "transfer_batch_max_pages") if getattr(node, k) is not None}
-        events.append({"schema_version": 1, "producer": producer, "seq": 0, "wall_ns": now_ns, "mono_ns": 0,
-                       "kind": "node_config", "pool_tokens": node.pool_tokens,
-                       "pool_pages": node.pool_tokens // node.page_size, "page_size": node.page_size,
-                       "context_tokens": node.context_tokens, "config_source": node.config_source, **payload})
+        producer = {
+            "cluster": CLUSTER,
+            "node": node_name(node),
+            "role": node.role,
+            "engine": "sglang",
+            "engine_version": node.version or "unknown",
+            "instance": f"preflight-{now_ns}",
+        }
+        payload = {
+            k: getattr(node, k)
+            for k in (
+                "max_running_requests",
+                "checksum_enabled",
+                "canary_enabled",
+                "deferred_release",
+                "release_timeout_ns",
+                "transfer_batch_max_pages",
+            )
+            if getattr(node, k) is not None
+        }
+        events.append(
+            {
+                "schema_version": 1,
+                "producer": producer,
+                "seq": 0,
+                "wall_ns": now_ns,
+                "mono_ns": 0,
+                "kind": "node_config",
+                "pool_tokens": node.pool_tokens,
+                "pool_pages": node.pool_tokens // node.page_size,
+                "page_size": node.page_size,
+                "context_tokens": node.context_tokens,
+                "config_source": node.config_source,
+                **payload,
+            }
+        )
     return events, skipped
 
 

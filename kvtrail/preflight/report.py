@@ -26,12 +26,23 @@ class Verdict:
         return EXIT_FAILED if any(c.status in bad for _, cs in self.nodes for c in cs) else EXIT_OK
 
     def to_json(self) -> str:
-        doc = {"ok": self.exit_code() == EXIT_OK,
-               "nodes": [{"source": n.source, "rank": n.rank, "role": n.role, "pool_tokens": n.pool_tokens,
-                          "context_tokens": n.context_tokens, "page_size": n.page_size, "version": n.version,
-                          "checks": [{"check": c.check, "status": c.status, "detail": c.detail} for c in cs]}
-                         for n, cs in self.nodes],
-               "errors": list(self.errors)}
+        doc = {
+            "ok": self.exit_code() == EXIT_OK,
+            "nodes": [
+                {
+                    "source": n.source,
+                    "rank": n.rank,
+                    "role": n.role,
+                    "pool_tokens": n.pool_tokens,
+                    "context_tokens": n.context_tokens,
+                    "page_size": n.page_size,
+                    "version": n.version,
+                    "checks": [{"check": c.check, "status": c.status, "detail": c.detail} for c in cs],
+                }
+                for n, cs in self.nodes
+            ],
+            "errors": list(self.errors),
+        }
         return json.dumps(doc, indent=2)
 
     def to_table(self) -> str:
@@ -48,9 +59,13 @@ class Verdict:
             lines.extend(f"    note: {n}" for n in node.notes)
         lines.extend(f"error: {e}" for e in self.errors)
         code = self.exit_code()
-        lines.append({EXIT_OK: "preflight: every check passed",
-                      EXIT_FAILED: "preflight: REFUSED (a check failed or could not be established)",
-                      EXIT_UNREADABLE: "preflight: REFUSED (a source could not be read)"}[code])
+        lines.append(
+            {
+                EXIT_OK: "preflight: every check passed",
+                EXIT_FAILED: "preflight: REFUSED (a check failed or could not be established)",
+                EXIT_UNREADABLE: "preflight: REFUSED (a source could not be read)",
+            }[code]
+        )
         return "\n".join(lines)
 
 

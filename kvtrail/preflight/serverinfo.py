@@ -61,8 +61,11 @@ def _common(doc: Mapping, source: str) -> NodeConfig:
     timeout_ns = None if _int(timeout_s) is None else int(float(timeout_s) * 1e9)  # type: ignore[arg-type]
     version = doc.get("version")
     return NodeConfig(
-        source=source, role=_role(doc.get("disaggregation_mode")), pool_tokens=_int(doc.get("max_total_num_tokens")),
-        context_tokens=_int(doc.get("context_length")) or _models_context(doc), page_size=_int(doc.get("page_size")),
+        source=source,
+        role=_role(doc.get("disaggregation_mode")),
+        pool_tokens=_int(doc.get("max_total_num_tokens")),
+        context_tokens=_int(doc.get("context_length")) or _models_context(doc),
+        page_size=_int(doc.get("page_size")),
         version=version if isinstance(version, str) and version else None,
         max_running_requests=_int(doc.get("max_running_requests")),
         checksum_enabled=_flag(doc.get("disaggregation_enable_kv_checksum")),
@@ -70,7 +73,8 @@ def _common(doc: Mapping, source: str) -> NodeConfig:
         deferred_release=_flag(doc.get("disaggregation_deferred_kv_release")),
         release_timeout_ns=timeout_ns or None,
         transfer_batch_max_pages=_int(doc.get("disaggregation_transfer_batch_max_pages")) or None,
-        config_source="server_info")
+        config_source="server_info",
+    )
 
 
 def parse_server_info(doc: Mapping, source: str) -> list[NodeConfig]:
@@ -97,8 +101,11 @@ def _without_pool(node: NodeConfig) -> NodeConfig:
     return replace(node, pool_tokens=None)
 
 
-_GAUGES = {"sglang:max_total_num_tokens": "pool_tokens", "sglang:context_len": "context_tokens",
-           "sglang:page_size": "page_size"}
+_GAUGES = {
+    "sglang:max_total_num_tokens": "pool_tokens",
+    "sglang:context_len": "context_tokens",
+    "sglang:page_size": "page_size",
+}
 
 
 def parse_metrics(text: str, source: str) -> list[NodeConfig]:

@@ -28,8 +28,11 @@ class SourceError(KvtrailError):
 
 def _looks_like_metrics(text: str) -> bool:
     head = [ln for ln in text.splitlines()[:200] if ln.strip()]
-    return bool(head) and any(ln.startswith("# TYPE ") or ln.startswith("# HELP ") for ln in head) \
+    return (
+        bool(head)
+        and any(ln.startswith("# TYPE ") or ln.startswith("# HELP ") for ln in head)
         and any(ln.startswith("sglang:") for ln in text.splitlines())
+    )
 
 
 def parse_text(text: str, source: str) -> list[NodeConfig]:
@@ -52,8 +55,10 @@ def parse_text(text: str, source: str) -> list[NodeConfig]:
         nodes = parse_startup_log(text, source)
     nodes = [n for n in nodes if not n.is_empty]
     if not nodes:
-        raise SourceError(f"{source}: no KV pool, context length or page size found (not an SGLang start-up log, "
-                          "server info or metrics, or cut before the pool was allocated)")
+        raise SourceError(
+            f"{source}: no KV pool, context length or page size found (not an SGLang start-up log, "
+            "server info or metrics, or cut before the pool was allocated)"
+        )
     return nodes
 
 

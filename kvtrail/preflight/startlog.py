@@ -42,8 +42,9 @@ _ARG_PAGE = re.compile(r"(?<![\w.])page_size=(\d+)\b")
 _ARG_MODE = re.compile(r"(?<![\w.])disaggregation_mode=['\"]?(prefill|decode|null)\b")
 _ARG_CHECKSUM = re.compile(r"(?<![\w.])disaggregation_enable_kv_checksum=(True|False)\b")
 _ARG_CANARY = re.compile(r"(?<![\w.])kv_canary=(None|False|True|'[^']*'|\"[^\"]*\")")
-_VERSION = re.compile(r"\bsglang(?:\s+version)?\s*(?:==|:|=|\s)\s*v?(\d+\.\d+\.\d+(?:\.?post\d+|rc\d+)?)\b",
-                      re.IGNORECASE)
+_VERSION = re.compile(
+    r"\bsglang(?:\s+version)?\s*(?:==|:|=|\s)\s*v?(\d+\.\d+\.\d+(?:\.?post\d+|rc\d+)?)\b", re.IGNORECASE
+)
 _PREFILL_BATCH = re.compile(r"\bPrefill batch[.,]")
 _DECODE_BATCH = re.compile(r"\bDecode batch[.,]")
 
@@ -111,7 +112,7 @@ def parse_startup_log(text: str, source: str) -> list[NodeConfig]:
         g = groups.setdefault(dp, _Group())
         if label:
             g.labels.add(label)
-        if pool_m and not _HOST.search(re.split(r"[\]:|]", line[:pool_m.start()])[-1]):
+        if pool_m and not _HOST.search(re.split(r"[\]:|]", line[: pool_m.start()])[-1]):
             g.pools.setdefault(label or "", set()).add(int(pool_m.group(1)))
         if sum_m:
             g.summary_pool = int(sum_m.group(1))
@@ -152,13 +153,23 @@ def _node(source: str, dp: str | None, g: _Group, args: dict, role: object) -> N
         candidates.add(g.warning_pool)
     pool = min(candidates) if candidates else None
     if len(candidates) > 1:
-        notes.append(f"the log states several pool sizes ({', '.join(map(str, sorted(candidates)))}): "
-                     "the smallest is used")
-    return NodeConfig(source=source, rank=_label(dp, g.labels), role=role if role in ROLES else None,
-                      pool_tokens=pool, context_tokens=g.context, page_size=args.get("page_size"),
-                      version=args.get("version"), max_running_requests=g.max_reqs,
-                      checksum_enabled=args.get("checksum"), canary_enabled=args.get("canary"),
-                      config_source="startup_log", notes=tuple(notes))
+        notes.append(
+            f"the log states several pool sizes ({', '.join(map(str, sorted(candidates)))}): the smallest is used"
+        )
+    return NodeConfig(
+        source=source,
+        rank=_label(dp, g.labels),
+        role=role if role in ROLES else None,
+        pool_tokens=pool,
+        context_tokens=g.context,
+        page_size=args.get("page_size"),
+        version=args.get("version"),
+        max_running_requests=g.max_reqs,
+        checksum_enabled=args.get("checksum"),
+        canary_enabled=args.get("canary"),
+        config_source="startup_log",
+        notes=tuple(notes),
+    )
 
 
 def _server_args(line: str, args: dict[str, object]) -> None:

@@ -56,14 +56,14 @@ class Report:
     context: IncidentContext | None
     generated_ns: int
     events_in_window: int
-    affected: pl.DataFrame           # affected responses, exclusions applied
+    affected: pl.DataFrame  # affected responses, exclusions applied
     excluded_affected: pl.DataFrame  # affected responses of excluded accounts, with reason
-    findings: pl.DataFrame           # every finding of the window, excluded requests removed
+    findings: pl.DataFrame  # every finding of the window, excluded requests removed
     excluded_findings: int
-    matrix: pl.DataFrame             # recipient tenant x victim tenant
-    exposed: pl.DataFrame            # per victim tenant
-    links: pl.DataFrame              # (response, victim, page) rows behind both
-    capacity: pl.DataFrame           # pool vs context per node configuration
+    matrix: pl.DataFrame  # recipient tenant x victim tenant
+    exposed: pl.DataFrame  # per victim tenant
+    links: pl.DataFrame  # (response, victim, page) rows behind both
+    capacity: pl.DataFrame  # pool vs context per node configuration
     thresholds: pl.DataFrame
     threshold_summary: dict
     exploitation: pl.DataFrame
@@ -84,8 +84,9 @@ class Report:
     def warnings(self) -> tuple[str, ...]:
         """Integrity and coverage warnings about the record, as every answer carries them."""
         text = shared_transfer_warning(self.shared_transfer_ids)
-        return ((text,) if text else ()) + unclean_end_warnings(list(self.unclean_ends), self.incomplete,
-                                                                self.withheld_findings)
+        return ((text,) if text else ()) + unclean_end_warnings(
+            list(self.unclean_ends), self.incomplete, self.withheld_findings
+        )
 
     @property
     def reads(self) -> pl.DataFrame:
@@ -135,19 +136,31 @@ class Report:
 
     def results(self) -> dict:
         """The query results the report stands on, in a canonical order (see :func:`results_digest`)."""
+
         def rows(df: pl.DataFrame) -> list[str]:
             return sorted(json.dumps(r, sort_keys=True, separators=(",", ":"), default=str) for r in df.to_dicts())
-        return {"options": self.options.to_dict(), "events_in_window": self.events_in_window,
-                "affected": rows(self.affected), "excluded_affected": rows(self.excluded_affected),
-                "findings": rows(self.findings), "excluded_findings": self.excluded_findings,
-                "exposure": rows(self.matrix), "exposed_tenants": rows(self.exposed),
-                "capacity": rows(self.capacity), "thresholds": rows(self.thresholds),
-                "threshold_summary": self.threshold_summary, "exploitation": rows(self.exploitation),
-                "long_prompt_tokens": self.long_prompt_tokens, "coverage": rows(self.coverage),
-                "shared_transfer_ids": rows(self.shared_transfer_ids),
-                "empty_after_abort": rows(self.empty_after_abort),
-                "unclean_ends": sorted(str(e) for e in self.unclean_ends), "incomplete": rows(self.incomplete),
-                "withheld_findings": self.withheld_findings}
+
+        return {
+            "options": self.options.to_dict(),
+            "events_in_window": self.events_in_window,
+            "affected": rows(self.affected),
+            "excluded_affected": rows(self.excluded_affected),
+            "findings": rows(self.findings),
+            "excluded_findings": self.excluded_findings,
+            "exposure": rows(self.matrix),
+            "exposed_tenants": rows(self.exposed),
+            "capacity": rows(self.capacity),
+            "thresholds": rows(self.thresholds),
+            "threshold_summary": self.threshold_summary,
+            "exploitation": rows(self.exploitation),
+            "long_prompt_tokens": self.long_prompt_tokens,
+            "coverage": rows(self.coverage),
+            "shared_transfer_ids": rows(self.shared_transfer_ids),
+            "empty_after_abort": rows(self.empty_after_abort),
+            "unclean_ends": sorted(str(e) for e in self.unclean_ends),
+            "incomplete": rows(self.incomplete),
+            "withheld_findings": self.withheld_findings,
+        }
 
     def results_digest(self) -> str:
         """SHA-256 (hex) of :meth:`results` serialised as sorted-key, compact JSON."""
@@ -155,9 +168,15 @@ class Report:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
-def build_report(con: duckdb.DuckDBPyConnection, options: ReportOptions, context: IncidentContext | None = None,
-                 heads: list[dict] | None = None, *, findings: list[Finding] | None = None,
-                 lake: dict | None = None) -> Report:
+def build_report(
+    con: duckdb.DuckDBPyConnection,
+    options: ReportOptions,
+    context: IncidentContext | None = None,
+    heads: list[dict] | None = None,
+    *,
+    findings: list[Finding] | None = None,
+    lake: dict | None = None,
+) -> Report:
     """Run every question and analysis for the window (``con``: a store, a snapshot of one or a lake's
     catalog). ``findings``: every finding of the window already computed elsewhere (an audit lake's
     partition replay, :func:`kvtrail.forensics.lake.questions.lake_findings`) instead of replaying ``con``;
@@ -181,16 +200,37 @@ def build_report(con: duckdb.DuckDBPyConnection, options: ReportOptions, context
     exploitation, long_tokens = exploitation_for(con, o, w, (kept, dropped, excluded, capacity, requests))
     row = con.execute("SELECT count(*) FROM events WHERE wall_ns BETWEEN ? AND ?", [o.from_ns, o.to_ns]).fetchone()
     events = row[0] if row else 0
-    return Report(o, context, time.time_ns(), int(events), kept, dropped, found_kept, len(found) - len(found_kept),
-                  an.exposure_matrix(links), an.exposed_tenants(links), links, capacity, thresholds, summary,
-                  exploitation, long_tokens, coverage_gaps(con),
-                  tuple(heads if heads is not None else chain_heads(con)),
-                  shared_transfer_ids=shared_transfer_ids(con, w), empty_after_abort=empty_after_abort(con, w),
-                  unclean_ends=tuple(ends), incomplete=incomplete, withheld_findings=len(withheld), lake=lake)
+    return Report(
+        o,
+        context,
+        time.time_ns(),
+        int(events),
+        kept,
+        dropped,
+        found_kept,
+        len(found) - len(found_kept),
+        an.exposure_matrix(links),
+        an.exposed_tenants(links),
+        links,
+        capacity,
+        thresholds,
+        summary,
+        exploitation,
+        long_tokens,
+        coverage_gaps(con),
+        tuple(heads if heads is not None else chain_heads(con)),
+        shared_transfer_ids=shared_transfer_ids(con, w),
+        empty_after_abort=empty_after_abort(con, w),
+        unclean_ends=tuple(ends),
+        incomplete=incomplete,
+        withheld_findings=len(withheld),
+        lake=lake,
+    )
 
 
-def write_report(report: Report, out_dir: str | Path, store_name: str, *, force: bool = False,
-                 protected: Iterable[str | Path] = ()) -> dict:
+def write_report(
+    report: Report, out_dir: str | Path, store_name: str, *, force: bool = False, protected: Iterable[str | Path] = ()
+) -> dict:
     """Write every report file into a staging folder beside ``out_dir`` (the manifest last), then move
     them into place (:func:`kvtrail.outputs.write_dir_atomically`): ``out_dir`` must be new or empty,
     or with ``force`` only the report's own files in it are replaced; a failure leaves it as it was.
@@ -198,8 +238,13 @@ def write_report(report: Report, out_dir: str | Path, store_name: str, *, force:
     from kvtrail.report import manifest
 
     done: dict = {}
-    write_dir_atomically(out_dir, lambda staging: done.update(_write_files(report, staging, store_name)),
-                         force=force, protected=protected, last=(manifest.MANIFEST,))
+    write_dir_atomically(
+        out_dir,
+        lambda staging: done.update(_write_files(report, staging, store_name)),
+        force=force,
+        protected=protected,
+        last=(manifest.MANIFEST,),
+    )
     return done
 
 
@@ -209,8 +254,9 @@ def _write_files(report: Report, out: Path, store_name: str) -> dict:
 
     written = []
     # Excluded responses stay in the file, marked, so the exclusion itself can be reviewed.
-    unmarked = report.affected.with_columns(pl.lit(None, pl.Utf8).alias("excluded_by"),
-                                            pl.lit(None, pl.Utf8).alias("reason"))
+    unmarked = report.affected.with_columns(
+        pl.lit(None, pl.Utf8).alias("excluded_by"), pl.lit(None, pl.Utf8).alias("reason")
+    )
     affected = _with_times(pl.concat([unmarked, report.excluded_affected], how="vertical_relaxed"))
     for name, df in (("affected_responses", affected), ("exposed_tenants", report.exposed)):
         csv_frame(df).write_csv(out / f"{name}.csv")
@@ -228,5 +274,10 @@ def _with_times(df: pl.DataFrame) -> pl.DataFrame:
     """Add UTC strings beside the ns columns (the files are read by people as well as programs)."""
     from kvtrail.timeutil import format_utc
 
-    return df.with_columns([pl.col(c).map_elements(format_utc, return_dtype=pl.Utf8).alias(c[:-3] + "_utc")
-                            for c in ("first_ns", "last_ns") if c in df.columns])
+    return df.with_columns(
+        [
+            pl.col(c).map_elements(format_utc, return_dtype=pl.Utf8).alias(c[:-3] + "_utc")
+            for c in ("first_ns", "last_ns")
+            if c in df.columns
+        ]
+    )

@@ -182,13 +182,17 @@ class _StrictLoader(yaml.SafeLoader):
     def _refuse(self, reason: str) -> KvtrailError:
         where = "".join(self.path).lstrip(".")
         mark = self.peek_event().start_mark
-        return _err(self.source, where, reason) if where else KvtrailError(
-            f"{self.source}: line {mark.line + 1}: {reason}")
+        return (
+            _err(self.source, where, reason)
+            if where
+            else KvtrailError(f"{self.source}: line {mark.line + 1}: {reason}")
+        )
 
     def compose_node(self, parent, index):
         event = self.peek_event()
-        step = (f".{index.value}" if isinstance(index, yaml.ScalarNode)
-                else f"[{index}]" if isinstance(index, int) else "")
+        step = (
+            f".{index.value}" if isinstance(index, yaml.ScalarNode) else f"[{index}]" if isinstance(index, int) else ""
+        )
         self.path.append(step)
         try:
             if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
@@ -278,8 +282,10 @@ def parse_context(data, source: str = "incident.yaml") -> IncidentContext:
     for required in ("organisation", "contact"):
         if data.get(required) is None:
             raise _err(source, required, "required")
-    kw: dict = {"organisation": _text(data["organisation"], source, "organisation"),
-                "contact": _contact(data["contact"], source, "contact")}
+    kw: dict = {
+        "organisation": _text(data["organisation"], source, "organisation"),
+        "contact": _contact(data["contact"], source, "contact"),
+    }
     if data.get("dpo") is not None:
         kw["dpo"] = _contact(data["dpo"], source, "dpo")
     for name in _TEXT[1:]:

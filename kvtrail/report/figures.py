@@ -13,8 +13,10 @@ import polars as pl
 from kvtrail.forensics.findings import AFFECTED_CODES
 from kvtrail.report import charts
 
-LEFT_OUT = ("Figures left out: drawing them needs the 'dashboard' extra (Altair and vl-convert-python); "
-            "the tables hold the same numbers.")
+LEFT_OUT = (
+    "Figures left out: drawing them needs the 'dashboard' extra (Altair and vl-convert-python); "
+    "the tables hold the same numbers."
+)
 
 
 def _figure(make, frame: pl.DataFrame, caption: str) -> list[tuple]:
@@ -31,21 +33,34 @@ def note(r) -> list[tuple]:
 
 
 def pool_vs_context(r) -> list[tuple]:
-    return _figure(charts.pool_vs_context, r.capacity,
-                   "Figure: KV pool vs advertised context per node configuration (red: pool below context, "
-                   "with the shortfall).")
+    return _figure(
+        charts.pool_vs_context,
+        r.capacity,
+        "Figure: KV pool vs advertised context per node configuration (red: pool below context, with the shortfall).",
+    )
 
 
 def timeline(r) -> list[tuple]:
     f = r.findings
-    shown = f.filter(~pl.col("code").is_in(sorted(AFFECTED_CODES))
-                     | pl.col("request_id").is_in(list(r.affected["request_id"]))) if len(f) else f
-    return _figure(charts.foreign_reads_timeline, shown,
-                   "Figure: UTC timeline of the window's foreign reads (F1, F5; red) and other findings.")
+    shown = (
+        f.filter(
+            ~pl.col("code").is_in(sorted(AFFECTED_CODES)) | pl.col("request_id").is_in(list(r.affected["request_id"]))
+        )
+        if len(f)
+        else f
+    )
+    return _figure(
+        charts.foreign_reads_timeline,
+        shown,
+        "Figure: UTC timeline of the window's foreign reads (F1, F5; red) and other findings.",
+    )
 
 
 def exposure(r) -> list[tuple]:
-    return _figure(charts.exposure_heatmap, r.matrix,
-                   "Figure: exposure heatmap, recipient tenant x victim tenant (label: responses; colour: pages). "
-                   "Where the two are the same tenant, its responses read another of its own requests; "
-                   "'(never written)': stale or uninitialised memory, no customer's data.")
+    return _figure(
+        charts.exposure_heatmap,
+        r.matrix,
+        "Figure: exposure heatmap, recipient tenant x victim tenant (label: responses; colour: pages). "
+        "Where the two are the same tenant, its responses read another of its own requests; "
+        "'(never written)': stale or uninitialised memory, no customer's data.",
+    )

@@ -17,10 +17,22 @@ SEARCH_DIRS = ("/usr/share/fonts", "/usr/local/share/fonts")
 SANS = (("truetype/dejavu/DejaVuSans.ttf", 0),)
 SANS_BOLD = (("truetype/dejavu/DejaVuSans-Bold.ttf", 0),)
 MONO = (("truetype/dejavu/DejaVuSansMono.ttf", 0),)
-CJK = (("truetype/wqy/wqy-microhei.ttc", 0), ("opentype/noto/NotoSansCJK-Regular.ttc", 0),
-       ("truetype/wqy/wqy-zenhei.ttc", 0), ("truetype/arphic/uming.ttc", 0))
-_CJK_RANGES = ((0x1100, 0x11FF), (0x2E80, 0x9FFF), (0xA960, 0xA97F), (0xAC00, 0xD7FF), (0xF900, 0xFAFF),
-               (0xFE30, 0xFE4F), (0xFF00, 0xFFEF), (0x20000, 0x3FFFF))
+CJK = (
+    ("truetype/wqy/wqy-microhei.ttc", 0),
+    ("opentype/noto/NotoSansCJK-Regular.ttc", 0),
+    ("truetype/wqy/wqy-zenhei.ttc", 0),
+    ("truetype/arphic/uming.ttc", 0),
+)
+_CJK_RANGES = (
+    (0x1100, 0x11FF),
+    (0x2E80, 0x9FFF),
+    (0xA960, 0xA97F),
+    (0xAC00, 0xD7FF),
+    (0xF900, 0xFAFF),
+    (0xFE30, 0xFE4F),
+    (0xFF00, 0xFFEF),
+    (0x20000, 0x3FFFF),
+)
 _warned: set[str] = set()  # notes already printed by this process
 
 
@@ -44,6 +56,7 @@ class PdfFonts:
     @classmethod
     def find(cls, dirs: tuple[str | Path, ...] = SEARCH_DIRS) -> PdfFonts:
         """The first installed candidate for each role, looked up under ``dirs``."""
+
         def first(candidates: tuple[tuple[str, int], ...]) -> FontFile | None:
             for d in dirs:
                 for name, number in candidates:
@@ -88,8 +101,10 @@ def missing_note(chars: set[str], fonts: PdfFonts) -> str | None:
         hint.append("fonts-dejavu-core")
     if cjk and fonts.cjk is None:
         hint.append("fonts-wqy-microhei or fonts-noto-cjk")
-    return (f"This PDF has no font for some characters ({', '.join(what)}) and shows them as '?'; report.md and "
-            "report.html show them." + (f" Install {' and '.join(hint)} to render them." if hint else ""))
+    return (
+        f"This PDF has no font for some characters ({', '.join(what)}) and shows them as '?'; report.md and "
+        "report.html show them." + (f" Install {' and '.join(hint)} to render them." if hint else "")
+    )
 
 
 def warn_once(note: str) -> None:

@@ -36,12 +36,17 @@ from kvtrail.report.verify import ReportCheck, changed_files, check_digest, note
 def lake_record(lake: Lake) -> dict:
     """What ``report.json`` says of the lake: where it is, which manifest, its SHA-256 and chain heads."""
     m = lake.manifest
-    return {"url": lake.fs.url, "manifest": m.number, "manifest_sha256": hashlib.sha256(m.raw).hexdigest(),
-            "chain_heads": m.doc["chain_heads"]}
+    return {
+        "url": lake.fs.url,
+        "manifest": m.number,
+        "manifest_sha256": hashlib.sha256(m.raw).hexdigest(),
+        "chain_heads": m.doc["chain_heads"],
+    }
 
 
-def lake_report(lake: Lake, options: ReportOptions, context: IncidentContext | None = None, *,
-                executor: Executor | None = None) -> Report:
+def lake_report(
+    lake: Lake, options: ReportOptions, context: IncidentContext | None = None, *, executor: Executor | None = None
+) -> Report:
     """The disclosure report of ``options``' window on ``lake`` (partition tasks on ``executor``)."""
     found = lake_findings(lake, Window(options.from_ns, options.to_ns), executor=executor)
     return build_report(lake.con, options, context, findings=found, lake=lake_record(lake))
@@ -53,23 +58,27 @@ def check_out_of_lake(out: str | Path, url: str) -> None:
         return
     lake, target = Path(url).resolve(), Path(out).resolve()
     if target == lake or lake in target.parents:
-        raise KvtrailError(f"--out: {out} is inside the lake {url}; kvtrail never writes into a lake "
-                           "(choose another folder)")
+        raise KvtrailError(
+            f"--out: {out} is inside the lake {url}; kvtrail never writes into a lake (choose another folder)"
+        )
 
 
 def _recorded(doc: dict, report_dir: str | Path) -> dict:
     rec = doc.get("lake")
     if not isinstance(rec, dict):
-        raise KvtrailError(f"--lake: {MANIFEST} of {report_dir} records no lake manifest (the report was written "
-                           "from a store: verify it with --db)")
+        raise KvtrailError(
+            f"--lake: {MANIFEST} of {report_dir} records no lake manifest (the report was written "
+            "from a store: verify it with --db)"
+        )
     for name, kind in (("manifest", int), ("manifest_sha256", str), ("chain_heads", dict)):
         if not isinstance(rec.get(name), kind):
             raise KvtrailError(f"{MANIFEST}: field 'lake.{name}': missing or of the wrong type")
     return rec
 
 
-def _heads_still_held(fs: LakeFS, heads: list[dict], damaged: set[str], options: ReportOptions,
-                      check: ReportCheck, strict: bool) -> None:
+def _heads_still_held(
+    fs: LakeFS, heads: list[dict], damaged: set[str], options: ReportOptions, check: ReportCheck, strict: bool
+) -> None:
     """The current lake's chains against the report's heads, and how the lake grew past them."""
     current = read_manifest(fs)
     usable = {t: sorted(p for p in current.files_of(t) if p not in damaged) for t in LAKE_TABLES}
@@ -82,8 +91,9 @@ def _heads_still_held(fs: LakeFS, heads: list[dict], damaged: set[str], options:
         con.close()
 
 
-def verify_lake_report(report_dir: str | Path, url: str, *, executor: Executor | None = None,
-                       strict: bool = False) -> ReportCheck:
+def verify_lake_report(
+    report_dir: str | Path, url: str, *, executor: Executor | None = None, strict: bool = False
+) -> ReportCheck:
     """Re-check a report written from a lake against the lake at ``url`` (see the module doc)."""
     doc = load_manifest(report_dir)
     rec = _recorded(doc, report_dir)
@@ -106,11 +116,14 @@ def verify_lake_report(report_dir: str | Path, url: str, *, executor: Executor |
         older = LakeVerifyReport()
         check_files(fs, recorded, older, extras=False)
         check.problems.extend(p for p in (f"lake: {q}" for q in older.problems) if p not in check.problems)
-        check.notes.append(f"the lake has new exports since the report (manifest {lake_check.manifest} now); "
-                           f"results were re-computed from manifest {number}")
+        check.notes.append(
+            f"the lake has new exports since the report (manifest {lake_check.manifest} now); "
+            f"results were re-computed from manifest {number}"
+        )
     options = ReportOptions.from_dict(doc["options"])
-    _heads_still_held(fs, parse_heads(doc["chain_heads"], MANIFEST, "chain_heads"), lake_check.damaged,
-                      options, check, strict)
+    _heads_still_held(
+        fs, parse_heads(doc["chain_heads"], MANIFEST, "chain_heads"), lake_check.damaged, options, check, strict
+    )
 
     def recompute() -> str:
         with open_lake(url, number) as lake:

@@ -18,14 +18,43 @@ from pathlib import Path
 
 from kvtrail.report.fonts import PdfFonts, missing_note, warn_once
 
-_FOLD = str.maketrans({"\u2013": "-", "\u2014": "-", "\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"',
-                       "\u2026": "...", "\u2192": "->", "\u2264": "<=", "\u2265": ">=", "\u2248": "~", "\u00d7": "x",
-                       "\u2022": "-"})
+_FOLD = str.maketrans(
+    {
+        "\u2013": "-",
+        "\u2014": "-",
+        "\u2018": "'",
+        "\u2019": "'",
+        "\u201c": '"',
+        "\u201d": '"',
+        "\u2026": "...",
+        "\u2192": "->",
+        "\u2264": "<=",
+        "\u2265": ">=",
+        "\u2248": "~",
+        "\u00d7": "x",
+        "\u2022": "-",
+    }
+)
 # Everything a Markdown or HTML reader may end a line on, and the other C0 controls: one space each.
 _BREAKS = re.compile(r"\r\n|[\x00-\x1f\x7f\x85\u2028\u2029]")
 # Inline markup anywhere in a line (code, emphasis, links, cells, strike, maths, raw HTML and entities).
-_MD_ESCAPE = str.maketrans({"\\": "\\\\", "`": "\\`", "*": "\\*", "_": "\\_", "[": "\\[", "]": "\\]",
-                            "|": "\\|", "~": "\\~", "$": "\\$", "#": "\\#", "<": "&lt;", ">": "&gt;", "&": "&amp;"})
+_MD_ESCAPE = str.maketrans(
+    {
+        "\\": "\\\\",
+        "`": "\\`",
+        "*": "\\*",
+        "_": "\\_",
+        "[": "\\[",
+        "]": "\\]",
+        "|": "\\|",
+        "~": "\\~",
+        "$": "\\$",
+        "#": "\\#",
+        "<": "&lt;",
+        ">": "&gt;",
+        "&": "&amp;",
+    }
+)
 # Markup only at the start of a line: list items ("- ", "+ ", "1. ", "1) ") and setext underlines.
 _MD_LINE_START = re.compile(r"^(?:([-+=])|(\d{1,9})([.)]))")
 
@@ -81,8 +110,10 @@ td{word-break:break-word}h2{border-bottom:1px solid #ccc;margin-top:2rem}"""
 def html(blocks: list[tuple], title: str) -> str:
     """A single self-contained HTML page; every text is escaped."""
     e = _html.escape
-    out = [f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{e(title)}</title>"
-           f"<style>{_CSS}</style></head><body>"]
+    out = [
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{e(title)}</title>'
+        f"<style>{_CSS}</style></head><body>"
+    ]
     for b in blocks:
         kind = b[0]
         if kind in ("h1", "h2", "h3"):
@@ -90,7 +121,7 @@ def html(blocks: list[tuple], title: str) -> str:
         elif kind == "p":
             out.append(f"<p>{e(b[1])}</p>")
         elif kind == "warn":
-            out.append(f"<p class=\"warn\"><strong>Warning:</strong> {e(b[1])}</p>")
+            out.append(f'<p class="warn"><strong>Warning:</strong> {e(b[1])}</p>')
         elif kind == "mono":
             out.append(f"<pre>{e(b[1])}</pre>")
         elif kind == "ul":
@@ -106,8 +137,10 @@ def html(blocks: list[tuple], title: str) -> str:
         elif kind == "img":
             width_px = png_size(b[1])[0] // 2  # drawn at scale 2: shown at its natural size on a screen
             data = base64.b64encode(b[1]).decode("ascii")
-            out.append(f"<figure><img src=\"data:image/png;base64,{data}\" alt=\"{e(b[2])}\" "
-                       f"style=\"max-width:100%;width:{width_px}px\"><figcaption>{e(b[2])}</figcaption></figure>")
+            out.append(
+                f'<figure><img src="data:image/png;base64,{data}" alt="{e(b[2])}" '
+                f'style="max-width:100%;width:{width_px}px"><figcaption>{e(b[2])}</figcaption></figure>'
+            )
         else:
             raise AssertionError(f"unknown block kind {kind!r}")
     out.append("</body></html>\n")
@@ -135,7 +168,7 @@ def shorten(text: str, max_chars: int) -> str:
     if len(text) <= max_chars:
         return text
     head = (max_chars - 1) // 2
-    return text[:head] + "\u2026" + text[len(text) - (max_chars - 1 - head):]
+    return text[:head] + "\u2026" + text[len(text) - (max_chars - 1 - head) :]
 
 
 def _fit(text: str, max_chars: int) -> str:
@@ -232,8 +265,14 @@ def pdf(blocks: list[tuple], path: str | Path, title: str, fonts: PdfFonts | Non
             doc.set_font(sans, "B", {"h1": 15, "h2": 12, "h3": 10}[kind])
             word, most = _PAGE_FIT["h"]
             doc.ln(2)
-            doc.multi_cell(width, 6, g.show(shorten(_short_words(g.flat(b[1]), word), most)),
-                           new_x="LMARGIN", new_y="NEXT", align="L")
+            doc.multi_cell(
+                width,
+                6,
+                g.show(shorten(_short_words(g.flat(b[1]), word), most)),
+                new_x="LMARGIN",
+                new_y="NEXT",
+                align="L",
+            )
             doc.ln(1)
         elif kind in ("p", "warn", "mono"):
             doc.set_font(mono if kind == "mono" else sans, "B" if kind == "warn" else "", 9)
@@ -241,8 +280,9 @@ def pdf(blocks: list[tuple], path: str | Path, title: str, fonts: PdfFonts | Non
             text = ("WARNING: " if kind == "warn" else "") + b[1]
             word, most = _PAGE_FIT["p"]
             text = shorten(_short_words(g.flat(text, keep_lines=kind == "mono"), word), most)
-            doc.multi_cell(width, 4.5, g.show(_breakable(text, 90)), new_x="LMARGIN", new_y="NEXT",
-                           fill=kind == "warn", align="L")
+            doc.multi_cell(
+                width, 4.5, g.show(_breakable(text, 90)), new_x="LMARGIN", new_y="NEXT", fill=kind == "warn", align="L"
+            )
             doc.set_fill_color(255, 255, 255)
             doc.ln(1.5)
         elif kind == "ul":
@@ -250,8 +290,9 @@ def pdf(blocks: list[tuple], path: str | Path, title: str, fonts: PdfFonts | Non
             word, most = _PAGE_FIT["p"]
             for item in b[1]:
                 text = shorten(_short_words(g.flat(item), word), most)
-                doc.multi_cell(width, 4.5, g.show("- " + _breakable(text, 90)), new_x="LMARGIN", new_y="NEXT",
-                               align="L")
+                doc.multi_cell(
+                    width, 4.5, g.show("- " + _breakable(text, 90)), new_x="LMARGIN", new_y="NEXT", align="L"
+                )
             doc.ln(1.5)
         elif kind == "table":
             _table(doc, g, sans, b[1], b[2], width, FontFace)
@@ -314,8 +355,14 @@ def _table(doc, g: _Glyphs, sans: str, headers: list[str], rows: list[list], wid
     em_mm = size * _MM_PER_PT  # no glyph of these fonts is much wider than one em
     limits = [max(1, int((mm - 2 * _CELL_PAD_MM[1]) / em_mm)) * _CELL_LINES // 2 for mm in col_mm]
     heading = font_face(emphasis="BOLD", fill_color=(235, 235, 235))
-    with doc.table(width=width, col_widths=tuple(col_mm), line_height=3.4, text_align="LEFT", padding=_CELL_PAD_MM,
-                   headings_style=heading) as table:
+    with doc.table(
+        width=width,
+        col_widths=tuple(col_mm),
+        line_height=3.4,
+        text_align="LEFT",
+        padding=_CELL_PAD_MM,
+        headings_style=heading,
+    ) as table:
         for row in flat:
             r = table.row()
             for cell, most in zip(row, limits):

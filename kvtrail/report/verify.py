@@ -83,8 +83,10 @@ def check_digest(check: ReportCheck, recompute: Callable[[], str], recorded: obj
         check.problems.append(f"results could not be recomputed: {type(exc).__name__}: {first_line}")
         return
     if digest != recorded:
-        check.problems.append(f"results digest differs: the {what} now answers differently for this window "
-                              f"({digest[:16]}... now, {str(recorded)[:16]}... recorded)")
+        check.problems.append(
+            f"results digest differs: the {what} now answers differently for this window "
+            f"({digest[:16]}... now, {str(recorded)[:16]}... recorded)"
+        )
 
 
 def changed_files(doc: dict, report_dir: str | Path) -> list[str]:
@@ -98,8 +100,9 @@ def changed_files(doc: dict, report_dir: str | Path) -> list[str]:
     return problems
 
 
-def note_growth(con, heads: list[dict], now: dict, options, check: ReportCheck, strict: bool,
-                what: str = "store") -> None:
+def note_growth(
+    con, heads: list[dict], now: dict, options, check: ReportCheck, strict: bool, what: str = "store"
+) -> None:
     """Say how the store (or lake: ``what``) grew after the report (batches past the heads, new producers)."""
     recorded = {h["producer_id"]: h["batch_no"] for h in heads}
     new_batches = sum(max(0, h["batch_no"] - recorded.get(pid, -1)) for pid, h in now.items())
@@ -109,10 +112,15 @@ def note_growth(con, heads: list[dict], now: dict, options, check: ReportCheck, 
         "SELECT count(*) FROM events e LEFT JOIN (SELECT unnest(?::BIGINT[]) AS producer_id, "
         "unnest(?::BIGINT[]) AS head) h USING (producer_id) "
         "WHERE (h.head IS NULL OR e.batch_no > h.head) AND e.wall_ns BETWEEN ? AND ?",
-        [list(recorded), list(recorded.values()), options.from_ns, options.to_ns]).fetchone()[0]
-    check.notes.append(f"the {what} has grown since the report: {new_batches} batches after the recorded heads; "
-                       f"results were re-computed only from batches up to those heads")
+        [list(recorded), list(recorded.values()), options.from_ns, options.to_ns],
+    ).fetchone()[0]
+    check.notes.append(
+        f"the {what} has grown since the report: {new_batches} batches after the recorded heads; "
+        f"results were re-computed only from batches up to those heads"
+    )
     if late:
-        msg = (f"{late} events committed after the report fall inside its window "
-               f"(late arrivals): the report does not include them; re-run it to include them")
+        msg = (
+            f"{late} events committed after the report fall inside its window "
+            f"(late arrivals): the report does not include them; re-run it to include them"
+        )
         (check.problems if strict else check.notes).append(msg)

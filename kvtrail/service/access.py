@@ -32,9 +32,11 @@ _FIELDS = ("entry_no", "wall_ns", "token_id", "role", "method", "path", "query",
 
 def ensure_table(con: duckdb.DuckDBPyConnection) -> None:
     """Create the access log table if the store has none yet."""
-    con.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (entry_no BIGINT PRIMARY KEY, wall_ns BIGINT NOT NULL, "
-                "token_id VARCHAR, role VARCHAR, method VARCHAR NOT NULL, path VARCHAR NOT NULL, "
-                "query VARCHAR NOT NULL, status INTEGER NOT NULL, prev_digest BLOB NOT NULL, digest BLOB NOT NULL)")
+    con.execute(
+        f"CREATE TABLE IF NOT EXISTS {TABLE} (entry_no BIGINT PRIMARY KEY, wall_ns BIGINT NOT NULL, "
+        "token_id VARCHAR, role VARCHAR, method VARCHAR NOT NULL, path VARCHAR NOT NULL, "
+        "query VARCHAR NOT NULL, status INTEGER NOT NULL, prev_digest BLOB NOT NULL, digest BLOB NOT NULL)"
+    )
 
 
 @dataclass(frozen=True)
@@ -85,13 +87,20 @@ def append(con: duckdb.DuckDBPyConnection, entry: AccessEntry) -> int:
     try:
         last = con.execute(f"SELECT entry_no, digest FROM {TABLE} ORDER BY entry_no DESC LIMIT 1").fetchone()
         entry_no, prev = (0, GENESIS) if last is None else (int(last[0]) + 1, bytes(last[1]))
-        row = {"entry_no": entry_no, "wall_ns": entry.wall_ns or time.time_ns(), "token_id": entry.token_id,
-               "role": entry.role, "method": entry.method, "path": redact(entry.path),
-               "query": json.dumps(scrub(entry.query), sort_keys=True, separators=(",", ":"), default=str),
-               "status": int(entry.status)}
+        row = {
+            "entry_no": entry_no,
+            "wall_ns": entry.wall_ns or time.time_ns(),
+            "token_id": entry.token_id,
+            "role": entry.role,
+            "method": entry.method,
+            "path": redact(entry.path),
+            "query": json.dumps(scrub(entry.query), sort_keys=True, separators=(",", ":"), default=str),
+            "status": int(entry.status),
+        }
         digest = entry_digest(prev, row)
-        con.execute(f"INSERT INTO {TABLE} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    [*(row[k] for k in _FIELDS), prev, digest])
+        con.execute(
+            f"INSERT INTO {TABLE} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", [*(row[k] for k in _FIELDS), prev, digest]
+        )
         con.commit()
     except BaseException:
         con.rollback()
@@ -113,15 +122,17 @@ class AccessVerification:
 def verify_access_log(con: duckdb.DuckDBPyConnection) -> AccessVerification:
     """Recompute the chain from the first entry: numbering without holes, each prev digest the previous
     digest, each digest the hash of its row."""
-    has = con.execute(f"SELECT count(*) FROM duckdb_tables() WHERE table_name = '{TABLE}' AND schema_name = 'main' "
-                      "AND database_name = current_database()").fetchone()
+    has = con.execute(
+        f"SELECT count(*) FROM duckdb_tables() WHERE table_name = '{TABLE}' AND schema_name = 'main' "
+        "AND database_name = current_database()"
+    ).fetchone()
     if not has or not has[0]:
         return AccessVerification(0, True)
     cols = ", ".join(_FIELDS)
     rows = con.execute(f"SELECT {cols}, prev_digest, digest FROM {TABLE} ORDER BY entry_no").fetchall()
     prev = GENESIS
     for i, values in enumerate(rows):
-        row = dict(zip(_FIELDS, values[:len(_FIELDS)]))
+        row = dict(zip(_FIELDS, values[: len(_FIELDS)]))
         stored_prev, stored = bytes(values[-2]), bytes(values[-1])
         if row["entry_no"] != i:
             return AccessVerification(len(rows), False, i, f"entry {i} is missing (found {row['entry_no']})")

@@ -42,8 +42,11 @@ class Health(BaseModel):
 
 def create_app(state: ServiceState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The application serving ``state``'s store."""
-    app = FastAPI(title="kvtrail service", version=__version__,
-                  description="Ingest of audit events, the live judge's findings and the forensics questions.")
+    app = FastAPI(
+        title="kvtrail service",
+        version=__version__,
+        description="Ingest of audit events, the live judge's findings and the forensics questions.",
+    )
 
     @app.exception_handler(KvtrailError)
     async def kvtrail_error(_request: Request, exc: KvtrailError) -> JSONResponse:
@@ -55,22 +58,32 @@ def create_app(state: ServiceState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
     def healthz() -> Health:
         judge = state.judge.stats()
         p50, p99 = judge["lag_p50_s"], judge["lag_p99_s"]
-        return Health(status="stopping" if state.closed else "ok", version=__version__,
-                      uptime_s=(time.time_ns() - state.started_ns) / 1e9,
-                      committed_batches=state.committer.committed_batches,
-                      committed_events=state.committer.committed_events,
-                      commit_transactions=state.committer.transactions,
-                      checkpoints=state.store.checkpoints, checkpoint_s=round(state.store.checkpoint_s, 6),
-                      duplicate_batches=state.committer.duplicates, judge_polls=int(judge["polls"] or 0),
-                      judge_failures=int(judge["failures"] or 0),
-                      judge_lag_p50_s=None if p50 is None else float(p50),
-                      judge_lag_p99_s=None if p99 is None else float(p99))
+        return Health(
+            status="stopping" if state.closed else "ok",
+            version=__version__,
+            uptime_s=(time.time_ns() - state.started_ns) / 1e9,
+            committed_batches=state.committer.committed_batches,
+            committed_events=state.committer.committed_events,
+            commit_transactions=state.committer.transactions,
+            checkpoints=state.store.checkpoints,
+            checkpoint_s=round(state.store.checkpoint_s, 6),
+            duplicate_batches=state.committer.duplicates,
+            judge_polls=int(judge["polls"] or 0),
+            judge_failures=int(judge["failures"] or 0),
+            judge_lag_p50_s=None if p50 is None else float(p50),
+            judge_lag_p99_s=None if p99 is None else float(p99),
+        )
 
     # No token: like /healthz it names nodes and counts, never a tenant or a request (docs/alerts.md).
     metrics = registry_for(state.cursor, judge_progress=lambda: dict(state.judge.replay.tail.watermark))
 
-    @app.get("/metrics", tags=["service"], summary="Prometheus metrics computed from the store (no token needed)",
-             response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
+    @app.get(
+        "/metrics",
+        tags=["service"],
+        summary="Prometheus metrics computed from the store (no token needed)",
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE: {}}}},
+    )
     def prometheus_metrics() -> Response:
         return Response(exposition(metrics), media_type=CONTENT_TYPE)
 

@@ -31,22 +31,32 @@ class VerifyBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     expect_heads: list[dict[str, Any]] | None = Field(
-        default=None, max_length=100_000, description="The 'heads' list of 'kvtrail audit head --json'.")
-    public_key_pem: str | None = Field(default=None, max_length=10_000,
-                                       description="Also check every batch's signature with this key.")
+        default=None, max_length=100_000, description="The 'heads' list of 'kvtrail audit head --json'."
+    )
+    public_key_pem: str | None = Field(
+        default=None, max_length=10_000, description="Also check every batch's signature with this key."
+    )
 
 
-def verify_document(cur: duckdb.DuckDBPyConnection, *, checker: SignatureChecker | None = None,
-                    saved: list[dict] | None = None) -> dict:
+def verify_document(
+    cur: duckdb.DuckDBPyConnection, *, checker: SignatureChecker | None = None, saved: list[dict] | None = None
+) -> dict:
     """The document ``kvtrail audit verify --json`` prints (with ``saved`` heads: ``--expect-heads``), plus
     ``access_log`` (the access log's own chain) and ``chain_problems``."""
     report = verify_store(cur, checker=checker)
     head_problems = compare_heads(cur, saved) if saved is not None else []
     log = access.verify_access_log(cur)
-    return {**report.to_dict(head_problems=head_problems, heads_checked=len(saved or [])),
-            "chain_problems": len(report.problems),
-            "access_log": {"ok": log.ok, "entries": log.entries, "first_bad": log.first_bad, "reason": log.reason,
-                           "head_digest": log.head_digest}}
+    return {
+        **report.to_dict(head_problems=head_problems, heads_checked=len(saved or [])),
+        "chain_problems": len(report.problems),
+        "access_log": {
+            "ok": log.ok,
+            "entries": log.entries,
+            "first_bad": log.first_bad,
+            "reason": log.reason,
+            "head_digest": log.head_digest,
+        },
+    }
 
 
 def router(state: Any, route_class: type, run: Run) -> APIRouter:
@@ -66,10 +76,12 @@ def router(state: Any, route_class: type, run: Run) -> APIRouter:
         require_role(who, "operator")
 
         def answer(cur: duckdb.DuckDBPyConnection) -> models.VerifyResult:
-            saved = None if body.expect_heads is None else parse_heads(body.expect_heads, "expect_heads",
-                                                                        "expect_heads")
+            saved = (
+                None if body.expect_heads is None else parse_heads(body.expect_heads, "expect_heads", "expect_heads")
+            )
             checker = None if body.public_key_pem is None else SignatureChecker(body.public_key_pem.encode())
             return models.VerifyResult(**verify_document(cur, checker=checker, saved=saved))
+
         return run(who, answer)
 
     @r.get("/audit/heads", response_model=models.Heads)

@@ -27,8 +27,9 @@ def record(state: Any, request: Request, status: int) -> None:
         grouped.setdefault(key, []).append(value)
     params: dict[str, object] = {k: v[0] if len(v) == 1 else v for k, v in grouped.items()}
     path = request.url.path
-    entry = access.AccessEntry(who.token_id if who else None, who.role_name if who else None, request.method,
-                               path, params, status)
+    entry = access.AccessEntry(
+        who.token_id if who else None, who.role_name if who else None, request.method, path, params, status
+    )
     with state.write_lock:
         cur = state.cursor()
         try:

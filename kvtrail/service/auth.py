@@ -70,8 +70,9 @@ class VerifiedTokens:
 def principal_dependency(state: Any) -> Callable[..., Principal]:
     """A dependency returning the request's :class:`Principal`; 401 for a missing, unknown, revoked or expired token."""
 
-    def principal(request: Request,
-                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
+    def principal(
+        request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+    ) -> Principal:
         if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
             raise HTTPException(401, "missing bearer token (Authorization: Bearer <token>)", headers=UNAUTHORIZED)
         verified = getattr(state, "verified", None)
@@ -105,7 +106,10 @@ def check_ingest(principal: Principal, producers: Iterable[Producer]) -> None:
     if principal.role == "operator":
         return
     for p in producers:
-        for what, value, allowed in (("node", p.node, principal.nodes), ("cluster", p.cluster, principal.clusters),
-                                     ("role", p.role, principal.node_roles)):
+        for what, value, allowed in (
+            ("node", p.node, principal.nodes),
+            ("cluster", p.cluster, principal.clusters),
+            ("role", p.role, principal.node_roles),
+        ):
             if allowed and value not in allowed:
                 raise HTTPException(403, f"{what}: this producer token may not send for {what} {value!r}")

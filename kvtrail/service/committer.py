@@ -92,8 +92,13 @@ class Committer:
     validated and {producer_id: batch_no} of the batches they form.
     """
 
-    def __init__(self, store: AuditStore, write_lock: threading.Lock, *,
-                 on_commit: Callable[[int, pa.Table | None, dict[int, int]], None] | None = None):
+    def __init__(
+        self,
+        store: AuditStore,
+        write_lock: threading.Lock,
+        *,
+        on_commit: Callable[[int, pa.Table | None, dict[int, int]], None] | None = None,
+    ):
         self.store = store
         self.write_lock = write_lock
         self.on_commit = on_commit
@@ -121,8 +126,9 @@ class Committer:
         fut: Future[IngestReply] = Future()
         in_order = bool((seq[1:] > seq[:-1]).all())
         pre = table if isinstance(table, Prechecked) else None
-        item = _Pending(table.table if pre is not None else table, producer_id, int(seq.min()), int(seq.max()),
-                        in_order, fut, pre)
+        item = _Pending(
+            table.table if pre is not None else table, producer_id, int(seq.min()), int(seq.max()), in_order, fut, pre
+        )
         with self._submit_lock:
             if self._closed:
                 fut.set_exception(CommitFailed("the service is shutting down"))
@@ -184,20 +190,30 @@ class Committer:
         last = self._last_seq.get(p.producer_id)
         if last is None or p.first_seq > last or not p.in_order:
             return False
-        rows = self.store.con.execute(f"{_SELECT} WHERE producer_id = ? AND first_seq <= ? AND last_seq >= ? "
-                                      "ORDER BY batch_no", [p.producer_id, p.last_seq, p.first_seq]).fetchall()
+        rows = self.store.con.execute(
+            f"{_SELECT} WHERE producer_id = ? AND first_seq <= ? AND last_seq >= ? ORDER BY batch_no",
+            [p.producer_id, p.last_seq, p.first_seq],
+        ).fetchall()
         if not rows:
             return False  # below the last stored seq but in no batch: validation refuses it
         no, first, last_seq, n, pages, digest = rows[0]
         if len(rows) == 1 and (first, last_seq, n) == (p.first_seq, p.last_seq, p.table.num_rows):
             self.duplicates += 1
-            _settle(p.future, IngestReply(p.producer_id, int(no), int(first), int(last_seq), int(n), int(pages),
-                                       bytes(digest).hex(), True))
+            _settle(
+                p.future,
+                IngestReply(
+                    p.producer_id, int(no), int(first), int(last_seq), int(n), int(pages), bytes(digest).hex(), True
+                ),
+            )
             return True
         spans = ", ".join(f"batch {r[0]} (seq {r[1]}..{r[2]})" for r in rows[:3])
-        _fail(p.future, ConflictError(
-            f"seq {p.first_seq}..{p.last_seq} overlaps stored {spans} of producer {p.producer_id} "
-            "without being one of them"))
+        _fail(
+            p.future,
+            ConflictError(
+                f"seq {p.first_seq}..{p.last_seq} overlaps stored {spans} of producer {p.producer_id} "
+                "without being one of them"
+            ),
+        )
         return True
 
     def _append(self, group: list[_Pending]) -> None:
@@ -219,8 +235,9 @@ class Committer:
         now = time.monotonic_ns()
         keys = [(p.producer_id, committed[p.producer_id]) for p in group]
         where = " OR ".join("(producer_id = ? AND batch_no = ?)" for _ in keys)
-        rows = self.store.con.execute(f"SELECT producer_id, {_SELECT.removeprefix('SELECT ')} WHERE {where}",
-                                      [x for k in keys for x in k]).fetchall()
+        rows = self.store.con.execute(
+            f"SELECT producer_id, {_SELECT.removeprefix('SELECT ')} WHERE {where}", [x for k in keys for x in k]
+        ).fetchall()
         by_key = {(int(r[0]), int(r[1])): r for r in rows}
         self.transactions += 1
         self.heads.update(committed)  # before any reply: a producer told "committed" finds it in the heads
@@ -229,7 +246,11 @@ class Committer:
             self._last_seq[p.producer_id] = int(last)
             self.committed_batches += 1
             self.committed_events += int(n)
-            _settle(p.future, IngestReply(p.producer_id, int(no), int(first), int(last), int(n), int(pages),
-                                       bytes(digest).hex(), False))
+            _settle(
+                p.future,
+                IngestReply(
+                    p.producer_id, int(no), int(first), int(last), int(n), int(pages), bytes(digest).hex(), False
+                ),
+            )
         if self.on_commit is not None:
             self.on_commit(now, table, committed)

@@ -62,10 +62,13 @@ class ErrorDetail(BaseModel):
     detail: str
 
 
-_BODY = {"required": True, "content": {
-    NDJSON: {"schema": {"type": "string"}},
-    ARROW: {"schema": {"type": "string", "format": "binary"}},
-}}
+_BODY = {
+    "required": True,
+    "content": {
+        NDJSON: {"schema": {"type": "string"}},
+        ARROW: {"schema": {"type": "string", "format": "binary"}},
+    },
+}
 _RESPONSES: dict[int | str, dict] = {
     401: {"model": ErrorDetail, "description": "missing or unknown token"},
     403: {"model": ErrorDetail, "description": "the token may not send for this producer"},
@@ -109,8 +112,12 @@ def batch_identity(table: pa.Table) -> tuple[Producer, np.ndarray]:
         other = pc.not_equal(col, first).to_numpy(zero_copy_only=False)
         if other.any():
             i = int(np.flatnonzero(other)[0])
-            raise ValidationError(name, f"one request is one producer instance's batch: {col[i].as_py()!r} here, "
-                                        f"{first!r} at event 0", event=i, kind=_kind_at(table, i))
+            raise ValidationError(
+                name,
+                f"one request is one producer instance's batch: {col[i].as_py()!r} here, {first!r} at event 0",
+                event=i,
+                kind=_kind_at(table, i),
+            )
         values[name] = first
     seq = values.pop("seq")
     return Producer(**values), seq
@@ -151,8 +158,14 @@ def router(state: ServiceState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES)
     # Evaluated here (this module has no postponed annotations): FastAPI reads the dependency off it.
     Who = Annotated[Principal, Depends(principal_dependency(state))]
 
-    @api.post("/v1/events", response_model=IngestReply, responses=_RESPONSES, openapi_extra={"requestBody": _BODY},
-              summary="Ingest one batch of one producer instance", tags=["ingest"])
+    @api.post(
+        "/v1/events",
+        response_model=IngestReply,
+        responses=_RESPONSES,
+        openapi_extra={"requestBody": _BODY},
+        summary="Ingest one batch of one producer instance",
+        tags=["ingest"],
+    )
     async def ingest_events(request: Request, who: Who) -> IngestReply:
         require_role(who, "producer", "operator")
         ctype = media_type(request)

@@ -47,24 +47,54 @@ MAX_HELD_EVENTS = 2_000_000
 # the judge goes idle or is waited for): adding them costs about the same for one commit as for twenty, and
 # readers count the minutes not yet added from their events, so the dashboard loses nothing meanwhile.
 AGGREGATE_INTERVAL_S = 2.0
-_WARM_UP_PRODUCER = {"cluster": "warm-up", "node": "warm-up", "role": "decode", "engine": "kvtrail",
-                     "engine_version": "0", "instance": "0"}
+_WARM_UP_PRODUCER = {
+    "cluster": "warm-up",
+    "node": "warm-up",
+    "role": "decode",
+    "engine": "kvtrail",
+    "engine_version": "0",
+    "instance": "0",
+}
 # Fed to a throwaway replay at start: loading the compiled kernels takes seconds on a loaded machine.
 _WARM_UP_EVENTS = [
-    {"schema_version": 1, "producer": _WARM_UP_PRODUCER, "seq": 0, "wall_ns": 1, "mono_ns": 1, "kind": "node_config",
-     "pool_tokens": 64, "pool_pages": 4, "page_size": 16, "context_tokens": 64},
-    {"schema_version": 1, "producer": _WARM_UP_PRODUCER, "seq": 1, "wall_ns": 2, "mono_ns": 2,
-     "kind": "pages_allocated", "request": {"request_id": "r", "tenant_id": "t"}, "pages": [0, 1],
-     "purpose": "prefill_extend"}]
+    {
+        "schema_version": 1,
+        "producer": _WARM_UP_PRODUCER,
+        "seq": 0,
+        "wall_ns": 1,
+        "mono_ns": 1,
+        "kind": "node_config",
+        "pool_tokens": 64,
+        "pool_pages": 4,
+        "page_size": 16,
+        "context_tokens": 64,
+    },
+    {
+        "schema_version": 1,
+        "producer": _WARM_UP_PRODUCER,
+        "seq": 1,
+        "wall_ns": 2,
+        "mono_ns": 2,
+        "kind": "pages_allocated",
+        "request": {"request_id": "r", "tenant_id": "t"},
+        "pages": [0, 1],
+        "purpose": "prefill_extend",
+    },
+]
 POLL_INTERVAL_S = DEFAULT_JUDGE_INTERVAL_S  # least time between two polls while commits keep coming (bounds the lag)
 
 
 class Judge:
     """One thread judging a store as it grows. ``cursor`` makes the connection it reads and saves through."""
 
-    def __init__(self, cursor: Callable[[], duckdb.DuckDBPyConnection], *,
-                 policy: ForensicsPolicy = ForensicsPolicy(), retry_s: float = 1.0,
-                 poll_interval_s: float = POLL_INTERVAL_S):
+    def __init__(
+        self,
+        cursor: Callable[[], duckdb.DuckDBPyConnection],
+        *,
+        policy: ForensicsPolicy = ForensicsPolicy(),
+        retry_s: float = 1.0,
+        poll_interval_s: float = POLL_INTERVAL_S,
+    ):
         self.policy = policy
         self.retry_s = retry_s
         self.poll_interval_s = poll_interval_s
@@ -99,8 +129,9 @@ class Judge:
         self._thread = threading.Thread(target=self._run, name="kvtrail-service-judge", daemon=True)
         self._thread.start()
 
-    def notify(self, committed_ns: int | None = None, table: pa.Table | None = None,
-               batches: dict[int, int] | None = None) -> None:
+    def notify(
+        self, committed_ns: int | None = None, table: pa.Table | None = None, batches: dict[int, int] | None = None
+    ) -> None:
         """A commit at ``committed_ns`` (monotonic; now if None) stored ``batches`` ({producer_id: batch_no},
         events ``table``): judge it soon. Without a table the judge reads what is new from the store."""
         t = time.monotonic_ns() if committed_ns is None else committed_ns
@@ -164,9 +195,12 @@ class Judge:
         """Counters and the lag's percentiles (seconds) over the latest polls."""
         lags = np.array(self.lag_s) if self.lag_s else None
         return {
-            "polls": self.polls, "failures": self.failures, "findings_saved": self.findings_saved,
+            "polls": self.polls,
+            "failures": self.failures,
+            "findings_saved": self.findings_saved,
             "batches_fed_direct": self.fed_direct,
-            "events_judged": self.replay.num_events, "last_run_id": self.last_run_id,
+            "events_judged": self.replay.num_events,
+            "last_run_id": self.last_run_id,
             "lag_p50_s": None if lags is None else float(np.percentile(lags, 50)),
             "lag_p99_s": None if lags is None else float(np.percentile(lags, 99)),
             "lag_max_s": None if lags is None else float(lags.max()),
@@ -223,8 +257,15 @@ class Judge:
             # forensic runs, the minute aggregates), each write is its own transaction on its own cursor,
             # and DuckDB commits it beside the ingest writer's; holding the lock would stall ingest.
             if self._unsaved:
-                record = save_findings(self._con, self._unsaved, from_ns=None, to_ns=None, engine=ENGINE,
-                                       policy=self.policy, recompute_aggregates=False)
+                record = save_findings(
+                    self._con,
+                    self._unsaved,
+                    from_ns=None,
+                    to_ns=None,
+                    engine=ENGINE,
+                    policy=self.policy,
+                    recompute_aggregates=False,
+                )
                 self.last_run_id = record.run_id
                 self.findings_saved += record.num_new
                 self._unsaved = []
@@ -232,8 +273,9 @@ class Judge:
             if self._refresh_aggregates or read_back:  # counts every minute not counted, the pending ones too
                 aggregates.refresh(self._con)
                 self._agg_pending, self._agg_at = [], time.monotonic()
-            elif self._agg_pending and (self._hurry or self._oldest_ns is None
-                                        or time.monotonic() - self._agg_at >= AGGREGATE_INTERVAL_S):
+            elif self._agg_pending and (
+                self._hurry or self._oldest_ns is None or time.monotonic() - self._agg_at >= AGGREGATE_INTERVAL_S
+            ):
                 aggregates.add_batches(self._con, self._agg_pending)  # one transaction for them all
                 self._agg_pending, self._agg_at = [], time.monotonic()
             self._refresh_aggregates = False

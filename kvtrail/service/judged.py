@@ -111,8 +111,9 @@ class SharedSnapshots:
         try:
             if mine:
                 try:
-                    snap.name, snap.store = make_snapshot(cur, [{"producer_id": p, "batch_no": n}
-                                                                for p, n in marks.items()])
+                    snap.name, snap.store = make_snapshot(
+                        cur, [{"producer_id": p, "batch_no": n} for p, n in marks.items()]
+                    )
                     self.made += 1
                 except BaseException:
                     snap.failed = True
@@ -130,7 +131,7 @@ class SharedSnapshots:
                 snap.users -= 1
                 if snap.failed and self._snaps.get(key) is snap:
                     del self._snaps[key]
-                stale = [k for k in list(self._snaps)[:-self.keep] if self._snaps[k].users == 0]
+                stale = [k for k in list(self._snaps)[: -self.keep] if self._snaps[k].users == 0]
                 gone = [self._snaps.pop(k) for k in stale]
             for old in gone:
                 if old.name is not None:
@@ -150,14 +151,25 @@ def judged_findings(cur: duckdb.DuckDBPyConnection, state: Any, w: Window) -> It
         yield [f for f in found if w.from_ns is None or f.last_ns >= w.from_ns]
 
 
-def affected_answer(con: duckdb.DuckDBPyConnection, w: Window, found: list[Finding],
-                    exclusions: Exclusions, context: WindowContext | None = None) -> Answer:
+def affected_answer(
+    con: duckdb.DuckDBPyConnection,
+    w: Window,
+    found: list[Finding],
+    exclusions: Exclusions,
+    context: WindowContext | None = None,
+) -> Answer:
     """``ask_affected``'s answer from the window's findings (and its context, when shared)."""
     return ask_affected(con, w, exclusions=exclusions, found=found, context=context)
 
 
-def findings_answer(con: duckdb.DuckDBPyConnection, w: Window, found: list[Finding], codes: tuple[str, ...],
-                    exclusions: Exclusions, context: WindowContext | None = None) -> Answer:
+def findings_answer(
+    con: duckdb.DuckDBPyConnection,
+    w: Window,
+    found: list[Finding],
+    codes: tuple[str, ...],
+    exclusions: Exclusions,
+    context: WindowContext | None = None,
+) -> Answer:
     """``ask_findings``'s answer (replay engine, the judge's policy) from the window's findings."""
     return ask_findings(con, w, codes=codes, exclusions=exclusions, found=found, context=context)
 
@@ -168,9 +180,11 @@ def judged_span(cur: duckdb.DuckDBPyConnection, marks: dict[int, int]) -> tuple[
     if not marks:
         return None, None
     pairs = ", ".join("(?, ?)" for _ in marks)
-    rows = cur.execute(f"SELECT min(b.min_wall_ns), max(b.max_wall_ns) FROM batches b JOIN (VALUES {pairs}) "
-                       "h(producer_id, batch_no) ON b.producer_id = h.producer_id AND b.batch_no <= h.batch_no",
-                       [x for kv in marks.items() for x in kv]).fetchall()
+    rows = cur.execute(
+        f"SELECT min(b.min_wall_ns), max(b.max_wall_ns) FROM batches b JOIN (VALUES {pairs}) "
+        "h(producer_id, batch_no) ON b.producer_id = h.producer_id AND b.batch_no <= h.batch_no",
+        [x for kv in marks.items() for x in kv],
+    ).fetchall()
     row = rows[0]
     return row[0], row[1]
 
@@ -179,15 +193,24 @@ def covering(w: Window, span: tuple[int | None, int | None]) -> Window | None:
     """The unbounded window with ``w``'s filters when ``w`` covers ``span`` (every event of the snapshot
     lies in it, so it asks what the unbounded window asks), else None."""
     first, last = span
-    if first is None or last is None or (w.from_ns is not None and w.from_ns > first) or (
-            w.to_ns is not None and w.to_ns < last):
+    if (
+        first is None
+        or last is None
+        or (w.from_ns is not None and w.from_ns > first)
+        or (w.to_ns is not None and w.to_ns < last)
+    ):
         return None
     return Window(None, None, tenant=w.tenant, node=w.node)
 
 
-def judged_or_replayed(cur: duckdb.DuckDBPyConnection, state: Any, w: Window,
-                       judged: Callable[[duckdb.DuckDBPyConnection, Window, list[Finding], WindowContext | None], T],
-                       replayed: Callable[[duckdb.DuckDBPyConnection], T], question: Hashable = None) -> T:
+def judged_or_replayed(
+    cur: duckdb.DuckDBPyConnection,
+    state: Any,
+    w: Window,
+    judged: Callable[[duckdb.DuckDBPyConnection, Window, list[Finding], WindowContext | None], T],
+    replayed: Callable[[duckdb.DuckDBPyConnection], T],
+    question: Hashable = None,
+) -> T:
     """``judged(cur, window, findings, context)`` on the store as of what the judge holds when it can answer
     for ``w``, else ``replayed(cur)`` (the CLI's replay of the window) on the live store.
 
@@ -211,4 +234,5 @@ def judged_or_replayed(cur: duckdb.DuckDBPyConnection, state: Any, w: Window,
                 return judged(cur, u, found, None)
             context = state.answers.get((("context", u), key), lambda: window_context(cur, u))
             return judged(cur, u, found, context)
+
     return answer() if question is None else state.answers.get((question, u, key), answer)

@@ -85,10 +85,18 @@ else:
     ExploitationRow = row_model("ExploitationRow", spec.EXPLOITATION)
     CoverageRow = row_model("CoverageRow", spec.COVERAGE)
 
-TABLE_MODELS = {"findings": FindingRow, "stored_findings": StoredFindingRow, "affected": AffectedRow,
-                "tenant_affected": TenantAffectedRow, "exposure": ExposureRow, "transfers": TransferRow,
-                "nodes": NodeRow, "thresholds": ThresholdRow, "exploitation": ExploitationRow,
-                "coverage": CoverageRow}
+TABLE_MODELS = {
+    "findings": FindingRow,
+    "stored_findings": StoredFindingRow,
+    "affected": AffectedRow,
+    "tenant_affected": TenantAffectedRow,
+    "exposure": ExposureRow,
+    "transfers": TransferRow,
+    "nodes": NodeRow,
+    "thresholds": ThresholdRow,
+    "exploitation": ExploitationRow,
+    "coverage": CoverageRow,
+}
 
 
 class FindingsSince(BaseModel):

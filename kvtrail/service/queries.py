@@ -80,8 +80,11 @@ def ask_params(
     return Ask(Window(_time(from_, "from"), _time(to, "to"), tenant or None, node or None), format)
 
 
-def exclusions_params(exclude_tenant: IdReasons = [], exclude_api_key: IdReasons = [],  # noqa: B006
-                      exclude_request: IdReasons = []) -> Exclusions:  # noqa: B006
+def exclusions_params(
+    exclude_tenant: IdReasons = [],  # noqa: B006
+    exclude_api_key: IdReasons = [],  # noqa: B006
+    exclude_request: IdReasons = [],  # noqa: B006
+) -> Exclusions:
     def pairs(values: list[str], field: str) -> tuple[tuple[str, str], ...]:
         out: dict[str, str] = {}
         for v in values:
@@ -90,18 +93,28 @@ def exclusions_params(exclude_tenant: IdReasons = [], exclude_api_key: IdReasons
                 raise HTTPException(400, f"{field}: empty id in {v!r}")
             out.setdefault(key.strip(), reason.strip() or "excluded by the query")
         return tuple(sorted(out.items()))
-    return Exclusions(pairs(exclude_tenant, "exclude_tenant"), pairs(exclude_api_key, "exclude_api_key"),
-                      pairs(exclude_request, "exclude_request"))
+
+    return Exclusions(
+        pairs(exclude_tenant, "exclude_tenant"),
+        pairs(exclude_api_key, "exclude_api_key"),
+        pairs(exclude_request, "exclude_request"),
+    )
 
 
 def probe_params(
-    baseline_from: str | None = None, baseline_to: str | None = None,
+    baseline_from: str | None = None,
+    baseline_to: str | None = None,
     long_prompt_tokens: Annotated[int | None, Query(ge=1, le=2**62)] = None,
     burst_minutes: Annotated[float, Query(gt=0, le=1e9)] = 10.0,
     burst_count: Annotated[int, Query(ge=1, le=2**31)] = 5,
 ) -> dict:
-    return {"baseline_from": baseline_from, "baseline_to": baseline_to, "long_prompt_tokens": long_prompt_tokens,
-            "burst_minutes": burst_minutes, "burst_count": burst_count}
+    return {
+        "baseline_from": baseline_from,
+        "baseline_to": baseline_to,
+        "long_prompt_tokens": long_prompt_tokens,
+        "burst_minutes": burst_minutes,
+        "burst_count": burst_count,
+    }
 
 
 def report_options(from_ns: int | None, to_ns: int | None, excl: Exclusions, probe: dict) -> ReportOptions:
@@ -110,9 +123,15 @@ def report_options(from_ns: int | None, to_ns: int | None, excl: Exclusions, pro
         raise HTTPException(400, f"{'from' if from_ns is None else 'to'}: required (the baseline needs a window)")
     if from_ns > to_ns:
         raise HTTPException(400, "from: is after to")
-    o = ReportOptions(from_ns, to_ns, excl, _time(probe["baseline_from"], "baseline_from"),
-                      _time(probe["baseline_to"], "baseline_to"), probe["long_prompt_tokens"],
-                      ProbeRules(burst_minutes=probe["burst_minutes"], burst_count=probe["burst_count"]))
+    o = ReportOptions(
+        from_ns,
+        to_ns,
+        excl,
+        _time(probe["baseline_from"], "baseline_from"),
+        _time(probe["baseline_to"], "baseline_to"),
+        probe["long_prompt_tokens"],
+        ProbeRules(burst_minutes=probe["burst_minutes"], burst_count=probe["burst_count"]),
+    )
     lo, hi = o.baseline
     if lo > hi or lo < 0:
         raise HTTPException(400, "baseline_from: is after the end of the baseline period (or before 1970)")
@@ -133,8 +152,11 @@ def tenant_window(who: Principal, ask: Ask, excl: Exclusions | None = None) -> W
 
 def _request_owner(cur: duckdb.DuckDBPyConnection, request_id: str, tenant_id: str | None) -> str | None:
     """The tenant of ``request_id``, if it has one (and, for a tenant asking, it is that tenant); else None."""
-    row = cur.execute("SELECT tenant_id FROM events_v WHERE request_id = ? AND tenant_id IS NOT NULL "
-                      "AND (? IS NULL OR tenant_id = ?) LIMIT 1", [request_id, tenant_id, tenant_id]).fetchone()
+    row = cur.execute(
+        "SELECT tenant_id FROM events_v WHERE request_id = ? AND tenant_id IS NOT NULL "
+        "AND (? IS NULL OR tenant_id = ?) LIMIT 1",
+        [request_id, tenant_id, tenant_id],
+    ).fetchone()
     return None if row is None else row[0]
 
 
@@ -167,24 +189,51 @@ def router(state: Any) -> APIRouter:
         require_role(who, "operator", "tenant")
         if who.role == "tenant":
             w = tenant_window(who, ask, excl)
-            answer = run(who, lambda cur: judged_or_replayed(
-                cur, state, w, lambda c, u, found, ctx: affected_answer(c, u, found, Exclusions(), ctx),
-                lambda c: ask_affected(c, w), ("affected", Exclusions())))
-            return table_response(tenancy.tenant_affected(answer.rows, who.tenant_id or ""), ask.fmt,
-                                  answer_meta(answer, tenant=True))
-        answer = run(who, lambda cur: judged_or_replayed(
-            cur, state, ask.window, lambda c, u, found, ctx: affected_answer(c, u, found, excl, ctx),
-            lambda c: ask_affected(c, ask.window, exclusions=excl), ("affected", excl)))
+            answer = run(
+                who,
+                lambda cur: judged_or_replayed(
+                    cur,
+                    state,
+                    w,
+                    lambda c, u, found, ctx: affected_answer(c, u, found, Exclusions(), ctx),
+                    lambda c: ask_affected(c, w),
+                    ("affected", Exclusions()),
+                ),
+            )
+            return table_response(
+                tenancy.tenant_affected(answer.rows, who.tenant_id or ""), ask.fmt, answer_meta(answer, tenant=True)
+            )
+        answer = run(
+            who,
+            lambda cur: judged_or_replayed(
+                cur,
+                state,
+                ask.window,
+                lambda c, u, found, ctx: affected_answer(c, u, found, excl, ctx),
+                lambda c: ask_affected(c, ask.window, exclusions=excl),
+                ("affected", excl),
+            ),
+        )
         return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
 
     @r.get("/findings", response_model=list[models.FindingRow] | models.FindingsSince, responses=table)
-    def findings(who: Who, ask: AskQ, excl: Excl,
-                 code: Annotated[list[str], Query(description="Only these codes (repeatable), e.g. F1.")] = [],  # noqa: B006
-                 engine: Literal["replay", "sql"] = "replay", allow_tenant_cache_sharing: bool = False,
-                 latency_factor: Annotated[float, Query(ge=1.0, le=1e9)] = ForensicsPolicy.latency_factor,
-                 since: Annotated[int | None, Query(ge=0, le=2**62, description="Persisted findings of judge runs "
-                                                    "after this cursor (the 'next' of the previous call).")] = None,
-                 ) -> Response:
+    def findings(
+        who: Who,
+        ask: AskQ,
+        excl: Excl,
+        code: Annotated[list[str], Query(description="Only these codes (repeatable), e.g. F1.")] = [],  # noqa: B006
+        engine: Literal["replay", "sql"] = "replay",
+        allow_tenant_cache_sharing: bool = False,
+        latency_factor: Annotated[float, Query(ge=1.0, le=1e9)] = ForensicsPolicy.latency_factor,
+        since: Annotated[
+            int | None,
+            Query(
+                ge=0,
+                le=2**62,
+                description="Persisted findings of judge runs after this cursor (the 'next' of the previous call).",
+            ),
+        ] = None,
+    ) -> Response:
         """Every finding in the window with its evidence (``kvtrail forensics findings``); with ``since``, the
         findings the live judge persisted since that cursor and the cursor to follow them with."""
         operator_only(who)
@@ -198,11 +247,19 @@ def router(state: Any) -> APIRouter:
 
         def replayed(cur: duckdb.DuckDBPyConnection) -> Answer:
             return ask_findings(cur, ask.window, codes=tuple(code), engine=engine, policy=policy, exclusions=excl)
+
         if engine == "replay" and policy == state.judge.policy:  # what the judge found is what a replay finds
-            answer = run(who, lambda cur: judged_or_replayed(
-                cur, state, ask.window,
-                lambda c, u, found, ctx: findings_answer(c, u, found, tuple(code), excl, ctx), replayed,
-                ("findings", tuple(code), excl)))
+            answer = run(
+                who,
+                lambda cur: judged_or_replayed(
+                    cur,
+                    state,
+                    ask.window,
+                    lambda c, u, found, ctx: findings_answer(c, u, found, tuple(code), excl, ctx),
+                    replayed,
+                    ("findings", tuple(code), excl),
+                ),
+            )
         else:
             answer = run(who, replayed)
         return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
@@ -220,10 +277,14 @@ def router(state: Any) -> APIRouter:
         answer = run(who, lambda cur: ask_exposure(cur, ask.window, exclusions=excl))
         return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
 
-    @r.get("/requests/{request_id}", response_model=models.TenantRequest,
-            responses={404: {"model": models.ErrorBody, "description": "No such request (or not the tenant's)."}})
-    def request(who: Who, ask: AskQ,
-                request_id: Annotated[str, Path(min_length=1, max_length=1000)]) -> models.TenantRequest:
+    @r.get(
+        "/requests/{request_id}",
+        response_model=models.TenantRequest,
+        responses={404: {"model": models.ErrorBody, "description": "No such request (or not the tenant's)."}},
+    )
+    def request(
+        who: Who, ask: AskQ, request_id: Annotated[str, Path(min_length=1, max_length=1000)]
+    ) -> models.TenantRequest:
         """One request's part in the window's findings. A tenant asking for a request that is not its own gets
         the same 404 as for one that does not exist."""
         require_role(who, "operator", "tenant")
@@ -241,10 +302,14 @@ def router(state: Any) -> APIRouter:
             raise HTTPException(404, "no such request")
         return models.TenantRequest(**status)
 
-    @r.get("/requests/{request_id}/pages", response_model=models.RequestPages,
-           responses={404: {"model": models.ErrorBody, "description": "No such request (or not the tenant's)."}})
-    def request_pages(who: Who, ask: AskQ,
-                      request_id: Annotated[str, Path(min_length=1, max_length=1000)]) -> models.RequestPages:
+    @r.get(
+        "/requests/{request_id}/pages",
+        response_model=models.RequestPages,
+        responses={404: {"model": models.ErrorBody, "description": "No such request (or not the tenant's)."}},
+    )
+    def request_pages(
+        who: Who, ask: AskQ, request_id: Annotated[str, Path(min_length=1, max_length=1000)]
+    ) -> models.RequestPages:
         """One request's page ownership timeline (who held, wrote and freed each page it read), its transfers,
         response and findings: the dashboard's drill-down. The window bounds the findings (its tenant and node
         filters do not apply). A tenant gets its own requests only (another's is the same 404 as none), with
@@ -259,8 +324,9 @@ def router(state: Any) -> APIRouter:
                 return None
             # as the --db dashboard does: a judge run (or --save) covering the window, else a replay
             saved = persisted.covering_run(cur, span.from_ns, span.to_ns) is not None
-            every = persisted.persisted_findings(cur, span.from_ns, span.to_ns) if saved else ask_findings(
-                cur, span).found
+            every = (
+                persisted.persisted_findings(cur, span.from_ns, span.to_ns) if saved else ask_findings(cur, span).found
+            )
             found = [f for f in every if f.request_id == request_id]
             return pages.detail_document(pages.request_detail(cur, request_id, found))
 
@@ -293,8 +359,9 @@ def router(state: Any) -> APIRouter:
         """Length (F2) and digest (F3) mismatches with the prefill -> decode node pair each crossed (the
         dashboard's Transfers view)."""
         operator_only(who)
-        rows = run(who, lambda cur: transfers.mismatches(
-            cur, findings_of(cur, ask.window, codes=transfers.CODES), ask.window))
+        rows = run(
+            who, lambda cur: transfers.mismatches(cur, findings_of(cur, ask.window, codes=transfers.CODES), ask.window)
+        )
         return table_response(rows, ask.fmt, {})
 
     @r.get("/nodes", response_model=list[models.NodeRow], responses=table)
@@ -314,17 +381,27 @@ def router(state: Any) -> APIRouter:
             gaps = gaps.filter(gaps["node"] == ask.window.node)
         return table_response(gaps, ask.fmt, {})
 
-    @r.post("/reports", responses={200: {"content": {"application/zip": {"schema": {"type": "string",
-                                                                                     "format": "binary"}},
-                                                      "application/gzip": {"schema": {"type": "string",
-                                                                                      "format": "binary"}}}}},
-            response_class=Response)
+    @r.post(
+        "/reports",
+        responses={
+            200: {
+                "content": {
+                    "application/zip": {"schema": {"type": "string", "format": "binary"}},
+                    "application/gzip": {"schema": {"type": "string", "format": "binary"}},
+                }
+            }
+        },
+        response_class=Response,
+    )
     def reports(who: Who, body: ReportBody) -> Response:
         """Run the disclosure report for a window and options; the archive (zip or tar.gz) of its files."""
         operator_only(who)
-        options = report_options(_time(body.from_, "from"), _time(body.to, "to"),
-                                 exclusions_params(body.exclude_tenant, body.exclude_api_key, body.exclude_request),
-                                 body.probe())
+        options = report_options(
+            _time(body.from_, "from"),
+            _time(body.to, "to"),
+            exclusions_params(body.exclude_tenant, body.exclude_api_key, body.exclude_request),
+            body.probe(),
+        )
         return run(who, lambda cur: report_response(cur, options, body, state.db_path.name))
 
     r.include_router(audit_api.router(state, logged_route(state), run))

@@ -52,14 +52,19 @@ class ReportBody(BaseModel):
     long_prompt_tokens: int | None = Field(default=None, ge=1, le=2**62)
     burst_minutes: float = Field(default=10.0, gt=0, le=1e9)
     burst_count: int = Field(default=5, ge=1, le=2**31)
-    context_yaml: str | None = Field(default=None, max_length=2**20,
-                                     description="The text of the operator's incident.yaml.")
+    context_yaml: str | None = Field(
+        default=None, max_length=2**20, description="The text of the operator's incident.yaml."
+    )
     archive: Literal["zip", "tar.gz"] = "zip"
 
     def probe(self) -> dict:
-        return {"baseline_from": self.baseline_from, "baseline_to": self.baseline_to,
-                "long_prompt_tokens": self.long_prompt_tokens, "burst_minutes": self.burst_minutes,
-                "burst_count": self.burst_count}
+        return {
+            "baseline_from": self.baseline_from,
+            "baseline_to": self.baseline_to,
+            "long_prompt_tokens": self.long_prompt_tokens,
+            "burst_minutes": self.burst_minutes,
+            "burst_count": self.burst_count,
+        }
 
 
 def _archive(folder: Path, kind: str) -> bytes:
@@ -76,8 +81,9 @@ def _archive(folder: Path, kind: str) -> bytes:
     return buf.getvalue()
 
 
-def report_response(cur: duckdb.DuckDBPyConnection, options: ReportOptions, body: ReportBody,
-                    store_name: str) -> Response:
+def report_response(
+    cur: duckdb.DuckDBPyConnection, options: ReportOptions, body: ReportBody, store_name: str
+) -> Response:
     """Build and write the report in a temporary folder; the archive of its files as the response."""
     with tempfile.TemporaryDirectory(prefix="kvtrail-report-") as tmp:
         ctx = None
@@ -91,13 +97,22 @@ def report_response(cur: duckdb.DuckDBPyConnection, options: ReportOptions, body
         out = Path(tmp) / "report"
         manifest = write_report(report, out, store_name)
         data = _archive(out, body.archive)
-    summary = {"counts": report.counts, "results_digest": manifest["results_digest"],
-               "files": sorted(manifest["files"]), "coverage_unexplained": int(report.coverage["unexplained"].sum())
-               if len(report.coverage) else 0, "coverage_producers": len(report.coverage)}
+    summary = {
+        "counts": report.counts,
+        "results_digest": manifest["results_digest"],
+        "files": sorted(manifest["files"]),
+        "coverage_unexplained": int(report.coverage["unexplained"].sum()) if len(report.coverage) else 0,
+        "coverage_producers": len(report.coverage),
+    }
     ext = "zip" if body.archive == "zip" else "tar.gz"
-    return Response(data, media_type=MEDIA[body.archive], headers={
-        REPORT_HEADER: json.dumps(summary, ensure_ascii=True, separators=(",", ":"), default=str),
-        "Content-Disposition": f'attachment; filename="kvtrail-report.{ext}"'})
+    return Response(
+        data,
+        media_type=MEDIA[body.archive],
+        headers={
+            REPORT_HEADER: json.dumps(summary, ensure_ascii=True, separators=(",", ":"), default=str),
+            "Content-Disposition": f'attachment; filename="kvtrail-report.{ext}"',
+        },
+    )
 
 
 class ReportCheckBody(BaseModel):
@@ -124,8 +139,9 @@ def _options(d: object) -> ReportOptions:
             raise TypeError("not an object")
         options = ReportOptions.from_dict(d)
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
-        raise KvtrailError(f"{MANIFEST}: field 'options': not a report's options ({type(exc).__name__}: {exc})") \
-            from None
+        raise KvtrailError(
+            f"{MANIFEST}: field 'options': not a report's options ({type(exc).__name__}: {exc})"
+        ) from None
     for name in ("from_ns", "to_ns"):
         v = getattr(options, name)
         if type(v) is not int or not 0 <= v < 2**63:

@@ -24,8 +24,10 @@ PARQUET = "application/vnd.apache.parquet"
 MAX_HEADER_CHARS = 8000
 FORMATS = ("json", "csv", "parquet")
 
-TABLE_CONTENT = {"text/csv": {"schema": {"type": "string"}},
-                 PARQUET: {"schema": {"type": "string", "format": "binary"}}}
+TABLE_CONTENT = {
+    "text/csv": {"schema": {"type": "string"}},
+    PARQUET: {"schema": {"type": "string", "format": "binary"}},
+}
 
 
 def answer_meta(answer: Answer | None, *, tenant: bool) -> dict:
@@ -41,8 +43,14 @@ def answer_meta(answer: Answer | None, *, tenant: bool) -> dict:
     if len(excluded) and {"excluded_by", "reason"} <= set(excluded.columns):
         counted = excluded.group_by("excluded_by", "reason").len().sort("excluded_by", "reason")
         reasons = [list(r) for r in counted.iter_rows()]
-    return {"gaps": gaps.to_dicts(), "notes": list(answer.notes), "warnings": list(answer.warnings),
-            "excluded_count": len(excluded), "excluded": reasons, "summary": answer.summary}
+    return {
+        "gaps": gaps.to_dicts(),
+        "notes": list(answer.notes),
+        "warnings": list(answer.warnings),
+        "excluded_count": len(excluded),
+        "excluded": reasons,
+        "summary": answer.summary,
+    }
 
 
 def _compact(meta: dict) -> str:
@@ -53,8 +61,11 @@ def table_response(df: pl.DataFrame, fmt: str, meta: dict, headers: dict[str, st
     """``df`` in ``fmt`` with ``meta`` in the answer header (a shortened form when it is too long)."""
     text = _compact(meta)
     out = dict(headers or {})
-    out[ANSWER_HEADER] = text if len(text) <= MAX_HEADER_CHARS else _compact(
-        {"truncated": True, "excluded_count": meta.get("excluded_count", 0)})
+    out[ANSWER_HEADER] = (
+        text
+        if len(text) <= MAX_HEADER_CHARS
+        else _compact({"truncated": True, "excluded_count": meta.get("excluded_count", 0)})
+    )
     if fmt == "json":
         return Response(json_text(df), media_type="application/json", headers=out)
     if fmt == "csv":

@@ -42,17 +42,28 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def run_service(db: str | Path, config: ServeConfig | None = None, *, tokens_file: str | Path | None = None,
-                ready: Callable[[str], None] = print) -> None:
+def run_service(
+    db: str | Path,
+    config: ServeConfig | None = None,
+    *,
+    tokens_file: str | Path | None = None,
+    ready: Callable[[str], None] = print,
+) -> None:
     """Serve the store at ``db`` until SIGTERM or SIGINT; ``ready(url)`` is called once it is listening."""
     config = config or ServeConfig()
     state = open_state(db, tokens_file=tokens_file, judge_interval_s=config.judge_interval_s)
     try:
         app = create_app(state, max_body_bytes=config.max_body_bytes)
         sock = bind(config.host, config.port)
-        server = uvicorn.Server(uvicorn.Config(
-            app, log_level="warning", access_log=False, lifespan="off",
-            timeout_graceful_shutdown=math.ceil(config.drain_timeout_s)))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                log_level="warning",
+                access_log=False,
+                lifespan="off",
+                timeout_graceful_shutdown=math.ceil(config.drain_timeout_s),
+            )
+        )
         # uvicorn handles both signals while it runs and raises the caught one again after it stops;
         # with both ignored around it that second raise, and any signal during the close, do nothing.
         with stop_signals_ignored():

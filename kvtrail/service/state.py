@@ -52,10 +52,14 @@ class ServiceState:
             self.store.close()
 
 
-def open_state(db_path: str | Path, *, tokens_file: str | Path | None = None,
-               policy: ForensicsPolicy = ForensicsPolicy(),
-               checkpoint: CheckpointPolicy = DEFAULT_CHECKPOINT,
-               judge_interval_s: float = POLL_INTERVAL_S) -> ServiceState:
+def open_state(
+    db_path: str | Path,
+    *,
+    tokens_file: str | Path | None = None,
+    policy: ForensicsPolicy = ForensicsPolicy(),
+    checkpoint: CheckpointPolicy = DEFAULT_CHECKPOINT,
+    judge_interval_s: float = POLL_INTERVAL_S,
+) -> ServiceState:
     """Open (or create) the store at ``db_path`` for writing and start the committer and the judge.
 
     Raises StoreError naming the path when another process holds the store, and ValueError for a bad

@@ -72,8 +72,8 @@ def parse_role(role: str) -> tuple[str, str | None]:
     """``producer`` / ``operator`` / ``tenant:<id>`` -> (role, tenant id); ValueError naming ``role``."""
     if role in SIMPLE_ROLES:
         return role, None
-    if role.startswith("tenant:") and _TENANT.match(role[len("tenant:"):]):
-        return "tenant", role[len("tenant:"):]
+    if role.startswith("tenant:") and _TENANT.match(role[len("tenant:") :]):
+        return "tenant", role[len("tenant:") :]
     raise ValueError(f"role: {role!r} is not producer, operator or tenant:<id> (an id without spaces or ':')")
 
 
@@ -102,8 +102,12 @@ class Binding:
         kind, _ = parse_role(role)
         if self.expires_ns is not None and self.expires_ns <= 0:
             raise ValueError(f"expires: {self.expires_ns} is not a time")
-        return Binding(_check_nodes(kind, self.nodes), _check_nodes(kind, self.clusters, "cluster"),
-                       _check_nodes(kind, self.node_roles, "node-role"), self.expires_ns)
+        return Binding(
+            _check_nodes(kind, self.nodes),
+            _check_nodes(kind, self.clusters, "cluster"),
+            _check_nodes(kind, self.node_roles, "node-role"),
+            self.expires_ns,
+        )
 
 
 def parse_duration(text: str) -> int:
@@ -134,9 +138,14 @@ def check_secret(secret: str, stored: str) -> bool:
 
 def _check_hash(text: str) -> str:
     parts = text.split("$")
-    ok = (len(parts) == 4 and parts[0] == "pbkdf2-sha256" and parts[1].isdigit() and 1 <= int(parts[1]) <= 10**7
-          and re.fullmatch(r"[0-9a-f]{16,128}", parts[2]) is not None
-          and re.fullmatch(r"[0-9a-f]{64}", parts[3]) is not None)
+    ok = (
+        len(parts) == 4
+        and parts[0] == "pbkdf2-sha256"
+        and parts[1].isdigit()
+        and 1 <= int(parts[1]) <= 10**7
+        and re.fullmatch(r"[0-9a-f]{16,128}", parts[2]) is not None
+        and re.fullmatch(r"[0-9a-f]{64}", parts[3]) is not None
+    )
     if not ok:
         raise ValueError("hash: not pbkdf2-sha256$<iterations>$<salt hex>$<sha256 hex>")
     return text
@@ -144,9 +153,11 @@ def _check_hash(text: str) -> str:
 
 def ensure_tables(con: duckdb.DuckDBPyConnection) -> None:
     """Create the token table (and the access log it records changes in) if the store has none yet."""
-    con.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (token_id VARCHAR PRIMARY KEY, role VARCHAR NOT NULL, "
-                "tenant_id VARCHAR, nodes VARCHAR[] NOT NULL, note VARCHAR NOT NULL, hash VARCHAR NOT NULL, "
-                "created_ns BIGINT NOT NULL, revoked_ns BIGINT)")
+    con.execute(
+        f"CREATE TABLE IF NOT EXISTS {TABLE} (token_id VARCHAR PRIMARY KEY, role VARCHAR NOT NULL, "
+        "tenant_id VARCHAR, nodes VARCHAR[] NOT NULL, note VARCHAR NOT NULL, hash VARCHAR NOT NULL, "
+        "created_ns BIGINT NOT NULL, revoked_ns BIGINT)"
+    )
     # added since the first token table: stores made before get them, empty (no binding, no expiry)
     for column, type_ in (("clusters", "VARCHAR[]"), ("node_roles", "VARCHAR[]"), ("expires_ns", "BIGINT")):
         con.execute(f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS {column} {type_}")
@@ -161,15 +172,28 @@ def new_token(role: str, *, nodes: tuple[str, ...] = (), binding: Binding | None
     return token_id, secret, hash_secret(secret)
 
 
-def _insert(con: duckdb.DuckDBPyConnection, token_id: str, role: str, stored: str, *, note: str,
-            binding: Binding, actor: str) -> None:
+def _insert(
+    con: duckdb.DuckDBPyConnection, token_id: str, role: str, stored: str, *, note: str, binding: Binding, actor: str
+) -> None:
     kind, tenant = parse_role(role)
     b = binding.checked(role)
     ensure_tables(con)
-    con.execute(f"INSERT INTO {TABLE} (token_id, role, tenant_id, nodes, note, hash, created_ns, revoked_ns, "
-                "clusters, node_roles, expires_ns) VALUES (?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, ?)",
-                [token_id, kind, tenant, list(b.nodes), note, stored, time.time_ns(), list(b.clusters),
-                 list(b.node_roles), b.expires_ns])
+    con.execute(
+        f"INSERT INTO {TABLE} (token_id, role, tenant_id, nodes, note, hash, created_ns, revoked_ns, "
+        "clusters, node_roles, expires_ns) VALUES (?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, ?)",
+        [
+            token_id,
+            kind,
+            tenant,
+            list(b.nodes),
+            note,
+            stored,
+            time.time_ns(),
+            list(b.clusters),
+            list(b.node_roles),
+            b.expires_ns,
+        ],
+    )
     change = {"token_id": token_id, "role": role, "nodes": ",".join(b.nodes)}
     if b.clusters or b.node_roles:
         change.update(clusters=",".join(b.clusters), node_roles=",".join(b.node_roles))
@@ -178,8 +202,15 @@ def _insert(con: duckdb.DuckDBPyConnection, token_id: str, role: str, stored: st
     access.append(con, access.AccessEntry(None, actor, "TOKEN", "add", change, 200))
 
 
-def add_token(con: duckdb.DuckDBPyConnection, role: str, *, note: str = "", nodes: tuple[str, ...] = (),
-              binding: Binding | None = None, actor: str = "local") -> tuple[str, str]:
+def add_token(
+    con: duckdb.DuckDBPyConnection,
+    role: str,
+    *,
+    note: str = "",
+    nodes: tuple[str, ...] = (),
+    binding: Binding | None = None,
+    actor: str = "local",
+) -> tuple[str, str]:
     """Store a new token for ``role``; returns (token_id, secret token string). Only its hash is kept.
     ``binding`` (or just ``nodes``): what a producer token may send for, and when the token expires."""
     binding = binding or Binding(nodes)
@@ -197,8 +228,11 @@ def authenticate(con: duckdb.DuckDBPyConnection, secret: str) -> Principal | Non
     token_id = parts[1] if len(parts) == 3 and parts[0] == "kvt" and _ID.match(parts[1]) else ""
     row = None
     if token_id:
-        row = con.execute(f"SELECT role, tenant_id, nodes, hash, revoked_ns, clusters, node_roles, expires_ns "
-                          f"FROM {TABLE} WHERE token_id = ?", [token_id]).fetchone()
+        row = con.execute(
+            f"SELECT role, tenant_id, nodes, hash, revoked_ns, clusters, node_roles, expires_ns "
+            f"FROM {TABLE} WHERE token_id = ?",
+            [token_id],
+        ).fetchone()
     matches = check_secret(secret, row[3] if row else _DUMMY)
     if row is None or not matches or row[4] is not None:
         return None
@@ -224,10 +258,24 @@ class TokenInfo:
 def list_tokens(con: duckdb.DuckDBPyConnection) -> list[TokenInfo]:
     """Every stored token, revoked ones included, oldest first."""
     ensure_tables(con)
-    rows = con.execute(f"SELECT token_id, role, tenant_id, nodes, note, created_ns, revoked_ns, clusters, node_roles, "
-                       f"expires_ns FROM {TABLE} ORDER BY created_ns, token_id").fetchall()
-    return [TokenInfo(r[0], f"tenant:{r[2]}" if r[1] == "tenant" else r[1], tuple(r[3]), r[4], r[5], r[6],
-                      tuple(r[7] or ()), tuple(r[8] or ()), r[9]) for r in rows]
+    rows = con.execute(
+        f"SELECT token_id, role, tenant_id, nodes, note, created_ns, revoked_ns, clusters, node_roles, "
+        f"expires_ns FROM {TABLE} ORDER BY created_ns, token_id"
+    ).fetchall()
+    return [
+        TokenInfo(
+            r[0],
+            f"tenant:{r[2]}" if r[1] == "tenant" else r[1],
+            tuple(r[3]),
+            r[4],
+            r[5],
+            r[6],
+            tuple(r[7] or ()),
+            tuple(r[8] or ()),
+            r[9],
+        )
+        for r in rows
+    ]
 
 
 def revoke_token(con: duckdb.DuckDBPyConnection, token_id: str, *, actor: str = "local") -> bool:
@@ -243,8 +291,15 @@ def revoke_token(con: duckdb.DuckDBPyConnection, token_id: str, *, actor: str = 
     return True
 
 
-def token_line(token_id: str, role: str, stored: str, *, nodes: tuple[str, ...] = (), note: str = "",
-               binding: Binding | None = None) -> str:
+def token_line(
+    token_id: str,
+    role: str,
+    stored: str,
+    *,
+    nodes: tuple[str, ...] = (),
+    note: str = "",
+    binding: Binding | None = None,
+) -> str:
     """One line of a token file."""
     b = binding or Binding(nodes)
     line = f"{token_id} {role} {stored}"
@@ -285,10 +340,10 @@ def load_token_file(con: duckdb.DuckDBPyConnection, path: str | Path, *, actor: 
                 elif key == "note":
                     note = value
                 else:
-                    raise ValueError(f"unknown field {extra!r} (nodes=, clusters=, node_roles=, expires=<ns> "
-                                     "or note=)")
-            binding = Binding(names.get("nodes", ()), names.get("clusters", ()), names.get("node_roles", ()),
-                              expires).checked(fields[1])
+                    raise ValueError(f"unknown field {extra!r} (nodes=, clusters=, node_roles=, expires=<ns> or note=)")
+            binding = Binding(
+                names.get("nodes", ()), names.get("clusters", ()), names.get("node_roles", ()), expires
+            ).checked(fields[1])
             parsed.append((fields[0], fields[1], _check_hash(fields[2]), binding, note))
         except ValueError as exc:
             raise ValueError(f"tokens file {Path(path).name} line {line_no}: {exc}") from None

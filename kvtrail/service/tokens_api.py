@@ -56,9 +56,14 @@ class Revoked(BaseModel):
 
 def router(state: Any, route_class: type) -> APIRouter:
     """The token routes (operator tokens only)."""
-    errors: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody, "description": d} for c, d in (
-        (400, "Bad role, binding or expiry."), (401, "Missing, unknown, revoked or expired token."),
-        (403, "Not an operator token."))}
+    errors: dict[int | str, dict[str, Any]] = {
+        c: {"model": ErrorBody, "description": d}
+        for c, d in (
+            (400, "Bad role, binding or expiry."),
+            (401, "Missing, unknown, revoked or expired token."),
+            (403, "Not an operator token."),
+        )
+    }
     # mounted inside the query router, whose prefix is /v1
     r = APIRouter(prefix="/tokens", route_class=route_class, tags=["tokens"], responses=errors)
     who_dep = principal_dependency(state)
@@ -83,8 +88,9 @@ def router(state: Any, route_class: type) -> APIRouter:
         expires = None if body.expires_in_s is None else time.time_ns() + body.expires_in_s * 10**9
         binding = tokens.Binding(tuple(body.nodes), tuple(body.clusters), tuple(body.node_roles), expires)
         try:
-            token_id, secret = write(lambda cur: tokens.add_token(cur, body.role, note=body.note, binding=binding,
-                                                                  actor=who.token_id))
+            token_id, secret = write(
+                lambda cur: tokens.add_token(cur, body.role, note=body.note, binding=binding, actor=who.token_id)
+            )
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from None
         return MadeToken(token_id=token_id, token=secret)
@@ -93,13 +99,17 @@ def router(state: Any, route_class: type) -> APIRouter:
     def list_all(who: Annotated[Principal, Depends(who_dep)]) -> list[TokenRow]:
         """Every token, revoked ones included."""
         require_role(who, "operator")
-        return [TokenRow(**{**t.__dict__, "nodes": list(t.nodes), "clusters": list(t.clusters),
-                            "node_roles": list(t.node_roles)}) for t in write(tokens.list_tokens)]
+        return [
+            TokenRow(
+                **{**t.__dict__, "nodes": list(t.nodes), "clusters": list(t.clusters), "node_roles": list(t.node_roles)}
+            )
+            for t in write(tokens.list_tokens)
+        ]
 
-    @r.delete("/{token_id}", response_model=Revoked,
-              responses={404: {"model": ErrorBody, "description": "No such token."}})
-    def revoke(who: Annotated[Principal, Depends(who_dep)],
-               token_id: Annotated[str, Path(max_length=100)]) -> Revoked:
+    @r.delete(
+        "/{token_id}", response_model=Revoked, responses={404: {"model": ErrorBody, "description": "No such token."}}
+    )
+    def revoke(who: Annotated[Principal, Depends(who_dep)], token_id: Annotated[str, Path(max_length=100)]) -> Revoked:
         """Revoke a token by id."""
         require_role(who, "operator")
         try:

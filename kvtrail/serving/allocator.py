@@ -64,11 +64,11 @@ class PageAllocator:
         if self.reuse == "lowest":
             if n > len(self._free) - self._head:
                 self._merge()
-            out = self._free[self._head:self._head + n].copy()
+            out = self._free[self._head : self._head + n].copy()
             self._head += n
         else:
             top = self._top
-            out = self._stack[top - n:top][::-1].copy()
+            out = self._stack[top - n : top][::-1].copy()
             self._top = top - n
         self._holds[out] = 1
         self.used += n
@@ -91,7 +91,7 @@ class PageAllocator:
             self._staged.append(released.copy())
         else:
             top = self._top
-            self._stack[top:top + released.size] = released[::-1]
+            self._stack[top : top + released.size] = released[::-1]
             self._top = top + released.size
 
     def force_alloc(self, pages) -> None:
@@ -134,19 +134,18 @@ class PageAllocator:
     def _take(self, pages: np.ndarray) -> None:
         """Remove free pages from wherever they wait (free list, staged lists or stack)."""
         if self.reuse == "lowest":
-            rest = self._free[self._head:]
+            rest = self._free[self._head :]
             self._free = rest[~np.isin(rest, pages)]
             self._head = 0
             self._staged = [s[~np.isin(s, pages)] for s in self._staged]
         else:
-            kept = self._stack[:self._top]
+            kept = self._stack[: self._top]
             kept = kept[~np.isin(kept, pages)]
-            self._stack[:kept.size] = kept
+            self._stack[: kept.size] = kept
             self._top = kept.size
 
     def _merge(self) -> None:
-        self._free = np.sort(np.concatenate([self._free[self._head:], *self._staged]))
+        self._free = np.sort(np.concatenate([self._free[self._head :], *self._staged]))
         self._head = 0
         self._staged = []
         self.merges += 1
-

@@ -74,8 +74,17 @@ class StackConfig:
             raise ValueError(f"stack config 'mode': {self.mode!r} is not one of {', '.join(MODES)}")
         if self.reuse not in REUSE_POLICIES:
             raise ValueError(f"stack config 'reuse': {self.reuse!r} is not one of {', '.join(REUSE_POLICIES)}")
-        for name in ("page_size", "prefill_pool_tokens", "decode_pool_tokens", "context_tokens", "max_new_tokens",
-                     "num_layers", "num_heads", "head_dim", "max_running_requests"):
+        for name in (
+            "page_size",
+            "prefill_pool_tokens",
+            "decode_pool_tokens",
+            "context_tokens",
+            "max_new_tokens",
+            "num_layers",
+            "num_heads",
+            "head_dim",
+            "max_running_requests",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"stack config '{name}': must be >= 1")
         if not self.drain_timeout_s >= 0:
@@ -104,6 +113,7 @@ class StackConfig:
     @classmethod
     def incident(cls, **changes) -> "StackConfig":
         """Prefill pool smaller than the advertised context, SGLang < 0.5.20 behaviour."""
-        base = cls(mode="vulnerable", prefill_pool_tokens=8 * 1024, decode_pool_tokens=64 * 1024,
-                   context_tokens=16 * 1024)
+        base = cls(
+            mode="vulnerable", prefill_pool_tokens=8 * 1024, decode_pool_tokens=64 * 1024, context_tokens=16 * 1024
+        )
         return replace(base, **changes)

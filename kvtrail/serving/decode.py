@@ -82,8 +82,9 @@ class DecodeWorker(WorkerBase):
             return
         self.rec.transfer_reserved(ref, pages, prompt_len)
         self.rec.pages_allocated(ref, pages, "decode_reservation")
-        self.reqs[room] = _Req(ref, prompt_len, max_new, pages, time.monotonic_ns(),
-                               tags=self.integrity.allocate(pages))
+        self.reqs[room] = _Req(
+            ref, prompt_len, max_new, pages, time.monotonic_ns(), tags=self.integrity.allocate(pages)
+        )
         self.send_peer(DstPages(room, pages, prompt_len))
 
     def _reserve(self, need: int) -> np.ndarray | None:
@@ -103,7 +104,7 @@ class DecodeWorker(WorkerBase):
         r = self.reqs.get(room) or self.forgotten.pop(room, None)
         if r is None:
             return
-        landed = r.pages[:msg.pages_sent]
+        landed = r.pages[: msg.pages_sent]
         if self.cfg.faults.corrupt_transfer and len(landed):
             self._corrupt(int(landed[0]))
         digests = req_digest = None
@@ -151,8 +152,7 @@ class DecodeWorker(WorkerBase):
             return True
         foreign = self.integrity.foreign_pages(r.table, r.tags)
         if len(foreign):
-            self._abort_running(room, r, f"page ownership tag mismatch on pages {foreign[:8].tolist()}: "
-                                         "not attended")
+            self._abort_running(room, r, f"page ownership tag mismatch on pages {foreign[:8].tolist()}: not attended")
             return False
         return True
 
@@ -236,8 +236,9 @@ class DecodeWorker(WorkerBase):
             if pos // ps >= len(r.table):
                 new = self.alloc.alloc(1)
                 if new is None:
-                    self.rec.request_aborted(r.ref, "decode", "decode KV pool exhausted while generating", 503,
-                                             r.prompt_len)
+                    self.rec.request_aborted(
+                        r.ref, "decode", "decode KV pool exhausted while generating", 503, r.prompt_len
+                    )
                     self._release(room, "abort")
                     self._respond(room, 503, error="decode KV pool exhausted")
                     continue
@@ -251,8 +252,14 @@ class DecodeWorker(WorkerBase):
     def _finish(self, room: int, r: _Req) -> None:
         text = bytes(r.out).decode("utf-8", errors="replace")
         self._release(room, "finish")
-        self._respond(room, 200, text=text, completion_tokens=len(r.out),
-                      first_token_mono_ns=r.first_token_mono_ns, finish_reason="length")
+        self._respond(
+            room,
+            200,
+            text=text,
+            completion_tokens=len(r.out),
+            first_token_mono_ns=r.first_token_mono_ns,
+            finish_reason="length",
+        )
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -260,7 +267,7 @@ class DecodeWorker(WorkerBase):
         r = self.reqs.pop(room)
         own = r.table if r.table is not None else r.pages
         if r.freed:  # prematurely freed reservation: only growth pages are still ours
-            own = own[len(r.pages):]
+            own = own[len(r.pages) :]
         self._free_pages(r, own, reason)
 
     def _free_pages(self, r: _Req, pages, reason: str) -> None:
@@ -269,8 +276,17 @@ class DecodeWorker(WorkerBase):
             self.alloc.free(pages)
             self.integrity.free(pages)
 
-    def _respond(self, room: int, status: int, *, text: str = "", completion_tokens: int = 0, first_token_mono_ns=None,
-                 finish_reason: str = "abort", error: str | None = None) -> None:
+    def _respond(
+        self,
+        room: int,
+        status: int,
+        *,
+        text: str = "",
+        completion_tokens: int = 0,
+        first_token_mono_ns=None,
+        finish_reason: str = "abort",
+        error: str | None = None,
+    ) -> None:
         self.send_router(Response(room, status, text, completion_tokens, first_token_mono_ns, finish_reason, error))
 
     HANDLERS = {

@@ -49,6 +49,9 @@ class PoolIntegrity:
 
     def foreign_pages(self, pages, held_tags) -> np.ndarray:
         """Pages whose tag is no longer the one the reader holds (freed or reallocated since)."""
-        bad = self.tags.verify(torch.as_tensor(np.asarray(pages, dtype=np.int64)),
-                               torch.as_tensor(np.asarray(held_tags, dtype=np.int64)), backend=self.backend)
+        bad = self.tags.verify(
+            torch.as_tensor(np.asarray(pages, dtype=np.int64)),
+            torch.as_tensor(np.asarray(held_tags, dtype=np.int64)),
+            backend=self.backend,
+        )
         return bad.numpy()

@@ -104,11 +104,14 @@ class KVPool:
         c = self.config
         table = self._pages(pages)
         if not 0 <= seq_len <= table.numel() * c.page_size:
-            raise ValueError(f"seq_len: {seq_len} is outside 0..{table.numel() * c.page_size} for "
-                             f"{table.numel()} pages")
+            raise ValueError(
+                f"seq_len: {seq_len} is outside 0..{table.numel() * c.page_size} for {table.numel()} pages"
+            )
         flat = (-1, c.num_heads, c.head_dim)
-        return (self.k[layer].index_select(0, table).view(flat)[:seq_len],
-                self.v[layer].index_select(0, table).view(flat)[:seq_len])
+        return (
+            self.k[layer].index_select(0, table).view(flat)[:seq_len],
+            self.v[layer].index_select(0, table).view(flat)[:seq_len],
+        )
 
     def page_bytes(self, pages) -> bytes:
         """The bytes of ``pages``: for each buffer in :meth:`buffers` order, each page in the given order.
@@ -116,8 +119,9 @@ class KVPool:
         This is the byte stream SGLang's KV checksum digests (``zlib.adler32`` of it equals its value).
         """
         table = self._pages(pages)
-        parts = [b.index_select(0, table).contiguous().view(torch.uint8).cpu().numpy().tobytes()
-                 for b in self.buffers()]
+        parts = [
+            b.index_select(0, table).contiguous().view(torch.uint8).cpu().numpy().tobytes() for b in self.buffers()
+        ]
         return b"".join(parts)
 
     def write_page_bytes(self, pages, data: bytes) -> None:
@@ -129,7 +133,7 @@ class KVPool:
         raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()).to(self.device)
         c = self.config
         for i, buf in enumerate(self.buffers()):
-            chunk = raw[i * per_buffer:(i + 1) * per_buffer].view(c.dtype)
+            chunk = raw[i * per_buffer : (i + 1) * per_buffer].view(c.dtype)
             buf.index_copy_(0, table, chunk.view(table.numel(), c.page_size, c.num_heads, c.head_dim))
 
     def _pages(self, pages) -> torch.Tensor:

@@ -56,8 +56,9 @@ class ModelConfig:
         if self.rope_base <= 1:
             raise ValueError(f"rope_base: must be > 1, got {self.rope_base}")
 
-    def pool_config(self, num_pages: int, page_size: int, *, dtype: torch.dtype = torch.float32,
-                    device: str = "cpu") -> KVPoolConfig:
+    def pool_config(
+        self, num_pages: int, page_size: int, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    ) -> KVPoolConfig:
         """The :class:`KVPoolConfig` of a pool this model can read and write."""
         return KVPoolConfig(self.num_layers, num_pages, page_size, self.num_heads, self.head_dim, dtype, device)
 
@@ -71,8 +72,10 @@ class CopyModel:
         g = torch.Generator().manual_seed(c.seed)
         embed = torch.randn(VOCAB_SIZE, c.head_dim, generator=g)
         embed = embed / embed.norm(dim=1, keepdim=True)
-        rot_k, rot_v = (torch.linalg.qr(torch.randn(c.num_layers, c.num_heads, c.head_dim, c.head_dim,
-                                                    generator=g))[0] for _ in range(2))
+        rot_k, rot_v = (
+            torch.linalg.qr(torch.randn(c.num_layers, c.num_heads, c.head_dim, c.head_dim, generator=g))[0]
+            for _ in range(2)
+        )
         query = torch.randn(c.num_layers, c.num_heads, c.head_dim, generator=g)
         # Tables indexed [layer, token, head, :]; the output projection is [layer, head, :, token].
         k_table = torch.einsum("xd,lhde->lxhe", embed, rot_k)
@@ -108,8 +111,7 @@ class CopyModel:
         kv = self._gather(pool, page_table, seq_len)
         return int(self._attend(kv, seq_len, torch.tensor([step], device=pool.device))[0])
 
-    def generate(self, pool: KVPool, page_table, seq_len: int, max_new_tokens: int, *,
-                 first_step: int = 0) -> bytes:
+    def generate(self, pool: KVPool, page_table, seq_len: int, max_new_tokens: int, *, first_step: int = 0) -> bytes:
         """Steps ``first_step .. first_step + max_new_tokens - 1`` as bytes.
 
         The same as calling :meth:`decode_step` for each step, provided nothing writes the pool

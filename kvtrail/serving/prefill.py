@@ -61,8 +61,9 @@ class PrefillWorker(WorkerBase):
         self.peer = self.listener.accept()
         self.peer_session = msg.info.session
         self.dst_buffers = list(msg.info.buffers)
-        self.src_buffers = [(b.data_ptr(), b.numel() * b.element_size(), b.stride(0) * b.element_size())
-                            for b in self.pool.buffers()]
+        self.src_buffers = [
+            (b.data_ptr(), b.numel() * b.element_size(), b.stride(0) * b.element_size()) for b in self.pool.buffers()
+        ]
 
     def on_prefill(self, msg: PrefillRequest) -> None:
         room, ref, tokens = msg.room, msg.ref, msg.tokens
@@ -139,8 +140,9 @@ class PrefillWorker(WorkerBase):
             self._free(p.ref, pages, "abort")
             self.send_peer(KvFailed(room, str(exc)))
             return
-        self.rec.transfer_sent(p.ref, pages, dst, len(p.tokens), True, req_digest,
-                               DIGEST_ALGO if req_digest is not None else None)
+        self.rec.transfer_sent(
+            p.ref, pages, dst, len(p.tokens), True, req_digest, DIGEST_ALGO if req_digest is not None else None
+        )
         self._free(p.ref, pages, "finish")
         self.send_peer(KvDone(room, first, len(p.tokens), len(pages), digests))
 

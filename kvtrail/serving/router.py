@@ -68,16 +68,19 @@ class RouterCore:
         started = time.monotonic_ns()
         self.rec.request_received(ref, len(tokens), max_new)
         if len(tokens) + max_new > self.cfg.context_tokens:
-            msg = (f"field 'prompt': {len(tokens)} prompt tokens + {max_new} max_tokens exceed the context "
-                   f"length of {self.cfg.context_tokens} tokens")
+            msg = (
+                f"field 'prompt': {len(tokens)} prompt tokens + {max_new} max_tokens exceed the context "
+                f"length of {self.cfg.context_tokens} tokens"
+            )
             return self._finish(ref, started, len(tokens), _error(400, msg, "prompt"), stage="router")
         try:
             return await self._serve(ref, tokens, max_new, started, abort_after_s)
         except (WorkerDown, ProtocolError) as exc:
             return self._finish(ref, started, len(tokens), _error(502, str(exc)), stage="router")
         except asyncio.TimeoutError:
-            return self._finish(ref, started, len(tokens), _error(504, "timed out waiting for the workers"),
-                                stage="router")
+            return self._finish(
+                ref, started, len(tokens), _error(504, "timed out waiting for the workers"), stage="router"
+            )
 
     async def _serve(self, ref: RequestRef, tokens: bytes, max_new: int, started: int, abort_after_s):
         room = ref.transfer_id
@@ -105,19 +108,28 @@ class RouterCore:
         if status != 200:
             return _error(status, error or "request failed")
         headers = {"x-kvtrail-ttft-ms": f"{ttft_ns / 1e6:.3f}"} if ttft_ns is not None else None
-        return JSONResponse(headers=headers, content={
-            "id": f"cmpl-{ref.request_id}", "object": "text_completion", "created": int(time.time()),
-            "model": "kvtrail-reference",
-            "choices": [{"text": text, "index": 0, "finish_reason": finish_reason, "logprobs": None}],
-            "usage": {"prompt_tokens": len(tokens), "completion_tokens": completion_tokens,
-                      "total_tokens": len(tokens) + completion_tokens},
-        })
+        return JSONResponse(
+            headers=headers,
+            content={
+                "id": f"cmpl-{ref.request_id}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": "kvtrail-reference",
+                "choices": [{"text": text, "index": 0, "finish_reason": finish_reason, "logprobs": None}],
+                "usage": {
+                    "prompt_tokens": len(tokens),
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": len(tokens) + completion_tokens,
+                },
+            },
+        )
 
     def _finish(self, ref: RequestRef, started: int, prompt_tokens: int, resp: JSONResponse, stage: str | None = None):
         if stage is not None:
             self.rec.request_aborted(ref, stage, bytes(resp.body).decode()[:200], resp.status_code, prompt_tokens)
-        self.rec.response_sent(ref, resp.status_code, prompt_tokens, 0, time.monotonic_ns() - started,
-                               finish_reason="abort")
+        self.rec.response_sent(
+            ref, resp.status_code, prompt_tokens, 0, time.monotonic_ns() - started, finish_reason="abort"
+        )
         return resp
 
 
@@ -148,7 +160,8 @@ def create_app(core: RouterCore) -> FastAPI:
     @app.get("/health")
     async def health():
         ok = core.prefill.alive and core.decode.alive
-        return JSONResponse({"prefill": core.prefill.alive, "decode": core.decode.alive},
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            {"prefill": core.prefill.alive, "decode": core.decode.alive}, status_code=200 if ok else 503
+        )
 
     return app

@@ -92,9 +92,12 @@ class Stack:
             store.start()
             for role in ("prefill", "decode"):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=worker_main, name=f"kvtrail-{role}", daemon=True,
-                                   args=(role, self.cfg, store.address, store.authkey, child,
-                                         str(self.worker_log_path)))
+                proc = ctx.Process(
+                    target=worker_main,
+                    name=f"kvtrail-{role}",
+                    daemon=True,
+                    args=(role, self.cfg, store.address, store.authkey, child, str(self.worker_log_path)),
+                )
                 proc.start()
                 child.close()
                 self.procs[role] = proc
@@ -118,8 +121,9 @@ class Stack:
         try:
             msg = conn.recv()
         except EOFError:
-            raise KvtrailError(f"{role} worker exited during start (exit code {self.procs[role].exitcode})"
-                               f"{self._log_tail()}") from None
+            raise KvtrailError(
+                f"{role} worker exited during start (exit code {self.procs[role].exitcode}){self._log_tail()}"
+            ) from None
         if isinstance(msg, WorkerFailed):
             raise KvtrailError(f"{role} worker failed to start: {msg.error}{self._log_tail()}")
         if not isinstance(msg, WorkerReady):
@@ -134,7 +138,7 @@ class Stack:
             return []
         lines = text.splitlines()
         starts = [i for i, line in enumerate(lines) if line.startswith(_LOG_START_MARK)]
-        since = lines[starts[-1] + 1:] if starts else lines
+        since = lines[starts[-1] + 1 :] if starts else lines
         return since[-max_lines:]
 
     def wait_for_worker_exit(self, poll_s: float = 0.5) -> None:
@@ -158,17 +162,24 @@ class Stack:
         from kvtrail.serving.router import RouterCore, create_app
 
         store = self.store
-        assert store is not None and store.address is not None and store.authkey is not None, \
+        assert store is not None and store.address is not None and store.authkey is not None, (
             "the store process starts before the router"
+        )
         address, authkey = store.address, store.authkey
-        producer = Producer(self.cfg.cluster, "router-0", "router", "kvtrail-reference", __version__,
-                            f"router-{uuid.uuid4().hex[:8]}")
-        self.recorder = make_recorder(self.cfg.audit, lambda: RelaySink(address, authkey), producer,
-                                      self.cfg.recorder)
+        producer = Producer(
+            self.cfg.cluster, "router-0", "router", "kvtrail-reference", __version__, f"router-{uuid.uuid4().hex[:8]}"
+        )
+        self.recorder = make_recorder(self.cfg.audit, lambda: RelaySink(address, authkey), producer, self.cfg.recorder)
         self.core = core = RouterCore(self.cfg, self.links["prefill"], self.links["decode"], self.recorder)
         # On stop uvicorn stops accepting, then waits up to drain_timeout_s for the requests in flight.
-        config = uvicorn.Config(create_app(core), host="127.0.0.1", port=0, log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=math.ceil(self.cfg.drain_timeout_s))
+        config = uvicorn.Config(
+            create_app(core),
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=math.ceil(self.cfg.drain_timeout_s),
+        )
         self._server = server = uvicorn.Server(config)
         self._thread = thread = threading.Thread(target=server.run, name="kvtrail-router-http", daemon=True)
         thread.start()

@@ -83,8 +83,7 @@ class StoreProcess:
     def start(self) -> "StoreProcess":
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=store_main, args=(str(self.db_path), child), name="kvtrail-store",
-                                 daemon=True)
+        self._proc = ctx.Process(target=store_main, args=(str(self.db_path), child), name="kvtrail-store", daemon=True)
         self._proc.start()
         child.close()
         self._conn = parent

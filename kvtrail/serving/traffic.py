@@ -74,19 +74,30 @@ async def _run(url: str, keys: dict[str, str], cfg: TrafficConfig, progress) -> 
     requests = plan(cfg, sorted(keys))
     sem = asyncio.Semaphore(cfg.concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+
         async def one(tenant: str, n: int, overlong: bool) -> Outcome:
             async with sem:
                 t0 = time.perf_counter()
-                r = await client.post("/v1/completions",
-                                      json={"prompt": make_prompt(tenant, n), "max_tokens": cfg.max_tokens},
-                                      headers={"Authorization": f"Bearer {keys[tenant]}"})
+                r = await client.post(
+                    "/v1/completions",
+                    json={"prompt": make_prompt(tenant, n), "max_tokens": cfg.max_tokens},
+                    headers={"Authorization": f"Bearer {keys[tenant]}"},
+                )
                 body = r.json()
                 text = body["choices"][0]["text"] if r.status_code == 200 else ""
                 usage = body.get("usage", {})
                 if progress:
                     progress(1)
-                return Outcome(tenant, n, overlong, r.status_code, text, time.perf_counter() - t0,
-                               usage.get("completion_tokens", 0))
+                return Outcome(
+                    tenant,
+                    n,
+                    overlong,
+                    r.status_code,
+                    text,
+                    time.perf_counter() - t0,
+                    usage.get("completion_tokens", 0),
+                )
+
         return await asyncio.gather(*(one(*req) for req in requests))
 
 

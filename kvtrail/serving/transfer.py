@@ -45,8 +45,17 @@ class TransferError(KvtrailError):
 
     http_status = 502
 
-    def __init__(self, op: str, rc: int | None, reason: str, *, peer: str | None = None, batch: int | None = None,
-                 num_batches: int | None = None, entries_done: int = 0):
+    def __init__(
+        self,
+        op: str,
+        rc: int | None,
+        reason: str,
+        *,
+        peer: str | None = None,
+        batch: int | None = None,
+        num_batches: int | None = None,
+        entries_done: int = 0,
+    ):
         self.op, self.rc, self.reason, self.peer = op, rc, reason, peer
         self.batch, self.num_batches, self.entries_done = batch, num_batches, entries_done
         where = f" to {peer}" if peer else ""
@@ -207,9 +216,13 @@ def plan_entries(src_bufs: Sequence, dst_bufs: Sequence, src_pages, dst_pages) -
     item = np.array([b.item_len for b in src_b], dtype=np.int64)[:, None]
     src_base = np.array([b.addr for b in src_b], dtype=np.int64)[:, None]
     dst_base = np.array([b.addr for b in dst_b], dtype=np.int64)[:, None]
-    return EntryPlan(src_addrs=(src_base + src[None, :] * item).ravel(),
-                     dst_addrs=(dst_base + dst[None, :] * item).ravel(),
-                     lengths=(length[None, :] * item).ravel(), num_pages=num_pages, num_runs=int(length.size))
+    return EntryPlan(
+        src_addrs=(src_base + src[None, :] * item).ravel(),
+        dst_addrs=(dst_base + dst[None, :] * item).ravel(),
+        lengths=(length[None, :] * item).ravel(),
+        num_pages=num_pages,
+        num_runs=int(length.size),
+    )
 
 
 def _check_session(peer_session: str) -> None:
@@ -228,8 +241,10 @@ def _prepare_env(config: TransferConfig) -> None:
         raise ValueError(f"MC_LOG_LEVEL: {level!r} is not one of {', '.join(_LOG_LEVELS)} (Mooncake would log INFO)")
     queue = int(os.environ.get(QUEUE_ENV, _QUEUE_DEFAULT))
     if config.max_batch_entries > queue:
-        raise ValueError(f"max_batch_entries: {config.max_batch_entries} exceeds {QUEUE_ENV}={queue}; a larger "
-                         "batch fails and still writes part of itself")
+        raise ValueError(
+            f"max_batch_entries: {config.max_batch_entries} exceeds {QUEUE_ENV}={queue}; a larger "
+            "batch fails and still writes part of itself"
+        )
     os.environ["MC_LOG_LEVEL"] = level
     os.environ["MC_FORCE_TCP"] = "1"  # same transport on a host with an RDMA NIC as on CI
     if config.transfer_timeout_s is not None:
@@ -240,8 +255,10 @@ def _engine_class():
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:
-        raise ImportError("kvtrail.serving.transfer needs mooncake-transfer-engine-non-cuda (the 'serving' "
-                          f"extra) and the Debian libraries libibverbs1 libnuma1 libcurl4: {exc}") from exc
+        raise ImportError(
+            "kvtrail.serving.transfer needs mooncake-transfer-engine-non-cuda (the 'serving' "
+            f"extra) and the Debian libraries libibverbs1 libnuma1 libcurl4: {exc}"
+        ) from exc
     return TransferEngine
 
 
@@ -315,8 +332,9 @@ class TransferEngineHandle:
         _check_session(peer_session)
         return self._live().send_probe(peer_session) == 0
 
-    def write_pages(self, peer_session: str, src_bufs: Sequence, dst_bufs: Sequence, src_pages,
-                    dst_pages) -> TransferResult:
+    def write_pages(
+        self, peer_session: str, src_bufs: Sequence, dst_bufs: Sequence, src_pages, dst_pages
+    ) -> TransferResult:
         """Write pages ``src_pages`` of every local buffer into pages ``dst_pages`` of the peer's.
 
         See :func:`plan_entries` for the checks. Raises :class:`TransferError` when a batch fails:
@@ -339,16 +357,30 @@ class TransferEngineHandle:
         t0 = time.perf_counter()
         for k, i in enumerate(range(0, len(lens), step)):
             with peer_lock:
-                rc = engine.batch_transfer_sync_write(peer_session, srcs[i:i + step], dsts[i:i + step],
-                                                      lens[i:i + step])
+                rc = engine.batch_transfer_sync_write(
+                    peer_session, srcs[i : i + step], dsts[i : i + step], lens[i : i + step]
+                )
             if rc != 0:
                 raise TransferError(
-                    "write", rc, f"batch {k + 1} of {num_batches} ({len(lens[i:i + step])} entries) failed: unknown "
+                    "write",
+                    rc,
+                    f"batch {k + 1} of {num_batches} ({len(lens[i : i + step])} entries) failed: unknown "
                     "subset written, and the engine may still be writing it; treat every destination page of "
-                    "this transfer as unknown", peer=peer_session, batch=k, num_batches=num_batches,
-                    entries_done=i)
-        return TransferResult(peer_session, plan.num_pages, plan.num_runs, plan.num_entries, num_batches,
-                              plan.num_bytes, time.perf_counter() - t0)
+                    "this transfer as unknown",
+                    peer=peer_session,
+                    batch=k,
+                    num_batches=num_batches,
+                    entries_done=i,
+                )
+        return TransferResult(
+            peer_session,
+            plan.num_pages,
+            plan.num_runs,
+            plan.num_entries,
+            num_batches,
+            plan.num_bytes,
+            time.perf_counter() - t0,
+        )
 
     def close(self) -> None:
         """Unregister everything and destroy the engine (blocks ~1 s). Idempotent."""

@@ -43,8 +43,9 @@ def route_native_stderr(log_path: Path) -> None:
     sys.stderr = open(original, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=True)
 
 
-def worker_main(role: str, cfg, relay_address, relay_authkey: bytes, ready: Connection,
-                log_path: str | None = None) -> None:
+def worker_main(
+    role: str, cfg, relay_address, relay_authkey: bytes, ready: Connection, log_path: str | None = None
+) -> None:
     """Process entry point (spawned by :class:`kvtrail.serving.stack.Stack`).
 
     ``log_path``: where native stderr goes (see the module docstring); None leaves fd 2 alone.
@@ -83,21 +84,38 @@ def worker_main(role: str, cfg, relay_address, relay_authkey: bytes, ready: Conn
         engine = TransferEngineHandle(TransferConfig(transfer_timeout_s=max(5, int(cfg.transfer_timeout_s))))
         buffers = [PoolBuffer.of(b) for b in pool.buffers()]
         engine.register(buffers)
-        producer = Producer(cfg.cluster, f"{role}-0", role, "kvtrail-reference", __version__,
-                            f"{role}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+        producer = Producer(
+            cfg.cluster,
+            f"{role}-0",
+            role,
+            "kvtrail-reference",
+            __version__,
+            f"{role}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+        )
         recorder = make_recorder(cfg.audit, lambda: RelaySink(relay_address, relay_authkey), producer, cfg.recorder)
         recorder.node_config(
-            pool_tokens=num_pages * cfg.page_size, pool_pages=num_pages, page_size=cfg.page_size,
-            context_tokens=cfg.context_tokens, max_running_requests=cfg.max_running_requests,
-            checksum_enabled=cfg.kv_digests, canary_enabled=False,
+            pool_tokens=num_pages * cfg.page_size,
+            pool_pages=num_pages,
+            page_size=cfg.page_size,
+            context_tokens=cfg.context_tokens,
+            max_running_requests=cfg.max_running_requests,
+            checksum_enabled=cfg.kv_digests,
+            canary_enabled=False,
             deferred_release=role == "decode" and cfg.mode == "patched",
-            page_tags=role == "decode" and cfg.page_tags, config_source="stack_config")
+            page_tags=role == "decode" and cfg.page_tags,
+            config_source="stack_config",
+        )
         cls = PrefillWorker if role == "prefill" else DecodeWorker
         worker = cls(cfg, pool, model, engine, recorder, allocator, PoolIntegrity(pool))
         authkey = secrets.token_bytes(16)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
-        ready.send(WorkerReady(WorkerInfo(listener.address, authkey, engine.session_id,
-                                          tuple((b.addr, b.nbytes, b.item_len) for b in buffers))))
+        ready.send(
+            WorkerReady(
+                WorkerInfo(
+                    listener.address, authkey, engine.session_id, tuple((b.addr, b.nbytes, b.item_len) for b in buffers)
+                )
+            )
+        )
         router = listener.accept()
         worker.run(router, listener)
         listener.close()

@@ -47,8 +47,16 @@ class WorkerBase:
 
     role = "worker"
 
-    def __init__(self, cfg: StackConfig, pool: KVPool, model: CopyModel, engine: TransferEngineHandle,
-                 recorder: AuditRecorder, allocator: PageAllocator, integrity: PoolIntegrity):
+    def __init__(
+        self,
+        cfg: StackConfig,
+        pool: KVPool,
+        model: CopyModel,
+        engine: TransferEngineHandle,
+        recorder: AuditRecorder,
+        allocator: PageAllocator,
+        integrity: PoolIntegrity,
+    ):
         self.cfg = cfg
         self.pool = pool
         self.model = model

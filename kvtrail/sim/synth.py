@@ -18,7 +18,6 @@ Everything is seeded (one :class:`numpy.random.Generator`); the same arguments g
 :mod:`kvtrail.sim.synth_builder` builds the batches column by column (per-event Python work, never per-page).
 """
 
-
 from __future__ import annotations
 
 import math
@@ -162,12 +161,15 @@ class SynthStream:
         min_prompt, max_prompt = cfg.prompt_range_tokens
         self.u = Draws(rng.random)
         self.gap_ns = Draws(lambda k: rng.exponential(cfg.mean_gap_ns, k).astype(np.int64) + 1)
-        self.prompt_draw = Draws(lambda k: np.clip(rng.lognormal(math.log(cfg.prompt_median_tokens),
-                                                                 cfg.prompt_sigma, k),
-                                                   min_prompt, max_prompt).astype(np.int64))
+        self.prompt_draw = Draws(
+            lambda k: np.clip(
+                rng.lognormal(math.log(cfg.prompt_median_tokens), cfg.prompt_sigma, k), min_prompt, max_prompt
+            ).astype(np.int64)
+        )
         mean_decode_pages = max(cfg.mean_decode_tokens / cfg.page_size, 1.0)
-        self.budget_draw = Draws(lambda k: np.where(rng.random(k) < cfg.decode_fraction,
-                                                    rng.geometric(1.0 / mean_decode_pages, k), 0))
+        self.budget_draw = Draws(
+            lambda k: np.where(rng.random(k) < cfg.decode_fraction, rng.geometric(1.0 / mean_decode_pages, k), 0)
+        )
         # Each running request decodes decode_tokens_per_step tokens a step, so it crosses into a new page
         # with probability decode_tokens_per_step / page_size: the number of requests touched per step is
         # Poisson with that rate times the number running.
@@ -177,9 +179,14 @@ class SynthStream:
         self.tenant_cum = (weights / weights[-1]).tolist()
         self.tenant_names = [f"tenant-{k:02d}" for k in range(cfg.tenants)]
         self.rid_prefix = f"{producer.instance}-r"
-        config = {"pool_tokens": cfg.num_pages * cfg.page_size, "pool_pages": cfg.num_pages,
-                  "page_size": cfg.page_size, "context_tokens": max_prompt, "max_running_requests": 4096,
-                  "config_source": "synth"}
+        config = {
+            "pool_tokens": cfg.num_pages * cfg.page_size,
+            "pool_pages": cfg.num_pages,
+            "page_size": cfg.page_size,
+            "context_tokens": max_prompt,
+            "max_running_requests": 4096,
+            "config_source": "synth",
+        }
         self.producer = producer
         self.builder = BatchBuilder(producer, config)
         self.wall_ns = cfg.start_wall_ns
@@ -212,8 +219,9 @@ class SynthStream:
             # One step emits several events: a full batch is cut at exactly per_batch, the rest carried on.
             while len(self.builder) >= per_batch or (done and len(self.builder)):
                 batch = self.builder
-                self.builder = batch.split_off(per_batch) if len(batch) > per_batch else BatchBuilder(
-                    self.producer, None)
+                self.builder = (
+                    batch.split_off(per_batch) if len(batch) > per_batch else BatchBuilder(self.producer, None)
+                )
                 table = batch.table(seq, mono_offset_ns)
                 seq += table.num_rows
                 yield table
@@ -284,8 +292,7 @@ class SynthStream:
         self.num_requests = n + 1
         names = self.tenant_names
         tenant = names[bisect_right(self.tenant_cum, self.u())] if len(names) > 1 else names[0]
-        return _Request(f"{self.rid_prefix}{n:09d}", tenant, self.xfer_draw(), self.prompt_draw(),
-                        self.budget_draw())
+        return _Request(f"{self.rid_prefix}{n:09d}", tenant, self.xfer_draw(), self.prompt_draw(), self.budget_draw())
 
     def _alloc_or_retract(self, n: int, keep: _Request | None) -> np.ndarray | None:
         """``n`` pages, retracting random running requests (never ``keep``) until they fit; None if they never do."""
@@ -318,8 +325,16 @@ class SynthStream:
             running[i] = last
         return req
 
-    def _emit(self, kind: int, req: _Request | None, pages: np.ndarray | None, purpose: int = -1,
-              reason: int = -1, tstart: int = -1, tend: int = -1) -> None:
+    def _emit(
+        self,
+        kind: int,
+        req: _Request | None,
+        pages: np.ndarray | None,
+        purpose: int = -1,
+        reason: int = -1,
+        tstart: int = -1,
+        tend: int = -1,
+    ) -> None:
         # The clock advances during the warm-up too, so the recorded stream starts after it.
         self.wall_ns += self.gap_ns()
         if not self.recording:
@@ -380,8 +395,9 @@ class RunStats:
         return self.pages / self.runs if self.runs else 0.0
 
 
-def runs_per_event(tables: pa.Table | Iterable[pa.Table], column: str = "pages", *,
-                   kind: str | None = None, purpose: str | None = None) -> RunStats:
+def runs_per_event(
+    tables: pa.Table | Iterable[pa.Table], column: str = "pages", *, kind: str | None = None, purpose: str | None = None
+) -> RunStats:
     """Count runs in the non-empty page lists of ``column`` over one or more batches.
 
     ``kind`` / ``purpose`` restrict the count to events of that kind / allocation purpose.

@@ -47,8 +47,17 @@ class BatchBuilder:
     def __len__(self) -> int:
         return len(self.kind)
 
-    def add(self, kind: int, wall_ns: int, ident: tuple[str, str, int] | None, pages: np.ndarray | None,
-            purpose: int, reason: int, token_start: int, token_end: int) -> None:
+    def add(
+        self,
+        kind: int,
+        wall_ns: int,
+        ident: tuple[str, str, int] | None,
+        pages: np.ndarray | None,
+        purpose: int,
+        reason: int,
+        token_start: int,
+        token_end: int,
+    ) -> None:
         """One event; ``ident`` is (request_id, tenant_id, transfer_id) or None, the codes are -1 when unset."""
         self.kind.append(kind)
         self.wall.append(wall_ns)

@@ -30,11 +30,17 @@ def _judged(store: AuditStore) -> None:
 def incident(tmp_path):
     with AuditStore(tmp_path / "a.duckdb") as store:
         store.append(from_dicts(node_configs()[:1]))
-        store.append(from_dicts([node_configs()[1], *foreign_read(),
-                                 transfer_abort(7, "client_disconnected", 499),
-                                 transfer_abort(8, "waiting timeout", 408, "r10"),
-                                 event(9, "recorder_gap", DECODE, wall_ns=T0 + 60_000, dropped_events=3,
-                                       gap_reason="buffer_full")]))
+        store.append(
+            from_dicts(
+                [
+                    node_configs()[1],
+                    *foreign_read(),
+                    transfer_abort(7, "client_disconnected", 499),
+                    transfer_abort(8, "waiting timeout", 408, "r10"),
+                    event(9, "recorder_gap", DECODE, wall_ns=T0 + 60_000, dropped_events=3, gap_reason="buffer_full"),
+                ]
+            )
+        )
         _judged(store)
         yield store
 
@@ -73,10 +79,14 @@ def test_node_configuration_findings_and_producers(incident):
 def test_values_follow_the_store_at_each_scrape(incident):
     reg = registry_for(incident.cursor)
     before = reg.get_sample_value("kvtrail_ingest_events_total", DEC_PRODUCER)
-    incident.append(from_dicts([event(10, "recorder_gap", DECODE, wall_ns=T0 + 70_000, dropped_events=1,
-                                      gap_reason="buffer_full"),
-                                event(12, "recorder_gap", DECODE, wall_ns=T0 + 80_000, dropped_events=0,
-                                      gap_reason="transport")]))
+    incident.append(
+        from_dicts(
+            [
+                event(10, "recorder_gap", DECODE, wall_ns=T0 + 70_000, dropped_events=1, gap_reason="buffer_full"),
+                event(12, "recorder_gap", DECODE, wall_ns=T0 + 80_000, dropped_events=0, gap_reason="transport"),
+            ]
+        )
+    )
     assert reg.get_sample_value("kvtrail_ingest_events_total", DEC_PRODUCER) == before + 2
     assert reg.get_sample_value("kvtrail_recorder_dropped_events_total", DEC_PRODUCER) == 4
     assert reg.get_sample_value("kvtrail_recorder_missing_events", DEC_PRODUCER) == 1  # seq 11
@@ -115,8 +125,16 @@ def test_promtool_accepts_the_exposition(incident):
 def test_late_transfers_count_f11_findings(incident):
     from kvtrail.forensics.findings import make_finding
 
-    late = make_finding("F11", node="decode-0", request_id="r7", tenant_id="t-r7", first_ns=T0, last_ns=T0 + 5,
-                        evidence=((1, 2),), detail="transfer ran 5 s")
+    late = make_finding(
+        "F11",
+        node="decode-0",
+        request_id="r7",
+        tenant_id="t-r7",
+        first_ns=T0,
+        last_ns=T0 + 5,
+        evidence=((1, 2),),
+        detail="transfer ran 5 s",
+    )
     with incident.cursor() as con:
         save_findings(con, [late], from_ns=None, to_ns=None, engine="replay")
     reg = registry_for(incident.cursor)

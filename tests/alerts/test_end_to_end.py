@@ -31,9 +31,12 @@ from tests.conftest import event
 from tests.service.conftest import ServiceProcess
 
 PROMETHEUS, ALERTMANAGER = shutil.which("prometheus"), shutil.which("prometheus-alertmanager")
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(PROMETHEUS is None or ALERTMANAGER is None,
-                                 reason="Debian prometheus and prometheus-alertmanager not installed")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        PROMETHEUS is None or ALERTMANAGER is None, reason="Debian prometheus and prometheus-alertmanager not installed"
+    ),
+]
 DEADLINE_S = 90.0
 QUIET_S = 6.0  # a clean store: this many seconds of 1 s scrapes and evaluations without an alert
 
@@ -106,14 +109,19 @@ def wait_for(what: str, check, logs: list[Path], timeout_s: float = DEADLINE_S):
 
 
 def _post(url: str, token: str, events: list[dict]) -> None:
-    r = httpx.post(url + "/v1/events", content=to_jsonl(from_dicts(events)).encode(), timeout=30,
-                   headers={"Authorization": f"Bearer {token}", "Content-Type": "application/x-ndjson"})
+    r = httpx.post(
+        url + "/v1/events",
+        content=to_jsonl(from_dicts(events)).encode(),
+        timeout=30,
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/x-ndjson"},
+    )
     assert r.status_code == 200, r.text
 
 
 def _firing(received: list[dict]) -> dict[str, dict]:
-    return {a["labels"]["alertname"]: a["labels"] for body in received for a in body["alerts"]
-            if a["status"] == "firing"}
+    return {
+        a["labels"]["alertname"]: a["labels"] for body in received for a in body["alerts"] if a["status"] == "firing"
+    }
 
 
 def test_prometheus_and_alertmanager_deliver_the_incident_and_nothing_on_a_clean_store(tmp_path):
@@ -126,43 +134,99 @@ def test_prometheus_and_alertmanager_deliver_the_incident_and_nothing_on_a_clean
     svc = ServiceProcess(db)
     try:
         with webhook() as (hook_url, received):
-            (tmp_path / "am.yml").write_text(yaml.safe_dump({
-                "route": {"receiver": "hook", "group_by": ["alertname", "node"], "group_wait": "1s",
-                          "group_interval": "1s", "repeat_interval": "1h"},
-                "receivers": [{"name": "hook", "webhook_configs": [{"url": hook_url, "send_resolved": False}]}]}))
-            (tmp_path / "prom.yml").write_text(yaml.safe_dump({
-                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                "rule_files": [str(rules_path())],
-                "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
-                "scrape_configs": [{"job_name": "kvtrail", "metrics_path": "/metrics",
-                                    "static_configs": [{"targets": [svc.url.removeprefix("http://")]}]}]}))
-            with process([str(ALERTMANAGER), f"--config.file={tmp_path / 'am.yml'}",
-                          f"--storage.path={tmp_path / 'am-data'}", f"--web.listen-address=127.0.0.1:{am_port}",
-                          "--cluster.listen-address="], logs[1]), \
-                 process([str(PROMETHEUS), f"--config.file={tmp_path / 'prom.yml'}",
-                          f"--storage.tsdb.path={tmp_path / 'prom-data'}",
-                          f"--web.listen-address=127.0.0.1:{prom_port}"], logs[0]):
+            (tmp_path / "am.yml").write_text(
+                yaml.safe_dump(
+                    {
+                        "route": {
+                            "receiver": "hook",
+                            "group_by": ["alertname", "node"],
+                            "group_wait": "1s",
+                            "group_interval": "1s",
+                            "repeat_interval": "1h",
+                        },
+                        "receivers": [{"name": "hook", "webhook_configs": [{"url": hook_url, "send_resolved": False}]}],
+                    }
+                )
+            )
+            (tmp_path / "prom.yml").write_text(
+                yaml.safe_dump(
+                    {
+                        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                        "rule_files": [str(rules_path())],
+                        "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
+                        "scrape_configs": [
+                            {
+                                "job_name": "kvtrail",
+                                "metrics_path": "/metrics",
+                                "static_configs": [{"targets": [svc.url.removeprefix("http://")]}],
+                            }
+                        ],
+                    }
+                )
+            )
+            with (
+                process(
+                    [
+                        str(ALERTMANAGER),
+                        f"--config.file={tmp_path / 'am.yml'}",
+                        f"--storage.path={tmp_path / 'am-data'}",
+                        f"--web.listen-address=127.0.0.1:{am_port}",
+                        "--cluster.listen-address=",
+                    ],
+                    logs[1],
+                ),
+                process(
+                    [
+                        str(PROMETHEUS),
+                        f"--config.file={tmp_path / 'prom.yml'}",
+                        f"--storage.tsdb.path={tmp_path / 'prom-data'}",
+                        f"--web.listen-address=127.0.0.1:{prom_port}",
+                    ],
+                    logs[0],
+                ),
+            ):
                 api = f"http://127.0.0.1:{prom_port}/api/v1"
                 now = time.time_ns()
                 # a clean deployment: decode's pool holds its context, nothing foreign
-                _post(svc.url, token, [node_configs(wall_ns=now)[1],
-                                       event(1, "kv_read", DECODE, wall_ns=now + 1,
-                                             request={"request_id": "ok", "tenant_id": "t"}, pages=[])])
+                _post(
+                    svc.url,
+                    token,
+                    [
+                        node_configs(wall_ns=now)[1],
+                        event(
+                            1,
+                            "kv_read",
+                            DECODE,
+                            wall_ns=now + 1,
+                            request={"request_id": "ok", "tenant_id": "t"},
+                            pages=[],
+                        ),
+                    ],
+                )
                 q = urllib.parse.quote('kvtrail_node_kv_pool_tokens{node="decode-0"}')
-                wait_for("Prometheus to scrape the service",
-                         lambda: (_get_json(f"{api}/query?query={q}") or {}).get("data", {}).get("result"), logs)
-                wait_for("Alertmanager to be ready",
-                         lambda: _get_json(f"http://127.0.0.1:{am_port}/api/v2/status") is not None, logs)
+                wait_for(
+                    "Prometheus to scrape the service",
+                    lambda: (_get_json(f"{api}/query?query={q}") or {}).get("data", {}).get("result"),
+                    logs,
+                )
+                wait_for(
+                    "Alertmanager to be ready",
+                    lambda: _get_json(f"http://127.0.0.1:{am_port}/api/v2/status") is not None,
+                    logs,
+                )
                 time.sleep(QUIET_S)
                 alerts = (_get_json(f"{api}/alerts") or {}).get("data", {}).get("alerts", [])
                 assert [a for a in alerts if a["state"] == "firing"] == [] and received == []
                 # the incident: prefill's pool smaller than its context, a foreign read on decode
                 _post(svc.url, token, node_configs(wall_ns=now + 10)[:1])
                 _post(svc.url, token, foreign_read(seq0=2, wall_ns=now + 20))
-                firing = wait_for("both alerts at the webhook",
-                                  lambda: (lambda f: f if {"KvtrailPoolSmallerThanContext",
-                                                           "KvtrailForeignRead"} <= set(f) else None)(
-                                      _firing(received)), logs)
+                firing = wait_for(
+                    "both alerts at the webhook",
+                    lambda: (
+                        lambda f: f if {"KvtrailPoolSmallerThanContext", "KvtrailForeignRead"} <= set(f) else None
+                    )(_firing(received)),
+                    logs,
+                )
     finally:
         svc.stop()
     assert firing["KvtrailPoolSmallerThanContext"]["node"] == "prefill-0"

@@ -13,8 +13,11 @@ from tests.service.conftest import NDJSON, auth, client, jsonl_body, producer_to
 
 
 def _samples(text: str) -> dict[tuple, float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def test_metrics_without_a_token_follow_ingest_and_the_judge(client, producer_token, service_state):  # noqa: F811

@@ -28,8 +28,11 @@ from kvtrail.service.state import open_state  # noqa: E402
 from kvtrail.service.tokens import add_token  # noqa: E402
 
 S = 1_000_000_000
-WINDOWS = [Window(), Window(BOUNDARY_NS - 9 * S, BOUNDARY_NS + 14 * S),
-           Window(BOUNDARY_NS - 9 * S, BOUNDARY_NS + 14 * S, tenant="tenant-001")]
+WINDOWS = [
+    Window(),
+    Window(BOUNDARY_NS - 9 * S, BOUNDARY_NS + 14 * S),
+    Window(BOUNDARY_NS - 9 * S, BOUNDARY_NS + 14 * S, tenant="tenant-001"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +45,15 @@ def sources(fleet_db, fleet_lake, tmp_path_factory):  # noqa: F811
             operator = add_token(state.store.con, "operator")[1]
         state.judge.wait_idle(120)
         with TestClient(create_app(state)) as http, open_lake(fleet_lake) as lake:
-            service = ServiceAnswers("http://testserver", operator,
-                                     client=Client("http://testserver", operator, transport=http._transport))
+            service = ServiceAnswers(
+                "http://testserver", operator, client=Client("http://testserver", operator, transport=http._transport)
+            )
             remote = RemoteSource("http://testserver", operator, transport=http._transport)
-            yield {"store": StoreAnswers(fleet_db), "service": service,
-                   "lake": LakeAnswers(lake, LocalExecutor())}, StoreSource(fleet_db), remote
+            yield (
+                {"store": StoreAnswers(fleet_db), "service": service, "lake": LakeAnswers(lake, LocalExecutor())},
+                StoreSource(fleet_db),
+                remote,
+            )
     finally:
         state.close()
 
@@ -58,7 +65,8 @@ def _rows(answer) -> list[dict]:
 QUESTIONS = {
     "findings": lambda a, w: a.findings(w),
     "findings F1 F2 excluding a tenant": lambda a, w: a.findings(
-        w, codes=("F1", "F2"), exclusions=Exclusions(tenants=(("tenant-002", "tests"),))),
+        w, codes=("F1", "F2"), exclusions=Exclusions(tenants=(("tenant-002", "tests"),))
+    ),
     "affected": lambda a, w: a.affected(w),
     "exposure": lambda a, w: a.exposure(w),
     "thresholds": lambda a, w: a.thresholds(w),

@@ -43,8 +43,9 @@ def test_list_round_trip_keeps_nulls_and_empty_lists():
 
 
 def test_flat_list_reads_chunked_and_sliced_columns():
-    col = pa.chunked_array([pa.array([[1], None], pa.list_(pa.int32())),
-                            pa.array([[9, 9], [2, 3], [4]], pa.list_(pa.int32())).slice(1)])
+    col = pa.chunked_array(
+        [pa.array([[1], None], pa.list_(pa.int32())), pa.array([[9, 9], [2, 3], [4]], pa.list_(pa.int32())).slice(1)]
+    )
     flat, offsets = flat_list(col)
     assert flat.tolist() == [1, 2, 3, 4] and offsets.tolist() == [0, 1, 1, 3, 4]
 

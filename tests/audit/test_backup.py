@@ -89,8 +89,12 @@ WRITER = textwrap.dedent("""
 
 def test_a_store_another_process_is_writing_is_copied_consistently(tmp_path):
     path = tmp_path / "live.duckdb"
-    child = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True,
-                             env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    child = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
     counts = []
     try:
         assert child.stdout.readline() == "ready\n"

@@ -39,10 +39,13 @@ def _stored(db) -> int:
 # ---- undecodable bytes --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("data,line", [
-    (b"\xff\n", 1),
-    (_lines(config(0), alloc(1, [1])) + b"\n" + b'{"kind": "\xc3\x28"}\n', 4),  # blank line 3 still counts
-])
+@pytest.mark.parametrize(
+    "data,line",
+    [
+        (b"\xff\n", 1),
+        (_lines(config(0), alloc(1, [1])) + b"\n" + b'{"kind": "\xc3\x28"}\n', 4),  # blank line 3 still counts
+    ],
+)
 def test_invalid_utf8_exits_2_naming_the_file_and_line(capsys, tmp_path, data, line):
     (tmp_path / "bad.jsonl").write_bytes(data)
     rc, out, err = _ingest(capsys, tmp_path / "a.duckdb", tmp_path / "bad.jsonl")
@@ -67,8 +70,14 @@ def _null_tenant():
 
 
 def _null_request_field():
-    return event(1, "transfer_received", request={"request_id": "r", "transfer_id": 1, "api_key_id": None},
-                 pages=[1], num_tokens=16, status="ok")
+    return event(
+        1,
+        "transfer_received",
+        request={"request_id": "r", "transfer_id": 1, "api_key_id": None},
+        pages=[1],
+        num_tokens=16,
+        status="ok",
+    )
 
 
 NULLS = [
@@ -76,8 +85,19 @@ NULLS = [
     (_null_tenant, "tenant_id", "pages_allocated"),
     (_null_request_field, "api_key_id", "transfer_received"),
     (lambda: dict(alloc(1, [1]), block_hashes=None), "block_hashes", "pages_allocated"),
-    (lambda: event(1, "transfer_received", request={"request_id": "r", "transfer_id": 1}, pages=[1],
-                   num_tokens=16, status="ok", digest=None), "digest", "transfer_received"),
+    (
+        lambda: event(
+            1,
+            "transfer_received",
+            request={"request_id": "r", "transfer_id": 1},
+            pages=[1],
+            num_tokens=16,
+            status="ok",
+            digest=None,
+        ),
+        "digest",
+        "transfer_received",
+    ),
     (lambda: dict(alloc(1, [1]), request=None), "request", "pages_allocated"),
     (lambda: alloc(1, [1], prod=dict(producer(), engine_version=None)), "engine_version", "pages_allocated"),
 ]
@@ -109,12 +129,16 @@ def _empty_ipc() -> bytes:
     return write_ipc(BATCH_SCHEMA.empty_table())
 
 
-@pytest.mark.parametrize("name,data", [
-    ("empty.jsonl", b""),
-    ("blank.jsonl", b"\n   \n\t\n"),
-    ("empty.arrow", b""),
-    ("no-rows.arrow", None),  # a valid stream with a schema and no rows
-], ids=["empty jsonl", "blank lines", "zero-byte arrow", "arrow without rows"])
+@pytest.mark.parametrize(
+    "name,data",
+    [
+        ("empty.jsonl", b""),
+        ("blank.jsonl", b"\n   \n\t\n"),
+        ("empty.arrow", b""),
+        ("no-rows.arrow", None),  # a valid stream with a schema and no rows
+    ],
+    ids=["empty jsonl", "blank lines", "zero-byte arrow", "arrow without rows"],
+)
 def test_a_file_without_events_exits_2(capsys, tmp_path, name, data):
     (tmp_path / name).write_bytes(_empty_ipc() if data is None else data)
     rc, out, err = _ingest(capsys, tmp_path / "a.duckdb", tmp_path / name)
@@ -149,14 +173,41 @@ BAD = [
     (alloc(1, [99]), "pages", "pages_allocated"),
     (event(1, "pages_freed", pages=[1]), "free_reason", "pages_freed"),
     (event(1, "kv_read", request={"request_id": "r"}, pages=[1], purpose="decode_growth"), "purpose", "kv_read"),
-    (event(1, "transfer_received", request={"request_id": "r", "transfer_id": 1}, pages=[1], num_tokens=16,
-           status="lost"), "status", "transfer_received"),
-    (event(1, "transfer_sent", request={"request_id": "r", "transfer_id": 1}, pages=[1, 2], dst_pages=[3],
-           num_tokens=16, is_last_chunk=True), "dst_pages", "transfer_sent"),
-    (event(1, "kv_written", request={"request_id": "r"}, pages=[1], token_start=5, token_end=2, source="forward"),
-     "token_end", "kv_written"),
-    (event(1, "request_aborted", request={"request_id": "r"}, stage="router", abort_reason="x", http_status=42),
-     "http_status", "request_aborted"),
+    (
+        event(
+            1,
+            "transfer_received",
+            request={"request_id": "r", "transfer_id": 1},
+            pages=[1],
+            num_tokens=16,
+            status="lost",
+        ),
+        "status",
+        "transfer_received",
+    ),
+    (
+        event(
+            1,
+            "transfer_sent",
+            request={"request_id": "r", "transfer_id": 1},
+            pages=[1, 2],
+            dst_pages=[3],
+            num_tokens=16,
+            is_last_chunk=True,
+        ),
+        "dst_pages",
+        "transfer_sent",
+    ),
+    (
+        event(1, "kv_written", request={"request_id": "r"}, pages=[1], token_start=5, token_end=2, source="forward"),
+        "token_end",
+        "kv_written",
+    ),
+    (
+        event(1, "request_aborted", request={"request_id": "r"}, stage="router", abort_reason="x", http_status=42),
+        "http_status",
+        "request_aborted",
+    ),
     (event(1, "pages_stolen"), "kind", "pages_stolen"),
     (dict(config(1), seq=0), "seq", "node_config"),
 ]

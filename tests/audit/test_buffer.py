@@ -39,15 +39,21 @@ def test_writer_gap_rows_become_gap_events_and_the_list_is_emptied():
     rows = [("invalid", 2, 0, "bad page"), ("writer_error", 5, 7, "disk full")]
     items, _ = buf.drain(rows)
     assert rows == []
-    assert [it[6] for it in items] == [gap_payload("invalid", 2, 0, "bad page"),
-                                       gap_payload("writer_error", 5, 7, "disk full")]
+    assert [it[6] for it in items] == [
+        gap_payload("invalid", 2, 0, "bad page"),
+        gap_payload("writer_error", 5, 7, "disk full"),
+    ]
     assert [it[1] for it in items] == [0, 1]
 
 
 def test_gap_payload_follows_the_registry_order():
     payload = gap_payload("transport", 4, 8, "relay gone")
     assert dict(zip(PAYLOAD_LAYOUT["recorder_gap"], payload)) == {
-        "gap_reason": "transport", "dropped_events": 4, "dropped_pages": 8, "detail": "relay gone"}
+        "gap_reason": "transport",
+        "dropped_events": 4,
+        "dropped_pages": 8,
+        "detail": "relay gone",
+    }
 
 
 def test_flush_markers_bypass_capacity_and_come_back_separately():

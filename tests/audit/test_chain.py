@@ -19,8 +19,7 @@ def test_ed25519_keys_sign_and_check(tmp_path):
 
 def test_a_key_of_another_algorithm_is_refused_naming_it():
     key = ec.generate_private_key(ec.SECP256R1())
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                            serialization.NoEncryption())
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     with pytest.raises(ChainError, match="signing key: an Ed25519 key is required, got "):
         Signer(pem)
     pub = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)

@@ -22,9 +22,14 @@ def _batch(seq0: int, n: int = 20):
     return from_dicts([alloc(seq0 + i, [1 + (seq0 + i) % 60]) for i in range(n)])
 
 
-@pytest.mark.parametrize("kwargs,field", [({"max_wal_bytes": 0}, "max_wal_bytes"),
-                                          ({"max_interval_s": 0.0}, "max_interval_s"),
-                                          ({"max_interval_s": math.nan}, "max_interval_s")])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"max_wal_bytes": 0}, "max_wal_bytes"),
+        ({"max_interval_s": 0.0}, "max_interval_s"),
+        ({"max_interval_s": math.nan}, "max_interval_s"),
+    ],
+)
 def test_a_bad_policy_names_its_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         CheckpointPolicy(**kwargs)

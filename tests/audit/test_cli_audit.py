@@ -42,8 +42,10 @@ def db(tmp_path, capsys) -> str:
     files = [
         _jsonl(tmp_path / "b1.jsonl", [config(0, wall_ns=_ns(1)), alloc(1, [1, 2, 3], rid="r1", wall_ns=_ns(1) + 1)]),
         _jsonl(tmp_path / "b2.jsonl", [alloc(2, [10, 11], rid="r2", tenant="acme", wall_ns=_ns(5))]),
-        _jsonl(tmp_path / "b3.jsonl", [alloc(3, [20], rid="r3", wall_ns=_ns(9)),
-                                       alloc(4, [21, 30], rid="r3", wall_ns=_ns(9) + 1)]),
+        _jsonl(
+            tmp_path / "b3.jsonl",
+            [alloc(3, [20], rid="r3", wall_ns=_ns(9)), alloc(4, [21, 30], rid="r3", wall_ns=_ns(9) + 1)],
+        ),
     ]
     assert _run(capsys, "audit", "ingest", "--db", path, *files)[0] == 0
     return path
@@ -78,8 +80,9 @@ def _verify(capsys, db: str) -> dict:
 def test_prune_dry_run_counts_and_changes_nothing(capsys, db):
     rc, out, err = _run(capsys, "audit", "prune", "--db", db, "--before", "2026-09-03", "--dry-run")
     assert (rc, err) == (0, [])
-    assert out == ["would remove 1 batches, 2 events before 2026-09-03T00:00:00.000000Z; "
-                   "kept 0 batches under legal hold"]
+    assert out == [
+        "would remove 1 batches, 2 events before 2026-09-03T00:00:00.000000Z; kept 0 batches under legal hold"
+    ]
     assert _scalar(db, "SELECT count(*) FROM events") == 5
     assert _scalar(db, "SELECT count(*) FROM prunes") == 0
 
@@ -87,8 +90,10 @@ def test_prune_dry_run_counts_and_changes_nothing(capsys, db):
 def test_prune_removes_old_batches_records_itself_and_verifies(capsys, db):
     rc, out, _ = _run(capsys, "audit", "prune", "--db", db, "--before", "2026-09-06T00:00:00Z", "--note", "90d")
     assert rc == 0
-    assert out == ["removed 2 batches, 3 events before 2026-09-06T00:00:00.000000Z; "
-                   "kept 0 batches under legal hold (prune record 1)"]
+    assert out == [
+        "removed 2 batches, 3 events before 2026-09-06T00:00:00.000000Z; "
+        "kept 0 batches under legal hold (prune record 1)"
+    ]
     assert [e["seq"] for e in _events(db)] == [3, 4]
     assert _scalar(db, "SELECT note FROM prunes WHERE prune_id = 1") == "90d"
     report = _verify(capsys, db)
@@ -97,10 +102,13 @@ def test_prune_removes_old_batches_records_itself_and_verifies(capsys, db):
     assert rc == 0 and out[0].startswith("removed 0 batches, 0 events") and "prune record" not in out[0]
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--before", "last tuesday"], "error: --before: 'last tuesday' is not an ISO 8601 time"),
-    (["--before", "2026-13-01"], "error: --before: '2026-13-01' is not an ISO 8601 time"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--before", "last tuesday"], "error: --before: 'last tuesday' is not an ISO 8601 time"),
+        (["--before", "2026-13-01"], "error: --before: '2026-13-01' is not an ISO 8601 time"),
+    ],
+)
 def test_prune_with_a_bad_time_exits_2_with_one_line_naming_the_flag(capsys, db, argv, needle):
     rc, out, err = _run(capsys, "audit", "prune", "--db", db, *argv)
     assert (rc, out) == (2, [])
@@ -120,29 +128,55 @@ def test_prune_without_before_or_store_exits_2(capsys, db, tmp_path):
 
 
 def test_a_hold_keeps_its_window_through_a_prune_until_released(capsys, db):
-    rc, out, _ = _run(capsys, "audit", "hold", "add", "--db", db, "--from", "2026-09-04", "--to", "2026-09-06",
-                      "--reason", "case 7")
+    rc, out, _ = _run(
+        capsys, "audit", "hold", "add", "--db", db, "--from", "2026-09-04", "--to", "2026-09-06", "--reason", "case 7"
+    )
     assert (rc, out) == (0, ["hold 1 placed"])
     rc, out, _ = _run(capsys, "audit", "hold", "list", "--db", db)
-    assert (rc, out) == (0, ["1\t2026-09-04T00:00:00.000000Z .. 2026-09-06T00:00:00.000000Z\ttenant=*\tnode=*\t"
-                             "active\tcase 7"])
+    assert (rc, out) == (
+        0,
+        ["1\t2026-09-04T00:00:00.000000Z .. 2026-09-06T00:00:00.000000Z\ttenant=*\tnode=*\tactive\tcase 7"],
+    )
     rc, out, _ = _run(capsys, "audit", "prune", "--db", db, "--before", "2026-09-08")
-    assert (rc, out) == (0, ["removed 1 batches, 2 events before 2026-09-08T00:00:00.000000Z; "
-                             "kept 1 batches under legal hold (prune record 1)"])
+    assert (rc, out) == (
+        0,
+        [
+            "removed 1 batches, 2 events before 2026-09-08T00:00:00.000000Z; "
+            "kept 1 batches under legal hold (prune record 1)"
+        ],
+    )
     assert [e["seq"] for e in _events(db)] == [2, 3, 4]
 
     assert _run(capsys, "audit", "hold", "release", "--db", db, "1")[:2] == (0, ["hold 1 released"])
     rc, out, _ = _run(capsys, "audit", "hold", "list", "--db", db)
     assert rc == 0 and "\treleased 2" in out[0] and "active" not in out[0]
     rc, out, _ = _run(capsys, "audit", "prune", "--db", db, "--before", "2026-09-08")
-    assert out == ["removed 1 batches, 1 events before 2026-09-08T00:00:00.000000Z; "
-                   "kept 0 batches under legal hold (prune record 2)"]
+    assert out == [
+        "removed 1 batches, 1 events before 2026-09-08T00:00:00.000000Z; "
+        "kept 0 batches under legal hold (prune record 2)"
+    ]
     assert _verify(capsys, db)["batches_pruned"] == 2
 
 
 def test_a_tenant_and_node_hold_is_listed_with_its_scope(capsys, db):
-    rc, out, _ = _run(capsys, "audit", "hold", "add", "--db", db, "--from", "2026-09-01T00:00:00Z",
-                      "--to", "2026-09-30", "--tenant", "acme", "--node", "prefill-0", "--reason", "subpoena")
+    rc, out, _ = _run(
+        capsys,
+        "audit",
+        "hold",
+        "add",
+        "--db",
+        db,
+        "--from",
+        "2026-09-01T00:00:00Z",
+        "--to",
+        "2026-09-30",
+        "--tenant",
+        "acme",
+        "--node",
+        "prefill-0",
+        "--reason",
+        "subpoena",
+    )
     assert (rc, out) == (0, ["hold 1 placed"])
     _, out, _ = _run(capsys, "audit", "hold", "list", "--db", db)
     assert out[0].split("\t")[2:] == ["tenant=acme", "node=prefill-0", "active", "subpoena"]
@@ -151,14 +185,19 @@ def test_a_tenant_and_node_hold_is_listed_with_its_scope(capsys, db):
     assert [e["request"]["tenant_id"] for e in _events(db)] == ["acme"]
 
 
-@pytest.mark.parametrize("argv,line", [
-    (["release", "7"], "error: hold: no hold with id 7"),
-    (["add", "--from", "2026-09-40", "--to", "2026-09-06", "--reason", "x"], "error: --from: '2026-09-40' is not"),
-    (["add", "--from", "2026-09-04", "--to", "soon", "--reason", "x"], "error: --to: 'soon' is not"),
-    (["add", "--from", "2026-09-06", "--to", "2026-09-04", "--reason", "x"], "error: hold: --from is after --to"),
-    (["add", "--from", "2026-09-04", "--to", "2026-09-06", "--reason", "  "],
-     "error: hold: --reason must not be empty"),
-])
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (["release", "7"], "error: hold: no hold with id 7"),
+        (["add", "--from", "2026-09-40", "--to", "2026-09-06", "--reason", "x"], "error: --from: '2026-09-40' is not"),
+        (["add", "--from", "2026-09-04", "--to", "soon", "--reason", "x"], "error: --to: 'soon' is not"),
+        (["add", "--from", "2026-09-06", "--to", "2026-09-04", "--reason", "x"], "error: hold: --from is after --to"),
+        (
+            ["add", "--from", "2026-09-04", "--to", "2026-09-06", "--reason", "  "],
+            "error: hold: --reason must not be empty",
+        ),
+    ],
+)
 def test_bad_hold_input_exits_2_with_one_line(capsys, db, argv, line):
     rc, out, err = _run(capsys, "audit", "hold", argv[0], "--db", db, *argv[1:])
     assert (rc, out) == (2, [])

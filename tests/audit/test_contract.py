@@ -61,8 +61,10 @@ class _Drifted:
     def kv_written(self, *args, **kwargs): ...  # accepts anything, names nothing
     def kv_read(self, pages, req, page_digests=None, digest_algo=None): ...  # reordered
     def transfer_reserved(self, req, pages, num_tokens, note=None): ...  # extra optional: fine
+
     # transfer_sent is missing
     transfer_received = request_aborted = response_sent = kv_written
+
     def flush(self, timeout=None): ...
     def close(self, timeout=30.0): ...
     def stats(self): ...
@@ -148,7 +150,8 @@ def test_events_lost_reaches_the_store_as_a_gap_with_its_reason(tmp_path):
     finally:
         con.close()
     assert [(g["gap_reason"], g["dropped_events"], g["dropped_pages"], g["detail"]) for g in gaps] == [
-        ("hook_error", 3, 24, "hook pages_allocated: boom")]
+        ("hook_error", 3, 24, "hook pages_allocated: boom")
+    ]
 
 
 # ---- make_recorder -----------------------------------------------------------------------------

@@ -72,12 +72,22 @@ def test_the_crashed_store_keeps_its_data_in_the_wal(crashed_original):
         assert con.execute("SELECT count(*) FROM events").fetchone() == (NUM_EVENTS,)
 
 
-@pytest.mark.parametrize("argv", [
-    ["audit", "verify"], ["audit", "verify", "--json"], ["audit", "stats"], ["audit", "head"],
-    ["audit", "prune", "--before", "2020-01-01"], ["audit", "hold", "list"], ["audit", "hold", "release", "1"],
-    ["audit", "export", "--out", "OUT"], ["audit", "backup", "--to", "OUT"], ["forensics", "affected"],
-    ["forensics", "findings"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["audit", "verify"],
+        ["audit", "verify", "--json"],
+        ["audit", "stats"],
+        ["audit", "head"],
+        ["audit", "prune", "--before", "2020-01-01"],
+        ["audit", "hold", "list"],
+        ["audit", "hold", "release", "1"],
+        ["audit", "export", "--out", "OUT"],
+        ["audit", "backup", "--to", "OUT"],
+        ["forensics", "affected"],
+        ["forensics", "findings"],
+    ],
+)
 def test_every_command_refuses_the_wal_less_copy_in_one_line(capsys, main_file_only, tmp_path, argv):
     before = main_file_only.read_bytes()
     argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv] + ["--db", str(main_file_only)]
@@ -109,8 +119,10 @@ def test_ingest_does_not_adopt_the_copy(capsys, main_file_only, tmp_path):
 def test_a_wal_without_its_database_is_named(capsys, crashed, tmp_path):
     crashed.unlink()
     rc, _, err = _run(capsys, "audit", "stats", "--db", str(crashed))
-    assert rc == 2 and err == [f"error: --db: store not found: {crashed}, but store.duckdb.wal is there: a WAL "
-                               "cannot be opened without the database file it belongs to"]
+    assert rc == 2 and err == [
+        f"error: --db: store not found: {crashed}, but store.duckdb.wal is there: a WAL "
+        "cannot be opened without the database file it belongs to"
+    ]
     with pytest.raises(StoreError, match="store.duckdb.wal is there"):
         AuditStore(crashed)  # not a fresh store beside a stranded WAL
     assert not crashed.exists()
@@ -122,8 +134,9 @@ def test_backup_of_the_crashed_store_is_one_file_holding_every_event(capsys, cra
     to = tmp_path / "off-box" / "evidence.duckdb"
     rc, out, err = _run(capsys, "audit", "backup", "--db", str(crashed), "--to", str(to))
     assert (rc, err) == (0, [])
-    assert out[0] == (f"backed up {crashed} to {to}: {to.stat().st_size} bytes, 1 producers, 2 batches, "
-                      f"{NUM_EVENTS} events")
+    assert out[0] == (
+        f"backed up {crashed} to {to}: {to.stat().st_size} bytes, 1 producers, 2 batches, {NUM_EVENTS} events"
+    )
     assert out[1] == f"OK: the copy verifies (2 batches, {NUM_EVENTS} events, 0 signatures)"
     assert sorted(p.name for p in to.parent.iterdir()) == ["evidence.duckdb"]  # no WAL, no leftovers
     assert wal.read_bytes() == wal_before  # the original is left as it was found

@@ -17,8 +17,18 @@ PROD = Producer("c1", "decode-0", "decode", "kvtrail-synth", "0", "i1")
 
 
 def _batches() -> list:
-    out = list(synth_batches(producer=PROD, num_pages=4_000, page_size=16, seed=3, target_page_events=8_000_000,
-                             events_per_batch=20_000, reuse="lowest", decode_fraction=0.6))
+    out = list(
+        synth_batches(
+            producer=PROD,
+            num_pages=4_000,
+            page_size=16,
+            seed=3,
+            target_page_events=8_000_000,
+            events_per_batch=20_000,
+            reuse="lowest",
+            decode_fraction=0.6,
+        )
+    )
     assert len(out) >= 3 and all(b.num_rows >= store_mod._DIGEST_AHEAD_EVENTS for b in out[:-1])
     return out
 

@@ -49,10 +49,12 @@ def _null_over_data() -> list[pa.Array]:
     validity = pa.py_buffer(np.packbits(np.array([1, 0, 1], bool), bitorder="little").tobytes())
     offsets = pa.py_buffer(np.array([0, 2, 5, 6], np.int32).tobytes())
     strings = pa.Array.from_buffers(pa.string(), 3, [validity, offsets, pa.py_buffer(b"abcdefgh")], null_count=1)
-    lists = pa.ListArray.from_buffers(pa.list_(pa.int32()), 3, [validity, offsets],
-                                      children=[pa.array(np.arange(6, dtype=np.int32))])
-    ints = pa.Array.from_buffers(pa.int64(), 3, [validity, pa.py_buffer(np.array([4, 99, 6], np.int64).tobytes())],
-                                 null_count=1)
+    lists = pa.ListArray.from_buffers(
+        pa.list_(pa.int32()), 3, [validity, offsets], children=[pa.array(np.arange(6, dtype=np.int32))]
+    )
+    ints = pa.Array.from_buffers(
+        pa.int64(), 3, [validity, pa.py_buffer(np.array([4, 99, 6], np.int64).tobytes())], null_count=1
+    )
     return [strings, lists, ints]
 
 
@@ -68,8 +70,11 @@ CASES = [
     pa.array([[1, 2, 3], None, [], [7]], pa.list_(pa.int32())),
     pa.array([[1, 2], [3, None], None, [5, 6, 7]], pa.list_(pa.int64())).slice(1, 3),
     pa.array([[1], [2, 3]], pa.list_(pa.uint64())),
-    pa.array([], pa.int64()), pa.array([], pa.string()), pa.array([], pa.list_(pa.int32())),
-    pa.nulls(5, pa.string()), pa.nulls(4, pa.list_(pa.int32())),
+    pa.array([], pa.int64()),
+    pa.array([], pa.string()),
+    pa.array([], pa.list_(pa.int32())),
+    pa.nulls(5, pa.string()),
+    pa.nulls(4, pa.list_(pa.int32())),
     *_null_over_data(),
 ]
 

@@ -43,8 +43,12 @@ def saved(tmp_path, capsys):
             rc, out, _ = _run(capsys, "audit", "head", "--db", db, "--json")
             assert rc == 0
             (tmp_path / "heads.json").write_text("\n".join(out))
-        _ingest(capsys, db, tmp_path / f"b{b}.jsonl",
-                [alloc(b, [b], rid=f"p{b}", prod=P), alloc(b, [b], rid=f"d{b}", prod=D)])
+        _ingest(
+            capsys,
+            db,
+            tmp_path / f"b{b}.jsonl",
+            [alloc(b, [b], rid=f"p{b}", prod=P), alloc(b, [b], rid=f"d{b}", prod=D)],
+        )
     return db, str(tmp_path / "heads.json")
 
 
@@ -85,8 +89,9 @@ def test_a_rewritten_digest_at_the_saved_head_is_named_as_forked(saved, capsys):
     db, heads = saved
     d = _pid(db, "decode-0")
     with duckdb.connect(db) as con:  # a whole rewrite: every digest replaced (the links are then broken too)
-        con.execute("UPDATE batches SET digest = sha256('forged' || batch_no::VARCHAR)::BLOB WHERE producer_id = ?",
-                    [d])
+        con.execute(
+            "UPDATE batches SET digest = sha256('forged' || batch_no::VARCHAR)::BLOB WHERE producer_id = ?", [d]
+        )
     rc, out, _ = _run(capsys, "audit", "verify", "--db", db, "--expect-heads", heads)
     assert rc == 1
     (line,) = [x for x in out if x.startswith("FAILED: saved chain head")]
@@ -144,19 +149,28 @@ def test_compare_heads_judges_each_producer_on_its_own(saved):
     assert "behind the saved head" in problems[0].what
 
 
-@pytest.mark.parametrize("content,needle", [
-    ("not json {", "not valid JSON"),
-    ("[]", "field 'heads': missing"),
-    ('{"heads": {}}', "field 'heads': must be a list"),
-    ('{"heads": [7]}', "field 'heads[0]': must be an object"),
-    ('{"heads": [{"producer_id": 1, "batch_no": 0, "last_seq": 0}]}', "field 'heads[0].digest': missing"),
-    ('{"heads": [{"producer_id": 1, "batch_no": "0", "last_seq": 0, "digest": "' + "a" * 64 + '"}]}',
-     "field 'heads[0].batch_no': must be int"),
-    ('{"heads": [{"producer_id": 1, "batch_no": -1, "last_seq": 0, "digest": "' + "a" * 64 + '"}]}',
-     "field 'heads[0].batch_no': must be >= 0"),
-    ('{"heads": [{"producer_id": 1, "batch_no": 0, "last_seq": 0, "digest": "abc"}]}',
-     "field 'heads[0].digest': must be a SHA-256 digest"),
-])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ("not json {", "not valid JSON"),
+        ("[]", "field 'heads': missing"),
+        ('{"heads": {}}', "field 'heads': must be a list"),
+        ('{"heads": [7]}', "field 'heads[0]': must be an object"),
+        ('{"heads": [{"producer_id": 1, "batch_no": 0, "last_seq": 0}]}', "field 'heads[0].digest': missing"),
+        (
+            '{"heads": [{"producer_id": 1, "batch_no": "0", "last_seq": 0, "digest": "' + "a" * 64 + '"}]}',
+            "field 'heads[0].batch_no': must be int",
+        ),
+        (
+            '{"heads": [{"producer_id": 1, "batch_no": -1, "last_seq": 0, "digest": "' + "a" * 64 + '"}]}',
+            "field 'heads[0].batch_no': must be >= 0",
+        ),
+        (
+            '{"heads": [{"producer_id": 1, "batch_no": 0, "last_seq": 0, "digest": "abc"}]}',
+            "field 'heads[0].digest': must be a SHA-256 digest",
+        ),
+    ],
+)
 def test_a_bad_heads_file_exits_2_naming_the_file_and_the_field(saved, tmp_path, capsys, content, needle):
     db, _ = saved
     bad = tmp_path / "bad-heads.json"

@@ -35,18 +35,41 @@ DAY1, DAY2 = "2023-11-14", "2023-11-15"
 
 
 def producer(node, instance="i1", role="prefill", cluster="c"):
-    return {"cluster": cluster, "node": node, "role": role, "engine": "ref", "engine_version": "0",
-            "instance": instance}
+    return {
+        "cluster": cluster,
+        "node": node,
+        "role": role,
+        "engine": "ref",
+        "engine_version": "0",
+        "instance": instance,
+    }
 
 
 def ev(p, seq, wall_ns, kind, **fields):
-    return {"schema_version": 1, "producer": p, "seq": seq, "wall_ns": wall_ns, "mono_ns": seq + 1, "kind": kind,
-            **fields}
+    return {
+        "schema_version": 1,
+        "producer": p,
+        "seq": seq,
+        "wall_ns": wall_ns,
+        "mono_ns": seq + 1,
+        "kind": kind,
+        **fields,
+    }
 
 
 def config(p, seq, wall_ns):
-    return ev(p, seq, wall_ns, "node_config", pool_tokens=1024, pool_pages=64, page_size=16, context_tokens=2048,
-              checksum_enabled=True, config_source="engine")
+    return ev(
+        p,
+        seq,
+        wall_ns,
+        "node_config",
+        pool_tokens=1024,
+        pool_pages=64,
+        page_size=16,
+        context_tokens=2048,
+        checksum_enabled=True,
+        config_source="engine",
+    )
 
 
 def traffic(p, seq, wall_ns, rid):
@@ -55,15 +78,54 @@ def traffic(p, seq, wall_ns, rid):
     return [
         ev(p, seq, wall_ns, "request_received", request={**req, "api_key_id": "k"}, prompt_tokens=20),
         ev(p, seq + 1, wall_ns + 1, "pages_allocated", request=req, pages=[3, 4, 5, 9], purpose="prefill_extend"),
-        ev(p, seq + 2, wall_ns + 2, "pages_allocated", request=req, pages=[10, 11], purpose="prefix_hit",
-           block_hashes=[-(2**63), 2**63 - 1]),
-        ev(p, seq + 3, wall_ns + 3, "kv_written", request=req, pages=[3, 4], token_start=0, token_end=20,
-           source="forward", page_digests=[2**64 - 1, 0], digest_algo="kvtrail-page64"),
-        ev(p, seq + 4, wall_ns + 4, "transfer_sent", request=req, pages=[3, 4], dst_pages=[10, 11], num_tokens=20,
-           is_last_chunk=True, digest=2**64 - 2),
+        ev(
+            p,
+            seq + 2,
+            wall_ns + 2,
+            "pages_allocated",
+            request=req,
+            pages=[10, 11],
+            purpose="prefix_hit",
+            block_hashes=[-(2**63), 2**63 - 1],
+        ),
+        ev(
+            p,
+            seq + 3,
+            wall_ns + 3,
+            "kv_written",
+            request=req,
+            pages=[3, 4],
+            token_start=0,
+            token_end=20,
+            source="forward",
+            page_digests=[2**64 - 1, 0],
+            digest_algo="kvtrail-page64",
+        ),
+        ev(
+            p,
+            seq + 4,
+            wall_ns + 4,
+            "transfer_sent",
+            request=req,
+            pages=[3, 4],
+            dst_pages=[10, 11],
+            num_tokens=20,
+            is_last_chunk=True,
+            digest=2**64 - 2,
+        ),
         ev(p, seq + 5, wall_ns + 5, "pages_freed", request=req, pages=[3, 4, 5, 9, 10, 11], free_reason="finish"),
-        ev(p, seq + 6, wall_ns + 6, "response_sent", request=req, http_status=200, prompt_tokens=20,
-           completion_tokens=5, latency_ns=1000, finish_reason="stop"),
+        ev(
+            p,
+            seq + 6,
+            wall_ns + 6,
+            "response_sent",
+            request=req,
+            http_status=200,
+            prompt_tokens=20,
+            completion_tokens=5,
+            latency_ns=1000,
+            finish_reason="stop",
+        ),
     ]
 
 
@@ -77,17 +139,39 @@ def build_store(path: Path, *, signer=None) -> None:
     """Several producers on three nodes, events on both sides of a UTC midnight, several batches each."""
     day1 = MIDNIGHT - 3_600 * 10**9
     with AuditStore(path, signer=signer) as store:
-        store.append(from_dicts([config(PREFILL, 0, day1), *traffic(PREFILL, 1, day1, "r1"),
-                                 config(DECODE, 0, day1), config(NUMERIC, 0, day1)]))
+        store.append(
+            from_dicts(
+                [
+                    config(PREFILL, 0, day1),
+                    *traffic(PREFILL, 1, day1, "r1"),
+                    config(DECODE, 0, day1),
+                    config(NUMERIC, 0, day1),
+                ]
+            )
+        )
         # The request straddles midnight: seq 8..10 on day 1 (the last at MIDNIGHT - 1), 11..14 on day 2.
         late = traffic(PREFILL, 8, MIDNIGHT - 3, "r2")
         store.append(from_dicts(late[:3]))
         gap = ev(DECODE, 8, MIDNIGHT + 20, "recorder_gap", dropped_events=3, gap_reason="buffer_full")
         store.append(from_dicts([*late[3:], *traffic(DECODE, 1, MIDNIGHT + 10, "r3"), gap]))
-        store.append(from_dicts([config(PREFILL_RESTART, 0, MIDNIGHT + 30),
-                                 *traffic(PREFILL_RESTART, 1, MIDNIGHT + 40, "r4"),
-                                 ev(NUMERIC, 1, MIDNIGHT + 50, "request_aborted", request={"request_id": "r5"},
-                                    stage="router", abort_reason="busy", http_status=503)]))
+        store.append(
+            from_dicts(
+                [
+                    config(PREFILL_RESTART, 0, MIDNIGHT + 30),
+                    *traffic(PREFILL_RESTART, 1, MIDNIGHT + 40, "r4"),
+                    ev(
+                        NUMERIC,
+                        1,
+                        MIDNIGHT + 50,
+                        "request_aborted",
+                        request={"request_id": "r5"},
+                        stage="router",
+                        abort_reason="busy",
+                        http_status=503,
+                    ),
+                ]
+            )
+        )
 
 
 def expected_partitions(path: Path) -> tuple[set, set]:
@@ -116,16 +200,22 @@ def table(con, name, where="TRUE"):
 
 def assert_chain_recomputes(con):
     """Recompute every batch digest from the stored rows and follow each producer's links."""
-    rows = con.execute("SELECT producer_id, batch_no, first_seq, last_seq, num_events, num_runs, prev_digest, digest "
-                       "FROM batches ORDER BY producer_id, batch_no").fetchall()
+    rows = con.execute(
+        "SELECT producer_id, batch_no, first_seq, last_seq, num_events, num_runs, prev_digest, digest "
+        "FROM batches ORDER BY producer_id, batch_no"
+    ).fetchall()
     assert rows
     last = {}
     for pid, no, first, last_seq, n_ev, n_runs, prev, digest in rows:
         assert bytes(prev) == last.get(pid, chain.GENESIS)
-        evs = arrow_query(con, f"SELECT {EVENT_COLUMNS} FROM events WHERE producer_id = ? AND batch_no = ? "
-                               "ORDER BY seq", [pid, no])
-        runs = arrow_query(con, f"SELECT {RUN_COLUMNS} FROM page_runs WHERE producer_id = ? AND batch_no = ? "
-                                "ORDER BY seq, list, pos", [pid, no])
+        evs = arrow_query(
+            con, f"SELECT {EVENT_COLUMNS} FROM events WHERE producer_id = ? AND batch_no = ? ORDER BY seq", [pid, no]
+        )
+        runs = arrow_query(
+            con,
+            f"SELECT {RUN_COLUMNS} FROM page_runs WHERE producer_id = ? AND batch_no = ? ORDER BY seq, list, pos",
+            [pid, no],
+        )
         header = (pid, no, int(first), int(last_seq), n_ev, n_runs)
         assert chain.batch_digest(bytes(prev), header, evs, EVENTS_SCHEMA, runs, RUNS_SCHEMA) == bytes(digest)
         last[pid] = bytes(digest)
@@ -142,8 +232,11 @@ def test_round_trip_is_lossless(tmp_path, signer):
 
     assert set(steps) == set(TABLES) | {"manifest"}
     for name in ("events", "page_runs"):
-        found = {(d.name.removeprefix("date="), n.name.removeprefix("node="))
-                 for d in (out / name).iterdir() for n in d.iterdir()}
+        found = {
+            (d.name.removeprefix("date="), n.name.removeprefix("node="))
+            for d in (out / name).iterdir()
+            for n in d.iterdir()
+        }
         assert found == partitions[name], name
         assert all(list(p.glob("*.parquet")) for d in (out / name).iterdir() for p in d.iterdir())
     for name in ("producers", "batches", "prunes", "prune_batches", "legal_holds", "meta"):
@@ -151,19 +244,28 @@ def test_round_trip_is_lossless(tmp_path, signer):
     manifest = json.loads((out / "manifest.json").read_text())
     with duckdb.connect(str(src), read_only=True) as con:
         counts = {t: scalar(con, f"SELECT count(*) FROM {t}") for t in TABLES}
-        heads = con.execute("SELECT producer_id, max(batch_no), arg_max(digest, batch_no) FROM batches "
-                            "GROUP BY producer_id").fetchall()
+        heads = con.execute(
+            "SELECT producer_id, max(batch_no), arg_max(digest, batch_no) FROM batches GROUP BY producer_id"
+        ).fetchall()
         assert scalar(con, "SELECT count(*) FROM batches WHERE signature IS NULL") == 0
     assert manifest["row_counts"] == counts
     assert manifest["chain_heads"] == {str(p): {"batch_no": n, "digest": bytes(d).hex()} for p, n, d in heads}
     assert manifest["format_version"] == 1 and manifest["exported_at"].endswith("+00:00")
     assert (res.events, res.page_runs, res.batches, res.producers) == (
-        counts["events"], counts["page_runs"], counts["batches"], counts["producers"])
+        counts["events"],
+        counts["page_runs"],
+        counts["batches"],
+        counts["producers"],
+    )
     assert res.files == sum(1 for p in out.rglob("*") if p.is_file())
 
     imp = import_parquet(out, dst)
-    assert (imp.events, imp.page_runs, imp.batches, imp.producers) == (res.events, res.page_runs, res.batches,
-                                                                       res.producers)
+    assert (imp.events, imp.page_runs, imp.batches, imp.producers) == (
+        res.events,
+        res.page_runs,
+        res.batches,
+        res.producers,
+    )
     with duckdb.connect(str(src), read_only=True) as a, duckdb.connect(str(dst), read_only=True) as b:
         for name in TABLES:
             where = "key <> 'created_ns'" if name == "meta" else "TRUE"
@@ -238,8 +340,10 @@ def test_import_refuses_a_column_of_another_type(tmp_path):
     export_parquet(src, out)
     path = out / "batches.parquet"
     with duckdb.connect() as con:
-        con.execute(f"COPY (SELECT * REPLACE (CAST(num_runs AS INTEGER) AS num_runs) FROM read_parquet('{path}')) "
-                    f"TO '{tmp_path / 'b.parquet'}' (FORMAT parquet)")
+        con.execute(
+            f"COPY (SELECT * REPLACE (CAST(num_runs AS INTEGER) AS num_runs) FROM read_parquet('{path}')) "
+            f"TO '{tmp_path / 'b.parquet'}' (FORMAT parquet)"
+        )
     (tmp_path / "b.parquet").replace(path)
     with pytest.raises(StoreError, match=r"batches: exported columns do not match.*num_runs"):
         import_parquet(out, tmp_path / "dst.duckdb")

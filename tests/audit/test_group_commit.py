@@ -19,14 +19,28 @@ PRODUCERS = [Producer("c1", f"decode-{i}", "decode", "kvtrail-synth", "0", f"i{i
 
 
 def _streams() -> list[list[pa.Table]]:
-    return [list(synth_batches(producer=p, num_pages=2_000, page_size=16, seed=i, target_page_events=1_000_000,
-                               events_per_batch=3_000, reuse="lowest", decode_fraction=0.6))
-            for i, p in enumerate(PRODUCERS)]
+    return [
+        list(
+            synth_batches(
+                producer=p,
+                num_pages=2_000,
+                page_size=16,
+                seed=i,
+                target_page_events=1_000_000,
+                events_per_batch=3_000,
+                reuse="lowest",
+                decode_fraction=0.6,
+            )
+        )
+        for i, p in enumerate(PRODUCERS)
+    ]
 
 
 def _stored(con) -> tuple[list, list, pa.Table]:
-    heads = con.execute("SELECT producer_id, batch_no, first_seq, last_seq, num_events, num_runs, num_page_events, "
-                        "min_wall_ns, max_wall_ns, prev_digest, digest FROM batches ORDER BY ALL").fetchall()
+    heads = con.execute(
+        "SELECT producer_id, batch_no, first_seq, last_seq, num_events, num_runs, num_page_events, "
+        "min_wall_ns, max_wall_ns, prev_digest, digest FROM batches ORDER BY ALL"
+    ).fetchall()
     runs = con.execute("SELECT * FROM page_runs ORDER BY ALL").fetchall()
     return heads, runs, read_events(con)  # in (producer_id, seq) order
 
@@ -64,8 +78,9 @@ def test_two_batches_of_one_producer_are_not_committed_together(tmp_path):
 
 def test_validate_refuses_alone_and_names_the_field(tmp_path):
     streams = _streams()
-    bad = streams[1][0].set_column(streams[1][0].column_names.index("seq"), "seq",
-                                   pa.array(np.zeros(streams[1][0].num_rows, np.uint64)))
+    bad = streams[1][0].set_column(
+        streams[1][0].column_names.index("seq"), "seq", pa.array(np.zeros(streams[1][0].num_rows, np.uint64))
+    )
     with AuditStore(tmp_path / "s.duckdb") as st:
         with pytest.raises(ValidationError, match="seq"):
             st.validate(bad)

@@ -49,8 +49,11 @@ def test_a_clean_export_verifies_and_imports(capsys, export, tmp_path):
 
 
 def test_an_edited_page_run_is_refused_and_nothing_is_imported(capsys, export, tmp_path):
-    _rewrite(_runs_file(export), "SELECT * REPLACE (CASE WHEN seq = 3 THEN CAST(page_start + 1 AS INTEGER) "
-                                 "ELSE page_start END AS page_start) FROM {f}")
+    _rewrite(
+        _runs_file(export),
+        "SELECT * REPLACE (CASE WHEN seq = 3 THEN CAST(page_start + 1 AS INTEGER) "
+        "ELSE page_start END AS page_start) FROM {f}",
+    )
     fresh = tmp_path / "fresh.duckdb"
     rc, out, err = run_cli(capsys, "audit", "import", "--db", str(fresh), str(export))
     assert (rc, err) == (1, [])
@@ -65,8 +68,9 @@ def test_an_edited_page_run_is_refused_and_nothing_is_imported(capsys, export, t
 
 def test_an_existing_target_keeps_what_it_had(capsys, export, tmp_path):
     batches = export / "batches.parquet"
-    _rewrite(batches, "SELECT * REPLACE (CASE WHEN batch_no = 2 THEN digest ELSE prev_digest END AS prev_digest) "
-                      "FROM {f}")
+    _rewrite(
+        batches, "SELECT * REPLACE (CASE WHEN batch_no = 2 THEN digest ELSE prev_digest END AS prev_digest) FROM {f}"
+    )
     target = tmp_path / "target.duckdb"
     other = producer("decode-9", role="decode")
     with AuditStore(target) as s:

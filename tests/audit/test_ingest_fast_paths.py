@@ -19,8 +19,9 @@ def test_flat_list_leaves_out_values_under_a_null_list():
     # Legal Arrow that pyarrow never builds: the null second list still spans values 2..4.
     validity = pa.py_buffer(np.packbits(np.array([1, 0, 1], bool), bitorder="little").tobytes())
     offsets = pa.py_buffer(np.array([0, 2, 5, 6], np.int32).tobytes())
-    col = pa.ListArray.from_buffers(pa.list_(pa.int32()), 3, [validity, offsets],
-                                    children=[pa.array(np.arange(10, 16, dtype=np.int32))])
+    col = pa.ListArray.from_buffers(
+        pa.list_(pa.int32()), 3, [validity, offsets], children=[pa.array(np.arange(10, 16, dtype=np.int32))]
+    )
     flat, offs = flat_list(col)
     assert flat.tolist() == pc.list_flatten(col).to_numpy().tolist() == [10, 11, 15]
     assert offs.tolist() == [0, 2, 2, 3]
@@ -57,9 +58,19 @@ def test_the_pool_bound_comes_from_the_store_when_the_batch_has_no_node_config()
 
 
 def test_pages_and_dst_pages_of_one_event_keep_their_order(store):
-    sent = {"schema_version": 1, "producer": producer(), "seq": 2, "wall_ns": 10, "mono_ns": 10,
-            "kind": "transfer_sent", "request": {"request_id": "r1", "transfer_id": 7},
-            "pages": [5, 6, 9, 1], "dst_pages": [30, 31, 2, 3], "num_tokens": 64, "is_last_chunk": True}
+    sent = {
+        "schema_version": 1,
+        "producer": producer(),
+        "seq": 2,
+        "wall_ns": 10,
+        "mono_ns": 10,
+        "kind": "transfer_sent",
+        "request": {"request_id": "r1", "transfer_id": 7},
+        "pages": [5, 6, 9, 1],
+        "dst_pages": [30, 31, 2, 3],
+        "num_tokens": 64,
+        "is_last_chunk": True,
+    }
     store.append(from_dicts([config(0), alloc(1, [5, 6, 9, 1]), sent]))
     back = read_events(store.con).to_pylist()
     assert back[2]["pages"] == [5, 6, 9, 1] and back[2]["dst_pages"] == [30, 31, 2, 3]

@@ -30,8 +30,11 @@ from tests.conftest import alloc, producer
 DATA = Path(__file__).parent / "data"
 FORMATS = ("1", "2")
 EXPECTED = {f: json.loads((DATA / f"store-format{f}.json").read_text()) for f in FORMATS}
-_IDENTITIES = (f"SELECT count(*) FROM (SELECT DISTINCT {', '.join(REQUEST_NAMES)} FROM events WHERE "
-               + " OR ".join(f"{n} IS NOT NULL" for n in REQUEST_NAMES) + ")")
+_IDENTITIES = (
+    f"SELECT count(*) FROM (SELECT DISTINCT {', '.join(REQUEST_NAMES)} FROM events WHERE "
+    + " OR ".join(f"{n} IS NOT NULL" for n in REQUEST_NAMES)
+    + ")"
+)
 
 
 def _copy(tmp_path, fmt: str) -> Path:
@@ -47,8 +50,10 @@ def old(request, tmp_path) -> tuple[str, Path]:
 
 
 def _heads(con) -> dict:
-    rows = con.execute("SELECT producer_id, batch_no, digest FROM batches QUALIFY row_number() OVER "
-                       "(PARTITION BY producer_id ORDER BY batch_no DESC) = 1 ORDER BY 1").fetchall()
+    rows = con.execute(
+        "SELECT producer_id, batch_no, digest FROM batches QUALIFY row_number() OVER "
+        "(PARTITION BY producer_id ORDER BY batch_no DESC) = 1 ORDER BY 1"
+    ).fetchall()
     return {str(p): [int(b), bytes(d).hex()] for p, b, d in rows}
 
 
@@ -70,8 +75,10 @@ def test_migrate_keeps_every_event_the_chain_and_the_findings(old, capsys):
     assert identities > 20
     assert main(["audit", "migrate", "--db", str(old)]) == 0
     out = capsys.readouterr().out
-    assert (f"format {fmt} -> 3: {expected['events']} events into {len(KIND_TABLES)} kind tables and "
-            f"{identities} request identities") in out
+    assert (
+        f"format {fmt} -> 3: {expected['events']} events into {len(KIND_TABLES)} kind tables and "
+        f"{identities} request identities"
+    ) in out
     assert "verified before and after: OK" in out
     con = connect_readonly(old)
     try:
@@ -90,10 +97,14 @@ def test_migrate_keeps_every_event_the_chain_and_the_findings(old, capsys):
         assert "events" not in tables and {*KIND_TABLES, REQUESTS_TABLE} <= tables
         # Each identity once in the dictionary; no kind table keeps a request field of its own.
         assert con.execute(f"SELECT count(*), count(DISTINCT request_no) FROM {REQUESTS_TABLE}").fetchone() == (
-            identities, identities)
-        stray = con.execute("SELECT table_name, column_name FROM duckdb_columns() WHERE table_name IN "
-                            "(SELECT unnest(?)) AND column_name IN (SELECT unnest(?))",
-                            [list(KIND_TABLES), list(REQUEST_NAMES)]).fetchall()
+            identities,
+            identities,
+        )
+        stray = con.execute(
+            "SELECT table_name, column_name FROM duckdb_columns() WHERE table_name IN "
+            "(SELECT unnest(?)) AND column_name IN (SELECT unnest(?))",
+            [list(KIND_TABLES), list(REQUEST_NAMES)],
+        ).fetchall()
         assert stray == []
     finally:
         con.close()
@@ -118,8 +129,10 @@ def test_a_tampered_store_migrates_with_the_same_problem(old):
     # Format 1 keeps the field in its wide table, format 2 in the kind's table.
     table, where = ("events", "kind = 'pages_allocated' AND ") if fmt == "1" else ("events_pages_allocated", "")
     with duckdb.connect(str(old)) as con:
-        con.execute(f"UPDATE {table} SET tenant_id = 'mallory' WHERE {where}seq = "
-                    "(SELECT min(seq) FROM events WHERE kind = 'pages_allocated')")
+        con.execute(
+            f"UPDATE {table} SET tenant_id = 'mallory' WHERE {where}seq = "
+            "(SELECT min(seq) FROM events WHERE kind = 'pages_allocated')"
+        )
     res = migrate_store(old)
     assert res.from_format == fmt and res.problems >= 1
     report = verify_store(old)

@@ -34,11 +34,23 @@ def _events(rng, n: int, dtypes) -> list:
             pages = ids.tolist() if dt is list else ids.astype(dt)
             out.append((ALLOC, pages, None, _payload("pages_allocated", purpose="decode_growth")))
         elif pick < 8:
-            out.append((SENT, tuple(ids.tolist()), ids[::-1].astype(np.int32),
-                        _payload("transfer_sent", num_tokens=4, is_last_chunk=True)))
+            out.append(
+                (
+                    SENT,
+                    tuple(ids.tolist()),
+                    ids[::-1].astype(np.int32),
+                    _payload("transfer_sent", num_tokens=4, is_last_chunk=True),
+                )
+            )
         else:
-            out.append((RESP, None, None, _payload("response_sent", http_status=200, prompt_tokens=1,
-                                                   completion_tokens=1, latency_ns=5)))
+            out.append(
+                (
+                    RESP,
+                    None,
+                    None,
+                    _payload("response_sent", http_status=200, prompt_tokens=1, completion_tokens=1, latency_ns=5),
+                )
+            )
     return out
 
 
@@ -53,8 +65,11 @@ def _items(events, snapshot: bool) -> list:
     return [it[:2] + (0,) + it[3:] for it in items]  # one clock for both forms
 
 
-@pytest.mark.parametrize("dtypes", [(np.int32,), (np.int64,), (np.uint32,), (np.int32, np.int64, list),
-                                    (np.int16, np.uint64, np.int32)], ids=str)
+@pytest.mark.parametrize(
+    "dtypes",
+    [(np.int32,), (np.int64,), (np.uint32,), (np.int32, np.int64, list), (np.int16, np.uint64, np.int32)],
+    ids=str,
+)
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_snapshots_build_the_batch_copies_build(dtypes, seed):
     events = _events(np.random.default_rng(seed), 300, dtypes)
@@ -88,8 +103,7 @@ def test_the_recorder_snapshots_what_the_caller_passed_and_isolates_bad_arrays(t
     path = tmp_path / "a.duckdb"
     i32, i64 = np.array([1, 2, 3], np.int32), np.array([40, 41], np.int64)
     with Recorder(path, PROD) as rec:
-        rec.node_config(pool_tokens=128 * 16, pool_pages=128, page_size=16, context_tokens=4096,
-                        config_source="test")
+        rec.node_config(pool_tokens=128 * 16, pool_pages=128, page_size=16, context_tokens=4096, config_source="test")
         rec.pages_allocated(REQ, i32, "decode_growth")
         rec.kv_written(REQ, i64, 0, 32, "forward")
         rec.kv_read(REQ, i32[::-1])  # a strided view: its bytes are the ids in view order
@@ -101,5 +115,9 @@ def test_the_recorder_snapshots_what_the_caller_passed_and_isolates_bad_arrays(t
         assert rec.flush(10)
         assert rec.stats()["invalid_events_total"] == 2
     got = [(e["kind"], e["pages"]) for e in stored_events(path) if e.get("pages") is not None]
-    assert got == [("pages_allocated", [1, 2, 3]), ("kv_written", [40, 41]), ("kv_read", [3, 2, 1]),
-                   ("pages_freed", [40, 41])]
+    assert got == [
+        ("pages_allocated", [1, 2, 3]),
+        ("kv_written", [40, 41]),
+        ("kv_read", [3, 2, 1]),
+        ("pages_freed", [40, 41]),
+    ]

@@ -16,11 +16,16 @@ REQ = RequestRef("r1", 77, "acme", "k:1")
 
 
 def _config(rec, pool_pages=128):
-    rec.node_config(pool_tokens=pool_pages * 16, pool_pages=pool_pages, page_size=16, context_tokens=4096,
-                    deferred_release=True, config_source="test", release_timeout_ns=30 * 10**9,
-                    transfer_batch_max_pages=64)
-
-
+    rec.node_config(
+        pool_tokens=pool_pages * 16,
+        pool_pages=pool_pages,
+        page_size=16,
+        context_tokens=4096,
+        deferred_release=True,
+        config_source="test",
+        release_timeout_ns=30 * 10**9,
+        transfer_batch_max_pages=64,
+    )
 
 
 def test_every_method_lands_with_its_fields(tmp_path):
@@ -46,8 +51,10 @@ def test_every_method_lands_with_its_fields(tmp_path):
     for e in evs:
         by_kind.setdefault(e["kind"], []).append(e)
     assert by_kind["node_config"][0]["deferred_release"] is True
-    assert (by_kind["node_config"][0]["release_timeout_ns"], by_kind["node_config"][0]["transfer_batch_max_pages"]) \
-        == (30 * 10**9, 64)
+    assert (by_kind["node_config"][0]["release_timeout_ns"], by_kind["node_config"][0]["transfer_batch_max_pages"]) == (
+        30 * 10**9,
+        64,
+    )
     assert by_kind["pages_allocated"][0]["pages"] == [3, 4, 5]
     assert by_kind["pages_allocated"][1]["block_hashes"] == [-5]
     assert by_kind["transfer_reserved"][0]["pages"] == [3, 4, 5]
@@ -57,8 +64,12 @@ def test_every_method_lands_with_its_fields(tmp_path):
     assert by_kind["request_aborted"][0]["abort_reason"] == "transfer length mismatch"
     assert by_kind["response_sent"][0]["http_status"] == 500
     assert "request" not in by_kind["pages_freed"][1]
-    assert by_kind["kv_read"][0]["request"] == {"request_id": "r1", "transfer_id": 77, "tenant_id": "acme",
-                                                "api_key_id": "k:1"}
+    assert by_kind["kv_read"][0]["request"] == {
+        "request_id": "r1",
+        "transfer_id": 77,
+        "tenant_id": "acme",
+        "api_key_id": "k:1",
+    }
     walls = [e["wall_ns"] for e in evs]
     assert walls == sorted(walls) and all(w > 1_700_000_000 * 10**9 for w in walls)
 

@@ -50,16 +50,17 @@ def test_two_processes_record_into_one_store(tmp_path):
         p.join(60)
     try:
         assert [p.exitcode for p in procs] == [0, 0]
-        rows = store.con.execute("SELECT node, count(*) FILTER (kind = 'pages_allocated'), "
-                                 "count(*) FILTER (kind = 'recorder_gap') FROM events_v "
-                                 "GROUP BY node ORDER BY node").fetchall()
+        rows = store.con.execute(
+            "SELECT node, count(*) FILTER (kind = 'pages_allocated'), "
+            "count(*) FILTER (kind = 'recorder_gap') FROM events_v "
+            "GROUP BY node ORDER BY node"
+        ).fetchall()
         assert rows == [("decode-0", 500, 1), ("decode-1", 500, 1)]
         report = verify_store(store.con)
         assert report.ok and all(c.unexplained == 0 for c in report.coverage)
     finally:
         server.close()
         store.close()
-
 
 
 # ---- reply paths -------------------------------------------------------------------------------
@@ -167,8 +168,7 @@ def test_batches_arriving_together_share_a_commit_and_each_gets_its_reply(relay)
     store, start = relay
     server = start(coalesce_s=0.5)
     sinks = [RelaySink(server.address, server.authkey) for _ in range(2)]
-    a, b = _send_together(sinks, [from_dicts([config(0, P0), alloc(1, [1, 2], prod=P0)]),
-                                  from_dicts([config(0, P1)])])
+    a, b = _send_together(sinks, [from_dicts([config(0, P0), alloc(1, [1, 2], prod=P0)]), from_dicts([config(0, P1)])])
     assert (a.num_events, a.num_page_events, a.batches) == (2, 2, ((_pid(P0), 0),))
     assert (b.num_events, b.num_page_events, b.batches) == (1, 0, ((_pid(P1), 0),))
     assert _count(store) == 3
@@ -180,8 +180,10 @@ def test_a_refused_batch_among_coalesced_ones_is_refused_alone(relay):
     store, start = relay
     server = start(coalesce_s=0.5)
     sinks = [RelaySink(server.address, server.authkey) for _ in range(2)]
-    good, bad = _send_together(sinks, [from_dicts([config(0, P0), alloc(1, [3], prod=P0)]),
-                                       from_dicts([config(0, P1), alloc(1, [65], prod=P1)])])
+    good, bad = _send_together(
+        sinks,
+        [from_dicts([config(0, P0), alloc(1, [3], prod=P0)]), from_dicts([config(0, P1), alloc(1, [65], prod=P1)])],
+    )
     assert good.num_events == 2 and good.batches == ((_pid(P0), 0),)
     assert isinstance(bad, ValidationError) and bad.field == "pages" and bad.event == 1
     assert _count(store) == 2

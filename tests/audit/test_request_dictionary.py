@@ -34,15 +34,19 @@ def _events(seq0: int, rids: list[str], **ident) -> list[dict]:
     out = []
     for k, rid in enumerate(rids):
         seq = seq0 + 2 * k
-        out.append(event(seq, "pages_allocated", P, request=_identity(rid, **ident), pages=[1 + k % 60],
-                         purpose="decode_growth"))
+        out.append(
+            event(
+                seq, "pages_allocated", P, request=_identity(rid, **ident), pages=[1 + k % 60], purpose="decode_growth"
+            )
+        )
         out.append(event(seq + 1, "kv_read", P, request=_identity(rid, **ident), pages=[1 + k % 60]))
     return out
 
 
 def _dictionary(con) -> list[tuple]:
-    return con.execute(f"SELECT request_no, request_id, transfer_id, tenant_id, api_key_id FROM {REQUESTS_TABLE} "
-                       "ORDER BY request_no").fetchall()
+    return con.execute(
+        f"SELECT request_no, request_id, transfer_id, tenant_id, api_key_id FROM {REQUESTS_TABLE} ORDER BY request_no"
+    ).fetchall()
 
 
 def _sent_requests(batches: list[list[dict]]) -> list[dict | None]:
@@ -67,8 +71,13 @@ def test_identities_are_stored_once_and_read_back_as_sent(tmp_path):
         for b in (b0, b1, b2):
             st.append(from_dicts(b))
         rows = _dictionary(st.con)
-        assert [r[1:] for r in rows] == [("a", None, "acme", None), ("b", None, "acme", None),
-                                         ("c", None, "acme", None), ("a", None, None, None), ("a", 7, "acme", "k1")]
+        assert [r[1:] for r in rows] == [
+            ("a", None, "acme", None),
+            ("b", None, "acme", None),
+            ("c", None, "acme", None),
+            ("a", None, None, None),
+            ("a", 7, "acme", "k1"),
+        ]
         assert [r[0] for r in rows] == list(range(5))
         # An eviction names no request: its row holds no number.
         assert st.con.execute("SELECT count(*) FROM events_pages_freed WHERE request_no IS NULL").fetchone() == (1,)
@@ -121,8 +130,10 @@ def test_a_failed_commit_leaves_no_number_behind(tmp_path, monkeypatch):
 
 def test_a_prune_deletes_the_identities_only_pruned_events_named(tmp_path):
     path = tmp_path / "s.duckdb"
-    old = [config(0, P)] + [event(s, "pages_allocated", P, wall_ns=T0 + s, request=_identity(r), pages=[s],
-                                  purpose="decode_growth") for s, r in ((1, "gone"), (2, "kept"))]
+    old = [config(0, P)] + [
+        event(s, "pages_allocated", P, wall_ns=T0 + s, request=_identity(r), pages=[s], purpose="decode_growth")
+        for s, r in ((1, "gone"), (2, "kept"))
+    ]
     new = [event(s, "kv_read", P, wall_ns=T0 + 10**12 + s, request=_identity("kept"), pages=[2]) for s in (3, 4)]
     with AuditStore(path) as st:
         st.append(from_dicts(old))
@@ -131,8 +142,7 @@ def test_a_prune_deletes_the_identities_only_pruned_events_named(tmp_path):
         assert res.num_batches == 1
         assert [r[1] for r in _dictionary(st.con)] == ["kept"]  # "gone" left with its events
         # The writer forgot what the prune deleted: "gone" coming back gets a number that exists.
-        st.append(from_dicts([event(5, "kv_read", P, wall_ns=T0 + 10**12 + 5, request=_identity("gone"),
-                                    pages=[1])]))
+        st.append(from_dicts([event(5, "kv_read", P, wall_ns=T0 + 10**12 + 5, request=_identity("gone"), pages=[1])]))
         assert [r[1] for r in _dictionary(st.con)] == ["kept", "gone"]
     assert [r["request_id"] for r in _stored_requests(path) if r] == ["kept", "kept", "gone"]
 
@@ -142,8 +152,15 @@ def test_many_distinct_values_in_one_batch(tmp_path, monkeypatch):
     path = tmp_path / "s.duckdb"
     batch = [config(0, P)]
     for k in range(40):
-        batch.append(event(1 + k, "kv_read", P, request=_identity(f"r{k % 13}", tenant=f"t{k % 7}", transfer=k % 5,
-                                                                  key=f"k{k % 3}"), pages=[1 + k]))
+        batch.append(
+            event(
+                1 + k,
+                "kv_read",
+                P,
+                request=_identity(f"r{k % 13}", tenant=f"t{k % 7}", transfer=k % 5, key=f"k{k % 3}"),
+                pages=[1 + k],
+            )
+        )
     # A second batch whose first event has a request and whose evictions have none.
     more = [event(41 + k, "kv_read", P, request=_identity(f"s{k}", transfer=k), pages=[1 + k]) for k in range(20)]
     more[5:5] = [event(100, "pages_freed", P, pages=[3], free_reason="eviction")]

@@ -18,17 +18,30 @@ def aged(store):
     store.append(from_dicts([config(0, P, wall_ns=T0), config(0, D, wall_ns=T0)]))
     for h in range(6):
         w = T0 + h * HOUR + 1
-        store.append(from_dicts([
-            event(1 + 2 * h, "request_received", P, wall_ns=w,
-                  request={"request_id": f"r{h}", "tenant_id": f"t{h % 2}"}, prompt_tokens=10),
-            alloc(2 + 2 * h, [1 + h], rid=f"r{h}", tenant=None, prod=P, wall_ns=w + 5),
-            alloc(1 + h, [1 + h], rid=f"r{h}", tenant=None, prod=D, wall_ns=w + 7)]))
+        store.append(
+            from_dicts(
+                [
+                    event(
+                        1 + 2 * h,
+                        "request_received",
+                        P,
+                        wall_ns=w,
+                        request={"request_id": f"r{h}", "tenant_id": f"t{h % 2}"},
+                        prompt_tokens=10,
+                    ),
+                    alloc(2 + 2 * h, [1 + h], rid=f"r{h}", tenant=None, prod=P, wall_ns=w + 5),
+                    alloc(1 + h, [1 + h], rid=f"r{h}", tenant=None, prod=D, wall_ns=w + 7),
+                ]
+            )
+        )
     return store
 
 
 def _remaining_hours(store, node):
-    rows = store.con.execute("SELECT DISTINCT (wall_ns - ?) // ? FROM events_v "
-                             "WHERE node = ? AND kind <> 'node_config' ORDER BY 1", [T0, HOUR, node]).fetchall()
+    rows = store.con.execute(
+        "SELECT DISTINCT (wall_ns - ?) // ? FROM events_v WHERE node = ? AND kind <> 'node_config' ORDER BY 1",
+        [T0, HOUR, node],
+    ).fetchall()
     return [r[0] for r in rows]
 
 

@@ -40,14 +40,17 @@ def test_every_valid_event_passes_the_json_schema():
         jsonschema.validate(e, schema)
 
 
-@pytest.mark.parametrize("bad", [
-    dict(alloc(1, [1]), purpose="because"),
-    dict(alloc(1, [0])),
-    {k: v for k, v in alloc(1, [1]).items() if k != "purpose"},
-    dict(alloc(1, [1]), schema_version=2),
-    dict(alloc(1, [1]), prompt="text"),
-    dict(alloc(1, [1]), http_status=200),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(alloc(1, [1]), purpose="because"),
+        dict(alloc(1, [0])),
+        {k: v for k, v in alloc(1, [1]).items() if k != "purpose"},
+        dict(alloc(1, [1]), schema_version=2),
+        dict(alloc(1, [1]), prompt="text"),
+        dict(alloc(1, [1]), http_status=200),
+    ],
+)
 def test_schema_and_validator_both_reject(bad, store):
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, shipped_schema())

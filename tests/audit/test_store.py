@@ -12,22 +12,73 @@ from tests.conftest import alloc, config, event, producer
 def _all_kinds(seq0=1, prod=None):
     req = {"request_id": "r9", "transfer_id": 2**63 + 5, "tenant_id": "acme", "api_key_id": "k:3f2a"}
     evs = [
-        event(0, "request_received", prod, request={"request_id": "r9", "tenant_id": "acme"}, prompt_tokens=700,
-              max_new_tokens=32),
+        event(
+            0,
+            "request_received",
+            prod,
+            request={"request_id": "r9", "tenant_id": "acme"},
+            prompt_tokens=700,
+            max_new_tokens=32,
+        ),
         event(0, "pages_allocated", prod, request=req, pages=[5, 6, 7, 60, 2], purpose="prefill_extend"),
-        event(0, "pages_allocated", prod, request=req, pages=[9, 10], purpose="prefix_hit",
-              block_hashes=[-(2**63), 2**63 - 1]),
-        event(0, "kv_written", prod, request=req, pages=[5, 6], token_start=0, token_end=32, source="forward",
-              page_digests=[0, 2**64 - 1], digest_algo="kvtrail-page64"),
+        event(
+            0,
+            "pages_allocated",
+            prod,
+            request=req,
+            pages=[9, 10],
+            purpose="prefix_hit",
+            block_hashes=[-(2**63), 2**63 - 1],
+        ),
+        event(
+            0,
+            "kv_written",
+            prod,
+            request=req,
+            pages=[5, 6],
+            token_start=0,
+            token_end=32,
+            source="forward",
+            page_digests=[0, 2**64 - 1],
+            digest_algo="kvtrail-page64",
+        ),
         event(0, "kv_read", prod, request=req, pages=[7, 5, 6]),
         event(0, "transfer_reserved", prod, request=req, pages=[11, 12, 13], num_tokens=40),
-        event(0, "transfer_sent", prod, request=req, pages=[5], dst_pages=[11], num_tokens=1, is_last_chunk=True,
-              digest=12345, digest_algo="adler32"),
+        event(
+            0,
+            "transfer_sent",
+            prod,
+            request=req,
+            pages=[5],
+            dst_pages=[11],
+            num_tokens=1,
+            is_last_chunk=True,
+            digest=12345,
+            digest_algo="adler32",
+        ),
         event(0, "transfer_received", prod, request=req, pages=[11, 12, 13], num_tokens=1, status="mismatch"),
-        event(0, "request_aborted", prod, request=req, stage="prefill_queue", abort_reason="input too long",
-              http_status=400, prompt_tokens=900000),
-        event(0, "response_sent", prod, request=req, http_status=200, prompt_tokens=900000, completion_tokens=17,
-              latency_ns=5_000_000, ttft_ns=1_000_000, finish_reason="stop"),
+        event(
+            0,
+            "request_aborted",
+            prod,
+            request=req,
+            stage="prefill_queue",
+            abort_reason="input too long",
+            http_status=400,
+            prompt_tokens=900000,
+        ),
+        event(
+            0,
+            "response_sent",
+            prod,
+            request=req,
+            http_status=200,
+            prompt_tokens=900000,
+            completion_tokens=17,
+            latency_ns=5_000_000,
+            ttft_ns=1_000_000,
+            finish_reason="stop",
+        ),
         event(0, "pages_freed", prod, pages=[60], free_reason="eviction"),
         event(0, "pages_freed", prod, request=req, pages=[], free_reason="abort"),
         event(0, "recorder_gap", prod, dropped_events=3, dropped_pages=190, gap_reason="buffer_full", detail="full"),
@@ -38,8 +89,17 @@ def _all_kinds(seq0=1, prod=None):
 
 
 def test_every_kind_round_trips_exactly(store):
-    evs = [config(0, checksum_enabled=True, canary_enabled=False, deferred_release=True, page_tags=False,
-                  config_source="server_info", max_running_requests=48)] + _all_kinds()
+    evs = [
+        config(
+            0,
+            checksum_enabled=True,
+            canary_enabled=False,
+            deferred_release=True,
+            page_tags=False,
+            config_source="server_info",
+            max_running_requests=48,
+        )
+    ] + _all_kinds()
     store.append(from_dicts(evs))
     assert to_dicts(read_events(store.con)) == evs
 
@@ -64,6 +124,7 @@ def test_state_survives_reopen(tmp_path):
         import pytest
 
         from kvtrail.errors import ValidationError
+
         with pytest.raises(ValidationError, match="going backwards"):
             s.append(from_dicts([alloc(2, [9])]))
         with pytest.raises(ValidationError, match="pool has 10"):
@@ -86,8 +147,17 @@ def test_random_page_lists_round_trip(tmp_path_factory, lists, seed):
         if rng.random() < 0.5:
             evs.append(alloc(i + 1, pages, rid=f"r{i}"))
         else:
-            evs.append(event(i + 1, "transfer_sent", request={"request_id": f"r{i}", "transfer_id": i}, pages=pages,
-                             dst_pages=[p + 1 for p in pages], num_tokens=len(pages), is_last_chunk=bool(i % 2)))
+            evs.append(
+                event(
+                    i + 1,
+                    "transfer_sent",
+                    request={"request_id": f"r{i}", "transfer_id": i},
+                    pages=pages,
+                    dst_pages=[p + 1 for p in pages],
+                    num_tokens=len(pages),
+                    is_last_chunk=bool(i % 2),
+                )
+            )
     with AuditStore(path) as s:
         s.append(from_dicts(evs))
         assert to_dicts(read_events(s.con)) == evs

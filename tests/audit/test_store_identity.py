@@ -94,8 +94,13 @@ def test_a_store_held_by_another_process_is_named_with_its_pid(tmp_path, capsys)
         sys.stdin.readline()
         s.close()
     """)
-    child = subprocess.Popen([sys.executable, "-c", holder, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    child = subprocess.Popen(
+        [sys.executable, "-c", holder, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
     try:
         assert child.stdout.readline() == "open\n"
         line = _stats_error(capsys, path)
@@ -117,8 +122,9 @@ def test_every_writable_open_is_recorded(tmp_path):
         assert s.open_no == 1
     with duckdb.connect(str(path), read_only=True) as con:
         rows = con.execute("SELECT open_no, opened_ns, kvtrail_version FROM store_opens ORDER BY open_no").fetchall()
-        cols = con.execute("SELECT column_name, data_type FROM duckdb_columns() WHERE table_name = 'store_opens' "
-                           "ORDER BY column_index").fetchall()
+        cols = con.execute(
+            "SELECT column_name, data_type FROM duckdb_columns() WHERE table_name = 'store_opens' ORDER BY column_index"
+        ).fetchall()
     assert [r[0] for r in rows] == [0, 1] and rows[0][1] < rows[1][1]
     assert {r[2] for r in rows} == {__version__}
     assert cols == [("open_no", "BIGINT"), ("opened_ns", "BIGINT"), ("kvtrail_version", "VARCHAR")]
@@ -138,8 +144,9 @@ def test_a_store_from_before_store_opens_gets_it_on_its_next_writable_open(tmp_p
     assert "store_opens" in _tables(path)
 
 
-@pytest.mark.parametrize("command", [["audit", "stats"], ["audit", "verify"], ["forensics", "findings"],
-                                     ["token", "list"]])
+@pytest.mark.parametrize(
+    "command", [["audit", "stats"], ["audit", "verify"], ["forensics", "findings"], ["token", "list"]]
+)
 def test_a_json_file_as_db_is_named_and_refused_unchanged(tmp_path, capsys, command):
     """DuckDB would open a .json file as an in-memory view of its data (and say only 'Cannot launch
     in-memory database in read-only mode!'); a reader and a writer both name the file instead."""

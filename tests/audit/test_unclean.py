@@ -26,8 +26,6 @@ SECOND_NS = 10**9
 PROD = Producer("c1", "decode-0", "decode", "kvtrail-reference", "0.1", "inst-1")
 
 
-
-
 # ---- the recorder frames its instance ----------------------------------------------------------
 
 
@@ -74,8 +72,11 @@ def test_buffer_closes_after_its_gaps_and_counts_the_drops():
 
 
 def test_lifecycle_kinds_are_valid_events_and_need_their_fields(store):
-    evs = [event(0, "recorder_started", flush_interval_ns=SECOND_NS), config(1),
-           event(2, "recorder_closed", dropped_events=4), ]
+    evs = [
+        event(0, "recorder_started", flush_interval_ns=SECOND_NS),
+        config(1),
+        event(2, "recorder_closed", dropped_events=4),
+    ]
     store.append(from_dicts(evs))
     assert to_dicts(read_events(store.con)) == evs
     for e in evs:
@@ -123,7 +124,13 @@ def test_a_later_instance_of_the_node_makes_an_unclosed_one_unclean(store):
     store.append(from_dicts(_instance("i2", T0 + 60 * SECOND_NS)))
     (end,) = unclean_ends(store.con)
     assert (end.node, end.instance, end.cluster, end.last_seq, end.last_wall_ns, end.bound_ns) == (
-        "decode-0", "i1", "c1", 4, T0 + 3 * 10**6, SECOND_NS)
+        "decode-0",
+        "i1",
+        "c1",
+        4,
+        T0 + 3 * 10**6,
+        SECOND_NS,
+    )
     assert end.ended_by_ns == T0 + 60 * SECOND_NS and end.gap_end_ns == T0 + 3 * 10**6 + SECOND_NS
     assert "later instance i2" in end.reason
     line = str(end)
@@ -204,8 +211,10 @@ def test_a_killed_store_owner_leaves_an_unclean_end_with_its_bound(tmp_path):
         assert stored < recorded + 1, "nothing was lost: the test did not exercise a lost tail"
         kinds = {k for (k,) in s.con.execute("SELECT DISTINCT kind FROM events").fetchall()}
         assert "recorder_started" in kinds and "recorder_closed" not in kinds
-        if not s.con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'store_opens'").fetchone()[0] \
-                or not s.con.execute("SELECT count(*) FROM store_opens WHERE opened_ns > ?", [killed_ns]).fetchone()[0]:
+        if (
+            not s.con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'store_opens'").fetchone()[0]
+            or not s.con.execute("SELECT count(*) FROM store_opens WHERE opened_ns > ?", [killed_ns]).fetchone()[0]
+        ):
             _record_open(s.con, time.time_ns())
         (end,) = unclean_ends(s.con)
         assert (end.node, end.instance, end.last_seq, end.bound_ns) == ("router-0", "killed", stored, SECOND_NS // 2)

@@ -20,8 +20,16 @@ from tests.conftest import event, producer
 def _events(prod, seq):
     if seq == 0:
         return [event(0, "node_config", prod, pool_tokens=512, pool_pages=32, page_size=16, context_tokens=512)]
-    return [event(seq, "pages_allocated", prod, request={"request_id": f"r{seq}", "tenant_id": "acme"},
-                  pages=[seq], purpose="prefill_extend")]
+    return [
+        event(
+            seq,
+            "pages_allocated",
+            prod,
+            request={"request_id": f"r{seq}", "tenant_id": "acme"},
+            pages=[seq],
+            purpose="prefill_extend",
+        )
+    ]
 
 
 def _added_columns():
@@ -53,8 +61,9 @@ def test_a_null_later_field_leaves_the_digest_as_it_was():
     without = chain.batch_digest(chain.GENESIS, (1, 2), table.select(older.names), older, runs, runs.schema)
     assert with_field == without
     # a value in the field does count
-    filled = table.set_column(table.schema.get_field_index(ADDED_FIELDS[0]), ADDED_FIELDS[0],
-                              pa.array([1, None, None], pa.int64()))
+    filled = table.set_column(
+        table.schema.get_field_index(ADDED_FIELDS[0]), ADDED_FIELDS[0], pa.array([1, None, None], pa.int64())
+    )
     assert chain.batch_digest(chain.GENESIS, (1, 2), filled, EVENTS_SCHEMA, runs, runs.schema) != with_field
 
 

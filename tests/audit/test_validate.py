@@ -9,8 +9,10 @@ from tests.conftest import alloc, config, event, producer
 
 
 def _count(store):
-    return store.con.execute("SELECT (SELECT count(*) FROM events) + (SELECT count(*) FROM page_runs) "
-                             "+ (SELECT count(*) FROM batches) + (SELECT count(*) FROM producers)").fetchone()[0]
+    return store.con.execute(
+        "SELECT (SELECT count(*) FROM events) + (SELECT count(*) FROM page_runs) "
+        "+ (SELECT count(*) FROM batches) + (SELECT count(*) FROM producers)"
+    ).fetchone()[0]
 
 
 @pytest.fixture
@@ -31,33 +33,70 @@ BAD = [
     ("seq backwards vs store", lambda: [alloc(1, [4])], "seq", "going backwards", 0),
     ("seq backwards in batch", lambda: [alloc(5, [4]), alloc(4, [5])], "seq", "going backwards", 1),
     ("seq repeated in batch", lambda: [alloc(5, [4]), alloc(5, [5])], "seq", "repeated", 1),
-    ("unknown schema version", lambda: [dict(alloc(2, [4]), schema_version=2)], "schema_version",
-     "unknown schema version", 0),
+    (
+        "unknown schema version",
+        lambda: [dict(alloc(2, [4]), schema_version=2)],
+        "schema_version",
+        "unknown schema version",
+        0,
+    ),
     ("unknown field", lambda: [dict(alloc(2, [4]), prompt="secret text")], "prompt", "unknown field", 0),
     ("field not allowed for kind", lambda: [dict(alloc(2, [4]), http_status=200)], "http_status", "not allowed", 0),
     ("bad enum", lambda: [alloc(2, [4], purpose="because")], "purpose", "not one of", 0),
     ("bad role", lambda: [alloc(2, [4], prod=producer(role="cache"))], "role", "not one of", 0),
     ("prefix hit without hashes", lambda: [alloc(2, [4], purpose="prefix_hit")], "block_hashes", "required", 0),
-    ("hash count mismatch", lambda: [alloc(2, [4, 5], purpose="prefix_hit", block_hashes=[1])], "block_hashes",
-     "one entry per", 0),
-    ("token_end before start", lambda: [event(2, "kv_written", request={"request_id": "r"}, pages=[4], token_start=9,
-                                              token_end=3, source="forward")], "token_end", ">= token_start", 0),
-    ("uint64 overflow", lambda: [event(2, "transfer_reserved", request={"request_id": "r", "transfer_id": 2**64},
-                                       pages=[4], num_tokens=3)], "transfer_id", "out of range", 0),
-    ("negative count", lambda: [event(2, "transfer_reserved", request={"request_id": "r", "transfer_id": 1},
-                                      pages=[4], num_tokens=-3)], "num_tokens", ">= 0", 0),
+    (
+        "hash count mismatch",
+        lambda: [alloc(2, [4, 5], purpose="prefix_hit", block_hashes=[1])],
+        "block_hashes",
+        "one entry per",
+        0,
+    ),
+    (
+        "token_end before start",
+        lambda: [
+            event(2, "kv_written", request={"request_id": "r"}, pages=[4], token_start=9, token_end=3, source="forward")
+        ],
+        "token_end",
+        ">= token_start",
+        0,
+    ),
+    (
+        "uint64 overflow",
+        lambda: [
+            event(2, "transfer_reserved", request={"request_id": "r", "transfer_id": 2**64}, pages=[4], num_tokens=3)
+        ],
+        "transfer_id",
+        "out of range",
+        0,
+    ),
+    (
+        "negative count",
+        lambda: [
+            event(2, "transfer_reserved", request={"request_id": "r", "transfer_id": 1}, pages=[4], num_tokens=-3)
+        ],
+        "num_tokens",
+        ">= 0",
+        0,
+    ),
     ("no pool known", lambda: [alloc(0, [1], prod=producer(node="other"))], "pages", "pool size unknown", 0),
     # a 336-byte event that declared 2^25 pages for a 1,024-token pool made every replay allocate ~3 GB
-    ("pool_pages not pool_tokens' pages", lambda: [alloc(2, [4]), dict(config(3), pool_pages=2**25)], "pool_pages",
-     "expected pool_tokens // page_size = 64", 1),
+    (
+        "pool_pages not pool_tokens' pages",
+        lambda: [alloc(2, [4]), dict(config(3), pool_pages=2**25)],
+        "pool_pages",
+        "expected pool_tokens // page_size = 64",
+        1,
+    ),
     ("pool beyond any GPU", lambda: [config(2, pool_pages=2**31 + 1)], "pool_pages", "implausible pool", 0),
     ("pool of 2^63-1 pages", lambda: [dict(config(2), pool_pages=2**63 - 1)], "pool_pages", "implausible pool", 0),
 ]
 
 
 @pytest.mark.parametrize("desc,build,field,reason,index", BAD, ids=[b[0] for b in BAD])
-def test_bad_event_rejected_naming_event_field_reason_and_batch_writes_nothing(seeded, desc, build, field, reason,
-                                                                                index):
+def test_bad_event_rejected_naming_event_field_reason_and_batch_writes_nothing(
+    seeded, desc, build, field, reason, index
+):
     before = _count(seeded)
     with pytest.raises(ValidationError) as err:
         seeded.append(from_dicts(build()))

@@ -7,13 +7,18 @@ from kvtrail.audit.events import FIELDS, TRANSFER_STATUSES, VALUE_DOCS
 from kvtrail.audit.spec import render_markdown, shipped_schema
 
 ROOT = Path(__file__).resolve().parents[2]
-F2 = ("Forensics (F2) compares what decode reserved, what prefill sent and what landed (`num_tokens` of the "
-      "receipt) whatever the status; the status is evidence of whether decode detected it.")
+F2 = (
+    "Forensics (F2) compares what decode reserved, what prefill sent and what landed (`num_tokens` of the "
+    "receipt) whatever the status; the status is evidence of whether decode detected it."
+)
 
 
 def test_every_transfer_status_is_documented():
-    assert tuple(VALUE_DOCS["status"]) == TRANSFER_STATUSES == ("ok", "failed", "mismatch", "aborted", "timeout",
-                                                                     "unverified")
+    assert (
+        tuple(VALUE_DOCS["status"])
+        == TRANSFER_STATUSES
+        == ("ok", "failed", "mismatch", "aborted", "timeout", "unverified")
+    )
     for field, docs in VALUE_DOCS.items():
         assert tuple(docs) == FIELDS[field].choices
         assert all(doc.strip() for doc in docs.values())

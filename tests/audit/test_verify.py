@@ -14,10 +14,16 @@ A, B = producer("prefill-0"), producer("decode-0", role="decode")
 def _fill(store):
     store.append(from_dicts([config(0, A), config(0, B)]))
     for b in range(4):
-        store.append(from_dicts([alloc(1 + 3 * b, [1 + b, 2 + b, 30], rid=f"r{b}", prod=A),
-                                 alloc(2 + 3 * b, [40, 41], rid=f"q{b}", prod=A),
-                                 event(3 + 3 * b, "pages_freed", A, pages=[1 + b], free_reason="finish"),
-                                 alloc(1 + b, [5 + b], rid=f"d{b}", prod=B)]))
+        store.append(
+            from_dicts(
+                [
+                    alloc(1 + 3 * b, [1 + b, 2 + b, 30], rid=f"r{b}", prod=A),
+                    alloc(2 + 3 * b, [40, 41], rid=f"q{b}", prod=A),
+                    event(3 + 3 * b, "pages_freed", A, pages=[1 + b], free_reason="finish"),
+                    alloc(1 + b, [5 + b], rid=f"d{b}", prod=B),
+                ]
+            )
+        )
 
 
 @pytest.fixture
@@ -34,8 +40,9 @@ def _pid(store, node):
 def _swap_seqs(con, a: int) -> None:
     t4, t5 = event_table(con, a, 4), event_table(con, a, 5)
     if t4 == t5:
-        con.execute(f"UPDATE {t4} SET seq = CASE seq WHEN 4 THEN 5 ELSE 4 END WHERE seq IN (4, 5) AND producer_id = ?",
-                    [a])
+        con.execute(
+            f"UPDATE {t4} SET seq = CASE seq WHEN 4 THEN 5 ELSE 4 END WHERE seq IN (4, 5) AND producer_id = ?", [a]
+        )
     else:
         con.execute(f"UPDATE {t4} SET seq = 5 WHERE seq = 4 AND producer_id = ?", [a])
         con.execute(f"UPDATE {t5} SET seq = 4 WHERE seq = 5 AND producer_id = ?", [a])
@@ -45,27 +52,37 @@ def _sql(template: str, seq: int | None = None):
     def run(con, a: int) -> None:
         table = event_table(con, a, seq) if seq is not None else ""
         con.execute(template.format(a=a, t=table))
+
     return run
 
 
 TAMPER = {
     "edit a field": _sql("UPDATE {t} SET purpose = 'mallory' WHERE seq = 4 AND producer_id = {a}", 4),
     # Request fields live in the request dictionary: edit an identity, or point an event at another one.
-    "edit a request identity": _sql("UPDATE events_requests SET tenant_id = 'mallory' WHERE request_no = "
-                                    "(SELECT request_no FROM {t} WHERE seq = 4 AND producer_id = {a})", 4),
-    "point an event at another request": _sql("UPDATE {t} SET request_no = (SELECT max(request_no) FROM "
-                                              "events_requests) WHERE seq = 4 AND producer_id = {a}", 4),
+    "edit a request identity": _sql(
+        "UPDATE events_requests SET tenant_id = 'mallory' WHERE request_no = "
+        "(SELECT request_no FROM {t} WHERE seq = 4 AND producer_id = {a})",
+        4,
+    ),
+    "point an event at another request": _sql(
+        "UPDATE {t} SET request_no = (SELECT max(request_no) FROM events_requests) WHERE seq = 4 AND producer_id = {a}",
+        4,
+    ),
     "edit a page run": _sql("UPDATE page_runs SET page_start = page_start + 1 WHERE seq = 5 AND producer_id = {a}"),
     "delete an event row": _sql("DELETE FROM {t} WHERE seq = 6 AND producer_id = {a}", 6),
     "delete a page run": _sql("DELETE FROM page_runs WHERE seq = 4 AND producer_id = {a} AND pos = 0"),
     "reorder two events": _swap_seqs,
-    "reorder page runs": _sql("UPDATE page_runs SET pos = CASE pos WHEN 0 THEN 2 ELSE 0 END WHERE seq = 4 "
-                              "AND pos IN (0, 2) AND producer_id = {a}"),
+    "reorder page runs": _sql(
+        "UPDATE page_runs SET pos = CASE pos WHEN 0 THEN 2 ELSE 0 END WHERE seq = 4 "
+        "AND pos IN (0, 2) AND producer_id = {a}"
+    ),
     "move an event to another batch": _sql("UPDATE {t} SET batch_no = 1 WHERE seq = 7 AND producer_id = {a}", 7),
-    "insert a forged event": _sql("INSERT INTO {t} SELECT * REPLACE (seq + 100 AS seq) FROM {t} WHERE seq = 4 "
-                                  "AND producer_id = {a}", 4),
-    "edit a batch header": _sql("UPDATE batches SET num_events = num_events - 1 WHERE batch_no = 2 "
-                                "AND producer_id = {a}"),
+    "insert a forged event": _sql(
+        "INSERT INTO {t} SELECT * REPLACE (seq + 100 AS seq) FROM {t} WHERE seq = 4 AND producer_id = {a}", 4
+    ),
+    "edit a batch header": _sql(
+        "UPDATE batches SET num_events = num_events - 1 WHERE batch_no = 2 AND producer_id = {a}"
+    ),
     "edit a digest": _sql("UPDATE batches SET digest = sha256('x')::BLOB WHERE batch_no = 2 AND producer_id = {a}"),
 }
 
@@ -74,7 +91,8 @@ TAMPER = {
 def test_each_kind_of_tampering_is_caught(filled, how):
     a = _pid(filled, "prefill-0")
     assert filled.con.execute("SELECT kind FROM events WHERE seq = 4 AND producer_id = ?", [a]).fetchone() == (
-        "pages_allocated",)  # the event the edits rewrite has a purpose and a request
+        "pages_allocated",
+    )  # the event the edits rewrite has a purpose and a request
     TAMPER[how](filled.con, a)
     report = verify_store(filled.con)
     assert not report.ok

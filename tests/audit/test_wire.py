@@ -16,8 +16,11 @@ PRODUCER = Producer("c1", "decode-0", "decode", "kvtrail-reference", "0.1", "boo
 
 
 def _synth() -> list[pa.Table]:
-    return list(synth_batches(producer=PRODUCER, num_pages=4096, page_size=16, seed=3, target_page_events=200_000,
-                              events_per_batch=500))
+    return list(
+        synth_batches(
+            producer=PRODUCER, num_pages=4096, page_size=16, seed=3, target_page_events=200_000, events_per_batch=500
+        )
+    )
 
 
 def _stored(path, tables: list[pa.Table]) -> tuple[list[bytes], pa.Table]:

@@ -25,10 +25,20 @@ def _items(bad_at: int | None = None) -> list:
         pages = np.arange(i, i + 4, dtype=np.int32)
         tokens = "many" if bad_at is not None and 4 * i + 1 == bad_at else 64
         buf.put(KIND_CODES["transfer_reserved"], ref, pages, None, _payload("transfer_reserved", num_tokens=64))
-        buf.put(KIND_CODES["transfer_sent"], ref, pages, pages[::-1].copy(),
-                _payload("transfer_sent", num_tokens=tokens, is_last_chunk=True, digest=7, digest_algo="adler32"))
-        buf.put(KIND_CODES["kv_read"], ref, pages, None,
-                _payload("kv_read", page_digests=np.arange(4, dtype=np.uint64), digest_algo="kvtrail-page64"))
+        buf.put(
+            KIND_CODES["transfer_sent"],
+            ref,
+            pages,
+            pages[::-1].copy(),
+            _payload("transfer_sent", num_tokens=tokens, is_last_chunk=True, digest=7, digest_algo="adler32"),
+        )
+        buf.put(
+            KIND_CODES["kv_read"],
+            ref,
+            pages,
+            None,
+            _payload("kv_read", page_digests=np.arange(4, dtype=np.uint64), digest_algo="kvtrail-page64"),
+        )
         buf.put(KIND_CODES["pages_freed"], ref, pages, None, _payload("pages_freed", reason="finish"))
     items, _ = buf.drain([])
     return items

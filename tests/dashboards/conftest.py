@@ -11,8 +11,26 @@ import pytest
 from kvtrail import forensics as fx
 from kvtrail.cli import main
 
-SIM = ["--seed", "7", "--nodes", "2", "--hours", "0.1", "--rate", "1", "--plants-per-hour", "30", "--tenants", "5",
-       "--prefill-pool-tokens", "200000", "--decode-pool-tokens", "600000", "--context-tokens", "400000"]
+SIM = [
+    "--seed",
+    "7",
+    "--nodes",
+    "2",
+    "--hours",
+    "0.1",
+    "--rate",
+    "1",
+    "--plants-per-hour",
+    "30",
+    "--tenants",
+    "5",
+    "--prefill-pool-tokens",
+    "200000",
+    "--decode-pool-tokens",
+    "600000",
+    "--context-tokens",
+    "400000",
+]
 APP = Path(__file__).resolve().parents[2] / "kvtrail" / "dashboards" / "app.py"
 
 
@@ -29,8 +47,22 @@ def persisted(seeded: Path, tmp_path_factory) -> Path:
     """A copy of the seeded store whose findings ``forensics findings --save`` kept."""
     db = tmp_path_factory.mktemp("dash-saved") / "saved.duckdb"
     shutil.copy(seeded, db)
-    assert main(["forensics", "findings", "--db", str(db), "--save", "--out", str(db.with_suffix(".json")),
-                 "--format", "json"]) == 0
+    assert (
+        main(
+            [
+                "forensics",
+                "findings",
+                "--db",
+                str(db),
+                "--save",
+                "--out",
+                str(db.with_suffix(".json")),
+                "--format",
+                "json",
+            ]
+        )
+        == 0
+    )
     return db
 
 

@@ -47,8 +47,11 @@ def test_a_saved_store_counts_from_its_aggregates(monkeypatch, persisted, window
         assert metric(at, sev) == str(int((findings["severity"] == sev).sum()))
     at = run_app(monkeypatch, persisted, "Transfers", **p, **filters)
     node = "AND node = ?" if filters else ""
-    landed = count(persisted, f"SELECT count(*) FROM events_v WHERE kind = 'transfer_received' AND wall_ns BETWEEN ? "
-                              f"AND ? {node}", [w.from_ns, w.to_ns, *filters.values()])
+    landed = count(
+        persisted,
+        f"SELECT count(*) FROM events_v WHERE kind = 'transfer_received' AND wall_ns BETWEEN ? AND ? {node}",
+        [w.from_ns, w.to_ns, *filters.values()],
+    )
     assert metric(at, "transfers received") == str(landed) != "0"
     assert coverage([c.value for c in at.caption], "transfers received:")[0] == minutes
     at = run_app(monkeypatch, persisted, "Fleet", **p, **filters)
@@ -62,13 +65,29 @@ def test_a_commit_after_the_saved_run_is_counted_from_the_events(monkeypatch, pe
     middle = (window.from_ns + window.to_ns) // 2
     late = producer("decode-9", "decode")
     with AuditStore(db) as store:  # a node that joins later and reports dropped events mid-window
-        store.append(from_dicts([
-            event(0, "node_config", late, wall_ns=middle, pool_tokens=1_000_000, pool_pages=62_500, page_size=16,
-                  context_tokens=400_000),
-            event(1, "recorder_gap", late, wall_ns=middle + 1, dropped_events=7, gap_reason="buffer_full")]))
+        store.append(
+            from_dicts(
+                [
+                    event(
+                        0,
+                        "node_config",
+                        late,
+                        wall_ns=middle,
+                        pool_tokens=1_000_000,
+                        pool_pages=62_500,
+                        page_size=16,
+                        context_tokens=400_000,
+                    ),
+                    event(1, "recorder_gap", late, wall_ns=middle + 1, dropped_events=7, gap_reason="buffer_full"),
+                ]
+            )
+        )
     p = iso(window)
-    drops = count(db, "SELECT coalesce(sum(dropped_events), 0) FROM events_v WHERE kind = 'recorder_gap' "
-                      "AND wall_ns BETWEEN ? AND ?", [window.from_ns, window.to_ns + 999])
+    drops = count(
+        db,
+        "SELECT coalesce(sum(dropped_events), 0) FROM events_v WHERE kind = 'recorder_gap' AND wall_ns BETWEEN ? AND ?",
+        [window.from_ns, window.to_ns + 999],
+    )
     assert drops >= 7
     at = run_app(monkeypatch, db, "Fleet", **p)
     covered, minutes, rest = coverage([c.value for c in at.caption], "recorder drops:")
@@ -78,8 +97,12 @@ def test_a_commit_after_the_saved_run_is_counted_from_the_events(monkeypatch, pe
     captions = [c.value for c in at.caption]
     assert any("replay of the window" in c and "counts from the findings rows" in c for c in captions), captions
     assert metric(at, "findings") == str(len(fx.ask_findings(db, as_window(p)).rows))
-    assert main(["forensics", "findings", "--db", str(db), "--save", "--out", str(tmp_path / "f.json"),
-                 "--format", "json"]) == 0
+    assert (
+        main(
+            ["forensics", "findings", "--db", str(db), "--save", "--out", str(tmp_path / "f.json"), "--format", "json"]
+        )
+        == 0
+    )
     at = run_app(monkeypatch, db, "Fleet", **p)
     assert coverage([c.value for c in at.caption], "recorder drops:")[:2] == (minutes, minutes)
     assert metric(at, "recorder dropped events") == str(drops)

@@ -43,10 +43,15 @@ def metric(at: AppTest, label: str) -> str:
 
 
 TABLES = {  # the columns that tell a view's tables apart (AppTest does not expose a table's key)
-    "fleet-table": {"shortfall_tokens", "engine_version"}, "findings-counts": {"findings", "nodes"},
-    "findings-table": {"evidence", "victim_tenant_ids"}, "affected-table": {"pages_read_foreign", "victim_requests"},
-    "exposure-table": {"recipient_tenant", "victim_tenant"}, "exploitation-table": {"verdict", "long_requests"},
-    "page-table": {"foreign", "last_writer"}, "transfer-detail": {"kind", "num_tokens", "status"}}
+    "fleet-table": {"shortfall_tokens", "engine_version"},
+    "findings-counts": {"findings", "nodes"},
+    "findings-table": {"evidence", "victim_tenant_ids"},
+    "affected-table": {"pages_read_foreign", "victim_requests"},
+    "exposure-table": {"recipient_tenant", "victim_tenant"},
+    "exploitation-table": {"verdict", "long_requests"},
+    "page-table": {"foreign", "last_writer"},
+    "transfer-detail": {"kind", "num_tokens", "status"},
+}
 
 
 def frame(at: AppTest, key: str) -> pl.DataFrame:
@@ -100,7 +105,8 @@ def test_findings_affected_and_transfers_equal_the_api(monkeypatch, seeded, wind
     assert metric(at, "pages read foreign") == str(int(affected["pages_read_foreign"].sum()))
     shown = frame(at, "affected-table")
     assert dict(zip(shown["request_id"], shown["pages_read_foreign"])) == dict(
-        zip(affected["request_id"], affected["pages_read_foreign"]))
+        zip(affected["request_id"], affected["pages_read_foreign"])
+    )
     at = run_app(monkeypatch, seeded, "Transfers", **p, **filters)
     assert metric(at, "length mismatches (F2)") == str(int((findings["code"] == "F2").sum()))
     assert metric(at, "digest mismatches (F3)") == str(int((findings["code"] == "F3").sum()))
@@ -113,8 +119,10 @@ def test_exposure_thresholds_and_exploitation_equal_the_api(monkeypatch, seeded,
     matrix = fx.ask_exposure(seeded, w).rows
     shown = frame(at, "exposure-table")
     key = ["recipient_tenant", "victim_tenant"]
-    assert shown.select(*key, "responses", "pages").sort(key).rows() == \
-        matrix.select(*key, "responses", "pages").sort(key).rows()
+    assert (
+        shown.select(*key, "responses", "pages").sort(key).rows()
+        == matrix.select(*key, "responses", "pages").sort(key).rows()
+    )
     thresholds = fx.ask_thresholds(seeded, w)
     assert thresholds.notes[0] in [m.value for m in at.markdown]
     ex = fx.ask_exploitation(seeded, ReportOptions(w.from_ns, w.to_ns), w).rows
@@ -186,11 +194,13 @@ def test_empty_store_and_empty_window(monkeypatch, seeded, tmp_path, window):
     AuditStore(empty).close()
     at = run_app(monkeypatch, empty, "Fleet")
     assert "holds no audit events yet" in at.info[0].value
-    at = run_app(monkeypatch, seeded, "Affected responses", **{"from": "2020-01-01T00:00:00Z",
-                                                              "to": "2020-01-02T00:00:00Z"})
+    at = run_app(
+        monkeypatch, seeded, "Affected responses", **{"from": "2020-01-01T00:00:00Z", "to": "2020-01-02T00:00:00Z"}
+    )
     assert "No audit events in this window" in at.info[0].value
-    at = run_app(monkeypatch, seeded, "Fleet", **{"from": "2020-01-01T00:00:00Z", "to": "2020-01-01"},
-                 node="no-such-node")
+    at = run_app(
+        monkeypatch, seeded, "Fleet", **{"from": "2020-01-01T00:00:00Z", "to": "2020-01-01"}, node="no-such-node"
+    )
     assert not at.metric
 
 
@@ -205,9 +215,16 @@ def test_error_pages_name_the_problem(monkeypatch, seeded, tmp_path):
     assert "Store of another format" in at.error[0].value and "format 99" in at.error[0].value
     locked = tmp_path / "locked.duckdb"
     locked.write_bytes(seeded.read_bytes())
-    holder = subprocess.Popen([sys.executable, "-c", "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); "
-                               "print('held', flush=True); time.sleep(120)", str(locked)],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); print('held', flush=True); time.sleep(120)",
+            str(locked),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         deadline = time.monotonic() + 30
@@ -226,5 +243,10 @@ def test_auto_refresh_is_off_by_default_and_selectable(monkeypatch, seeded, wind
     assert at.toggle(key="refresh").value is False and not [s for s in at.selectbox if s.key == "refresh-s"]
     at.toggle(key="refresh").set_value(True).run()
     assert not at.exception
-    assert at.selectbox(key="refresh-s").value == 10 and at.selectbox(key="refresh-s").options == \
-        ["5", "10", "30", "60", "300"]
+    assert at.selectbox(key="refresh-s").value == 10 and at.selectbox(key="refresh-s").options == [
+        "5",
+        "10",
+        "30",
+        "60",
+        "300",
+    ]

@@ -27,13 +27,21 @@ START_TIMEOUT_S = 120.0
 VIEW_TIMEOUT_MS = 120_000
 BANNER = "kvtrail dashboard listening on http://127.0.0.1:"
 # Each view and a text it shows only once its data is on the page.
-VIEWS = {"Fleet": "have a KV pool smaller than the context they advertise", "Findings": "Counts by code",
-         "Affected responses": "Reserved vs sent vs landed", "Exposure": "Exploitation assessment",
-         "Transfers": "length mismatches (F2)", "Report": "Generate report"}
+VIEWS = {
+    "Fleet": "have a KV pool smaller than the context they advertise",
+    "Findings": "Counts by code",
+    "Affected responses": "Reserved vs sent vs landed",
+    "Exposure": "Exploitation assessment",
+    "Transfers": "length mismatches (F2)",
+    "Report": "Generate report",
+}
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed "
-                                 "(scripts/bootstrap.sh test installs it)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (scripts/bootstrap.sh test installs it)"
+    ),
+]
 
 
 def _first_line(proc: subprocess.Popen, timeout_s: float) -> str:
@@ -48,9 +56,14 @@ def _first_line(proc: subprocess.Popen, timeout_s: float) -> str:
 
 @pytest.fixture(scope="module")
 def served(seeded):
-    proc = subprocess.Popen([sys.executable, "-m", "kvtrail", "dashboard", "--db", str(seeded), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtrail", "dashboard", "--db", str(seeded), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         line = _first_line(proc, START_TIMEOUT_S)
         assert line.startswith(BANNER), line
@@ -92,15 +105,24 @@ def test_every_view_renders_in_chromium(served, seeded, window):
                 if view == "Report":  # the uploader states incident.yaml's limit, not Streamlit's 200MB
                     limit = page.locator("[data-testid=stFileUploaderDropzoneInstructions]").inner_text()
                     assert "1MB per file" in limit and "200MB" not in limit, limit
-            _open(page, f"{served}/?{urlencode({'view': 'Affected responses', 'request': victim, **span})}",
-                  "Reserved vs sent vs landed")
+            _open(
+                page,
+                f"{served}/?{urlencode({'view': 'Affected responses', 'request': victim, **span})}",
+                "Reserved vs sent vs landed",
+            )
             timeline = page.locator("[data-testid=stVegaLiteChart]").first
             timeline.wait_for(timeout=VIEW_TIMEOUT_MS)
             assert page.locator("[data-testid=stException]").count() == 0
             timeline.screenshot(path=str(SHOTS / "page-ownership-timeline.png"))
         finally:
             browser.close()
-    assert {f.name for f in SHOTS.iterdir()} >= {"fleet.png", "findings.png", "affected-responses.png",
-                                                 "exposure.png", "transfers.png", "report.png",
-                                                 "page-ownership-timeline.png"}
+    assert {f.name for f in SHOTS.iterdir()} >= {
+        "fleet.png",
+        "findings.png",
+        "affected-responses.png",
+        "exposure.png",
+        "transfers.png",
+        "report.png",
+        "page-ownership-timeline.png",
+    }
     assert time.monotonic() - started < 600

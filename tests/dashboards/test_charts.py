@@ -30,11 +30,15 @@ def test_every_chart_renders_from_the_answers(seeded, window):
     found = src.findings(window)
     affected = src.affected(window)
     detail = src.request(affected["request_id"][0], window)
-    specs = {"pool": charts.pool_vs_context(fleet), "findings": charts.findings_over_time(found),
-             "by-node": charts.findings_over_time(found, by="node"), "timeline": charts.foreign_reads_timeline(found),
-             "heatmap": charts.exposure_heatmap(src.exposure(window)),
-             "thresholds": charts.threshold_chart(src.thresholds(window).table),
-             "pages": charts.page_timeline(detail.spans, detail.marks)}
+    specs = {
+        "pool": charts.pool_vs_context(fleet),
+        "findings": charts.findings_over_time(found),
+        "by-node": charts.findings_over_time(found, by="node"),
+        "timeline": charts.foreign_reads_timeline(found),
+        "heatmap": charts.exposure_heatmap(src.exposure(window)),
+        "thresholds": charts.threshold_chart(src.thresholds(window).table),
+        "pages": charts.page_timeline(detail.spans, detail.marks),
+    }
     transfers = src.transfers(window)
     if len(transfers):
         specs["transfers"] = charts.transfers_over_time(transfers)
@@ -54,18 +58,33 @@ def test_pool_chart_marks_the_nodes_below_their_context(seeded, window):
 
 def test_report_html_and_pdf_carry_the_figures(seeded, window, tmp_path):
     out = tmp_path / "report"
-    assert main(["forensics", "report", "--db", str(seeded), "--from", format_utc(window.from_ns),
-                 "--to", format_utc(window.to_ns), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "forensics",
+                "report",
+                "--db",
+                str(seeded),
+                "--from",
+                format_utc(window.from_ns),
+                "--to",
+                format_utc(window.to_ns),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     html = (out / "report.html").read_text()
     assert html.count('<img src="data:image/png;base64,') == 3
-    for caption in ("KV pool vs advertised context", "UTC timeline of the window",
-                    "exposure heatmap"):
+    for caption in ("KV pool vs advertised context", "UTC timeline of the window", "exposure heatmap"):
         assert caption in html and caption in (out / "report.md").read_text()
     pdf = (out / "report.pdf").read_bytes()
     assert pdf.count(b"/Subtype /Image") >= 3
     if shutil.which("pdftotext"):
-        text = subprocess.run(["pdftotext", str(out / "report.pdf"), "-"], capture_output=True, text=True,
-                              check=True).stdout
+        text = subprocess.run(
+            ["pdftotext", str(out / "report.pdf"), "-"], capture_output=True, text=True, check=True
+        ).stdout
         assert "Figure: KV pool vs advertised context per node configuration" in text
     assert main(["forensics", "verify-report", str(out), "--db", str(seeded)]) == 0
 
@@ -85,8 +104,9 @@ def test_report_without_the_charts_extra_says_so(monkeypatch, seeded, window):
 
 @pytest.mark.parametrize("empty", [True, False])
 def test_figures_skip_empty_frames(empty):
-    df = pl.DataFrame(schema={"recipient_tenant": pl.Utf8, "victim_tenant": pl.Utf8, "responses": pl.Int64,
-                              "pages": pl.Int64})
+    df = pl.DataFrame(
+        schema={"recipient_tenant": pl.Utf8, "victim_tenant": pl.Utf8, "responses": pl.Int64, "pages": pl.Int64}
+    )
     if not empty:
         df = pl.DataFrame({"recipient_tenant": ["a"], "victim_tenant": ["b"], "responses": [1], "pages": [3]})
     from kvtrail.report.figures import _figure

@@ -43,7 +43,7 @@ def test_the_app_imports_the_installed_package_from_a_clones_parent(tmp_path):
 
     (tmp_path / "kvtrail" / "docs").mkdir(parents=True)  # the clone as seen from its parent: no __init__.py
     cmd = dash.streamlit_command(8501)
-    interpreter = cmd[:cmd.index("-m")]
+    interpreter = cmd[: cmd.index("-m")]
     probe = "from kvtrail import __version__; print(__version__)"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the package as installed
     launched = subprocess.run([*interpreter, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
@@ -53,6 +53,7 @@ def test_the_app_imports_the_installed_package_from_a_clones_parent(tmp_path):
     plain = subprocess.run([interpreter[0], "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert "cannot import name '__version__'" in plain.stderr  # what the app met without -P
     from kvtrail import __version__
+
     assert launched.stdout.strip() == __version__
 
 

@@ -65,13 +65,15 @@ def test_operator_views_equal_the_api(service, seeded, window):
     affected = src.affected(window)
     expected = fx.ask_affected(seeded, window).rows
     assert dict(zip(affected["request_id"], affected["pages_read_foreign"])) == dict(
-        zip(expected["request_id"], expected["pages_read_foreign"]))
+        zip(expected["request_id"], expected["pages_read_foreign"])
+    )
     fleet = src.fleet(window)
     assert set(fleet.filter(pl.col("shortfall_tokens") > 0)["node"]) == {"prefill-0", "prefill-1"}
     assert len(src.findings(window)) == len(fx.ask_findings(seeded, window).rows)
     assert src.thresholds(window).sentence == fx.ask_thresholds(seeded, window).notes[0]
     assert int((src.transfers(window)["code"] == "F2").sum()) == int(
-        (fx.ask_findings(seeded, window).rows["code"] == "F2").sum())
+        (fx.ask_findings(seeded, window).rows["code"] == "F2").sum()
+    )
 
 
 def test_a_tenant_token_sees_its_tenant_only(service, seeded, window):
@@ -97,8 +99,11 @@ def test_the_remote_page_timeline_equals_the_local_one(service, seeded, window):
     affected = fx.ask_affected(seeded, window).rows
     rid = affected.filter(pl.col("victim_requests").list.len() > 0)["request_id"][0]
     remote, local = src.request(rid, window), StoreSource(seeded).request(rid, window)
-    assert (remote.request_id, remote.tenant_id, remote.pages_read) == (local.request_id, local.tenant_id,
-                                                                        local.pages_read)
+    assert (remote.request_id, remote.tenant_id, remote.pages_read) == (
+        local.request_id,
+        local.tenant_id,
+        local.pages_read,
+    )
     for part in ("spans", "marks", "pages", "transfers"):
         assert getattr(remote, part).equals(getattr(local, part)), part
     order = ["last_ns", "first_ns", "code", "node"]  # a judge run's findings come in another order than a replay's
@@ -143,10 +148,18 @@ def test_a_tenant_token_session_shows_its_two_views_with_counts_only(monkeypatch
     mine = affected.filter(pl.col("tenant_id") == TENANT)
     assert len(mine) and len(affected) > len(mine)
     with fx.open_store(seeded) as con:
-        others = {r[0] for r in con.execute("SELECT DISTINCT tenant_id FROM events_v WHERE tenant_id IS NOT NULL "
-                                            "AND tenant_id <> ?", [TENANT]).fetchall()}
-        others |= {r[0] for r in con.execute("SELECT DISTINCT request_id FROM events_v WHERE tenant_id IS NOT NULL "
-                                             "AND tenant_id <> ?", [TENANT]).fetchall()}
+        others = {
+            r[0]
+            for r in con.execute(
+                "SELECT DISTINCT tenant_id FROM events_v WHERE tenant_id IS NOT NULL AND tenant_id <> ?", [TENANT]
+            ).fetchall()
+        }
+        others |= {
+            r[0]
+            for r in con.execute(
+                "SELECT DISTINCT request_id FROM events_v WHERE tenant_id IS NOT NULL AND tenant_id <> ?", [TENANT]
+            ).fetchall()
+        }
         others |= {r[0] for r in con.execute("SELECT DISTINCT node FROM producers").fetchall()}
     assert len(others) > 20
     bounds = {"from": format_utc(window.from_ns), "to": format_utc(window.to_ns + 999)}

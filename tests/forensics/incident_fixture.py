@@ -26,20 +26,35 @@ PREFILL_POOL_TOKENS = 8 * PAGE
 LONG, SHORT_ACME, SHORT = 200, 100, 40
 RESEARCHER_KEY = "k:researcher"
 
-BASELINE = [(-350, "acme", SHORT_ACME), (-340, "globex", LONG), (-300, "hooli", SHORT), (-240, "globex", LONG),
-            (-230, "acme", SHORT_ACME), (-200, "hooli", SHORT), (-140, "globex", LONG), (-110, "acme", SHORT_ACME),
-            (-40, "globex", LONG)]
-LONG_IN_WINDOW = ([(m, "globex") for m in (10, 100, 190, 280)] + [(30 + i, "mallory") for i in range(6)]
-                  + [(m, "hooli") for m in (60, 150, 240)] + [(120, "internal-qa"), (121, "internal-qa")]
-                  + [(200 + i, "initech") for i in range(5)])
+BASELINE = [
+    (-350, "acme", SHORT_ACME),
+    (-340, "globex", LONG),
+    (-300, "hooli", SHORT),
+    (-240, "globex", LONG),
+    (-230, "acme", SHORT_ACME),
+    (-200, "hooli", SHORT),
+    (-140, "globex", LONG),
+    (-110, "acme", SHORT_ACME),
+    (-40, "globex", LONG),
+]
+LONG_IN_WINDOW = (
+    [(m, "globex") for m in (10, 100, 190, 280)]
+    + [(30 + i, "mallory") for i in range(6)]
+    + [(m, "hooli") for m in (60, 150, 240)]
+    + [(120, "internal-qa"), (121, "internal-qa")]
+    + [(200 + i, "initech") for i in range(5)]
+)
 
 
 class Incident:
     """Events of three producers on one clock; ``request()`` adds one request's whole history."""
 
     def __init__(self, gap: bool = False):
-        self.prods = {"router": producer("router-0", "router"), "p": producer("prefill-0", "prefill"),
-                      "d": producer("decode-0", "decode")}
+        self.prods = {
+            "router": producer("router-0", "router"),
+            "p": producer("prefill-0", "prefill"),
+            "d": producer("decode-0", "decode"),
+        }
         self.seqs = {k: 0 for k in self.prods}
         self.events: list[dict] = []
         self.gap = gap
@@ -67,8 +82,15 @@ class Incident:
         self.add("p", "request_received", req, prompt_tokens=prompt_tokens)
         too_long = prompt_tokens > PREFILL_POOL_TOKENS
         if too_long:  # the engine bug: rejected, input replaced by a one-token placeholder, still sent
-            self.add("p", "request_aborted", req, stage="prefill_queue", abort_reason="input too long",
-                     http_status=400, prompt_tokens=prompt_tokens)
+            self.add(
+                "p",
+                "request_aborted",
+                req,
+                stage="prefill_queue",
+                abort_reason="input too long",
+                http_status=400,
+                prompt_tokens=prompt_tokens,
+            )
         self.add("d", "request_received", req, prompt_tokens=prompt_tokens, max_new_tokens=8)
         self.add("d", "transfer_reserved", req, pages=dst, num_tokens=prompt_tokens)
         self.add("d", "pages_allocated", req, pages=dst, purpose="decode_reservation")
@@ -76,19 +98,44 @@ class Incident:
         sent_tokens = 1 if too_long else prompt_tokens
         self.add("p", "pages_allocated", req, pages=src, purpose="prefill_extend")
         self.add("p", "kv_written", req, pages=src, token_start=0, token_end=sent_tokens, source="forward")
-        self.add("p", "transfer_sent", req, pages=src, dst_pages=dst[:len(src)], num_tokens=sent_tokens,
-                 is_last_chunk=True, digest=7, digest_algo="adler32")
+        self.add(
+            "p",
+            "transfer_sent",
+            req,
+            pages=src,
+            dst_pages=dst[: len(src)],
+            num_tokens=sent_tokens,
+            is_last_chunk=True,
+            digest=7,
+            digest_algo="adler32",
+        )
         self.add("p", "pages_freed", req, pages=src, free_reason="finish")
-        self.add("d", "kv_written", req, pages=dst[:len(src)], token_start=0, token_end=sent_tokens,
-                 source="transfer_in")
-        self.add("d", "transfer_received", req, pages=dst[:len(src)], num_tokens=sent_tokens, status="ok",
-                 digest=7, digest_algo="adler32")
+        self.add(
+            "d", "kv_written", req, pages=dst[: len(src)], token_start=0, token_end=sent_tokens, source="transfer_in"
+        )
+        self.add(
+            "d",
+            "transfer_received",
+            req,
+            pages=dst[: len(src)],
+            num_tokens=sent_tokens,
+            status="ok",
+            digest=7,
+            digest_algo="adler32",
+        )
         self.add("d", "kv_read", req, pages=dst)
         self.add("d", "pages_freed", req, pages=dst, free_reason="finish")
         if self.gap and self.n == 3:
             self.seqs["router"] += 5  # five router events never reach the store, and nothing reports them
-        self.add("router", "response_sent", req, http_status=200, prompt_tokens=prompt_tokens, completion_tokens=8,
-                 latency_ns=5_000_000)
+        self.add(
+            "router",
+            "response_sent",
+            req,
+            http_status=200,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=8,
+            latency_ns=5_000_000,
+        )
         return rid
 
 

@@ -38,14 +38,15 @@ class Restarted(Incident):
     patched = False
 
     def restart(self, instance: str) -> None:
-        self.prods = {"router": self.prods["router"], "p": producer("prefill-0", "prefill", instance),
-                      "d": producer("decode-0", "decode", instance)}
+        self.prods = {
+            "router": self.prods["router"],
+            "p": producer("prefill-0", "prefill", instance),
+            "d": producer("decode-0", "decode", instance),
+        }
         self.seqs.update(p=0, d=0)
         self.patched = True
-        self.add("p", "node_config", pool_tokens=PREFILL_POOL_TOKENS, pool_pages=8, page_size=PAGE,
-                 context_tokens=512)
-        self.add("d", "node_config", pool_tokens=DECODE_POOL_TOKENS, pool_pages=64, page_size=PAGE,
-                 context_tokens=512)
+        self.add("p", "node_config", pool_tokens=PREFILL_POOL_TOKENS, pool_pages=8, page_size=PAGE, context_tokens=512)
+        self.add("d", "node_config", pool_tokens=DECODE_POOL_TOKENS, pool_pages=64, page_size=PAGE, context_tokens=512)
 
     def request(self, minute: float, tenant: str, prompt_tokens: int, key: str | None = None) -> str:
         if not (self.patched and prompt_tokens > PREFILL_POOL_TOKENS):
@@ -56,10 +57,24 @@ class Restarted(Incident):
         req = {"request_id": rid, "transfer_id": 1000 + self.n, "tenant_id": tenant, "api_key_id": f"k:{tenant}"}
         self.add("router", "request_received", req, prompt_tokens=prompt_tokens, max_new_tokens=8)
         self.add("p", "request_received", req, prompt_tokens=prompt_tokens)
-        self.add("p", "request_aborted", req, stage="prefill_queue", abort_reason="input too long",
-                 http_status=400, prompt_tokens=prompt_tokens)
-        self.add("router", "response_sent", req, http_status=400, prompt_tokens=prompt_tokens, completion_tokens=0,
-                 latency_ns=1_000_000)
+        self.add(
+            "p",
+            "request_aborted",
+            req,
+            stage="prefill_queue",
+            abort_reason="input too long",
+            http_status=400,
+            prompt_tokens=prompt_tokens,
+        )
+        self.add(
+            "router",
+            "response_sent",
+            req,
+            http_status=400,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=0,
+            latency_ns=1_000_000,
+        )
         return rid
 
 

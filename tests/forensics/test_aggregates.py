@@ -20,8 +20,26 @@ from kvtrail.forensics.results.aggregates import uncovered_minutes
 from kvtrail.forensics.results.persist import save_findings
 from kvtrail.forensics.results.window_counts import WindowCounts, window_counts
 
-SIM = ["--seed", "11", "--nodes", "2", "--hours", "0.05", "--rate", "2", "--plants-per-hour", "60", "--tenants", "4",
-       "--prefill-pool-tokens", "200000", "--decode-pool-tokens", "600000", "--context-tokens", "400000"]
+SIM = [
+    "--seed",
+    "11",
+    "--nodes",
+    "2",
+    "--hours",
+    "0.05",
+    "--rate",
+    "2",
+    "--plants-per-hour",
+    "60",
+    "--tenants",
+    "4",
+    "--prefill-pool-tokens",
+    "200000",
+    "--decode-pool-tokens",
+    "600000",
+    "--context-tokens",
+    "400000",
+]
 PARTS = 4
 
 
@@ -44,38 +62,62 @@ def parts(db: Path) -> list[pa.Table]:
     for _, g in keys.group_by(["cluster", "node", "instance"], maintain_order=True):
         rows = g["i"].to_list()
         for k in range(PARTS):
-            out[k] += rows[k * len(rows) // PARTS:(k + 1) * len(rows) // PARTS]
+            out[k] += rows[k * len(rows) // PARTS : (k + 1) * len(rows) // PARTS]
     assert sum(map(len, out)) == events.num_rows
     return [events.take(pa.array(sorted(rows))) for rows in out]
 
 
 def snapshot(con: duckdb.DuckDBPyConnection) -> list[tuple]:
-    return con.execute(f"SELECT producer_id, minute_ns, {', '.join(ag.COUNTER_NAMES)} FROM minute_events "
-                       "WHERE events > 0 ORDER BY 1, 2").fetchall()
+    return con.execute(
+        f"SELECT producer_id, minute_ns, {', '.join(ag.COUNTER_NAMES)} FROM minute_events "
+        "WHERE events > 0 ORDER BY 1, 2"
+    ).fetchall()
 
 
 def findings_counts(con: duckdb.DuckDBPyConnection) -> dict[tuple, int]:
-    return {tuple(r[:4]): r[4] for r in con.execute(
-        "SELECT node, minute_ns, code, severity, sum(findings) FROM minute_findings GROUP BY ALL").fetchall()}
+    return {
+        tuple(r[:4]): r[4]
+        for r in con.execute(
+            "SELECT node, minute_ns, code, severity, sum(findings) FROM minute_findings GROUP BY ALL"
+        ).fetchall()
+    }
 
 
 def scan(con: duckdb.DuckDBPyConnection, lo: int, hi: int) -> dict[str, dict[str, int]]:
     """A few counters of [lo, hi] per node, computed from the events without the aggregates module."""
-    rows = con.execute("""
+    rows = con.execute(
+        """
         SELECT node || '/' || instance, count(*), sum(num_pages + num_dst_pages), count(*) FILTER (kind = 'kv_read'),
                count(*) FILTER (kind = 'transfer_received'), count(*) FILTER (kind = 'response_sent'
                AND http_status = 200), coalesce(sum(dropped_events), 0), max(wall_ns)
-        FROM events_v WHERE wall_ns BETWEEN ? AND ? GROUP BY 1""", [lo, hi]).fetchall()
-    names = ("events", "page_events", "reads", "transfers_received", "responses_2xx", "recorder_dropped_events",
-             "last_event_ns")
+        FROM events_v WHERE wall_ns BETWEEN ? AND ? GROUP BY 1""",
+        [lo, hi],
+    ).fetchall()
+    names = (
+        "events",
+        "page_events",
+        "reads",
+        "transfers_received",
+        "responses_2xx",
+        "recorder_dropped_events",
+        "last_event_ns",
+    )
     return {r[0]: dict(zip(names, map(int, r[1:]))) for r in rows}
 
 
 def counted(wc: WindowCounts) -> dict[str, dict[str, int]]:
-    names = ("events", "page_events", "reads", "transfers_received", "responses_2xx", "recorder_dropped_events",
-             "last_event_ns")
-    return {f"{r['node']}/{r['instance']}": {n: r[n] for n in names} for r in wc.events.iter_rows(named=True)
-            if r["events"]}
+    names = (
+        "events",
+        "page_events",
+        "reads",
+        "transfers_received",
+        "responses_2xx",
+        "recorder_dropped_events",
+        "last_event_ns",
+    )
+    return {
+        f"{r['node']}/{r['instance']}": {n: r[n] for n in names} for r in wc.events.iter_rows(named=True) if r["events"]
+    }
 
 
 def test_batches_added_as_committed_equal_a_recompute(source, tmp_path):
@@ -86,8 +128,7 @@ def test_batches_added_as_committed_equal_a_recompute(source, tmp_path):
             assert len(res.batches) > 1 and res.table is not None  # several producers in one commit
             # what the live judge does after each commit: feed, poll, save without a recompute, add the batch
             assert judge.feed_committed(con, res.table, dict(res.batches))
-            save_findings(con, judge.poll(con), from_ns=None, to_ns=None, engine="online",
-                             recompute_aggregates=False)
+            save_findings(con, judge.poll(con), from_ns=None, to_ns=None, engine="online", recompute_aggregates=False)
             ag.add_batch(con, res.table, dict(res.batches))
             assert uncovered_minutes(con, 0, 2**62) == []
         incremental, found = snapshot(con), findings_counts(con)
@@ -101,8 +142,9 @@ def test_batches_added_as_committed_equal_a_recompute(source, tmp_path):
 
 def test_commits_added_together_equal_them_added_one_by_one(source, tmp_path):
     """What one judge poll hands over at once: several commits, several batches of each producer."""
-    pieces = [t for table in parts(source) for t in (table.slice(0, table.num_rows // 2),
-                                                       table.slice(table.num_rows // 2))]
+    pieces = [
+        t for table in parts(source) for t in (table.slice(0, table.num_rows // 2), table.slice(table.num_rows // 2))
+    ]
     shots = []
     for together in (False, True):
         with AuditStore(tmp_path / f"together-{together}.duckdb") as store:
@@ -144,7 +186,7 @@ def test_a_batch_not_added_uncovers_its_minutes_until_a_recompute(source, tmp_pa
         con = store.cursor()
         first, second, third, fourth = parts(source)
         ag.add_batch(con, *_commit(store, first))
-        store.append(second)                      # committed, never handed to add_batch (judge fell behind)
+        store.append(second)  # committed, never handed to add_batch (judge fell behind)
         ag.add_batch(con, *_commit(store, third))
         holes = uncovered_minutes(con, 0, 2**62)
         assert holes

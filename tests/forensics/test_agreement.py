@@ -26,8 +26,24 @@ from tests.forensics.test_replay import Oracle, Timeline
 
 POOL = 10
 TENANTS = ("acme", "globex")
-PAGE_ACTIONS = ("admit", "admit", "read", "free", "grow", "read_after_free", "late_write", "double_alloc",
-                "hit", "hit", "hit_cross", "hit_stale", "scribble", "late_then_read", "late_then_read", "unverified")
+PAGE_ACTIONS = (
+    "admit",
+    "admit",
+    "read",
+    "free",
+    "grow",
+    "read_after_free",
+    "late_write",
+    "double_alloc",
+    "hit",
+    "hit",
+    "hit_cross",
+    "hit_stale",
+    "scribble",
+    "late_then_read",
+    "late_then_read",
+    "unverified",
+)
 
 
 class PageOracle(Oracle):
@@ -36,13 +52,13 @@ class PageOracle(Oracle):
     def __init__(self, tl, data):
         super().__init__(tl)
         self.data = data
-        self.bhash: dict[int, int] = {}      # page -> block hash its last writer stored (if any)
-        self.wdigest: dict[int, int] = {}    # page -> digest its last writer recorded (if any)
-        self.content: dict[int, int] = {}    # page -> digest of what the page holds now
+        self.bhash: dict[int, int] = {}  # page -> block hash its last writer stored (if any)
+        self.wdigest: dict[int, int] = {}  # page -> digest its last writer recorded (if any)
+        self.content: dict[int, int] = {}  # page -> digest of what the page holds now
         self.hits: dict[tuple[str, int], int] = {}  # (request, page) -> block hash of its hit
         self.stamp = 0
-        self.gen: dict[int, int] = {}    # page -> exclusive allocations so far
-        self.wgen: dict[int, int] = {}   # page -> its allocation count when last written
+        self.gen: dict[int, int] = {}  # page -> exclusive allocations so far
+        self.wgen: dict[int, int] = {}  # page -> its allocation count when last written
         self.late: dict[int, tuple] = {}  # page -> (writer, wgen) a late write overwrote; absent if on time
 
     def new_rid(self):
@@ -211,8 +227,20 @@ def test_legitimate_prefix_sharing_alone_is_clean(data):
 
 # ---- cross-node: transfers, aborts, latency, configuration ---------------------------------------------
 
-PD_KINDS = ("clean", "clean", "clean", "short_send", "bad_digest", "receiver_mismatch", "rejected_served",
-            "placeholder", "failed_short", "aborted_empty", "collide", "collide_short")
+PD_KINDS = (
+    "clean",
+    "clean",
+    "clean",
+    "short_send",
+    "bad_digest",
+    "receiver_mismatch",
+    "rejected_served",
+    "placeholder",
+    "failed_short",
+    "aborted_empty",
+    "collide",
+    "collide_short",
+)
 
 
 def pd_history(data):
@@ -245,24 +273,52 @@ def pd_history(data):
         tl.alloc("p", rid, src)
         w = tl.add("p", "kv_written", rid, pages=src, token_start=0, token_end=computed, source="forward")
         recv["wall_ns"] = w["wall_ns"] - computed  # prefill runs at 1 token/ns
-        sent_tokens = tokens - 1 if kind in ("short_send", "collide_short") else (
-            1 if kind == "placeholder" else tokens)
+        sent_tokens = (
+            tokens - 1 if kind in ("short_send", "collide_short") else (1 if kind == "placeholder" else tokens)
+        )
         landed = dst[:1] if kind == "placeholder" else dst
         digest = 50 + i
-        tl.add("p", "transfer_sent", rid, tid, pages=src * len(landed), dst_pages=landed, num_tokens=sent_tokens,
-               is_last_chunk=True, digest=digest, digest_algo="adler32")
+        tl.add(
+            "p",
+            "transfer_sent",
+            rid,
+            tid,
+            pages=src * len(landed),
+            dst_pages=landed,
+            num_tokens=sent_tokens,
+            is_last_chunk=True,
+            digest=digest,
+            digest_algo="adler32",
+        )
         tl.free("p", rid, src)
         tl.write("d", rid, landed, source="transfer_in")
         got_digest = digest + 1 if kind == "bad_digest" else digest
         status = {"receiver_mismatch": "mismatch", "failed_short": "failed"}.get(kind, "ok")
         landed_tokens = tokens // 2 if kind == "failed_short" else sent_tokens
-        rec = tl.add("d", "transfer_received", rid, tid, pages=landed, num_tokens=landed_tokens, status=status,
-                     **({} if kind == "receiver_mismatch" else {"digest": got_digest, "digest_algo": "adler32"}))
+        rec = tl.add(
+            "d",
+            "transfer_received",
+            rid,
+            tid,
+            pages=landed,
+            num_tokens=landed_tokens,
+            status=status,
+            **({} if kind == "receiver_mismatch" else {"digest": got_digest, "digest_algo": "adler32"}),
+        )
         rd = tl.read("d", rid, dst)
         tl.free("d", rid, dst)
         ttft = 1 if kind == "placeholder" else int(tokens * 1.5) + 1000
-        resp = tl.add("router", "response_sent", rid, tid, http_status=200, prompt_tokens=tokens,
-                      completion_tokens=0 if kind == "aborted_empty" else 3, latency_ns=ttft + 10, ttft_ns=ttft)
+        resp = tl.add(
+            "router",
+            "response_sent",
+            rid,
+            tid,
+            http_status=200,
+            prompt_tokens=tokens,
+            completion_tokens=0 if kind == "aborted_empty" else 3,
+            latency_ns=ttft + 10,
+            ttft_ns=ttft,
+        )
         if landed_tokens != tokens:  # a placeholder of a 1-token prompt sends what was reserved
             expected.append(("F2", rid, rec["wall_ns"]))
         if kind in ("bad_digest", "receiver_mismatch"):

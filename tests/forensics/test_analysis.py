@@ -22,8 +22,9 @@ from kvtrail.forensics.options import ReportOptions
 from kvtrail.forensics.questions import Window, affected_with_exclusions, coverage_gaps, exploitation_for, findings
 from tests.forensics.incident_fixture import MIN, PREFILL_POOL_TOKENS, RESEARCHER_KEY, W0, W1, build
 
-EXCL = an.Exclusions(tenants=(("internal-qa", "provider's own tests"),),
-                     api_key_ids=((RESEARCHER_KEY, "researcher's reproduction"),))
+EXCL = an.Exclusions(
+    tenants=(("internal-qa", "provider's own tests"),), api_key_ids=((RESEARCHER_KEY, "researcher's reproduction"),)
+)
 
 
 @pytest.fixture(scope="module")
@@ -79,14 +80,22 @@ def test_exposure_matrix_cells_and_exposed_tenants(con):
     assert exposed["victim_tenant"].to_list() == ["acme", "umbrella"]  # the pseudo-victim is not a tenant
     acme = exposed.row(0, named=True)
     assert (acme["recipient_tenants"], acme["responses"], acme["pages"], acme["victim_requests"]) == (
-        "globex,hooli,mallory", 13, 52, 8)
+        "globex,hooli,mallory",
+        13,
+        52,
+        8,
+    )
 
 
 def test_threshold_analysis_against_the_prefill_pool(con):
     capacity = node_capacity(con, W0, W1)
     prefill = capacity.filter(pl.col("role") == "prefill").row(0, named=True)
-    assert (prefill["pool_tokens"], prefill["context_tokens"], prefill["pool_covers_context"],
-            prefill["shortfall_tokens"]) == (PREFILL_POOL_TOKENS, 512, False, 384)
+    assert (
+        prefill["pool_tokens"],
+        prefill["context_tokens"],
+        prefill["pool_covers_context"],
+        prefill["shortfall_tokens"],
+    ) == (PREFILL_POOL_TOKENS, 512, False, 384)
     assert capacity.filter(pl.col("role") == "decode")["pool_covers_context"].to_list() == [True]
     kept, dropped, excluded = affected_with_exclusions(con, Window(W0, W1), EXCL)
     requests = requests_table(con, W0, W1, kept["request_id"].to_list())
@@ -94,7 +103,11 @@ def test_threshold_analysis_against_the_prefill_pool(con):
     requests = requests.filter(~pl.col("request_id").is_in(excluded["request_id"].to_list()))
     by_node, s = threshold_analysis(requests, set(kept["request_id"]))
     assert (s["affected"], s["affected_over_pool"], s["unaffected_over_pool"], s["affected_pool_tokens"]) == (
-        13, 13, 0, [PREFILL_POOL_TOKENS])
+        13,
+        13,
+        0,
+        [PREFILL_POOL_TOKENS],
+    )
     assert by_node.row(0, named=True)["max_unaffected_prompt_tokens"] < PREFILL_POOL_TOKENS
     text = threshold_sentence(s)
     assert text.startswith("Every affected prompt (13 of 13) was longer than the prefill pool of its node (128 tokens)")

@@ -14,8 +14,9 @@ from kvtrail.forensics.options import ReportOptions
 from kvtrail.forensics.questions import affected_with_exclusions, exploitation_for, findings, findings_of
 from tests.forensics.incident_fixture import RESEARCHER_KEY, W0, W1, build
 
-EXCL = fx.Exclusions(tenants=(("internal-qa", "provider's own tests"),),
-                     api_key_ids=((RESEARCHER_KEY, "researcher's reproduction"),))
+EXCL = fx.Exclusions(
+    tenants=(("internal-qa", "provider's own tests"),), api_key_ids=((RESEARCHER_KEY, "researcher's reproduction"),)
+)
 W = fx.Window(W0, W1)
 
 

@@ -40,8 +40,9 @@ def _two_victims_store(path, rid="g", tenant="globex"):
         alloc(7, [1, 2, 3, 4, 5], rid=rid, tenant=tenant, prod=D, purpose="decode_reservation"),
         event(8, "kv_written", D, request=req_g, pages=[5], token_start=0, token_end=1, source="transfer_in"),
         event(9, "kv_read", D, request=req_g, pages=[1, 2, 3, 4, 5]),
-        event(10, "response_sent", D, request=req_g, http_status=200, prompt_tokens=80, completion_tokens=9,
-              latency_ns=5),
+        event(
+            10, "response_sent", D, request=req_g, http_status=200, prompt_tokens=80, completion_tokens=9, latency_ns=5
+        ),
     ]
     with AuditStore(path) as s:
         s.append(from_dicts(evs))
@@ -77,8 +78,7 @@ def test_json_gives_arrays_for_list_columns_and_integer_ns(db, capsys):
 
 
 def test_csv_joins_lists_and_keeps_ns(db, capsys):
-    found = pl.read_csv(_out(capsys, ["forensics", "findings", "--db", db, "--code", "F1", "--format", "csv"])
-                        .encode())
+    found = pl.read_csv(_out(capsys, ["forensics", "findings", "--db", db, "--code", "F1", "--format", "csv"]).encode())
     assert sorted(found["pages"].to_list()) == ["1,2", "3,4"]
     assert all(":" in ev for ev in found["evidence"]) and found["first_ns"].dtype == pl.Int64
     affected = pl.read_csv(_out(capsys, ["forensics", "affected", "--db", db, "--format", "csv"]).encode())
@@ -98,13 +98,20 @@ def test_parquet_round_trips_lists(db, tmp_path, capsys):
     assert row["victim_tenants"] == ["acme", "umbrella"] and row["codes"] == ["F1"]
 
 
-@pytest.mark.parametrize("command,summary,time_column", [
-    ("findings", r"\d+ findings: F1 \d+, ", "first_at"),
-    ("affected", r"20 affected responses; tenants: 5 recipient, 2 victim", "first_at"),
-    ("exposure", r"15 recipient x victim pairs: 5 recipient tenants, 2 victim tenants", None),
-    ("thresholds", r"2 node configurations on 2 nodes, 1 with a pool smaller than the context", "effective_from_at"),
-    ("exploitation", r"5 accounts: stands out 3, consistent 2", None),
-])
+@pytest.mark.parametrize(
+    "command,summary,time_column",
+    [
+        ("findings", r"\d+ findings: F1 \d+, ", "first_at"),
+        ("affected", r"20 affected responses; tenants: 5 recipient, 2 victim", "first_at"),
+        ("exposure", r"15 recipient x victim pairs: 5 recipient tenants, 2 victim tenants", None),
+        (
+            "thresholds",
+            r"2 node configurations on 2 nodes, 1 with a pool smaller than the context",
+            "effective_from_at",
+        ),
+        ("exploitation", r"5 accounts: stands out 3, consistent 2", None),
+    ],
+)
 def test_the_table_reads_in_a_terminal(incident, capsys, command, summary, time_column):
     out = _out(capsys, ["forensics", command, "--db", incident, *WINDOW])
     lines = out.splitlines()
@@ -119,12 +126,13 @@ def test_the_table_reads_in_a_terminal(incident, capsys, command, summary, time_
     assert rule in (2, 3)  # the summary (and the window, when both do not fit one line) above the header
     assert lines[rule - 1].split()[0] in ("code", "request_id", "recipient_tenant", "node", "tenant_id")
     rows = []
-    for line in lines[rule + 1:]:
+    for line in lines[rule + 1 :]:
         if line.startswith("("):  # the footer: notes follow it
             break
         rows.append(line)
-    assert len(rows) == len(json.loads(_out(capsys, ["forensics", command, "--db", incident, *WINDOW,
-                                                     "--format", "json"])))
+    assert len(rows) == len(
+        json.loads(_out(capsys, ["forensics", command, "--db", incident, *WINDOW, "--format", "json"]))
+    )
 
 
 def test_dropped_columns_are_counted_and_notes_printed(incident, capsys):
@@ -157,8 +165,14 @@ def test_warnings_and_gaps_go_to_stderr_for_every_format(db, monkeypatch, capsys
 
     def with_warning(*args, **kw):
         a = real(*args, **kw)
-        return types.SimpleNamespace(rows=a.rows, excluded=a.excluded, gaps=a.gaps, notes=a.notes,
-                                     warnings=("transfer 7 seen for requests g and h",))
+        return types.SimpleNamespace(
+            rows=a.rows,
+            excluded=a.excluded,
+            gaps=a.gaps,
+            notes=a.notes,
+            warnings=("transfer 7 seen for requests g and h",),
+        )
+
     monkeypatch.setattr(ask, "ask_affected", with_warning)
     for fmt in ("table", "json"):
         assert main(["forensics", "affected", "--db", db, "--format", fmt]) == 0
@@ -171,8 +185,9 @@ def test_table_to_a_file_and_empty_answers(db, tmp_path, capsys):
     out = tmp_path / "t.txt"
     assert "wrote 1 rows" in _out(capsys, ["forensics", "affected", "--db", db, "--out", str(out)])
     assert out.read_text().startswith("1 affected response; tenants: 1 recipient, 2 victim, whole store")
-    empty = _out(capsys, ["forensics", "affected", "--db", db, "--from", "2026-09-09T13:00:00Z",
-                          "--to", "2026-09-09T13:10:00Z"])
+    empty = _out(
+        capsys, ["forensics", "affected", "--db", db, "--from", "2026-09-09T13:00:00Z", "--to", "2026-09-09T13:10:00Z"]
+    )
     assert empty == "no affected responses in this window\n"
 
 
@@ -180,24 +195,46 @@ def test_formatting_helpers():
     assert shorten("abcdefghij", 5, middle=True) == "ab…ij" and shorten("abcdefghij", 5) == "abcd…"
     assert shorten("abc", 5, middle=True) == "abc"
     assert printable("a\x1b[1mb\nc\u202ed") == "a\\x1b[1mb\\x0ac\\u202ed" and printable(None) == ""
-    lists = pl.DataFrame({"request_id": ["r"], "tenant_id": ["t"], "codes": [["F1", "F5"]],
-                          "victim_tenants": [["b", "a"]], "victim_requests": [["x", "y", "z"]], "first_ns": [0]})
+    lists = pl.DataFrame(
+        {
+            "request_id": ["r"],
+            "tenant_id": ["t"],
+            "codes": [["F1", "F5"]],
+            "victim_tenants": [["b", "a"]],
+            "victim_requests": [["x", "y", "z"]],
+            "first_ns": [0],
+        }
+    )
     text = render_table(lists, AFFECTED)
     assert "1970-01-01T00:00:00.000000Z" in text and "a,b" in text and "F1" not in text
     assert text.splitlines()[3].split()[-2] == "3"  # three victim requests, counted
     assert all(len(line) <= 60 for line in render_table(lists, AFFECTED, width_chars=60).splitlines())
-    ev = pl.DataFrame({"evidence": [[{"producer_id": 1, "seq": 2}, {"producer_id": 3, "seq": 4}], []],
-                       "pages": [[1, 2], None], "victim_tenant_ids": [["a", None], []]})
+    ev = pl.DataFrame(
+        {
+            "evidence": [[{"producer_id": 1, "seq": 2}, {"producer_id": 3, "seq": 4}], []],
+            "pages": [[1, 2], None],
+            "victim_tenant_ids": [["a", None], []],
+        }
+    )
     flat = csv_frame(ev)
     assert flat["evidence"].to_list() == ["1:2;3:4", ""] and flat["pages"].to_list() == ["1,2", None]
     assert flat["victim_tenant_ids"].to_list() == ["a,", ""]
     assert tables.window_scope(None, None, "acme") == "whole store, tenant acme"
 
 
-WIDE = pl.DataFrame({"request_id": ["a282094c90274d82", "5e0c1a9b77d3f601"], "tenant_id": ["acme", "initech"],
-                     "http_status": [200, 200], "prompt_tokens": [13080, 131072], "completion_tokens": [48, 4096],
-                     "pages_read_foreign": [817, 8192], "victim_tenants": [["globex", "initech"], ["acme"]],
-                     "victim_requests": [["x", "y", "z"], ["w"]], "first_ns": [1_788_912_420_000_009_000] * 2})
+WIDE = pl.DataFrame(
+    {
+        "request_id": ["a282094c90274d82", "5e0c1a9b77d3f601"],
+        "tenant_id": ["acme", "initech"],
+        "http_status": [200, 200],
+        "prompt_tokens": [13080, 131072],
+        "completion_tokens": [48, 4096],
+        "pages_read_foreign": [817, 8192],
+        "victim_tenants": [["globex", "initech"], ["acme"]],
+        "victim_requests": [["x", "y", "z"], ["w"]],
+        "first_ns": [1_788_912_420_000_009_000] * 2,
+    }
+)
 
 
 @pytest.mark.parametrize("width", [120, 100, 80, 60])
@@ -211,8 +248,12 @@ def test_ids_and_numbers_are_never_cut_and_left_out_columns_are_named(width):
     rows = [line.split() for line in lines[3:5]]
     for row, rid in zip(rows, WIDE["request_id"]):
         assert row[0] == rid
-    numbers = {"status": "http_status", "prompt": "prompt_tokens", "completion": "completion_tokens",
-               "pages": "pages_read_foreign"}
+    numbers = {
+        "status": "http_status",
+        "prompt": "prompt_tokens",
+        "completion": "completion_tokens",
+        "pages": "pages_read_foreign",
+    }
     for head, name in numbers.items():
         if head in header:
             i = header.index(head)
@@ -243,7 +284,10 @@ def test_a_joined_list_is_cut_between_ids_never_inside_one():
     assert shorten_items("acme,initech,(never written)", 20) == "acme,initech +1"
     assert shorten_items("acme,initech,(never written)", 10) == "acme +2"
     assert shorten_items("a-very-long-tenant-id,b", 8) == "2 items"
-    text = render_table(WIDE.with_columns(pl.Series("victim_tenants", [["globex", "initech", "umbrella-corp"]] * 2)),
-                        AFFECTED, width_chars=100)
+    text = render_table(
+        WIDE.with_columns(pl.Series("victim_tenants", [["globex", "initech", "umbrella-corp"]] * 2)),
+        AFFECTED,
+        width_chars=100,
+    )
     row = text.splitlines()[3]
     assert "globex,initech +1" in row or "globex,initech,umbrella-corp" in row, row

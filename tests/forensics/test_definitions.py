@@ -57,7 +57,9 @@ def test_late_writer_is_a_source_and_its_reader_the_recipient(mem_store):
     store = mem_store
     found = judged(store, late_write_history(r_writes_first=True))
     assert [(f.code, f.request_id, f.victim_request_ids, f.pages) for f in found] == [
-        ("F7", "w", ("r",), (1, 2)), ("F1", "r", ("w",), (1, 2))]
+        ("F7", "w", ("r",), (1, 2)),
+        ("F1", "r", ("w",), (1, 2)),
+    ]
     f7, f1 = found
     assert "source" in f7.detail
     # R's own KV was there first: the late bytes corrupted it, and R's finding says so
@@ -66,13 +68,15 @@ def test_late_writer_is_a_source_and_its_reader_the_recipient(mem_store):
 
     affected = ask_affected(store.con).rows
     assert affected.select("request_id", "tenant_id", "http_status", "completion_tokens").rows() == [
-        ("r", "tenant-r", 200, 7)]
+        ("r", "tenant-r", 200, 7)
+    ]
     row = affected.row(0, named=True)
     assert (row["codes"], row["victim_tenants"], row["victim_requests"]) == (["F1"], ["tenant-w"], ["w"])
 
     exposure = ask_exposure(store.con).rows
     assert exposure.select("recipient_tenant", "victim_tenant", "responses", "pages").rows() == [
-        ("tenant-r", "tenant-w", 1, 2)]
+        ("tenant-r", "tenant-w", 1, 2)
+    ]
 
     report = build_report(store.con, ReportOptions(T0 - 10**9, T0 + 10**9))
     counts = report.counts
@@ -100,11 +104,19 @@ def test_f4_needs_output_and_an_empty_2xx_after_an_abort_stays_visible(mem_store
     store = mem_store
     tl = pd_timeline()
     tl.add("p", "request_aborted", "r1", 7, stage="prefill_queue", abort_reason="input too long", http_status=400)
-    tl.add("router", "response_sent", "r1", 7, http_status=200, prompt_tokens=900, completion_tokens=0,
-           latency_ns=10, finish_reason="length")
+    tl.add(
+        "router",
+        "response_sent",
+        "r1",
+        7,
+        http_status=200,
+        prompt_tokens=900,
+        completion_tokens=0,
+        latency_ns=10,
+        finish_reason="length",
+    )
     tl.add("p", "request_aborted", "r2", 8, stage="prefill_queue", abort_reason="input too long", http_status=400)
-    tl.add("router", "response_sent", "r2", 8, http_status=200, prompt_tokens=900, completion_tokens=12,
-           latency_ns=10)
+    tl.add("router", "response_sent", "r2", 8, http_status=200, prompt_tokens=900, completion_tokens=12, latency_ns=10)
     assert [(f.code, f.request_id) for f in judged(store, tl)] == [("F4", "r2")]
     answer = ask_findings(store.con)
     assert answer.rows["request_id"].to_list() == ["r2"]
@@ -121,8 +133,9 @@ def test_f2_counts_what_landed_on_a_failed_transfer_and_is_critical_when_served(
     tl.add("d", "transfer_reserved", "r1", 5, pages=[1, 2, 3], num_tokens=40)
     tl.add("p", "transfer_sent", "r1", 5, pages=[1, 2, 3], dst_pages=[1, 2, 3], num_tokens=40, is_last_chunk=True)
     tl.add("d", "transfer_received", "r1", 5, pages=[1], num_tokens=16, status="failed")
-    resp = tl.add("router", "response_sent", "r1", 5, http_status=200, prompt_tokens=40, completion_tokens=3,
-                  latency_ns=10)
+    resp = tl.add(
+        "router", "response_sent", "r1", 5, http_status=200, prompt_tokens=40, completion_tokens=3, latency_ns=10
+    )
     tl.add("d", "transfer_reserved", "r2", 6, pages=[4, 5], num_tokens=20)
     tl.add("d", "transfer_received", "r2", 6, pages=[4], num_tokens=10, status="aborted")  # not served
     f2 = {f.request_id: f for f in judged(store, tl) if f.code == "F2"}
@@ -137,17 +150,20 @@ def test_f2_counts_what_landed_on_a_failed_transfer_and_is_critical_when_served(
 def test_a_transfer_id_shared_by_two_requests_joins_neither_with_the_other(mem_store):
     store = mem_store
     tl = pd_timeline()
-    pd_request(tl, "r1", 9, [1], [10], 10)                  # clean
+    pd_request(tl, "r1", 9, [1], [10], 10)  # clean
     pd_request(tl, "r2", 9, [2], [12], 12, sent_tokens=11)  # same transfer id, one token short
     for rid in ("r1", "r2"):
-        tl.add("router", "response_sent", rid, 9, http_status=200, prompt_tokens=20, completion_tokens=2,
-               latency_ns=10)
+        tl.add("router", "response_sent", rid, 9, http_status=200, prompt_tokens=20, completion_tokens=2, latency_ns=10)
     found = judged(store, tl)
     assert [(f.code, f.request_id, f.pages) for f in found] == [("F2", "r2", (12,))]
     assert "reserved 12 tokens/1 pages; sent 11 tokens/1 pages" in found[0].detail
     # every answer says that the record itself is suspect
-    for answer in (ask_findings(store.con), ask_affected(store.con), ask_exposure(store.con),
-                   ask_node_configurations(store.con)):
+    for answer in (
+        ask_findings(store.con),
+        ask_affected(store.con),
+        ask_exposure(store.con),
+        ask_node_configurations(store.con),
+    ):
         (warning,) = answer.warnings
         assert "1 transfer id(s) carried by more than one request" in warning and "9: r1, r2" in warning
     report = build_report(store.con, ReportOptions(T0 - 10**9, T0 + 10**9))
@@ -166,5 +182,6 @@ def test_a_page_listed_twice_in_one_allocation_is_an_allocator_finding(mem_store
     tl.read("d", "r1", [1, 2, 4, 6])
     found = judged(store, tl)  # ingested whole: the evidence of the bug is kept
     assert [(f.code, f.request_id, f.victim_request_ids, f.pages, f.evidence) for f in found] == [
-        ("F6", "r1", ("r1",), (4, 1), ((producer_id(store, "d"), alloc["seq"]),))]
+        ("F6", "r1", ("r1",), (4, 1), ((producer_id(store, "d"), alloc["seq"]),))
+    ]
     assert "listed more than once" in found[0].detail

@@ -19,24 +19,47 @@ def _pd(timeout_s: float | None, prefill_timeout_s: float | None = 1.0) -> Timel
     for name, role, timeout in (("p", "prefill", prefill_timeout_s), ("d", "decode", timeout_s)):
         tl.node(name, role)
         if timeout is not None:  # a second config of the node stating its timeout
-            tl.add(name, "node_config", pool_tokens=512, pool_pages=32, page_size=16, context_tokens=512,
-                   release_timeout_ns=int(timeout * SECOND_NS))
+            tl.add(
+                name,
+                "node_config",
+                pool_tokens=512,
+                pool_pages=32,
+                page_size=16,
+                context_tokens=512,
+                release_timeout_ns=int(timeout * SECOND_NS),
+            )
     return tl
 
 
-def _transfer(tl: Timeline, rid: str, tid: int, sends_at_s: list[float], receipt_at_s: float | None,
-              reserve: bool = True) -> None:
+def _transfer(
+    tl: Timeline, rid: str, tid: int, sends_at_s: list[float], receipt_at_s: float | None, reserve: bool = True
+) -> None:
     """A reservation at BASE, sends and a receipt at the given seconds after it."""
+
     def at(ev, s):
         ev["wall_ns"] = BASE + int(s * SECOND_NS)
+
     if reserve:
         at(tl.add("d", "transfer_reserved", rid, tid, pages=[1, 2], num_tokens=32), 0)
     for i, s in enumerate(sends_at_s):
-        at(tl.add("p", "transfer_sent", rid, tid, pages=[3 + i], dst_pages=[1 + i], num_tokens=16,
-                  is_last_chunk=i == len(sends_at_s) - 1), s)
+        at(
+            tl.add(
+                "p",
+                "transfer_sent",
+                rid,
+                tid,
+                pages=[3 + i],
+                dst_pages=[1 + i],
+                num_tokens=16,
+                is_last_chunk=i == len(sends_at_s) - 1,
+            ),
+            s,
+        )
     if receipt_at_s is not None:
-        at(tl.add("d", "transfer_received", rid, tid, pages=[1, 2], num_tokens=16 * len(sends_at_s), status="ok"),
-           receipt_at_s)
+        at(
+            tl.add("d", "transfer_received", rid, tid, pages=[1, 2], num_tokens=16 * len(sends_at_s), status="ok"),
+            receipt_at_s,
+        )
 
 
 def _sorted(events):

@@ -20,14 +20,14 @@ def test_findings_arrive_batch_by_batch_and_match_a_window_rerun(tmp_path):
     tl.alloc("d", "r2", [20])
     tl.free("d", "r2", [20], "abort")
     tl.alloc("d", "r3", [20])
-    tl.write("d", "r2", [20])                                                           # F7
+    tl.write("d", "r2", [20])  # F7
     with AuditStore(tmp_path / "a.duckdb") as store:
         online, con = OnlineReplay(), store.cursor()
-        assert online.poll(con) == []                       # an empty store
+        assert online.poll(con) == []  # an empty store
         store.append(from_dicts(tl.events[:cut]))
         first = online.poll(con)
         assert sorted(f.code for f in first) == ["F1", "F2"]
-        assert online.poll(con) == []                       # nothing new, nothing repeated
+        assert online.poll(con) == []  # nothing new, nothing repeated
         # the decode node's later batch: only the late write is new
         store.append(from_dicts([e for e in tl.events[cut:]]))
         second = online.poll(con)
@@ -45,7 +45,7 @@ def test_committed_batches_fed_directly_judge_as_read_ones_and_out_of_order_fall
     tl.alloc("d", "r2", [20])
     tl.free("d", "r2", [20], "abort")
     tl.alloc("d", "r3", [20])
-    tl.write("d", "r2", [20])                                                           # F7
+    tl.write("d", "r2", [20])  # F7
     with AuditStore(tmp_path / "a.duckdb") as store:
         read, fed, con = OnlineReplay(), OnlineReplay(), store.cursor()
         got_read, got_fed = [], []
@@ -71,11 +71,11 @@ def test_cross_node_findings_asked_after_every_event_equal_a_fresh_replay_of_the
     from kvtrail.forensics.replay.engine import ReplayEngine
 
     tl = pd_timeline()
-    pd_request(tl, "r1", 41, [1], [11, 12], 64, sent_tokens=32)                          # F2
+    pd_request(tl, "r1", 41, [1], [11, 12], 64, sent_tokens=32)  # F2
     tl.add("router", "response_sent", "r1", http_status=200, prompt_tokens=64, completion_tokens=5, latency_ns=5)
-    pd_request(tl, "r2", 42, [2], [13], 16, received_digest=9)                           # F3
+    pd_request(tl, "r2", 42, [2], [13], 16, received_digest=9)  # F3
     tl.add("router", "response_sent", "r2", http_status=200, prompt_tokens=16, completion_tokens=0, latency_ns=5)
-    pd_request(tl, "r3", 43, [3], [14], 16, sent_tokens=8, status="mismatch")            # F2, F3
+    pd_request(tl, "r3", 43, [3], [14], 16, sent_tokens=8, status="mismatch")  # F2, F3
     tl.add("d", "transfer_sent", "r3", 43, pages=[3], dst_pages=[14], num_tokens=8, is_last_chunk=True)
     tl.add("router", "response_sent", "r3", http_status=200, prompt_tokens=16, completion_tokens=2, latency_ns=5)
     events = tl.events
@@ -85,9 +85,10 @@ def test_cross_node_findings_asked_after_every_event_equal_a_fresh_replay_of_the
         live.feed(from_dicts([ev]))
         got = live.findings()
         fresh = ReplayEngine(fast=False)
-        fresh.feed(from_dicts(events[:i + 1]))
-        assert [(_key(f), f.severity, f.detail) for f in got] == [(_key(f), f.severity, f.detail)
-                                                                   for f in fresh.findings()], i
+        fresh.feed(from_dicts(events[: i + 1]))
+        assert [(_key(f), f.severity, f.detail) for f in got] == [
+            (_key(f), f.severity, f.detail) for f in fresh.findings()
+        ], i
         codes |= {f.code for f in got}
     assert {"F2", "F3"} <= codes
     assert any(f.code == "F2" and f.severity == "critical" for f in live.findings())  # r1's response: output

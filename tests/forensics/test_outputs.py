@@ -129,6 +129,7 @@ def test_force_replaces_the_reports_files_only_and_says_so(db, tmp_path, capsys)
 def test_a_report_failing_half_way_leaves_the_folder_as_it_was(db, tmp_path, monkeypatch, capsys):
     def broken_pdf(*args, **kw):
         raise RuntimeError("pdf renderer crashed")
+
     good = tmp_path / "good"
     assert _report(db, good) == 0
     old = {n: (good / n).read_bytes() for n in os.listdir(good)}

@@ -34,8 +34,11 @@ def rates_by_definition(j: CrossNodeJoins) -> dict:
             prev = wall
             if starts and tokens > 0 and wall > max(starts) and (nk, rid) not in j.aborted_at:
                 samples.setdefault(nk, []).append(tokens / (wall - max(starts)))
-    return {nk: float(np.quantile(np.array(xs), POLICY.latency_quantile))
-            for nk, xs in samples.items() if len(xs) >= POLICY.min_latency_samples}
+    return {
+        nk: float(np.quantile(np.array(xs), POLICY.latency_quantile))
+        for nk, xs in samples.items()
+        if len(xs) >= POLICY.min_latency_samples
+    }
 
 
 def _event(nk, rid, ord_, wall):

@@ -26,8 +26,9 @@ def _incident_store(path, gap=False):
         alloc(4, [1, 2, 3, 4], rid="g", tenant="globex", prod=D, purpose="decode_reservation"),
         event(5, "kv_written", D, request=req_g, pages=[1], token_start=0, token_end=1, source="transfer_in"),
         event(6, "kv_read", D, request=req_g, pages=[1, 2, 3, 4]),
-        event(7, "response_sent", D, request=req_g, http_status=200, prompt_tokens=64, completion_tokens=9,
-              latency_ns=5),
+        event(
+            7, "response_sent", D, request=req_g, http_status=200, prompt_tokens=64, completion_tokens=9, latency_ns=5
+        ),
     ]
     if gap:
         evs[7]["seq"] = 12  # seq 7..11 never arrived and nothing reported them
@@ -88,8 +89,9 @@ def test_both_engines_from_the_cli_and_saved_findings_are_idempotent(db, capsys)
     replay = json.loads(capsys.readouterr().out)
     assert main(["forensics", "findings", "--db", str(db), "--format", "json", "--engine", "sql"]) == 0
     sql = json.loads(capsys.readouterr().out)
-    assert [(r["code"], r["pages"], r["evidence"]) for r in replay] == [(r["code"], r["pages"], r["evidence"])
-                                                                         for r in sql]
+    assert [(r["code"], r["pages"], r["evidence"]) for r in replay] == [
+        (r["code"], r["pages"], r["evidence"]) for r in sql
+    ]
     assert [r["code"] for r in replay] == ["F8", "F1"]  # the pool is smaller than the context; acme's pages
     for n in (1, 2):
         assert main(["forensics", "findings", "--db", str(db), "--save"]) == 0

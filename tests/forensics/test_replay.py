@@ -25,8 +25,14 @@ class Timeline:
         self.seqs[name] = 0
         if role != "router":
             pool_tokens = pool_pages * page_size
-            self.add(name, "node_config", pool_tokens=pool_tokens, pool_pages=pool_pages, page_size=page_size,
-                     context_tokens=pool_tokens if context_tokens is None else context_tokens)
+            self.add(
+                name,
+                "node_config",
+                pool_tokens=pool_tokens,
+                pool_pages=pool_pages,
+                page_size=page_size,
+                context_tokens=pool_tokens if context_tokens is None else context_tokens,
+            )
         return prod
 
     def add(self, node, kind, rid=None, tid=None, **payload):
@@ -46,8 +52,16 @@ class Timeline:
         return self.add(node, "pages_allocated", rid, pages=pages, purpose=purpose, **kw)
 
     def write(self, node, rid, pages, **kw):
-        return self.add(node, "kv_written", rid, pages=pages, token_start=0, token_end=16 * len(pages),
-                        source=kw.pop("source", "forward"), **kw)
+        return self.add(
+            node,
+            "kv_written",
+            rid,
+            pages=pages,
+            token_start=0,
+            token_end=16 * len(pages),
+            source=kw.pop("source", "forward"),
+            **kw,
+        )
 
     def read(self, node, rid, pages):
         return self.add(node, "kv_read", rid, pages=pages)
@@ -65,23 +79,53 @@ def wall(e):
     return e["wall_ns"]
 
 
-def pd_request(tl, rid, tid, src, dst, tokens, *, sent_tokens=None, sent_pages=None, received_tokens=None,
-               digest=7, received_digest=None, status="ok", src_hashes=None):
+def pd_request(
+    tl,
+    rid,
+    tid,
+    src,
+    dst,
+    tokens,
+    *,
+    sent_tokens=None,
+    sent_pages=None,
+    received_tokens=None,
+    digest=7,
+    received_digest=None,
+    status="ok",
+    src_hashes=None,
+):
     """One request's prefill -> decode transfer (nodes 'p' and 'd'), then decode reads its pages."""
     tl.add("d", "transfer_reserved", rid, tid, pages=dst, num_tokens=tokens)
     tl.alloc("d", rid, dst, "decode_reservation")
     tl.alloc("p", rid, src)
     tl.write("p", rid, src, **({"block_hashes": src_hashes} if src_hashes else {}))
     sp = src if sent_pages is None else src[:sent_pages]
-    tl.add("p", "transfer_sent", rid, tid, pages=sp, dst_pages=dst[:len(sp)],
-           num_tokens=tokens if sent_tokens is None else sent_tokens, is_last_chunk=True, digest=digest,
-           digest_algo="adler32")
+    tl.add(
+        "p",
+        "transfer_sent",
+        rid,
+        tid,
+        pages=sp,
+        dst_pages=dst[: len(sp)],
+        num_tokens=tokens if sent_tokens is None else sent_tokens,
+        is_last_chunk=True,
+        digest=digest,
+        digest_algo="adler32",
+    )
     tl.free("p", rid, src)
-    tl.write("d", rid, dst[:len(sp)], source="transfer_in")
-    rec = tl.add("d", "transfer_received", rid, tid, pages=dst[:len(sp)],
-                 num_tokens=(tokens if sent_tokens is None else sent_tokens) if received_tokens is None
-                 else received_tokens, status=status, digest=digest if received_digest is None else received_digest,
-                 digest_algo="adler32")
+    tl.write("d", rid, dst[: len(sp)], source="transfer_in")
+    rec = tl.add(
+        "d",
+        "transfer_received",
+        rid,
+        tid,
+        pages=dst[: len(sp)],
+        num_tokens=(tokens if sent_tokens is None else sent_tokens) if received_tokens is None else received_tokens,
+        status=status,
+        digest=digest if received_digest is None else received_digest,
+        digest_algo="adler32",
+    )
     tl.read("d", rid, dst)
     return rec
 
@@ -175,7 +219,9 @@ def test_f7_late_write_after_abort_then_foreign_read():
     tl.read("d", "r2", [1, 2])
     found = tl.findings()
     assert [(f.code, f.request_id, f.victim_request_ids, f.pages) for f in found] == [
-        ("F7", "r1", ("r2",), (2,)), ("F1", "r2", ("r1",), (2,))]
+        ("F7", "r1", ("r2",), (2,)),
+        ("F1", "r2", ("r1",), (2,)),
+    ]
     assert "released" in found[0].detail
 
 
@@ -227,18 +273,28 @@ def test_f3_digest_mismatch():
     assert [f.request_id for f in f3] == ["r1"] and "0x5" in f3[0].detail
     # different algorithms cannot be compared; a receiver's own 'mismatch' verdict still counts
     tl.add("d", "transfer_received", "r3", 3, pages=[3], num_tokens=10, status="ok", digest=1, digest_algo="x")
-    tl.add("p", "transfer_sent", "r3", 3, pages=[3], dst_pages=[3], num_tokens=10, is_last_chunk=True,
-           digest=2, digest_algo="adler32")
+    tl.add(
+        "p",
+        "transfer_sent",
+        "r3",
+        3,
+        pages=[3],
+        dst_pages=[3],
+        num_tokens=10,
+        is_last_chunk=True,
+        digest=2,
+        digest_algo="adler32",
+    )
     tl.add("d", "transfer_received", "r4", 4, pages=[4], num_tokens=10, status="mismatch")
     assert [f.request_id for f in tl.findings() if f.code == "F3"] == ["r1", "r4"]
 
 
 def test_f4_rejected_but_served_needs_the_same_request_and_output():
     tl = pd_timeline()
-    ab = tl.add("p", "request_aborted", "r1", 77, stage="prefill_queue", abort_reason="input too long",
-                http_status=400)
-    resp = tl.add("router", "response_sent", "r1", 77, http_status=200, prompt_tokens=900_000,
-                  completion_tokens=50, latency_ns=10)
+    ab = tl.add("p", "request_aborted", "r1", 77, stage="prefill_queue", abort_reason="input too long", http_status=400)
+    resp = tl.add(
+        "router", "response_sent", "r1", 77, http_status=200, prompt_tokens=900_000, completion_tokens=50, latency_ns=10
+    )
     tl.add("d", "request_aborted", "r2", stage="decode", abort_reason="client", http_status=499)
     tl.add("router", "response_sent", "r2", http_status=499, prompt_tokens=1, completion_tokens=0, latency_ns=1)
     # SGLang's "abort returns 200 with finish_reason length": a 2xx without output is no exposure
@@ -289,14 +345,14 @@ def test_store_round_trip_and_window(tmp_path):
     tl.alloc("d", "r3", [1, 2])
     tl.write("d", "r2", [1])  # late write
     end = T0 + 1000 * len(tl.events)
-    tl.add("router", "response_sent", "r1", 42, http_status=200, prompt_tokens=120, completion_tokens=3,
-           latency_ns=9)
+    tl.add("router", "response_sent", "r1", 42, http_status=200, prompt_tokens=120, completion_tokens=3, latency_ns=9)
     expected = tl.findings()
     with AuditStore(tmp_path / "audit.duckdb") as store:
         store.append(from_dicts(tl.events))
         found = replay_store(store.con)
         assert [(f.code, f.request_id, f.pages, f.victim_request_ids, f.first_ns, f.last_ns) for f in found] == [
-            (f.code, f.request_id, f.pages, f.victim_request_ids, f.first_ns, f.last_ns) for f in expected]
+            (f.code, f.request_id, f.pages, f.victim_request_ids, f.first_ns, f.last_ns) for f in expected
+        ]
         assert {f.code for f in found} == {"F1", "F2", "F7"}
         stored = {tuple(r) for r in store.con.execute("SELECT producer_id, seq FROM events").fetchall()}
         assert all(k in stored for f in found for k in f.evidence)
@@ -314,9 +370,9 @@ def test_stale_prefix_hit_is_foreign_and_a_matching_one_is_not():
     tl.write("p", "r1", [1, 2], block_hashes=[11, 12])
     tl.free("p", "r1", [1, 2])
     tl.alloc("p", "r2", [1, 2], "prefix_hit", block_hashes=[11, 12])
-    tl.read("p", "r2", [1, 2])                       # the radix cache working: nothing
+    tl.read("p", "r2", [1, 2])  # the radix cache working: nothing
     tl.free("p", "r2", [1, 2])
-    tl.alloc("p", "r3", [2])                         # page 2 reused and overwritten
+    tl.alloc("p", "r3", [2])  # page 2 reused and overwritten
     w3 = tl.write("p", "r3", [2])
     tl.free("p", "r3", [2])
     tl.alloc("p", "r4", [1, 2], "prefix_hit", block_hashes=[11, 12])  # a stale radix entry for page 2
@@ -335,11 +391,12 @@ def test_f10_cross_tenant_prefix_sharing_depends_on_policy():
     tl.alloc("p", "r1", [1, 2, 3])
     w1 = tl.write("p", "r1", [1, 2, 3], block_hashes=[5, 6, 7])
     tl.free("p", "r1", [1, 2, 3])
-    tl.alloc("p", "r2", [1, 2], "prefix_hit", block_hashes=[5, 6])   # another tenant, same content keys
+    tl.alloc("p", "r2", [1, 2], "prefix_hit", block_hashes=[5, 6])  # another tenant, same content keys
     rd = tl.read("p", "r2", [1, 2])
     found = tl.findings()
     assert [(f.code, f.request_id, f.tenant_id, f.pages, f.victim_tenant_ids) for f in found] == [
-        ("F10", "r2", "t-r2", (1, 2), ("t-r1",))]
+        ("F10", "r2", "t-r2", (1, 2), ("t-r1",))
+    ]
     assert found[0].evidence == ((0, w1["seq"]), (0, rd["seq"])) and found[0].severity == "medium"
     allowed = ReplayEngine(policy=ForensicsPolicy(allow_tenant_cache_sharing=True))
     allowed.feed(from_dicts(tl.events))
@@ -361,20 +418,46 @@ def test_f9_implausible_latency_against_the_nodes_own_prefill_rate():
         if hit_pages:
             at(tl.alloc("p", rid, list(range(5, 5 + hit_pages)), "prefix_hit", block_hashes=[0] * hit_pages), t + 1)
         if aborted:
-            at(tl.add("p", "request_aborted", rid, tid, stage="prefill_queue", abort_reason="too long",
-                      http_status=400), t + 2)
+            at(
+                tl.add(
+                    "p", "request_aborted", rid, tid, stage="prefill_queue", abort_reason="too long", http_status=400
+                ),
+                t + 2,
+            )
         done = t + (queued_us + compute_us) * 1000
-        at(tl.add("p", "kv_written", rid, pages=[1], token_start=0,
-                  token_end=1 if aborted else prompt - 16 * hit_pages, source="forward"), done)
-        at(tl.add("router", "response_sent", rid, tid, http_status=200, prompt_tokens=prompt, completion_tokens=4,
-                  latency_ns=1, ttft_ns=ttft_us * 1000), t + ttft_us * 1000)
+        at(
+            tl.add(
+                "p",
+                "kv_written",
+                rid,
+                pages=[1],
+                token_start=0,
+                token_end=1 if aborted else prompt - 16 * hit_pages,
+                source="forward",
+            ),
+            done,
+        )
+        at(
+            tl.add(
+                "router",
+                "response_sent",
+                rid,
+                tid,
+                http_status=200,
+                prompt_tokens=prompt,
+                completion_tokens=4,
+                latency_ns=1,
+                ttft_ns=ttft_us * 1000,
+            ),
+            t + ttft_us * 1000,
+        )
         clock[0] = done + 1000
 
     # clean requests at about 1000 tokens per ms; one queued behind another for 5 ms (queueing is not compute)
     for i, (prompt, us) in enumerate([(1000, 1000), (2000, 2500), (500, 1000)]):
         served(f"ok{i}", 100 + i, prompt, us, us + 200)
-    served("fast", 200, 8000, 5, 300, aborted=True)            # placeholder: 1 token computed, 8000 claimed
-    served("cached", 201, 400, 100, 150, hit_pages=20)         # 320 tokens came from the prefix cache
+    served("fast", 200, 8000, 5, 300, aborted=True)  # placeholder: 1 token computed, 8000 claimed
+    served("cached", 201, 400, 100, 150, hit_pages=20)  # 320 tokens came from the prefix cache
     tl.events.sort(key=lambda e: e["wall_ns"])
     for node in tl.seqs:  # keep each producer's seq in time order after the edits above
         for n, e in enumerate(e for e in tl.events if e["producer"]["node"] == node):
@@ -396,8 +479,17 @@ def test_f9_rate_is_not_fooled_by_queueing_on_a_busy_node():
         e["wall_ns"] = arrive_ns
         w = tl.add("p", "kv_written", rid, pages=[1], token_start=0, token_end=1000, source="forward")
         w["wall_ns"] = done_ns
-        r = tl.add("router", "response_sent", rid, tid, http_status=200, prompt_tokens=1000, completion_tokens=1,
-                   latency_ns=1, ttft_ns=done_ns - arrive_ns)
+        r = tl.add(
+            "router",
+            "response_sent",
+            rid,
+            tid,
+            http_status=200,
+            prompt_tokens=1000,
+            completion_tokens=1,
+            latency_ns=1,
+            ttft_ns=done_ns - arrive_ns,
+        )
         r["wall_ns"] = done_ns + 1
 
     for i in range(20):
@@ -448,8 +540,9 @@ class Oracle:
         return [p for p, h in self.holders.items() if not h]
 
     def _expect(self, code, rid, victims, pages, e):
-        self.expected.append((code, rid, tuple(sorted(victims, key=lambda v: (v is None, v))), tuple(sorted(pages)),
-                              e["wall_ns"]))
+        self.expected.append(
+            (code, rid, tuple(sorted(victims, key=lambda v: (v is None, v))), tuple(sorted(pages)), e["wall_ns"])
+        )
 
     def alloc(self, rid, pages, purpose="prefill_extend"):
         e = self.tl.alloc("d", rid, pages, purpose)
@@ -485,8 +578,15 @@ class Oracle:
 
     def unverified(self, rid):
         """Decode commits a transfer it cannot verify over the request's pages: their writer is unknown."""
-        self.tl.add("d", "transfer_received", rid, 900 + len(self.tl.events), pages=self.pages[rid], num_tokens=0,
-                    status="unverified")
+        self.tl.add(
+            "d",
+            "transfer_received",
+            rid,
+            900 + len(self.tl.events),
+            pages=self.pages[rid],
+            num_tokens=0,
+            status="unverified",
+        )
         for p in self.pages[rid]:
             self.writer[p] = None
             self.fresh = {(r, q) for r, q in self.fresh if q != p}
@@ -508,7 +608,7 @@ class Oracle:
         free = self.free_pages()
         if action == "admit" and free:
             rid = self.new_rid()
-            self.alloc(rid, free[:data.draw(st.integers(1, min(3, len(free))))])
+            self.alloc(rid, free[: data.draw(st.integers(1, min(3, len(free))))])
             self.write(rid, self.pages[rid])
             self.live.append(rid)
         elif action == "grow" and free and self.live:

@@ -63,6 +63,7 @@ def split(table: pa.Table, cuts: list[int]) -> list[pa.Table]:
 
 # ---- the oracle histories of test_replay.py ----------------------------------------------------------
 
+
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_oracle_histories_fast_equals_pure(data):
@@ -78,8 +79,24 @@ def test_oracle_histories_fast_equals_pure(data):
 # ---- free-form histories: every page kind, shared pages, evictions, restarts, two nodes ----------------
 
 EVENT = st.tuples(
-    st.sampled_from(("alloc", "alloc", "growth", "prefix", "free", "free", "evict", "write", "write", "read", "read",
-                     "restart", "response", "unverified")),
+    st.sampled_from(
+        (
+            "alloc",
+            "alloc",
+            "growth",
+            "prefix",
+            "free",
+            "free",
+            "evict",
+            "write",
+            "write",
+            "read",
+            "read",
+            "restart",
+            "response",
+            "unverified",
+        )
+    ),
     st.sampled_from(("a", "b")),  # node
     st.integers(0, 5),  # request
     st.lists(st.integers(1, 9) | st.sampled_from((-1, 0, 11)), min_size=0, max_size=4),  # pages: repeats,
@@ -135,10 +152,22 @@ def test_codes_skip_joins_and_keep_the_affected_findings(events):
 
 # ---- synthetic allocator streams -------------------------------------------------------------------------
 
+
 def synth(node: str, seed: int, pages: int, **kw) -> list[pa.Table]:
     prod = Producer("c", node, "decode", "kvtrail-synth", "0", f"{node}-i")
-    return list(synth_batches(producer=prod, num_pages=512, page_size=16, seed=seed, target_page_events=pages,
-                              events_per_batch=700, prompt_median_tokens=600, max_prompt_tokens=2048, **kw))
+    return list(
+        synth_batches(
+            producer=prod,
+            num_pages=512,
+            page_size=16,
+            seed=seed,
+            target_page_events=pages,
+            events_per_batch=700,
+            prompt_median_tokens=600,
+            max_prompt_tokens=2048,
+            **kw,
+        )
+    )
 
 
 def with_reads(table: pa.Table, every: int = 1) -> pa.Table:
@@ -162,8 +191,9 @@ def with_reads(table: pa.Table, every: int = 1) -> pa.Table:
     cols["kind"] = pa.array(np.where(is_read, "kv_read", out.column("kind").to_numpy(zero_copy_only=False)))
     for name in ("token_start", "token_end", "source"):
         cols[name] = pa.compute.if_else(mask, pa.nulls(len(rows), out.column(name).type), out.column(name))
-    cols["seq"] = pa.array(np.arange(out.column("seq")[0].as_py(), out.column("seq")[0].as_py() + len(rows),
-                                     dtype=np.uint64))
+    cols["seq"] = pa.array(
+        np.arange(out.column("seq")[0].as_py(), out.column("seq")[0].as_py() + len(rows), dtype=np.uint64)
+    )
     return pa.table(cols, schema=out.schema)
 
 
@@ -180,8 +210,9 @@ def test_the_kernel_replays_the_common_case(monkeypatch):
     calls = []
     for kind in ("node_config", "pages_allocated", "pages_freed", "kv_written", "kv_read"):
         handler = getattr(EventHandlers, "on_" + kind)
-        monkeypatch.setattr(EventHandlers, "on_" + kind,
-                            lambda self, ev, _h=handler, _k=kind: (calls.append(_k), _h(self, ev))[1])
+        monkeypatch.setattr(
+            EventHandlers, "on_" + kind, lambda self, ev, _h=handler, _k=kind: (calls.append(_k), _h(self, ev))[1]
+        )
     replay([table], True)
     assert calls == ["node_config"] and table.num_rows > 1000
 
@@ -211,14 +242,22 @@ def test_store_slices_fast_equals_pure(tmp_path):
     """Many small slices (each read by the helper thread) replay exactly as one wire batch."""
     from kvtrail.forensics.replay.source import store_batches  # needs numba
 
-    tables = [with_reads(pa.concat_tables(synth(node, seed, 20_000)).combine_chunks(), every=31)
-              for node, seed in (("n1", 10), ("n2", 11))]
+    tables = [
+        with_reads(pa.concat_tables(synth(node, seed, 20_000)).combine_chunks(), every=31)
+        for node, seed in (("n1", 10), ("n2", 11))
+    ]
     with AuditStore(tmp_path / "s.duckdb") as store:
         for t in tables:
             store.append(t)
         pure = replay_store(store.con, fast=False)
-        engine = ReplayEngine({tuple(ident): pid for pid, *ident in store.con.execute(
-            "SELECT producer_id, cluster, node, role, engine, engine_version, instance FROM producers").fetchall()})
+        engine = ReplayEngine(
+            {
+                tuple(ident): pid
+                for pid, *ident in store.con.execute(
+                    "SELECT producer_id, cluster, node, role, engine, engine_version, instance FROM producers"
+                ).fetchall()
+            }
+        )
         batches = 0
         for batch in store_batches(store.con, "TRUE", [], page_events_per_slice=5_000):
             engine.feed_batch(batch)
@@ -231,10 +270,14 @@ def test_replay_store_on_an_inconsistent_store_reads_what_read_events_reads(tmp_
     a = pa.concat_tables(synth("n1", 12, 20_000)).combine_chunks()
     with AuditStore(tmp_path / "s.duckdb") as store:
         store.append(with_reads(a, every=23))
-        store.con.execute("DELETE FROM page_runs WHERE rowid IN (SELECT rowid FROM page_runs WHERE list = 0 "
-                          "ORDER BY seq LIMIT 40 OFFSET 500)")
-        store.con.execute("INSERT INTO page_runs SELECT producer_id, batch_no, seq, list, 0, page_start + 3, 2 "
-                          "FROM page_runs WHERE list = 0 AND num_pages > 4 ORDER BY seq LIMIT 25 OFFSET 900")
+        store.con.execute(
+            "DELETE FROM page_runs WHERE rowid IN (SELECT rowid FROM page_runs WHERE list = 0 "
+            "ORDER BY seq LIMIT 40 OFFSET 500)"
+        )
+        store.con.execute(
+            "INSERT INTO page_runs SELECT producer_id, batch_no, seq, list, 0, page_start + 3, 2 "
+            "FROM page_runs WHERE list = 0 AND num_pages > 4 ORDER BY seq LIMIT 25 OFFSET 900"
+        )
         pure = replay_store(store.con, fast=False)
         assert replay_store(store.con, fast=True) == pure
 

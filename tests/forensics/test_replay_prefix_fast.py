@@ -124,8 +124,9 @@ def test_prefix_histories_fast_equals_pure(few_slots, tenants, allow):
     @settings(max_examples=60, deadline=None)
     @given(st.lists(STEP, max_size=60), st.lists(st.integers(0, 80), max_size=2))
     def check(steps, cuts):
-        assert_same(split(prefix_history(steps, tenants), cuts),
-                    policy=ForensicsPolicy(allow_tenant_cache_sharing=allow))
+        assert_same(
+            split(prefix_history(steps, tenants), cuts), policy=ForensicsPolicy(allow_tenant_cache_sharing=allow)
+        )
 
     check()
 
@@ -156,6 +157,7 @@ def handled(monkeypatch, table, **kw) -> list[str]:
         def on_event(self, ev) -> None:
             calls.append(kind)
             handler(self, ev)
+
         return on_event
 
     with monkeypatch.context() as m:
@@ -191,8 +193,17 @@ def test_a_stale_hit_read_is_a_foreign_read():
 
 def test_fleet_histories_fast_equals_pure(few_slots):
     """The fleet simulator's prefix cache, shared within tenants (and across them: F10)."""
-    base = FleetConfig(seed=5, hours=0.004, rate_per_s=10, prefill_nodes=2, decode_nodes=2, tenants=3,
-                       chunk_tokens=4096, prefix_share_prob=0.9, public_doc_prob=0.3)
+    base = FleetConfig(
+        seed=5,
+        hours=0.004,
+        rate_per_s=10,
+        prefill_nodes=2,
+        decode_nodes=2,
+        tenants=3,
+        chunk_tokens=4096,
+        prefix_share_prob=0.9,
+        public_doc_prob=0.3,
+    )
     for cfg in (base, dataclasses.replace(base, cache_namespaces=False)):
         tables = list(fleet_batches(cfg))
         found = assert_same(tables)

@@ -27,8 +27,16 @@ from kvtrail.forensics.replay.kernels import copy_lists  # noqa: E402  (needs nu
 from kvtrail.forensics.replay.source import _Keys, _slice_bounds, store_batches  # noqa: E402
 from tests.forensics.test_source import _rows  # noqa: E402  (the reader's rows, as its own test reads them)
 
-FLEET = FleetConfig(seed=7, hours=0.003, rate_per_s=10, prefill_nodes=1, decode_nodes=2, tenants=3, chunk_tokens=4096,
-                    events_per_batch=400)
+FLEET = FleetConfig(
+    seed=7,
+    hours=0.003,
+    rate_per_s=10,
+    prefill_nodes=1,
+    decode_nodes=2,
+    tenants=3,
+    chunk_tokens=4096,
+    events_per_batch=400,
+)
 
 
 @pytest.fixture(scope="module")
@@ -146,13 +154,20 @@ def _pool_from(holdings, num_pages: int) -> PageState:
 
 
 def _snapshot(pool: PageState):
-    return ([a.tolist() for a in pool.arrays()], [a.tolist() for a in pool.shares.arrays()],
-            {p: sorted(s) for p, s in pool.extra.items()},
-            OrderedDict((r, [a.tolist() for a in lst]) for r, lst in pool.released.items()), pool.released_pages)
+    return (
+        [a.tolist() for a in pool.arrays()],
+        [a.tolist() for a in pool.shares.arrays()],
+        {p: sorted(s) for p, s in pool.extra.items()},
+        OrderedDict((r, [a.tolist() for a in lst]) for r, lst in pool.released.items()),
+        pool.released_pages,
+    )
 
 
-_HOLDING = st.tuples(st.one_of(st.none(), st.integers(0, 6)), st.sets(st.integers(0, 6), max_size=2),
-                     st.sets(st.integers(0, 6), max_size=3))
+_HOLDING = st.tuples(
+    st.one_of(st.none(), st.integers(0, 6)),
+    st.sets(st.integers(0, 6), max_size=2),
+    st.sets(st.integers(0, 6), max_size=3),
+)
 
 
 @settings(max_examples=80, deadline=None)
@@ -166,7 +181,16 @@ def test_radix_eviction_drops_as_every_holder_dropping_every_page(holdings, evic
     state = ReplayState(CrossNodeJoins(ForensicsPolicy()))
     state.pools[("c", "n")] = got = _pool_from(holdings, num_pages)
     fields = dict.fromkeys(ReplayEvent._fields)
-    fields.update(kind="pages_freed", seq=1, wall_ns=1, node_key=("c", "n"), instance="i", key=(1, 1), ord=0,
-                  pages=pages, num_dst_pages=0)
+    fields.update(
+        kind="pages_freed",
+        seq=1,
+        wall_ns=1,
+        node_key=("c", "n"),
+        instance="i",
+        key=(1, 1),
+        ord=0,
+        pages=pages,
+        num_dst_pages=0,
+    )
     EventHandlers(state, ForensicsPolicy()).handle(ReplayEvent(**fields))
     assert _snapshot(got) == _snapshot(want)

@@ -50,8 +50,16 @@ def test_the_kernel_takes_the_declared_arrays_in_order() -> None:
 def test_event_scalars_are_wire_fields() -> None:
     assert SCALARS[:3] == ("kind", "seq", "wall_ns") and "node_key" not in SCALARS
     assert set(SCALARS) <= set(BATCH_SCHEMA.names)
-    assert ReplayEvent._fields[len(SCALARS):] == ("node_key", "instance", "key", "ord", "pages", "digests", "hashes",
-                                                  "num_dst_pages")
+    assert ReplayEvent._fields[len(SCALARS) :] == (
+        "node_key",
+        "instance",
+        "key",
+        "ord",
+        "pages",
+        "digests",
+        "hashes",
+        "num_dst_pages",
+    )
 
 
 def _recorded(engine: ReplayEngine) -> list[ReplayEvent]:

@@ -18,8 +18,16 @@ from tests.forensics.incident_fixture import RESEARCHER_KEY, W0, append_request,
 
 ROOT = Path(__file__).resolve().parents[2]
 WINDOW = ["--from", "2026-09-09T00:00:00Z", "--to", "2026-09-09T06:00:00Z"]
-FILES = {"report.md", "report.html", "report.pdf", "report.json", "affected_responses.csv", "affected_responses.json",
-         "exposed_tenants.csv", "exposed_tenants.json"}
+FILES = {
+    "report.md",
+    "report.html",
+    "report.pdf",
+    "report.json",
+    "affected_responses.csv",
+    "affected_responses.json",
+    "exposed_tenants.csv",
+    "exposed_tenants.json",
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +42,22 @@ def made(tmp_path_factory):
     ctx["tenant_names"]["umbrella"] = "Umbrella <Corp> & Co"
     (base / "incident.yaml").write_text(yaml.safe_dump(ctx))
     out = base / "out"
-    assert main(["forensics", "report", "--db", str(db), *WINDOW, "--out", str(out),
-                 "--context", str(base / "incident.yaml")]) == 0
+    assert (
+        main(
+            [
+                "forensics",
+                "report",
+                "--db",
+                str(db),
+                *WINDOW,
+                "--out",
+                str(out),
+                "--context",
+                str(base / "incident.yaml"),
+            ]
+        )
+        == 0
+    )
     return base, db, out, inc
 
 
@@ -68,18 +90,29 @@ def test_report_files_exist_and_parse(made):
 def test_report_content(made):
     _, _, out, _ = made
     md = (out / "report.md").read_text()
-    for needle in ("Affected responses: 13",
-                   "Recipient tenants (whose responses read pages they did not own): 3, 3 of them received other "
-                   "customers' data", "Victim tenants (whose data another customer read): 2", "How counted:",
-                   "Exposure window: 2026-09-09T00:10",
-                   "kvtrail itself stores no prompt or output content", "| prefill-0 | prefill | i1 |",
-                   "Reserved vs sent (F2)", "Rejected but served (F4)",
-                   "Every affected prompt (13 of 13) was longer than the prefill pool of its node (128 tokens)",
-                   "detected: external researcher's report", "2026-09-09T14:52:00.000000Z | fixed",
-                   "2 tenant(s) stand out", "repeated probing", "Excluded accounts (not counted above)",
-                   "(a) Nature of the breach", "(b) Contact point (DPO): Data Protection Officer, dpo@example.com",
-                   "Notice to Acme Corp (acme)", "Notice to mallory", "Please delete them",
-                   "kvtrail forensics verify-report REPORT_DIR --db incident.duckdb"):
+    for needle in (
+        "Affected responses: 13",
+        "Recipient tenants (whose responses read pages they did not own): 3, 3 of them received other customers' data",
+        "Victim tenants (whose data another customer read): 2",
+        "How counted:",
+        "Exposure window: 2026-09-09T00:10",
+        "kvtrail itself stores no prompt or output content",
+        "| prefill-0 | prefill | i1 |",
+        "Reserved vs sent (F2)",
+        "Rejected but served (F4)",
+        "Every affected prompt (13 of 13) was longer than the prefill pool of its node (128 tokens)",
+        "detected: external researcher's report",
+        "2026-09-09T14:52:00.000000Z | fixed",
+        "2 tenant(s) stand out",
+        "repeated probing",
+        "Excluded accounts (not counted above)",
+        "(a) Nature of the breach",
+        "(b) Contact point (DPO): Data Protection Officer, dpo@example.com",
+        "Notice to Acme Corp (acme)",
+        "Notice to mallory",
+        "Please delete them",
+        "kvtrail forensics verify-report REPORT_DIR --db incident.duckdb",
+    ):
         assert needle in md, needle
     manifest = json.loads((out / "report.json").read_text())
     assert manifest["results_digest"] in md
@@ -105,8 +138,10 @@ def test_verify_report_fails_after_a_csv_edit(made, tmp_path, capsys):
 def test_verify_report_fails_after_an_event_in_the_window_changes(made, tmp_path, capsys):
     db, out, _ = _copy(made, tmp_path)
     with duckdb.connect(str(db)) as con:  # what the client was told about an affected response, rewritten
-        con.execute("UPDATE events_response_sent SET http_status = 400 WHERE request_no IN "
-                    "(SELECT request_no FROM events_requests WHERE request_id = 'globex-12')")
+        con.execute(
+            "UPDATE events_response_sent SET http_status = 400 WHERE request_no IN "
+            "(SELECT request_no FROM events_requests WHERE request_id = 'globex-12')"
+        )
     assert main(["forensics", "verify-report", str(out), "--db", str(db)]) == 1
     text = capsys.readouterr().out
     assert "FAILED: audit chain:" in text and "FAILED: results digest differs" in text
@@ -115,8 +150,10 @@ def test_verify_report_fails_after_an_event_in_the_window_changes(made, tmp_path
 def test_verify_report_fails_after_an_event_is_slipped_into_a_batch(made, tmp_path, capsys):
     db, out, _ = _copy(made, tmp_path)
     with duckdb.connect(str(db)) as con:  # a copy of a response inserted past the chain, inside the window
-        con.execute("INSERT INTO events_kv_read SELECT * REPLACE (seq + 100000 AS seq) FROM events_kv_read "
-                    "WHERE request_no IN (SELECT request_no FROM events_requests WHERE request_id = 'globex-12')")
+        con.execute(
+            "INSERT INTO events_kv_read SELECT * REPLACE (seq + 100000 AS seq) FROM events_kv_read "
+            "WHERE request_no IN (SELECT request_no FROM events_requests WHERE request_id = 'globex-12')"
+        )
     assert main(["forensics", "verify-report", str(out), "--db", str(db)]) == 1
     assert "FAILED: audit chain:" in capsys.readouterr().out
 
@@ -124,8 +161,10 @@ def test_verify_report_fails_after_an_event_is_slipped_into_a_batch(made, tmp_pa
 def test_verify_report_fails_after_a_batch_digest_is_tampered(made, tmp_path, capsys):
     db, out, _ = _copy(made, tmp_path)
     with duckdb.connect(str(db)) as con:
-        con.execute("UPDATE batches SET digest = sha256('forged')::BLOB "
-                    "WHERE producer_id = (SELECT producer_id FROM producers WHERE node = 'decode-0')")
+        con.execute(
+            "UPDATE batches SET digest = sha256('forged')::BLOB "
+            "WHERE producer_id = (SELECT producer_id FROM producers WHERE node = 'decode-0')"
+        )
     assert main(["forensics", "verify-report", str(out), "--db", str(db)]) == 1
     text = capsys.readouterr().out
     assert "chain head of producer" in text and "(decode-0) batch 0: digest differs" in text
@@ -145,14 +184,33 @@ def test_verify_report_on_a_grown_store(made, tmp_path, capsys):
 def test_empty_windows_say_so(made, tmp_path, capsys):
     _, db, _, _ = made
     out = tmp_path / "empty"
-    assert main(["forensics", "report", "--db", str(db), "--from", "2026-09-20", "--to", "2026-09-21",
-                 "--out", str(out)]) == 0
+    assert (
+        main(["forensics", "report", "--db", str(db), "--from", "2026-09-20", "--to", "2026-09-21", "--out", str(out)])
+        == 0
+    )
     md = (out / "report.md").read_text()
     assert "holds no events in this window" in md and "Affected responses: 0" in md
     assert json.loads((out / "report.json").read_text())["counts"]["victim_tenants"] == 0
     quiet = tmp_path / "quiet"  # events, but only two short requests: nothing affected
-    assert main(["forensics", "report", "--db", str(db), "--from", "2026-09-09T04:36:00Z",
-                 "--to", "2026-09-09T04:39:00Z", "--out", str(quiet), "--exclude-tenant", "initech=test"]) == 0
+    assert (
+        main(
+            [
+                "forensics",
+                "report",
+                "--db",
+                str(db),
+                "--from",
+                "2026-09-09T04:36:00Z",
+                "--to",
+                "2026-09-09T04:39:00Z",
+                "--out",
+                str(quiet),
+                "--exclude-tenant",
+                "initech=test",
+            ]
+        )
+        == 0
+    )
     assert "No affected responses were found in this window" in (quiet / "report.md").read_text()
     assert main(["forensics", "verify-report", str(quiet), "--db", str(db)]) == 0
 
@@ -170,47 +228,110 @@ def test_coverage_gap_is_in_the_report_and_on_stderr(tmp_path, capsys):
 def test_analysis_commands(made, tmp_path, capsys):
     _, db, _, _ = made
     capsys.readouterr()
-    assert main(["forensics", "exposure", "--db", str(db), *WINDOW, "--format", "json",
-                 "--exclude-tenant", "internal-qa=tests", "--exclude-tenant", "initech"]) == 0
+    assert (
+        main(
+            [
+                "forensics",
+                "exposure",
+                "--db",
+                str(db),
+                *WINDOW,
+                "--format",
+                "json",
+                "--exclude-tenant",
+                "internal-qa=tests",
+                "--exclude-tenant",
+                "initech",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     rows = json.loads(captured.out)
     assert {(r["recipient_tenant"], r["victim_tenant"]) for r in rows} >= {("mallory", "acme"), ("hooli", "umbrella")}
     assert not any(r["recipient_tenant"] in ("initech", "internal-qa") for r in rows)
     assert "excluded: 7 affected responses of 2 account(s)" in captured.err
     excl = tmp_path / "excl.yaml"
-    excl.write_text(yaml.safe_dump({"tenants": [{"id": "internal-qa", "reason": "tests"}],
-                                    "api_key_ids": [{"id": RESEARCHER_KEY, "reason": "researcher"}]}))
+    excl.write_text(
+        yaml.safe_dump(
+            {
+                "tenants": [{"id": "internal-qa", "reason": "tests"}],
+                "api_key_ids": [{"id": RESEARCHER_KEY, "reason": "researcher"}],
+            }
+        )
+    )
     args = ["forensics", "affected", "--db", str(db), *WINDOW, "--format", "csv", "--exclude-file", str(excl)]
     assert main(args) == 0
     assert len(pl.read_csv(capsys.readouterr().out.encode())) == 13
     assert main(["forensics", "thresholds", "--db", str(db), *WINDOW]) == 0
     assert "Every affected prompt (20 of 20)" in capsys.readouterr().out
     out = tmp_path / "x.parquet"
-    assert main(["forensics", "exploitation", "--db", str(db), *WINDOW, "--exclude-file", str(excl),
-                 "--format", "parquet", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "forensics",
+                "exploitation",
+                "--db",
+                str(db),
+                *WINDOW,
+                "--exclude-file",
+                str(excl),
+                "--format",
+                "parquet",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     df = pl.read_parquet(out)
     assert dict(zip(df["tenant_id"], df["verdict"]))["mallory"] == "stands out"
     capsys.readouterr()
-    assert main(["forensics", "findings", "--db", str(db), *WINDOW, "--code", "F4", "--format", "json",
-                 "--exclude-tenant", "mallory"]) == 0
+    assert (
+        main(
+            [
+                "forensics",
+                "findings",
+                "--db",
+                str(db),
+                *WINDOW,
+                "--code",
+                "F4",
+                "--format",
+                "json",
+                "--exclude-tenant",
+                "mallory",
+            ]
+        )
+        == 0
+    )
     assert not [r for r in json.loads(capsys.readouterr().out) if r["tenant_id"] == "mallory"]
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["forensics", "report", "--db", "DB", "--from", "2026-09-10", "--to", "2026-09-09", "--out", "OUT"],
-     "--from: is after --to"),
-    (["forensics", "report", "--db", "DB", *WINDOW, "--out", "OUT", "--exclude-tenant", "nobody"],
-     "unknown tenant 'nobody'"),
-    (["forensics", "report", "--db", "missing.duckdb", *WINDOW, "--out", "OUT"], "--db: store not found"),
-    (["forensics", "report", "--db", "DB", *WINDOW, "--out", "OUT", "--context", "BAD"],
-     "incident.yaml: field 'detected_at': not an ISO 8601 UTC time"),
-    (["forensics", "exposure", "--db", "DB", *WINDOW, "--node", "decode-9"], "--node: unknown node"),
-    (["forensics", "exploitation", "--db", "DB", "--to", "2026-09-09"], "--from: required"),
-    (["forensics", "verify-report", "nowhere", "--db", "DB"], "report directory not found"),
-    (["forensics", "verify-report", "OUT0", "--db", "missing.duckdb"], "--db: store not found"),
-    (["forensics", "verify-report", ".", "--db", "DB"], "no report.json in"),
-    (["forensics", "verify-report", "OUT0", "--db", "BAD"], "is not a DuckDB database file"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (
+            ["forensics", "report", "--db", "DB", "--from", "2026-09-10", "--to", "2026-09-09", "--out", "OUT"],
+            "--from: is after --to",
+        ),
+        (
+            ["forensics", "report", "--db", "DB", *WINDOW, "--out", "OUT", "--exclude-tenant", "nobody"],
+            "unknown tenant 'nobody'",
+        ),
+        (["forensics", "report", "--db", "missing.duckdb", *WINDOW, "--out", "OUT"], "--db: store not found"),
+        (
+            ["forensics", "report", "--db", "DB", *WINDOW, "--out", "OUT", "--context", "BAD"],
+            "incident.yaml: field 'detected_at': not an ISO 8601 UTC time",
+        ),
+        (["forensics", "exposure", "--db", "DB", *WINDOW, "--node", "decode-9"], "--node: unknown node"),
+        (["forensics", "exploitation", "--db", "DB", "--to", "2026-09-09"], "--from: required"),
+        (["forensics", "verify-report", "nowhere", "--db", "DB"], "report directory not found"),
+        (["forensics", "verify-report", "OUT0", "--db", "missing.duckdb"], "--db: store not found"),
+        (["forensics", "verify-report", ".", "--db", "DB"], "no report.json in"),
+        (["forensics", "verify-report", "OUT0", "--db", "BAD"], "is not a DuckDB database file"),
+    ],
+)
 def test_bad_input_exits_2(made, tmp_path, monkeypatch, capsys, argv, needle):
     _, db, out, _ = made
     (tmp_path / "incident.yaml").write_text("organisation: X\ncontact: {email: a@b.c}\ndetected_at: 9 Sep\n")

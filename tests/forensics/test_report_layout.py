@@ -40,16 +40,20 @@ def made(tmp_path_factory):
         store.append(from_dicts(inc.events))
     out = base / "out"
     assert main(["forensics", "report", "--db", str(base / "fleet.duckdb"), *WINDOW, "--out", str(out)]) == 0
-    text = subprocess.run(["pdftotext", "-raw", str(out / "report.pdf"), "-"], capture_output=True, text=True,
-                          check=True).stdout
+    text = subprocess.run(
+        ["pdftotext", "-raw", str(out / "report.pdf"), "-"], capture_output=True, text=True, check=True
+    ).stdout
     return base / "fleet.duckdb", out, " ".join(text.split())
 
 
 def _md_tables(md: str) -> list[list[str]]:
     """The header cells of every table in report.md, unescaped."""
     lines = md.splitlines()
-    return [[c.strip().replace("\\_", "_").replace("\\\\", "\\") for c in re.split(r"(?<!\\)\|", line)[1:-1]]
-            for line, nxt in zip(lines, lines[1:]) if nxt.startswith("|---|")]
+    return [
+        [c.strip().replace("\\_", "_").replace("\\\\", "\\") for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        for line, nxt in zip(lines, lines[1:])
+        if nxt.startswith("|---|")
+    ]
 
 
 def test_no_header_is_split_inside_a_word(made):
@@ -72,12 +76,14 @@ def test_no_table_is_wider_than_a_page(made):
     _, out, text = made
     md = (out / "report.md").read_text()
     assert max(len(t) for t in _md_tables(md)) <= 9
-    section = md[md.index("## Exposure by recipient tenant"):]
+    section = md[md.index("## Exposure by recipient tenant") :]
     assert len(_md_tables(section)[0]) == 4
     assert "| tenant-01-example-corp | tenant-00-example-corp: 2 / 12 |  | 2 / 12 |" in section
-    assert ("| tenant-05-example-corp | tenant-00-example-corp: 1 / 6; tenant-04-example-corp: 1 / 6 |  | 2 / 12 |"
-            in section)
-    exposed = md[md.index("## Exposed tenants"):]
+    assert (
+        "| tenant-05-example-corp | tenant-00-example-corp: 1 / 6; tenant-04-example-corp: 1 / 6 |  | 2 / 12 |"
+        in section
+    )
+    exposed = md[md.index("## Exposed tenants") :]
     assert ", ".join(TENANTS[1:]) in exposed  # all 19 in the Markdown; the PDF keeps whole ids (above)
     assert "other tenants' data read (tenant: responses / pages)" in text
 
@@ -87,6 +93,8 @@ def test_legends_say_what_the_colours_mean(made):
     pool = charts.pool_vs_context(ask_thresholds(db, Window(W0, W0 + 3_600 * 10**9)).rows).to_dict()
     found = ask_findings(db, Window(W0, W0 + 3_600 * 10**9)).rows
     timeline = charts.foreign_reads_timeline(found).to_dict()
-    domains = [pool["layer"][0]["encoding"]["color"]["scale"]["domain"],
-               timeline["encoding"]["color"]["scale"]["domain"]]
+    domains = [
+        pool["layer"][0]["encoding"]["color"]["scale"]["domain"],
+        timeline["encoding"]["color"]["scale"]["domain"],
+    ]
     assert domains == [[charts.BELOW, charts.COVERS], ["foreign read (F1, F5)", "other finding"]]

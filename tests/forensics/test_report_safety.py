@@ -49,8 +49,11 @@ def report(tmp_path, names: dict[str, str], *extra: str, db_name: str = "s.duckd
 
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory):
-    return report(tmp_path_factory.mktemp("hostile"), {"mallory": HOSTILE, "umbrella": "x*y_z`w~v$u"},
-                  db_name="my $(store).duckdb")
+    return report(
+        tmp_path_factory.mktemp("hostile"),
+        {"mallory": HOSTILE, "umbrella": "x*y_z`w~v$u"},
+        db_name="my $(store).duckdb",
+    )
 
 
 def _cells(line: str) -> list[str]:
@@ -81,10 +84,18 @@ def test_markdown_tables_keep_their_columns(hostile):
     assert "<td>x*y_z`w~v$u</td>" in html
 
 
-@pytest.mark.parametrize("text,shown", [
-    ("- item", "\\- item"), ("1. first", "1\\. first"), ("    code", "code"), ("a\r\nb\tc", "a b c"),
-    ("&amp; <b>", "&amp;amp; &lt;b&gt;"), ("## x ##", "\\#\\# x \\#\\#"), ("![i](u)", "!\\[i\\](u)"),
-])
+@pytest.mark.parametrize(
+    "text,shown",
+    [
+        ("- item", "\\- item"),
+        ("1. first", "1\\. first"),
+        ("    code", "code"),
+        ("a\r\nb\tc", "a b c"),
+        ("&amp; <b>", "&amp;amp; &lt;b&gt;"),
+        ("## x ##", "\\#\\# x \\#\\#"),
+        ("![i](u)", "!\\[i\\](u)"),
+    ],
+)
 def test_md_text(text, shown):
     assert render.md_text(text) == shown
 
@@ -114,8 +125,9 @@ def test_long_ids_do_not_crash_the_pdf_and_stay_whole_in_csv_json(tmp_path):
     assert any(other in v for r in affected for v in r["victim_tenants"])
     assert other in (out / "exposed_tenants.csv").read_text()
     if shutil.which("pdftotext"):
-        text = subprocess.run(["pdftotext", str(out / "report.pdf"), "-"], capture_output=True, text=True,
-                              check=True).stdout
+        text = subprocess.run(
+            ["pdftotext", str(out / "report.pdf"), "-"], capture_output=True, text=True, check=True
+        ).stdout
         assert "\u2026" in text and "t" * 1500 not in text.replace("\n", "")
 
 
@@ -131,8 +143,10 @@ BAD_FILES = [
     (OK_YAML + "declared_at: '9999-01-01T00:00:00Z'\n", "field 'declared_at': 9999-01-01T00:00:00+00:00 is outside"),
     (OK_YAML + "timeline:\n  - {at: 2300-01-01T00:00:00Z, what: x}\n", "field 'timeline[0].at': 2300-01-01"),
     (OK_YAML + "detected_at: 2026-02-30T00:00:00Z\n", "field 'detected_at': not an ISO 8601 UTC time"),
-    (OK_YAML + "detection: !!python/object/apply:os.system ['true']\n",
-     "field 'detection': unsupported YAML tag '!!python/object/apply:os.system'"),
+    (
+        OK_YAML + "detection: !!python/object/apply:os.system ['true']\n",
+        "field 'detection': unsupported YAML tag '!!python/object/apply:os.system'",
+    ),
     (OK_YAML + "title: !!int x\n", "field 'title': unsupported YAML tag '!!int'"),
     (OK_YAML + "measures_taken: &m [a]\nremediation: *m\n", "field 'measures_taken': YAML anchors and aliases"),
     (OK_YAML + "timeline: " + "[" * 50 + "]" * 50 + "\n", "nested deeper than 16 levels"),
@@ -142,8 +156,10 @@ BAD_FILES = [
     # the probe: a key named twice was kept silently (the last value won); a 5,000-digit integer was a traceback
     (OK_YAML + "title: first\ntitle: second\n", "incident.yaml: line 4: duplicate key 'title'"),
     (OK_YAML + "contact: {name: a, name: b}\n", "duplicate key 'contact'"),
-    ("organisation: Org\ncontact: {name: a, email: a@example.org, name: b}\n",
-     "incident.yaml: line 2: duplicate key 'name'"),
+    (
+        "organisation: Org\ncontact: {name: a, email: a@example.org, name: b}\n",
+        "incident.yaml: line 2: duplicate key 'name'",
+    ),
     (OK_YAML + "detected_at: " + "9" * 5000 + "\n", "an integer of 5000 characters is too long"),
 ]
 
@@ -182,7 +198,9 @@ def test_a_plain_string_tag_and_times_up_to_2261_are_accepted(tmp_path):
 def test_a_window_beyond_2261_is_refused_before_anything_is_written(tmp_path, capsys):
     db, out = tmp_path / "s.duckdb", tmp_path / "out"
     fx.build(db)
-    assert main(["forensics", "report", "--db", str(db), "--from", "2026-09-09", "--to", "9999-12-31",
-                 "--out", str(out)]) == 2
+    assert (
+        main(["forensics", "report", "--db", str(db), "--from", "2026-09-09", "--to", "9999-12-31", "--out", str(out)])
+        == 2
+    )
     assert "--to: 9999-12-31T00:00:00+00:00 is outside the times kvtrail can represent" in capsys.readouterr().err
     assert not out.exists()

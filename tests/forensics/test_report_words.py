@@ -36,8 +36,22 @@ def made(tmp_path_factory):
     db = base / "restarted.duckdb"
     build_restarted(db)
     out = base / "out"
-    assert main(["forensics", "report", "--db", str(db), *WINDOW, "--out", str(out),
-                 "--context", str(ROOT / "docs" / "incident.example.yaml")]) == 0
+    assert (
+        main(
+            [
+                "forensics",
+                "report",
+                "--db",
+                str(db),
+                *WINDOW,
+                "--out",
+                str(out),
+                "--context",
+                str(ROOT / "docs" / "incident.example.yaml"),
+            ]
+        )
+        == 0
+    )
     return db, out
 
 
@@ -45,7 +59,7 @@ def _notice(md: str, tenant: str) -> str:
     """The text of one tenant's notice in report.md."""
     start = md.index(f"### Notice to {tenant}")
     end = md.find("###", start + 4)
-    return md[start:end if end > 0 else len(md)]
+    return md[start : end if end > 0 else len(md)]
 
 
 def test_each_response_is_told_what_it_read(made):
@@ -56,8 +70,10 @@ def test_each_response_is_told_what_it_read(made):
     reads = response_reads(exposure_links(found, set(TRUTH)), affected.select("request_id", "tenant_id"))
     assert dict(zip(reads["request_id"], reads["read"])) == TRUTH
     md = (out / "report.md").read_text()
-    assert ("1 read other customers' data (pages another tenant's requests wrote), 1 only pages other requests of "
-            "their own tenant wrote, 1 only stale or uninitialised memory") in md
+    assert (
+        "1 read other customers' data (pages another tenant's requests wrote), 1 only pages other requests of "
+        "their own tenant wrote, 1 only stale or uninitialised memory"
+    ) in md
     assert "Victim tenants (whose data another customer read): 1" in md
 
 
@@ -67,8 +83,12 @@ def test_a_tenant_is_never_another_customer_of_itself(made):
     assert set(exposed) == {"acme"}  # never-written pages are nobody's data
     acme = exposed["acme"]
     assert (acme["recipient_tenants"], acme["recipient_count"], acme["responses"], acme["pages"]) == ("globex", 1, 1, 6)
-    assert (acme["victim_request_ids"], acme["same_tenant_responses"], acme["same_tenant_pages"],
-            acme["same_tenant_victim_request_ids"]) == ("acme-2", 1, 6, "acme-2")
+    assert (
+        acme["victim_request_ids"],
+        acme["same_tenant_responses"],
+        acme["same_tenant_pages"],
+        acme["same_tenant_victim_request_ids"],
+    ) == ("acme-2", 1, 6, "acme-2")
     csv = pl.read_csv(out / "exposed_tenants.csv")
     assert csv["recipient_tenants"].to_list() == ["globex"] and csv["same_tenant_responses"].to_list() == [1]
     md = (out / "report.md").read_text()
@@ -78,11 +98,14 @@ def test_a_tenant_is_never_another_customer_of_itself(made):
     assert "1 response(s) your account received at" in acme_notice and "no other customer's data" in acme_notice
     assert "may contain fragments of other customers' data" not in acme_notice
     assert "may contain fragments of other customers' data (request ids: globex-4)" in _notice(md, "Globex Inc")
-    art33 = md[md.index("(a) Nature of the breach"):md.index("(b) Contact point")]
-    assert ("KV-cache memory left by 1 earlier request of 1 customer account was used to generate 1 response to "
-            "1 customer account, each time an account other than the one whose request left it") in art33
-    assert ("memory left by 1 earlier request was used to generate 1 response to the account whose requests left "
-            "it") in art33
+    art33 = md[md.index("(a) Nature of the breach") : md.index("(b) Contact point")]
+    assert (
+        "KV-cache memory left by 1 earlier request of 1 customer account was used to generate 1 response to "
+        "1 customer account, each time an account other than the one whose request left it"
+    ) in art33
+    assert (
+        "memory left by 1 earlier request was used to generate 1 response to the account whose requests left it"
+    ) in art33
     assert not re.search(r"[2-9] other customer account", md)
 
 
@@ -102,9 +125,15 @@ def test_a_tenant_token_gets_the_reports_numbers(made, tmp_path):
         state.close()
     row = json.loads((out / "exposed_tenants.json").read_text())[0]
     assert (acme["reading_tenants"], acme["reading_responses"], acme["pages"], acme["my_requests_read"]) == (
-        row["recipient_count"], row["responses"], row["pages"], row["victim_request_ids"].split(","))
-    assert (acme["same_tenant_responses"], acme["same_tenant_pages"]) == (row["same_tenant_responses"],
-                                                                          row["same_tenant_pages"])
+        row["recipient_count"],
+        row["responses"],
+        row["pages"],
+        row["victim_request_ids"].split(","),
+    )
+    assert (acme["same_tenant_responses"], acme["same_tenant_pages"]) == (
+        row["same_tenant_responses"],
+        row["same_tenant_pages"],
+    )
     assert not initech["exposed"] and initech["reading_tenants"] == 0  # it read only never-written pages
 
 
@@ -142,8 +171,22 @@ def test_the_example_incident_file_fits_the_demos_tenants(made, tmp_path, capsys
     example["exclusions"]["tenants"] = [{"id": "internal-qa", "reason": "our own tests"}]
     (tmp_path / "mine.yaml").write_text(yaml.safe_dump(example))
     capsys.readouterr()
-    assert main(["forensics", "report", "--db", str(db), *WINDOW, "--out", str(tmp_path / "o"),
-                 "--context", str(tmp_path / "mine.yaml")]) == 2
+    assert (
+        main(
+            [
+                "forensics",
+                "report",
+                "--db",
+                str(db),
+                *WINDOW,
+                "--out",
+                str(tmp_path / "o"),
+                "--context",
+                str(tmp_path / "mine.yaml"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "mine.yaml: exclusions.tenants[0]: unknown tenant 'internal-qa'" in err
     assert main(["forensics", "affected", "--db", str(db), *WINDOW, "--exclude-tenant", "nobody"]) == 2
@@ -151,12 +194,22 @@ def test_the_example_incident_file_fits_the_demos_tenants(made, tmp_path, capsys
 
 
 def test_an_unknown_tenant_is_nobodys_same_tenant():
-    links = pl.DataFrame({"request_id": ["r1", "r2", "r3"], "recipient_tenant": [UNKNOWN_TENANT, "a", "a"],
-                          "victim_tenant": [UNKNOWN_TENANT, "a", NEVER_WRITTEN],
-                          "victim_request_id": ["v1", "v2", None], "node": ["d"] * 3, "page": [1, 2, 3]})
+    links = pl.DataFrame(
+        {
+            "request_id": ["r1", "r2", "r3"],
+            "recipient_tenant": [UNKNOWN_TENANT, "a", "a"],
+            "victim_tenant": [UNKNOWN_TENANT, "a", NEVER_WRITTEN],
+            "victim_request_id": ["v1", "v2", None],
+            "node": ["d"] * 3,
+            "page": [1, 2, 3],
+        }
+    )
     affected = pl.DataFrame({"request_id": ["r1", "r2", "r3"], "tenant_id": [None, "a", "a"]})
     reads = response_reads(links, affected)
-    assert dict(zip(reads["request_id"], reads["read"])) == {"r1": "other_tenants", "r2": "same_tenant",
-                                                             "r3": "never_written"}
+    assert dict(zip(reads["request_id"], reads["read"])) == {
+        "r1": "other_tenants",
+        "r2": "same_tenant",
+        "r3": "never_written",
+    }
     exposed = exposed_tenants(links)
     assert exposed.select("victim_tenant", "recipient_count", "same_tenant_responses").rows() == [("a", 0, 1)]

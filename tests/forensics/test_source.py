@@ -19,8 +19,16 @@ pytest.importorskip("numba")
 from kvtrail.forensics.replay.source import store_batches  # noqa: E402  (needs numba)
 
 # Prefill and decode nodes, transfers (dst_pages), prefix hits (block_hashes): every list the reader fills.
-FLEET = FleetConfig(seed=4, hours=0.004, rate_per_s=10, prefill_nodes=2, decode_nodes=2, tenants=4, chunk_tokens=4096,
-                    events_per_batch=500)
+FLEET = FleetConfig(
+    seed=4,
+    hours=0.004,
+    rate_per_s=10,
+    prefill_nodes=2,
+    decode_nodes=2,
+    tenants=4,
+    chunk_tokens=4096,
+    events_per_batch=500,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,20 +46,39 @@ def _rows(batches) -> list[tuple]:
         scalars = b.scalars.to_pylist()
         for i in range(b.num_rows):
             d, h, nd = b._lists(i)
-            out.append((b.idents[b.producer[i]], int(b.pid[i]), tuple(scalars[i].values()),
-                        b.pages[b.poff[i]:b.poff[i + 1]].tolist(), None if d is None else d.tolist(),
-                        None if h is None else h.tolist(), nd))
+            out.append(
+                (
+                    b.idents[b.producer[i]],
+                    int(b.pid[i]),
+                    tuple(scalars[i].values()),
+                    b.pages[b.poff[i] : b.poff[i + 1]].tolist(),
+                    None if d is None else d.tolist(),
+                    None if h is None else h.tolist(),
+                    nd,
+                )
+            )
     return out
 
 
 def _wire_rows(con, table: pa.Table) -> list[tuple]:
-    ids = {tuple(r[1:]): r[0] for r in con.execute(f"SELECT producer_id, {', '.join(PRODUCER_NAMES)} "
-                                                   "FROM producers").fetchall()}
+    ids = {
+        tuple(r[1:]): r[0]
+        for r in con.execute(f"SELECT producer_id, {', '.join(PRODUCER_NAMES)} FROM producers").fetchall()
+    }
     out = []
     for r in in_engine_order(table).to_pylist():
         ident = tuple(r[n] for n in PRODUCER_NAMES)
-        out.append((ident, ids[ident], tuple(r[n] for n in SCALARS), r["pages"] or [], r["page_digests"] or None,
-                    r["block_hashes"] or None, len(r["dst_pages"] or [])))
+        out.append(
+            (
+                ident,
+                ids[ident],
+                tuple(r[n] for n in SCALARS),
+                r["pages"] or [],
+                r["page_digests"] or None,
+                r["block_hashes"] or None,
+                len(r["dst_pages"] or []),
+            )
+        )
     return out
 
 
@@ -88,8 +115,9 @@ def test_runs_stored_out_of_order_are_read_in_order(tmp_path):
             for t in fleet_batches(FLEET):
                 st.append(t)
             if path == paths[1]:
-                st.con.execute("CREATE TEMP TABLE shuffled AS SELECT * FROM page_runs "
-                               "ORDER BY hash(producer_id, seq, list, pos)")
+                st.con.execute(
+                    "CREATE TEMP TABLE shuffled AS SELECT * FROM page_runs ORDER BY hash(producer_id, seq, list, pos)"
+                )
                 st.con.execute("DELETE FROM page_runs")
                 st.con.execute("SET preserve_insertion_order = true")
                 st.con.execute("INSERT INTO page_runs SELECT * FROM shuffled")

@@ -25,8 +25,16 @@ def _history(pool_pages: int, top_page: int) -> list[dict]:
     return [
         config(0, D, pool_pages=pool_pages),
         alloc(1, [1, 2, 3], prod=D, purpose="decode_reservation"),
-        event(2, "kv_written", D, request={"request_id": "r1", "tenant_id": "t1"}, pages=[1, 2, 3], token_start=0,
-              token_end=48, source="transfer_in"),
+        event(
+            2,
+            "kv_written",
+            D,
+            request={"request_id": "r1", "tenant_id": "t1"},
+            pages=[1, 2, 3],
+            token_start=0,
+            token_end=48,
+            source="transfer_in",
+        ),
         event(3, "pages_freed", D, request={"request_id": "r1"}, pages=[1, 2, 3], free_reason="finish"),
         alloc(4, [2, top_page], rid="r2", tenant="t2", prod=D, purpose="decode_reservation"),
         event(5, "kv_read", D, request=req, pages=[2, top_page]),
@@ -45,7 +53,9 @@ def test_page_arrays_follow_the_highest_page_used_not_the_declared_pool(fast):
     f1 = [f for f in engine.findings() if f.code == "F1"]
     # page 2 holds r1's KV; page 5000 was never written (stale origin unknown): judged as on a dense pool
     assert sorted((f.pages, f.victim_request_ids) for f in f1 if f.request_id == "r2") == [
-        ((2,), ("r1",)), ((5000,), (None,))]
+        ((2,), ("r1",)),
+        ((5000,), (None,)),
+    ]
 
 
 def test_a_small_history_on_a_big_pool_stays_at_the_initial_size():

@@ -28,10 +28,25 @@ def compare(store, from_ns=None, to_ns=None, policy=ForensicsPolicy()):
     full = {_key(f): f for f in want}
     for f in got:  # and the rest of the finding as well
         w = full[_key(f)]
-        assert (f.tenant_id, f.victim_request_ids, f.victim_tenant_ids, f.first_ns, f.last_ns, f.severity,
-                f.lineage_checked, f.lineage_matched) == (
-            w.tenant_id, w.victim_request_ids, w.victim_tenant_ids, w.first_ns, w.last_ns, w.severity,
-            w.lineage_checked, w.lineage_matched), f
+        assert (
+            f.tenant_id,
+            f.victim_request_ids,
+            f.victim_tenant_ids,
+            f.first_ns,
+            f.last_ns,
+            f.severity,
+            f.lineage_checked,
+            f.lineage_matched,
+        ) == (
+            w.tenant_id,
+            w.victim_request_ids,
+            w.victim_tenant_ids,
+            w.first_ns,
+            w.last_ns,
+            w.severity,
+            w.lineage_checked,
+            w.lineage_matched,
+        ), f
     return got
 
 
@@ -46,17 +61,17 @@ def history_f5_f6_f7():
     tl.alloc("d", "r1", [1, 2, 3, 4])
     tl.write("d", "r1", [1, 2, 3, 4])
     tl.alloc("d", "r3", [1], "prefix_hit", block_hashes=[9])
-    tl.alloc("d", "r2", [4, 5, 6])                       # F6 on 4 (held by r1)
+    tl.alloc("d", "r2", [4, 5, 6])  # F6 on 4 (held by r1)
     tl.free("d", "r1", [1, 2, 3, 4], "abort")
-    tl.read("d", "r1", [2, 3, 7])                        # F5: released and never held
+    tl.read("d", "r1", [2, 3, 7])  # F5: released and never held
     tl.alloc("d", "r4", [2, 3], "decode_reservation")
-    tl.write("d", "r1", [3])                             # F7 late write, victim r4
-    tl.write("d", "r5", [9])                             # F7 on a page never held
-    tl.read("d", "r3", [1])                              # prefix hit: held, no finding
+    tl.write("d", "r1", [3])  # F7 late write, victim r4
+    tl.write("d", "r5", [9])  # F7 on a page never held
+    tl.read("d", "r3", [1])  # prefix hit: held, no finding
     tl.add("d", "pages_freed", None, pages=[1], free_reason="eviction")  # radix eviction drops r3
-    tl.read("d", "r3", [1])                              # F5
-    tl.alloc("d", "r6", [4])                             # F6 on 4: r2 still holds it
-    tl.read("d", "r2", [4, 5, 6])                        # held: no F5
+    tl.read("d", "r3", [1])  # F5
+    tl.alloc("d", "r6", [4])  # F6 on 4: r2 still holds it
+    tl.read("d", "r2", [4, 5, 6])  # held: no F5
     return tl
 
 
@@ -76,8 +91,8 @@ def test_promoted_owner_keeps_the_first_allocation_as_evidence(mem_store):
     tl = Timeline()
     tl.node("d")
     a1 = tl.alloc("d", "r1", [1])
-    tl.alloc("d", "r2", [1])      # F6, r2 becomes a further holder
-    tl.free("d", "r1", [1])       # r2 is promoted; the recorded allocation stays r1's
+    tl.alloc("d", "r2", [1])  # F6, r2 becomes a further holder
+    tl.free("d", "r1", [1])  # r2 is promoted; the recorded allocation stays r1's
     a3 = tl.alloc("d", "r3", [1])
     got = compare(stored(mem_store, tl))
     assert [s for _, s in got[-1].evidence] == [a1["seq"], a3["seq"]] and got[-1].victim_request_ids == ("r2",)
@@ -87,15 +102,17 @@ def test_pd_transfer_abort_and_config_findings(mem_store):
     tl = pd_timeline()
     tl.node("p2", "prefill", pool_pages=8, page_size=16, context_tokens=1024)  # F8
     pd_request(tl, "r1", 42, [1], list(range(1, 9)), 120, sent_tokens=1, sent_pages=1)  # F2
-    pd_request(tl, "r2", 43, [2, 3], [10, 11], 20, received_tokens=12)                  # F2
-    pd_request(tl, "r3", 44, [4], [12], 10)                                              # clean
+    pd_request(tl, "r2", 43, [2, 3], [10, 11], 20, received_tokens=12)  # F2
+    pd_request(tl, "r3", 44, [4], [12], 10)  # clean
     tl.add("d", "transfer_reserved", "r4", 5, pages=[20, 21], num_tokens=20)
-    tl.add("d", "transfer_received", "r4", 5, pages=[], num_tokens=0, status="failed")   # F2 (nothing landed)
+    tl.add("d", "transfer_received", "r4", 5, pages=[], num_tokens=0, status="failed")  # F2 (nothing landed)
     tl.add("p", "request_aborted", "r5", 77, stage="prefill_queue", abort_reason="input too long", http_status=400)
-    tl.add("router", "response_sent", "r5", 77, http_status=200, prompt_tokens=9, completion_tokens=5,
-           latency_ns=10)                                                                # F4
-    tl.add("router", "response_sent", "router-r5", 77, http_status=200, prompt_tokens=9, completion_tokens=5,
-           latency_ns=10)                                     # not F4: another request id (a collision)
+    tl.add(
+        "router", "response_sent", "r5", 77, http_status=200, prompt_tokens=9, completion_tokens=5, latency_ns=10
+    )  # F4
+    tl.add(
+        "router", "response_sent", "router-r5", 77, http_status=200, prompt_tokens=9, completion_tokens=5, latency_ns=10
+    )  # not F4: another request id (a collision)
     tl.add("d", "request_aborted", "r6", stage="decode", abort_reason="client", http_status=499)
     tl.add("router", "response_sent", "r6", http_status=499, prompt_tokens=1, completion_tokens=0, latency_ns=1)
     tl.add("router", "response_sent", "r6", http_status=200, prompt_tokens=1, completion_tokens=1, latency_ns=1)
@@ -139,8 +156,13 @@ def test_property_sql_matches_replay(data):
         compare(store, T0 + 1000 * lo, T0 + 1000 * data.draw(st.integers(lo, len(tl.events))))
 
 
-HAND_BUILT = [name for name in dir(test_replay) if name.startswith("test_") and "property" not in name
-              and name not in ("test_store_round_trip_and_window", "test_findings_table")]
+HAND_BUILT = [
+    name
+    for name in dir(test_replay)
+    if name.startswith("test_")
+    and "property" not in name
+    and name not in ("test_store_round_trip_and_window", "test_findings_table")
+]
 
 
 @pytest.mark.parametrize("name", HAND_BUILT)

@@ -25,8 +25,12 @@ def _shifted(events: list[dict], offset: int) -> list[dict]:
             e = {**e, "pages": [p + offset for p in e["pages"]]}
         if e["kind"] == "node_config":
             pages = e["pool_pages"] + offset
-            e = {**e, "pool_pages": pages, "pool_tokens": pages * e["page_size"],
-                 "context_tokens": pages * e["page_size"]}
+            e = {
+                **e,
+                "pool_pages": pages,
+                "pool_tokens": pages * e["page_size"],
+                "context_tokens": pages * e["page_size"],
+            }
         out.append(e)
     return out
 
@@ -48,10 +52,10 @@ def test_long_runs_over_many_buckets():
     tl.alloc("d", "r1", long)
     tl.write("d", "r1", long)
     tl.free("d", "r1", long)
-    tl.alloc("d", "r2", long[::-1])              # the same pages, listed backwards
-    tl.read("d", "r2", long[30:300])             # F1 across five buckets, victim r1
+    tl.alloc("d", "r2", long[::-1])  # the same pages, listed backwards
+    tl.read("d", "r2", long[30:300])  # F1 across five buckets, victim r1
     tl.alloc("d", "r3", [PAGE_BUCKET - 1, PAGE_BUCKET, 2 * PAGE_BUCKET])  # F6 on three buckets
-    tl.write("d", "r1", [PAGE_BUCKET * 2 - 1, PAGE_BUCKET * 2])           # F7, one page each side
+    tl.write("d", "r1", [PAGE_BUCKET * 2 - 1, PAGE_BUCKET * 2])  # F7, one page each side
     with AuditStore(":memory:") as store:
         store.append(from_dicts(tl.events))
         got = compare(store)

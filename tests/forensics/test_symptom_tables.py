@@ -34,14 +34,33 @@ def _history(seed: int):
         page = 1 + i % 20
         pd_request(tl, rid, tid, [page], [page + 5], 10)
         if rng.random() < 0.5:
-            tl.add(rng.choice(["p", "d"]), "request_aborted", rid, rng.choice([tid, None]),
-                   stage=rng.choice(["prefill_queue", "decode"]), abort_reason="cancelled", http_status=499)
-        tl.add("router", "response_sent", rid, rng.choice([tid, tid + 1, None]),
-               http_status=rng.choice([200, 200, 500]), prompt_tokens=10,
-               completion_tokens=rng.choice([0, 0, 3]), latency_ns=10)
+            tl.add(
+                rng.choice(["p", "d"]),
+                "request_aborted",
+                rid,
+                rng.choice([tid, None]),
+                stage=rng.choice(["prefill_queue", "decode"]),
+                abort_reason="cancelled",
+                http_status=499,
+            )
+        tl.add(
+            "router",
+            "response_sent",
+            rid,
+            rng.choice([tid, tid + 1, None]),
+            http_status=rng.choice([200, 200, 500]),
+            prompt_tokens=10,
+            completion_tokens=rng.choice([0, 0, 3]),
+            latency_ns=10,
+        )
         if rng.random() < 0.3:
-            tl.add(rng.choice(["p", "d"]), "recorder_gap", dropped_events=rng.randint(1, 5), dropped_pages=0,
-                   gap_reason="buffer_full")
+            tl.add(
+                rng.choice(["p", "d"]),
+                "recorder_gap",
+                dropped_events=rng.randint(1, 5),
+                dropped_pages=0,
+                gap_reason="buffer_full",
+            )
         if rng.random() < 0.2:
             tl.seqs["d"] += rng.randint(1, 3)  # a sequence gap nobody reported
     restarted = rng.choice(["p", "d"])
@@ -54,8 +73,12 @@ def _history(seed: int):
 
 
 def _answers(con, w: Window, kinds: bool) -> tuple:
-    return (coverage_gaps(con, w, kinds=kinds).rows(), empty_after_abort(con, w, kinds=kinds).rows(),
-            shared_transfer_ids(con, w, kinds=kinds).rows(), unclean_ends(con, kinds=kinds))
+    return (
+        coverage_gaps(con, w, kinds=kinds).rows(),
+        empty_after_abort(con, w, kinds=kinds).rows(),
+        shared_transfer_ids(con, w, kinds=kinds).rows(),
+        unclean_ends(con, kinds=kinds),
+    )
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -73,13 +96,18 @@ def test_the_kind_tables_answer_what_the_events_view_answers(seed):
         con = store.con
         assert has_kind_tables(con)
         last = events[-1]["wall_ns"]
-        windows = [Window(), Window(T0 + 20_000, None), Window(None, T0 + (last - T0) // 2),
-                   Window(T0 + 5_000, last - 5_000)]
+        windows = [
+            Window(),
+            Window(T0 + 20_000, None),
+            Window(None, T0 + (last - T0) // 2),
+            Window(T0 + 5_000, last - 5_000),
+        ]
         for w in windows:
             assert _answers(con, w, True) == _answers(con, w, False), w
         assert any(_answers(con, Window(), True)), "a history with no symptom tests nothing"
-        heads = [{"producer_id": p, "batch_no": 0} for (p,) in con.execute("SELECT producer_id FROM producers")
-                 .fetchall()]
+        heads = [
+            {"producer_id": p, "batch_no": 0} for (p,) in con.execute("SELECT producer_id FROM producers").fetchall()
+        ]
         cur = store.cursor()
         with live_snapshot(cur, heads):
             assert has_kind_tables(cur)

@@ -29,8 +29,18 @@ def crashed_prefill(tl: Timeline, restart: bool = True) -> None:
         tl.add(node, "recorder_started", flush_interval_ns=FLUSH_NS)
     # r0 completes before the crash: a real mismatch, judged as usual
     tl.add("d", "transfer_reserved", "r0", 40, pages=[1], num_tokens=10)
-    tl.add("p", "transfer_sent", "r0", 40, pages=[1], dst_pages=[1], num_tokens=10, is_last_chunk=True,
-           digest=5, digest_algo="adler32")
+    tl.add(
+        "p",
+        "transfer_sent",
+        "r0",
+        40,
+        pages=[1],
+        dst_pages=[1],
+        num_tokens=10,
+        is_last_chunk=True,
+        digest=5,
+        digest_algo="adler32",
+    )
     tl.add("d", "transfer_received", "r0", 40, pages=[1], num_tokens=10, status="ok", digest=6, digest_algo="adler32")
     tl.add("p", "request_received", "r1", 41, prompt_tokens=20)  # prefill's last stored event
     # prefill's transfer_sent of r1 was in memory when i1 died; decode saw the transfer break

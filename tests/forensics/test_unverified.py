@@ -139,14 +139,15 @@ def test_a_lake_checkpoint_prelude_carries_the_unverified_landing():
 
     tl, rec, _ = unwritten_commit(sent=False)
     engine = ReplayEngine(fast=False)
-    engine.feed(from_dicts(tl.events[:tl.events.index(rec) + 1]))  # the checkpoint right after the receipt
+    engine.feed(from_dicts(tl.events[: tl.events.index(rec) + 1]))  # the checkpoint right after the receipt
     [(key, pool)] = [(k, p) for k, p in engine.state.pools.items() if k[1] == "d"]
     prelude = build_prelude(pool, engine.state.requests, engine.state.tenants, 99, tl.events[-1]["wall_ns"])
     receipts = [r for r in prelude.rows if r["kind"] == "transfer_received"]
     assert [(r["status"], r["request_id"], r["num_pages"]) for r in receipts] == [("unverified", None, 3)]
     assert prelude.keys[receipts[0]["seq"]] == (int(pool.write_ev[1, 0]), rec["seq"])
-    assert not [r for r in prelude.rows if r["kind"] == "kv_written" and r["num_pages"]
-                and r["request_id"] == "a"]  # a's write is no longer the pages' last
+    assert not [
+        r for r in prelude.rows if r["kind"] == "kv_written" and r["num_pages"] and r["request_id"] == "a"
+    ]  # a's write is no longer the pages' last
 
 
 def test_a_late_write_over_an_unverified_landing_did_not_overwrite_the_readers_own_write(mem_store):
@@ -183,7 +184,7 @@ def test_a_lake_judges_a_read_across_an_hour_boundary_after_an_unverified_landin
     tl, rec, read = unwritten_commit(sent=True)
     boundary = (rec["wall_ns"] // HOUR_NS + 1) * HOUR_NS
     shift = boundary - rec["wall_ns"]
-    for e in tl.events[tl.events.index(rec) + 1:]:  # the read and the response come in the next hour
+    for e in tl.events[tl.events.index(rec) + 1 :]:  # the read and the response come in the next hour
         e["wall_ns"] += shift
     db = str(tmp_path / "s.duckdb")
     with AuditStore(db) as store:

@@ -72,8 +72,10 @@ def test_a_producer_cut_back_to_nothing_is_behind_and_one_never_stored_is_missin
     (out / "report.json").write_text(json.dumps(doc))
     rc, lines = _verify(capsys, out, db)
     assert rc == 1
-    assert any(f"producer {h['producer_id']} (router-0) batch 2: behind the saved head: the store holds no batch"
-               in x for x in lines)
+    assert any(
+        f"producer {h['producer_id']} (router-0) batch 2: behind the saved head: the store holds no batch" in x
+        for x in lines
+    )
     assert any("producer 1 (ghost-0) batch 2: missing: the producer is not in the store" in x for x in lines)
 
 
@@ -81,8 +83,10 @@ def test_history_replaced_after_the_head_is_named_as_forked(copied, capsys):
     db, out, inc = copied
     h = _head(out, "prefill-0")
     with duckdb.connect(str(db)) as con:
-        con.execute("UPDATE batches SET digest = sha256('forged')::BLOB WHERE producer_id = ? AND batch_no = ?",
-                    [h["producer_id"], h["batch_no"]])
+        con.execute(
+            "UPDATE batches SET digest = sha256('forged')::BLOB WHERE producer_id = ? AND batch_no = ?",
+            [h["producer_id"], h["batch_no"]],
+        )
     rc, lines = _verify(capsys, out, db)
     assert rc == 1
     forked = [x for x in lines if "forked from the saved head" in x]

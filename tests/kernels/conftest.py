@@ -12,8 +12,15 @@ FP8 = getattr(torch, "float8_e4m3fn", None)
 DTYPES = [torch.float16, torch.bfloat16, torch.float32] + ([FP8] if FP8 is not None else []) + [torch.uint8]
 
 
-def random_buffers(num_buffers: int, num_pages: int, page_size: int, row_bytes: int,
-                   dtype: torch.dtype = torch.uint8, seed: int = 0, device: str = "cpu") -> list[torch.Tensor]:
+def random_buffers(
+    num_buffers: int,
+    num_pages: int,
+    page_size: int,
+    row_bytes: int,
+    dtype: torch.dtype = torch.uint8,
+    seed: int = 0,
+    device: str = "cpu",
+) -> list[torch.Tensor]:
     """Token-major buffers of random bytes viewed as ``dtype`` (every bit pattern, NaNs included)."""
     g = torch.Generator().manual_seed(seed)
     rows = (num_pages + 1) * page_size
@@ -24,8 +31,15 @@ def random_buffers(num_buffers: int, num_pages: int, page_size: int, row_bytes: 
     return out
 
 
-def random_layout(num_layers: int = 2, num_pages: int = 12, page_size: int = 4, row_bytes: int = 32,
-                  dtype: torch.dtype = torch.uint8, seed: int = 0, device: str = "cpu") -> KvLayout:
+def random_layout(
+    num_layers: int = 2,
+    num_pages: int = 12,
+    page_size: int = 4,
+    row_bytes: int = 32,
+    dtype: torch.dtype = torch.uint8,
+    seed: int = 0,
+    device: str = "cpu",
+) -> KvLayout:
     """K then V buffers of ``num_layers`` layers; one page is ``page_size * row_bytes`` bytes per buffer."""
     bufs = random_buffers(2 * num_layers, num_pages, page_size, row_bytes, dtype, seed, device)
     return KvLayout.from_token_rows(bufs, page_size)
@@ -33,8 +47,9 @@ def random_layout(num_layers: int = 2, num_pages: int = 12, page_size: int = 4, 
 
 def page_bytes_concat(layout: KvLayout, page_ids) -> bytes:
     """The bytes SGLang's checksum covers: each buffer in order, each page in request order."""
-    return b"".join(layout.byte_view(b)[int(p)].cpu().numpy().tobytes()
-                    for b in range(len(layout.buffers)) for p in page_ids)
+    return b"".join(
+        layout.byte_view(b)[int(p)].cpu().numpy().tobytes() for b in range(len(layout.buffers)) for p in page_ids
+    )
 
 
 @pytest.fixture(params=["reference", "fast"])

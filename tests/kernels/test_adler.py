@@ -21,12 +21,18 @@ FAST = get_backend("cpu")
 
 
 @settings(max_examples=60, deadline=None)
-@given(num_buffers=st.integers(1, 5), item_len=st.integers(1, 300), num_pages=st.integers(1, 6),
-       seed=st.integers(0, 2**32 - 1), data=st.data())
+@given(
+    num_buffers=st.integers(1, 5),
+    item_len=st.integers(1, 300),
+    num_pages=st.integers(1, 6),
+    seed=st.integers(0, 2**32 - 1),
+    data=st.data(),
+)
 def test_equals_zlib_of_concatenation(num_buffers, item_len, num_pages, seed, data):
     rng = np.random.default_rng(seed)
-    bufs = [torch.from_numpy(rng.integers(0, 256, (num_pages + 1) * item_len, dtype=np.uint8))
-            for _ in range(num_buffers)]
+    bufs = [
+        torch.from_numpy(rng.integers(0, 256, (num_pages + 1) * item_len, dtype=np.uint8)) for _ in range(num_buffers)
+    ]
     layout = KvLayout(bufs, num_pages)
     ids = data.draw(st.lists(st.integers(0, num_pages), max_size=9))
     want = zlib.adler32(page_bytes_concat(layout, ids))

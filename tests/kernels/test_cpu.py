@@ -26,8 +26,11 @@ def test_kernel_constants_match_the_definition():
 def test_triton_constants_match_the_definition():
     # read, not imported: Triton is not installed on CPU machines
     source = (Path(mixing.__file__).parent / "triton_kernels.py").read_text()
-    consts = {node.targets[0].id: node.value.value for node in ast.parse(source).body
-              if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)}
+    consts = {
+        node.targets[0].id: node.value.value
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+    }
     for name in ("MIX_MUL1", "MIX_MUL2", "GOLDEN", "POSITION_SEED"):
         assert consts[name] == getattr(mixing, name), name
     assert source.count(hex(mixing.MIX_MUL1).upper().replace("0X", "0x")) == 2  # constant and _mix

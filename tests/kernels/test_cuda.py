@@ -12,15 +12,15 @@ from kvtrail.kernels.tags import PageTags
 
 from .conftest import DTYPES, page_bytes_concat, random_layout
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_layers, page_size, row_bytes", [(1, 1, 8), (2, 16, 256), (3, 5, 13)])
 def test_cuda_equals_reference(dtype, num_layers, page_size, row_bytes):
-    layout = random_layout(num_layers, num_pages=40, page_size=page_size, row_bytes=row_bytes, dtype=dtype,
-                           seed=page_size, device="cuda")
+    layout = random_layout(
+        num_layers, num_pages=40, page_size=page_size, row_bytes=row_bytes, dtype=dtype, seed=page_size, device="cuda"
+    )
     ids = torch.randint(0, 41, (33,), device="cuda")
     cuda, ref = get_backend("cuda"), get_backend("cuda", "reference")
     assert torch.equal(cuda.page_digests(layout, ids), ref.page_digests(layout, ids))

@@ -19,12 +19,25 @@ FAST = get_backend("cpu")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("num_layers, page_size, row_bytes", [
-    (1, 1, 8), (2, 16, 64), (3, 5, 12), (4, 7, 36), (1, 3, 1028),
-])
+@pytest.mark.parametrize(
+    "num_layers, page_size, row_bytes",
+    [
+        (1, 1, 8),
+        (2, 16, 64),
+        (3, 5, 12),
+        (4, 7, 36),
+        (1, 3, 1028),
+    ],
+)
 def test_fast_path_equals_reference(dtype, num_layers, page_size, row_bytes):
-    layout = random_layout(num_layers, num_pages=23, page_size=page_size, row_bytes=row_bytes, dtype=dtype,
-                           seed=num_layers * 100 + page_size)
+    layout = random_layout(
+        num_layers,
+        num_pages=23,
+        page_size=page_size,
+        row_bytes=row_bytes,
+        dtype=dtype,
+        seed=num_layers * 100 + page_size,
+    )
     ids = torch.randint(0, 24, (37,), generator=torch.Generator().manual_seed(page_size))
     ref = REF.page_digests(layout, ids)
     assert torch.equal(FAST.page_digests(layout, ids), ref)
@@ -34,8 +47,9 @@ def test_fast_path_equals_reference(dtype, num_layers, page_size, row_bytes):
 @pytest.mark.parametrize("row_bytes", [1, 3, 13, 20])
 def test_odd_item_lengths_and_unaligned_bases(row_bytes):
     # item lengths that are not a multiple of 8, and a buffer whose base is not 8-byte aligned
-    raw = torch.randint(0, 256, (6 * 3 * row_bytes + 3,), generator=torch.Generator().manual_seed(row_bytes),
-                        dtype=torch.uint8)
+    raw = torch.randint(
+        0, 256, (6 * 3 * row_bytes + 3,), generator=torch.Generator().manual_seed(row_bytes), dtype=torch.uint8
+    )
     shifted = raw[3:]  # contiguous view, base address 3 bytes past an aligned allocation
     other = random_buffers(1, 5, 3, row_bytes, seed=row_bytes)[0]
     layout = KvLayout([shifted, other], num_pages=5)
@@ -45,13 +59,18 @@ def test_odd_item_lengths_and_unaligned_bases(row_bytes):
 
 
 @settings(max_examples=40, deadline=None)
-@given(num_buffers=st.integers(1, 4), item_len=st.integers(1, 200), num_pages=st.integers(1, 12),
-       offset=st.integers(0, 7), seed=st.integers(0, 2**32 - 1), data=st.data())
+@given(
+    num_buffers=st.integers(1, 4),
+    item_len=st.integers(1, 200),
+    num_pages=st.integers(1, 12),
+    offset=st.integers(0, 7),
+    seed=st.integers(0, 2**32 - 1),
+    data=st.data(),
+)
 def test_fast_equals_reference_on_random_geometry(num_buffers, item_len, num_pages, offset, seed, data):
     rng = np.random.default_rng(seed)
     size = (num_pages + 1) * item_len
-    bufs = [torch.from_numpy(rng.integers(0, 256, size + offset, dtype=np.uint8))[offset:]
-            for _ in range(num_buffers)]
+    bufs = [torch.from_numpy(rng.integers(0, 256, size + offset, dtype=np.uint8))[offset:] for _ in range(num_buffers)]
     layout = KvLayout(bufs, num_pages)
     ids = data.draw(st.lists(st.integers(0, num_pages), max_size=20))
     assert torch.equal(FAST.page_digests(layout, ids), REF.page_digests(layout, ids))

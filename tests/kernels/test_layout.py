@@ -34,16 +34,19 @@ def test_page_major_pool_and_mixed_dtypes():
     assert layout.buffers == (k, v)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"buffers": [], "num_pages": 3}, "buffers"),
-    ({"buffers": "nope", "num_pages": 3}, "buffers"),
-    ({"buffers": [torch.zeros(8)], "num_pages": 0}, "num_pages"),
-    ({"buffers": [torch.zeros(8)], "num_pages": True}, "num_pages"),
-    ({"buffers": [torch.zeros(8), "x"], "num_pages": 3}, "buffers[1]"),
-    ({"buffers": [torch.zeros(9, dtype=torch.uint8)], "num_pages": 3}, "buffers[0]"),
-    ({"buffers": [torch.zeros(8), torch.zeros(4, 4).t()], "num_pages": 3}, "buffers[1]"),
-    ({"buffers": [torch.zeros(8), torch.zeros(0)], "num_pages": 3}, "buffers[1]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"buffers": [], "num_pages": 3}, "buffers"),
+        ({"buffers": "nope", "num_pages": 3}, "buffers"),
+        ({"buffers": [torch.zeros(8)], "num_pages": 0}, "num_pages"),
+        ({"buffers": [torch.zeros(8)], "num_pages": True}, "num_pages"),
+        ({"buffers": [torch.zeros(8), "x"], "num_pages": 3}, "buffers[1]"),
+        ({"buffers": [torch.zeros(9, dtype=torch.uint8)], "num_pages": 3}, "buffers[0]"),
+        ({"buffers": [torch.zeros(8), torch.zeros(4, 4).t()], "num_pages": 3}, "buffers[1]"),
+        ({"buffers": [torch.zeros(8), torch.zeros(0)], "num_pages": 3}, "buffers[1]"),
+    ],
+)
 def test_bad_layouts_name_the_field(kwargs, field):
     with pytest.raises(KernelError) as err:
         KvLayout(**kwargs)
@@ -72,13 +75,17 @@ def test_layouts_compare_by_identity():
 
 
 def test_page_ids_forms():
-    for ids in ([3, 1, 2], (3, 1, 2), np.array([3, 1, 2], dtype=np.int32),
-                torch.tensor([3, 1, 2], dtype=torch.int32), torch.tensor([9, 3, 1, 2])[1:]):
+    for ids in (
+        [3, 1, 2],
+        (3, 1, 2),
+        np.array([3, 1, 2], dtype=np.int32),
+        torch.tensor([3, 1, 2], dtype=torch.int32),
+        torch.tensor([9, 3, 1, 2])[1:],
+    ):
         out = as_page_ids(ids, "cpu")
         assert out.dtype == torch.int64 and out.tolist() == [3, 1, 2]
     assert as_page_ids([], "cpu").shape == (0,)
-    for bad in ([1.5], [True], ["a"], np.array([1.0]), np.array(["x"]),
-                torch.tensor([[1, 2]]), torch.tensor([0.5])):
+    for bad in ([1.5], [True], ["a"], np.array([1.0]), np.array(["x"]), torch.tensor([[1, 2]]), torch.tensor([0.5])):
         with pytest.raises(KernelError, match="page_ids"):
             as_page_ids(bad, "cpu")
     with pytest.raises(KernelError, match="held_tags"):

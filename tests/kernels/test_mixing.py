@@ -25,8 +25,12 @@ def test_mix64_is_a_bijection_on_a_sample():
 def test_mix64_avalanche():
     # each input bit flips each output bit about half the time (counter and random inputs)
     rng = np.random.default_rng(7)
-    inputs = torch.cat([torch.arange(4000, dtype=torch.int64),
-                        torch.from_numpy(rng.integers(-2**63, 2**63 - 1, 4000, dtype=np.int64))])
+    inputs = torch.cat(
+        [
+            torch.arange(4000, dtype=torch.int64),
+            torch.from_numpy(rng.integers(-(2**63), 2**63 - 1, 4000, dtype=np.int64)),
+        ]
+    )
     base = mix64_torch(inputs)
     bits = torch.arange(64, dtype=torch.int64)
     worst = 0.0

@@ -99,16 +99,19 @@ def test_default_backend_is_the_fast_one_of_the_table_device():
     assert tags.verify([1, 2], held).numel() == 0
 
 
-@pytest.mark.parametrize("call, field", [
-    (lambda t, b: t.verify([1, 2], [1], b), "held_tags"),
-    (lambda t, b: t.verify([1, 9], [1, 1], b), "page_ids"),
-    (lambda t, b: t.verify([-1], [1], b), "page_ids"),
-    (lambda t, b: b.verify_tags(t.table.to(torch.int32), [1], [1]), "table"),
-    (lambda t, b: t.allocate([0]), "page_ids"),
-    (lambda t, b: t.allocate([5]), "page_ids"),
-    (lambda t, b: t.free([0]), "page_ids"),
-    (lambda t, b: PageTags(0), "num_pages"),
-])
+@pytest.mark.parametrize(
+    "call, field",
+    [
+        (lambda t, b: t.verify([1, 2], [1], b), "held_tags"),
+        (lambda t, b: t.verify([1, 9], [1, 1], b), "page_ids"),
+        (lambda t, b: t.verify([-1], [1], b), "page_ids"),
+        (lambda t, b: b.verify_tags(t.table.to(torch.int32), [1], [1]), "table"),
+        (lambda t, b: t.allocate([0]), "page_ids"),
+        (lambda t, b: t.allocate([5]), "page_ids"),
+        (lambda t, b: t.free([0]), "page_ids"),
+        (lambda t, b: PageTags(0), "num_pages"),
+    ],
+)
 def test_bad_input_names_the_field(backend, call, field):
     tags = PageTags(4)
     tags.allocate([1, 2])

@@ -18,11 +18,28 @@ from kvtrail.sim.fleet.config import DEFAULT_START_NS
 BOUNDARY_NS = DEFAULT_START_NS + HOUR_NS
 # tests/sim's small fleet (pools that churn within seconds, every fault armed often) without cache
 # namespaces, so cross-tenant prefix hits (F10) are planted too; it starts 14 s before an hour boundary.
-FLEET = FleetConfig(hours=0.008, rate_per_s=10, prefill_nodes=2, decode_nodes=2, tenants=6, chunk_tokens=4096,
-                    prefill_pool_tokens=16_384, decode_pool_tokens=69_632, context_tokens=65_536,
-                    prefill_rate_min_tokens_per_s=40_000, prompt_median_tokens=1024, prompt_sigma=1.5,
-                    completion_median_tokens=48, max_new_tokens=1024, doc_median_tokens=512, plants_per_hour=1500,
-                    seed=1, cache_namespaces=False, public_doc_prob=0.3, start_ns=BOUNDARY_NS - 14_000_000_000)
+FLEET = FleetConfig(
+    hours=0.008,
+    rate_per_s=10,
+    prefill_nodes=2,
+    decode_nodes=2,
+    tenants=6,
+    chunk_tokens=4096,
+    prefill_pool_tokens=16_384,
+    decode_pool_tokens=69_632,
+    context_tokens=65_536,
+    prefill_rate_min_tokens_per_s=40_000,
+    prompt_median_tokens=1024,
+    prompt_sigma=1.5,
+    completion_median_tokens=48,
+    max_new_tokens=1024,
+    doc_median_tokens=512,
+    plants_per_hour=1500,
+    seed=1,
+    cache_namespaces=False,
+    public_doc_prob=0.3,
+    start_ns=BOUNDARY_NS - 14_000_000_000,
+)
 
 
 def make_store(path, cfg: FleetConfig = FLEET) -> str:

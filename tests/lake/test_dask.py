@@ -45,16 +45,47 @@ def dask_cluster(tmp_path_factory):
     base = tmp_path_factory.mktemp("dask")
     sched_file = base / "scheduler.json"
     common = ["--no-dashboard"]
-    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
-                               "--port", "0", "--scheduler-file", str(sched_file), *common],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "distributed.cli.dask_scheduler",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--scheduler-file",
+                str(sched_file),
+                *common,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    ]
     try:
         _wait_for("the scheduler file", lambda: sched_file.exists() and sched_file.stat().st_size > 0)
         addr = json.loads(sched_file.read_text())["address"]
-        workers = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file",
-                                     str(sched_file), "--nthreads", "1", "--no-nanny", "--host", "127.0.0.1",
-                                     *common], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                   for _ in range(2)]
+        workers = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "distributed.cli.dask_worker",
+                    "--scheduler-file",
+                    str(sched_file),
+                    "--nthreads",
+                    "1",
+                    "--no-nanny",
+                    "--host",
+                    "127.0.0.1",
+                    *common,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for _ in range(2)
+        ]
         procs += workers
         with distributed.Client(addr, timeout=60) as client:
             client.wait_for_workers(2, timeout=DEADLINE_S)
@@ -89,8 +120,10 @@ def test_report_through_scheduler(dask_cluster, fleet_lake, fleet_db, tmp_path):
     addr, _ = dask_cluster
     span = ["--from", "2026-09-01T00:59:50Z", "--to", "2026-09-01T01:00:10Z"]
     assert main(["forensics", "report", "--db", fleet_db, *span, "--out", str(tmp_path / "db")]) == 0
-    assert main(["forensics", "report", "--lake", fleet_lake, "--scheduler", addr, *span,
-                 "--out", str(tmp_path / "lake")]) == 0
+    assert (
+        main(["forensics", "report", "--lake", fleet_lake, "--scheduler", addr, *span, "--out", str(tmp_path / "lake")])
+        == 0
+    )
     digest = [json.loads((tmp_path / d / "report.json").read_text())["results_digest"] for d in ("db", "lake")]
     assert digest[0] == digest[1]
     assert main(["forensics", "verify-report", str(tmp_path / "lake"), "--lake", fleet_lake, "--scheduler", addr]) == 0
@@ -122,8 +155,9 @@ def _threads_here(_: int) -> tuple[int | None, str]:
     from kvtrail.audit.lake.catalog import open_memory_catalog
 
     tables = {t: pa.table({"producer_id": pa.array([], pa.int64())}) for t in LAKE_TABLES}
-    tables["producers"] = pa.table({"producer_id": pa.array([], pa.int64()),
-                                    **{c: pa.array([], pa.string()) for c in PRODUCER_NAMES}})
+    tables["producers"] = pa.table(
+        {"producer_id": pa.array([], pa.int64()), **{c: pa.array([], pa.string()) for c in PRODUCER_NAMES}}
+    )
     con = open_memory_catalog(tables, worker_threads())
     try:
         return worker_threads(), str(con.execute("SELECT current_setting('threads')").fetchall()[0][0])

@@ -103,8 +103,7 @@ def test_incremental_export_adds_only_new_batches(tmp_path):
     assert first.batches + second.batches == total
     m = read_manifest(LakeFS.open(lake))
     assert {f["export_no"] for f in m.files_of("events").values()} == {1, 2}
-    assert {f["hour"] for f in m.files_of("checkpoint").values() if f["export_no"] == 2} == {
-        BOUNDARY_NS // HOUR_NS + 1}
+    assert {f["hour"] for f in m.files_of("checkpoint").values() if f["export_no"] == 2} == {BOUNDARY_NS // HOUR_NS + 1}
     assert verify_lake(lake).ok
     # the second export's checkpoints continue the first's state: answers still equal the store's
     with duckdb.connect(db, read_only=True) as con, open_lake(lake) as lk:

@@ -37,8 +37,13 @@ from tests.lake.conftest import BOUNDARY_NS
 S = 1_000_000_000
 # Whole history; from inside the first hour; across the boundary; inside the second hour only (the replay
 # starts at the first hour's node_config: joins-only tasks there); up to the boundary.
-WINDOWS = [(None, None), (BOUNDARY_NS - 9 * S, None), (BOUNDARY_NS - 3 * S, BOUNDARY_NS + 4 * S),
-           (BOUNDARY_NS + 1 * S, BOUNDARY_NS + 14 * S), (None, BOUNDARY_NS + 2 * S)]
+WINDOWS = [
+    (None, None),
+    (BOUNDARY_NS - 9 * S, None),
+    (BOUNDARY_NS - 3 * S, BOUNDARY_NS + 4 * S),
+    (BOUNDARY_NS + 1 * S, BOUNDARY_NS + 14 * S),
+    (None, BOUNDARY_NS + 2 * S),
+]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +75,8 @@ def test_every_planted_class_and_boundary_crossings(lake, fleet_con):
     spanning = fleet_con.execute(
         "SELECT count(*) FROM events r JOIN events c USING (transfer_id, request_id) WHERE r.kind = "
         "'transfer_reserved' AND c.kind = 'transfer_received' AND r.wall_ns < ? AND c.wall_ns >= ?",
-        [BOUNDARY_NS, BOUNDARY_NS]).fetchone()[0]
+        [BOUNDARY_NS, BOUNDARY_NS],
+    ).fetchone()[0]
     assert spanning > 0
 
 
@@ -94,8 +100,7 @@ def test_cli_lake_matches_db(fleet_lake, fleet_db, capsys):
 
 def test_checkpoint_round_trip(fleet_con):
     engine = ReplayEngine({}, codes=("F1",), fast=False)
-    engine.feed(read_events(fleet_con, "node = 'decode-0' AND wall_ns < ?",
-                                                           [BOUNDARY_NS]))
+    engine.feed(read_events(fleet_con, "node = 'decode-0' AND wall_ns < ?", [BOUNDARY_NS]))
     key = ("fleet-sim", "decode-0")
     data = checkpoint.capture(engine.state, key, BOUNDARY_NS)
     fresh = ReplayEngine({}, codes=("F1",), fast=False)

@@ -56,8 +56,12 @@ def test_lake_report_equals_the_store_report(reports, fleet_lake):
         assert (reports[1] / name).read_bytes() == (reports[0] / name).read_bytes()
     assert "lake" not in store
     m = read_manifest(LakeFS.open(fleet_lake))
-    assert lake["lake"] == {"url": fleet_lake, "manifest": m.number, "chain_heads": m.doc["chain_heads"],
-                            "manifest_sha256": hashlib.sha256(m.raw).hexdigest()}
+    assert lake["lake"] == {
+        "url": fleet_lake,
+        "manifest": m.number,
+        "chain_heads": m.doc["chain_heads"],
+        "manifest_sha256": hashlib.sha256(m.raw).hexdigest(),
+    }
     assert f"verify-report REPORT_DIR --lake {fleet_lake}" in (reports[1] / "report.md").read_text()
 
 
@@ -120,7 +124,6 @@ def test_report_flags(tmp_path, fleet_lake, fleet_db, capsys):
     inside = str(Path(fleet_lake) / "out")
     assert main(["forensics", "report", "--lake", fleet_lake, *WINDOW, "--out", inside]) == 2
     assert "inside the lake" in capsys.readouterr().err and not Path(inside).exists()
-    assert main(["forensics", "report", "--db", fleet_db, *WINDOW, "--out", str(tmp_path / "o"),
-                 "--workers", "2"]) == 2
+    assert main(["forensics", "report", "--db", fleet_db, *WINDOW, "--out", str(tmp_path / "o"), "--workers", "2"]) == 2
     assert "only with --lake" in capsys.readouterr().err
     assert main(["forensics", "verify-report", str(tmp_path), "--db", fleet_db, "--scheduler", "tcp://x:1"]) == 2

@@ -31,12 +31,22 @@ def s3_endpoint():
 
 @pytest.fixture
 def s3_env(s3_endpoint, monkeypatch):
-    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                        ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_ENDPOINT_URL", s3_endpoint)):
+    for name, value in (
+        ("AWS_ACCESS_KEY_ID", "testing"),
+        ("AWS_SECRET_ACCESS_KEY", "testing"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+        ("AWS_ENDPOINT_URL", s3_endpoint),
+    ):
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
-    fs = pafs.S3FileSystem(endpoint_override=s3_endpoint.split("//", 1)[1], scheme="http", region="us-east-1",
-                           access_key="testing", secret_key="testing", allow_bucket_creation=True)
+    fs = pafs.S3FileSystem(
+        endpoint_override=s3_endpoint.split("//", 1)[1],
+        scheme="http",
+        region="us-east-1",
+        access_key="testing",
+        secret_key="testing",
+        allow_bucket_creation=True,
+    )
     fs.create_dir("audit-lake")
     return "s3://audit-lake/eu-west"
 

@@ -30,7 +30,13 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 def test_server_info_one_node_per_dp_rank_and_no_look_alike_keys():
     dp0, dp1 = parse_text((DATA / "decode_server_info.json").read_text(), "info.json")
     assert (dp0.rank, dp0.role, dp0.pool_tokens, dp0.context_tokens, dp0.page_size, dp0.version) == (
-        "DP0", "decode", 2_097_152, 1_048_576, 16, "0.5.23")
+        "DP0",
+        "decode",
+        2_097_152,
+        1_048_576,
+        16,
+        "0.5.23",
+    )
     assert (dp1.rank, dp1.pool_tokens) == ("DP1", 2_080_768)  # its own capacity, not the top level's
     assert dp0.checksum_enabled is False and dp0.canary_enabled is False
 
@@ -70,14 +76,23 @@ def test_unknown_fails_closed_unless_allowed(capsys):
     code, out, _ = run(capsys, "--format", "json", str(DATA / "pool_only.log"))
     doc = json.loads(out)
     assert code == 1 and doc["nodes"][0]["context_tokens"] is None
-    assert doc["nodes"][0]["checks"][0] == {"check": "pool_vs_context", "status": "unknown",
-                                           "detail": f"context length not found in {DATA / 'pool_only.log'}"}
+    assert doc["nodes"][0]["checks"][0] == {
+        "check": "pool_vs_context",
+        "status": "unknown",
+        "detail": f"context length not found in {DATA / 'pool_only.log'}",
+    }
     assert run(capsys, "--allow-unknown", str(DATA / "pool_only.log"))[0] == 0
 
 
 def test_exit_2_names_the_unreadable_source(capsys, tmp_path):
-    code, out, _ = run(capsys, "--format", "json", str(DATA / "truncated.log"), str(tmp_path / "missing.log"),
-                       str(DATA / "decode_mla.log"))
+    code, out, _ = run(
+        capsys,
+        "--format",
+        "json",
+        str(DATA / "truncated.log"),
+        str(tmp_path / "missing.log"),
+        str(DATA / "decode_mla.log"),
+    )
     doc = json.loads(out)
     assert code == 2 and doc["ok"] is False and len(doc["nodes"]) == 1
     assert any("truncated.log: no KV pool" in e for e in doc["errors"])
@@ -136,9 +151,11 @@ def saved_server(routes: dict[str, tuple[str, str]]) -> Iterator[str]:
 def test_a_url_older_server_info_path_models_and_metrics(capsys, tmp_path):
     info = json.loads((DATA / "decode_server_info.json").read_text())
     info.update(context_length=None, internal_states=None, disaggregation_mode="prefill", version="0.5.22")
-    routes = {"/get_server_info": ("application/json", json.dumps(info)),  # no /server_info: an older version
-              "/v1/models": ("application/json", json.dumps({"data": [{"id": "glm", "max_model_len": 4_194_304}]})),
-              "/metrics": ("text/plain", (DATA / "prefill_metrics.txt").read_text())}
+    routes = {
+        "/get_server_info": ("application/json", json.dumps(info)),  # no /server_info: an older version
+        "/v1/models": ("application/json", json.dumps({"data": [{"id": "glm", "max_model_len": 4_194_304}]})),
+        "/metrics": ("text/plain", (DATA / "prefill_metrics.txt").read_text()),
+    }
     with saved_server(routes) as url:
         db = tmp_path / "a.duckdb"
         code, out, err = run(capsys, "--format", "json", "--db", str(db), url)
@@ -146,12 +163,18 @@ def test_a_url_older_server_info_path_models_and_metrics(capsys, tmp_path):
     doc = json.loads(out)
     [n] = doc["nodes"]
     assert (n["source"], n["role"], n["pool_tokens"], n["context_tokens"], n["version"]) == (
-        url, "prefill", 681_280, 4_194_304, "0.5.22")  # the smaller pool of server info and metrics
+        url,
+        "prefill",
+        681_280,
+        4_194_304,
+        "0.5.22",
+    )  # the smaller pool of server info and metrics
     assert code == 1 and "recorded 1 node configuration" in err
     con = connect_readonly(db)
     try:
-        rows = con.execute("SELECT node, role, pool_tokens, context_tokens, config_source FROM events_v "
-                           "WHERE kind = 'node_config'").fetchall()
+        rows = con.execute(
+            "SELECT node, role, pool_tokens, context_tokens, config_source FROM events_v WHERE kind = 'node_config'"
+        ).fetchall()
     finally:
         con.close()
     assert rows == [(url.removeprefix("http://"), "prefill", 681_280, 4_194_304, "server_info+metrics")]
@@ -160,6 +183,7 @@ def test_a_url_older_server_info_path_models_and_metrics(capsys, tmp_path):
 
 def test_a_url_nobody_listens_on(capsys):
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -193,8 +217,11 @@ def test_recording_through_a_running_service(capsys, tmp_path):
             code, _, err = run(capsys, "--url", url, "--token", token, str(DATA / "decode_mla.log"))
             refused = run(capsys, "--url", url, "--token", "kvt_not-a-token", str(DATA / "decode_mla.log"))
         assert code in (0, 1) and "recorded 1 node configuration" in err
-        rows = state.cursor().execute("SELECT cluster, role, config_source FROM events_v "
-                                      "WHERE kind = 'node_config'").fetchall()
+        rows = (
+            state.cursor()
+            .execute("SELECT cluster, role, config_source FROM events_v WHERE kind = 'node_config'")
+            .fetchall()
+        )
         assert len(rows) == 1 and rows[0][0] == "preflight" and rows[0][1] == "decode"
         assert refused[0] == 2 and "cannot record" in refused[2] and "401" in refused[2]
     finally:
@@ -204,8 +231,17 @@ def test_recording_through_a_running_service(capsys, tmp_path):
 
 def test_node_names_each_source_in_the_table_and_the_store(capsys, tmp_path):
     db = tmp_path / "a.duckdb"
-    code, out, err = run(capsys, "--db", str(db), "--node", "pf-a17", "--node", "dc-b03",
-                         str(DATA / "prefill_tp8.log"), str(DATA / "decode_mla.log"))
+    code, out, err = run(
+        capsys,
+        "--db",
+        str(db),
+        "--node",
+        "pf-a17",
+        "--node",
+        "dc-b03",
+        str(DATA / "prefill_tp8.log"),
+        str(DATA / "decode_mla.log"),
+    )
     assert code == 1 and "recorded 2 node configuration(s)" in err
     assert f"(node pf-a17: {DATA / 'prefill_tp8.log'})" in out.splitlines()[0]
     con = connect_readonly(db)
@@ -219,8 +255,10 @@ def test_node_names_each_source_in_the_table_and_the_store(capsys, tmp_path):
 
 
 def test_an_integrity_setting_the_same_on_both_roles_reads_as_one_phrase():
-    nodes = [NodeConfig("p.log", role="prefill", checksum_enabled=True),
-             NodeConfig("d.log", role="decode", checksum_enabled=True)]
+    nodes = [
+        NodeConfig("p.log", role="prefill", checksum_enabled=True),
+        NodeConfig("d.log", role="decode", checksum_enabled=True),
+    ]
     [checksum] = [c for c in check_node(nodes[0], nodes) if c.check == "integrity_checksum"]
     assert (checksum.status, checksum.detail) == ("pass", "checksum enabled on both roles")
     off = [NodeConfig(n.source, role=n.role, checksum_enabled=False) for n in nodes]

@@ -49,29 +49,36 @@ def test_pasted_prefix_pp_ep_tags_labelled_pool_and_a_wrapped_summary():
     assert (n.rank, n.role, n.pool_tokens, n.context_tokens) == ("TP0", "prefill", 2_097_152, 1_048_576)
 
 
-@pytest.mark.parametrize("line", [
-    "[2026-08-14 09:12:03 TP0] K size: 13.00 GB, V size: 13.00 GB",
-    "server_args=ServerArgs(max_total_tokens=None, context_length=1048576, max_prefill_tokens=16384)",
-    "[2026-08-14 09:12:05 TP0] max_req_input_len=681274, max_context_length=2000000",
-    "[2026-08-14 09:12:03 TP0] Host KV Cache is allocated. dtype: torch.bfloat16, #tokens: 4194304, K size: 1 GB",
-    "[2026-08-14 09:12:03 TP0] KV Cache VA upper bound. dtype: torch.bfloat16, #tokens: 9999999, K size: 1 GB",
-    "[2026-08-14 09:12:03 TP0] KV Cache skipped (no-op pool). Logical #tokens: 9999999, physical K/V size: ~1.0 KB",
-    "[2026-08-14 09:12:05 TP0] chunked_prefill_size=8192, max_prefill_tokens=16384, max_running_requests=128",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "[2026-08-14 09:12:03 TP0] K size: 13.00 GB, V size: 13.00 GB",
+        "server_args=ServerArgs(max_total_tokens=None, context_length=1048576, max_prefill_tokens=16384)",
+        "[2026-08-14 09:12:05 TP0] max_req_input_len=681274, max_context_length=2000000",
+        "[2026-08-14 09:12:03 TP0] Host KV Cache is allocated. dtype: torch.bfloat16, #tokens: 4194304, K size: 1 GB",
+        "[2026-08-14 09:12:03 TP0] KV Cache VA upper bound. dtype: torch.bfloat16, #tokens: 9999999, K size: 1 GB",
+        "[2026-08-14 09:12:03 TP0] KV Cache skipped (no-op pool). Logical #tokens: 9999999, physical K/V size: ~1.0 KB",
+        "[2026-08-14 09:12:05 TP0] chunked_prefill_size=8192, max_prefill_tokens=16384, max_running_requests=128",
+    ],
+)
 def test_look_alike_lines_give_no_pool_and_no_context(line):
     assert all(n.pool_tokens is None and n.context_tokens is None for n in parse_startup_log(line, "x.log"))
 
 
 def test_the_pool_warning_alone_gives_pool_and_context():
-    line = ("[2026-08-14 09:12:03 TP3] KV pool holds 681280 tokens, fewer than --context-length 1048576. One "
-            "full-length request cannot fit")
+    line = (
+        "[2026-08-14 09:12:03 TP3] KV pool holds 681280 tokens, fewer than --context-length 1048576. One "
+        "full-length request cannot fit"
+    )
     [n] = parse_startup_log(line, "w.log")
     assert (n.rank, n.pool_tokens, n.context_tokens) == ("TP3", 681_280, 1_048_576)
 
 
 def test_disagreeing_pools_keep_the_smaller_and_say_so():
-    text = ("[x TP0] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 600000, K size: 1 GB, V size: 1 GB\n"
-            "[x TP0] max_total_num_tokens=590000, max_running_requests=8, context_len=500000, available_gpu_mem=1 GB")
+    text = (
+        "[x TP0] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 600000, K size: 1 GB, V size: 1 GB\n"
+        "[x TP0] max_total_num_tokens=590000, max_running_requests=8, context_len=500000, available_gpu_mem=1 GB"
+    )
     [n] = parse_startup_log(text, "d.log")
     assert n.pool_tokens == 590_000 and "smallest" in n.notes[0]
 

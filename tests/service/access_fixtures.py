@@ -38,8 +38,10 @@ def served_fixture(tmp_path_factory) -> Iterator[Served]:
     build(db)
     state = open_state(db)
     with state.write_lock:
-        tokens = {role: add_token(state.store.con, role)[1]
-                  for role in ("operator", "producer", "tenant:mallory", "tenant:acme")}
+        tokens = {
+            role: add_token(state.store.con, role)[1]
+            for role in ("operator", "producer", "tenant:mallory", "tenant:acme")
+        }
     state.judge.wait_idle(60)
     with TestClient(create_app(state)) as client:
         yield Served(state, client, tokens)

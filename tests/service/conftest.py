@@ -97,12 +97,18 @@ class ServiceProcess:
     def __init__(self, db: Path, *extra: str):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvtrail", "serve", "--db", str(db), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=db.parent,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=db.parent,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.out: list[str] = []
         self.err: list[str] = []
-        self._readers = [threading.Thread(target=lambda s=s, into=into: into.extend(s), daemon=True)
-                         for s, into in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        self._readers = [
+            threading.Thread(target=lambda s=s, into=into: into.extend(s), daemon=True)
+            for s, into in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
+        ]
         for r in self._readers:
             r.start()
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -17,8 +17,14 @@ from tests.forensics.incident_fixture import build
 from tests.service.conftest import ServiceProcess
 
 WINDOW = ["--from", "2026-09-09T00:00:00Z", "--to", "2026-09-09T06:00:00Z"]
-COMMANDS = [["affected"], ["affected", "--tenant", "globex", "--exclude-tenant", "hooli=tests"],
-            ["findings", "--code", "F1"], ["exposure"], ["thresholds"], ["exploitation"]]
+COMMANDS = [
+    ["affected"],
+    ["affected", "--tenant", "globex", "--exclude-tenant", "hooli=tests"],
+    ["findings", "--code", "F1"],
+    ["exposure"],
+    ["thresholds"],
+    ["exploitation"],
+]
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +91,18 @@ def test_a_remote_report_writes_the_same_files(store_and_token, capsys, tmp_path
     db, secret = store_and_token
     service = ServiceProcess(db, "--tokens", str(db.parent / "tokens.txt"))
     try:
-        rc, out, err = run_cli(capsys, "forensics", "report", "--url", service.url, "--token", secret, *WINDOW,
-                               "--out", str(tmp_path / "r"))
+        rc, out, err = run_cli(
+            capsys,
+            "forensics",
+            "report",
+            "--url",
+            service.url,
+            "--token",
+            secret,
+            *WINDOW,
+            "--out",
+            str(tmp_path / "r"),
+        )
     finally:
         service.stop()
     assert rc == 0, err

@@ -21,13 +21,15 @@ def test_coverage_counts_the_gaps_of_the_window_only(client, service_state):
         assert r.status_code == 200, r.text
 
     def gaps(**window) -> list[dict]:
-        r = client.get("/v1/coverage", params={k: format_utc(v) for k, v in window.items()},
-                       headers={"Authorization": f"Bearer {operator}"})
+        r = client.get(
+            "/v1/coverage",
+            params={k: format_utc(v) for k, v in window.items()},
+            headers={"Authorization": f"Bearer {operator}"},
+        )
         assert r.status_code == 200, r.text
         return r.json()
 
-    whole = [{"node": "prefill-0", "instance": "i1", "missing_events": 5, "reported_by_producer": 0,
-              "unexplained": 5}]
+    whole = [{"node": "prefill-0", "instance": "i1", "missing_events": 5, "reported_by_producer": 0, "unexplained": 5}]
     assert gaps() == whole
     assert gaps(**{"from": T0 - HOUR_NS, "to": T0 + 2 * HOUR_NS}) == whole
     assert gaps(**{"from": T0 - HOUR_NS, "to": T0 + HOUR_NS // 2}) == []  # only the first batch

@@ -93,9 +93,23 @@ sys.exit(main(sys.argv[1:]))
 def test_without_cryptography_verify_with_a_key_exits_2_naming_the_package(tmp_path, db):
     generate_keypair(tmp_path / "k.pem", tmp_path / "pub.pem")
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-c", _WITHOUT_CRYPTOGRAPHY, "audit", "verify", "--db", db,
-                          "--public-key", str(tmp_path / "pub.pem")], capture_output=True, text=True, env=env,
-                         timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _WITHOUT_CRYPTOGRAPHY,
+            "audit",
+            "verify",
+            "--db",
+            db,
+            "--public-key",
+            str(tmp_path / "pub.pem"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     err = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(err) == 1 and "cryptography" in err[0], out.stderr
     assert "Traceback" not in out.stderr

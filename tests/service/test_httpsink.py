@@ -24,8 +24,9 @@ FAST = HttpSinkConfig(connect_timeout_s=1.0, timeout_s=10.0, retries=2, backoff_
 def _events(state, where: str = "TRUE") -> list[tuple]:
     cur = state.cursor()
     try:
-        return cur.execute(f"SELECT kind, seq, gap_reason, dropped_events FROM events_v WHERE {where} ORDER BY seq"
-                           ).fetchall()
+        return cur.execute(
+            f"SELECT kind, seq, gap_reason, dropped_events FROM events_v WHERE {where} ORDER BY seq"
+        ).fetchall()
     finally:
         cur.close()
 
@@ -133,8 +134,14 @@ def _mock(handler) -> httpx.MockTransport:
 
 def test_422_is_a_validation_error_naming_the_field():
     def handler(request):
-        return httpx.Response(422, json={"errors": [{"event": 1, "kind": "pages_allocated", "field": "pages",
-                                                     "reason": "page id 999 out of pool"}]})
+        return httpx.Response(
+            422,
+            json={
+                "errors": [
+                    {"event": 1, "kind": "pages_allocated", "field": "pages", "reason": "page id 999 out of pool"}
+                ]
+            },
+        )
 
     sink = HttpSink("http://svc", "t", FAST, transport=_mock(handler))
     with pytest.raises(ValidationError) as err:
@@ -152,8 +159,19 @@ def test_5xx_and_transport_errors_are_retried_then_a_store_error():
             raise httpx.ConnectError("refused", request=request)
         if len(calls) == 2:
             return httpx.Response(503, json={"detail": "store failed"})
-        return httpx.Response(200, json={"producer_id": 7, "batch_no": 3, "first_seq": 0, "last_seq": 0, "events": 1,
-                                         "page_events": 0, "digest": "00", "duplicate": False})
+        return httpx.Response(
+            200,
+            json={
+                "producer_id": 7,
+                "batch_no": 3,
+                "first_seq": 0,
+                "last_seq": 0,
+                "events": 1,
+                "page_events": 0,
+                "digest": "00",
+                "duplicate": False,
+            },
+        )
 
     sink = HttpSink("http://svc", "t", FAST, transport=_mock(handler))
     assert sink.append(from_dicts([config(0)])).batches == ((7, 3),)

@@ -43,12 +43,14 @@ def test_a_batch_is_committed_before_the_reply_with_its_number_and_digest(client
 
 
 @pytest.mark.parametrize("content_type", ["arrow", NDJSON])
-def test_an_invalid_event_refuses_the_whole_batch_naming_the_field(client, service_state, producer_token,
-                                                                   content_type):
+def test_an_invalid_event_refuses_the_whole_batch_naming_the_field(client, service_state, producer_token, content_type):
     events = [config(0), alloc(1, [1]), alloc(2, [999])]
     body = jsonl_body(events) if content_type == NDJSON else arrow_body(events)
-    r = client.post("/v1/events", content=body, headers=auth(producer_token, NDJSON) if content_type == NDJSON
-                    else auth(producer_token))
+    r = client.post(
+        "/v1/events",
+        content=body,
+        headers=auth(producer_token, NDJSON) if content_type == NDJSON else auth(producer_token),
+    )
     assert r.status_code == 422, r.text
     [err] = r.json()["errors"]
     assert (err["event"], err["kind"], err["field"]) == (2, "pages_allocated", "pages")
@@ -58,7 +60,8 @@ def test_an_invalid_event_refuses_the_whole_batch_naming_the_field(client, servi
 
 
 def test_rules_that_need_nothing_of_the_store_refuse_a_batch_before_the_writer_sees_it(
-        client, service_state, producer_token, monkeypatch):
+    client, service_state, producer_token, monkeypatch
+):
     submitted = []
     real = service_state.committer.submit
     monkeypatch.setattr(service_state.committer, "submit", lambda *a: submitted.append(a) or real(*a))
@@ -99,15 +102,21 @@ def test_a_resent_batch_is_acknowledged_once_and_stored_once(client, service_sta
     assert again == {**first, "duplicate": True}
     assert _count(service_state, "SELECT count(*) FROM events") == 2
     # a later batch still lands, and re-sending the first one is still a duplicate
-    assert client.post("/v1/events", content=arrow_body([alloc(2, [3])]), headers=auth(producer_token)).json()[
-        "batch_no"] == 1
+    assert (
+        client.post("/v1/events", content=arrow_body([alloc(2, [3])]), headers=auth(producer_token)).json()["batch_no"]
+        == 1
+    )
     assert client.post("/v1/events", content=body, headers=auth(producer_token)).json()["duplicate"] is True
     assert service_state.committer.duplicates == 2
 
 
 def test_an_overlapping_range_that_is_no_stored_batch_is_a_conflict(client, service_state, producer_token):
-    assert client.post("/v1/events", content=arrow_body([config(0), alloc(1, [1])]),
-                       headers=auth(producer_token)).status_code == 200
+    assert (
+        client.post(
+            "/v1/events", content=arrow_body([config(0), alloc(1, [1])]), headers=auth(producer_token)
+        ).status_code
+        == 200
+    )
     r = client.post("/v1/events", content=arrow_body([alloc(1, [1]), alloc(2, [2])]), headers=auth(producer_token))
     assert r.status_code == 409 and "overlaps stored batch 0" in r.json()["detail"]
     assert _count(service_state, "SELECT count(*) FROM events") == 2
@@ -143,12 +152,15 @@ def test_tokens_roles_and_nodes(client, service_state):
     body = arrow_body([config(0)])
     assert client.post("/v1/events", content=body, headers={"Content-Type": NDJSON}).status_code == 401
     assert client.post("/v1/events", content=body, headers=auth("kvt_000000000000_nope")).status_code == 401
-    assert client.post("/v1/events", content=body, headers=auth(make_token(service_state, "tenant:acme"))
-                       ).status_code == 403
+    assert (
+        client.post("/v1/events", content=body, headers=auth(make_token(service_state, "tenant:acme"))).status_code
+        == 403
+    )
     bound = make_token(service_state, "producer", nodes=("decode-9",))
     assert client.post("/v1/events", content=body, headers=auth(bound)).status_code == 403
-    assert client.post("/v1/events", content=body, headers=auth(make_token(service_state, "operator"))
-                       ).status_code == 200
+    assert (
+        client.post("/v1/events", content=body, headers=auth(make_token(service_state, "operator"))).status_code == 200
+    )
 
 
 def test_healthz_needs_no_token_and_openapi_describes_ingest(client):

@@ -14,10 +14,25 @@ from kvtrail.sim.fleet.run import fleet_batches
 from tests.service.conftest import arrow_body, auth
 
 # A seconds-long fleet with one double allocation and one late write planted (plus the incident's F8).
-FLEET = FleetConfig(hours=0.001, seed=1, rate_per_s=10, prefill_nodes=2, decode_nodes=2, tenants=6,
-                    chunk_tokens=4096, prefill_pool_tokens=16_384, decode_pool_tokens=69_632, context_tokens=65_536,
-                    prefill_rate_min_tokens_per_s=40_000, prompt_median_tokens=1024, prompt_sigma=1.5,
-                    completion_median_tokens=48, max_new_tokens=1024, doc_median_tokens=512, plants_per_hour=1500)
+FLEET = FleetConfig(
+    hours=0.001,
+    seed=1,
+    rate_per_s=10,
+    prefill_nodes=2,
+    decode_nodes=2,
+    tenants=6,
+    chunk_tokens=4096,
+    prefill_pool_tokens=16_384,
+    decode_pool_tokens=69_632,
+    context_tokens=65_536,
+    prefill_rate_min_tokens_per_s=40_000,
+    prompt_median_tokens=1024,
+    prompt_sigma=1.5,
+    completion_median_tokens=48,
+    max_new_tokens=1024,
+    doc_median_tokens=512,
+    plants_per_hour=1500,
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +50,7 @@ def _persisted(state) -> list[dict]:
         cur.close()
 
 
-def test_findings_of_a_planted_incident_are_persisted_as_batches_arrive(client, service_state, producer_token,
-                                                                        fleet):
+def test_findings_of_a_planted_incident_are_persisted_as_batches_arrive(client, service_state, producer_token, fleet):
     tables, truth = fleet
     assert truth["summary"]["plants"] == {"double_alloc": 1, "late_write": 1}
     for table in tables:
@@ -58,8 +72,9 @@ def test_findings_of_a_planted_incident_are_persisted_as_batches_arrive(client, 
     assert stats["batches_fed_direct"] >= len(tables) // 2
 
 
-def test_handed_batches_are_not_read_back_and_an_unhanded_commit_is(client, service_state, producer_token, fleet,
-                                                                     monkeypatch):
+def test_handed_batches_are_not_read_back_and_an_unhanded_commit_is(
+    client, service_state, producer_token, fleet, monkeypatch
+):
     tables, _ = fleet
     judge = service_state.judge
     assert judge.wait_idle(30)
@@ -104,8 +119,7 @@ def test_a_finding_is_saved_once_and_a_restarted_service_keeps_its_first_run(tmp
     assert first and again == first
 
 
-def test_a_failing_judge_never_fails_ingest_and_is_retried(client, service_state, producer_token, fleet,
-                                                           monkeypatch):
+def test_a_failing_judge_never_fails_ingest_and_is_retried(client, service_state, producer_token, fleet, monkeypatch):
     tables, _ = fleet
     judge = service_state.judge
     judge.retry_s = 0.05
@@ -179,8 +193,9 @@ def test_the_judge_keeps_the_minute_aggregates_equal_to_a_recompute(client, serv
     assert service_state.judge.wait_idle(60)
     counters = ", ".join(aggregates.COUNTER_NAMES)
     events_sql = f"SELECT producer_id, minute_ns, {counters} FROM minute_events WHERE events > 0 ORDER BY 1, 2"
-    findings_sql = ("SELECT node, minute_ns, code, severity, sum(findings) FROM minute_findings "
-                    "GROUP BY ALL ORDER BY ALL")
+    findings_sql = (
+        "SELECT node, minute_ns, code, severity, sum(findings) FROM minute_findings GROUP BY ALL ORDER BY ALL"
+    )
     with service_state.write_lock:
         cur = service_state.cursor()
         try:
@@ -195,7 +210,8 @@ def test_the_judge_keeps_the_minute_aggregates_equal_to_a_recompute(client, serv
 
 
 def test_the_aggregates_take_commits_on_their_interval_and_readers_see_those_minutes_uncovered(
-        client, service_state, producer_token, fleet, monkeypatch):
+    client, service_state, producer_token, fleet, monkeypatch
+):
     import time
 
     from kvtrail.forensics.results import aggregates

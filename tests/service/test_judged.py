@@ -37,11 +37,15 @@ def test_a_covering_window_is_answered_from_the_judge_as_the_cli_answers(served)
         for w in (Window(None, None), Window(first - 10**9, last + 10**9), Window(first, None, tenant="acme")):
             with judged.judged_findings(cur, served.state, w) as found:
                 assert found is not None, w
-                _same(judged.affected_answer(cur, w, found, EXCL), ask_affected(served.state.store.cursor(), w,
-                                                                                exclusions=EXCL))
+                _same(
+                    judged.affected_answer(cur, w, found, EXCL),
+                    ask_affected(served.state.store.cursor(), w, exclusions=EXCL),
+                )
                 for codes in ((), tuple(sorted(AFFECTED_CODES)), ("F2", "F8")):
-                    _same(judged.findings_answer(cur, w, found, codes, EXCL),
-                          ask_findings(served.state.store.cursor(), w, codes=codes, exclusions=EXCL))
+                    _same(
+                        judged.findings_answer(cur, w, found, codes, EXCL),
+                        ask_findings(served.state.store.cursor(), w, codes=codes, exclusions=EXCL),
+                    )
         for w in (Window(W0, W1), Window(first + 1, None), Window(None, last - 1)):
             with judged.judged_findings(cur, served.state, w) as found:
                 assert found is None, w  # replayed as the CLI does
@@ -56,8 +60,11 @@ def test_the_routes_give_the_cli_rows_for_a_covering_window(served, path):
     expected = (ask_affected if path == "/v1/affected" else ask_findings)(served.state.store.cursor(), w)
     assert len(expected.rows) > 0
     for _ in range(2):  # the second from the same judged state
-        r = served.client.get(path, params={"from": format_utc(w.from_ns), "to": format_utc(w.to_ns)},
-                              headers=bearer(served.tokens["operator"]))
+        r = served.client.get(
+            path,
+            params={"from": format_utc(w.from_ns), "to": format_utc(w.to_ns)},
+            headers=bearer(served.tokens["operator"]),
+        )
         assert r.status_code == 200, r.text
         assert r.json() == json.loads(json_text(expected.rows))
         assert json.loads(r.headers["x-kvtrail-answer"])["warnings"] == list(expected.warnings)
@@ -95,12 +102,16 @@ def test_a_covering_window_asks_what_the_unbounded_window_asks(served):
     try:
         for tenant, node in ((None, None), ("acme", None), (None, "prefill-0")):
             unbounded = Window(None, None, tenant=tenant, node=node)
-            for w in (Window(first, last, tenant=tenant, node=node),
-                      Window(first - 10**12, last + 10**12, tenant=tenant, node=node)):
+            for w in (
+                Window(first, last, tenant=tenant, node=node),
+                Window(first - 10**12, last + 10**12, tenant=tenant, node=node),
+            ):
                 _same(ask_affected(con, w, exclusions=EXCL), ask_affected(con, unbounded, exclusions=EXCL))
                 for codes in ((), ("F2", "F8")):
-                    _same(ask_findings(con, w, codes=codes, exclusions=EXCL),
-                          ask_findings(con, unbounded, codes=codes, exclusions=EXCL))
+                    _same(
+                        ask_findings(con, w, codes=codes, exclusions=EXCL),
+                        ask_findings(con, unbounded, codes=codes, exclusions=EXCL),
+                    )
             assert judged.covering(Window(first, last, tenant, node), (first, last)) == unbounded
             assert judged.covering(Window(first + 1, last, tenant, node), (first, last)) is None
             assert judged.covering(Window(first, last - 1, tenant, node), (first, last)) is None
@@ -171,8 +182,9 @@ def test_questions_on_one_judged_snapshot_share_its_views_and_old_ones_are_detac
     def attached() -> int:
         cur = served.state.cursor()
         try:
-            return cur.execute("SELECT count(*) FROM duckdb_databases() WHERE database_name LIKE "
-                               "'kvtrail_snapshot_%'").fetchone()[0]
+            return cur.execute(
+                "SELECT count(*) FROM duckdb_databases() WHERE database_name LIKE 'kvtrail_snapshot_%'"
+            ).fetchone()[0]
         finally:
             cur.close()
 

@@ -80,8 +80,15 @@ def test_filters_and_exclusions_are_the_clis(served):
     assert only and {row["code"] for row in only} == {"F1"}
 
 
-@pytest.mark.parametrize("params, field", [({"from": "yesterday"}, "from"), ({"to": "2026-13-01"}, "to"),
-                                           ({"tenant": "nobody"}, "--tenant"), ({"code": "F99"}, "--code")])
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"from": "yesterday"}, "from"),
+        ({"to": "2026-13-01"}, "to"),
+        ({"tenant": "nobody"}, "--tenant"),
+        ({"code": "F99"}, "--code"),
+    ],
+)
 def test_bad_parameters_are_400_naming_the_field(served, params, field):
     r = served.client.get("/v1/findings", params=params, headers=bearer(served.tokens["operator"]))
     assert r.status_code == 400 and r.json()["detail"].startswith(field)
@@ -127,8 +134,12 @@ def test_every_query_is_in_the_access_log_with_who_and_status(served):
     served.get("/v1/nodes", token="should-not-be-logged")
     served.client.get("/v1/nodes")
     served.get("/v1/nodes", role="tenant:mallory")
-    rows = _local(served, lambda cur: cur.execute(
-        "SELECT token_id, role, path, query, status FROM access_log ORDER BY entry_no DESC LIMIT 3").fetchall())
+    rows = _local(
+        served,
+        lambda cur: cur.execute(
+            "SELECT token_id, role, path, query, status FROM access_log ORDER BY entry_no DESC LIMIT 3"
+        ).fetchall(),
+    )
     (t_id, t_role, _, _, t_status), (anon_id, _, _, _, anon_status), (op_id, op_role, path, query, status) = rows
     assert (t_role, t_status) == ("tenant:mallory", 403) and t_id in served.tokens["tenant:mallory"]
     assert (anon_id, anon_status) == (None, 401)
@@ -145,16 +156,24 @@ def test_request_pages_are_the_dashboards_drill_down(served):
     def local(cur):
         found = [f for f in ask_findings(cur, W).found if f.request_id == rid]
         return pages.detail_document(pages.request_detail(cur, rid, found))
+
     expected = _local(served, local)
     assert r.json() == json.loads(json.dumps(expected))
     assert r.json()["spans"] and any(p["foreign"] for p in r.json()["pages"])
-    assert pages.detail_from_document(r.json()).pages.equals(_local(served, lambda cur: pages.request_detail(
-        cur, rid, [f for f in ask_findings(cur, W).found if f.request_id == rid])).pages)
+    assert pages.detail_from_document(r.json()).pages.equals(
+        _local(
+            served,
+            lambda cur: pages.request_detail(cur, rid, [f for f in ask_findings(cur, W).found if f.request_id == rid]),
+        ).pages
+    )
 
 
 def test_a_report_comes_as_an_archive_that_verifies_against_the_store(served, tmp_path):
-    r = served.client.post("/v1/reports", json={"from": "2026-09-09T00:00:00Z", "to": "2026-09-09T06:00:00Z"},
-                           headers=bearer(served.tokens["operator"]))
+    r = served.client.post(
+        "/v1/reports",
+        json={"from": "2026-09-09T00:00:00Z", "to": "2026-09-09T06:00:00Z"},
+        headers=bearer(served.tokens["operator"]),
+    )
     assert r.status_code == 200, r.text
     assert r.headers["content-type"] == "application/zip"
     summary = json.loads(r.headers["x-kvtrail-report"])
@@ -167,9 +186,9 @@ def test_a_report_comes_as_an_archive_that_verifies_against_the_store(served, tm
     assert manifest["results_digest"] == summary["results_digest"]
     heads = served.get("/v1/audit/heads").json()["heads"]
     assert [(h["producer_id"], h["batch_no"], h["digest"]) for h in manifest["chain_heads"]] == [
-        (h["producer_id"], h["batch_no"], h["digest"]) for h in heads]
+        (h["producer_id"], h["batch_no"], h["digest"]) for h in heads
+    ]
     served.state.judge.wait_idle(60)
     served.state.close()  # the store file is free again (the last test of the module): verify as a CLI user would
     check = verify_report(out, served.state.db_path)
     assert check.ok, check.problems
-

@@ -15,8 +15,13 @@ from tests.service.conftest import ServiceProcess
 
 WINDOW = ["--from", "2026-09-09T00:00:00Z", "--to", "2026-09-09T06:00:00Z"]
 TABLES = ["affected", "findings", "exposure", "thresholds", "exploitation"]
-OTHERS = [["forensics", "watch", "--polls", "1"], ["audit", "head"], ["audit", "verify"], ["token", "list"],
-          ["token", "revoke", "nosuch"]]
+OTHERS = [
+    ["forensics", "watch", "--polls", "1"],
+    ["audit", "head"],
+    ["audit", "verify"],
+    ["token", "list"],
+    ["token", "revoke", "nosuch"],
+]
 ROLES = ("operator", "tenant:globex", "tenant:acme", "producer")
 
 
@@ -75,5 +80,6 @@ def test_a_tenant_sees_its_own_affected_rows_and_exposure(service, capsys):
     assert doc["tenant_id"] == "acme" and doc["exposed"] is True and doc["reading_responses"] > 0
     assert all(r.startswith("acme-") for r in doc["my_requests_read"])
     rc, out, err = run_cli(capsys, "forensics", "exposure", *WINDOW, "--url", url, "--token", acme)
-    assert rc == 0 and out[0].startswith(f"acme: data of {len(doc['my_requests_read'])} requests read by "
-                                         f"{doc['reading_responses']} responses"), out
+    assert rc == 0 and out[0].startswith(
+        f"acme: data of {len(doc['my_requests_read'])} requests read by {doc['reading_responses']} responses"
+    ), out

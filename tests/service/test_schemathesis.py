@@ -33,7 +33,8 @@ def test_the_api_keeps_to_its_schema(served):
     schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(served.state))
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {"/v1/affected", "/v1/reports", "/v1/events", "/v1/audit/verify", "/v1/tokens"} <= {
-        op.path for op in operations}
+        op.path for op in operations
+    }
     for operation in operations:
         # a report takes seconds: a successful one is test_queries' job, here only the refusals
         roles = ("tenant:mallory", "producer") if operation.path == "/v1/reports" else ROLES

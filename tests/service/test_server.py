@@ -42,8 +42,11 @@ class Sender(threading.Thread):
         seq = 1
         with httpx.Client(base_url=self.url, timeout=30) as c:
             try:
-                r = c.post("/v1/events", content=arrow_body([config(0, prod=self.prod, pool_pages=4096)]),
-                           headers=auth(self.token))
+                r = c.post(
+                    "/v1/events",
+                    content=arrow_body([config(0, prod=self.prod, pool_pages=4096)]),
+                    headers=auth(self.token),
+                )
                 self.acked.append(r.json())
                 while not self.stop.is_set():
                     events = [alloc(seq + i, list(range(1 + i, 41 + i)), prod=self.prod) for i in range(50)]
@@ -125,8 +128,12 @@ def test_sigkill_loses_no_acknowledged_batch_and_the_store_reopens_without_repai
         pid = s.acked[0]["producer_id"]
         stored_last = max(b for (p, b) in stored if p == pid)
         beyond = max(a["last_seq"] for a in s.acked) + 10_000  # past any committed but unacknowledged batch
-        r = httpx.post(f"{svc.url}/v1/events", timeout=30, headers=auth(secret),
-                       content=arrow_body([alloc(beyond, [1], prod=s.prod)]))
+        r = httpx.post(
+            f"{svc.url}/v1/events",
+            timeout=30,
+            headers=auth(secret),
+            content=arrow_body([alloc(beyond, [1], prod=s.prod)]),
+        )
         assert r.status_code == 200 and r.json()["batch_no"] == stored_last + 1
     finally:
         svc.proc.send_signal(signal.SIGTERM)
@@ -136,8 +143,9 @@ def test_sigkill_loses_no_acknowledged_batch_and_the_store_reopens_without_repai
 def test_a_store_held_by_another_process_is_refused_with_one_line_and_exit_1(tmp_path):
     db = tmp_path / "held.duckdb"
     with AuditStore(db):
-        proc = subprocess.run([sys.executable, "-m", "kvtrail", "serve", "--db", str(db)], capture_output=True,
-                              text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvtrail", "serve", "--db", str(db)], capture_output=True, text=True, timeout=120
+        )
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()

@@ -13,11 +13,13 @@ TENANTS = ("mallory", "acme")
 def _store_names(served: Served) -> tuple[set[str], dict[str, set[str]], set[str]]:
     cur = served.state.cursor()
     try:
-        tenants = {r[0] for r in cur.execute("SELECT DISTINCT tenant_id FROM events_v WHERE tenant_id IS NOT NULL")
-                   .fetchall()}
+        tenants = {
+            r[0] for r in cur.execute("SELECT DISTINCT tenant_id FROM events_v WHERE tenant_id IS NOT NULL").fetchall()
+        }
         requests: dict[str, set[str]] = {}
-        for rid, tid in cur.execute("SELECT DISTINCT request_id, tenant_id FROM events_v "
-                                    "WHERE request_id IS NOT NULL AND tenant_id IS NOT NULL").fetchall():
+        for rid, tid in cur.execute(
+            "SELECT DISTINCT request_id, tenant_id FROM events_v WHERE request_id IS NOT NULL AND tenant_id IS NOT NULL"
+        ).fetchall():
             requests.setdefault(tid, set()).add(rid)
         nodes = {r[0] for r in cur.execute("SELECT DISTINCT node FROM producers").fetchall()}
     finally:
@@ -29,14 +31,34 @@ def _responses(served: Served, me: str, others_request: str, own_request: str):
     token = served.tokens[f"tenant:{me}"]
     h = bearer(token)
     c = served.client
-    gets = ["/v1/affected", "/v1/findings", "/v1/exposure", "/v1/thresholds", "/v1/exploitation", "/v1/nodes",
-            "/v1/coverage", "/v1/audit/verify", "/v1/audit/heads", "/v1/tokens", "/v1/findings?since=0"]
+    gets = [
+        "/v1/affected",
+        "/v1/findings",
+        "/v1/exposure",
+        "/v1/thresholds",
+        "/v1/exploitation",
+        "/v1/nodes",
+        "/v1/coverage",
+        "/v1/audit/verify",
+        "/v1/audit/heads",
+        "/v1/tokens",
+        "/v1/findings?since=0",
+    ]
     for path in gets:
-        for params in ({}, WINDOW, {**WINDOW, "format": "csv"}, {**WINDOW, "format": "parquet"},
-                       {**WINDOW, "tenant": me}, {"from": "2030-01-01", "to": "2020-01-01"}):
+        for params in (
+            {},
+            WINDOW,
+            {**WINDOW, "format": "csv"},
+            {**WINDOW, "format": "parquet"},
+            {**WINDOW, "tenant": me},
+            {"from": "2030-01-01", "to": "2020-01-01"},
+        ):
             yield path, params, c.get(path, params=params, headers=h)
-    for params in ({"tenant": others_request.split("-")[0]}, {"node": "decode-0"},
-                   {"exclude_tenant": others_request.split("-")[0]}):
+    for params in (
+        {"tenant": others_request.split("-")[0]},
+        {"node": "decode-0"},
+        {"exclude_tenant": others_request.split("-")[0]},
+    ):
         yield "/v1/affected", params, c.get("/v1/affected", params=params, headers=h)
     yield "/v1/reports", {}, c.post("/v1/reports", json={**WINDOW}, headers=h)
     yield "/v1/requests", {}, c.get(f"/v1/requests/{others_request}", headers=h)
@@ -69,8 +91,18 @@ def test_a_tenant_sees_its_own_affected_requests_with_counts(served):
     rows = served.get("/v1/affected", role="tenant:mallory").json()
     assert rows and all(r["request_id"].startswith("mallory-") for r in rows)
     assert all(r["other_requests"] >= 0 and r["other_tenants"] >= 1 for r in rows)
-    assert set(rows[0]) == {"request_id", "http_status", "prompt_tokens", "completion_tokens", "codes",
-                            "pages_read_foreign", "other_requests", "other_tenants", "first_ns", "last_ns"}
+    assert set(rows[0]) == {
+        "request_id",
+        "http_status",
+        "prompt_tokens",
+        "completion_tokens",
+        "codes",
+        "pages_read_foreign",
+        "other_requests",
+        "other_tenants",
+        "first_ns",
+        "last_ns",
+    }
 
 
 def test_a_victim_tenant_learns_its_data_was_read_and_by_how_many(served):
@@ -95,8 +127,9 @@ def test_another_tenants_request_is_the_same_404_as_none(served):
 
 def _forbidden_for(served: Served, me: str) -> set[str]:
     tenants, requests, nodes = _store_names(served)
-    return ({t for t in tenants if t != me} | nodes
-            | {rid for tid, rids in requests.items() if tid != me for rid in rids})
+    return (
+        {t for t in tenants if t != me} | nodes | {rid for tid, rids in requests.items() if tid != me for rid in rids}
+    )
 
 
 def test_a_tenants_request_pages_show_others_only_as_pseudonyms(served):

@@ -27,8 +27,11 @@ def _last_access(state) -> tuple[str, str]:
 def test_a_token_in_the_query_string_is_redacted_whatever_its_name(client, service_state):
     operator = _add(service_state, "operator", tokens.Binding())
     token_id = operator.split("_")[1]
-    r = client.get("/v1/nodes", params={"tkn": operator, "note": f"see {operator} here", "k": ["a", operator]},
-                   headers=auth(operator, "application/json"))
+    r = client.get(
+        "/v1/nodes",
+        params={"tkn": operator, "note": f"see {operator} here", "k": ["a", operator]},
+        headers=auth(operator, "application/json"),
+    )
     assert r.status_code == 200, r.text
     path, query = _last_access(service_state)
     secret = operator.split("_", 2)[2]
@@ -60,8 +63,11 @@ def test_an_expired_token_is_401(client, service_state):
 def test_a_node_bound_producer_token_is_bound_to_its_cluster_and_role(client, service_state):
     own = producer()  # c1 / prefill-0 / prefill
     token = _add(service_state, "producer", tokens.Binding((own["node"],), (own["cluster"],), (own["role"],)))
-    for other, field in ((producer(cluster="c2"), "cluster"), (producer(role="decode"), "role"),
-                         (producer(node="prefill-1"), "node")):
+    for other, field in (
+        (producer(cluster="c2"), "cluster"),
+        (producer(role="decode"), "role"),
+        (producer(node="prefill-1"), "node"),
+    ):
         r = client.post("/v1/events", content=arrow_body([config(0, prod=other)]), headers=auth(token))
         assert r.status_code == 403 and r.json()["detail"].startswith(f"{field}: "), r.text
     r = client.post("/v1/events", content=arrow_body([config(0, prod=own)]), headers=auth(token))

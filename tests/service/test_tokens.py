@@ -62,8 +62,12 @@ def test_only_producer_tokens_are_bound_to_nodes(con):
 def test_token_changes_are_chained_in_the_access_log_and_an_edit_breaks_the_chain(con):
     token_id, _ = tokens.add_token(con, "operator")
     tokens.revoke_token(con, token_id)
-    access.append(con, access.AccessEntry(token_id, "operator", "GET", "/v1/affected",
-                                          {"from": "2026-09-09", "token": "leaked-secret"}, 200))
+    access.append(
+        con,
+        access.AccessEntry(
+            token_id, "operator", "GET", "/v1/affected", {"from": "2026-09-09", "token": "leaked-secret"}, 200
+        ),
+    )
     rows = con.execute("SELECT method, path, query FROM access_log ORDER BY entry_no").fetchall()
     assert [r[:2] for r in rows] == [("TOKEN", "add"), ("TOKEN", "revoke"), ("GET", "/v1/affected")]
     assert "leaked-secret" not in rows[2][2] and "2026-09-09" in rows[2][2]
@@ -83,9 +87,13 @@ def test_the_token_file_holds_no_secret_and_loads_idempotently(con, tmp_path):
     tid, secret, stored = tokens.new_token("producer", nodes=("prefill-0",))
     tid2, secret2, stored2 = tokens.new_token("tenant:acme")
     path = tmp_path / "tokens.txt"
-    path.write_text("# fleet tokens\n\n" + tokens.token_line(tid, "producer", stored, nodes=("prefill-0",),
-                                                             note="node 0") + "\n"
-                    + tokens.token_line(tid2, "tenant:acme", stored2) + "  # acme\n")
+    path.write_text(
+        "# fleet tokens\n\n"
+        + tokens.token_line(tid, "producer", stored, nodes=("prefill-0",), note="node 0")
+        + "\n"
+        + tokens.token_line(tid2, "tenant:acme", stored2)
+        + "  # acme\n"
+    )
     assert secret not in path.read_text() and secret2 not in path.read_text()
     assert tokens.load_token_file(con, path) == 2
     assert tokens.authenticate(con, secret) == tokens.Principal(tid, "producer", None, ("prefill-0",))
@@ -94,12 +102,15 @@ def test_the_token_file_holds_no_secret_and_loads_idempotently(con, tmp_path):
     assert tokens.authenticate(con, secret2) is None  # a revoked token stays revoked
 
 
-@pytest.mark.parametrize("line, reason", [
-    ("zz operator pbkdf2-sha256$1$00$00", "line 2: expected"),
-    ("abcdefabcdef operator nothash", "hash"),
-    ("abcdefabcdef boss pbkdf2-sha256$1$" + "00" * 16 + "$" + "00" * 32, "role"),
-    ("abcdefabcdef operator pbkdf2-sha256$1$" + "00" * 16 + "$" + "00" * 32 + " colour=red", "unknown field"),
-])
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        ("zz operator pbkdf2-sha256$1$00$00", "line 2: expected"),
+        ("abcdefabcdef operator nothash", "hash"),
+        ("abcdefabcdef boss pbkdf2-sha256$1$" + "00" * 16 + "$" + "00" * 32, "role"),
+        ("abcdefabcdef operator pbkdf2-sha256$1$" + "00" * 16 + "$" + "00" * 32 + " colour=red", "unknown field"),
+    ],
+)
 def test_a_bad_token_file_line_is_named_and_nothing_is_added(con, tmp_path, line, reason):
     tid, _, stored = tokens.new_token("operator")
     path = tmp_path / "tokens.txt"
@@ -140,9 +151,16 @@ def test_token_commands_add_list_revoke(tmp_path):
 
 def test_token_add_on_a_store_a_service_holds_says_so_and_suggests_url(tmp_path):
     db = tmp_path / "s.duckdb"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from kvtrail.audit.store import AuditStore; "
-                               f"s = AuditStore({str(db)!r}); print('open', flush=True); time.sleep(60)"],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from kvtrail.audit.store import AuditStore; "
+            f"s = AuditStore({str(db)!r}); print('open', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "open"
         result = CliRunner().invoke(token_cli, ["add", "--db", str(db), "--role", "operator"])
@@ -174,6 +192,7 @@ def test_verified_tokens_expire_are_bounded_and_keep_no_secret():
 
 # ---- expiry, bindings beyond the node name, the list's separators ------------------------------------
 
+
 def test_an_expired_token_is_refused_and_an_unexpired_one_works(con):
     now = time.time_ns()
     _, old = tokens.add_token(con, "operator", binding=tokens.Binding(expires_ns=now - 1))
@@ -194,8 +213,16 @@ def test_the_verified_cache_drops_a_token_the_moment_it_expires():
     assert v.get("kvt_abc_secret") is None  # well within the cache's ttl
 
 
-@pytest.mark.parametrize("text, ns", [("30m", 1800 * 10**9), ("12h", 43_200 * 10**9), ("90d", 90 * 86_400 * 10**9),
-                                      ("2w", 14 * 86_400 * 10**9), ("3600s", 3600 * 10**9)])
+@pytest.mark.parametrize(
+    "text, ns",
+    [
+        ("30m", 1800 * 10**9),
+        ("12h", 43_200 * 10**9),
+        ("90d", 90 * 86_400 * 10**9),
+        ("2w", 14 * 86_400 * 10**9),
+        ("3600s", 3600 * 10**9),
+    ],
+)
 def test_durations(text, ns):
     assert tokens.parse_duration(text) == ns
 
@@ -222,15 +249,18 @@ def test_the_token_file_carries_bindings_and_expiry(con, tmp_path):
     path.write_text(tokens.token_line(tid, "producer", stored, binding=binding) + "\n")
     assert "clusters=c1" in path.read_text() and "node_roles=decode" in path.read_text()
     assert tokens.load_token_file(con, path) == 1
-    assert tokens.authenticate(con, secret) == tokens.Principal(tid, "producer", None, ("d0",), ("c1",), ("decode",),
-                                                                binding.expires_ns)
+    assert tokens.authenticate(con, secret) == tokens.Principal(
+        tid, "producer", None, ("d0",), ("c1",), ("decode",), binding.expires_ns
+    )
 
 
 def test_a_store_from_before_expiry_gets_the_new_columns_empty(tmp_path):
     c = duckdb.connect(str(tmp_path / "old.duckdb"))
-    c.execute(f"CREATE TABLE {tokens.TABLE} (token_id VARCHAR PRIMARY KEY, role VARCHAR NOT NULL, "
-              "tenant_id VARCHAR, nodes VARCHAR[] NOT NULL, note VARCHAR NOT NULL, hash VARCHAR NOT NULL, "
-              "created_ns BIGINT NOT NULL, revoked_ns BIGINT)")
+    c.execute(
+        f"CREATE TABLE {tokens.TABLE} (token_id VARCHAR PRIMARY KEY, role VARCHAR NOT NULL, "
+        "tenant_id VARCHAR, nodes VARCHAR[] NOT NULL, note VARCHAR NOT NULL, hash VARCHAR NOT NULL, "
+        "created_ns BIGINT NOT NULL, revoked_ns BIGINT)"
+    )
     tid, secret, stored = tokens.new_token("operator")
     c.execute(f"INSERT INTO {tokens.TABLE} VALUES (?, 'operator', NULL, [], '', ?, 1, NULL)", [tid, stored])
     tokens.ensure_tables(c)
@@ -241,8 +271,26 @@ def test_a_store_from_before_expiry_gets_the_new_columns_empty(tmp_path):
 def test_token_add_expires_in_and_list_separates_fields_with_real_tabs(tmp_path):
     db = str(tmp_path / "s.duckdb")
     runner = CliRunner()
-    added = runner.invoke(token_cli, ["add", "--db", db, "--role", "producer", "--node", "decode-0", "--cluster",
-                                      "c1", "--node-role", "decode", "--expires-in", "12h", "--note", "dec\tode"])
+    added = runner.invoke(
+        token_cli,
+        [
+            "add",
+            "--db",
+            db,
+            "--role",
+            "producer",
+            "--node",
+            "decode-0",
+            "--cluster",
+            "c1",
+            "--node-role",
+            "decode",
+            "--expires-in",
+            "12h",
+            "--note",
+            "dec\tode",
+        ],
+    )
     assert added.exit_code == 0, added.output
     listed = runner.invoke(token_cli, ["list", "--db", db]).output.splitlines()
     [line] = listed

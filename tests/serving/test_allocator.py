@@ -89,8 +89,14 @@ def test_refuses_double_free_foreign_and_out_of_range_pages():
     assert a.available == 8  # the refused frees changed nothing
 
 
-@pytest.mark.parametrize("kwargs, field", [({"num_pages": 0}, "num_pages"), ({"num_pages": 2**31}, "num_pages"),
-                                           ({"num_pages": 4, "reuse": "fifo"}, "reuse")])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"num_pages": 0}, "num_pages"),
+        ({"num_pages": 2**31}, "num_pages"),
+        ({"num_pages": 4, "reuse": "fifo"}, "reuse"),
+    ],
+)
 def test_bad_construction_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         PageAllocator(**kwargs)
@@ -160,4 +166,3 @@ def test_random_traffic_never_hands_out_a_held_page(reuse, ops):
             a.free(pages)
             held -= set(pages.tolist())
         assert a.available == 12 - len(held)
-

@@ -16,8 +16,10 @@ CFG = KVPoolConfig(num_layers=2, num_pages=8, page_size=4, num_heads=2, head_dim
 
 def _rows(n, seed, cfg=CFG):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, cfg.num_heads, cfg.head_dim, generator=g),
-            torch.randn(n, cfg.num_heads, cfg.head_dim, generator=g))
+    return (
+        torch.randn(n, cfg.num_heads, cfg.head_dim, generator=g),
+        torch.randn(n, cfg.num_heads, cfg.head_dim, generator=g),
+    )
 
 
 def _fill(pool, pages, seq_len, seed):
@@ -132,8 +134,11 @@ def test_bad_input_names_the_field():
         pool.write(0, [1], [0, 1], k[:1], v)
     with pytest.raises(ValueError, match="seq_len"):
         pool.gather(0, [1], 5)
-    for field, kwargs in (("num_pages", {"num_pages": 0}), ("head_dim", {"head_dim": 2.5}),
-                          ("dtype", {"dtype": torch.int32})):
+    for field, kwargs in (
+        ("num_pages", {"num_pages": 0}),
+        ("head_dim", {"head_dim": 2.5}),
+        ("dtype", {"dtype": torch.int32}),
+    ):
         args = {"num_layers": 1, "num_pages": 1, "page_size": 1, "num_heads": 1, "head_dim": 1, **kwargs}
         with pytest.raises(ValueError, match=field):
             KVPoolConfig(**args)

@@ -24,18 +24,34 @@ from kvtrail.serving.prefill import PrefillWorker
 REF = RequestRef("r1", 7, "acme", "k:0123456789ab")
 INFO = m.WorkerInfo(("127.0.0.1", 4242), b"secret", "127.0.0.1:15001", ((4096, 8192, 512),))
 SAMPLES = [
-    m.WorkerReady(INFO), m.WorkerFailed("OSError: no"), m.ConnectPeer(INFO),
-    m.PrefillRequest(7, REF, b"hello", False), m.DecodeRequest(7, REF, 5, 16), m.Abort(7), m.Shutdown(),
-    m.SetAudit(m.CONTROL_ROOM, True), m.DigestPages(m.CONTROL_ROOM, (1, 2)), m.Admitted(7),
-    m.Rejected(7, 400, "field 'prompt': too long"), m.Response(7, 200, "hi", 2, 123, "length", None),
-    m.AuditSet(m.CONTROL_ROOM, False), m.PagesDigest(m.CONTROL_ROOM, "ab" * 32), m.Cancel(7), m.AbortAck(7),
-    m.KvFailed(7, "pool exhausted"), m.GetAuditStats(m.CONTROL_ROOM),
+    m.WorkerReady(INFO),
+    m.WorkerFailed("OSError: no"),
+    m.ConnectPeer(INFO),
+    m.PrefillRequest(7, REF, b"hello", False),
+    m.DecodeRequest(7, REF, 5, 16),
+    m.Abort(7),
+    m.Shutdown(),
+    m.SetAudit(m.CONTROL_ROOM, True),
+    m.DigestPages(m.CONTROL_ROOM, (1, 2)),
+    m.Admitted(7),
+    m.Rejected(7, 400, "field 'prompt': too long"),
+    m.Response(7, 200, "hi", 2, 123, "length", None),
+    m.AuditSet(m.CONTROL_ROOM, False),
+    m.PagesDigest(m.CONTROL_ROOM, "ab" * 32),
+    m.Cancel(7),
+    m.AbortAck(7),
+    m.KvFailed(7, "pool exhausted"),
+    m.GetAuditStats(m.CONTROL_ROOM),
     m.AuditStats(m.CONTROL_ROOM, (("recorded_events", 3), ("writer_cpu_ns_total", 1200))),
 ]
-ARRAY_SAMPLES = [m.DstPages(7, np.array([3, 4, 9], np.int32), 40),
-                 m.KvDone(7, 104, 40, 3, np.array([1, 2**63, 5], np.uint64)), m.KvDone(7, 104, 40, 3, None)]
-MESSAGE_TYPES = [c for _, c in inspect.getmembers(m, inspect.isclass)
-                 if dataclasses.is_dataclass(c) and c.__module__ == m.__name__]
+ARRAY_SAMPLES = [
+    m.DstPages(7, np.array([3, 4, 9], np.int32), 40),
+    m.KvDone(7, 104, 40, 3, np.array([1, 2**63, 5], np.uint64)),
+    m.KvDone(7, 104, 40, 3, None),
+]
+MESSAGE_TYPES = [
+    c for _, c in inspect.getmembers(m, inspect.isclass) if dataclasses.is_dataclass(c) and c.__module__ == m.__name__
+]
 
 
 class _Unknown:
@@ -88,8 +104,11 @@ def _worker(cls, pool=None):
     return cls(None, pool, None, None, "the recorder", None, None)
 
 
-@pytest.mark.parametrize("msg", [_Unknown(), ("audit", -1, True), m.DecodeRequest(7, REF, 5, 16)],
-                         ids=["foreign class", "old tuple", "decode's message"])
+@pytest.mark.parametrize(
+    "msg",
+    [_Unknown(), ("audit", -1, True), m.DecodeRequest(7, REF, 5, 16)],
+    ids=["foreign class", "old tuple", "decode's message"],
+)
 def test_a_prefill_worker_rejects_what_it_does_not_take(msg):
     with pytest.raises(m.ProtocolError, match=f"prefill worker: no handler for message .*{type(msg).__qualname__}"):
         _worker(PrefillWorker).dispatch(msg)

@@ -64,7 +64,7 @@ def test_stale_pages_leak_another_tenants_text():
     covered = len(b_pages) * ps
     out = MODEL.generate(pool, b_pages, covered, covered)
     assert out.startswith(prompt_b) and CANARY in out
-    assert out[len(prompt_b):] == TEXT_A[len(prompt_b):] + bytes(covered - len(TEXT_A))
+    assert out[len(prompt_b) :] == TEXT_A[len(prompt_b) :] + bytes(covered - len(TEXT_A))
 
 
 def test_never_written_slots_decode_as_nul():

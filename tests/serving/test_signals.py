@@ -32,12 +32,19 @@ class Stack:
     def __init__(self, db: Path):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvtrail", "stack", "--db", str(db), "--max-new-tokens", "16"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=db.parent, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=db.parent,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.out: list[str] = []
         self.err: list[str] = []
-        self._readers = [threading.Thread(target=lambda s=s, into=into: into.extend(s), daemon=True)
-                         for s, into in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        self._readers = [
+            threading.Thread(target=lambda s=s, into=into: into.extend(s), daemon=True)
+            for s, into in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
+        ]
         for r in self._readers:
             r.start()
         deadline = time.monotonic() + _START_TIMEOUT_S
@@ -129,8 +136,12 @@ def test_sigterm_to_the_group_mid_traffic_drains_flushes_and_exits_0(killed_run)
         rows = con.execute("""
             SELECT p.node, p.instance, max(e.seq), max(e.seq) FILTER (e.kind = 'recorder_closed')
             FROM events e JOIN producers p USING (producer_id) GROUP BY ALL ORDER BY ALL""").fetchall()
-        sent = {r for (r,) in con.execute("SELECT request_id FROM events_v WHERE node = 'router-0' "
-                                          "AND kind = 'response_sent'").fetchall()}
+        sent = {
+            r
+            for (r,) in con.execute(
+                "SELECT request_id FROM events_v WHERE node = 'router-0' AND kind = 'response_sent'"
+            ).fetchall()
+        }
         ends = unclean_ends(con)
     finally:
         con.close()

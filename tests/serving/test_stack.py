@@ -72,10 +72,13 @@ def test_vulnerable_mode_leaks_another_tenants_canary_with_http_200(tmp_path):
     assert body["usage"]["prompt_tokens"] == 4000
     assert foreign(tenant, body) == ["acme"], body["choices"][0]["text"]
     # The audit alone shows what happened: decode reserved 250 pages for 4000 tokens, prefill sent 1.
-    (reserved, sent, sent_pages) = query(db, """
+    (reserved, sent, sent_pages) = query(
+        db,
+        """
         SELECT r.num_tokens, s.num_tokens, s.num_pages FROM events_v r JOIN events_v s USING (transfer_id)
         WHERE r.kind = 'transfer_reserved' AND s.kind = 'transfer_sent' AND r.tenant_id IS NOT DISTINCT FROM r.tenant_id
-        ORDER BY r.seq DESC LIMIT 1""")[0]
+        ORDER BY r.seq DESC LIMIT 1""",
+    )[0]
     assert (reserved, sent, sent_pages) == (4000, 1, 1)
     aborted = query(db, "SELECT node, http_status, prompt_tokens FROM events_v WHERE kind = 'request_aborted'")
     assert aborted == [("prefill-0", 400, 4000)]
@@ -116,11 +119,15 @@ def test_bad_requests_get_clear_errors(tmp_path):
             assert r.status_code == 401
             r = httpx.post(f"{url}/v1/completions", content=b"{not json", headers={"Authorization": "Bearer key-acme"})
             assert r.status_code == 400
-            r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 0},
-                           headers={"Authorization": "Bearer key-acme"})
+            r = httpx.post(
+                f"{url}/v1/completions",
+                json={"prompt": "x", "max_tokens": 0},
+                headers={"Authorization": "Bearer key-acme"},
+            )
             assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-            r = httpx.post(f"{url}/v1/completions", json={"max_tokens": 3},
-                           headers={"Authorization": "Bearer key-acme"})
+            r = httpx.post(
+                f"{url}/v1/completions", json={"max_tokens": 3}, headers={"Authorization": "Bearer key-acme"}
+            )
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
@@ -130,9 +137,12 @@ def test_decode_pool_holds_prefills_bytes_after_a_clean_transfer(tmp_path):
         status, _ = complete(st.url, "initech", prompt("initech", 1600))  # 100 whole pages
         assert status == 200
         wait_for(st, "SELECT count(*) FROM events_v WHERE kind = 'transfer_sent'")
-        src, dst = query(st, "SELECT list(page_start ORDER BY seq) FILTER (list = 0), "
-                             "list(page_start ORDER BY seq) FILTER (list = 1) FROM page_runs r JOIN events_v e "
-                             "USING (producer_id, seq) WHERE e.kind = 'transfer_sent'")[0]
+        src, dst = query(
+            st,
+            "SELECT list(page_start ORDER BY seq) FILTER (list = 0), "
+            "list(page_start ORDER BY seq) FILTER (list = 1) FROM page_runs r JOIN events_v e "
+            "USING (producer_id, seq) WHERE e.kind = 'transfer_sent'",
+        )[0]
         sent = query(st, "SELECT num_pages FROM events_v WHERE kind = 'transfer_sent'")[0][0]
         assert sent == 100
         src_pages = list(range(src[0], src[0] + 100)) if len(src) == 1 else None
@@ -156,17 +166,25 @@ def test_clean_shutdown_leaves_no_process_and_flushes_every_producer(tmp_path):
 
 # ---- fault injections: each leaves the events that evidence it ---------------------------------------
 
-FAULT_CFG = dict(SMALL, decode_pool_tokens=512 * 16, prefill_pool_tokens=512 * 16, context_tokens=8192,
-                 max_new_tokens=48, decode_step_delay_s=0.02)
+FAULT_CFG = dict(
+    SMALL,
+    decode_pool_tokens=512 * 16,
+    prefill_pool_tokens=512 * 16,
+    context_tokens=8192,
+    max_new_tokens=48,
+    decode_step_delay_s=0.02,
+)
 
 
 async def _two_requests(url, first, second, delay_s, first_headers=None):
     """Start ``first``, wait ``delay_s``, start ``second``; both run concurrently."""
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+
         async def go(tenant, text, headers=None):
             h = {"Authorization": f"Bearer {KEYS[tenant]}", **(headers or {})}
             r = await c.post("/v1/completions", json={"prompt": text, "max_tokens": 48}, headers=h)
             return r.status_code, r.json()
+
         t1 = asyncio.create_task(go(*first, first_headers))
         await asyncio.sleep(delay_s)
         t2 = asyncio.create_task(go(*second))
@@ -177,15 +195,19 @@ def test_premature_free_lets_a_running_request_read_anothers_pages(tmp_path):
     db = tmp_path / "uaf.duckdb"
     cfg = StackConfig(mode="vulnerable", faults=Faults(premature_free=True), **FAULT_CFG)
     with Stack(cfg, db) as st:
-        (s1, b1), (s2, b2) = asyncio.run(_two_requests(
-            st.url, ("acme", prompt("acme", 300 * 16)), ("globex", prompt("globex", 300 * 16)), 0.3))
+        (s1, b1), (s2, b2) = asyncio.run(
+            _two_requests(st.url, ("acme", prompt("acme", 300 * 16)), ("globex", prompt("globex", 300 * 16)), 0.3)
+        )
     assert (s1, s2) == (200, 200)
     assert foreign("acme", b1) == ["globex"], b1["choices"][0]["text"]  # it read globex's KV in its freed pages
     # Evidence: acme's reservation was freed before acme's first read of its page table.
-    (freed_seq, read_seq) = query(db, """
+    (freed_seq, read_seq) = query(
+        db,
+        """
         SELECT min(seq) FILTER (kind = 'pages_freed'), min(seq) FILTER (kind = 'kv_read') FROM events_v
         WHERE node = 'decode-0' AND request_id = (
-            SELECT request_id FROM events_v WHERE kind = 'request_received' AND tenant_id = 'acme' LIMIT 1)""")[0]
+            SELECT request_id FROM events_v WHERE kind = 'request_received' AND tenant_id = 'acme' LIMIT 1)""",
+    )[0]
     assert freed_seq < read_seq
 
 
@@ -193,15 +215,26 @@ def test_late_write_after_abort_lands_in_reused_pages(tmp_path):
     db = tmp_path / "late.duckdb"
     cfg = StackConfig(mode="vulnerable", faults=Faults(late_write=True), **FAULT_CFG)
     with Stack(cfg, db) as st:
-        (s1, b1), (s2, b2) = asyncio.run(_two_requests(
-            st.url, ("acme", prompt("acme", 300 * 16)), ("globex", prompt("globex", 300 * 16)), 0.2,
-            first_headers={"x-kvtrail-abort-after-ms": "50"}))
+        (s1, b1), (s2, b2) = asyncio.run(
+            _two_requests(
+                st.url,
+                ("acme", prompt("acme", 300 * 16)),
+                ("globex", prompt("globex", 300 * 16)),
+                0.2,
+                first_headers={"x-kvtrail-abort-after-ms": "50"},
+            )
+        )
     assert s1 == 499 and s2 == 200
     assert foreign("globex", b2) == ["acme"], b2["choices"][0]["text"]
-    rid = query(db, "SELECT request_id FROM events_v WHERE kind = 'request_received' AND tenant_id = 'acme' "
-                    "LIMIT 1")[0][0]
-    rows = query(db, "SELECT kind, source FROM events_v WHERE node = 'decode-0' AND request_id = ? "
-                     "AND kind IN ('pages_freed', 'kv_written') ORDER BY seq", [rid])
+    rid = query(db, "SELECT request_id FROM events_v WHERE kind = 'request_received' AND tenant_id = 'acme' LIMIT 1")[
+        0
+    ][0]
+    rows = query(
+        db,
+        "SELECT kind, source FROM events_v WHERE node = 'decode-0' AND request_id = ? "
+        "AND kind IN ('pages_freed', 'kv_written') ORDER BY seq",
+        [rid],
+    )
     assert rows == [("pages_freed", None), ("kv_written", "transfer_in")]  # the write came after the free
 
 
@@ -210,12 +243,19 @@ def test_patched_deferred_release_defeats_the_late_write(tmp_path):
     cfg = StackConfig(mode="patched", faults=Faults(late_write=True), **FAULT_CFG)
     with Stack(cfg, db) as st:
         # Smaller requests: acme's pages stay held until its write is done, and both must fit.
-        (s1, b1), (s2, b2) = asyncio.run(_two_requests(
-            st.url, ("acme", prompt("acme", 200 * 16)), ("globex", prompt("globex", 200 * 16)), 0.2,
-            first_headers={"x-kvtrail-abort-after-ms": "50"}))
+        (s1, b1), (s2, b2) = asyncio.run(
+            _two_requests(
+                st.url,
+                ("acme", prompt("acme", 200 * 16)),
+                ("globex", prompt("globex", 200 * 16)),
+                0.2,
+                first_headers={"x-kvtrail-abort-after-ms": "50"},
+            )
+        )
     assert s1 == 499 and s2 == 200 and foreign("globex", b2) == []
-    reasons = [r for (r,) in query(db, "SELECT free_reason FROM events_v WHERE node = 'decode-0' "
-                                       "AND kind = 'pages_freed'")]
+    reasons = [
+        r for (r,) in query(db, "SELECT free_reason FROM events_v WHERE node = 'decode-0' AND kind = 'pages_freed'")
+    ]
     assert "deferred_release" in reasons
 
 
@@ -223,17 +263,21 @@ def test_double_allocation_hands_a_held_page_to_a_second_request(tmp_path):
     db = tmp_path / "dbl.duckdb"
     cfg = StackConfig(mode="vulnerable", faults=Faults(double_alloc=True), **FAULT_CFG)
     with Stack(cfg, db) as st:
-        (s1, _), (s2, _) = asyncio.run(_two_requests(
-            st.url, ("acme", prompt("acme", 100 * 16)), ("globex", prompt("globex", 100 * 16)), 0.3))
+        (s1, _), (s2, _) = asyncio.run(
+            _two_requests(st.url, ("acme", prompt("acme", 100 * 16)), ("globex", prompt("globex", 100 * 16)), 0.3)
+        )
     assert (s1, s2) == (200, 200)
     # Evidence: a page allocated to globex while acme held it (no free of it in between).
-    shared = query(db, """
+    shared = query(
+        db,
+        """
         WITH alloc AS (
             SELECT e.request_id, e.seq, r.page_start + i AS page FROM events_v e
             JOIN page_runs r USING (producer_id, seq), range(r.num_pages) t(i)
             WHERE e.node = 'decode-0' AND e.kind = 'pages_allocated' AND e.purpose = 'decode_reservation')
         SELECT count(*) FROM alloc a JOIN alloc b ON a.page = b.page AND a.request_id <> b.request_id
-        AND a.seq < b.seq""")[0][0]
+        AND a.seq < b.seq""",
+    )[0][0]
     assert shared == 1
 
 
@@ -241,6 +285,7 @@ def test_a_worker_killed_mid_transfer_fails_its_requests_and_the_other_keeps_run
     db = tmp_path / "kill.duckdb"
     cfg = StackConfig(mode="patched", faults=Faults(late_write=True), **FAULT_CFG)
     with Stack(cfg, db) as st:
+
         async def scenario():
             async with httpx.AsyncClient(base_url=st.url, timeout=60) as c:
                 h = {"Authorization": "Bearer key-acme", "x-kvtrail-abort-after-ms": "5000"}
@@ -248,6 +293,7 @@ def test_a_worker_killed_mid_transfer_fails_its_requests_and_the_other_keeps_run
                 await asyncio.sleep(0.25)  # prefill is holding the transfer
                 st.procs["prefill"].kill()
                 return await task
+
         r = asyncio.run(scenario())
         assert r.status_code in (502, 503)
         assert st.procs["decode"].is_alive()
@@ -264,8 +310,9 @@ def test_patched_page_tags_stop_use_after_free_and_double_allocation(tmp_path):
         db = tmp_path / f"tags-{fault}.duckdb"
         cfg = StackConfig(mode="patched", faults=Faults(**{fault: True}), **FAULT_CFG)
         with Stack(cfg, db) as st:
-            (s1, b1), (s2, b2) = asyncio.run(_two_requests(
-                st.url, ("acme", prompt("acme", 300 * 16)), ("globex", prompt("globex", 200 * 16)), 0.3))
+            (s1, b1), (s2, b2) = asyncio.run(
+                _two_requests(st.url, ("acme", prompt("acme", 300 * 16)), ("globex", prompt("globex", 200 * 16)), 0.3)
+            )
         # acme's pages changed hands under it: it is stopped before it attends a foreign page.
         assert s1 == 500 and "page ownership tag mismatch" in b1["error"]["message"], (fault, b1)
         assert foreign("globex", b2) == [] and foreign("acme", b1) == []
@@ -284,8 +331,11 @@ def test_corrupted_transfer_is_localised_to_its_page_by_digests(tmp_path):
         (status_rec,) = query(db, "SELECT status FROM events_v WHERE kind = 'transfer_received'")[0]
         assert status_rec == "mismatch"
         # Prefill's and decode's per-page digests differ on exactly the corrupted (first) page.
-        sent, landed = query(db, """
+        sent, landed = query(
+            db,
+            """
             SELECT (SELECT page_digests FROM events_v WHERE node = 'prefill-0' AND kind = 'kv_written'),
-                   (SELECT page_digests FROM events_v WHERE node = 'decode-0' AND kind = 'kv_written')""")[0]
+                   (SELECT page_digests FROM events_v WHERE node = 'decode-0' AND kind = 'kv_written')""",
+        )[0]
         assert len(sent) == len(landed) == 50
         assert [i for i, (a, b) in enumerate(zip(sent, landed)) if a != b] == [0]

@@ -34,12 +34,18 @@ def test_stack_answers_a_completion_and_stops_cleanly_on_sigint(tmp_path: Path) 
     db = tmp_path / "x.duckdb"
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvtrail", "stack", "--db", str(db), "--max-new-tokens", "16"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})  # the URL line must arrive before the process ends
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # the URL line must arrive before the process ends
     out: list[str] = []
     err: list[str] = []
-    readers = [threading.Thread(target=_read_lines, args=(s, into), daemon=True)
-               for s, into in ((proc.stdout, out), (proc.stderr, err))]
+    readers = [
+        threading.Thread(target=_read_lines, args=(s, into), daemon=True)
+        for s, into in ((proc.stdout, out), (proc.stderr, err))
+    ]
     for reader in readers:
         reader.start()
     try:
@@ -49,8 +55,12 @@ def test_stack_answers_a_completion_and_stops_cleanly_on_sigint(tmp_path: Path) 
             assert time.monotonic() < deadline, f"no router URL after {_START_TIMEOUT_S:.0f} s: {''.join(err)}"
             time.sleep(0.1)
         url = match.group(1)
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hello kvtrail", "max_tokens": 8},
-                       headers={"Authorization": "Bearer key-acme"}, timeout=60)
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": "hello kvtrail", "max_tokens": 8},
+            headers={"Authorization": "Bearer key-acme"},
+            timeout=60,
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["usage"] == {"prompt_tokens": 13, "completion_tokens": 8, "total_tokens": 21}
@@ -68,8 +78,9 @@ def test_stack_answers_a_completion_and_stops_cleanly_on_sigint(tmp_path: Path) 
     assert "Local segment descriptor" in worker_log_path(db).read_text()
     con = duckdb.connect(str(db), read_only=True)
     try:
-        rows = con.execute("SELECT node, kind FROM events_v WHERE request_id = ? ORDER BY node, seq",
-                           [request_id]).fetchall()
+        rows = con.execute(
+            "SELECT node, kind FROM events_v WHERE request_id = ? ORDER BY node, seq", [request_id]
+        ).fetchall()
     finally:
         con.close()
     by_node: dict[str, list[str]] = {}
@@ -78,6 +89,7 @@ def test_stack_answers_a_completion_and_stops_cleanly_on_sigint(tmp_path: Path) 
     assert set(by_node) == {"router-0", "prefill-0", "decode-0"}
     assert by_node["router-0"] == ["request_received", "response_sent"]
     assert {"request_received", "pages_allocated", "kv_written", "transfer_sent", "pages_freed"} <= set(
-        by_node["prefill-0"])
+        by_node["prefill-0"]
+    )
     assert {"transfer_reserved", "transfer_received", "kv_read", "pages_freed"} <= set(by_node["decode-0"])
     assert verify_store(db).ok

@@ -15,8 +15,10 @@ from kvtrail.serving.store_process import StoreProcess
 
 def _record(store: StoreProcess, n: int) -> dict[str, int]:
     assert store.address is not None and store.authkey is not None
-    rec = Recorder(RelaySink(store.address, store.authkey),
-                   Producer("c1", "decode-0", "decode", "kvtrail-reference", "0.1", "decode-1"))
+    rec = Recorder(
+        RelaySink(store.address, store.authkey),
+        Producer("c1", "decode-0", "decode", "kvtrail-reference", "0.1", "decode-1"),
+    )
     rec.node_config(pool_tokens=64 * 16, pool_pages=64, page_size=16, context_tokens=4096)
     for i in range(n):
         rec.pages_allocated(RequestRef(f"r{i}", i, "acme"), [1 + i % 60, 2 + i % 60], "decode_reservation")

@@ -50,16 +50,20 @@ def fragmented(rng, count, mean_run):
 
 # --- merge_runs -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("src, dst, runs", [
-    ([], [], []),
-    ([5], [9], [(5, 9, 1)]),
-    ([1, 2, 3, 4], [10, 11, 12, 13], [(1, 10, 4)]),
-    ([1, 2, 3, 4], [10, 11, 20, 21], [(1, 10, 2), (3, 20, 2)]),  # dst breaks
-    ([1, 2, 7, 8], [10, 11, 12, 13], [(1, 10, 2), (7, 12, 2)]),  # src breaks
-    ([4, 3, 2], [1, 2, 3], [(4, 1, 1), (3, 2, 1), (2, 3, 1)]),  # descending is never a run
-    ([3, 3], [1, 2], [(3, 1, 1), (3, 2, 1)]),  # a repeated source page
-    ([0, 1], [0, 1], [(0, 0, 2)]),
-])
+
+@pytest.mark.parametrize(
+    "src, dst, runs",
+    [
+        ([], [], []),
+        ([5], [9], [(5, 9, 1)]),
+        ([1, 2, 3, 4], [10, 11, 12, 13], [(1, 10, 4)]),
+        ([1, 2, 3, 4], [10, 11, 20, 21], [(1, 10, 2), (3, 20, 2)]),  # dst breaks
+        ([1, 2, 7, 8], [10, 11, 12, 13], [(1, 10, 2), (7, 12, 2)]),  # src breaks
+        ([4, 3, 2], [1, 2, 3], [(4, 1, 1), (3, 2, 1), (2, 3, 1)]),  # descending is never a run
+        ([3, 3], [1, 2], [(3, 1, 1), (3, 2, 1)]),  # a repeated source page
+        ([0, 1], [0, 1], [(0, 0, 2)]),
+    ],
+)
 def test_merge_runs_cases(src, dst, runs):
     assert merge_runs(src, dst) == runs
     assert merge_runs(np.array(src, dtype=np.int32), np.array(dst, dtype=np.int64)) == runs
@@ -102,10 +106,22 @@ DST = [(0x90000, 16 * 64, 64), (0xA0000, 16 * 64, 64)]
 def test_plan_entries_one_entry_per_buffer_and_run():
     plan = plan_entries(SRC, DST, [1, 2, 3, 6], [10, 11, 4, 5])
     assert plan.num_pages == 4 and plan.num_runs == 3 and plan.num_entries == 6
-    assert plan.src_addrs.tolist() == [0x10000 + 64, 0x10000 + 192, 0x10000 + 384,
-                                       0x20000 + 64, 0x20000 + 192, 0x20000 + 384]
-    assert plan.dst_addrs.tolist() == [0x90000 + 640, 0x90000 + 256, 0x90000 + 320,
-                                       0xA0000 + 640, 0xA0000 + 256, 0xA0000 + 320]
+    assert plan.src_addrs.tolist() == [
+        0x10000 + 64,
+        0x10000 + 192,
+        0x10000 + 384,
+        0x20000 + 64,
+        0x20000 + 192,
+        0x20000 + 384,
+    ]
+    assert plan.dst_addrs.tolist() == [
+        0x90000 + 640,
+        0x90000 + 256,
+        0x90000 + 320,
+        0xA0000 + 640,
+        0xA0000 + 256,
+        0xA0000 + 320,
+    ]
     assert plan.lengths.tolist() == [128, 64, 64] * 2
     assert plan.num_bytes == 4 * 64 * 2
 
@@ -115,13 +131,16 @@ def test_plan_entries_empty():
     assert plan.num_entries == 0 and plan.num_bytes == 0 and plan.num_pages == 0
 
 
-@pytest.mark.parametrize("src_pages, dst_pages, field", [
-    ([8], [1], "src_pages: page 8"),  # src holds pages 0..7
-    ([1], [16], "dst_pages: page 16"),
-    ([-1], [1], "src_pages: page -1"),
-    ([1, 2], [3, 3], "dst_pages: a destination page appears more than once"),
-    ([1, 2], [3], "dst_pages: has 1 pages"),
-])
+@pytest.mark.parametrize(
+    "src_pages, dst_pages, field",
+    [
+        ([8], [1], "src_pages: page 8"),  # src holds pages 0..7
+        ([1], [16], "dst_pages: page 16"),
+        ([-1], [1], "src_pages: page -1"),
+        ([1, 2], [3, 3], "dst_pages: a destination page appears more than once"),
+        ([1, 2], [3], "dst_pages: has 1 pages"),
+    ],
+)
 def test_plan_entries_refuses_before_sending(src_pages, dst_pages, field):
     with pytest.raises(ValueError, match=field):
         plan_entries(SRC, DST, src_pages, dst_pages)
@@ -148,6 +167,7 @@ def test_pool_buffer_of_numpy_and_torch():
 
 # --- configuration and environment (no engine is built) ----------------------------------------------
 
+
 def test_config_refuses_bad_values():
     with pytest.raises(ValueError, match="transfer_timeout_s"):
         TransferConfig(transfer_timeout_s=2)
@@ -157,11 +177,14 @@ def test_config_refuses_bad_values():
         TransferConfig(max_batch_entries=0)
 
 
-@pytest.mark.parametrize("var, value, config, field", [
-    ("MC_LOG_DIR", "logs", TransferConfig(), "MC_LOG_DIR"),
-    ("MC_LOG_LEVEL", "error", TransferConfig(), "MC_LOG_LEVEL"),
-    (QUEUE_ENV, "512", TransferConfig(max_batch_entries=1024), "max_batch_entries"),
-])
+@pytest.mark.parametrize(
+    "var, value, config, field",
+    [
+        ("MC_LOG_DIR", "logs", TransferConfig(), "MC_LOG_DIR"),
+        ("MC_LOG_LEVEL", "error", TransferConfig(), "MC_LOG_LEVEL"),
+        (QUEUE_ENV, "512", TransferConfig(max_batch_entries=1024), "max_batch_entries"),
+    ],
+)
 def test_environment_checked_before_the_engine(monkeypatch, var, value, config, field):
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=field):
@@ -169,12 +192,15 @@ def test_environment_checked_before_the_engine(monkeypatch, var, value, config, 
 
 
 def test_import_does_not_load_mooncake():
-    code = ("import sys, kvtrail.serving, kvtrail.serving.transfer; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('mooncake', 'torch')]; assert not bad, bad")
+    code = (
+        "import sys, kvtrail.serving, kvtrail.serving.transfer; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('mooncake', 'torch')]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 # --- one engine in this process ----------------------------------------------------------------------
+
 
 def test_handle_lifecycle():
     buf = np.zeros(4096, np.uint8)
@@ -201,6 +227,7 @@ def test_handle_lifecycle():
 
 
 # --- two processes -----------------------------------------------------------------------------------
+
 
 def _peer_main(conn, log_path, seed):
     """The spawned decode side: a pool of NUM_BUFFERS numpy buffers filled with seeded bytes."""
@@ -277,8 +304,12 @@ def src(sender):
     """The prefill side: torch bf16 buffers shaped like the pool, filled with random bytes."""
     torch = pytest.importorskip("torch")
     gen = torch.Generator().manual_seed(7)
-    tensors = [torch.randint(0, 256, ((PAGES + 1) * ITEM,), dtype=torch.uint8, generator=gen)
-               .view(torch.bfloat16).reshape(PAGES + 1, 4, 2, 32) for _ in range(NUM_BUFFERS)]
+    tensors = [
+        torch.randint(0, 256, ((PAGES + 1) * ITEM,), dtype=torch.uint8, generator=gen)
+        .view(torch.bfloat16)
+        .reshape(PAGES + 1, 4, 2, 32)
+        for _ in range(NUM_BUFFERS)
+    ]
     specs = [PoolBuffer.of(t) for t in tensors]
     sender.register(specs)
     return specs, [t.view(torch.uint8).reshape(PAGES + 1, ITEM).numpy() for t in tensors]

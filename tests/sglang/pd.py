@@ -47,8 +47,15 @@ def intake(pnode_or_dnode, rid, room, tokens):
 
     sched = object.__new__(Scheduler)
     sched._handle_generate_request = lambda *a, **k: None
-    recv = types.SimpleNamespace(rid=rid, bootstrap_room=room, input_ids=tokens, input_embeds=None, mm_inputs=None,
-                                 sampling_params=types.SimpleNamespace(max_new_tokens=8), extra_key=None)
+    recv = types.SimpleNamespace(
+        rid=rid,
+        bootstrap_room=room,
+        input_ids=tokens,
+        input_embeds=None,
+        mm_inputs=None,
+        sampling_params=types.SimpleNamespace(max_new_tokens=8),
+        extra_key=None,
+    )
     Scheduler.handle_generate_request(sched, recv)
 
 
@@ -85,7 +92,8 @@ def prefill_request(pnode, rid, room, tokens, mgr, dst_pages, placeholder=False,
     row = pnode.pool.req_to_token[r.kv.req_pool_idx, :n]
     pages = (row[::PAGE_SIZE] // PAGE_SIZE).numpy().astype(np.int32)
     pnode.kv[torch.from_numpy(pages.astype(np.int64))] = torch.tensor(
-        [[(t * 7 + j) % 251 for j in range(pnode.kv.shape[1])] for t in range(len(pages))], dtype=torch.uint8)
+        [[(t * 7 + j) % 251 for j in range(pnode.kv.shape[1])] for t in range(len(pages))], dtype=torch.uint8
+    )
     pnode.metadata.set_buf(r)
     if digest is None:
         digest = zlib.adler32(bytes(np.asarray(r.origin_input_ids, dtype=np.int64)))
@@ -103,9 +111,18 @@ def reserve(dnode, rid, room, tokens):
     r = req(rid, tokens, room)
     r.bootstrap_host, r.bootstrap_port = "127.0.0.1", 8998
     dnode.pool.alloc([r])
-    loc = dmod.alloc_for_decode_prealloc(dnode.allocator, req=r, fill_len=len(tokens), delta_len=len(tokens),
-                                         prefix_len=0, total_prefix_len=0, prefix_indices=None,
-                                         uses_swa_tail=False, swa_tail_len=0, req_to_token_pool=dnode.pool)
+    loc = dmod.alloc_for_decode_prealloc(
+        dnode.allocator,
+        req=r,
+        fill_len=len(tokens),
+        delta_len=len(tokens),
+        prefix_len=0,
+        total_prefix_len=0,
+        prefix_indices=None,
+        uses_swa_tail=False,
+        swa_tail_len=0,
+        req_to_token_pool=dnode.pool,
+    )
     dnode.pool.write((r.kv.req_pool_idx, slice(0, len(loc))), loc.to(torch.int32))
     r.kv.kv_committed_len = len(tokens)
     return r, (loc[::PAGE_SIZE] // PAGE_SIZE).numpy()
@@ -133,7 +150,8 @@ def commit(dnode, pnode, r, computer=None, slot=1):
     q.scheduler = types.SimpleNamespace(
         kv_checksum_computer=computer,
         disagg_decode_prealloc_queue=types.SimpleNamespace(kv_checksum_signature=SIGNATURE),
-        batch_result_processor=types.SimpleNamespace(_maybe_update_reasoning_tokens=lambda *a: None))
+        batch_result_processor=types.SimpleNamespace(_maybe_update_reasoning_tokens=lambda *a: None),
+    )
     dr = DecodeRequest(req=r, kv_receiver=types.SimpleNamespace(clear=lambda: None), metadata_buffer_index=slot)
     q._commit_transfer_to_req(dr)
 
@@ -164,8 +182,7 @@ def checksum_computer(node, monkeypatch):
     real = dmod.page_indices_for_request
     monkeypatch.setattr(dmod, "page_indices_for_request", lambda *a, **k: real(*a, **k).as_subclass(CudaLike))
     monkeypatch.delenv("SGLANG_IS_IN_CI", raising=False)
-    return ck.KvChecksumComputer(device="cpu", kv_data_ptrs=[node.kv.data_ptr()],
-                                 kv_item_lens=[node.kv.shape[1]])
+    return ck.KvChecksumComputer(device="cpu", kv_data_ptrs=[node.kv.data_ptr()], kv_item_lens=[node.kv.shape[1]])
 
 
 def digest_of(node, pages):
@@ -182,7 +199,8 @@ def verify(dnode, reqs, computer):
     sched.kv_checksum_computer = computer
     sched.disagg_decode_prealloc_queue = types.SimpleNamespace(
         kv_manager=types.SimpleNamespace(should_verify_kv_checksum=lambda addr: True),
-        kv_checksum_mismatch_injector=random.Random(0))
+        kv_checksum_mismatch_injector=random.Random(0),
+    )
     sched.req_to_token_pool, sched.token_to_kv_pool_allocator = dnode.pool, dnode.allocator
     sched.attn_tp_cpu_group, sched.tree_cache, sched.output_streamer = None, dnode.tree, streamer()
     sched.metrics_reporter = types.SimpleNamespace(enable_metrics=False)
@@ -220,6 +238,7 @@ def finish(dnode, r, out_streamer):
 
 # ---- the HTTP (tokenizer) process ---------------------------------------------------------------------------
 
+
 def tokenizer(mode: str = "decode"):
     """A TokenizerManager with only what its real _handle_abort_finish_reason reads."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -247,8 +266,15 @@ def respond(tm, r, *, stream=False, first_token_s=None, latency_s=0.25):
     state = ReqState([], True, asyncio.Event(), obj, stats)
     tm.rid_to_state[obj.rid] = state
     reason = r.finished_reason.to_json()
-    out = {"meta_info": {"id": obj.rid, "finish_reason": reason, "prompt_tokens": len(r.origin_input_ids),
-                         "completion_tokens": len(r.output_ids), "e2e_latency": latency_s}}
+    out = {
+        "meta_info": {
+            "id": obj.rid,
+            "finish_reason": reason,
+            "prompt_tokens": len(r.origin_input_ids),
+            "completion_tokens": len(r.output_ids),
+            "e2e_latency": latency_s,
+        }
+    }
 
     async def run():
         try:

@@ -27,9 +27,14 @@ def _classes(module: str) -> dict[str, ast.ClassDef]:
 
 def _runs_super_send(cls: ast.ClassDef) -> bool:
     [send] = [f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "send"]
-    return any(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "send"
-               and isinstance(c.func.value, ast.Call) and getattr(c.func.value.func, "id", "") == "super"
-               for c in ast.walk(send))
+    return any(
+        isinstance(c, ast.Call)
+        and isinstance(c.func, ast.Attribute)
+        and c.func.attr == "send"
+        and isinstance(c.func.value, ast.Call)
+        and getattr(c.func.value.func, "id", "") == "super"
+        for c in ast.walk(send)
+    )
 
 
 def _defines_send(cls: ast.ClassDef) -> bool:

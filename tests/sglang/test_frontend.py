@@ -49,8 +49,13 @@ def test_the_recorded_status_is_the_one_the_client_gets(plugin, tmp_path):
     events = stored_events(db)
     got = {e["request"]["request_id"]: e for e in events if e["kind"] == "response_sent"}
     assert len([e for e in events if e["kind"] == "response_sent"]) == 5
-    assert {k: v["http_status"] for k, v in got.items()} == {"ok": 200, "bad": 400, "busy": 503, "sse": 200,
-                                                            "bare": 200}
+    assert {k: v["http_status"] for k, v in got.items()} == {
+        "ok": 200,
+        "bad": 400,
+        "busy": 503,
+        "sse": 200,
+        "bare": 200,
+    }
     assert got["ok"]["ttft_ns"] == 125_000_000 and got["ok"]["completion_tokens"] == 3
     assert got["ok"]["prompt_tokens"] == 10 and got["ok"]["finish_reason"] == "length"
     assert got["sse"]["finish_reason"] == "abort" and got["sse"]["completion_tokens"] == 2

@@ -48,8 +48,11 @@ def test_prefix_hits_carry_the_writers_block_hashes_and_evictions_return_pages_w
     c_write = [e for e in events if e["kind"] == "kv_written" and e["request"]["request_id"] == "C"][0]
     assert hit["request"]["request_id"] == "D" and len(hit["pages"]) == 4
     assert hit["pages"] == c_write["pages"][:4] and hit["block_hashes"] == c_write["block_hashes"][:4]
-    d_new = [e for e in events if e["kind"] == "pages_allocated" and e["purpose"] == "prefill_extend"
-             and e["request"]["request_id"] == "D"]
+    d_new = [
+        e
+        for e in events
+        if e["kind"] == "pages_allocated" and e["purpose"] == "prefill_extend" and e["request"]["request_id"] == "D"
+    ]
     assert d_new and not set(d_new[0]["pages"]) & set(hit["pages"])
     freed = [e for e in events if e["kind"] == "pages_freed"]
     c_freed = [p for e in freed if (e.get("request") or {}).get("request_id") == "C" for p in e["pages"]]
@@ -122,9 +125,18 @@ def test_decode_radix_prefix_hits_carry_the_landed_writes_block_hashes(plugin, t
         a = req("A", shared + [50, 51, 52], 21)
         intake(dnode, "A", 21, a.origin_input_ids)
         dnode.pool.alloc([a])
-        loc = dmod.alloc_for_decode_prealloc(dnode.allocator, req=a, fill_len=11, delta_len=11, prefix_len=0,
-                                             total_prefix_len=0, prefix_indices=None, uses_swa_tail=False,
-                                             swa_tail_len=0, req_to_token_pool=dnode.pool)
+        loc = dmod.alloc_for_decode_prealloc(
+            dnode.allocator,
+            req=a,
+            fill_len=11,
+            delta_len=11,
+            prefix_len=0,
+            total_prefix_len=0,
+            prefix_indices=None,
+            uses_swa_tail=False,
+            swa_tail_len=0,
+            req_to_token_pool=dnode.pool,
+        )
         dnode.pool.write((a.kv.req_pool_idx, slice(0, 11)), loc.to(torch.int32))
         pnode.metadata.bootstrap_room[0, 0] = 21  # what prefill's set_buf writes (its slot reaches decode)
         cover(pnode, 21, 11)  # prefill's plugin: this transfer covers all 11 tokens
@@ -134,9 +146,18 @@ def test_decode_radix_prefix_hits_carry_the_landed_writes_block_hashes(plugin, t
         intake(dnode, "B", 22, b.origin_input_ids)
         dnode.pool.alloc([b])
         prefix = dnode.pool.req_to_token[a.kv.req_pool_idx, :8].to(torch.int64)  # decode's radix match for B
-        new = dmod.alloc_for_decode_prealloc(dnode.allocator, req=b, fill_len=10, delta_len=2, prefix_len=8,
-                                             total_prefix_len=8, prefix_indices=prefix, uses_swa_tail=False,
-                                             swa_tail_len=0, req_to_token_pool=dnode.pool)
+        new = dmod.alloc_for_decode_prealloc(
+            dnode.allocator,
+            req=b,
+            fill_len=10,
+            delta_len=2,
+            prefix_len=8,
+            total_prefix_len=8,
+            prefix_indices=prefix,
+            uses_swa_tail=False,
+            swa_tail_len=0,
+            req_to_token_pool=dnode.pool,
+        )
         dnode.pool.write((b.kv.req_pool_idx, slice(0, 8)), prefix.to(torch.int32))
         dnode.pool.write((b.kv.req_pool_idx, slice(8, 10)), new.to(torch.int32))
         b.kv.cache_protected_len = 8

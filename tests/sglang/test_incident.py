@@ -25,8 +25,10 @@ def nodes(plugin, tmp_path):
     store = SharedStore(tmp_path / "audit.duckdb")
     # decode's pool is small: B must reuse A's pages
     prefill, decode = Node("prefill", radix=True, checksum=True), Node("decode", num_pages=12)
-    sessions = {"prefill": plugin.start(prefill.scheduler, sink=store),
-                "decode": plugin.start(decode.scheduler, sink=store)}
+    sessions = {
+        "prefill": plugin.start(prefill.scheduler, sink=store),
+        "decode": plugin.start(decode.scheduler, sink=store),
+    }
     plugin.session = None
     tm = tokenizer("decode")  # decode server's HTTP process: the client's status
     sessions["http"] = plugin.start_frontend(tm, sink=store)
@@ -85,9 +87,13 @@ def test_placeholder_after_reservation_is_judged_f2_f4_and_f1_against_the_previo
 
     events = stored_events(db)
     assert not [e.get("detail") for e in events if e["kind"] == "recorder_gap"]  # no hook failed
-    by = lambda kind, rid, node_role: [e for e in events if e["kind"] == kind  # noqa: E731
-                                        and (e.get("request") or {}).get("request_id") == rid
-                                        and e["producer"]["role"] == node_role]
+    by = lambda kind, rid, node_role: [  # noqa: E731
+        e
+        for e in events
+        if e["kind"] == kind
+        and (e.get("request") or {}).get("request_id") == rid
+        and e["producer"]["role"] == node_role
+    ]
     [res_b] = by("transfer_reserved", "B", "decode")
     assert res_b["pages"] == list(b_pages) and res_b["num_tokens"] == PROMPT
     assert res_b["request"]["transfer_id"] == 202

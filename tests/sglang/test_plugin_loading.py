@@ -43,8 +43,7 @@ def test_a_renamed_target_is_reported_not_silent(tmp_path):
         print("missing:", plugin.PLUGIN.missing)
     """)
     env = dict(os.environ, KVTRAIL_DB=str(db), KVTRAIL_NODE="d0", PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
-                         cwd=ROOT)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     target = "sglang.srt.managers.schedule_batch.Req.set_finish_with_abort"
     assert f"missing: ['{target}']" in run.stdout

@@ -62,10 +62,13 @@ def test_tp_2_records_on_rank_0_under_the_node_name(plugin, republish, tmp_path)
     assert [e["request"]["request_id"] for e in events if e["kind"] == "pages_allocated"] == ["T"]
 
 
-@pytest.mark.parametrize("layout", [
-    dict(tp_size=2, dp_size=2, enable_dp_attention=True),  # DP attention: one pool per attention-DP rank
-    dict(dp_size=2),  # DP replicas: one pool per dp_rank
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(tp_size=2, dp_size=2, enable_dp_attention=True),  # DP attention: one pool per attention-DP rank
+        dict(dp_size=2),  # DP replicas: one pool per dp_rank
+    ],
+)
 def test_each_dp_rank_is_its_own_producer_and_equal_page_ids_do_not_collide(plugin, republish, tmp_path, layout):
     from kvtrail.forensics import ask_findings, open_store
     from kvtrail.forensics.replay.engine import replay_store
@@ -129,9 +132,15 @@ def test_a_scheduler_built_without_init_disaggregation_records_from_its_first_re
     plugin.config = dataclasses.replace(saved, sink=str(db))
     plugin._started.discard(id(sched))
     try:
-        recv = types.SimpleNamespace(rid="H", bootstrap_room=None, input_ids=[1, 2, 3], input_embeds=None,
-                                     mm_inputs=None, sampling_params=types.SimpleNamespace(max_new_tokens=4),
-                                     extra_key="tenant-h")
+        recv = types.SimpleNamespace(
+            rid="H",
+            bootstrap_room=None,
+            input_ids=[1, 2, 3],
+            input_embeds=None,
+            mm_inputs=None,
+            sampling_params=types.SimpleNamespace(max_new_tokens=4),
+            extra_key="tenant-h",
+        )
         Scheduler.handle_generate_request(sched, recv)
         s = plugin.session
         assert s is not None and s.role == "unified"

@@ -9,12 +9,15 @@ from tests.sglang.world import PAGE_SIZE, Node, req
 
 
 def _freed(events):
-    return [((e.get("request") or {}).get("request_id"), e["free_reason"], sorted(e["pages"]))
-            for e in events if e["kind"] == "pages_freed"]
+    return [
+        ((e.get("request") or {}).get("request_id"), e["free_reason"], sorted(e["pages"]))
+        for e in events
+        if e["kind"] == "pages_freed"
+    ]
 
 
 def _pages(node, r):
-    row = node.pool.req_to_token[r.kv.req_pool_idx, :len(r.origin_input_ids)]
+    row = node.pool.req_to_token[r.kv.req_pool_idx, : len(r.origin_input_ids)]
     return sorted(set((row // PAGE_SIZE).tolist()))
 
 
@@ -28,9 +31,15 @@ def test_a_retracted_requests_pages_are_freed_as_a_retract(plugin, tmp_path):
         r = extend(node, req("R", list(range(10)), 5))
         pages = _pages(node, r)
         assert not r.is_retracted
-        schedule_batch.release_req(req=r, remaing_req_count=1, req_to_token_pool=node.pool,
-                                   token_to_kv_pool_allocator=node.allocator, tree_cache=node.tree,
-                                   hisparse_coordinator=None, offload_kv=False)
+        schedule_batch.release_req(
+            req=r,
+            remaing_req_count=1,
+            req_to_token_pool=node.pool,
+            token_to_kv_pool_allocator=node.allocator,
+            tree_cache=node.tree,
+            hisparse_coordinator=None,
+            offload_kv=False,
+        )
         assert r.is_retracted  # SGLang marks it only after the release
     finally:
         plugin.session = None
@@ -62,8 +71,10 @@ def test_frees_a_free_group_postpones_keep_their_requests(plugin, tmp_path):
         plugin.session = None
         s.close()
     freed = sorted(_freed(stored_events(db)), key=lambda x: str(x[0]))
-    assert freed == sorted([("GA", "abort", pa), ("GB", "finish", pb),
-                            (None, "eviction", sorted(set((loose // PAGE_SIZE).tolist())))], key=lambda x: str(x[0]))
+    assert freed == sorted(
+        [("GA", "abort", pa), ("GB", "finish", pb), (None, "eviction", sorted(set((loose // PAGE_SIZE).tolist())))],
+        key=lambda x: str(x[0]),
+    )
 
 
 def test_modes_the_plugin_does_not_audit_are_named_in_the_node_config_and_warned(plugin, tmp_path, capsys):
@@ -80,8 +91,9 @@ def test_modes_the_plugin_does_not_audit_are_named_in_the_node_config_and_warned
     err = capsys.readouterr().err
     assert "does not audit" in err and "SWATokenToKVPoolAllocator" in err and "EAGLE" in err
     [cfg] = [e for e in stored_events(db) if e["kind"] == "node_config"]
-    assert cfg["config_source"] == ("sglang-plugin; hooks all patched; not audited: allocator "
-                                    "SWATokenToKVPoolAllocator,speculative decoding EAGLE")
+    assert cfg["config_source"] == (
+        "sglang-plugin; hooks all patched; not audited: allocator SWATokenToKVPoolAllocator,speculative decoding EAGLE"
+    )
     plain = Node("decode")
     plain.scheduler.token_to_kv_pool_allocator = plain.allocator
     plain.scheduler.spec_algorithm = SpeculativeAlgorithm.NONE
@@ -110,5 +122,7 @@ def test_hicache_and_context_parallelism_are_declared_not_audited(plugin, tmp_pa
         publish()
     assert "HiCache" in capsys.readouterr().err
     [cfg] = [e for e in stored_events(db) if e["kind"] == "node_config"]
-    assert cfg["config_source"] == ("sglang-plugin; hooks all patched; not audited: HiCache load-back and "
-                                    "write-back allocations,context parallelism attn_cp_size=2")
+    assert cfg["config_source"] == (
+        "sglang-plugin; hooks all patched; not audited: HiCache load-back and "
+        "write-back allocations,context parallelism attn_cp_size=2"
+    )

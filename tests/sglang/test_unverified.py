@@ -140,8 +140,10 @@ def test_the_unwritten_commit_is_unverified_and_flagged_by_both_engines(pd):
     assert "received 0 tokens" in by["F2", "U"].detail and "unverified" in by["F2", "U"].detail
     [row] = affected.rows.filter(affected.rows["request_id"] == "U").iter_rows(named=True)
     assert row["victim_tenants"] == [NEVER_WRITTEN]
-    assert any("unverified landings" in n and "(no prefill record) -> sg-node: 1 transfer(s), 10 page(s)" in n
-               for n in affected.notes), affected.notes
+    assert any(
+        "unverified landings" in n and "(no prefill record) -> sg-node: 1 transfer(s), 10 page(s)" in n
+        for n in affected.notes
+    ), affected.notes
 
 
 def test_enforcement_refuses_a_commit_it_cannot_verify(pd):
@@ -189,8 +191,11 @@ def test_a_matching_checksum_proves_a_landing_the_slot_could_not(pd, monkeypatch
     events = stored_events(db)
     receipts = [e for e in events if e["kind"] == "transfer_received" and e["request"]["request_id"] == "V"]
     assert [(e["status"], e["num_tokens"]) for e in receipts] == [("unverified", 0), ("ok", PROMPT)]
-    [wrote] = [e for e in events if e["kind"] == "kv_written" and e["request"]["request_id"] == "V"
-               and e["producer"]["role"] == "decode"]
+    [wrote] = [
+        e
+        for e in events
+        if e["kind"] == "kv_written" and e["request"]["request_id"] == "V" and e["producer"]["role"] == "decode"
+    ]
     assert wrote["source"] == "transfer_in" and wrote["pages"] == v_pages.tolist()
     found, _ = _judge(db)
     assert [f for f in found if f.code != "F8"] == []

@@ -30,8 +30,7 @@ PAGE_BYTES = 16  # one page of the stand-in KV buffer (what the transfer copies 
 MODEL = types.SimpleNamespace(is_encoder_decoder=False, vocab_size=1000, is_multimodal=False, context_len=4096)
 
 
-def publish(role: str = "null", *, world_rank: int | None = None, dp_rank: int | None = None,
-            **parallel) -> ServerArgs:
+def publish(role: str = "null", *, world_rank: int | None = None, dp_rank: int | None = None, **parallel) -> ServerArgs:
     """SGLang's runtime context as its launcher publishes it for one scheduler process: ``parallel`` are
     ServerArgs widths (tp_size, dp_size, enable_dp_attention), ``world_rank`` / ``dp_rank`` the process's
     placement (SpawnRanks); without a placement, TP rank 0 of one rank."""
@@ -41,8 +40,9 @@ def publish(role: str = "null", *, world_rank: int | None = None, dp_rank: int |
         runtime_context.publish(args, role="scheduler")
         runtime_context.get_parallel().override_permanently(tp_rank=0)
     else:
-        runtime_context.publish(args, role="scheduler",
-                                ranks=runtime_context.SpawnRanks(world_rank=world_rank, dp_rank=dp_rank))
+        runtime_context.publish(
+            args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=world_rank, dp_rank=dp_rank)
+        )
     return args
 
 
@@ -50,25 +50,45 @@ class Node:
     """One node's pools (need_sort=True as in PD: freed pages are reused lowest first)."""
 
     def __init__(self, mode: str, num_pages: int = 64, radix: bool = False, checksum: bool = False):
-        self.allocator = PagedTokenToKVPoolAllocator(size=num_pages * PAGE_SIZE, page_size=PAGE_SIZE,
-                                                     dtype=torch.bfloat16, device="cpu", kvcache=None,
-                                                     need_sort=True)
+        self.allocator = PagedTokenToKVPoolAllocator(
+            size=num_pages * PAGE_SIZE,
+            page_size=PAGE_SIZE,
+            dtype=torch.bfloat16,
+            device="cpu",
+            kvcache=None,
+            need_sort=True,
+        )
         self.pool = ReqToTokenPool(size=16, max_context_len=512, device="cpu", enable_memory_saver=False)
-        self.tree = RadixCache(CacheInitParams(disable=not radix, req_to_token_pool=self.pool,
-                                               token_to_kv_pool_allocator=self.allocator, page_size=PAGE_SIZE))
-        self.metadata = MetadataBuffers(size=8, hidden_size=16, hidden_states_dtype=torch.float32,
-                                        max_sampling_mask_tokens=0, kv_checksum_enabled=checksum)
+        self.tree = RadixCache(
+            CacheInitParams(
+                disable=not radix,
+                req_to_token_pool=self.pool,
+                token_to_kv_pool_allocator=self.allocator,
+                page_size=PAGE_SIZE,
+            )
+        )
+        self.metadata = MetadataBuffers(
+            size=8,
+            hidden_size=16,
+            hidden_states_dtype=torch.float32,
+            max_sampling_mask_tokens=0,
+            kv_checksum_enabled=checksum,
+        )
         self.kv = torch.zeros((num_pages + 1, PAGE_BYTES), dtype=torch.uint8)  # page 0 is SGLang's padding page
         # ranks are not the scheduler's: the plugin reads them from the runtime context publish() set
         self.scheduler = types.SimpleNamespace(
             page_size=PAGE_SIZE,
-            disaggregation_mode=types.SimpleNamespace(value=mode), max_total_num_tokens=num_pages * PAGE_SIZE,
-            model_config=MODEL, max_running_requests=16,
-            server_args=types.SimpleNamespace(disaggregation_enable_kv_checksum=False, kv_canary="none"))
+            disaggregation_mode=types.SimpleNamespace(value=mode),
+            max_total_num_tokens=num_pages * PAGE_SIZE,
+            model_config=MODEL,
+            max_running_requests=16,
+            server_args=types.SimpleNamespace(disaggregation_enable_kv_checksum=False, kv_canary="none"),
+        )
 
     def batch(self, reqs: list[Req]) -> ScheduleBatch:
-        return ScheduleBatch.init_new(reqs, self.pool, self.allocator, self.tree, MODEL, False,
-                                      SpeculativeAlgorithm.NONE)
+        return ScheduleBatch.init_new(
+            reqs, self.pool, self.allocator, self.tree, MODEL, False, SpeculativeAlgorithm.NONE
+        )
 
 
 def req(rid: str, tokens: list[int], room: int) -> Req:

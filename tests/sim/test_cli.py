@@ -11,8 +11,24 @@ from kvtrail.cli.simulate import simulate
 from kvtrail.sim.fleet import FleetConfig, config_defaults
 from kvtrail.timeutil import format_utc
 
-FLAGS = ["--nodes", "2", "--hours", "0.0005", "--rate", "20", "--prefill-pool-tokens", "16384",
-         "--decode-pool-tokens", "69632", "--context-tokens", "65536", "--max-new-tokens", "1024", "--bugs", "none"]
+FLAGS = [
+    "--nodes",
+    "2",
+    "--hours",
+    "0.0005",
+    "--rate",
+    "20",
+    "--prefill-pool-tokens",
+    "16384",
+    "--decode-pool-tokens",
+    "69632",
+    "--context-tokens",
+    "65536",
+    "--max-new-tokens",
+    "1024",
+    "--bugs",
+    "none",
+]
 
 
 def test_simulate_is_a_root_command_and_its_defaults_are_the_configs():

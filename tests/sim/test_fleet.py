@@ -20,10 +20,24 @@ from tests.sim.digests import table_digest
 # A small fleet that churns its pools within seconds: ~280 requests over 29 simulated seconds, prompts
 # around 1k tokens with a tail past the 16k-token prefill pool, every fault armed often. Prefill nodes
 # run at 30-60 % load: the engine measures their rates (F9) from requests that did not queue long.
-SMALL = FleetConfig(hours=0.008, rate_per_s=10, prefill_nodes=2, decode_nodes=2, tenants=6, chunk_tokens=4096,
-                    prefill_pool_tokens=16_384, decode_pool_tokens=69_632, context_tokens=65_536,
-                    prefill_rate_min_tokens_per_s=40_000, prompt_median_tokens=1024, prompt_sigma=1.5,
-                    completion_median_tokens=48, max_new_tokens=1024, doc_median_tokens=512, plants_per_hour=1500)
+SMALL = FleetConfig(
+    hours=0.008,
+    rate_per_s=10,
+    prefill_nodes=2,
+    decode_nodes=2,
+    tenants=6,
+    chunk_tokens=4096,
+    prefill_pool_tokens=16_384,
+    decode_pool_tokens=69_632,
+    context_tokens=65_536,
+    prefill_rate_min_tokens_per_s=40_000,
+    prompt_median_tokens=1024,
+    prompt_sigma=1.5,
+    completion_median_tokens=48,
+    max_new_tokens=1024,
+    doc_median_tokens=512,
+    plants_per_hour=1500,
+)
 AFFECTING = {"F1", "F5"}
 POLICY_CODES = ("F9", "F10")  # findings that depend on engine policy; checked where the engine emits them
 
@@ -89,8 +103,13 @@ def test_a_seeded_fleet_is_unchanged():
     to kvtrail.sim.fleet.run and hard-coded: moving code must not change a single simulated event."""
     truth: dict = {}
     tables = list(fleet_batches(dataclasses.replace(SMALL, seed=1, hours=0.001), truth))
-    assert [table_digest(t) for t in tables] == ["e366f4aa12319aa8", "a8cf139d0ab960ce", "ec9e03603b262bdf",
-                                                 "60026c515bd3aba3", "7dd7e534d5274bc9"]
+    assert [table_digest(t) for t in tables] == [
+        "e366f4aa12319aa8",
+        "a8cf139d0ab960ce",
+        "ec9e03603b262bdf",
+        "60026c515bd3aba3",
+        "7dd7e534d5274bc9",
+    ]
     assert truth["summary"]["plants"] == {"double_alloc": 1, "late_write": 1}
 
 
@@ -113,15 +132,19 @@ def test_batches_pass_the_store_and_the_chain_verifies(planted):
     assert verify_store(planted.con).ok
     s = planted.truth["summary"]
     stored = planted.con.execute("SELECT count(*), sum(num_pages) FROM events").fetchone()
-    assert (stored[0], stored[1]) == (s["events"], s["page_events"]) == (planted.summary.events,
-                                                                         planted.summary.page_events)
+    assert (
+        (stored[0], stored[1])
+        == (s["events"], s["page_events"])
+        == (planted.summary.events, planted.summary.page_events)
+    )
     assert s["producers"] == 1 + SMALL.prefill_nodes + SMALL.decode_nodes
     # every page-holding producer starts with node_config; clocks strictly increase per producer
     first = planted.con.execute("SELECT role, kind FROM events_v WHERE seq = 0").fetchall()
     assert sorted(k for r, k in first if r != "router") == ["node_config"] * (SMALL.prefill_nodes + SMALL.decode_nodes)
     backwards = planted.con.execute(
         "SELECT count(*) FROM (SELECT wall_ns - lag(wall_ns) OVER (PARTITION BY producer_id ORDER BY seq) AS d "
-        "FROM events) WHERE d <= 0").fetchone()[0]
+        "FROM events) WHERE d <= 0"
+    ).fetchone()[0]
     assert backwards == 0
 
 
@@ -155,8 +178,11 @@ def test_affected_requests_and_foreign_read_victims_match_the_tracker(planted):
         assert planted.f1_victims[rid] == set(recipients[rid]["victim_request_ids"]), rid
     # nothing beyond what was planted (F8 aside, which is per node)
     expected = planted.expected()
-    extra = [(f.code, f.request_id) for f in planted.findings
-             if f.code != "F8" and f.code not in expected.get(f.request_id, ())]
+    extra = [
+        (f.code, f.request_id)
+        for f in planted.findings
+        if f.code != "F8" and f.code not in expected.get(f.request_id, ())
+    ]
     assert extra == []
 
 
@@ -167,8 +193,9 @@ def test_the_incident_shape_of_a_placeholder_plant(planted):
         rid = p["request_id"]
         assert {"F1", "F2"} <= set(p["expected_codes"][rid]) and p["source_node"] == "prefill-0"
         assert p["detail"]["prompt_tokens"] > p["detail"]["pool_tokens"]
-        status, prompt = planted.con.execute("SELECT http_status, prompt_tokens FROM events_v WHERE request_id = ? "
-                                             "AND kind = 'response_sent'", [rid]).fetchone()
+        status, prompt = planted.con.execute(
+            "SELECT http_status, prompt_tokens FROM events_v WHERE request_id = ? AND kind = 'response_sent'", [rid]
+        ).fetchone()
         assert (status, prompt) == (p["detail"]["http_status"], p["detail"]["prompt_tokens"])
         # served (not a client that disconnected first): rejected yet HTTP 200 (F4)
         assert ("F4" in p["expected_codes"][rid]) == (status == 200)
@@ -196,7 +223,8 @@ def test_legitimate_prefix_sharing_reads_no_foreign_data(clean, shared_cache):
     for run in (clean, shared_cache):
         hits, reads = run.con.execute(
             "SELECT count(*) FILTER (kind = 'pages_allocated' AND purpose = 'prefix_hit'), "
-            "count(*) FILTER (kind = 'kv_read' AND role = 'prefill') FROM events_v").fetchone()
+            "count(*) FILTER (kind = 'kv_read' AND role = 'prefill') FROM events_v"
+        ).fetchone()
         assert hits > 20 and reads == hits
         assert not [f for f in run.findings if f.code in AFFECTING]
     # without namespaces the hits cross tenants: each is a planted cross_tenant_prefix, never an F1
@@ -230,10 +258,31 @@ def test_config_errors_name_the_field():
 
 def test_cli_simulates_refuses_a_second_run_and_rejects_bad_flags(tmp_path, capsys):
     db = str(tmp_path / "sim.duckdb")
-    argv = ["simulate", "--db", db, "--seed", "5", "--nodes", "2", "--hours", "0.001", "--rate", "20",
-            "--prefill-pool-tokens", "16384", "--decode-pool-tokens", "69632", "--context-tokens", "65536",
-            "--max-new-tokens", "1024", "--bugs", "placeholder,late_write,cross_tenant_prefix",
-            "--plants-per-hour", "3000"]
+    argv = [
+        "simulate",
+        "--db",
+        db,
+        "--seed",
+        "5",
+        "--nodes",
+        "2",
+        "--hours",
+        "0.001",
+        "--rate",
+        "20",
+        "--prefill-pool-tokens",
+        "16384",
+        "--decode-pool-tokens",
+        "69632",
+        "--context-tokens",
+        "65536",
+        "--max-new-tokens",
+        "1024",
+        "--bugs",
+        "placeholder,late_write,cross_tenant_prefix",
+        "--plants-per-hour",
+        "3000",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "producers 5" in out and f"ground truth: {db}.truth.json" in out
@@ -243,8 +292,12 @@ def test_cli_simulates_refuses_a_second_run_and_rejects_bad_flags(tmp_path, caps
     assert "already holds cluster 'fleet-sim'" in capsys.readouterr().err
     assert main(argv + ["--append", "--truth", str(tmp_path / "second.json")]) == 0
     capsys.readouterr()
-    for bad, needle in ((["--rate", "-1"], "--rate"), (["--bugs", "nope"], "--bugs"),
-                        (["--decode-pool-tokens", "1000"], "--decode-pool-tokens"), (["--start", "soon"], "--start")):
+    for bad, needle in (
+        (["--rate", "-1"], "--rate"),
+        (["--bugs", "nope"], "--bugs"),
+        (["--decode-pool-tokens", "1000"], "--decode-pool-tokens"),
+        (["--start", "soon"], "--start"),
+    ):
         assert main(["simulate", "--db", str(tmp_path / "bad.duckdb"), *bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert needle in err[-1]

@@ -63,13 +63,33 @@ def test_same_seed_same_stream_other_seed_differs(batches):
 # synth_batches of before the SynthStream refactor (the 200-line generator function) and hard-coded
 # here: a refactor must leave every seeded stream byte-identical.
 PINNED = {
-    "lowest": (dict(seed=11, num_pages=800, page_size=16, target_page_events=60_000, events_per_batch=120),
-               ["a6d3749fafdd42b3", "d87a9b3e0f635a85", "52aaa493b92e9113", "8e7a632b4bf3bc93",
-                "522bd5a86090ed7a", "1aca03f53049b8b5", "93af8c3208105261"]),
-    "lifo_tiny": (dict(seed=5, num_pages=40, page_size=4, target_page_events=4_000, events_per_batch=37,
-                       reuse="lifo", warmup_page_events=0, max_prompt_tokens=10**6, tenants=1,
-                       start_wall_ns=1_800_000_000_000_000_000),
-                  ["83ba80e9733c8297", "e10af9fab01895f9", "dd162945506b1744"]),
+    "lowest": (
+        dict(seed=11, num_pages=800, page_size=16, target_page_events=60_000, events_per_batch=120),
+        [
+            "a6d3749fafdd42b3",
+            "d87a9b3e0f635a85",
+            "52aaa493b92e9113",
+            "8e7a632b4bf3bc93",
+            "522bd5a86090ed7a",
+            "1aca03f53049b8b5",
+            "93af8c3208105261",
+        ],
+    ),
+    "lifo_tiny": (
+        dict(
+            seed=5,
+            num_pages=40,
+            page_size=4,
+            target_page_events=4_000,
+            events_per_batch=37,
+            reuse="lifo",
+            warmup_page_events=0,
+            max_prompt_tokens=10**6,
+            tenants=1,
+            start_wall_ns=1_800_000_000_000_000_000,
+        ),
+        ["83ba80e9733c8297", "e10af9fab01895f9", "dd162945506b1744"],
+    ),
 }
 
 
@@ -86,15 +106,25 @@ def test_a_stream_runs_once_and_config_errors_name_the_field():
     assert first and all(a.equals(b) for a, b in zip(first, SynthStream(PRODUCER, cfg), strict=True))
     with pytest.raises(RuntimeError, match="runs once"):
         iter(stream)
-    for bad, field in ((dict(events_per_batch=0), "events_per_batch"), (dict(tenants=0), "tenants"),
-                       (dict(target_page_events=-1), "target_page_events"), (dict(page_size=0), "page_size"),
-                       (dict(chunk_tokens=24), "chunk_tokens")):
+    for bad, field in (
+        (dict(events_per_batch=0), "events_per_batch"),
+        (dict(tenants=0), "tenants"),
+        (dict(target_page_events=-1), "target_page_events"),
+        (dict(page_size=0), "page_size"),
+        (dict(chunk_tokens=24), "chunk_tokens"),
+    ):
         with pytest.raises(ValueError, match=f"^{field}: "):
-            SynthConfig(**{**dict(num_pages=64, page_size=16, seed=0, target_page_events=1, events_per_batch=1),
-                           **bad})
+            SynthConfig(**{**dict(num_pages=64, page_size=16, seed=0, target_page_events=1, events_per_batch=1), **bad})
     with pytest.raises(TypeError):
-        synth_batches(producer=PRODUCER, num_pages=64, page_size=16, seed=0, target_page_events=1,
-                      events_per_batch=1, no_such_knob=1)
+        synth_batches(
+            producer=PRODUCER,
+            num_pages=64,
+            page_size=16,
+            seed=0,
+            target_page_events=1,
+            events_per_batch=1,
+            no_such_knob=1,
+        )
 
 
 def test_prompt_range_fits_the_pool():
@@ -137,8 +167,8 @@ def test_every_batch_appends_to_a_store(batches, tmp_path):
             r = store.append(b)
             total_events += r.num_events
             total_pages += r.num_page_events
-        n_events, = store.con.execute("SELECT count(*) FROM events").fetchone()
-        n_pages, = store.con.execute("SELECT sum(num_pages) FROM page_runs").fetchone()
+        (n_events,) = store.con.execute("SELECT count(*) FROM events").fetchone()
+        (n_pages,) = store.con.execute("SELECT sum(num_pages) FROM page_runs").fetchone()
     assert total_events == n_events == sum(b.num_rows for b in batches)
     assert total_pages == n_pages == runs_per_event(batches).pages
 
@@ -156,7 +186,7 @@ def _check_ownership(batches, *, strict: bool, num_pages: int = SMALL["num_pages
     owner = np.zeros(num_pages + 1, dtype=np.int64)
     checked = 0
     for i, kind in enumerate(kinds):
-        pages = flat[offsets[i]:offsets[i + 1]]
+        pages = flat[offsets[i] : offsets[i + 1]]
         if kind == "pages_allocated":
             assert (owner[pages] == 0).all(), f"event {i}: page allocated while held"
             owner[pages] = req[i]
@@ -186,8 +216,16 @@ def test_no_page_held_by_two_live_requests_without_warmup():
 @pytest.mark.parametrize("num_pages,page_size", [(1, 16), (5, 1), (64, 16)])
 def test_tiny_pool_under_pressure(reuse, num_pages, page_size, tmp_path):
     """Pools barely larger than one request: constant retraction, still consistent and valid."""
-    bs = _batches(seed=3, num_pages=num_pages, page_size=page_size, reuse=reuse, target_page_events=3_000,
-                  events_per_batch=50, warmup_page_events=0, max_prompt_tokens=10**6)
+    bs = _batches(
+        seed=3,
+        num_pages=num_pages,
+        page_size=page_size,
+        reuse=reuse,
+        target_page_events=3_000,
+        events_per_batch=50,
+        warmup_page_events=0,
+        max_prompt_tokens=10**6,
+    )
     assert _check_ownership(bs, strict=True, num_pages=num_pages) > 10
     assert "retract" in set(pc.drop_null(_all(bs).column("free_reason")).to_pylist())
     with AuditStore(tmp_path / "tiny.duckdb") as store:

@@ -18,8 +18,10 @@ from kvtrail.audit.store import schema_ddl
 
 # Tables a lake holds files of; every other store table is an empty view.
 LAKE_TABLES = ("producers", "batches", "events", "page_runs")
-_EVENTS_V = ("CREATE VIEW events_v AS SELECT p.cluster, p.node, p.role, p.engine, p.engine_version, p.instance, e.* "
-             "FROM events e JOIN producers p USING (producer_id)")
+_EVENTS_V = (
+    "CREATE VIEW events_v AS SELECT p.cluster, p.node, p.role, p.engine, p.engine_version, p.instance, e.* "
+    "FROM events e JOIN producers p USING (producer_id)"
+)
 
 
 def _lit(path: str) -> str:
@@ -58,8 +60,13 @@ def open_catalog(lake: LakeFS, files: dict[str, list[str]]) -> duckdb.DuckDBPyCo
     con.execute("USE memory.main")
     # The kind tables and the request dictionary stay hidden: a lake's events are one wide table, read
     # through the ``events`` view.
-    tables = [r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE schema_name = 'ref' "
-                                        "AND NOT starts_with(table_name, 'events_')").fetchall()]
+    tables = [
+        r[0]
+        for r in con.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'ref' "
+            "AND NOT starts_with(table_name, 'events_')"
+        ).fetchall()
+    ]
     tables += ["events"]
     for table in tables:
         paths = files.get(table, [])

@@ -62,21 +62,31 @@ class LakeWriter:
 
     def put(self, rel: str, data: bytes, **entry) -> None:
         self.lake.write(rel, data)
-        self.doc["files"][rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
-                                  "export_no": self.doc["export_no"], **entry}
+        self.doc["files"][rel] = {
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "bytes": len(data),
+            "export_no": self.doc["export_no"],
+            **entry,
+        }
         self.written += 1
 
 
 def _new_batches(con: duckdb.DuckDBPyConnection, doc: dict, since_ns: int | None) -> pa.Table:
-    done = pa.table({"producer_id": pa.array([int(k) for k in doc["exported_batches"]], pa.int64()),
-                     "done": pa.array(list(doc["exported_batches"].values()), pa.int64())})
+    done = pa.table(
+        {
+            "producer_id": pa.array([int(k) for k in doc["exported_batches"]], pa.int64()),
+            "done": pa.array(list(doc["exported_batches"].values()), pa.int64()),
+        }
+    )
     con.register("_lake_done", done)
     try:
         return con.sql(
             "SELECT b.* FROM batches b LEFT JOIN _lake_done d USING (producer_id) "
             "WHERE b.pruned_by IS NULL AND b.batch_no > coalesce(d.done, -1) "
             "AND (d.done IS NOT NULL OR ? IS NULL OR b.max_wall_ns >= ?) "
-            "ORDER BY producer_id, batch_no", params=[since_ns, since_ns]).to_arrow_table()
+            "ORDER BY producer_id, batch_no",
+            params=[since_ns, since_ns],
+        ).to_arrow_table()
     finally:
         con.unregister("_lake_done")
 
@@ -84,30 +94,46 @@ def _new_batches(con: duckdb.DuckDBPyConnection, doc: dict, since_ns: int | None
 def _check_heads(con: duckdb.DuckDBPyConnection, doc: dict) -> None:
     """A producer the lake already holds must continue the lake's chain in this store."""
     for pid, head in doc["chain_heads"].items():
-        rows = con.execute("SELECT digest FROM batches WHERE producer_id = ? AND batch_no = ?",
-                           [int(pid), head["batch_no"]]).fetchall()
+        rows = con.execute(
+            "SELECT digest FROM batches WHERE producer_id = ? AND batch_no = ?", [int(pid), head["batch_no"]]
+        ).fetchall()
         if rows and bytes(rows[0][0]).hex() != head["digest"]:
-            raise KvtrailError(f"--db: producer {pid} in the lake has another chain than in this store "
-                               f"(batch {head['batch_no']} differs); refusing to mix them")
+            raise KvtrailError(
+                f"--db: producer {pid} in the lake has another chain than in this store "
+                f"(batch {head['batch_no']} differs); refusing to mix them"
+            )
 
 
 def _export_partitions(con, w: LakeWriter, pid: int, ident: dict, batch_nos: list[int]) -> tuple[int, set[int]]:
     con.register("_lake_b", pa.table({"batch_no": pa.array(batch_nos, pa.int64())}))
     try:
-        hours = [r[0] for r in con.execute(
-            "SELECT DISTINCT wall_ns // ? FROM events WHERE producer_id = ? AND batch_no IN (SELECT batch_no FROM "
-            "_lake_b) ORDER BY 1", [HOUR_NS, pid]).fetchall()]
+        hours = [
+            r[0]
+            for r in con.execute(
+                "SELECT DISTINCT wall_ns // ? FROM events WHERE producer_id = ? AND batch_no IN (SELECT batch_no FROM "
+                "_lake_b) ORDER BY 1",
+                [HOUR_NS, pid],
+            ).fetchall()
+        ]
         events = 0
         for hour in hours:
             part = Partition(ident["cluster"], ident["node"], int(hour))
-            where = ("producer_id = ? AND batch_no IN (SELECT batch_no FROM _lake_b) AND wall_ns >= ? AND wall_ns < ?")
+            where = "producer_id = ? AND batch_no IN (SELECT batch_no FROM _lake_b) AND wall_ns >= ? AND wall_ns < ?"
             params = [pid, part.start_ns, part.end_ns]
             ev = con.sql(f"SELECT * FROM events WHERE {where} ORDER BY seq", params=params).to_arrow_table()
-            runs = con.sql(f"SELECT r.* FROM page_runs r JOIN (SELECT producer_id, seq FROM events WHERE {where}) e "
-                           "USING (producer_id, seq) ORDER BY r.seq, r.list, r.pos", params=params).to_arrow_table()
+            runs = con.sql(
+                f"SELECT r.* FROM page_runs r JOIN (SELECT producer_id, seq FROM events WHERE {where}) e "
+                "USING (producer_id, seq) ORDER BY r.seq, r.list, r.pos",
+                params=params,
+            ).to_arrow_table()
             b = ev.column("batch_no").to_numpy()
-            entry = {"cluster": part.cluster, "node": part.node, "hour": part.hour, "producer_id": pid,
-                     "batches": [int(b.min()), int(b.max())]}
+            entry = {
+                "cluster": part.cluster,
+                "node": part.node,
+                "hour": part.hour,
+                "producer_id": pid,
+                "batches": [int(b.min()), int(b.max())],
+            }
             name = f"part-E{w.doc['export_no']:06d}-P{_pid_name(pid)}.parquet"
             w.put(f"{part.path('events')}/{name}", _parquet(ev), table="events", rows=ev.num_rows, **entry)
             w.put(f"{part.path('page_runs')}/{name}", _parquet(runs), table="page_runs", rows=runs.num_rows, **entry)
@@ -122,8 +148,15 @@ def _export_partitions(con, w: LakeWriter, pid: int, ident: dict, batch_nos: lis
 Checkpoints = Callable[[duckdb.DuckDBPyConnection, LakeFS, "LakeWriter", tuple[str, str], int, dict], int]
 
 
-def export_lake(db: str | Path, url: str, *, since_ns: int | None = None, signer: Signer | None = None,
-                checkpoints: Checkpoints | None = None, progress: Progress = None) -> LakeExportResult:
+def export_lake(
+    db: str | Path,
+    url: str,
+    *,
+    since_ns: int | None = None,
+    signer: Signer | None = None,
+    checkpoints: Checkpoints | None = None,
+    progress: Progress = None,
+) -> LakeExportResult:
     """Export the batches of the store at ``db`` the lake at ``url`` does not hold yet (see the module doc).
 
     ``checkpoints`` writes the page-state checkpoints of each node touched (the forensics' pass; a lake
@@ -133,15 +166,16 @@ def export_lake(db: str | Path, url: str, *, since_ns: int | None = None, signer
     lake = LakeFS.open(url)
     current = read_manifest(lake)
     doc = current.next_doc()
-    doc.update(kvtrail_version=__version__,
-               exported_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    doc.update(kvtrail_version=__version__, exported_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     w = LakeWriter(lake, doc)
     con = connect_readonly(db)
     try:
         _check_heads(con, doc)
         new = _new_batches(con, doc, since_ns)
-        prod = con.sql(f"SELECT producer_id, {', '.join(PRODUCER_NAMES)}, pool_pages, first_seen_ns FROM producers "
-                       "ORDER BY producer_id").to_arrow_table()
+        prod = con.sql(
+            f"SELECT producer_id, {', '.join(PRODUCER_NAMES)}, pool_pages, first_seen_ns FROM producers "
+            "ORDER BY producer_id"
+        ).to_arrow_table()
         idents = {r["producer_id"]: r for r in prod.to_pylist()}
         producer_ids = {tuple(r[n] for n in PRODUCER_NAMES): pid for pid, r in idents.items()}
         pids = sorted(set(new.column("producer_id").to_pylist()))
@@ -174,7 +208,9 @@ def export_lake(db: str | Path, url: str, *, since_ns: int | None = None, signer
                 # --since left the producer's earlier batches out: its chain in the lake starts here
                 k = int(np.flatnonzero((bpid == pid) & (bno == mine.min()))[0])
                 doc.setdefault("anchors", {})[str(pid)] = {
-                    "batch_no": int(mine.min()), "prev_digest": bytes(new.column("prev_digest")[k].as_py()).hex()}
+                    "batch_no": int(mine.min()),
+                    "prev_digest": bytes(new.column("prev_digest")[k].as_py()).hex(),
+                }
             last = int(mine.max())
             digest = new.column("digest").to_pylist()[int(np.flatnonzero((bpid == pid) & (bno == last))[0])]
             doc["exported_batches"][str(pid)] = last

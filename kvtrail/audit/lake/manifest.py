@@ -58,10 +58,16 @@ class LakeManifest:
     def next_doc(self) -> dict:
         """The next manifest's starting point: this one's files and state, linked to this one."""
         prev = hashlib.sha256(self.raw).hexdigest() if self.raw else None
-        return {"format": FORMAT, "format_version": FORMAT_VERSION, "export_no": self.number + 1,
-                "prev_manifest_sha256": prev, "files": dict(self.files),
-                "exported_batches": dict(self.exported), "chain_heads": dict(self.doc.get("chain_heads", {})),
-                "producers": dict(self.doc.get("producers", {}))}
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "export_no": self.number + 1,
+            "prev_manifest_sha256": prev,
+            "files": dict(self.files),
+            "exported_batches": dict(self.exported),
+            "chain_heads": dict(self.doc.get("chain_heads", {})),
+            "producers": dict(self.doc.get("producers", {})),
+        }
 
 
 def manifest_numbers(lake: LakeFS) -> list[int]:

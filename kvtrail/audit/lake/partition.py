@@ -17,8 +17,9 @@ _NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
 
 def check_name(field: str, value: str) -> str:
     if not _NAME_RE.fullmatch(value):
-        raise ValueError(f"{field}: {value!r} cannot be a partition directory "
-                         "(only letters, digits, '.', '_' and '-' are allowed)")
+        raise ValueError(
+            f"{field}: {value!r} cannot be a partition directory (only letters, digits, '.', '_' and '-' are allowed)"
+        )
     return value
 
 

@@ -89,13 +89,15 @@ def _anchored_links(con, anchors: dict) -> list[str]:
     """Links of chains that start at an anchor: verify_store stops checking links after its first break."""
     out = []
     for pid, a in sorted(anchors.items()):
-        rows = con.execute("SELECT batch_no, prev_digest, digest FROM batches WHERE producer_id = ? ORDER BY batch_no",
-                           [int(pid)]).fetchall()
+        rows = con.execute(
+            "SELECT batch_no, prev_digest, digest FROM batches WHERE producer_id = ? ORDER BY batch_no", [int(pid)]
+        ).fetchall()
         expect_no, prev = a["batch_no"], bytes.fromhex(a["prev_digest"])
         for no, prev_digest, digest in rows:
             if no != expect_no or bytes(prev_digest) != prev:
-                out.append(f"chain: producer {pid} batch {no}: broken link after the exported start "
-                           f"(batch {a['batch_no']})")
+                out.append(
+                    f"chain: producer {pid} batch {no}: broken link after the exported start (batch {a['batch_no']})"
+                )
                 break
             expect_no, prev = no + 1, bytes(digest)
     return out
@@ -120,13 +122,19 @@ def verify_lake(url: str, *, checker: SignatureChecker | None = None) -> LakeVer
         anchors = m.doc.get("anchors", {})
         report.problems.extend(f"chain: {p}" for p in chain.problems if not _anchored(p, anchors))
         report.problems.extend(_anchored_links(con, anchors))
-        heads = {str(pid): (no, bytes(d).hex()) for pid, no, d in con.execute(
-            "SELECT producer_id, batch_no, digest FROM batches "
-            "QUALIFY row_number() OVER (PARTITION BY producer_id ORDER BY batch_no DESC) = 1").fetchall()}
+        heads = {
+            str(pid): (no, bytes(d).hex())
+            for pid, no, d in con.execute(
+                "SELECT producer_id, batch_no, digest FROM batches "
+                "QUALIFY row_number() OVER (PARTITION BY producer_id ORDER BY batch_no DESC) = 1"
+            ).fetchall()
+        }
     finally:
         con.close()
     for pid, head in sorted(m.doc["chain_heads"].items()):
         if heads.get(pid) != (head["batch_no"], head["digest"]):
-            report.problems.append(f"chain head of producer {pid}: the files end at {heads.get(pid, ('nothing',))[0]}, "
-                                   f"the manifest says batch {head['batch_no']}")
+            report.problems.append(
+                f"chain head of producer {pid}: the files end at {heads.get(pid, ('nothing',))[0]}, "
+                f"the manifest says batch {head['batch_no']}"
+            )
     return report

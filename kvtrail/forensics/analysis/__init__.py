@@ -30,9 +30,24 @@ from kvtrail.forensics.analysis.thresholds import (
 )
 
 __all__ = [
-    "PSEUDO_VICTIMS", "READ_KINDS", "Exclusions", "ProbeRules", "check_exclusions", "excluded_mask",
-    "excluded_requests", "exploitation_assessment",
-    "exposed_tenants", "exposure_links", "exposure_matrix", "long_prompt_threshold", "node_capacity",
-    "requests_table", "response_reads", "same_tenant", "split_excluded", "threshold_analysis", "threshold_sentence",
+    "PSEUDO_VICTIMS",
+    "READ_KINDS",
+    "Exclusions",
+    "ProbeRules",
+    "check_exclusions",
+    "excluded_mask",
+    "excluded_requests",
+    "exploitation_assessment",
+    "exposed_tenants",
+    "exposure_links",
+    "exposure_matrix",
+    "long_prompt_threshold",
+    "node_capacity",
+    "requests_table",
+    "response_reads",
+    "same_tenant",
+    "split_excluded",
+    "threshold_analysis",
+    "threshold_sentence",
     "thresholds_table",
 ]

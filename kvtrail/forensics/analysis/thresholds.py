@@ -13,12 +13,26 @@ _MIN_NS, _MAX_NS = -(2**63), 2**63 - 1
 
 def node_capacity(con: duckdb.DuckDBPyConnection, from_ns: int | None, to_ns: int | None) -> pl.DataFrame:
     """Pool vs advertised context of every node configuration in effect during the window (F8's numbers)."""
-    t = configs_in_effect(con, ("node", "role", "instance", "wall_ns AS effective_from_ns", "pool_tokens",
-                                "context_tokens", "page_size", "pool_pages"), from_ns, to_ns)
+    t = configs_in_effect(
+        con,
+        (
+            "node",
+            "role",
+            "instance",
+            "wall_ns AS effective_from_ns",
+            "pool_tokens",
+            "context_tokens",
+            "page_size",
+            "pool_pages",
+        ),
+        from_ns,
+        to_ns,
+    )
     df = pl.DataFrame(t)
     return df.with_columns(
         (pl.col("pool_tokens") >= pl.col("context_tokens")).alias("pool_covers_context"),
-        pl.max_horizontal(pl.col("context_tokens") - pl.col("pool_tokens"), pl.lit(0)).alias("shortfall_tokens"))
+        pl.max_horizontal(pl.col("context_tokens") - pl.col("pool_tokens"), pl.lit(0)).alias("shortfall_tokens"),
+    )
 
 
 _REQUESTS_SQL = """
@@ -50,8 +64,9 @@ LEFT JOIN resp USING (request_id)
 ORDER BY req.received_ns, req.request_id"""
 
 
-def requests_table(con: duckdb.DuckDBPyConnection, from_ns: int | None, to_ns: int | None,
-                   also: list[str] | tuple[str, ...] = ()) -> pl.DataFrame:
+def requests_table(
+    con: duckdb.DuckDBPyConnection, from_ns: int | None, to_ns: int | None, also: list[str] | tuple[str, ...] = ()
+) -> pl.DataFrame:
     """Requests received in [from_ns, to_ns) (plus the ids in ``also``): tenant, key, prompt tokens, the
     prefill node they went through (its instance, and when the configuration in effect took effect) and its
     pool (tokens) at that moment, and the client's HTTP status."""
@@ -69,17 +84,22 @@ def threshold_analysis(requests: pl.DataFrame, affected_ids: set[str]) -> tuple[
     """
     df = requests.with_columns(
         pl.col("request_id").is_in(sorted(affected_ids)).alias("affected"),
-        (pl.col("prompt_tokens") > pl.col("prefill_pool_tokens")).alias("over_pool"))
-    by_node = (df.filter(pl.col("prefill_node").is_not_null())
-               .group_by("prefill_node", "prefill_instance", "prefill_config_ns", "prefill_pool_tokens")
-               .agg(pl.len().alias("requests"), pl.col("affected").sum().alias("affected"),
-                    (pl.col("affected") & pl.col("over_pool")).sum().alias("affected_over_pool"),
-                    (~pl.col("affected") & pl.col("over_pool")).sum().alias("unaffected_over_pool"),
-                    pl.col("prompt_tokens").filter(pl.col("affected")).min().alias("min_affected_prompt_tokens"),
-                    pl.col("prompt_tokens").filter(~pl.col("affected")).max().alias("max_unaffected_prompt_tokens"))
-               .with_columns(pl.col("requests", "affected", "affected_over_pool", "unaffected_over_pool")
-                             .cast(pl.Int64))
-               .sort("prefill_node", "prefill_config_ns", "prefill_instance"))
+        (pl.col("prompt_tokens") > pl.col("prefill_pool_tokens")).alias("over_pool"),
+    )
+    by_node = (
+        df.filter(pl.col("prefill_node").is_not_null())
+        .group_by("prefill_node", "prefill_instance", "prefill_config_ns", "prefill_pool_tokens")
+        .agg(
+            pl.len().alias("requests"),
+            pl.col("affected").sum().alias("affected"),
+            (pl.col("affected") & pl.col("over_pool")).sum().alias("affected_over_pool"),
+            (~pl.col("affected") & pl.col("over_pool")).sum().alias("unaffected_over_pool"),
+            pl.col("prompt_tokens").filter(pl.col("affected")).min().alias("min_affected_prompt_tokens"),
+            pl.col("prompt_tokens").filter(~pl.col("affected")).max().alias("max_unaffected_prompt_tokens"),
+        )
+        .with_columns(pl.col("requests", "affected", "affected_over_pool", "unaffected_over_pool").cast(pl.Int64))
+        .sort("prefill_node", "prefill_config_ns", "prefill_instance")
+    )
     aff, un = df.filter(pl.col("affected")), df.filter(~pl.col("affected"))
     pools = sorted({int(p) for p in aff["prefill_pool_tokens"].drop_nulls()})
     summary = {
@@ -111,14 +131,17 @@ def _int(v) -> int | None:
 def threshold_sentence(s: dict) -> str:
     """The threshold finding in words, e.g. "every affected prompt (155 of 155) was longer than ..."."""
     if s["affected"] == 0:
-        return (f"No affected responses; {s['unaffected_over_pool']} of {s['requests']} prompts were longer "
-                f"than the prefill pool of their node.")
+        return (
+            f"No affected responses; {s['unaffected_over_pool']} of {s['requests']} prompts were longer "
+            f"than the prefill pool of their node."
+        )
     pools = " / ".join(f"{p:,}" for p in s["affected_pool_tokens"]) or "unknown"
     n, k = s["affected"], s["affected_over_pool"]
     lead = f"Every affected prompt ({k} of {n}) was" if k == n else f"{k} of {n} affected prompts were"
-    text = (f"{lead} longer than the prefill pool of its node ({pools} tokens); "
-            f"{s['unaffected_over_pool']} of {s['unaffected']} unaffected prompts were longer.")
+    text = (
+        f"{lead} longer than the prefill pool of its node ({pools} tokens); "
+        f"{s['unaffected_over_pool']} of {s['unaffected']} unaffected prompts were longer."
+    )
     if s["affected_with_pool"] < n:
         text += f" For {n - s['affected_with_pool']} affected responses the prefill node or its pool is unknown."
     return text
-

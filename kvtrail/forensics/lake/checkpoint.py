@@ -54,8 +54,14 @@ def _referenced(pool: PageState) -> np.ndarray:
 def capture(state: ReplayState, key: NodeKey, boundary_ns: int) -> bytes:
     """The checkpoint of node ``key``'s pool in ``state`` (bytes of an .npz file)."""
     pool = state.pools.get(key)
-    info = {"format_version": FORMAT_VERSION, "cluster": key[0], "node": key[1], "boundary_ns": int(boundary_ns),
-            "has_pool": pool is not None, "instance": state.pool_instance.get(key)}
+    info = {
+        "format_version": FORMAT_VERSION,
+        "cluster": key[0],
+        "node": key[1],
+        "boundary_ns": int(boundary_ns),
+        "has_pool": pool is not None,
+        "instance": state.pool_instance.get(key),
+    }
     arrays: dict[str, np.ndarray] = {}
     if pool is not None:
         used = _referenced(pool)
@@ -73,8 +79,9 @@ def capture(state: ReplayState, key: NodeKey, boundary_ns: int) -> bytes:
         rel = [(remap[r], a) for r, lists in pool.released.items() for a in lists]
         arrays["released_req"] = np.array([r for r, _ in rel], np.int64)
         arrays["released_len"] = np.array([len(a) for _, a in rel], np.int64)
-        arrays["released_pages"] = (np.concatenate([np.asarray(a, np.int64) for _, a in rel]) if rel
-                                    else np.zeros(0, np.int64))
+        arrays["released_pages"] = (
+            np.concatenate([np.asarray(a, np.int64) for _, a in rel]) if rel else np.zeros(0, np.int64)
+        )
         late = [(p, k[0], k[1], remap[w], g) for p, (k, w, g) in pool.late.items()]
         arrays["late"] = np.array(late, np.int64).reshape(-1, 5)
         ids = [state.requests[r] for r in used.tolist()]
@@ -120,7 +127,7 @@ def restore(data: bytes, state: ReplayState) -> CheckpointInfo:
     offsets = np.concatenate([[0], np.cumsum(arrays["released_len"])])
     released: OrderedDict[int, list[np.ndarray]] = OrderedDict()
     for k, r in enumerate(arrays["released_req"].tolist()):
-        released.setdefault(r, []).append(arrays["released_pages"][offsets[k]:offsets[k + 1]])
+        released.setdefault(r, []).append(arrays["released_pages"][offsets[k] : offsets[k + 1]])
     pool.released = released
     pool.released_pages = int(arrays["released_len"].sum())
     pool.late = {p: ((k0, k1), w, g) for p, k0, k1, w, g in arrays["late"].tolist()}

@@ -25,8 +25,7 @@ POOL_CODES = ("F1", "F5", "F6", "F7", "F8", "F10")
 
 
 def _node_hours(doc: dict, key: tuple[str, str]) -> set[int]:
-    return {f["hour"] for f in doc["files"].values()
-            if f["table"] == "events" and (f["cluster"], f["node"]) == key}
+    return {f["hour"] for f in doc["files"].values() if f["table"] == "events" and (f["cluster"], f["node"]) == key}
 
 
 def feed_node_hour(con: duckdb.DuckDBPyConnection, engine: ReplayEngine, part: Partition) -> None:
@@ -40,13 +39,22 @@ def feed_node_hour(con: duckdb.DuckDBPyConnection, engine: ReplayEngine, part: P
         engine.feed(read_events(con, where, params))
 
 
-def write_checkpoints(con: duckdb.DuckDBPyConnection, lake: LakeFS, w: LakeWriter, key: tuple[str, str],
-                      first_new: int, producer_ids: dict) -> int:
+def write_checkpoints(
+    con: duckdb.DuckDBPyConnection,
+    lake: LakeFS,
+    w: LakeWriter,
+    key: tuple[str, str],
+    first_new: int,
+    producer_ids: dict,
+) -> int:
     """Write node ``key``'s checkpoints from hour ``first_new`` on (see the module doc); returns how many."""
     doc = w.doc
     hours = sorted(_node_hours(doc, key))
-    have = {f["hour"]: rel for rel, f in doc["files"].items()
-            if f["table"] == "checkpoint" and (f["cluster"], f["node"]) == key}
+    have = {
+        f["hour"]: rel
+        for rel, f in doc["files"].items()
+        if f["table"] == "checkpoint" and (f["cluster"], f["node"]) == key
+    }
     start = max((h for h in have if h <= first_new), default=hours[0])
     engine = ReplayEngine(producer_ids, ForensicsPolicy(), codes=POOL_CODES)
     if start in have:

@@ -53,8 +53,13 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
-def map_largest_first(executor: Executor, fn: Callable[[Any], Any], items: Sequence[Any],
-                      cost: Callable[[Any], float], label: str = "tasks") -> list[Any]:
+def map_largest_first(
+    executor: Executor,
+    fn: Callable[[Any], Any],
+    items: Sequence[Any],
+    cost: Callable[[Any], float],
+    label: str = "tasks",
+) -> list[Any]:
     """``executor.map(fn, items)``, the items handed out in decreasing ``cost`` (the results in the order of
     ``items``): a cluster starts its longest tasks first and ends on short ones, so its workers finish
     together instead of one waiting on the last large task."""
@@ -86,24 +91,36 @@ class DaskExecutor:
     scheduler's ``allowed-failures``).
     """
 
-    def __init__(self, scheduler: str | None = None, workers: int | None = None, *, progress: bool | None = None,
-                 retries: int = 1):
+    def __init__(
+        self,
+        scheduler: str | None = None,
+        workers: int | None = None,
+        *,
+        progress: bool | None = None,
+        retries: int = 1,
+    ):
         if (scheduler is None) == (workers is None):
             raise ValueError("DaskExecutor: give exactly one of scheduler or workers")
         try:
             from dask import config as dask_config
             from distributed import Client, LocalCluster
         except ImportError:
-            raise KvtrailError("--scheduler/--workers: Dask distributed is not installed "
-                               "(pip install 'kvtrail[lake]')") from None
+            raise KvtrailError(
+                "--scheduler/--workers: Dask distributed is not installed (pip install 'kvtrail[lake]')"
+            ) from None
         self.cluster = None
         try:
             if workers is not None:
                 if workers < 1:
                     raise ValueError("workers: must be >= 1")
                 with dask_config.set({"distributed.nanny.pre-spawn-environ": worker_environ()}):
-                    self.cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                                                host="127.0.0.1", dashboard_address="127.0.0.1:0")
+                    self.cluster = LocalCluster(
+                        n_workers=workers,
+                        threads_per_worker=1,
+                        processes=True,
+                        host="127.0.0.1",
+                        dashboard_address="127.0.0.1:0",
+                    )
                 self.client = Client(self.cluster)
             else:
                 self.client = Client(scheduler, timeout=30)
@@ -133,8 +150,10 @@ class DaskExecutor:
         except KvtrailError:
             raise
         except Exception as exc:  # any worker-side failure ends the question, named, with no answer
-            raise KvtrailError(f"lake: a partition task failed on the Dask cluster ({type(exc).__name__}: {exc}); "
-                               "no answer was produced") from exc
+            raise KvtrailError(
+                f"lake: a partition task failed on the Dask cluster ({type(exc).__name__}: {exc}); "
+                "no answer was produced"
+            ) from exc
         finally:
             self.client.cancel(futures)
 

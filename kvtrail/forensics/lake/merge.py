@@ -63,7 +63,7 @@ def merge_joins(results: list[PartitionResult], policy: ForensicsPolicy) -> Cros
     # config in force at one of its events is the latest one before it in any task (F11).
     configs: dict[tuple[str, str], list[ReplayEvent]] = {}
     for r in results:
-        for ev in (r.joins.configs.values() if r.joins is not None else ()):
+        for ev in r.joins.configs.values() if r.joins is not None else ():
             configs.setdefault(ev.node_key, []).append(num.ev(ev))
     for evs in configs.values():
         evs.sort(key=lambda e: e.ord)
@@ -112,8 +112,14 @@ def merge_joins(results: list[PartitionResult], policy: ForensicsPolicy) -> Cros
     return out
 
 
-def merged_findings(results: list[PartitionResult], policy: ForensicsPolicy, codes: Iterable[str] | None,
-                    from_ns: int | None, *, need_joins: bool) -> list[Finding]:
+def merged_findings(
+    results: list[PartitionResult],
+    policy: ForensicsPolicy,
+    codes: Iterable[str] | None,
+    from_ns: int | None,
+    *,
+    need_joins: bool,
+) -> list[Finding]:
     """Every finding of the window, as :func:`kvtrail.forensics.replay.engine.replay_store` returns them."""
     ordered = sorted(results, key=lambda r: (r.hours[0], r.cluster, r.node))
     state = ReplayState(CrossNodeJoins(policy))

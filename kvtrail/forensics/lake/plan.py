@@ -35,21 +35,33 @@ NodeKey = tuple[str, str]
 
 def _configs(con: duckdb.DuckDBPyConnection) -> dict[NodeKey, list[tuple[int, int, str]]]:
     """Per node, its node_config events in engine order: (wall_ns, producer_id, instance)."""
-    rows = con.execute("SELECT cluster, node, wall_ns, producer_id, instance FROM events_v WHERE kind = 'node_config' "
-                       "ORDER BY wall_ns, cluster, node, instance, producer_id, seq").fetchall()
+    rows = con.execute(
+        "SELECT cluster, node, wall_ns, producer_id, instance FROM events_v WHERE kind = 'node_config' "
+        "ORDER BY wall_ns, cluster, node, instance, producer_id, seq"
+    ).fetchall()
     out: dict[NodeKey, list[tuple[int, int, str]]] = defaultdict(list)
     for c, n, wall, pid, inst in rows:
         out[(c, n)].append((wall, pid, inst))
     return out
 
 
-def plan_tasks(lake: LakeFS, m: LakeManifest, con: duckdb.DuckDBPyConnection, from_ns: int | None,
-               to_ns: int | None, policy: ForensicsPolicy, codes: tuple[str, ...] | None,
-               *, need_joins: bool) -> list[PartitionTask]:
+def plan_tasks(
+    lake: LakeFS,
+    m: LakeManifest,
+    con: duckdb.DuckDBPyConnection,
+    from_ns: int | None,
+    to_ns: int | None,
+    policy: ForensicsPolicy,
+    codes: tuple[str, ...] | None,
+    *,
+    need_joins: bool,
+) -> list[PartitionTask]:
     """The tasks for the window [from_ns, to_ns] (see the module doc)."""
     files = m.files
-    shared = tuple((t, tuple((p, f["sha256"]) for p, f in sorted(files.items()) if f["table"] == t))
-                   for t in ("producers", "batches"))
+    shared = tuple(
+        (t, tuple((p, f["sha256"]) for p, f in sorted(files.items()) if f["table"] == t))
+        for t in ("producers", "batches")
+    )
     by_part: dict[tuple[NodeKey, int], dict[str, list[tuple[str, str]]]] = defaultdict(lambda: defaultdict(list))
     producers_in: dict[tuple[NodeKey, int], set[int]] = defaultdict(set)
     checkpoints: dict[tuple[NodeKey, int], tuple[str, str]] = {}
@@ -69,16 +81,30 @@ def plan_tasks(lake: LakeFS, m: LakeManifest, con: duckdb.DuckDBPyConnection, fr
         tables = tuple((t, tuple(e for p in parts for e in p.get(t, ()))) for t in ("events", "page_runs"))
         cost = sum(files[path]["bytes"] for _, entries in tables for path, _ in entries)
         cost += files[ckpt[0]]["bytes"] if ckpt is not None else 0
-        return PartitionTask(lake.url, mode, node[0], node[1], tuple(hours), tables + shared, ckpt,
-                             tuple(sorted(starts.items())), to_ns, policy, codes, cost)
+        return PartitionTask(
+            lake.url,
+            mode,
+            node[0],
+            node[1],
+            tuple(hours),
+            tables + shared,
+            ckpt,
+            tuple(sorted(starts.items())),
+            to_ns,
+            policy,
+            codes,
+            cost,
+        )
 
     for node in sorted({k for k, _ in by_part}):
         hours = sorted(h for k, h in by_part if k == node and (to_hour is None or h <= to_hour))
         if from_ns is None:
             for h in hours:
                 if (node, h) not in checkpoints:
-                    raise LakeCoverageError(f"lake {lake.url}: no checkpoint for {node[0]}/{node[1]} hour {h}; "
-                                            "re-export the lake (kvtrail lake export) or verify it")
+                    raise LakeCoverageError(
+                        f"lake {lake.url}: no checkpoint for {node[0]}/{node[1]} hour {h}; "
+                        "re-export the lake (kvtrail lake export) or verify it"
+                    )
                 tasks.append(task("pages", node, [h], checkpoints[(node, h)], {}))
             continue
         cfgs = configs.get(node, [])
@@ -95,8 +121,9 @@ def plan_tasks(lake: LakeFS, m: LakeManifest, con: duckdb.DuckDBPyConnection, fr
         start_cfg = before[-1] if before else None
         k = cfgs.index(start_cfg) if start_cfg is not None else -1
         new_pool = start_cfg is not None and (k == 0 or cfgs[k - 1][2] != start_cfg[2])
-        others = {p for h in hours if h >= hour_of(start_cfg[0] if start_cfg else begin)
-                  for p in producers_in[(node, h)]} - ({start_cfg[1]} if start_cfg else set())
+        others = {
+            p for h in hours if h >= hour_of(start_cfg[0] if start_cfg else begin) for p in producers_in[(node, h)]
+        } - ({start_cfg[1]} if start_cfg else set())
         if start_cfg is None or not new_pool or others:
             tasks.append(task("chain", node, hours, None, starts))
             continue
@@ -110,6 +137,8 @@ def plan_tasks(lake: LakeFS, m: LakeManifest, con: duckdb.DuckDBPyConnection, fr
             elif (node, h) in checkpoints:
                 tasks.append(task("pages", node, [h], checkpoints[(node, h)], starts))
             else:
-                raise LakeCoverageError(f"lake {lake.url}: no checkpoint for {node[0]}/{node[1]} hour {h}; "
-                                        "re-export the lake (kvtrail lake export) or verify it")
+                raise LakeCoverageError(
+                    f"lake {lake.url}: no checkpoint for {node[0]}/{node[1]} hour {h}; "
+                    "re-export the lake (kvtrail lake export) or verify it"
+                )
     return tasks

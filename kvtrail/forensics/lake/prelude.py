@@ -46,15 +46,38 @@ class Prelude:
     runs: list[tuple[int, int, int, int]] = field(default_factory=list)  # seq, pos, page_start, num_pages
     keys: dict[int, Key] = field(default_factory=dict)
 
-    def add(self, kind: str, rid: str | None, tenant: str | None, pages: np.ndarray, wall_ns: int, *,
-            purpose: str | None = None, hashes: np.ndarray | None = None, digests: np.ndarray | None = None,
-            real: Key | None = None, status: str | None = None) -> None:
+    def add(
+        self,
+        kind: str,
+        rid: str | None,
+        tenant: str | None,
+        pages: np.ndarray,
+        wall_ns: int,
+        *,
+        purpose: str | None = None,
+        hashes: np.ndarray | None = None,
+        digests: np.ndarray | None = None,
+        real: Key | None = None,
+        status: str | None = None,
+    ) -> None:
         seq = len(self.rows)
-        self.rows.append({"producer_id": self.producer_id, "seq": seq, "pre": seq, "wall_ns": int(wall_ns),
-                          "kind": kind, "request_id": rid, "tenant_id": tenant, "purpose": purpose, "status": status,
-                          "num_pages": len(pages), "num_dst_pages": 0,
-                          "block_hashes": None if hashes is None else hashes.tolist(),
-                          "page_digests": None if digests is None else digests.tolist()})
+        self.rows.append(
+            {
+                "producer_id": self.producer_id,
+                "seq": seq,
+                "pre": seq,
+                "wall_ns": int(wall_ns),
+                "kind": kind,
+                "request_id": rid,
+                "tenant_id": tenant,
+                "purpose": purpose,
+                "status": status,
+                "num_pages": len(pages),
+                "num_dst_pages": 0,
+                "block_hashes": None if hashes is None else hashes.tolist(),
+                "page_digests": None if digests is None else digests.tolist(),
+            }
+        )
         if self.rows[-1]["num_pages"] == 0:
             return
         breaks = np.flatnonzero(np.diff(pages) != 1) + 1
@@ -70,11 +93,17 @@ class Prelude:
             cols[f.name] = pa.array([r.get(f.name) for r in self.rows], f.type)
         events = pa.table(cols, schema=events_schema)
         arr = np.array(self.runs, np.int64).reshape(-1, 4)
-        runs = pa.table({"producer_id": pa.array(np.full(len(arr), self.producer_id), pa.int64()),
-                         "batch_no": pa.array(np.zeros(len(arr), np.int64)),
-                         "seq": pa.array(arr[:, 0], pa.uint64()), "list": pa.array(np.zeros(len(arr), np.int8)),
-                         "pos": pa.array(arr[:, 1], pa.int32()), "page_start": pa.array(arr[:, 2], pa.int32()),
-                         "num_pages": pa.array(arr[:, 3], pa.int32())})
+        runs = pa.table(
+            {
+                "producer_id": pa.array(np.full(len(arr), self.producer_id), pa.int64()),
+                "batch_no": pa.array(np.zeros(len(arr), np.int64)),
+                "seq": pa.array(arr[:, 0], pa.uint64()),
+                "list": pa.array(np.zeros(len(arr), np.int8)),
+                "pos": pa.array(arr[:, 1], pa.int32()),
+                "page_start": pa.array(arr[:, 2], pa.int32()),
+                "num_pages": pa.array(arr[:, 3], pa.int32()),
+            }
+        )
         return events, runs.cast(runs_schema)
 
 
@@ -126,20 +155,34 @@ class _Builder:
     def writes(self, pages: np.ndarray) -> None:
         """The last write of each page (its real event, time, digests and block hashes)."""
         pool = self.pool
-        for values, ps in _groups(pages, pool.writer[pages], pool.write_ev[pages, 0], pool.write_ev[pages, 1],
-                                  pool.has_bhash[pages], pool.has_digest[pages]):
+        for values, ps in _groups(
+            pages,
+            pool.writer[pages],
+            pool.write_ev[pages, 0],
+            pool.write_ev[pages, 1],
+            pool.has_bhash[pages],
+            pool.has_digest[pages],
+        ):
             r, k0, k1, has_bh, has_dg = values
             rid = self.rid(r)
-            self.out.add("kv_written", rid, self.tenants.get(rid), ps, int(pool.write_ns[ps[0]]),
-                         hashes=pool.bhash[ps] if has_bh else None,
-                         digests=pool.digest[ps] if has_dg else None, real=(k0, k1))
+            self.out.add(
+                "kv_written",
+                rid,
+                self.tenants.get(rid),
+                ps,
+                int(pool.write_ns[ps[0]]),
+                hashes=pool.bhash[ps] if has_bh else None,
+                digests=pool.digest[ps] if has_dg else None,
+                real=(k0, k1),
+            )
 
     def unverified(self, pages: np.ndarray) -> None:
         """Pages an unverified transfer landed on (writer unknown): that receipt, as the engine reads it."""
         pool = self.pool
         for (k0, k1), ps in _groups(pages, pool.write_ev[pages, 0], pool.write_ev[pages, 1]):
-            self.out.add("transfer_received", None, None, ps, int(pool.write_ns[ps[0]]), real=(k0, k1),
-                         status=UNVERIFIED)
+            self.out.add(
+                "transfer_received", None, None, ps, int(pool.write_ns[ps[0]]), real=(k0, k1), status=UNVERIFIED
+            )
 
 
 def build_prelude(pool: PageState, requests: list, tenants: dict, producer_id: int, prelude_ns: int) -> Prelude:
@@ -197,8 +240,14 @@ def build_prelude(pool: PageState, requests: list, tenants: dict, producer_id: i
     last = idx[areq >= 0]
     is_owner = (owner == areq).astype(np.int64)
     alloc_key = np.where(is_owner[:, None] == 1, pool.alloc_ev, -1)
-    b.emit("pages_allocated", last, areq, real=alloc_key, extra=(pool.alloc_growth.astype(np.int64),),
-           purpose=lambda v: "decode_growth" if v[-1] else None)
+    b.emit(
+        "pages_allocated",
+        last,
+        areq,
+        real=alloc_key,
+        extra=(pool.alloc_growth.astype(np.int64),),
+        purpose=lambda v: "decode_growth" if v[-1] else None,
+    )
     b.emit("kv_written", idx[prev & (late_gen >= gen)], late_prev)
     hold_after = after & ~late_cur & (writer != areq) & (writer != owner) & ~in_extra
     b.emit("pages_allocated", idx[hold_after], writer, purpose=HOLD_PURPOSE)
@@ -207,8 +256,15 @@ def build_prelude(pool: PageState, requests: list, tenants: dict, producer_id: i
     for r, ps_hs in _hits_by_request(b.shared).items():
         rid = b.rid(r)
         ps = np.array([p for p, _ in ps_hs], np.int64)
-        out.add("pages_allocated", rid, tenants.get(rid), ps, prelude_ns, purpose="prefix_hit",
-                hashes=np.array([h for _, h in ps_hs], np.int64))
+        out.add(
+            "pages_allocated",
+            rid,
+            tenants.get(rid),
+            ps,
+            prelude_ns,
+            purpose="prefix_hit",
+            hashes=np.array([h for _, h in ps_hs], np.int64),
+        )
     # last: release every synthetic holder the checkpoint no longer names
     cand_p = np.concatenate([idx[areq >= 0], idx[(early & ~late_cur) | hold_after]])
     cand_r = np.concatenate([areq[areq >= 0], writer[(early & ~late_cur) | hold_after]])

@@ -76,8 +76,10 @@ def open_lake(url: str, number: int | None = None) -> Iterator[Lake]:
     present = set(lake.list())
     gone = sorted(p for t in files.values() for p in t if p not in present)
     if gone:
-        raise LakeCoverageError(f"lake {url}: partition file missing: {gone[0]} (and {len(gone) - 1} more); "
-                                "no answer from less data (kvtrail lake verify names every problem)")
+        raise LakeCoverageError(
+            f"lake {url}: partition file missing: {gone[0]} (and {len(gone) - 1} more); "
+            "no answer from less data (kvtrail lake verify names every problem)"
+        )
     con = open_catalog(lake, files)
     try:
         yield Lake(lake, m, con)
@@ -85,8 +87,15 @@ def open_lake(url: str, number: int | None = None) -> Iterator[Lake]:
         con.close()
 
 
-def lake_findings(lake: Lake, w: Window, *, policy: ForensicsPolicy = ForensicsPolicy(), codes=None,
-                  executor: Executor | None = None, engine: str = "replay") -> list[Finding]:
+def lake_findings(
+    lake: Lake,
+    w: Window,
+    *,
+    policy: ForensicsPolicy = ForensicsPolicy(),
+    codes=None,
+    executor: Executor | None = None,
+    engine: str = "replay",
+) -> list[Finding]:
     """Every finding of the window (tenant and node filters not applied), as one store's replay finds them
     (``engine="sql"``: the SQL engine per partition, :mod:`kvtrail.forensics.lake.sqltask`)."""
     check_window(lake.con, w)
@@ -106,9 +115,16 @@ def _notes(con: duckdb.DuckDBPyConnection, w: Window) -> tuple[str, ...]:
     return (note,) if note else ()
 
 
-def ask_lake_findings(lake: Lake, w: Window = Window(), *, codes: tuple[str, ...] = (),
-                      policy: ForensicsPolicy = ForensicsPolicy(), exclusions: Exclusions = Exclusions(),
-                      executor: Executor | None = None, engine: str = "replay") -> Answer:
+def ask_lake_findings(
+    lake: Lake,
+    w: Window = Window(),
+    *,
+    codes: tuple[str, ...] = (),
+    policy: ForensicsPolicy = ForensicsPolicy(),
+    exclusions: Exclusions = Exclusions(),
+    executor: Executor | None = None,
+    engine: str = "replay",
+) -> Answer:
     """:func:`kvtrail.forensics.ask_findings` on a lake."""
     bad = [c for c in codes if c not in CODES]
     if bad:
@@ -117,16 +133,18 @@ def ask_lake_findings(lake: Lake, w: Window = Window(), *, codes: tuple[str, ...
     check_exclusions(con, exclusions)
     ends = window_ends(con, w)
     incomplete = incomplete_requests(con, w, ends)
-    found, withheld = withhold_incomplete(lake_findings(lake, w, policy=policy, executor=executor,
-                                                        engine=engine), incomplete)
+    found, withheld = withhold_incomplete(
+        lake_findings(lake, w, policy=policy, executor=executor, engine=engine), incomplete
+    )
     df, excluded, gaps = findings_frame(found, w, codes), excluded_requests(con, exclusions), coverage_gaps(con)
     warnings = integrity_warnings(con, w, ends=ends, incomplete=incomplete, withheld=len(withheld))
     hit = excluded_mask(excluded, exclusions)
     return Answer(df.filter(~hit), df.filter(hit), gaps, _notes(con, w), warnings, found=tuple(found))
 
 
-def ask_lake_affected(lake: Lake, w: Window = Window(), *, exclusions: Exclusions = Exclusions(),
-                      executor: Executor | None = None) -> Answer:
+def ask_lake_affected(
+    lake: Lake, w: Window = Window(), *, exclusions: Exclusions = Exclusions(), executor: Executor | None = None
+) -> Answer:
     """:func:`kvtrail.forensics.ask_affected` on a lake."""
     con = lake.con
     found = lake_findings(lake, w, codes=AFFECTED_CODES, executor=executor)
@@ -134,38 +152,55 @@ def ask_lake_affected(lake: Lake, w: Window = Window(), *, exclusions: Exclusion
     return Answer(kept, dropped, coverage_gaps(con), _notes(con, w), integrity_warnings(con, w))
 
 
-def ask_lake_exposure(lake: Lake, w: Window = Window(), *, exclusions: Exclusions = Exclusions(),
-                      executor: Executor | None = None) -> Answer:
+def ask_lake_exposure(
+    lake: Lake, w: Window = Window(), *, exclusions: Exclusions = Exclusions(), executor: Executor | None = None
+) -> Answer:
     """:func:`kvtrail.forensics.ask_exposure` on a lake."""
     con = lake.con
     found = lake_findings(lake, w, codes=AFFECTED_CODES, executor=executor)
     kept, dropped, _ = affected_with_exclusions(con, w, exclusions, found)
     frame, gaps = findings_frame(found, w, tuple(sorted(AFFECTED_CODES))), coverage_gaps(con)
-    return Answer(exposure_matrix(exposure_links(frame, set(kept["request_id"]))), dropped, gaps,
-                  warnings=integrity_warnings(con, w))
+    return Answer(
+        exposure_matrix(exposure_links(frame, set(kept["request_id"]))),
+        dropped,
+        gaps,
+        warnings=integrity_warnings(con, w),
+    )
 
 
-def ask_lake_thresholds(lake: Lake, w: Window = Window(), *, exclusions: Exclusions = Exclusions(),
-                        executor: Executor | None = None) -> Answer:
+def ask_lake_thresholds(
+    lake: Lake, w: Window = Window(), *, exclusions: Exclusions = Exclusions(), executor: Executor | None = None
+) -> Answer:
     """:func:`kvtrail.forensics.ask_thresholds` on a lake."""
     con = lake.con
     found = lake_findings(lake, w, codes=AFFECTED_CODES, executor=executor)
     return thresholds_answer(con, w, *affected_with_exclusions(con, w, exclusions, found))
 
 
-def ask_lake_exploitation(lake: Lake, options: ReportOptions, w: Window | None = None, *,
-                          executor: Executor | None = None) -> Answer:
+def ask_lake_exploitation(
+    lake: Lake, options: ReportOptions, w: Window | None = None, *, executor: Executor | None = None
+) -> Answer:
     """:func:`kvtrail.forensics.ask_exploitation` on a lake."""
     con, win = lake.con, w or Window(options.from_ns, options.to_ns)
     found = lake_findings(lake, Window(options.from_ns, options.to_ns), codes=AFFECTED_CODES, executor=executor)
-    kept, dropped, excluded = affected_with_exclusions(con, Window(options.from_ns, options.to_ns),
-                                                       options.exclusions, found)
-    pieces = (kept, dropped, excluded, node_capacity(con, options.from_ns, options.to_ns),
-              report_requests(con, options, kept, dropped))
+    kept, dropped, excluded = affected_with_exclusions(
+        con, Window(options.from_ns, options.to_ns), options.exclusions, found
+    )
+    pieces = (
+        kept,
+        dropped,
+        excluded,
+        node_capacity(con, options.from_ns, options.to_ns),
+        report_requests(con, options, kept, dropped),
+    )
     df, long_tokens = exploitation_for(con, options, w, pieces)
     if w is not None and w.tenant:
         df = df.filter(pl.col("tenant_id") == w.tenant)
-    note = (f"over-long: more than {long_tokens:,} tokens" if long_tokens is not None else
-            "over-long: unknown (no node configuration in the window)")
-    return Answer(df, df.clear(), coverage_gaps(con), (note,), integrity_warnings(con, win),
-                  {"long_prompt_tokens": long_tokens})
+    note = (
+        f"over-long: more than {long_tokens:,} tokens"
+        if long_tokens is not None
+        else "over-long: unknown (no node configuration in the window)"
+    )
+    return Answer(
+        df, df.clear(), coverage_gaps(con), (note,), integrity_warnings(con, win), {"long_prompt_tokens": long_tokens}
+    )

@@ -63,9 +63,12 @@ def _with_prelude(tables: dict[str, pa.Table], prelude: Prelude | None, producer
     if prelude is None:
         return {**tables, "events": events}
     syn_events, syn_runs = prelude.tables(events.schema, tables["page_runs"].schema)
-    return {**tables, "events": pa.concat_tables([syn_events, events]),
-            "page_runs": pa.concat_tables([syn_runs, tables["page_runs"]]),
-            "producers": pa.concat_tables([tables["producers"], producer])}
+    return {
+        **tables,
+        "events": pa.concat_tables([syn_events, events]),
+        "page_runs": pa.concat_tables([syn_runs, tables["page_runs"]]),
+        "producers": pa.concat_tables([tables["producers"], producer]),
+    }
 
 
 def _real(f: Finding, prelude: Prelude) -> Finding:
@@ -105,8 +108,14 @@ def run_sql_task(task: PartitionTask) -> PartitionResult:
         con.close()
 
 
-def sql_lake_findings(lake, from_ns: int | None, to_ns: int | None, policy: ForensicsPolicy,
-                      codes: tuple[str, ...] | None, executor: Executor | None = None) -> list[Finding]:
+def sql_lake_findings(
+    lake,
+    from_ns: int | None,
+    to_ns: int | None,
+    policy: ForensicsPolicy,
+    codes: tuple[str, ...] | None,
+    executor: Executor | None = None,
+) -> list[Finding]:
     """Every finding of the window by the SQL engine on ``lake`` (a :class:`~kvtrail.forensics.lake.questions.Lake`),
     as :func:`~kvtrail.forensics.sql.engine.sql_findings` finds them on the store the lake came from."""
     wanted = None if codes is None else frozenset(codes)
@@ -115,8 +124,9 @@ def sql_lake_findings(lake, from_ns: int | None, to_ns: int | None, policy: Fore
     found: list[Finding] = []
     if page:
         tasks = plan_tasks(lake.fs, lake.manifest, lake.con, from_ns, to_ns, policy, page, need_joins=False)
-        results = map_largest_first(executor or LocalExecutor(), run_sql_task, tasks, lambda t: t.cost,
-                                    label="partitions (sql)")
+        results = map_largest_first(
+            executor or LocalExecutor(), run_sql_task, tasks, lambda t: t.cost, label="partitions (sql)"
+        )
         found += [f for r in results for f in r.found]
     if cross:
         found += sql_findings(lake.con, from_ns, to_ns, policy, codes=cross)

@@ -107,11 +107,18 @@ def read_tables(lake: LakeFS, task: PartitionTask, threads: int | None = None) -
     """The task's files as tables, each read once: the bytes whose SHA-256 matched are the ones judged.
     ``threads``: the task's thread budget (:func:`~kvtrail.forensics.lake.executor.worker_threads`)."""
     many = threads is None or threads > 1
-    tables = {table: pa.concat_tables([pq.read_table(pa.BufferReader(read_checked(lake, path, sha)), use_threads=many)
-                                       for path, sha in entries]) for table, entries in task.files if entries}
+    tables = {
+        table: pa.concat_tables(
+            [pq.read_table(pa.BufferReader(read_checked(lake, path, sha)), use_threads=many) for path, sha in entries]
+        )
+        for table, entries in task.files
+        if entries
+    }
     if set(tables) != set(LAKE_TABLES):
-        raise LakeCoverageError(f"lake {lake.url}: no {', '.join(sorted(set(LAKE_TABLES) - set(tables)))} files "
-                                f"for {task.label()}; no answer")
+        raise LakeCoverageError(
+            f"lake {lake.url}: no {', '.join(sorted(set(LAKE_TABLES) - set(tables)))} files "
+            f"for {task.label()}; no answer"
+        )
     return tables
 
 
@@ -121,8 +128,10 @@ def run_task(task: PartitionTask) -> PartitionResult:
     threads = worker_threads()
     con = open_memory_catalog(read_tables(lake, task, threads), threads)
     try:
-        producer_ids = {tuple(r[1:]): r[0] for r in con.execute(
-            f"SELECT producer_id, {', '.join(PRODUCER_NAMES)} FROM producers").fetchall()}
+        producer_ids = {
+            tuple(r[1:]): r[0]
+            for r in con.execute(f"SELECT producer_id, {', '.join(PRODUCER_NAMES)} FROM producers").fetchall()
+        }
         out = PartitionResult(task.cluster, task.node, task.hours)
         if task.mode == "joins":
             _collect_joins(con, task, producer_ids, out)
@@ -155,8 +164,9 @@ def _collect_joins(con, task: PartitionTask, producer_ids: dict, out: PartitionR
     kinds = ", ".join(f"'{k}'" for k in (*JOIN_KINDS, "node_config"))
     joined = read_events(con, f"{where} AND kind IN ({kinds})", params)
     # Forward writes are prefill-rate samples: their pages do not matter here, and are most of the data.
-    writes = read_events(con, f"{where} AND kind = 'kv_written' AND source = 'forward' AND request_id IS NOT NULL",
-                         params)
+    writes = read_events(
+        con, f"{where} AND kind = 'kv_written' AND source = 'forward' AND request_id IS NOT NULL", params
+    )
     for name in ("pages", "page_digests", "block_hashes"):
         i = writes.schema.get_field_index(name)
         typ = writes.schema.field(name).type
@@ -168,7 +178,9 @@ def _collect_joins(con, task: PartitionTask, producer_ids: dict, out: PartitionR
     out.events = table.num_rows
     out.joins = engine.state.joins
     out.tenants = dict(engine.state.tenants)
-    hits = con.execute(f"SELECT cluster, node, request_id, sum(num_pages) FROM events_v WHERE {where} "
-                       "AND kind = 'pages_allocated' AND purpose = 'prefix_hit' AND num_pages > 0 GROUP BY ALL",
-                       params).fetchall()
+    hits = con.execute(
+        f"SELECT cluster, node, request_id, sum(num_pages) FROM events_v WHERE {where} "
+        "AND kind = 'pages_allocated' AND purpose = 'prefix_hit' AND num_pages > 0 GROUP BY ALL",
+        params,
+    ).fetchall()
     out.hit_pages = {((c, n), rid): int(k) for c, n, rid, k in hits}

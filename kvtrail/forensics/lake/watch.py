@@ -54,8 +54,11 @@ class LakeWatch:
             return []
         with open_lake(self.url, numbers[-1]) as lake:
             tasks = plan_tasks(lake.fs, lake.manifest, lake.con, None, None, self.policy, None, need_joins=True)
-            stale = [t for t in tasks if _task_key(t) not in self.results
-                     or _inputs(self.results[_task_key(t)][0]) != _inputs(t)]
+            stale = [
+                t
+                for t in tasks
+                if _task_key(t) not in self.results or _inputs(self.results[_task_key(t)][0]) != _inputs(t)
+            ]
             fresh = map_largest_first(self.executor, run_task, stale, lambda t: t.cost, label="partitions")
             for t, r in zip(stale, fresh):
                 self.results[_task_key(t)] = (t, r)

@@ -24,12 +24,23 @@ from kvtrail.forensics.replay.event import SCALARS, ReplayEvent
 PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
 PAGE_KINDS = ("pages_allocated", "pages_freed", "kv_written", "kv_read")
 # Kinds whose only effect is on the cross-node joins (F2, F3, F4, F9).
-JOIN_KINDS = ("transfer_reserved", "transfer_sent", "transfer_received", "request_aborted", "request_received",
-              "response_sent")
+JOIN_KINDS = (
+    "transfer_reserved",
+    "transfer_sent",
+    "transfer_received",
+    "request_aborted",
+    "request_received",
+    "response_sent",
+)
 JOIN_CODES = frozenset({"F2", "F3", "F4", "F9", "F11"})
 _SEQ = SCALARS.index("seq")
-ENGINE_ORDER = [("wall_ns", "ascending"), ("cluster", "ascending"), ("node", "ascending"),
-                ("instance", "ascending"), ("seq", "ascending")]
+ENGINE_ORDER = [
+    ("wall_ns", "ascending"),
+    ("cluster", "ascending"),
+    ("node", "ascending"),
+    ("instance", "ascending"),
+    ("seq", "ascending"),
+]
 
 
 @dataclass
@@ -73,9 +84,10 @@ class ReplayBatch:
         """Row ``i`` as the handlers take it (the same values the pure path builds)."""
         ident = self.idents[self.producer[i]]
         scalars = [self.column(name)[i].as_py() for name in SCALARS]  # ~15 us: only for rare events
-        pages = self.pages[self.poff[i]:self.poff[i + 1]].astype(np.int64)
-        return ReplayEvent._make((*scalars, (ident[0], ident[1]), ident[5], (int(self.pid[i]), scalars[_SEQ]), ord_,
-                                  pages, *self._lists(i)))
+        pages = self.pages[self.poff[i] : self.poff[i + 1]].astype(np.int64)
+        return ReplayEvent._make(
+            (*scalars, (ident[0], ident[1]), ident[5], (int(self.pid[i]), scalars[_SEQ]), ord_, pages, *self._lists(i))
+        )
 
     def events(self, rows: np.ndarray, ord0: int) -> dict[int, ReplayEvent]:
         """Events of many rows at once (row -> event); ``ord0 + row`` is each one's order number."""
@@ -88,18 +100,28 @@ class ReplayBatch:
         node_keys = [(ident[0], ident[1]) for ident in self.idents]
         instances = [ident[5] for ident in self.idents]
         out = {}
-        for vals, seq, i, lo, hi, k, pid in zip(zip(*(cols[name] for name in SCALARS)), cols["seq"], rows.tolist(),
-                                                (ends - lengths).tolist(), ends.tolist(), self.producer[rows].tolist(),
-                                                self.pid[rows].tolist()):
-            out[i] = ReplayEvent._make((*vals, node_keys[k], instances[k], (pid, seq), ord0 + i, flat[lo:hi],
-                                        *self._lists(i)))
+        for vals, seq, i, lo, hi, k, pid in zip(
+            zip(*(cols[name] for name in SCALARS)),
+            cols["seq"],
+            rows.tolist(),
+            (ends - lengths).tolist(),
+            ends.tolist(),
+            self.producer[rows].tolist(),
+            self.pid[rows].tolist(),
+        ):
+            out[i] = ReplayEvent._make(
+                (*vals, node_keys[k], instances[k], (pid, seq), ord0 + i, flat[lo:hi], *self._lists(i))
+            )
         return out
 
     def _lists(self, i: int) -> tuple[np.ndarray | None, np.ndarray | None, int]:
         """(digests, block hashes, dst_pages length) of row ``i``: ReplayEvent's last fields."""
         d0, d1, h0, h1 = self.doff[i], self.doff[i + 1], self.hoff[i], self.hoff[i + 1]
-        return (self.digests[d0:d1] if d1 > d0 else None, self.hashes[h0:h1] if h1 > h0 else None,
-                int(self.num_dst_pages[i]))
+        return (
+            self.digests[d0:d1] if d1 > d0 else None,
+            self.hashes[h0:h1] if h1 > h0 else None,
+            int(self.num_dst_pages[i]),
+        )
 
 
 def first_rows(codes: np.ndarray, k: int) -> np.ndarray:
@@ -125,8 +147,9 @@ def in_engine_order(table: pa.Table) -> pa.Table:
     """The table sorted in engine order, one chunk per column; an already sorted batch of one producer
     (what a recorder sends) is taken as it is, without the sort."""
     table = table.combine_chunks()
-    one_producer = all(pc.count_distinct(table.column(n), mode="all").as_py() <= 1
-                       for n in ("cluster", "node", "instance"))
+    one_producer = all(
+        pc.count_distinct(table.column(n), mode="all").as_py() <= 1 for n in ("cluster", "node", "instance")
+    )
     if one_producer and table.column("wall_ns").null_count == 0 and table.column("seq").null_count == 0:
         wall = table.column("wall_ns").to_numpy()
         seq = table.column("seq").to_numpy()
@@ -181,5 +204,18 @@ def from_table(table: pa.Table, producer_id: Callable[[tuple], int]) -> ReplayBa
     hashes, hoff = flat_list(table.column("block_hashes"), np.int64)
     ndst = pc.fill_null(pc.list_value_length(table.column("dst_pages")), 0).to_numpy(zero_copy_only=False)
     scalars = pa.table({name: _chunk(table.column(name)) for name in SCALARS})
-    return ReplayBatch(scalars, pid, producer, idents, rcode, request_ids, pages, poff, digests, doff, hashes,
-                       hoff, ndst.astype(np.int64))
+    return ReplayBatch(
+        scalars,
+        pid,
+        producer,
+        idents,
+        rcode,
+        request_ids,
+        pages,
+        poff,
+        digests,
+        doff,
+        hashes,
+        hoff,
+        ndst.astype(np.int64),
+    )

@@ -60,8 +60,14 @@ class ReplayEngine:
     reference the fast path is tested against).
     """
 
-    def __init__(self, producer_ids: dict[tuple, int] | None = None, policy: ForensicsPolicy = ForensicsPolicy(),
-                 *, codes: Iterable[str] | None = None, fast: bool | None = None):
+    def __init__(
+        self,
+        producer_ids: dict[tuple, int] | None = None,
+        policy: ForensicsPolicy = ForensicsPolicy(),
+        *,
+        codes: Iterable[str] | None = None,
+        fast: bool | None = None,
+    ):
         self.producer_ids = dict(producer_ids or {})
         self.policy = policy
         self.codes = None if codes is None else frozenset(codes)
@@ -102,9 +108,19 @@ class ReplayEngine:
             node_key = (who[0], who[1])
             roles[node_key] = who[2]
             pid = pids[i] if pids is not None else self._producer_id(who)
-            ev = make((*vals, node_key, who[5], (pid, vals[_SEQ]), ord0 + i, pages[poff[i]:poff[i + 1]],
-                       digests[doff[i]:doff[i + 1]] if doff[i + 1] > doff[i] else None,
-                       hashes[hoff[i]:hoff[i + 1]] if hoff[i + 1] > hoff[i] else None, ndst[i]))
+            ev = make(
+                (
+                    *vals,
+                    node_key,
+                    who[5],
+                    (pid, vals[_SEQ]),
+                    ord0 + i,
+                    pages[poff[i] : poff[i + 1]],
+                    digests[doff[i] : doff[i + 1]] if doff[i + 1] > doff[i] else None,
+                    hashes[hoff[i] : hoff[i + 1]] if hoff[i + 1] > hoff[i] else None,
+                    ndst[i],
+                )
+            )
             if ev.request_id is not None and ev.tenant_id is not None:
                 tenants.setdefault(ev.request_id, ev.tenant_id)
             if not self.need_joins and ev.kind in JOIN_KINDS and ev.status != UNVERIFIED:
@@ -133,8 +149,16 @@ class ReplayEngine:
         return sorted(out, key=lambda f: (f.last_ns, f.first_ns, int(f.code[1:]), f.evidence))
 
 
-def replay_store(con, from_ns: int | None = None, to_ns: int | None = None, policy: ForensicsPolicy = ForensicsPolicy(),
-                 *, codes=None, fast: bool | None = None, read_ahead: bool = True) -> list[Finding]:
+def replay_store(
+    con,
+    from_ns: int | None = None,
+    to_ns: int | None = None,
+    policy: ForensicsPolicy = ForensicsPolicy(),
+    *,
+    codes=None,
+    fast: bool | None = None,
+    read_ahead: bool = True,
+) -> list[Finding]:
     """Findings of the events in [from_ns, to_ns] of an audit store (a DuckDB connection).
 
     Each producer is replayed from its last ``node_config`` at or before ``from_ns`` so page state at

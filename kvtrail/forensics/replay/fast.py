@@ -119,15 +119,17 @@ class FastReplay:
         op = np.full(b.num_rows, K.OP_PYTHON, np.int8)
         if not self.need_joins:
             op[(kind >= len(PAGE_KINDS)) & (kind < len(PAGE_KINDS) + len(JOIN_KINDS))] = K.OP_SKIP
-        op[kind == 0] = np.where(purpose[kind == 0] == 0, K.OP_GROWTH,
-                                 np.where(purpose[kind == 0] == 1, K.OP_PREFIX, K.OP_ALLOC))
+        op[kind == 0] = np.where(
+            purpose[kind == 0] == 0, K.OP_GROWTH, np.where(purpose[kind == 0] == 1, K.OP_PREFIX, K.OP_ALLOC)
+        )
         op[kind == 1] = K.OP_FREE
         op[kind == 2] = K.OP_WRITE
         op[kind == 3] = K.OP_READ
         # Prefill-rate samples need both token bounds (the handler raises without them).
         forward = codes_of(b.column("source"), ("forward",)) == 0
-        no_tokens = (b.column("token_start").is_null().to_numpy(zero_copy_only=False)
-                     | b.column("token_end").is_null().to_numpy(zero_copy_only=False))
+        no_tokens = b.column("token_start").is_null().to_numpy(zero_copy_only=False) | b.column(
+            "token_end"
+        ).is_null().to_numpy(zero_copy_only=False)
         op[(kind == 2) & forward & no_tokens] = K.OP_PYTHON
         op[pc.fill_null(b.column("seq"), 0).to_numpy(zero_copy_only=False) > _INT64_MAX] = K.OP_PYTHON  # int64 keys
         op[_unverified(b, kind)] = K.OP_PYTHON  # its handler changes page state: judged even without the joins
@@ -151,11 +153,15 @@ class FastReplay:
         known = b.events(np.flatnonzero(op == K.OP_PYTHON), ord0)
         handle = self.handlers.handle
         # One lane of rows per pool (page events and node_config), in order.
-        pooled = (((kind >= 0) & (kind < len(PAGE_KINDS))) | (kind == len(PAGE_KINDS) + len(JOIN_KINDS))
-                  | _unverified(b, kind))  # an unverified landing leaves its pages' writer unknown
+        pooled = (
+            ((kind >= 0) & (kind < len(PAGE_KINDS)))
+            | (kind == len(PAGE_KINDS) + len(JOIN_KINDS))
+            | _unverified(b, kind)
+        )  # an unverified landing leaves its pages' writer unknown
         rows = np.flatnonzero(pooled)
-        by_slot = rows[np.argsort(slot[rows].astype(np.uint16 if len(self.slots) < 1 << 16 else np.int64),
-                                  kind="stable")]
+        by_slot = rows[
+            np.argsort(slot[rows].astype(np.uint16 if len(self.slots) < 1 << 16 else np.int64), kind="stable")
+        ]
         lanes_slot = np.unique(slot[rows]).tolist()
         counts = np.bincount(slot[rows], minlength=len(self.slots))[lanes_slot]
         lanes = np.split(by_slot, np.cumsum(counts)[:-1]) if lanes_slot else []
@@ -169,7 +175,7 @@ class FastReplay:
             ev = known.pop(row, None)
             handle(ev if ev is not None else b.event(row, ord0 + row))
             handled[row] = True
-            self.slots[lanes_slot[k]].after_handler(state.pools, b.pages[b.poff[row]:b.poff[row + 1]])
+            self.slots[lanes_slot[k]].after_handler(state.pools, b.pages[b.poff[row] : b.poff[row + 1]])
             pos[k] = run(lanes[k], pos[k] + 1, lanes_slot[k])
             if pos[k] < len(lanes[k]):
                 heapq.heappush(waiting, (int(lanes[k][pos[k]]), k))
@@ -195,8 +201,10 @@ class FastReplay:
         state, old = self.state, len(self.tenant_code)
         if len(state.requests) > old:
             known = state.tenants.get
-            codes = [-1 if t is None else self._tenant(t)
-                     for t in (known(rid) if rid is not None else None for rid in state.requests[old:])]
+            codes = [
+                -1 if t is None else self._tenant(t)
+                for t in (known(rid) if rid is not None else None for rid in state.requests[old:])
+            ]
             self.tenant_code = np.concatenate([self.tenant_code, np.array(codes, np.int32)])
             self.tenant_ord = np.concatenate([self.tenant_ord, np.full(len(codes), -1, np.int64)])
         if not len(queue.rows):
@@ -215,19 +223,27 @@ class FastReplay:
     def _tenant(self, tenant: str) -> int:
         return self.tenant_codes.setdefault(tenant, len(self.tenant_codes))
 
-    def _forward_samples(self, b: ReplayBatch, op: np.ndarray, handled: np.ndarray, slot: np.ndarray,
-                         wall: np.ndarray, ord0: int) -> None:
+    def _forward_samples(
+        self, b: ReplayBatch, op: np.ndarray, handled: np.ndarray, slot: np.ndarray, wall: np.ndarray, ord0: int
+    ) -> None:
         """What ``CrossNodeJoins.written`` records for the forward writes the kernel applied."""
-        rows = np.flatnonzero((op == K.OP_WRITE) & ~handled & (b.rcode >= 0)
-                              & (codes_of(b.column("source"), ("forward",)) == 0))
+        rows = np.flatnonzero(
+            (op == K.OP_WRITE) & ~handled & (b.rcode >= 0) & (codes_of(b.column("source"), ("forward",)) == 0)
+        )
         if not len(rows):
             return
         tokens = (b.ints("token_end")[rows] - b.ints("token_start")[rows]).tolist()
         keys = [s.key for s in self.slots]
         # (node_key, ord, wall_ns, request_id, tokens) per row, built by zip and map rather than a loop
-        self.state.joins.forward_writes.extend(zip(
-            map(keys.__getitem__, slot[rows].tolist()), (rows + ord0).tolist(), wall[rows].tolist(),
-            map(b.request_ids.__getitem__, b.rcode[rows].tolist()), tokens))
+        self.state.joins.forward_writes.extend(
+            zip(
+                map(keys.__getitem__, slot[rows].tolist()),
+                (rows + ord0).tolist(),
+                wall[rows].tolist(),
+                map(b.request_ids.__getitem__, b.rcode[rows].tolist()),
+                tokens,
+            )
+        )
 
 
 class _TenantQueue:
@@ -246,7 +262,7 @@ class _TenantQueue:
         """Register the pairs first seen at or before ``row`` (``ReplayState.tenants``)."""
         end = int(np.searchsorted(self.rows, row, side="right"))
         if end > self.done:  # each request once per batch: its first pair is the only one
-            tenant.update({rid: t for rid, t in self.pairs[self.done:end] if rid not in tenant})
+            tenant.update({rid: t for rid, t in self.pairs[self.done : end] if rid not in tenant})
         self.done = max(self.done, end)
 
 
@@ -264,9 +280,29 @@ class _Run:
         b, slot = self.b, self.fast.slots[s]
         slot.refresh(self.fast.state.pools)
         stop, nfreed = K.replay_page_events(  # type: ignore[call-arg]  # numba's Dispatcher stub
-            rows, start, self.ord0, self.op, self.req, b.pid, self.seq, self.wall, b.poff, b.pages, b.doff,
-            b.digests, b.hoff, b.hashes, self.fast.tenant_code, self.fast.tenant_ord, self.allow_sharing, self.hit,
-            *slot.shares, slot.pool is not None, *slot.arrays, self.freed)
+            rows,
+            start,
+            self.ord0,
+            self.op,
+            self.req,
+            b.pid,
+            self.seq,
+            self.wall,
+            b.poff,
+            b.pages,
+            b.doff,
+            b.digests,
+            b.hoff,
+            b.hashes,
+            self.fast.tenant_code,
+            self.fast.tenant_ord,
+            self.allow_sharing,
+            self.hit,
+            *slot.shares,
+            slot.pool is not None,
+            *slot.arrays,
+            self.freed,
+        )
         if nfreed:  # one copy of the released lists (the batch's buffer is reused), then a view per release
             rows = self.freed[:nfreed]
             starts, lengths = b.poff[rows], b.poff[rows + 1] - b.poff[rows]

@@ -46,7 +46,8 @@ class EventHandlers:
         self._by_kind: dict[str, Callable[[ReplayEvent], None]] = {
             **{kind: getattr(self, "on_" + kind) for kind in POOL_KINDS},
             **{kind: getattr(state.joins, kind) for kind in JOIN_KINDS},
-            "transfer_received": self.on_transfer_received}
+            "transfer_received": self.on_transfer_received,
+        }
 
     def handle(self, ev: ReplayEvent) -> None:
         """Apply one event (kinds without a handler change nothing)."""
@@ -54,20 +55,40 @@ class EventHandlers:
         if handler is not None:
             handler(ev)
 
-    def finding(self, code: str, ev: ReplayEvent, *, node: str | None = None, request: str | None = None,
-                victims: Iterable[int] = (), pages: Iterable[int] = (), first_ns: int | None = None,
-                evidence: Iterable[EventKey] = (), detail: str = "", lineage: tuple[int, int] = (0, 0),
-                severity: str | None = None) -> Finding:
+    def finding(
+        self,
+        code: str,
+        ev: ReplayEvent,
+        *,
+        node: str | None = None,
+        request: str | None = None,
+        victims: Iterable[int] = (),
+        pages: Iterable[int] = (),
+        first_ns: int | None = None,
+        evidence: Iterable[EventKey] = (),
+        detail: str = "",
+        lineage: tuple[int, int] = (0, 0),
+        severity: str | None = None,
+    ) -> Finding:
         """The finding ``code`` proved by ``ev`` (victims are request indices, -1 for nobody)."""
         requests, tenants = self.state.requests, self.state.tenants
         vic = tuple(sorted({requests[v] if v >= 0 else None for v in victims}, key=lambda x: (x is None, x)))
         return make_finding(
-            code, node=ev.node_key[1] if node is None else node, request_id=request,
-            tenant_id=tenants.get(request) if request is not None else None, victim_request_ids=vic,
+            code,
+            node=ev.node_key[1] if node is None else node,
+            request_id=request,
+            tenant_id=tenants.get(request) if request is not None else None,
+            victim_request_ids=vic,
             victim_tenant_ids=tuple(tenants.get(v) if v is not None else None for v in vic),
-            pages=_ints(pages), first_ns=ev.wall_ns if first_ns is None else int(first_ns),
-            last_ns=ev.wall_ns, evidence=_keys([ev.key, *evidence]), detail=detail, lineage_checked=int(lineage[0]),
-            lineage_matched=int(lineage[1]), **({"severity": severity} if severity else {}))
+            pages=_ints(pages),
+            first_ns=ev.wall_ns if first_ns is None else int(first_ns),
+            last_ns=ev.wall_ns,
+            evidence=_keys([ev.key, *evidence]),
+            detail=detail,
+            lineage_checked=int(lineage[0]),
+            lineage_matched=int(lineage[1]),
+            **({"severity": severity} if severity else {}),
+        )
 
     def emit(self, code: str, ev: ReplayEvent, **kw) -> None:
         self.state.found.append(self.finding(code, ev, **kw))
@@ -119,8 +140,15 @@ class EventHandlers:
                     evidence.append(tuple(pool.alloc_ev[p]))
             busy_pages = [p for p in pages[busy].tolist() if pool.holders(p) - {r}]
             if busy_pages:
-                self.emit("F6", ev, request=ev.request_id, victims=victims, pages=busy_pages,
-                          evidence=evidence, detail=f"allocated ({ev.purpose}) while still held")
+                self.emit(
+                    "F6",
+                    ev,
+                    request=ev.request_id,
+                    victims=victims,
+                    pages=busy_pages,
+                    evidence=evidence,
+                    detail=f"allocated ({ev.purpose}) while still held",
+                )
         free = owner < 0
         pool.owner[pages[free]] = r
         for p in pages[~free & (owner != r)].tolist():
@@ -137,8 +165,9 @@ class EventHandlers:
         listed = pages.tolist()
         counts = Counter(listed)
         dups = list(dict.fromkeys(p for p in listed if counts[p] > 1))  # in order of first listing
-        self.emit("F6", ev, request=ev.request_id, victims=[self.state.req(ev.request_id)], pages=dups,
-                  detail=REPEAT_DETAIL)
+        self.emit(
+            "F6", ev, request=ev.request_id, victims=[self.state.req(ev.request_id)], pages=dups, detail=REPEAT_DETAIL
+        )
 
     def on_pages_freed(self, ev: ReplayEvent) -> None:
         pool, pages = self._pool(ev), ev.pages
@@ -222,14 +251,21 @@ class EventHandlers:
             victims: set[int] = set()
             for p in outside.tolist():
                 victims |= pool.holders(p)
-            self.emit("F5", ev, request=ev.request_id, victims=victims, pages=outside,
-                      detail="read of pages the request does not hold")
+            self.emit(
+                "F5",
+                ev,
+                request=ev.request_id,
+                victims=victims,
+                pages=outside,
+                detail="read of pages the request does not hold",
+            )
         is_hit, hit_hash = pool.hit_hashes(pages, r)
         # A prefix-cache hit is the radix cache working when the page still holds what it was keyed by.
         cached = is_hit & pool.has_bhash[pages] & (pool.bhash[pages] == hit_hash)
         # A growth page it holds, not written since its allocation, is filled by the step that reads it.
-        fresh = (held & (pool.alloc_req[pages] == r) & pool.alloc_growth[pages]
-                 & (pool.write_gen[pages] < pool.gen[pages]))
+        fresh = (
+            held & (pool.alloc_req[pages] == r) & pool.alloc_growth[pages] & (pool.write_gen[pages] < pool.gen[pages])
+        )
         writer = pool.writer[pages]
         foreign = (writer != r) & ~cached & ~fresh
         for w in np.unique(writer[foreign]).tolist():
@@ -237,15 +273,28 @@ class EventHandlers:
             if w < 0:
                 landed = pool.write_ev[pages[sel]]
                 unverified = landed[landed[:, 0] >= 0]  # unknown writer: an unverified landing's pages
-                self.emit("F1", ev, request=ev.request_id, victims=[-1], pages=pages[sel],
-                          evidence={(int(k[0]), int(k[1])) for k in unverified.tolist()},
-                          detail=unknown_writer_detail(len(unverified)))
+                self.emit(
+                    "F1",
+                    ev,
+                    request=ev.request_id,
+                    victims=[-1],
+                    pages=pages[sel],
+                    evidence={(int(k[0]), int(k[1])) for k in unverified.tolist()},
+                    detail=unknown_writer_detail(len(unverified)),
+                )
                 continue
             num_late, num_lost = pool.late_writes(pages[sel], r)
-            self.emit("F1", ev, request=ev.request_id, victims=[w], pages=pages[sel],
-                      first_ns=pool.write_ns[pages[sel]].min(), evidence=_write_keys(pool, pages[sel]),
-                      detail=foreign_read_detail(self.state.requests[w], num_late, num_lost),
-                      lineage=_lineage(pool, pages, sel, ev.digests))
+            self.emit(
+                "F1",
+                ev,
+                request=ev.request_id,
+                victims=[w],
+                pages=pages[sel],
+                first_ns=pool.write_ns[pages[sel]].min(),
+                evidence=_write_keys(pool, pages[sel]),
+                detail=foreign_read_detail(self.state.requests[w], num_late, num_lost),
+                lineage=_lineage(pool, pages, sel, ev.digests),
+            )
         cross = cached & (writer >= 0) & (writer != r)
         if cross.any() and not self.policy.allow_tenant_cache_sharing:
             tenants = self.state.tenants
@@ -256,9 +305,16 @@ class EventHandlers:
                 if mine is None or theirs is None or mine == theirs:
                     continue
                 sel = pages[cross & (writer == w)]
-                self.emit("F10", ev, request=ev.request_id, victims=[w], pages=sel,
-                          first_ns=pool.write_ns[sel].min(), evidence=_write_keys(pool, sel),
-                          detail=f"prefix-cache pages written for tenant {theirs} served to tenant {mine}")
+                self.emit(
+                    "F10",
+                    ev,
+                    request=ev.request_id,
+                    victims=[w],
+                    pages=sel,
+                    first_ns=pool.write_ns[sel].min(),
+                    evidence=_write_keys(pool, sel),
+                    detail=f"prefix-cache pages written for tenant {theirs} served to tenant {mine}",
+                )
 
 
 def _write_keys(pool: PageState, pages: np.ndarray) -> set[EventKey]:
@@ -280,4 +336,3 @@ def _ints(values: Iterable[int]) -> tuple[int, ...]:
 
 def _keys(items: Iterable[EventKey]) -> tuple[EventKey, ...]:
     return tuple(sorted({(int(p), int(s)) for p, s in items if p >= 0}))
-

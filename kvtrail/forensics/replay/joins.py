@@ -98,8 +98,9 @@ class CrossNodeJoins:
 
     def __getstate__(self) -> dict:  # the derived caches are not sent along (a lake's partitions are pickled)
         state = dict(self.__dict__)
-        state.update(_samples={}, _samples_seen=0, _samples_ord=-1, _samples_stale=False, _deferred={},
-                     _transfer_checks={})
+        state.update(
+            _samples={}, _samples_seen=0, _samples_ord=-1, _samples_stale=False, _deferred={}, _transfer_checks={}
+        )
         return state
 
     # ---- collection ---------------------------------------------------------------------------------
@@ -159,8 +160,14 @@ class CrossNodeJoins:
             responses = by_request.get(key[1], ())
             # Everything the checks read: the transfer's events and configurations, the request's responses
             # (sends and responses are only ever appended; objects are compared by identity).
-            seen = (t.reserved, t.received, t.reserved_cfg, t.received_cfg, t.sent[-1] if t.sent else None,
-                    responses[-1] if responses else None)
+            seen = (
+                t.reserved,
+                t.received,
+                t.reserved_cfg,
+                t.received_cfg,
+                t.sent[-1] if t.sent else None,
+                responses[-1] if responses else None,
+            )
             counts = (len(t.sent), len(responses))
             held = checks.get(key)
             if held is not None and held[1] == counts and all(a is b for a, b in zip(held[0], seen)):
@@ -172,6 +179,7 @@ class CrossNodeJoins:
             def keep(code: str, ev: ReplayEvent, out: list[tuple] = out, **kw) -> None:
                 out.append((code, ev, kw))
                 emit(code, ev, **kw)
+
             if t.received is not None:
                 _check_transfer(t, [r for r in responses if same_attempt(r, t.received)], keep)
             _check_duration(t, keep)
@@ -179,13 +187,22 @@ class CrossNodeJoins:
         rates = self.prefill_rates()
         receipts_by = self._receipts_by_request()
         for resp in self.responses:
-            aborts = {a.key: a for a in self.aborts.get(resp.request_id, ())
-                      if resp.request_id is not None and same_attempt(a, resp)}
+            aborts = {
+                a.key: a
+                for a in self.aborts.get(resp.request_id, ())
+                if resp.request_id is not None and same_attempt(a, resp)
+            }
             if aborts and has_output(resp):
                 first = min(a.wall_ns for a in aborts.values())
                 what = "; ".join(sorted({f"{a.stage}: {a.abort_reason} ({a.http_status})" for a in aborts.values()}))
-                emit("F4", resp, request=resp.request_id, first_ns=first, evidence=aborts,
-                     detail=f"HTTP {resp.http_status} after abort: {what}")
+                emit(
+                    "F4",
+                    resp,
+                    request=resp.request_id,
+                    first_ns=first,
+                    evidence=aborts,
+                    detail=f"HTTP {resp.http_status} after abort: {what}",
+                )
             self._check_latency(resp, rates, receipts_by, emit)
 
     def prefill_rates(self) -> dict[NodeKey, float]:
@@ -227,7 +244,7 @@ class CrossNodeJoins:
         if self._samples_stale:
             self._samples, self._samples_seen, self._samples_ord, self._samples_stale = {}, 0, -1, False
             self._deferred = {}
-        new = self.forward_writes[self._samples_seen:]
+        new = self.forward_writes[self._samples_seen :]
         self._samples_seen = len(self.forward_writes)
         by_node: dict[NodeKey, list[ForwardWrite]] = {}
         for w in new:
@@ -270,8 +287,9 @@ class CrossNodeJoins:
                 out.setdefault(rid, []).append(rec)
         return out
 
-    def _check_latency(self, resp: ReplayEvent, rates: dict[NodeKey, float],
-                       receipts_by: dict[str, list[ReplayEvent]], emit: Emit) -> None:
+    def _check_latency(
+        self, resp: ReplayEvent, rates: dict[NodeKey, float], receipts_by: dict[str, list[ReplayEvent]], emit: Emit
+    ) -> None:
         if resp.ttft_ns is None or resp.prompt_tokens is None or resp.request_id is None:
             return
         found = [c for c in receipts_by.get(resp.request_id, ()) if same_attempt(c, resp)]
@@ -287,10 +305,16 @@ class CrossNodeJoins:
             return
         floor_ns = need / rate / self.policy.latency_factor
         if resp.ttft_ns < floor_ns:
-            emit("F9", resp, node=nk[1], request=resp.request_id, evidence=[rec.key],
-                 detail=f"TTFT {resp.ttft_ns / 1e6:.3f} ms for {need} tokens to prefill; {nk[1]} prefills "
-                        f"at {rate * 1e9:.0f} tokens/s (q{self.policy.latency_quantile:g}), so at least "
-                        f"{floor_ns / 1e6:.3f} ms (factor {self.policy.latency_factor:g})")
+            emit(
+                "F9",
+                resp,
+                node=nk[1],
+                request=resp.request_id,
+                evidence=[rec.key],
+                detail=f"TTFT {resp.ttft_ns / 1e6:.3f} ms for {need} tokens to prefill; {nk[1]} prefills "
+                f"at {rate * 1e9:.0f} tokens/s (q{self.policy.latency_quantile:g}), so at least "
+                f"{floor_ns / 1e6:.3f} ms (factor {self.policy.latency_factor:g})",
+            )
 
 
 def _check_transfer(t: TransferEvents, responses: list[ReplayEvent], emit: Emit) -> None:
@@ -310,25 +334,53 @@ def _check_transfer(t: TransferEvents, responses: list[ReplayEvent], emit: Emit)
             problems.append(f"received {rec.num_tokens} tokens")
         if problems:
             served = [r for r in responses if has_output(r)]
-            emit("F2", rec, request=rec.request_id, pages=res.pages, first_ns=first,
-                 evidence=evidence + [r.key for r in responses], severity="critical" if served else None,
-                 detail=transfer_mismatch_detail(
-                     int(required(res.num_tokens, "num_tokens")), len(res.pages), problems, str(rec.status),
-                     [(int(required(r.http_status, "http_status")), int(required(r.completion_tokens,
-                                                                                 "completion_tokens")))
-                      for r in responses]))
+            emit(
+                "F2",
+                rec,
+                request=rec.request_id,
+                pages=res.pages,
+                first_ns=first,
+                evidence=evidence + [r.key for r in responses],
+                severity="critical" if served else None,
+                detail=transfer_mismatch_detail(
+                    int(required(res.num_tokens, "num_tokens")),
+                    len(res.pages),
+                    problems,
+                    str(rec.status),
+                    [
+                        (
+                            int(required(r.http_status, "http_status")),
+                            int(required(r.completion_tokens, "completion_tokens")),
+                        )
+                        for r in responses
+                    ],
+                ),
+            )
     if rec.status not in _DIGESTED:
         return
     with_digest = [e for e in sent if e.digest is not None]
     src = with_digest[-1] if with_digest else None
     if src is not None and rec.digest is not None and src.digest_algo == rec.digest_algo:
         if src.digest != rec.digest:
-            emit("F3", rec, request=rec.request_id, pages=rec.pages, first_ns=first, evidence=evidence,
-                 detail=f"prefill digest {src.digest:#x} != decode digest {rec.digest:#x} ({rec.digest_algo})")
+            emit(
+                "F3",
+                rec,
+                request=rec.request_id,
+                pages=rec.pages,
+                first_ns=first,
+                evidence=evidence,
+                detail=f"prefill digest {src.digest:#x} != decode digest {rec.digest:#x} ({rec.digest_algo})",
+            )
     elif rec.status == "mismatch":
-        emit("F3", rec, request=rec.request_id, pages=rec.pages, first_ns=first, evidence=evidence,
-             detail="decode reported a digest mismatch")
-
+        emit(
+            "F3",
+            rec,
+            request=rec.request_id,
+            pages=rec.pages,
+            first_ns=first,
+            evidence=evidence,
+            detail="decode reported a digest mismatch",
+        )
 
 
 def _check_duration(t: TransferEvents, emit: Emit) -> None:
@@ -342,6 +394,12 @@ def _check_duration(t: TransferEvents, emit: Emit) -> None:
     end = max((*t.sent, *((t.received,) if t.received is not None else ())), key=lambda e: e.wall_ns)
     if end.wall_ns - start > cfg.release_timeout_ns:
         node = dec.node_key[1]
-        emit("F11", end, node=node, request=dec.request_id, first_ns=start,
-             evidence=[e.key for e in t.sent] + [dec.key, cfg.key],
-             detail=late_transfer_detail(end.wall_ns - start, node, cfg.release_timeout_ns))
+        emit(
+            "F11",
+            end,
+            node=node,
+            request=dec.request_id,
+            first_ns=start,
+            evidence=[e.key for e in t.sent] + [dec.key, cfg.key],
+            detail=late_transfer_detail(end.wall_ns - start, node, cfg.release_timeout_ns),
+        )

@@ -134,10 +134,52 @@ def share_remove(index, s_page, s_req, s_prev, s_next, meta, head, nshared, s):
 
 
 @njit(cache=True, nogil=True)
-def replay_page_events(rows, start, marker0, op, req, pid, seq, wall_ns, poff, pages, doff, digests, hoff, hashes,
-                       tenant, tenant_ord, allow_sharing, hit, sh_index, sh_page, sh_req, sh_hash, sh_prev, sh_next,
-                       sh_meta, has_pool, owner, gen, alloc_req, alloc_growth, alloc_ev, nshared, share_head, writer,
-                       write_ns, write_gen, write_ev, digest, has_digest, bhash, has_bhash, multi, stamp, freed):
+def replay_page_events(
+    rows,
+    start,
+    marker0,
+    op,
+    req,
+    pid,
+    seq,
+    wall_ns,
+    poff,
+    pages,
+    doff,
+    digests,
+    hoff,
+    hashes,
+    tenant,
+    tenant_ord,
+    allow_sharing,
+    hit,
+    sh_index,
+    sh_page,
+    sh_req,
+    sh_hash,
+    sh_prev,
+    sh_next,
+    sh_meta,
+    has_pool,
+    owner,
+    gen,
+    alloc_req,
+    alloc_growth,
+    alloc_ev,
+    nshared,
+    share_head,
+    writer,
+    write_ns,
+    write_gen,
+    write_ev,
+    digest,
+    has_digest,
+    bhash,
+    has_bhash,
+    multi,
+    stamp,
+    freed,
+):
     """Apply the events ``rows[start:]`` of one pool until one needs Python.
 
     Returns (position in ``rows`` of that event, or ``len(rows)``; releases recorded in ``freed``).
@@ -196,8 +238,20 @@ def replay_page_events(rows, start, marker0, op, req, pid, seq, wall_ns, poff, p
                 if s >= 0:
                     sh_hash[s] = h
                 else:
-                    share_insert(sh_index, sh_page, sh_req, sh_hash, sh_prev, sh_next, sh_meta, share_head, nshared,
-                                 pages[k], r, h)
+                    share_insert(
+                        sh_index,
+                        sh_page,
+                        sh_req,
+                        sh_hash,
+                        sh_prev,
+                        sh_next,
+                        sh_meta,
+                        share_head,
+                        nshared,
+                        pages[k],
+                        r,
+                        h,
+                    )
             hit[i] = True
         elif o == OP_ALLOC or o == OP_GROWTH:
             increasing = True  # a strictly increasing list names no page twice (the usual case)
@@ -346,6 +400,26 @@ def warm_up() -> None:
     copy_lists(i32, i64[:0], i64[:0], i32)
     digests, hashes = read_only(np.zeros(0, np.uint64)), read_only(np.zeros(0, np.int64))  # as Arrow's lists
     replay_page_events(  # type: ignore[call-arg]  # numba's Dispatcher stub
-        i64[:0], 0, 0, np.zeros(0, np.int8), i32, i64[:0], i64[:0], i64[:0], i64, i32, i64, digests,
-        i64, hashes, i32, i64[:0], False, np.zeros(0, np.bool_), *PrefixShares(1).arrays(), False,
-        *(spec.allocate(0) for spec in KERNEL_ARRAYS), i64[:0])
+        i64[:0],
+        0,
+        0,
+        np.zeros(0, np.int8),
+        i32,
+        i64[:0],
+        i64[:0],
+        i64[:0],
+        i64,
+        i32,
+        i64,
+        digests,
+        i64,
+        hashes,
+        i32,
+        i64[:0],
+        False,
+        np.zeros(0, np.bool_),
+        *PrefixShares(1).arrays(),
+        False,
+        *(spec.allocate(0) for spec in KERNEL_ARRAYS),
+        i64[:0],
+    )

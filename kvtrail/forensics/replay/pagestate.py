@@ -230,8 +230,10 @@ class PageState:
         if max_page < self.num_entries:
             return
         if max_page > MAX_POOL_PAGES:
-            raise StoreError(f"replay: page id {max_page} is beyond any plausible pool ({MAX_POOL_PAGES} pages); "
-                             "the store holds an event no engine recorded")
+            raise StoreError(
+                f"replay: page id {max_page} is beyond any plausible pool ({MAX_POOL_PAGES} pages); "
+                "the store holds an event no engine recorded"
+            )
         self.grow(min(max(max_page + 1, 2 * self.num_entries), MAX_POOL_PAGES + 1))
 
     def grow(self, num_entries: int) -> None:
@@ -249,4 +251,5 @@ class PageState:
 
 # The page arrays in declaration order: the one list allocation, growth and the kernel follow.
 PAGE_ARRAYS: tuple[ArraySpec, ...] = tuple(
-    ArraySpec(f.name, *f.metadata["page_array"]) for f in fields(PageState) if "page_array" in f.metadata)
+    ArraySpec(f.name, *f.metadata["page_array"]) for f in fields(PageState) if "page_array" in f.metadata
+)

@@ -126,8 +126,20 @@ class PrefixShares:
     def insert(self, head: np.ndarray, nshared: np.ndarray, p: int, r: int, h: int) -> None:
         if self.num_entries == self.num_slots:
             self._grow()
-        share_insert(self.index, self.page, self.req, self.bhash, self.prev, self.next, self.meta, head, nshared,
-                     int(p), int(r), int(h))
+        share_insert(
+            self.index,
+            self.page,
+            self.req,
+            self.bhash,
+            self.prev,
+            self.next,
+            self.meta,
+            head,
+            nshared,
+            int(p),
+            int(r),
+            int(h),
+        )
 
     def remove(self, head: np.ndarray, nshared: np.ndarray, s: int) -> None:
         share_remove(self.index, self.page, self.req, self.prev, self.next, self.meta, head, nshared, s)

@@ -40,8 +40,9 @@ _TYPES = {f.name: f.type for f in BATCH_SCHEMA}
 _GRID_POINTS = 4096
 
 
-def _slice_bounds(con, where: str, params: list, page_events_per_slice: int,
-                  events_per_slice: int = EVENTS_PER_SLICE) -> list[int]:
+def _slice_bounds(
+    con, where: str, params: list, page_events_per_slice: int, events_per_slice: int = EVENTS_PER_SLICE
+) -> list[int]:
     """Cut points in wall_ns such that each slice holds about page_events_per_slice page-events, or
     events_per_slice events, or a mix in that proportion.
 
@@ -50,15 +51,21 @@ def _slice_bounds(con, where: str, params: list, page_events_per_slice: int,
     ``where`` selects count, and only their part inside the window's time span (one node's hour of a
     fleet's store is one slice, not as many as the whole fleet's hour would need).
     """
-    lo, hi, pids = con.execute(f"SELECT min(wall_ns), max(wall_ns), list(DISTINCT producer_id) FROM events_v "
-                               f"WHERE {where}", params).fetchone()
+    lo, hi, pids = con.execute(
+        f"SELECT min(wall_ns), max(wall_ns), list(DISTINCT producer_id) FROM events_v WHERE {where}", params
+    ).fetchone()
     if lo is None:
         return []
-    spans = con.execute("SELECT min_wall_ns, max_wall_ns, num_page_events, num_events FROM batches "
-                        "WHERE max_wall_ns >= ? AND min_wall_ns <= ? AND pruned_by IS NULL "
-                        "AND list_contains(?, producer_id)", [lo, hi, pids]).fetchnumpy()
-    weight = (spans["num_page_events"].astype(np.float64) / page_events_per_slice
-              + spans["num_events"].astype(np.float64) / events_per_slice)  # in slices
+    spans = con.execute(
+        "SELECT min_wall_ns, max_wall_ns, num_page_events, num_events FROM batches "
+        "WHERE max_wall_ns >= ? AND min_wall_ns <= ? AND pruned_by IS NULL "
+        "AND list_contains(?, producer_id)",
+        [lo, hi, pids],
+    ).fetchnumpy()
+    weight = (
+        spans["num_page_events"].astype(np.float64) / page_events_per_slice
+        + spans["num_events"].astype(np.float64) / events_per_slice
+    )  # in slices
     if hi <= lo or float(weight.sum()) < 1.0:
         return [lo, hi + 1]
     grid = np.linspace(lo, hi, _GRID_POINTS)
@@ -75,8 +82,9 @@ def _slice_bounds(con, where: str, params: list, page_events_per_slice: int,
 
 # The columns a page event can have (validation refuses other fields on page kinds); events of the
 # other kinds are read with every column the handlers read, in a second query.
-_PAGE_EVENT_COLS = tuple(name for name in SCALARS if name in ("seq", "wall_ns", "kind")
-                         or any(name in KINDS[k].allowed for k in PAGE_KINDS))
+_PAGE_EVENT_COLS = tuple(
+    name for name in SCALARS if name in ("seq", "wall_ns", "kind") or any(name in KINDS[k].allowed for k in PAGE_KINDS)
+)
 _PAGE_KINDS_SQL = "('pages_allocated', 'pages_freed', 'kv_written', 'kv_read')"
 _HAS_LISTS = "(page_digests IS NOT NULL OR block_hashes IS NOT NULL)"
 _RARE_SQL = f"AND ({_HAS_LISTS} OR kind IS NULL OR kind NOT IN {_PAGE_KINDS_SQL})"
@@ -94,8 +102,10 @@ class _SliceReader:
         self.con = con
         self.where, self.params = where, params
         self.con.begin()
-        rows = self.con.execute(f"SELECT producer_id, {', '.join(PRODUCER_NAMES)} FROM producers "
-                                "ORDER BY cluster, node, instance, producer_id").fetchall()
+        rows = self.con.execute(
+            f"SELECT producer_id, {', '.join(PRODUCER_NAMES)} FROM producers "
+            "ORDER BY cluster, node, instance, producer_id"
+        ).fetchall()
         self.idents = [tuple(r[1:]) for r in rows]
         pids = np.array([r[0] for r in rows], np.int64)  # store ids are hashes: map them by search
         self.pid_order = np.argsort(pids)
@@ -108,18 +118,27 @@ class _SliceReader:
     def _events(self, cols, lo: int, hi: int, extra: str = "") -> pa.Table:
         # Producers rank by (cluster, node, instance) as in the engine's sort; ties keep (producer_id, seq)
         # order, as the sort of read_events' rows does.
-        return self.con.sql(
-            "WITH pr AS (SELECT producer_id, rank() OVER (ORDER BY cluster, node, instance) AS prank FROM producers) "
-            f"SELECT producer_id, {', '.join(cols)} FROM events_v JOIN pr USING (producer_id) "
-            f"WHERE {self.where} AND wall_ns >= ? AND wall_ns < ? {extra} ORDER BY wall_ns, prank, producer_id, seq",
-            params=[*self.params, lo, hi]).to_arrow_table().combine_chunks()
+        return (
+            self.con.sql(
+                "WITH pr AS (SELECT producer_id, rank() OVER (ORDER BY cluster, node, instance) AS prank "
+                "FROM producers) "
+                f"SELECT producer_id, {', '.join(cols)} FROM events_v JOIN pr USING (producer_id) "
+                f"WHERE {self.where} AND wall_ns >= ? AND wall_ns < ? {extra} "
+                "ORDER BY wall_ns, prank, producer_id, seq",
+                params=[*self.params, lo, hi],
+            )
+            .to_arrow_table()
+            .combine_chunks()
+        )
 
     def _some_rows(self, ev: pa.Table, rows: np.ndarray, cols, lo: int, hi: int, extra: str) -> pa.Table:
         """``cols`` of the slice's events matching ``extra`` (``rows`` of ``ev``), in the same order."""
         part = self._events(("seq",) + tuple(cols), lo, hi, extra)
-        assert part.num_rows == len(rows) and np.array_equal(
-            part.column("producer_id").to_numpy(), ev.column("producer_id").to_numpy()[rows]) and np.array_equal(
-            part.column("seq").to_numpy(), ev.column("seq").to_numpy()[rows]), "two reads of one snapshot disagree"
+        assert (
+            part.num_rows == len(rows)
+            and np.array_equal(part.column("producer_id").to_numpy(), ev.column("producer_id").to_numpy()[rows])
+            and np.array_equal(part.column("seq").to_numpy(), ev.column("seq").to_numpy()[rows])
+        ), "two reads of one snapshot disagree"
         return part
 
     def read(self, lo: int, hi: int) -> ReplayBatch | None:
@@ -135,8 +154,11 @@ class _SliceReader:
         # query, none when the slice has none: each query costs a bind and a scan of the slice.
         other = ~pc.is_in(ev.column("kind"), value_set=pa.array(PAGE_KINDS)).to_numpy(zero_copy_only=False)
         rare = np.flatnonzero(ev.column("has_lists").to_numpy(zero_copy_only=False) | other)
-        part = self._some_rows(ev, rare, ("page_digests", "block_hashes") + _REST_COLS, lo, hi, _RARE_SQL) \
-            if len(rare) else None
+        part = (
+            self._some_rows(ev, rare, ("page_digests", "block_hashes") + _REST_COLS, lo, hi, _RARE_SQL)
+            if len(rare)
+            else None
+        )
         if part is None:
             digests, hashes = read_only(np.zeros(0, np.uint64)), read_only(np.zeros(0, np.int64))
             doff, hoff = np.zeros(n + 1, np.int64), np.zeros(n + 1, np.int64)
@@ -144,8 +166,21 @@ class _SliceReader:
             digests, doff = _scatter_lists(n, rare, part.column("page_digests"), np.uint64)
             hashes, hoff = _scatter_lists(n, rare, part.column("block_hashes"), np.int64)
         rcode, request_ids = request_codes(ev.column("request_id"))
-        return ReplayBatch(self._scalars(ev, rare, part), pid, producer, self.idents, rcode, request_ids, pages, poff,
-                           digests, doff, hashes, hoff, num_dst)
+        return ReplayBatch(
+            self._scalars(ev, rare, part),
+            pid,
+            producer,
+            self.idents,
+            rcode,
+            request_ids,
+            pages,
+            poff,
+            digests,
+            doff,
+            hashes,
+            hoff,
+            num_dst,
+        )
 
     def _pages(self, keys: "_Keys", n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(flat 'pages' lists, offsets, 'dst_pages' lengths) of the slice's rows, from page_runs.
@@ -158,8 +193,16 @@ class _SliceReader:
         run_seg = np.searchsorted(runs["rank"], np.arange(len(ranges) + 1)).astype(np.int64)
         poff = np.zeros(n + 1, np.int64)
         num_dst = np.zeros(n, np.int64)
-        args = (keys.order, keys.seq, keys.seg, runs["seq"], runs["list"], runs["page_start"], runs["num_pages"],
-                run_seg)
+        args = (
+            keys.order,
+            keys.seq,
+            keys.seg,
+            runs["seq"],
+            runs["list"],
+            runs["page_start"],
+            runs["num_pages"],
+            run_seg,
+        )
         gather_runs(*args, poff, np.zeros(0, np.int32), num_dst)
         np.cumsum(poff, out=poff)
         pages = self._buffer(int(poff[-1]))
@@ -207,8 +250,10 @@ def _ordered_runs(con, ranges: list[tuple[int, int, int]]) -> dict[str, np.ndarr
     ``rank`` is the range's index.
     """
     cond = " OR ".join(["(producer_id = ?::BIGINT AND seq BETWEEN ?::UBIGINT AND ?::UBIGINT)"] * len(ranges))
-    got = con.sql(f"SELECT producer_id, seq, list, pos, page_start, num_pages FROM page_runs WHERE {cond}",
-                  params=[x for r in ranges for x in r]).to_arrow_table()
+    got = con.sql(
+        f"SELECT producer_id, seq, list, pos, page_start, num_pages FROM page_runs WHERE {cond}",
+        params=[x for r in ranges for x in r],
+    ).to_arrow_table()
     cols = {k: got.column(k).to_numpy() for k in ("seq", "list", "page_start", "num_pages")}
     pids = np.array([r[0] for r in ranges], np.int64)
     by_pid = np.argsort(pids)
@@ -228,8 +273,12 @@ def _run_order(ranges, rank: np.ndarray, seq: np.ndarray, lst: np.ndarray, pos: 
     lo = np.array([r[1] for r in ranges], np.uint64)
     base = np.concatenate([[0], np.cumsum([r[2] - r[1] + 1 for r in ranges], dtype=np.int64)])
     width = int(pos.max(initial=0)) + 1
-    if not (base[-1] * 2 * width < 1 << 62 and int(pos.min(initial=0)) >= 0 and int(lst.max(initial=0)) <= 1
-            and int(lst.min(initial=0)) >= 0):
+    if not (
+        base[-1] * 2 * width < 1 << 62
+        and int(pos.min(initial=0)) >= 0
+        and int(lst.max(initial=0)) <= 1
+        and int(lst.min(initial=0)) >= 0
+    ):
         return np.lexsort((pos, lst, seq, rank))  # no key fits in an int64
     key = (base[rank] + (seq - lo[rank]).astype(np.int64)) * (2 * width) + lst.astype(np.int64) * width + pos
     if np.all(key[1:] > key[:-1]):
@@ -241,8 +290,9 @@ class _Keys:
     """The slice's rows sorted by (producer, seq), ``seg`` delimiting producers."""
 
     def __init__(self, pid: np.ndarray, seq: np.ndarray, producer: np.ndarray):
-        order = np.argsort(producer.astype(np.int16) if len(producer) and producer.max() < 1 << 15 else producer,
-                           kind="stable")  # rows come in time order: seq mostly rises already
+        order = np.argsort(
+            producer.astype(np.int16) if len(producer) and producer.max() < 1 << 15 else producer, kind="stable"
+        )  # rows come in time order: seq mostly rises already
         by_seq = seq[order]
         same = producer[order][1:] == producer[order][:-1]
         self.order = order if not np.any(same & (by_seq[1:] < by_seq[:-1])) else np.lexsort((seq, producer))
@@ -262,9 +312,16 @@ def _scatter_lists(n: int, rows: np.ndarray, col, dtype) -> tuple[np.ndarray, np
     return values, offsets_from_lengths(lengths)
 
 
-def store_batches(con, where: str, params: list, page_events_per_slice: int = PAGE_EVENTS_PER_SLICE,
-                  meanwhile: Callable[[], None] | None = None, *, events_per_slice: int = EVENTS_PER_SLICE,
-                  read_ahead: bool = True) -> Iterator[ReplayBatch]:
+def store_batches(
+    con,
+    where: str,
+    params: list,
+    page_events_per_slice: int = PAGE_EVENTS_PER_SLICE,
+    meanwhile: Callable[[], None] | None = None,
+    *,
+    events_per_slice: int = EVENTS_PER_SLICE,
+    read_ahead: bool = True,
+) -> Iterator[ReplayBatch]:
     """The events of ``events_v`` matching ``where`` as ReplayBatches in engine order, slice by slice.
 
     A batch's page buffer is reused for a later slice once the next batch is asked for: replay each

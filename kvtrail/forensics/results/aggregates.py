@@ -48,8 +48,11 @@ COUNTERS: tuple[tuple[str, str], ...] = (
     ("responses_2xx", "count(*) FILTER (kind = 'response_sent' AND http_status BETWEEN 200 AND 299)"),
     ("responses_4xx", "count(*) FILTER (kind = 'response_sent' AND http_status BETWEEN 400 AND 499)"),
     ("responses_5xx", "count(*) FILTER (kind = 'response_sent' AND http_status BETWEEN 500 AND 599)"),
-    ("responses_other", "count(*) FILTER (kind = 'response_sent' AND NOT http_status BETWEEN 200 AND 299 "
-                        "AND NOT http_status BETWEEN 400 AND 599)"),
+    (
+        "responses_other",
+        "count(*) FILTER (kind = 'response_sent' AND NOT http_status BETWEEN 200 AND 299 "
+        "AND NOT http_status BETWEEN 400 AND 599)",
+    ),
     ("recorder_gaps", "count(*) FILTER (kind = 'recorder_gap')"),
     ("recorder_dropped_events", "coalesce(sum(dropped_events) FILTER (kind = 'recorder_gap'), 0)"),
     ("last_event_ns", "max(wall_ns)"),
@@ -59,7 +62,8 @@ _SUMS = tuple(c for c in COUNTER_NAMES if c != "last_event_ns")
 _IDENTITY = ("cluster", "node", "role", "engine", "engine_version", "instance")
 _DDL = (
     "CREATE TABLE IF NOT EXISTS minute_events (producer_id BIGINT NOT NULL, minute_ns BIGINT NOT NULL, "
-    + ", ".join(f"{c} BIGINT NOT NULL" for c in COUNTER_NAMES) + ", PRIMARY KEY (producer_id, minute_ns))",
+    + ", ".join(f"{c} BIGINT NOT NULL" for c in COUNTER_NAMES)
+    + ", PRIMARY KEY (producer_id, minute_ns))",
     "CREATE TABLE IF NOT EXISTS minute_findings (node VARCHAR, minute_ns BIGINT NOT NULL, code VARCHAR NOT NULL, "
     "severity VARCHAR NOT NULL, findings BIGINT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS minute_coverage (minute_ns BIGINT PRIMARY KEY, as_of_ns BIGINT NOT NULL)",
@@ -78,8 +82,10 @@ def ensure_tables(con: duckdb.DuckDBPyConnection) -> None:
 
 def has_tables(con: duckdb.DuckDBPyConnection) -> bool:
     """Whether the store holds the aggregate tables (a read-only reader cannot create them)."""
-    row = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name IN "
-                      "('minute_events', 'minute_findings', 'minute_coverage')").fetchall()[0]
+    row = con.execute(
+        "SELECT count(*) FROM information_schema.tables WHERE table_name IN "
+        "('minute_events', 'minute_findings', 'minute_coverage')"
+    ).fetchall()[0]
     return row[0] == len(TABLES)
 
 
@@ -120,8 +126,11 @@ def recompute_in(con: duckdb.DuckDBPyConnection, from_ns: int | None, to_ns: int
     end = hi + MINUTE_NS
     for table in TABLES:
         con.execute(f"DELETE FROM {table} WHERE minute_ns BETWEEN ? AND ?", [lo, hi])
-    con.execute("INSERT INTO minute_events " + counters_sql(
-        "events", STORED_PE, "wall_ns >= ? AND wall_ns < ?", f"producer_id, {_MINUTE} AS minute_ns"), [lo, end])
+    con.execute(
+        "INSERT INTO minute_events "
+        + counters_sql("events", STORED_PE, "wall_ns >= ? AND wall_ns < ?", f"producer_id, {_MINUTE} AS minute_ns"),
+        [lo, end],
+    )
     _findings_for(con, f"SELECT range AS minute_ns FROM range({lo}, {end}, {MINUTE_NS})")
     con.execute("INSERT INTO minute_coverage SELECT range, ? FROM range(?, ?, ?)", [span[2], lo, end, MINUTE_NS])
     return (end - lo) // MINUTE_NS
@@ -174,40 +183,64 @@ def add_batches(con: duckdb.DuckDBPyConnection, commits: Sequence[tuple[pa.Table
     adding batches in commit order keeps the minutes covered while ingest goes on. Adding commits together
     leaves the tables as adding them one after another would."""
     ensure_tables(con)
-    pairs = [(k, int(pid), int(no)) for k, (table, batches) in enumerate(commits) if table.num_rows
-             for pid, no in sorted(batches.items() if isinstance(batches, dict) else batches)]
+    pairs = [
+        (k, int(pid), int(no))
+        for k, (table, batches) in enumerate(commits)
+        if table.num_rows
+        for pid, no in sorted(batches.items() if isinstance(batches, dict) else batches)
+    ]
     if not pairs:
         return
-    cols = [c for c in (*_IDENTITY, "kind", "wall_ns", "http_status", "status", "dropped_events")
-            if c in commits[0][0].column_names]
+    cols = [
+        c
+        for c in (*_IDENTITY, "kind", "wall_ns", "http_status", "status", "dropped_events")
+        if c in commits[0][0].column_names
+    ]
     # Page-events counted here: DuckDB would read every page id of the lists to take their lengths.
-    tables = [t.select(cols).append_column("pe", _page_events(t))
-              .append_column("commit_no", pa.array(np.full(t.num_rows, k, np.int64)))
-              for k, (t, _) in enumerate(commits) if t.num_rows]
+    tables = [
+        t.select(cols)
+        .append_column("pe", _page_events(t))
+        .append_column("commit_no", pa.array(np.full(t.num_rows, k, np.int64)))
+        for k, (t, _) in enumerate(commits)
+        if t.num_rows
+    ]
     events = pa.concat_tables(tables, promote_options="permissive")
     con.begin()
     try:
-        con.register("_agg_pairs_in", pa.table({"commit_no": [p[0] for p in pairs],
-                                                "producer_id": [p[1] for p in pairs],
-                                                "batch_no": [p[2] for p in pairs]}))
-        con.execute(f"CREATE OR REPLACE TEMP TABLE _agg_batch AS SELECT i.commit_no, c.producer_id, c.batch_no, "
-                    f"c.changed_ns FROM {CHANGED_SQL} c JOIN _agg_pairs_in i USING (producer_id, batch_no)")
+        con.register(
+            "_agg_pairs_in",
+            pa.table(
+                {
+                    "commit_no": [p[0] for p in pairs],
+                    "producer_id": [p[1] for p in pairs],
+                    "batch_no": [p[2] for p in pairs],
+                }
+            ),
+        )
+        con.execute(
+            f"CREATE OR REPLACE TEMP TABLE _agg_batch AS SELECT i.commit_no, c.producer_id, c.batch_no, "
+            f"c.changed_ns FROM {CHANGED_SQL} c JOIN _agg_pairs_in i USING (producer_id, batch_no)"
+        )
         con.unregister("_agg_pairs_in")
         con.register("_agg_events", events)
         ident = " AND ".join(f"p.{c} = e.{c}" for c in _IDENTITY)
-        source = (f"(SELECT p.producer_id, e.commit_no, e.kind::VARCHAR AS kind, e.wall_ns, e.http_status, "
-                  f"e.status::VARCHAR AS status, e.dropped_events, e.pe "
-                  f"FROM _agg_events e JOIN producers p ON {ident})")
+        source = (
+            f"(SELECT p.producer_id, e.commit_no, e.kind::VARCHAR AS kind, e.wall_ns, e.http_status, "
+            f"e.status::VARCHAR AS status, e.dropped_events, e.pe "
+            f"FROM _agg_events e JOIN producers p ON {ident})"
+        )
         # Per commit first: a minute whose coverage is as of a batch's commit or later already counts that
         # batch (a recompute ran since), and adding it again would count it twice. Then one row per minute.
         per_commit = counters_sql(source, "pe", "TRUE", f"producer_id, commit_no, {_MINUTE} AS minute_ns")
         totals = ", ".join(f"max({c})" if c == "last_event_ns" else f"sum({c})::BIGINT" for c in COUNTER_NAMES)
         sets = ", ".join(f"{c} = minute_events.{c} + excluded.{c}" for c in _SUMS)
-        con.execute(f"INSERT INTO minute_events SELECT g.producer_id, g.minute_ns, {totals} FROM ({per_commit}) g "
-                    "JOIN _agg_batch b USING (producer_id, commit_no) LEFT JOIN minute_coverage cov USING (minute_ns) "
-                    "WHERE cov.as_of_ns IS NULL OR cov.as_of_ns < b.changed_ns GROUP BY g.producer_id, g.minute_ns "
-                    f"ON CONFLICT (producer_id, minute_ns) DO UPDATE SET {sets}, "
-                    "last_event_ns = greatest(minute_events.last_event_ns, excluded.last_event_ns)")
+        con.execute(
+            f"INSERT INTO minute_events SELECT g.producer_id, g.minute_ns, {totals} FROM ({per_commit}) g "
+            "JOIN _agg_batch b USING (producer_id, commit_no) LEFT JOIN minute_coverage cov USING (minute_ns) "
+            "WHERE cov.as_of_ns IS NULL OR cov.as_of_ns < b.changed_ns GROUP BY g.producer_id, g.minute_ns "
+            f"ON CONFLICT (producer_id, minute_ns) DO UPDATE SET {sets}, "
+            "last_event_ns = greatest(minute_events.last_event_ns, excluded.last_event_ns)"
+        )
         con.unregister("_agg_events")
         # Minutes these batches span, each as of the newest of them touching it: covered afterwards when
         # nothing else overlapping it and changed by then is uncounted.
@@ -238,15 +271,20 @@ def uncovered_minutes(con: duckdb.DuckDBPyConnection, lo: int, hi: int) -> list[
     """The minutes in [lo, hi] (minute starts) some batch touches whose aggregates are not exact (never
     counted, or a batch overlapping them changed since). A minute no batch touches holds no events."""
     have = has_tables(con)
-    cov = "LEFT JOIN minute_coverage cov USING (minute_ns)" if have else "LEFT JOIN (SELECT NULL::BIGINT AS " \
-        "minute_ns, NULL::BIGINT AS as_of_ns) cov USING (minute_ns)"
-    rows = con.execute(f"""
+    cov = (
+        "LEFT JOIN minute_coverage cov USING (minute_ns)"
+        if have
+        else "LEFT JOIN (SELECT NULL::BIGINT AS minute_ns, NULL::BIGINT AS as_of_ns) cov USING (minute_ns)"
+    )
+    rows = con.execute(
+        f"""
         WITH touched AS (SELECT m.range AS minute_ns, max(c.changed_ns) AS changed_ns FROM {CHANGED_SQL} c,
                          range(c.min_wall_ns // {MINUTE_NS} * {MINUTE_NS}, c.max_wall_ns + 1, {MINUTE_NS}) m
                          WHERE c.max_wall_ns >= ? AND c.min_wall_ns < ? AND m.range BETWEEN ? AND ? GROUP BY ALL)
         SELECT t.minute_ns FROM touched t {cov}
         WHERE cov.as_of_ns IS NULL OR cov.as_of_ns < t.changed_ns ORDER BY 1""",
-                       [lo, hi + MINUTE_NS, lo, hi]).fetchall()
+        [lo, hi + MINUTE_NS, lo, hi],
+    ).fetchall()
     return [int(r[0]) for r in rows]
 
 

@@ -40,8 +40,9 @@ _DDL = (
 
 def finding_id(f: Finding) -> str:
     """Stable id of a finding: what identifies it, not how it is worded."""
-    key = json.dumps([f.code, f.node, f.request_id, list(f.pages), [list(e) for e in f.evidence]],
-                     separators=(",", ":"))
+    key = json.dumps(
+        [f.code, f.node, f.request_id, list(f.pages), [list(e) for e in f.evidence]], separators=(",", ":")
+    )
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
@@ -63,9 +64,16 @@ def ensure_tables(con: duckdb.DuckDBPyConnection) -> None:
         con.execute(ddl)
 
 
-def save_findings(con: duckdb.DuckDBPyConnection, findings: list[Finding], *, from_ns: int | None,
-                  to_ns: int | None, engine: str, policy: ForensicsPolicy = ForensicsPolicy(),
-                  recompute_aggregates: bool = True) -> RunRecord:
+def save_findings(
+    con: duckdb.DuckDBPyConnection,
+    findings: list[Finding],
+    *,
+    from_ns: int | None,
+    to_ns: int | None,
+    engine: str,
+    policy: ForensicsPolicy = ForensicsPolicy(),
+    recompute_aggregates: bool = True,
+) -> RunRecord:
     """Record one run and its findings in one transaction; findings already stored are not duplicated.
 
     The findings counts of the minutes they end in are rebuilt; ``recompute_aggregates`` also rebuilds
@@ -80,23 +88,41 @@ def save_findings(con: duckdb.DuckDBPyConnection, findings: list[Finding], *, fr
         ids = [finding_id(f) for f in findings]
         table = table.append_column("finding_id", pa.array(ids, pa.string()))
         con.register("_new_findings", table)
-        known = {r[0] for r in con.execute(
-            "SELECT finding_id FROM findings WHERE finding_id IN (SELECT finding_id FROM _new_findings)").fetchall()}
+        known = {
+            r[0]
+            for r in con.execute(
+                "SELECT finding_id FROM findings WHERE finding_id IN (SELECT finding_id FROM _new_findings)"
+            ).fetchall()
+        }
         con.execute(
             "INSERT INTO findings SELECT DISTINCT ON (finding_id) finding_id, code, title, severity, node, request_id, "
             "tenant_id, victim_request_ids, victim_tenant_ids, pages, first_ns, last_ns, evidence, detail, "
             "lineage_checked, lineage_matched, ?, ? FROM _new_findings "
-            "WHERE finding_id NOT IN (SELECT finding_id FROM findings)", [run_id, run_id])
-        con.execute("UPDATE findings SET last_run_id = ? WHERE finding_id IN (SELECT finding_id FROM _new_findings)",
-                    [run_id])
+            "WHERE finding_id NOT IN (SELECT finding_id FROM findings)",
+            [run_id, run_id],
+        )
+        con.execute(
+            "UPDATE findings SET last_run_id = ? WHERE finding_id IN (SELECT finding_id FROM _new_findings)", [run_id]
+        )
         aggregates.findings_saved(con, "_new_findings")
         con.unregister("_new_findings")
         if recompute_aggregates:
             aggregates.recompute_in(con, from_ns, to_ns)
         record = RunRecord(run_id, len(set(ids)), len(set(ids) - known), results_digest(findings))
-        con.execute("INSERT INTO forensic_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    [run_id, time.time_ns(), from_ns, to_ns, engine, json.dumps(asdict(policy), sort_keys=True),
-                     record.num_findings, record.num_new, record.results_digest])
+        con.execute(
+            "INSERT INTO forensic_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                run_id,
+                time.time_ns(),
+                from_ns,
+                to_ns,
+                engine,
+                json.dumps(asdict(policy), sort_keys=True),
+                record.num_findings,
+                record.num_new,
+                record.results_digest,
+            ],
+        )
         con.commit()
     except Exception:
         con.rollback()
@@ -114,5 +140,6 @@ def stored_findings(con: duckdb.DuckDBPyConnection, from_ns: int | None = None, 
     if to_ns is not None:
         where.append("first_ns <= ?")
         params.append(to_ns)
-    return con.sql(f"SELECT * FROM findings WHERE {' AND '.join(where)} ORDER BY last_ns, first_ns, code",
-                   params=params).to_arrow_table()
+    return con.sql(
+        f"SELECT * FROM findings WHERE {' AND '.join(where)} ORDER BY last_ns, first_ns, code", params=params
+    ).to_arrow_table()

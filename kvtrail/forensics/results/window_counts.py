@@ -39,7 +39,7 @@ class WindowCounts:
     findings: pl.DataFrame
     answered: tuple[tuple[int, int], ...]
     scanned: tuple[tuple[int, int], ...]
-    minutes: int           # whole minutes in the window
+    minutes: int  # whole minutes in the window
     answered_minutes: int  # of those, answered by the aggregates
 
     def describe(self) -> str:
@@ -104,23 +104,29 @@ def _event_counts(con: duckdb.DuckDBPyConnection, answered: tuple, scanned: tupl
         parts.append(counters_sql("events", STORED_PE, where, "producer_id"))
         params += p
     if not parts:
-        parts.append(f"SELECT NULL::BIGINT AS producer_id, {', '.join(f'0::BIGINT AS {c}' for c in COUNTER_NAMES)} "
-                     "WHERE FALSE")
-    agg = ", ".join(f"max({c})::BIGINT AS {c}" if c == "last_event_ns" else f"sum({c})::BIGINT AS {c}"
-                    for c in COUNTER_NAMES)
-    sql = (f"SELECT x.producer_id, p.node, p.instance, {agg} FROM ({' UNION ALL '.join(parts)}) x "
-           "JOIN producers p USING (producer_id) GROUP BY ALL ORDER BY x.producer_id")
+        parts.append(
+            f"SELECT NULL::BIGINT AS producer_id, {', '.join(f'0::BIGINT AS {c}' for c in COUNTER_NAMES)} WHERE FALSE"
+        )
+    agg = ", ".join(
+        f"max({c})::BIGINT AS {c}" if c == "last_event_ns" else f"sum({c})::BIGINT AS {c}" for c in COUNTER_NAMES
+    )
+    sql = (
+        f"SELECT x.producer_id, p.node, p.instance, {agg} FROM ({' UNION ALL '.join(parts)}) x "
+        "JOIN producers p USING (producer_id) GROUP BY ALL ORDER BY x.producer_id"
+    )
     return pl.DataFrame(con.sql(sql, params=params).to_arrow_table())
 
 
-_FINDINGS_SCHEMA = {"node": pl.Utf8, "minute_ns": pl.Int64, "code": pl.Utf8, "severity": pl.Utf8,
-                    "findings": pl.Int64}
+_FINDINGS_SCHEMA = {"node": pl.Utf8, "minute_ns": pl.Int64, "code": pl.Utf8, "severity": pl.Utf8, "findings": pl.Int64}
 
 
 def _finding_counts(con: duckdb.DuckDBPyConnection, answered: tuple) -> pl.DataFrame:
     if not answered:
         return pl.DataFrame(schema=_FINDINGS_SCHEMA)
     where, params = _spans_sql("minute_ns", answered)
-    rows = con.sql(f"SELECT node, minute_ns, code, severity, sum(findings)::BIGINT AS findings FROM minute_findings "
-                   f"WHERE {where} GROUP BY ALL ORDER BY minute_ns, code", params=params).to_arrow_table()
+    rows = con.sql(
+        f"SELECT node, minute_ns, code, severity, sum(findings)::BIGINT AS findings FROM minute_findings "
+        f"WHERE {where} GROUP BY ALL ORDER BY minute_ns, code",
+        params=params,
+    ).to_arrow_table()
     return pl.DataFrame(rows).cast(_FINDINGS_SCHEMA)  # type: ignore[arg-type]

@@ -59,10 +59,12 @@ from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.sql.pages import f1_f10, f5_f7, f6, repeats
 from kvtrail.forensics.window import window_filter
 
-_EVENT_COLS = ("producer_id, seq, wall_ns, kind, request_id, transfer_id, tenant_id, purpose, num_tokens, "
-               "num_pages, num_dst_pages, status, http_status, stage, abort_reason, pool_tokens, "
-               "context_tokens, cluster, node, instance, role, digest, digest_algo, source, token_start, "
-               "token_end, prompt_tokens, completion_tokens, ttft_ns, page_size, release_timeout_ns")
+_EVENT_COLS = (
+    "producer_id, seq, wall_ns, kind, request_id, transfer_id, tenant_id, purpose, num_tokens, "
+    "num_pages, num_dst_pages, status, http_status, stage, abort_reason, pool_tokens, "
+    "context_tokens, cluster, node, instance, role, digest, digest_algo, source, token_start, "
+    "token_end, prompt_tokens, completion_tokens, ttft_ns, page_size, release_timeout_ns"
+)
 _PAGE_KINDS = "('pages_allocated', 'pages_freed', 'kv_written', 'kv_read')"
 # The engine's event order (the replay engine's).
 EVENT_ORDER = "wall_ns, cluster, node, instance, seq"
@@ -132,21 +134,51 @@ class Ctx:
         sql = "WITH " + _base(self.where, self.order) + ("," + extra_ctes if extra_ctes else "") + "\n" + body
         return self.con.execute(sql, self.params + list(params)).fetchall()
 
-    def finding(self, code, *, node, request=None, victims=(), pages=(), first_ns, last_ns, evidence, detail,
-                lineage=(0, 0), severity=None):
+    def finding(
+        self,
+        code,
+        *,
+        node,
+        request=None,
+        victims=(),
+        pages=(),
+        first_ns,
+        last_ns,
+        evidence,
+        detail,
+        lineage=(0, 0),
+        severity=None,
+    ):
         vic = _sorted_ids(victims)
-        return make_finding(code, node=node, request_id=request, tenant_id=self.tenants.get(request),
-                            victim_request_ids=vic, victim_tenant_ids=tuple(self.tenants.get(v) for v in vic),
-                            pages=tuple(int(p) for p in pages), first_ns=int(first_ns), last_ns=int(last_ns),
-                            evidence=_keys(evidence), detail=detail, lineage_checked=int(lineage[0]),
-                            lineage_matched=int(lineage[1]), **({"severity": severity} if severity else {}))
+        return make_finding(
+            code,
+            node=node,
+            request_id=request,
+            tenant_id=self.tenants.get(request),
+            victim_request_ids=vic,
+            victim_tenant_ids=tuple(self.tenants.get(v) for v in vic),
+            pages=tuple(int(p) for p in pages),
+            first_ns=int(first_ns),
+            last_ns=int(last_ns),
+            evidence=_keys(evidence),
+            detail=detail,
+            lineage_checked=int(lineage[0]),
+            lineage_matched=int(lineage[1]),
+            **({"severity": severity} if severity else {}),
+        )
 
 
 def _f8(ctx: Ctx) -> list[Finding]:
-    rows = ctx.query("SELECT node, wall_ns, producer_id, seq, pool_tokens, context_tokens FROM ev "
-                     "WHERE kind = 'node_config' AND pool_tokens < context_tokens")
-    return [ctx.finding("F8", node=n, first_ns=w, last_ns=w, evidence=[(p, s)],
-                        detail=f"pool holds {pt} tokens, context is {ct}") for n, w, p, s, pt, ct in rows]
+    rows = ctx.query(
+        "SELECT node, wall_ns, producer_id, seq, pool_tokens, context_tokens FROM ev "
+        "WHERE kind = 'node_config' AND pool_tokens < context_tokens"
+    )
+    return [
+        ctx.finding(
+            "F8", node=n, first_ns=w, last_ns=w, evidence=[(p, s)], detail=f"pool holds {pt} tokens, context is {ct}"
+        )
+        for n, w, p, s, pt, ct in rows
+    ]
 
 
 def _f2(ctx: Ctx) -> list[Finding]:
@@ -174,8 +206,24 @@ def _f2(ctx: Ctx) -> list[Finding]:
                FROM ev WHERE kind = 'transfer_sent' GROUP BY transfer_id, request_id) s
       ON s.transfer_id IS NOT DISTINCT FROM rec.transfer_id AND s.request_id IS NOT DISTINCT FROM rec.request_id""")
     out = []
-    for (node, rid, wall, res_tok, res_np, s_tok, s_np, n_sent, rec_tok, first, rec_key, res_key, s_keys,
-         res_pages, status, served) in rows:
+    for (
+        node,
+        rid,
+        wall,
+        res_tok,
+        res_np,
+        s_tok,
+        s_np,
+        n_sent,
+        rec_tok,
+        first,
+        rec_key,
+        res_key,
+        s_keys,
+        res_pages,
+        status,
+        served,
+    ) in rows:
         problems = []
         if n_sent and (s_tok != res_tok or s_np != res_np):
             problems.append(f"sent {s_tok} tokens/{s_np} pages")
@@ -184,12 +232,21 @@ def _f2(ctx: Ctx) -> list[Finding]:
         if problems:
             served = served or []
             with_output = any(c > 0 for _, c, _, _ in served)
-            out.append(ctx.finding(
-                "F2", node=node, request=rid, pages=res_pages or (), first_ns=first, last_ns=wall,
-                evidence=[rec_key, res_key, *(s_keys or ()), *((p, q) for _, _, p, q in served)],
-                severity="critical" if with_output else None,
-                detail=transfer_mismatch_detail(res_tok, res_np, problems, status,
-                                                [(h, c) for h, c, _, _ in served])))
+            out.append(
+                ctx.finding(
+                    "F2",
+                    node=node,
+                    request=rid,
+                    pages=res_pages or (),
+                    first_ns=first,
+                    last_ns=wall,
+                    evidence=[rec_key, res_key, *(s_keys or ()), *((p, q) for _, _, p, q in served)],
+                    severity="critical" if with_output else None,
+                    detail=transfer_mismatch_detail(
+                        res_tok, res_np, problems, status, [(h, c) for h, c, _, _ in served]
+                    ),
+                )
+            )
     return out
 
 
@@ -204,9 +261,18 @@ def _f4(ctx: Ctx) -> list[Finding]:
      AND (a.transfer_id IS NULL OR r.transfer_id IS NULL OR a.transfer_id = r.transfer_id)
     WHERE r.kind = 'response_sent' AND r.http_status BETWEEN 200 AND 299 AND r.completion_tokens > 0
     GROUP BY r.node, r.request_id, r.wall_ns, r.http_status, r.producer_id, r.seq""")
-    return [ctx.finding("F4", node=n, request=rid, first_ns=first, last_ns=w, evidence=[(p, s), *keys],
-                        detail=f"HTTP {st} after abort: " + "; ".join(sorted(x for x in what if x is not None)))
-            for n, rid, w, st, p, s, first, keys, what in rows]
+    return [
+        ctx.finding(
+            "F4",
+            node=n,
+            request=rid,
+            first_ns=first,
+            last_ns=w,
+            evidence=[(p, s), *keys],
+            detail=f"HTTP {st} after abort: " + "; ".join(sorted(x for x in what if x is not None)),
+        )
+        for n, rid, w, st, p, s, first, keys, what in rows
+    ]
 
 
 def _f3(ctx: Ctx) -> list[Finding]:
@@ -234,8 +300,7 @@ def _f3(ctx: Ctx) -> list[Finding]:
       ON s.transfer_id = rec.transfer_id AND s.request_id = rec.request_id
     WHERE rec.status IN ('ok', 'mismatch')""")
     out = []
-    for (node, rid, wall, status, rdg, ralgo, sdg, salgo, has_src, first, rec_key, res_key, s_keys,
-         pages) in rows:
+    for node, rid, wall, status, rdg, ralgo, sdg, salgo, has_src, first, rec_key, res_key, s_keys, pages in rows:
         comparable = has_src and rdg is not None and salgo == ralgo
         if comparable and sdg != rdg:
             detail = f"prefill digest {sdg:#x} != decode digest {rdg:#x} ({ralgo})"
@@ -243,8 +308,18 @@ def _f3(ctx: Ctx) -> list[Finding]:
             detail = "decode reported a digest mismatch"
         else:
             continue
-        out.append(ctx.finding("F3", node=node, request=rid, pages=pages or (), first_ns=first, last_ns=wall,
-                               evidence=[rec_key, *([res_key] if res_key else []), *(s_keys or ())], detail=detail))
+        out.append(
+            ctx.finding(
+                "F3",
+                node=node,
+                request=rid,
+                pages=pages or (),
+                first_ns=first,
+                last_ns=wall,
+                evidence=[rec_key, *([res_key] if res_key else []), *(s_keys or ())],
+                detail=detail,
+            )
+        )
     return out
 
 
@@ -265,9 +340,18 @@ def _f11(ctx: Ctx) -> list[Finding]:
       ON c.cluster = d.cluster AND c.node = d.node AND d.ord >= c.ord
     WHERE c.release_timeout_ns IS NOT NULL
       AND greatest(s.last_ns, coalesce(rec_ns, s.last_ns)) - s.first_ns > c.release_timeout_ns""")
-    return [ctx.finding("F11", node=node, request=rid, first_ns=first, last_ns=end,
-                        evidence=[*keys, dkey, ckey], detail=late_transfer_detail(end - first, node, timeout))
-            for node, rid, first, end, timeout, keys, dkey, ckey in rows]
+    return [
+        ctx.finding(
+            "F11",
+            node=node,
+            request=rid,
+            first_ns=first,
+            last_ns=end,
+            evidence=[*keys, dkey, ckey],
+            detail=late_transfer_detail(end - first, node, timeout),
+        )
+        for node, rid, first, end, timeout, keys, dkey, ckey in rows
+    ]
 
 
 def _f9(ctx: Ctx, policy: ForensicsPolicy) -> list[Finding]:
@@ -302,13 +386,16 @@ def _f9(ctx: Ctx, policy: ForensicsPolicy) -> list[Finding]:
     for cluster, node, xs in ctx.query("SELECT cluster, node, list(rate) FROM samples GROUP BY ALL", ctes):
         if len(xs) >= policy.min_latency_samples:
             rates[(cluster, node)] = float(np.quantile(np.array(xs, dtype=np.float64), policy.latency_quantile))
-    rows = ctx.query("""
+    rows = ctx.query(
+        """
     SELECT x.request_id, x.wall_ns, x.producer_id, x.seq, x.ttft_ns,
            x.prompt_tokens - coalesce(h.pages, 0) * coalesce(ps.page_size, 0) AS need,
            m.r.cluster, m.r.node, m.r.producer_id, m.r.seq
     FROM resp x JOIN matched m USING (producer_id, seq)
     LEFT JOIN hits h ON h.cluster = m.r.cluster AND h.node = m.r.node AND h.request_id = m.r.request_id
-    LEFT JOIN psize ps ON ps.cluster = m.r.cluster AND ps.node = m.r.node""", ctes)
+    LEFT JOIN psize ps ON ps.cluster = m.r.cluster AND ps.node = m.r.node""",
+        ctes,
+    )
     out = []
     for rid, wall, pid, seq, ttft, need, cluster, node, rpid, rseq in rows:
         rate = rates.get((cluster, node))
@@ -316,36 +403,61 @@ def _f9(ctx: Ctx, policy: ForensicsPolicy) -> list[Finding]:
             continue
         floor_ns = need / rate / policy.latency_factor
         if ttft < floor_ns:
-            out.append(ctx.finding(
-                "F9", node=node, request=rid, first_ns=wall, last_ns=wall, evidence=[(pid, seq), (rpid, rseq)],
-                detail=f"TTFT {ttft / 1e6:.3f} ms for {need} tokens to prefill; {node} prefills at "
-                       f"{rate * 1e9:.0f} tokens/s (q{policy.latency_quantile:g}), so at least "
-                       f"{floor_ns / 1e6:.3f} ms (factor {policy.latency_factor:g})"))
+            out.append(
+                ctx.finding(
+                    "F9",
+                    node=node,
+                    request=rid,
+                    first_ns=wall,
+                    last_ns=wall,
+                    evidence=[(pid, seq), (rpid, rseq)],
+                    detail=f"TTFT {ttft / 1e6:.3f} ms for {need} tokens to prefill; {node} prefills at "
+                    f"{rate * 1e9:.0f} tokens/s (q{policy.latency_quantile:g}), so at least "
+                    f"{floor_ns / 1e6:.3f} ms (factor {policy.latency_factor:g})",
+                )
+            )
     return out
 
 
-def sql_findings(con, from_ns: int | None = None, to_ns: int | None = None,
-                 policy: ForensicsPolicy = ForensicsPolicy(), codes=None, *,
-                 scope: SqlScope | None = None) -> list[Finding]:
+def sql_findings(
+    con,
+    from_ns: int | None = None,
+    to_ns: int | None = None,
+    policy: ForensicsPolicy = ForensicsPolicy(),
+    codes=None,
+    *,
+    scope: SqlScope | None = None,
+) -> list[Finding]:
     """Findings F1-F11 of the events in [from_ns, to_ns], computed in SQL (``codes``: only these).
 
     Same window, same :class:`Finding` fields and ordering as :func:`replay_store`. ``scope`` replaces
     the window's filter and order (a lake's partition task: its events after a checkpoint's prelude).
     """
     want = set(codes) if codes else None
-    parts = [({"F8"}, _f8), ({"F2"}, _f2), ({"F3"}, _f3), ({"F4"}, _f4), ({"F5", "F7"}, f5_f7), ({"F6"}, f6),
-             ({"F6"}, repeats),
-             ({"F1", "F10"}, lambda c: f1_f10(c, policy.allow_tenant_cache_sharing)),
-             ({"F9"}, lambda c: _f9(c, policy)), ({"F11"}, _f11)]
+    parts = [
+        ({"F8"}, _f8),
+        ({"F2"}, _f2),
+        ({"F3"}, _f3),
+        ({"F4"}, _f4),
+        ({"F5", "F7"}, f5_f7),
+        ({"F6"}, f6),
+        ({"F6"}, repeats),
+        ({"F1", "F10"}, lambda c: f1_f10(c, policy.allow_tenant_cache_sharing)),
+        ({"F9"}, lambda c: _f9(c, policy)),
+        ({"F11"}, _f11),
+    ]
     where, params = window_filter(from_ns, to_ns) if scope is None else (scope.where, list(scope.params))
     order = EVENT_ORDER if scope is None else scope.order
     con.complete()
     con.begin()  # one snapshot for every query
     try:
         ctx = Ctx(con, where, params, order)
-        ctx.tenants = dict(ctx.query(
-            "SELECT request_id, arg_min(tenant_id, ord) FROM ev WHERE request_id IS NOT NULL "
-            "AND tenant_id IS NOT NULL GROUP BY request_id"))
+        ctx.tenants = dict(
+            ctx.query(
+                "SELECT request_id, arg_min(tenant_id, ord) FROM ev WHERE request_id IS NOT NULL "
+                "AND tenant_id IS NOT NULL GROUP BY request_id"
+            )
+        )
         found = [f for part_codes, fn in parts if want is None or part_codes & want for f in fn(ctx)]
     finally:
         con.commit()

@@ -52,7 +52,8 @@ def holders_ctes(probe: str, other_only: bool) -> str:
 
 def f5_f7(ctx) -> list[Finding]:
     """Reads (F5) and writes (F7) of pages the request does not hold at that moment."""
-    ctes = """
+    ctes = (
+        """
     acc AS (SELECT * FROM pr WHERE kind IN ('kv_read', 'kv_written')),
     ov AS (SELECT a.producer_id, a.seq, g.page, arg_max(m.is_alloc, m.ord) AS held
            FROM acc a JOIN mem m
@@ -74,29 +75,56 @@ def f5_f7(ctx) -> list[Finding]:
                      generate_series(a.page_start, a.page_end) AS g(page)
                 ANTI JOIN (SELECT * FROM ov WHERE held) o
                   ON o.producer_id = a.producer_id AND o.seq = a.seq AND o.page = g.page),
-    """ + holders_ctes("outside", other_only=False) + """,
+    """
+        + holders_ctes("outside", other_only=False)
+        + """,
     ever AS (SELECT DISTINCT o.producer_id, o.seq, o.page FROM outside o JOIN mem m
                ON m.is_alloc AND m.request_id = o.request_id AND m.cluster = o.cluster AND m.node = o.node
               AND m.epoch = o.epoch AND m.bucket = o.bucket AND m.ord < o.ord
               AND o.page BETWEEN m.page_start AND m.page_end)"""
-    rows = ctx.query("""
+    )
+    rows = ctx.query(
+        """
     SELECT o.kind, o.node, o.request_id, o.wall_ns, o.producer_id, o.seq,
            list(o.page ORDER BY o.idx), list(h.holders) , bool_and(e.page IS NOT NULL)
     FROM outside o
     LEFT JOIN (SELECT probe_id, list(holder) AS holders FROM held GROUP BY probe_id) h USING (probe_id)
     LEFT JOIN ever e ON e.producer_id = o.producer_id AND e.seq = o.seq AND e.page = o.page
-    GROUP BY o.kind, o.node, o.request_id, o.wall_ns, o.producer_id, o.seq""", ctes)
+    GROUP BY o.kind, o.node, o.request_id, o.wall_ns, o.producer_id, o.seq""",
+        ctes,
+    )
     out = []
     for kind, node, rid, wall, pid, seq, pages, holders, was_held in rows:
         victims = [v for hs in holders if hs for v in hs]
         if kind == "kv_read":
-            out.append(ctx.finding("F5", node=node, request=rid, victims=victims, pages=pages, first_ns=wall,
-                                   last_ns=wall, evidence=[(pid, seq)],
-                                   detail="read of pages the request does not hold"))
+            out.append(
+                ctx.finding(
+                    "F5",
+                    node=node,
+                    request=rid,
+                    victims=victims,
+                    pages=pages,
+                    first_ns=wall,
+                    last_ns=wall,
+                    evidence=[(pid, seq)],
+                    detail="read of pages the request does not hold",
+                )
+            )
         else:
             why = "after the request released them" if was_held else "on pages the request never held"
-            out.append(ctx.finding("F7", node=node, request=rid, victims=victims, pages=pages, first_ns=wall,
-                                   last_ns=wall, evidence=[(pid, seq)], detail=late_write_detail(why)))
+            out.append(
+                ctx.finding(
+                    "F7",
+                    node=node,
+                    request=rid,
+                    victims=victims,
+                    pages=pages,
+                    first_ns=wall,
+                    last_ns=wall,
+                    evidence=[(pid, seq)],
+                    detail=late_write_detail(why),
+                )
+            )
     return out
 
 
@@ -136,24 +164,49 @@ def f6(ctx) -> list[Finding]:
     ctes = """
     probe AS (SELECT *, producer_id || ':' || seq AS probe_id FROM mem WHERE exclusive),
     """ + f6_holders_ctes("probe")
-    rows = ctx.query("""
+    rows = ctx.query(
+        """
     SELECT p.producer_id, p.seq, p.node, p.cluster, p.epoch, p.ord, p.request_id, p.wall_ns, p.purpose,
            list(DISTINCT h.page), list(DISTINCT h.holder)
     FROM held h JOIN probe p ON p.probe_id = h.probe_id AND h.page BETWEEN p.page_start AND p.page_end
-    GROUP BY ALL""", ctes)
+    GROUP BY ALL""",
+        ctes,
+    )
     by_event: dict = {}
     for pid, seq, node, cluster, epoch, ord_, rid, wall, purpose, pages, holders in rows:
-        e = by_event.setdefault((pid, seq), dict(node=node, cluster=cluster, epoch=epoch, ord=ord_, rid=rid,
-                                                 wall=wall, purpose=purpose, pages=[], holders=set()))
+        e = by_event.setdefault(
+            (pid, seq),
+            dict(
+                node=node,
+                cluster=cluster,
+                epoch=epoch,
+                ord=ord_,
+                rid=rid,
+                wall=wall,
+                purpose=purpose,
+                pages=[],
+                holders=set(),
+            ),
+        )
         e["pages"] += pages
         e["holders"] |= set(holders)
     out = []
     for key, e in by_event.items():
         pages = _event_order(ctx, key, e["pages"])
         evidence = [key, *_owner_alloc_events(ctx, e, pages)]
-        out.append(ctx.finding("F6", node=e["node"], request=e["rid"], victims=e["holders"], pages=pages,
-                               first_ns=e["wall"], last_ns=e["wall"], evidence=evidence,
-                               detail=f"allocated ({e['purpose']}) while still held"))
+        out.append(
+            ctx.finding(
+                "F6",
+                node=e["node"],
+                request=e["rid"],
+                victims=e["holders"],
+                pages=pages,
+                first_ns=e["wall"],
+                last_ns=e["wall"],
+                evidence=evidence,
+                detail=f"allocated ({e['purpose']}) while still held",
+            )
+        )
     return out
 
 
@@ -170,9 +223,20 @@ def repeats(ctx) -> list[Finding]:
          generate_series(greatest(a.page_start, b.page_start), least(a.page_end, b.page_end)) AS g(page)
     WHERE a.kind = 'pages_allocated' AND b.kind = 'pages_allocated'
     GROUP BY ALL""")
-    return [ctx.finding("F6", node=node, request=rid, victims=[rid], pages=_event_order(ctx, (pid, seq), pages, True),
-                        first_ns=wall, last_ns=wall, evidence=[(pid, seq)], detail=REPEAT_DETAIL)
-            for pid, seq, node, rid, wall, pages in rows]
+    return [
+        ctx.finding(
+            "F6",
+            node=node,
+            request=rid,
+            victims=[rid],
+            pages=_event_order(ctx, (pid, seq), pages, True),
+            first_ns=wall,
+            last_ns=wall,
+            evidence=[(pid, seq)],
+            detail=REPEAT_DETAIL,
+        )
+        for pid, seq, node, rid, wall, pages in rows
+    ]
 
 
 def _event_order(ctx, key, pages, first_only: bool = False) -> list[int]:
@@ -180,7 +244,8 @@ def _event_order(ctx, key, pages, first_only: bool = False) -> list[int]:
     rows = ctx.con.execute(
         "SELECT g.page FROM page_runs r, generate_series(r.page_start, r.page_start + r.num_pages - 1) AS g(page) "
         "WHERE r.producer_id = ? AND r.seq = ? AND r.list = 0 AND list_contains(?, g.page) ORDER BY r.pos, g.page",
-        [key[0], key[1], list(pages)]).fetchall()
+        [key[0], key[1], list(pages)],
+    ).fetchall()
     listed = [r[0] for r in rows]
     return list(dict.fromkeys(listed)) if first_only else listed
 
@@ -222,14 +287,15 @@ def _owner_alloc_events(ctx, e: dict, pages) -> list[tuple[int, int]]:
 def _fold_rows(ctx, e: dict, pages) -> list[tuple]:
     """Allocations and releases of the given pages before the event, page by page in order."""
     lo, hi = min(pages), max(pages)
-    return ctx.query("""
+    return ctx.query(
+        """
     SELECT g.page, m.ord, m.is_alloc, m.exclusive, m.request_id, m.producer_id, m.seq
     FROM mem m, generate_series(greatest(m.page_start, ?), least(m.page_end, ?)) AS g(page)
     WHERE m.cluster = ? AND m.node = ? AND m.epoch = ? AND m.ord < ?
       AND m.page_start <= ? AND ? <= m.page_end AND list_contains(?, g.page)
-    ORDER BY g.page, m.ord""", params=[lo, hi, e["cluster"], e["node"], e["epoch"], e["ord"], hi, lo, list(pages)])
-
-
+    ORDER BY g.page, m.ord""",
+        params=[lo, hi, e["cluster"], e["node"], e["epoch"], e["ord"], hi, lo, list(pages)],
+    )
 
 
 def f1_f10(ctx, allow_tenant_cache_sharing: bool) -> list[Finding]:
@@ -315,7 +381,8 @@ def f1_f10(ctx, allow_tenant_cache_sharing: bool) -> list[Finding]:
                         AND (c.a_ord IS NULL OR c.a_ord < p.prev_ord) AS own_lost
              FROM f1w c LEFT JOIN wheld h USING (producer_id, seq, page)
              LEFT JOIN pw p USING (producer_id, seq, page))"""
-    rows = ctx.query("""
+    rows = ctx.query(
+        """
     SELECT producer_id, seq, node, request_id, wall_ns, cached, w.rid, list(page ORDER BY idx),
            min(w.wns), list(DISTINCT [w.pid, w.wseq]) FILTER (WHERE w.pid IS NOT NULL),
            count(*) FILTER (WHERE read_dg IS NOT NULL AND w.dg IS NOT NULL),
@@ -323,25 +390,72 @@ def f1_f10(ctx, allow_tenant_cache_sharing: bool) -> list[Finding]:
            count(*) FILTER (WHERE l.is_late), count(*) FILTER (WHERE l.own_lost),
            count(*) FILTER (WHERE w.pid IS NOT NULL AND w.rid IS NULL)
     FROM cls LEFT JOIN late l USING (producer_id, seq, page) WHERE NOT fresh AND (NOT cached OR w.rid IS NOT NULL)
-    GROUP BY producer_id, seq, node, request_id, wall_ns, cached, w.rid""", ctes)
+    GROUP BY producer_id, seq, node, request_id, wall_ns, cached, w.rid""",
+        ctes,
+    )
     out = []
-    for (pid, seq, node, rid, wall, cached, writer, pages, first, wkeys, checked, matched, num_late, num_lost,
-         num_unverified) in rows:
+    for (
+        pid,
+        seq,
+        node,
+        rid,
+        wall,
+        cached,
+        writer,
+        pages,
+        first,
+        wkeys,
+        checked,
+        matched,
+        num_late,
+        num_lost,
+        num_unverified,
+    ) in rows:
         if not cached:
             if writer is None:  # never written, or landed by an unverified transfer (its receipts are evidence)
-                out.append(ctx.finding("F1", node=node, request=rid, victims=[None], pages=pages, first_ns=wall,
-                                       last_ns=wall, evidence=[(pid, seq), *(wkeys or ())],
-                                       detail=unknown_writer_detail(num_unverified)))
+                out.append(
+                    ctx.finding(
+                        "F1",
+                        node=node,
+                        request=rid,
+                        victims=[None],
+                        pages=pages,
+                        first_ns=wall,
+                        last_ns=wall,
+                        evidence=[(pid, seq), *(wkeys or ())],
+                        detail=unknown_writer_detail(num_unverified),
+                    )
+                )
             else:
-                out.append(ctx.finding("F1", node=node, request=rid, victims=[writer], pages=pages, first_ns=first,
-                                       last_ns=wall, evidence=[(pid, seq), *wkeys],
-                                       detail=foreign_read_detail(writer, num_late, num_lost),
-                                       lineage=(checked, matched)))
+                out.append(
+                    ctx.finding(
+                        "F1",
+                        node=node,
+                        request=rid,
+                        victims=[writer],
+                        pages=pages,
+                        first_ns=first,
+                        last_ns=wall,
+                        evidence=[(pid, seq), *wkeys],
+                        detail=foreign_read_detail(writer, num_late, num_lost),
+                        lineage=(checked, matched),
+                    )
+                )
             continue
         mine, theirs = ctx.tenants.get(rid), ctx.tenants.get(writer)
         if allow_tenant_cache_sharing or mine is None or theirs is None or mine == theirs:
             continue
-        out.append(ctx.finding("F10", node=node, request=rid, victims=[writer], pages=pages, first_ns=first,
-                               last_ns=wall, evidence=[(pid, seq), *wkeys],
-                               detail=f"prefix-cache pages written for tenant {theirs} served to tenant {mine}"))
+        out.append(
+            ctx.finding(
+                "F10",
+                node=node,
+                request=rid,
+                victims=[writer],
+                pages=pages,
+                first_ns=first,
+                last_ns=wall,
+                evidence=[(pid, seq), *wkeys],
+                detail=f"prefix-cache pages written for tenant {theirs} served to tenant {mine}",
+            )
+        )
     return out

@@ -33,8 +33,11 @@ def verify_pre(s: Session, scheduler: Any, batch: Any) -> Any:
     if getattr(scheduler, "kv_checksum_computer", None) is None:
         return None
     # the states are taken now: a mismatch streams the abort, which ends the request's state
-    expected = [(r, int(r.expected_kv_checksum), s.state(str(r.rid))) for r in batch.reqs
-                if getattr(r, "expected_kv_checksum", 0)]
+    expected = [
+        (r, int(r.expected_kv_checksum), s.state(str(r.rid)))
+        for r in batch.reqs
+        if getattr(r, "expected_kv_checksum", 0)
+    ]
     if not expected:
         return None
     prev = getattr(s.local, "verifying", None)

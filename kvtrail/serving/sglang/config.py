@@ -51,6 +51,10 @@ class PluginConfig:
             flush = float(env.get(ENV_FLUSH, "1.0"))
         except ValueError:
             raise ValueError(f"sglang plugin config '{ENV_FLUSH}': not a number") from None
-        return cls(sink=url or db, node=env.get(ENV_NODE) or socket.gethostname(),
-                   cluster=env.get(ENV_CLUSTER) or "default", enforce_length=enforce in ("1", "true"),
-                   flush_interval_s=flush)
+        return cls(
+            sink=url or db,
+            node=env.get(ENV_NODE) or socket.gethostname(),
+            cluster=env.get(ENV_CLUSTER) or "default",
+            enforce_length=enforce in ("1", "true"),
+            flush_interval_s=flush,
+        )

@@ -36,8 +36,11 @@ def _ref(state: Any, out: dict) -> RequestRef:
     room = getattr(obj, "bootstrap_room", None)
     tenant = getattr(obj, "extra_key", None)
     rid = getattr(obj, "rid", None) or out.get("meta_info", {}).get("id")
-    return RequestRef(str(rid), int(room) if isinstance(room, int) and room >= 0 else None,
-                      tenant if isinstance(tenant, str) and tenant else None)
+    return RequestRef(
+        str(rid),
+        int(room) if isinstance(room, int) and room >= 0 else None,
+        tenant if isinstance(tenant, str) and tenant else None,
+    )
 
 
 def _ttft_ns(state: Any) -> int | None:
@@ -51,10 +54,15 @@ def record_response(s: Session, out: dict, state: Any, status: int) -> None:
     meta = out.get("meta_info") or {}
     reason = meta.get("finish_reason")
     kind = reason.get("type") if isinstance(reason, dict) else None
-    s.recorder.response_sent(_ref(state, out), status, int(meta.get("prompt_tokens") or 0),
-                             int(meta.get("completion_tokens") or 0),
-                             max(int(float(meta.get("e2e_latency") or 0) * NS_PER_S), 0), _ttft_ns(state),
-                             str(kind) if kind else None)
+    s.recorder.response_sent(
+        _ref(state, out),
+        status,
+        int(meta.get("prompt_tokens") or 0),
+        int(meta.get("completion_tokens") or 0),
+        max(int(float(meta.get("e2e_latency") or 0) * NS_PER_S), 0),
+        _ttft_ns(state),
+        str(kind) if kind else None,
+    )
 
 
 def _call_args(args: tuple, kwargs: dict) -> tuple[Any, dict, Any]:

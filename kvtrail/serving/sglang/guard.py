@@ -50,8 +50,9 @@ def before(holder: Holder, name: str, body: Callable[..., None]) -> Callable[...
     return hook
 
 
-def around(holder: Holder, name: str, pre: Callable[..., Any],
-           post: Callable[..., None] | None = None) -> Callable[..., Any]:
+def around(
+    holder: Holder, name: str, pre: Callable[..., Any], post: Callable[..., None] | None = None
+) -> Callable[..., Any]:
     """An AROUND hook: ``pre(s, *args)`` returns a token, the original runs, ``post(s, token, result)``.
 
     The original's own exceptions propagate unchanged (``post`` still runs, with result None); only the

@@ -25,6 +25,7 @@ def is_aborted(req: Any) -> bool:
 
 # ---- prefill: alloc_for_extend (AFTER) ------------------------------------------------------------------
 
+
 def on_extend(s: Session, result: Any, batch: Any) -> None:
     """Pages a prefill (or unified) extend allocated, the radix prefix it reused, and the KV it will write."""
     out = snapshot(result[0])
@@ -46,7 +47,7 @@ def on_extend(s: Session, result: Any, batch: Any) -> None:
 def _record_extend(s: Session, out: Snapshot, items: list) -> None:
     tokens, ps, rec, offset = out.numpy(), s.page_size, s.recorder, 0
     for ref, prefix_len, extend_len, prefix, ids in items:
-        new = tokens[offset:offset + extend_len]
+        new = tokens[offset : offset + extend_len]
         offset += extend_len
         if prefix is not None:
             hit = pages_of(prefix.numpy(), ps)
@@ -57,14 +58,31 @@ def _record_extend(s: Session, out: Snapshot, items: list) -> None:
             rec.pages_allocated(ref, pages[first_new:], "prefill_extend")
         if len(pages):
             start_page = prefix_len // ps
-            rec.kv_written(ref, pages, prefix_len, prefix_len + extend_len, "forward",
-                           block_hashes=block_hashes(ids, start_page, len(pages), ps))
+            rec.kv_written(
+                ref,
+                pages,
+                prefix_len,
+                prefix_len + extend_len,
+                "forward",
+                block_hashes=block_hashes(ids, start_page, len(pages), ps),
+            )
 
 
 # ---- decode: alloc_for_decode_prealloc (AFTER), alloc_for_decode (AFTER) -------------------------------
 
-def on_prealloc(s: Session, result: Any, allocator: Any, *, req: Any, fill_len: int, total_prefix_len: int,
-                prefix_len: int = 0, prefix_indices: Any = None, **_: Any) -> None:
+
+def on_prealloc(
+    s: Session,
+    result: Any,
+    allocator: Any,
+    *,
+    req: Any,
+    fill_len: int,
+    total_prefix_len: int,
+    prefix_len: int = 0,
+    prefix_indices: Any = None,
+    **_: Any,
+) -> None:
     """Decode reserved pages to receive the request's KV: ``fill_len - total_prefix_len`` tokens expected.
     With decode's radix cache, the prefix it matched (``prefix_indices``, page-aligned) is a prefix hit."""
     if result is None:
@@ -74,12 +92,19 @@ def on_prealloc(s: Session, result: Any, allocator: Any, *, req: Any, fill_len: 
     st.prefix_tokens = int(total_prefix_len)
     st.reserved_tokens = int(fill_len) - int(total_prefix_len)
     hit = snapshot(prefix_indices[:prefix_len]) if prefix_len and prefix_indices is not None else None
-    s.later("alloc_for_decode_prealloc", _record_prealloc, s, s.ref(req), st.reserved_pages, st.reserved_tokens,
-            hit, req.origin_input_ids)
+    s.later(
+        "alloc_for_decode_prealloc",
+        _record_prealloc,
+        s,
+        s.ref(req),
+        st.reserved_pages,
+        st.reserved_tokens,
+        hit,
+        req.origin_input_ids,
+    )
 
 
-def _record_prealloc(s: Session, ref: Any, loc: Snapshot, num_tokens: int, hit: Snapshot | None,
-                     ids: Any) -> None:
+def _record_prealloc(s: Session, ref: Any, loc: Snapshot, num_tokens: int, hit: Snapshot | None, ids: Any) -> None:
     if hit is not None:
         shared = pages_of(hit.numpy(), s.page_size)
         s.recorder.pages_allocated(ref, shared, "prefix_hit", block_hashes(ids, 0, len(shared), s.page_size))
@@ -102,7 +127,7 @@ def on_decode(s: Session, result: Any, batch: Any, token_per_req: int) -> None:
         row = None
         if not st.has_read:
             st.has_read = True
-            row = snapshot(table[req.kv.req_pool_idx, :seq_len + token_per_req])
+            row = snapshot(table[req.kv.req_pool_idx, : seq_len + token_per_req])
         elif not grows:
             continue
         if grows and out is None:
@@ -114,7 +139,7 @@ def _record_decode(s: Session, ref: Any, out: Snapshot | None, at: int, row: Sna
     ps = s.page_size
     new = None
     if out is not None:
-        new = pages_of(out.numpy()[at:at + 1], ps)
+        new = pages_of(out.numpy()[at : at + 1], ps)
         s.recorder.pages_allocated(ref, new, "decode_growth")
     if row is not None:
         s.recorder.kv_read(ref, pages_of(row.numpy(), ps))
@@ -123,6 +148,7 @@ def _record_decode(s: Session, ref: Any, out: Snapshot | None, at: int, row: Sna
 
 
 # ---- releases: release_kv_cache (AROUND), page returns (BEFORE), free groups -----------------------------
+
 
 def release_pre(s: Session, req: Any, tree_cache: Any, *, checkpoint: bool) -> Any:
     """Attribute the pages the release returns to the request (the page-return hook reads this)."""

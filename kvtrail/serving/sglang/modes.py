@@ -39,5 +39,9 @@ def responses_in_scheduler(server_args: Any) -> bool:
     not load plugins. Then the scheduler records each outcome; otherwise the HTTP process does (once)."""
     from sglang.srt.environ import envs
 
-    return bool(getattr(server_args, "grpc_mode", False) or getattr(server_args, "smg_grpc_mode", False)
-                or envs.SGLANG_RUST_SERVER.get() or int(getattr(server_args, "tokenizer_worker_num", 1) or 1) > 1)
+    return bool(
+        getattr(server_args, "grpc_mode", False)
+        or getattr(server_args, "smg_grpc_mode", False)
+        or envs.SGLANG_RUST_SERVER.get()
+        or int(getattr(server_args, "tokenizer_worker_num", 1) or 1) > 1
+    )

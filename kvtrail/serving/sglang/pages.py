@@ -28,7 +28,7 @@ def block_hashes(token_ids: Sequence[int], start_page: int, num_pages: int, page
     out = np.empty(num_pages, dtype=np.int64)
     prev = b""
     for k in range(start_page + num_pages):
-        chunk = np.asarray(token_ids[k * page_size:(k + 1) * page_size], dtype=np.int64).tobytes()
+        chunk = np.asarray(token_ids[k * page_size : (k + 1) * page_size], dtype=np.int64).tobytes()
         prev = hashlib.blake2b(prev + chunk, digest_size=8).digest()
         if k >= start_page:
             out[k - start_page] = int.from_bytes(prev, "little", signed=True)

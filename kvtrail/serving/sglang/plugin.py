@@ -64,14 +64,22 @@ class Plugin:
             T.Target(T.STREAM, "BEFORE", before(self, "stream_output", lifecycle.on_stream_output)),
             T.Target(T.RETRACT, "AROUND", around(self, "release_req", memory.retract_pre, memory.retract_post)),
             T.Target(T.GROUP_PAGES, "BEFORE", before(self, "free_page_ids", memory.group_free_pages)),
-            T.Target(T.GROUP_PAGED_TOKENS, "BEFORE", before(self, "PagedTokenToKVPoolAllocator.free",
-                                                            memory.group_free_tokens)),
-            T.Target(T.GROUP_END, "AROUND", around(self, "free_group_end", memory.group_end_pre,
-                                                   memory.group_end_post)),
-            T.Target(T.GROUP_PAGED_END, "AROUND", around(self, "PagedTokenToKVPoolAllocator.free_group_end",
-                                                         memory.group_end_pre, memory.group_end_post)),
-            T.Target(T.VERIFY, "AROUND", around(self, "_verify_kv_checksums", checksum.verify_pre,
-                                                checksum.verify_post)),
+            T.Target(
+                T.GROUP_PAGED_TOKENS,
+                "BEFORE",
+                before(self, "PagedTokenToKVPoolAllocator.free", memory.group_free_tokens),
+            ),
+            T.Target(
+                T.GROUP_END, "AROUND", around(self, "free_group_end", memory.group_end_pre, memory.group_end_post)
+            ),
+            T.Target(
+                T.GROUP_PAGED_END,
+                "AROUND",
+                around(self, "PagedTokenToKVPoolAllocator.free_group_end", memory.group_end_pre, memory.group_end_post),
+            ),
+            T.Target(
+                T.VERIFY, "AROUND", around(self, "_verify_kv_checksums", checksum.verify_pre, checksum.verify_post)
+            ),
             T.Target(T.COMPUTE, "AFTER", after(self, "KvChecksumComputer.compute", checksum.on_compute)),
             T.Target(T.MISMATCH, "BEFORE", before(self, "_handle_kv_checksum_mismatch", checksum.on_mismatch)),
             T.Target(T.HTTP_OUTCOME, "AROUND", frontend.outcome_hook(self.frontend_session)),
@@ -98,8 +106,10 @@ class Plugin:
         """Every target the registry did not patch: warned about loudly, named in the configuration event."""
         self.missing = T.unpatched(self.targets, patched)
         if self.missing:
-            _warn(f"kvtrail: WARNING: {len(self.missing)} SGLang hook target(s) were not patched, the audit "
-                  f"record has holes: {', '.join(self.missing)}")
+            _warn(
+                f"kvtrail: WARNING: {len(self.missing)} SGLang hook target(s) were not patched, the audit "
+                f"record has holes: {', '.join(self.missing)}"
+            )
             if self.session is not None:
                 self._record_config(self.session, self._scheduler)
         return self.missing
@@ -142,8 +152,12 @@ class Plugin:
         except Exception as exc:  # noqa: BLE001 - never raise into SGLang; counted
             if s is not None:
                 s.resolver.count_failure("_commit_transfer_to_req", exc)
-        if (self.config.enforce_length and reserved is not None and covered != reserved
-                and (covered is not None or not transfer.exempt(decode_req.req))):
+        if (
+            self.config.enforce_length
+            and reserved is not None
+            and covered != reserved
+            and (covered is not None or not transfer.exempt(decode_req.req))
+        ):
             transfer.abort_mismatch(queue, decode_req, covered, reserved)
             if s is not None:
                 transfer.record_landed(s, decode_req, covered, "mismatch")
@@ -179,15 +193,19 @@ class Plugin:
         recorder = Recorder(sink, producer, RecorderConfig(flush_interval_s=self.config.flush_interval_s))
         self._scheduler = scheduler
         # the scheduler records the outcomes where the HTTP process will not (nor can: its hook is missing)
-        here = (modes.responses_in_scheduler(scheduler.server_args) or _store_file(sink)
-                or T.HTTP_OUTCOME in self.missing)
-        self.session = Session(recorder, int(scheduler.page_size), role, self.config.enforce_length,
-                               records_responses=here)
+        here = (
+            modes.responses_in_scheduler(scheduler.server_args) or _store_file(sink) or T.HTTP_OUTCOME in self.missing
+        )
+        self.session = Session(
+            recorder, int(scheduler.page_size), role, self.config.enforce_length, records_responses=here
+        )
         self._place_unaudited = list(place.unaudited)
         self.unaudited = self._unaudited(scheduler, role)
         if self.unaudited:
-            _warn(f"kvtrail: WARNING: this node runs SGLang modes the plugin does not audit, the record has "
-                  f"holes: {', '.join(self.unaudited)}")
+            _warn(
+                f"kvtrail: WARNING: this node runs SGLang modes the plugin does not audit, the record has "
+                f"holes: {', '.join(self.unaudited)}"
+            )
         self._record_config(self.session, scheduler)
         return self.session
 
@@ -198,8 +216,11 @@ class Plugin:
         mode = str(getattr(getattr(tokenizer_manager, "disaggregation_mode", None), "value", "null"))
         role = ROLES.get(mode, "unified")
         sink = self.config.sink if sink is None else sink
-        if (role == "prefill" or _store_file(sink)
-                or modes.responses_in_scheduler(getattr(tokenizer_manager, "server_args", None))):
+        if (
+            role == "prefill"
+            or _store_file(sink)
+            or modes.responses_in_scheduler(getattr(tokenizer_manager, "server_args", None))
+        ):
             return None
         producer = Producer(self.config.cluster, self.config.node, role, "sglang", _sglang_version(), instance_id())
         recorder = Recorder(sink, producer, RecorderConfig(flush_interval_s=self.config.flush_interval_s))
@@ -232,12 +253,16 @@ class Plugin:
         if self.unaudited:
             source += "; not audited: " + ",".join(self.unaudited)
         s.recorder.node_config(
-            pool_tokens=pool_tokens, pool_pages=pool_tokens // s.page_size, page_size=s.page_size,
+            pool_tokens=pool_tokens,
+            pool_pages=pool_tokens // s.page_size,
+            page_size=s.page_size,
             context_tokens=int(scheduler.model_config.context_len),
             max_running_requests=getattr(scheduler, "max_running_requests", None),
             checksum_enabled=bool(getattr(args, "disaggregation_enable_kv_checksum", False)),
             canary_enabled=str(getattr(args, "kv_canary", "none") or "none") != "none",
-            deferred_release=_deferred_release(role=s.role), config_source=source)
+            deferred_release=_deferred_release(role=s.role),
+            config_source=source,
+        )
 
     def stop(self) -> None:
         for s in (self.session, self.frontend):

@@ -34,8 +34,11 @@ class Placement:
 
 
 # The ranks that must be 0 in the recording process (the others hold copies of its page tables).
-_RECORDING_RANKS = (("pp_rank", "pp_size", "pipeline stage"), ("attn_cp_rank", "attn_cp_size", "attention-CP rank"),
-                    ("attn_tp_rank", "attn_tp_size", "attention-TP rank"))
+_RECORDING_RANKS = (
+    ("pp_rank", "pp_size", "pipeline stage"),
+    ("attn_cp_rank", "attn_cp_size", "attention-CP rank"),
+    ("attn_tp_rank", "attn_tp_size", "attention-TP rank"),
+)
 
 
 def _read(parallel: Any, name: str) -> Any:
@@ -69,8 +72,12 @@ def placement(parallel: Any = None) -> Placement:
     for rank, size, what in _RECORDING_RANKS:
         value = _rank(parallel, rank, size)
         if value is None:
-            return Placement(False, None, f"{what} unknown ({rank} not in SGLang's parallel state, "
-                                          f"{size}={_read(parallel, size)})", tuple(unaudited))
+            return Placement(
+                False,
+                None,
+                f"{what} unknown ({rank} not in SGLang's parallel state, {size}={_read(parallel, size)})",
+                tuple(unaudited),
+            )
         if value != 0:
             return Placement(False, None, f"{what} {value}: rank 0 records", tuple(unaudited))
     pool = None

@@ -21,8 +21,13 @@ DELEGATES = frozenset({"MooncakeKVSender"})
 # Sender classes that move no KV (no destination pages to record).
 MOVES_NOTHING = frozenset({"FakeKVSender"})
 # The backends SGLang 0.5.23 ships and the sender class each one uses.
-SENDERS = {"mooncake": "MooncakeKVSender", "nixl": "NixlKVSender", "mori": "MoriKVSender",
-           "ascend": "AscendKVSender", "fake": "FakeKVSender"}
+SENDERS = {
+    "mooncake": "MooncakeKVSender",
+    "nixl": "NixlKVSender",
+    "mori": "MoriKVSender",
+    "ascend": "AscendKVSender",
+    "fake": "FakeKVSender",
+}
 
 
 def sender_class(backend: str) -> Any:

@@ -56,8 +56,9 @@ class Session:
     def ref(self, req: Any) -> RequestRef:
         room = getattr(req, "bootstrap_room", None)
         tenant = getattr(req, "extra_key", None)  # SGLang's cache namespace; the only per-tenant field it has
-        return RequestRef(str(req.rid), int(room) if room is not None and room >= 0 else None,
-                          str(tenant) if tenant else None)
+        return RequestRef(
+            str(req.rid), int(room) if room is not None and room >= 0 else None, str(tenant) if tenant else None
+        )
 
     def state(self, rid: str) -> ReqState:
         with self.lock:

@@ -60,15 +60,21 @@ def reserved_tokens(req: Any) -> int:
 
 # ---- prefill: MetadataBuffers.set_kv_checksum (AFTER), CommonKVSender.send (AROUND) -----------------------
 
+
 def on_set_kv_checksum(s: Session, _result: Any, _buffers: Any, req: Any, digest: int, signature: int) -> None:
     """SGLang's own transfer digest (--disaggregation-enable-kv-checksum), sent with the last chunk."""
     if digest and getattr(req, "bootstrap_room", None) is not None:
         s.digests[int(req.bootstrap_room)] = int(digest)
 
 
-
-def send_pre(s: Session, sender: Any, kv_indices: Any, state_indices: Any = None, num_kv_tokens: Any = None,
-             indices_event: Any = None) -> Any:
+def send_pre(
+    s: Session,
+    sender: Any,
+    kv_indices: Any,
+    state_indices: Any = None,
+    num_kv_tokens: Any = None,
+    indices_event: Any = None,
+) -> Any:
     return sender, int(sender.curr_idx), kv_indices, num_kv_tokens, indices_event
 
 
@@ -99,13 +105,18 @@ def _dst_pages(sender: Any, start: int, end: int) -> np.ndarray | None:
     return None
 
 
-def _record_sent(s: Session, ref: Any, pages: Snapshot, dst: np.ndarray | None, n: int, last: bool,
-                 digest: int | None) -> None:
+def _record_sent(
+    s: Session, ref: Any, pages: Snapshot, dst: np.ndarray | None, n: int, last: bool, digest: int | None
+) -> None:
     src = pages.numpy().reshape(-1).copy()
     if dst is None or len(dst) != len(src):
         # decode's pages unknown here (no handshake info for the room): the event cannot be stored; say so
-        s.recorder.events_lost("invalid", 1, len(src), f"sglang transfer_sent of transfer {ref.transfer_id}: "
-                               "decode's destination pages unknown to prefill")
+        s.recorder.events_lost(
+            "invalid",
+            1,
+            len(src),
+            f"sglang transfer_sent of transfer {ref.transfer_id}: decode's destination pages unknown to prefill",
+        )
         return
     s.recorder.transfer_sent(ref, src, dst, n, last, digest, DIGEST_ALGO if digest is not None else None)
 
@@ -129,14 +140,35 @@ def record_landed(s: Session, decode_req: Any, covered: int | None, status: str)
     st = s.state(str(req.rid))
     if covered is None:
         st.landed_tokens, st.unverified = 0, True
-        s.later("_commit_transfer_to_req", _record_landed, s, s.ref(req), st.reserved_pages, st.prefix_tokens,
-                0, UNVERIFIED if status == "ok" else status, None, None, True)
+        s.later(
+            "_commit_transfer_to_req",
+            _record_landed,
+            s,
+            s.ref(req),
+            st.reserved_pages,
+            st.prefix_tokens,
+            0,
+            UNVERIFIED if status == "ok" else status,
+            None,
+            None,
+            True,
+        )
         return
     reserved = st.reserved_tokens or reserved_tokens(req)
     landed = min(covered, reserved)
     st.landed_tokens, st.unverified = landed, False
-    s.later("_commit_transfer_to_req", _record_landed, s, s.ref(req), st.reserved_pages, st.prefix_tokens,
-            landed, status, None, req.origin_input_ids)
+    s.later(
+        "_commit_transfer_to_req",
+        _record_landed,
+        s,
+        s.ref(req),
+        st.reserved_pages,
+        st.prefix_tokens,
+        landed,
+        status,
+        None,
+        req.origin_input_ids,
+    )
 
 
 def digested_tokens(req: Any) -> int:
@@ -156,25 +188,65 @@ def record_verified(s: Session, req: Any, st: ReqState, status: str, digest: int
     if st.unverified:
         if status == "ok" and digest is not None:
             st.landed_tokens, st.unverified = digested_tokens(req), False
-            s.later("_verify_kv_checksums", _record_landed, s, s.ref(req), st.reserved_pages, st.prefix_tokens,
-                    st.landed_tokens, status, digest, req.origin_input_ids)
+            s.later(
+                "_verify_kv_checksums",
+                _record_landed,
+                s,
+                s.ref(req),
+                st.reserved_pages,
+                st.prefix_tokens,
+                st.landed_tokens,
+                status,
+                digest,
+                req.origin_input_ids,
+            )
             return
-        s.later("_verify_kv_checksums", _record_landed, s, s.ref(req), st.reserved_pages, st.prefix_tokens,
-                0, status, digest, None, True)
+        s.later(
+            "_verify_kv_checksums",
+            _record_landed,
+            s,
+            s.ref(req),
+            st.reserved_pages,
+            st.prefix_tokens,
+            0,
+            status,
+            digest,
+            None,
+            True,
+        )
         return
     landed = st.landed_tokens if st.landed_tokens is not None else reserved_tokens(req)
-    s.later("_verify_kv_checksums", _record_landed, s, s.ref(req), st.reserved_pages, st.prefix_tokens,
-            landed, status, digest, None)
+    s.later(
+        "_verify_kv_checksums",
+        _record_landed,
+        s,
+        s.ref(req),
+        st.reserved_pages,
+        st.prefix_tokens,
+        landed,
+        status,
+        digest,
+        None,
+    )
 
 
-def _record_landed(s: Session, ref: Any, reserved: Snapshot | None, prefix: int, landed: int, status: str,
-                   digest: int | None, ids: Any, every_page: bool = False) -> None:
+def _record_landed(
+    s: Session,
+    ref: Any,
+    reserved: Snapshot | None,
+    prefix: int,
+    landed: int,
+    status: str,
+    digest: int | None,
+    ids: Any,
+    every_page: bool = False,
+) -> None:
     """The receipt; with the request's token ids (``ids``; None: a receipt only) the KV written into decode's
     pages, with the pages' content keys, so a later prefix hit on decode's radix cache matches its writer.
     ``every_page``: the receipt lists every reserved page (an unproven landing: their writer is unknown)."""
     ps = s.page_size
     pages = pages_of(reserved.numpy(), ps) if reserved is not None else np.zeros(0, dtype=np.int64)
-    covered = pages if every_page else (pages[:-(-landed // ps)] if landed else pages[:0])
+    covered = pages if every_page else (pages[: -(-landed // ps)] if landed else pages[:0])
     s.recorder.transfer_received(ref, covered, landed, status, digest, DIGEST_ALGO if digest is not None else None)
     if ids is not None and len(covered):
         keys = block_hashes(ids, prefix // ps, len(covered), ps)
@@ -193,10 +265,12 @@ def abort_mismatch(queue: Any, decode_req: Any, covered: int | None, reserved: i
     ``covered`` None: decode cannot show that any transfer wrote this request's KV."""
     from sglang.srt.disaggregation.utils import prepare_abort
 
-    what = (f"prefill covered {covered} tokens" if covered is not None
-            else "no transfer metadata of this request's room")
-    prepare_abort(decode_req.req, f"Transferred length mismatch: {what}, decode reserved {reserved}",
-                  status_code=HTTP_INTERNAL_ERROR)
+    what = f"prefill covered {covered} tokens" if covered is not None else "no transfer metadata of this request's room"
+    prepare_abort(
+        decode_req.req,
+        f"Transferred length mismatch: {what}, decode reserved {reserved}",
+        status_code=HTTP_INTERNAL_ERROR,
+    )
     if decode_req.kv_receiver is not None:
         decode_req.kv_receiver.clear()
         decode_req.kv_receiver = None

@@ -69,13 +69,40 @@ class FleetConfig:
     max_pages_per_batch: int = 4_000_000  # page entries per producer batch (bounds memory)
 
     def __post_init__(self) -> None:
-        _positive(self, "hours", "rate_per_s", "prefill_nodes", "decode_nodes", "page_size", "prefill_pool_tokens",
-                  "decode_pool_tokens", "context_tokens", "chunk_tokens", "prefill_rate_min_tokens_per_s",
-                  "decode_step_ms", "tenants", "prompt_median_tokens", "min_prompt_tokens",
-                  "completion_median_tokens", "max_new_tokens", "docs_per_tenant", "public_docs",
-                  "doc_median_tokens", "events_per_batch", "max_pages_per_batch")
-        _non_negative(self, "target_page_events", "vulnerable_prefill_nodes", "prompt_sigma", "completion_sigma",
-                      "transfer_us_per_page", "hop_us", "plants_per_hour")
+        _positive(
+            self,
+            "hours",
+            "rate_per_s",
+            "prefill_nodes",
+            "decode_nodes",
+            "page_size",
+            "prefill_pool_tokens",
+            "decode_pool_tokens",
+            "context_tokens",
+            "chunk_tokens",
+            "prefill_rate_min_tokens_per_s",
+            "decode_step_ms",
+            "tenants",
+            "prompt_median_tokens",
+            "min_prompt_tokens",
+            "completion_median_tokens",
+            "max_new_tokens",
+            "docs_per_tenant",
+            "public_docs",
+            "doc_median_tokens",
+            "events_per_batch",
+            "max_pages_per_batch",
+        )
+        _non_negative(
+            self,
+            "target_page_events",
+            "vulnerable_prefill_nodes",
+            "prompt_sigma",
+            "completion_sigma",
+            "transfer_us_per_page",
+            "hop_us",
+            "plants_per_hour",
+        )
         for name in ("client_abort_prob", "prefix_share_prob", "public_doc_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}: must be between 0 and 1")

@@ -24,8 +24,17 @@ from kvtrail.sim.fleet.log import ProducerLog
 from kvtrail.sim.fleet.parts import OK, Request
 
 _ALLOC, _FREED, _WRITTEN, _READ, _RESERVED, _RECEIVED, _ABORTED = (
-    KIND_CODES[k] for k in ("pages_allocated", "pages_freed", "kv_written", "kv_read", "transfer_reserved",
-                            "transfer_received", "request_aborted"))
+    KIND_CODES[k]
+    for k in (
+        "pages_allocated",
+        "pages_freed",
+        "kv_written",
+        "kv_read",
+        "transfer_reserved",
+        "transfer_received",
+        "request_aborted",
+    )
+)
 
 
 class DecodeNode:
@@ -48,10 +57,18 @@ class DecodeNode:
 
     def config_fields(self) -> dict:
         """The node's ``node_config`` payload (deferred release is off where late writes are planted)."""
-        return {"pool_tokens": self.pool_tokens, "pool_pages": self.pool_pages, "page_size": self.page_size,
-                "context_tokens": self.sim.cfg.context_tokens, "max_running_requests": 4096,
-                "checksum_enabled": True, "deferred_release": "late_write" not in self.sim.cfg.bugs,
-                "canary_enabled": False, "page_tags": False, "config_source": "server_info"}
+        return {
+            "pool_tokens": self.pool_tokens,
+            "pool_pages": self.pool_pages,
+            "page_size": self.page_size,
+            "context_tokens": self.sim.cfg.context_tokens,
+            "max_running_requests": 4096,
+            "checksum_enabled": True,
+            "deferred_release": "late_write" not in self.sim.cfg.bugs,
+            "canary_enabled": False,
+            "page_tags": False,
+            "config_source": "server_info",
+        }
 
     # ---- reservation -------------------------------------------------------------------------------
 
@@ -105,10 +122,18 @@ class DecodeNode:
             sim.push(t + 2000, sim.hooks.continue_plant, plant)
         if not last:
             return
-        landed = req.dst[:-(-req.target_tokens // self.page_size)]
+        landed = req.dst[: -(-req.target_tokens // self.page_size)]
         if req.sent_digest is not None:
-            self.log.add(t, _RECEIVED, req, landed, num_tokens=req.target_tokens, status="ok",
-                         digest=req.sent_digest, digest_algo="adler32")
+            self.log.add(
+                t,
+                _RECEIVED,
+                req,
+                landed,
+                num_tokens=req.target_tokens,
+                status="ok",
+                digest=req.sent_digest,
+                digest_algo="adler32",
+            )
         else:
             self.log.add(t, _RECEIVED, req, landed, num_tokens=req.target_tokens, status="ok")
         sim.push(t + sim.hop_ns, req.prefill.ack, req)

@@ -20,8 +20,12 @@ from kvtrail.audit.events import KIND_NAMES, SCHEMA_VERSION, Producer
 _TYPES = {f.name: f.type for f in BATCH_SCHEMA}
 _NUMPY = {pa.int32(): np.int32, pa.int64(): np.int64, pa.uint64(): np.uint64, pa.bool_(): np.bool_}
 _KIND_DICT = pa.array(KIND_NAMES)
-_REQUEST_COLUMNS = (("request_id", pa.string()), ("tenant_id", pa.string()), ("api_key_id", pa.string()),
-                    ("transfer_id", pa.uint64()))
+_REQUEST_COLUMNS = (
+    ("request_id", pa.string()),
+    ("tenant_id", pa.string()),
+    ("api_key_id", pa.string()),
+    ("transfer_id", pa.uint64()),
+)
 
 
 class ProducerLog:
@@ -88,12 +92,14 @@ class ProducerLog:
             "seq": pa.array(np.arange(first_seq, first_seq + n, dtype=np.uint64)),
             "wall_ns": pa.array(wall),
             "mono_ns": pa.array(wall - self.start_wall_ns + self.mono_base_ns),
-            "kind": pa.DictionaryArray.from_arrays(pa.array(np.array(self.kind, np.int8)), _KIND_DICT)
-                      .cast(pa.string()),
+            "kind": pa.DictionaryArray.from_arrays(pa.array(np.array(self.kind, np.int8)), _KIND_DICT).cast(
+                pa.string()
+            ),
         }
         for name in ("cluster", "node", "role", "engine", "engine_version", "instance"):
-            cols[name] = pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int8)),
-                                                        pa.array([getattr(self.producer, name)])).cast(pa.string())
+            cols[name] = pa.DictionaryArray.from_arrays(
+                pa.array(np.zeros(n, np.int8)), pa.array([getattr(self.producer, name)])
+            ).cast(pa.string())
         for i, (name, type_) in enumerate(_REQUEST_COLUMNS):
             cols[name] = pa.array([r[i] if r is not None else None for r in self.req], type_)
         cols["pages"] = list_from_items(self.pages, pa.int32(), np.int32, field="max_pages_per_batch")

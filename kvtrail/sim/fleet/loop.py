@@ -40,7 +40,8 @@ from kvtrail.timeutil import format_utc
 
 VULNERABLE_VERSION, PATCHED_VERSION = "0.5.19", "0.5.23"
 _CONFIG, _RECV, _ABORTED, _RESPONSE = (
-    KIND_CODES[k] for k in ("node_config", "request_received", "request_aborted", "response_sent"))
+    KIND_CODES[k] for k in ("node_config", "request_received", "request_aborted", "response_sent")
+)
 _MASK64 = (1 << 64) - 1
 
 
@@ -79,23 +80,37 @@ class FleetSim:
         self.logs: list[ProducerLog] = []
 
         def log(node: str, role: str, version: str) -> ProducerLog:
-            lg = ProducerLog(Producer(cfg.cluster, node, role, "sglang", version, cfg.instance),
-                             start_wall_ns=cfg.start_ns, mono_base_ns=int(rng.integers(10**12, 10**14)))
+            lg = ProducerLog(
+                Producer(cfg.cluster, node, role, "sglang", version, cfg.instance),
+                start_wall_ns=cfg.start_ns,
+                mono_base_ns=int(rng.integers(10**12, 10**14)),
+            )
             self.logs.append(lg)
             return lg
 
         self.router = log("router-0", "router", PATCHED_VERSION)
         rates = rng.uniform(cfg.prefill_rate_min_tokens_per_s, cfg.prefill_rate_max_tokens_per_s, cfg.prefill_nodes)
         self.prefills = [
-            PrefillNode(self, f"prefill-{i}", log(f"prefill-{i}", "prefill",
-                                                  VULNERABLE_VERSION if i < cfg.vulnerable_prefill_nodes
-                                                  else PATCHED_VERSION),
-                        pool_tokens=cfg.prefill_pool_tokens, rate_tokens_per_s=float(rates[i]),
-                        vulnerable=i < cfg.vulnerable_prefill_nodes)
-            for i in range(cfg.prefill_nodes)]
-        self.decodes = [DecodeNode(self, f"decode-{i}", log(f"decode-{i}", "decode", PATCHED_VERSION),
-                                   pool_tokens=cfg.decode_pool_tokens)
-                        for i in range(cfg.decode_nodes)]
+            PrefillNode(
+                self,
+                f"prefill-{i}",
+                log(
+                    f"prefill-{i}",
+                    "prefill",
+                    VULNERABLE_VERSION if i < cfg.vulnerable_prefill_nodes else PATCHED_VERSION,
+                ),
+                pool_tokens=cfg.prefill_pool_tokens,
+                rate_tokens_per_s=float(rates[i]),
+                vulnerable=i < cfg.vulnerable_prefill_nodes,
+            )
+            for i in range(cfg.prefill_nodes)
+        ]
+        self.decodes = [
+            DecodeNode(
+                self, f"decode-{i}", log(f"decode-{i}", "decode", PATCHED_VERSION), pool_tokens=cfg.decode_pool_tokens
+            )
+            for i in range(cfg.decode_nodes)
+        ]
         self._init_traffic()
         self.book = TruthBook(self.rid_of, lambda s: self.tenant_names[self.tenant_of[s]])
         self.hooks = PlantHooks(self)
@@ -104,18 +119,26 @@ class FleetSim:
         cfg, rng = self.cfg, self.rng
         self.u = Draws(rng.random)
         self.gap_ns = Draws(lambda k: rng.exponential(1e9 / cfg.rate_per_s, k).astype(np.int64) + 1)
-        self.prompt_draw = Draws(lambda k: np.maximum(rng.lognormal(
-            math.log(cfg.prompt_median_tokens), cfg.prompt_sigma, k), cfg.min_prompt_tokens).astype(np.int64))
-        self.completion_draw = Draws(lambda k: np.maximum(rng.lognormal(
-            math.log(cfg.completion_median_tokens), cfg.completion_sigma, k), 1).astype(np.int64))
+        self.prompt_draw = Draws(
+            lambda k: np.maximum(
+                rng.lognormal(math.log(cfg.prompt_median_tokens), cfg.prompt_sigma, k), cfg.min_prompt_tokens
+            ).astype(np.int64)
+        )
+        self.completion_draw = Draws(
+            lambda k: np.maximum(
+                rng.lognormal(math.log(cfg.completion_median_tokens), cfg.completion_sigma, k), 1
+            ).astype(np.int64)
+        )
         # Clients ask for a few typical generation budgets, at most the configured one.
         budgets = [m for m in (256, 1024, 4096, 16384, 65536) if m < cfg.max_new_tokens]
         self.max_new_choices = budgets + [cfg.max_new_tokens]
         self.tenant_names = [f"tenant-{k:03d}" for k in range(cfg.tenants)]
         self.tenant_cum = _cumulative_zipf(cfg.tenants)
         # Two API keys per tenant, as hashed ids (from their own hash domain, bit 62).
-        self.api_keys = [[f"k:{self.hash_key((1 << 62) | (k * 2 + j)) & 0xFFFFFFFF:08x}" for j in range(2)]
-                         for k in range(cfg.tenants)]
+        self.api_keys = [
+            [f"k:{self.hash_key((1 << 62) | (k * 2 + j)) & 0xFFFFFFFF:08x}" for j in range(2)]
+            for k in range(cfg.tenants)
+        ]
         # Documents prompts may start with: a few every tenant uses, then each tenant's own.
         num_docs = cfg.public_docs + cfg.tenants * cfg.docs_per_tenant
         doc_tokens = rng.lognormal(math.log(cfg.doc_median_tokens), 0.8, num_docs).astype(np.int64)
@@ -197,8 +220,15 @@ class FleetSim:
         t, P = self.now, req.prompt_tokens
         self.router.add(t, _RECV, req, prompt_tokens=P, max_new_tokens=req.max_new_tokens)
         if req.fate == ROUTER_REJECT:
-            self.router.add(t, _ABORTED, req, stage="router", abort_reason="context_length_exceeded",
-                            http_status=400, prompt_tokens=P)
+            self.router.add(
+                t,
+                _ABORTED,
+                req,
+                stage="router",
+                abort_reason="context_length_exceeded",
+                http_status=400,
+                prompt_tokens=P,
+            )
             req.http_status = 400
             self._respond(req)
             return
@@ -214,13 +244,26 @@ class FleetSim:
         max_new = self.max_new_choices[int(u() * len(self.max_new_choices))]
         C = min(self.completion_draw(), max_new)
         abort = int(1 + u() * (C - 1)) if u() < cfg.client_abort_prob and C > 1 else 0
-        req = Request(serial, self.rid_of(serial), self.tenant_names[tenant], tenant,
-                      self.api_keys[tenant][int(u() * 2)], self.hash_key(serial), self.now, P,
-                      max_new, C, abort)
+        req = Request(
+            serial,
+            self.rid_of(serial),
+            self.tenant_names[tenant],
+            tenant,
+            self.api_keys[tenant][int(u() * 2)],
+            self.hash_key(serial),
+            self.now,
+            P,
+            max_new,
+            C,
+            abort,
+        )
         req.need_pages = -(-(P + C) // self.ps)
         if u() < cfg.prefix_share_prob:
-            uid = (bisect_right(self.public_cum, u()) if u() < cfg.public_doc_prob else
-                   cfg.public_docs + tenant * cfg.docs_per_tenant + bisect_right(self.private_cum, u()))
+            uid = (
+                bisect_right(self.public_cum, u())
+                if u() < cfg.public_doc_prob
+                else cfg.public_docs + tenant * cfg.docs_per_tenant + bisect_right(self.private_cum, u())
+            )
             doc = int(self.doc_tokens[uid])
             if doc < P:
                 req.doc_key = ((tenant + 1) if cfg.cache_namespaces else 0) * self.num_docs + uid
@@ -230,8 +273,9 @@ class FleetSim:
             return req
         # Cache-aware routing: a document's requests go to one prefill node (where its pages may be cached).
         nodes = self.prefills
-        req.prefill = (nodes[self.hash_key(req.doc_key) % len(nodes)] if req.doc_key is not None
-                       else nodes[int(u() * len(nodes))])
+        req.prefill = (
+            nodes[self.hash_key(req.doc_key) % len(nodes)] if req.doc_key is not None else nodes[int(u() * len(nodes))]
+        )
         if P > req.prefill.pool_tokens:
             vulnerable = req.prefill.vulnerable and "placeholder" in cfg.bugs
             req.fate = PLACEHOLDER if vulnerable else PREFILL_REJECT
@@ -250,8 +294,17 @@ class FleetSim:
         else:
             completion = req.end_token if req.t_first_token_ns else 0
             finish = "abort" if status == 499 else "error"
-        self.router.add(t, _RESPONSE, req, http_status=status, prompt_tokens=req.prompt_tokens,
-                        completion_tokens=completion, latency_ns=t - req.t_arrival_ns, finish_reason=finish, **fields)
+        self.router.add(
+            t,
+            _RESPONSE,
+            req,
+            http_status=status,
+            prompt_tokens=req.prompt_tokens,
+            completion_tokens=completion,
+            latency_ns=t - req.t_arrival_ns,
+            finish_reason=finish,
+            **fields,
+        )
         self.responses[status] += 1
         self.hooks.responded(req, status, fields.get("ttft_ns"))
 
@@ -277,21 +330,40 @@ class FleetSim:
         nodes = []
         for node in self.prefills + self.decodes:
             p = node.log.producer
-            nodes.append({"node": node.name, "role": p.role, "engine_version": p.engine_version,
-                          "pool_tokens": node.pool_tokens, "pool_pages": node.pool_pages,
-                          "context_tokens": cfg.context_tokens,
-                          "prefill_rate_tokens_per_s": getattr(node, "rate_tokens_per_s", None),
-                          "expected_codes": ["F8"] if node.pool_tokens < cfg.context_tokens else []})
+            nodes.append(
+                {
+                    "node": node.name,
+                    "role": p.role,
+                    "engine_version": p.engine_version,
+                    "pool_tokens": node.pool_tokens,
+                    "pool_pages": node.pool_pages,
+                    "context_tokens": cfg.context_tokens,
+                    "prefill_rate_tokens_per_s": getattr(node, "rate_tokens_per_s", None),
+                    "expected_codes": ["F8"] if node.pool_tokens < cfg.context_tokens else [],
+                }
+            )
         plants = [book.plant_json(p) for p in book.live()]
         affected = sorted(book.affected())
         return {
             "format": "kvtrail-fleet-truth/1",
             "seed": cfg.seed,
             "config": config_json(cfg),
-            "window": {"from": format_utc(cfg.start_ns), "to": format_utc(to_ns), "from_ns": cfg.start_ns,
-                       "to_ns": to_ns},
-            "producers": [{"node": lg.producer.node, "role": lg.producer.role, "instance": lg.producer.instance,
-                           "events": lg.num_events, "page_events": lg.num_page_events} for lg in self.logs],
+            "window": {
+                "from": format_utc(cfg.start_ns),
+                "to": format_utc(to_ns),
+                "from_ns": cfg.start_ns,
+                "to_ns": to_ns,
+            },
+            "producers": [
+                {
+                    "node": lg.producer.node,
+                    "role": lg.producer.role,
+                    "instance": lg.producer.instance,
+                    "events": lg.num_events,
+                    "page_events": lg.num_page_events,
+                }
+                for lg in self.logs
+            ],
             "nodes": nodes,
             "plants": plants,
             "unplanned_foreign_reads": book.unplanned,

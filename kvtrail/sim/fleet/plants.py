@@ -47,8 +47,25 @@ AFFECTING_CODES = frozenset({"F1", "F5"})
 class Plant:
     """One planted bug, filled in as the simulation runs (request serials; names resolved on output)."""
 
-    __slots__ = ("cls", "node", "source_node", "time_ns", "planted", "recipient", "pages", "victims", "read_ns",
-                 "expected", "detail", "req", "partner", "limbo", "chunk", "ready", "cancelled")
+    __slots__ = (
+        "cls",
+        "node",
+        "source_node",
+        "time_ns",
+        "planted",
+        "recipient",
+        "pages",
+        "victims",
+        "read_ns",
+        "expected",
+        "detail",
+        "req",
+        "partner",
+        "limbo",
+        "chunk",
+        "ready",
+        "cancelled",
+    )
 
     def __init__(self, cls: str, node: str, source_node: str | None, time_ns: int, planted: int):
         self.cls = cls
@@ -97,9 +114,17 @@ class TruthBook:
         plant = req.plant
         if plant is None:
             # Not expected from any plant: recorded so that a test (or a reader) sees it.
-            self.unplanned.append({"node": node, "request_id": req.rid, "tenant_id": req.tenant,
-                                   "time": format_utc(t_ns), "time_ns": t_ns, "pages": pages.tolist(),
-                                   "victim_request_ids": self._ids(victims)})
+            self.unplanned.append(
+                {
+                    "node": node,
+                    "request_id": req.rid,
+                    "tenant_id": req.tenant,
+                    "time": format_utc(t_ns),
+                    "time_ns": t_ns,
+                    "pages": pages.tolist(),
+                    "victim_request_ids": self._ids(victims),
+                }
+            )
             return
         plant.victims |= victims
         plant.pages = pages

@@ -28,16 +28,26 @@ from kvtrail.sim.fleet.parts import (
 )
 
 _RECV, _ALLOC, _FREED, _WRITTEN, _READ, _SENT, _ABORTED = (
-    KIND_CODES[k] for k in ("request_received", "pages_allocated", "pages_freed", "kv_written", "kv_read",
-                            "transfer_sent", "request_aborted"))
+    KIND_CODES[k]
+    for k in (
+        "request_received",
+        "pages_allocated",
+        "pages_freed",
+        "kv_written",
+        "kv_read",
+        "transfer_sent",
+        "request_aborted",
+    )
+)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 class PrefillNode:
     """One prefill node of a running :class:`~kvtrail.sim.fleet.loop.FleetSim`."""
 
-    def __init__(self, sim, name: str, log: ProducerLog, *, pool_tokens: int, rate_tokens_per_s: float,
-                 vulnerable: bool):
+    def __init__(
+        self, sim, name: str, log: ProducerLog, *, pool_tokens: int, rate_tokens_per_s: float, vulnerable: bool
+    ):
         cfg = sim.cfg
         self.sim = sim
         self.name = name
@@ -56,10 +66,18 @@ class PrefillNode:
 
     def config_fields(self) -> dict:
         """The node's ``node_config`` payload."""
-        return {"pool_tokens": self.pool_tokens, "pool_pages": self.pool_pages, "page_size": self.page_size,
-                "context_tokens": self.sim.cfg.context_tokens, "max_running_requests": 4096,
-                "checksum_enabled": self.checksum, "deferred_release": not self.vulnerable, "canary_enabled": False,
-                "page_tags": False, "config_source": "server_info"}
+        return {
+            "pool_tokens": self.pool_tokens,
+            "pool_pages": self.pool_pages,
+            "page_size": self.page_size,
+            "context_tokens": self.sim.cfg.context_tokens,
+            "max_running_requests": 4096,
+            "checksum_enabled": self.checksum,
+            "deferred_release": not self.vulnerable,
+            "canary_enabled": False,
+            "page_tags": False,
+            "config_source": "server_info",
+        }
 
     def doc_hashes(self, key: int, first_page: int, end_page: int) -> np.ndarray:
         """Block hashes (content keys) of a document's pages under one cache key."""
@@ -72,8 +90,9 @@ class PrefillNode:
         t, P = self.sim.now, req.prompt_tokens
         self.log.add(t, _RECV, req, prompt_tokens=P, max_new_tokens=req.max_new_tokens)
         if req.fate in (PREFILL_REJECT, PLACEHOLDER):
-            self.log.add(t, _ABORTED, req, stage="prefill_queue", abort_reason="input_too_long", http_status=400,
-                         prompt_tokens=P)
+            self.log.add(
+                t, _ABORTED, req, stage="prefill_queue", abort_reason="input_too_long", http_status=400, prompt_tokens=P
+            )
         if req.fate == PREFILL_REJECT:
             self.sim.push(t + self.sim.hop_ns, req.decode.drop, req)
             return
@@ -164,20 +183,37 @@ class PrefillNode:
             hit = req.hit
             first = start == (hit.doc_tokens if hit is not None else 0)
             if hit is None and end <= req.doc_tokens:
-                log.add(t, _WRITTEN, req, pages, token_start=start, token_end=end, source="forward",
-                        block_hashes=self.doc_hashes(req.doc_key, start // ps, end // ps))
+                log.add(
+                    t,
+                    _WRITTEN,
+                    req,
+                    pages,
+                    token_start=start,
+                    token_end=end,
+                    source="forward",
+                    block_hashes=self.doc_hashes(req.doc_key, start // ps, end // ps),
+                )
             else:
                 if first and hit is not None:
                     log.add(t, _READ, req, hit.pages)  # attention over the cached prefix
                 log.add(t, _WRITTEN, req, pages, token_start=start, token_end=end, source="forward")
             lo = 0 if first else start
             src = np.concatenate((hit.pages, pages)) if first and hit is not None else pages
-            dst = req.dst[lo // ps:-(-end // ps)]
+            dst = req.dst[lo // ps : -(-end // ps)]
             last = end == req.target_tokens
             if last and self.checksum:
                 req.sent_digest = sim.hash_key(req.transfer_id) & 0xFFFFFFFF
-                log.add(t, _SENT, req, src, dst_pages=dst, num_tokens=end - lo, is_last_chunk=True,
-                        digest=req.sent_digest, digest_algo="adler32")
+                log.add(
+                    t,
+                    _SENT,
+                    req,
+                    src,
+                    dst_pages=dst,
+                    num_tokens=end - lo,
+                    is_last_chunk=True,
+                    digest=req.sent_digest,
+                    digest_algo="adler32",
+                )
             else:
                 log.add(t, _SENT, req, src, dst_pages=dst, num_tokens=end - lo, is_last_chunk=last)
             land = max(req.land_ns, t) + sim.hop_ns + int(len(src) * sim.xfer_ns_per_page)
@@ -197,11 +233,24 @@ class PrefillNode:
         t, ps, own = self.sim.now, self.page_size, req.own
         pages = own[0] if len(own) == 1 else (np.concatenate(own) if own else np.empty(0, np.int32))
         keep = 0
-        if (reason == "finish" and req.fate == OK and req.hit is None and req.doc_key is not None
-                and req.doc_key not in self.cache.entries):
+        if (
+            reason == "finish"
+            and req.fate == OK
+            and req.hit is None
+            and req.doc_key is not None
+            and req.doc_key not in self.cache.entries
+        ):
             keep = req.doc_tokens // ps  # the cache keeps the document's pages; the writer owns them
-            self.cache.insert(CacheEntry(req.doc_key, pages[:keep], self.doc_hashes(req.doc_key, 0, keep),
-                                         req.doc_tokens, req.serial, req.tenant_idx))
+            self.cache.insert(
+                CacheEntry(
+                    req.doc_key,
+                    pages[:keep],
+                    self.doc_hashes(req.doc_key, 0, keep),
+                    req.doc_tokens,
+                    req.serial,
+                    req.tenant_idx,
+                )
+            )
         if len(pages) > keep:
             rest = pages[keep:]
             self.log.add(t, _FREED, req, rest, free_reason=reason)

@@ -53,8 +53,12 @@ def fleet_batches(config: FleetConfig, truth: dict | None = None) -> Iterator[pa
         truth.update(sim.truth())
 
 
-def write_fleet(config: FleetConfig, store: AuditStore, truth_path: str | Path | None = None,
-                progress: Callable[[int], None] | None = None) -> FleetSummary:
+def write_fleet(
+    config: FleetConfig,
+    store: AuditStore,
+    truth_path: str | Path | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> FleetSummary:
     """Simulate into ``store`` (an open AuditStore) through its normal ingest path; write the ground truth.
 
     Returns counts; the ground truth JSON goes to ``truth_path`` when given (one line: placeholder
@@ -71,10 +75,18 @@ def write_fleet(config: FleetConfig, store: AuditStore, truth_path: str | Path |
     if truth_path is not None:
         Path(truth_path).write_text(json.dumps(truth, separators=(",", ":")) + "\n")
     s = truth["summary"]
-    return FleetSummary(producers=s["producers"], events=s["events"], page_events=s["page_events"],
-                        requests=s["requests"], responses=s["responses"], plants=s["plants"],
-                        affected=s["affected"], from_ns=truth["window"]["from_ns"], to_ns=truth["window"]["to_ns"],
-                        elapsed_s=time.perf_counter() - t0)
+    return FleetSummary(
+        producers=s["producers"],
+        events=s["events"],
+        page_events=s["page_events"],
+        requests=s["requests"],
+        responses=s["responses"],
+        plants=s["plants"],
+        affected=s["affected"],
+        from_ns=truth["window"]["from_ns"],
+        to_ns=truth["window"]["to_ns"],
+        elapsed_s=time.perf_counter() - t0,
+    )
 
 
 @dataclass(frozen=True)
@@ -94,14 +106,17 @@ def cluster_history(store: AuditStore, cluster: str) -> ClusterHistory:
     """The producers and last stored wall time of ``cluster`` in ``store``."""
     row = store.con.execute(
         "SELECT count(DISTINCT p.producer_id), max(b.max_wall_ns) FROM producers p "
-        "LEFT JOIN batches b USING (producer_id) WHERE p.cluster = ?", [cluster]).fetchone()
+        "LEFT JOIN batches b USING (producer_id) WHERE p.cluster = ?",
+        [cluster],
+    ).fetchone()
     assert row is not None, "an aggregate query returns one row"
     return ClusterHistory(producers=int(row[0]), last_wall_ns=None if row[1] is None else int(row[1]))
 
 
 def holds_run(store: AuditStore, config: FleetConfig) -> bool:
     """Whether ``store`` already holds producers of this very run (same cluster, start and seed)."""
-    row = store.con.execute("SELECT count(*) FROM producers WHERE cluster = ? AND instance = ?",
-                            [config.cluster, config.instance]).fetchone()
+    row = store.con.execute(
+        "SELECT count(*) FROM producers WHERE cluster = ? AND instance = ?", [config.cluster, config.instance]
+    ).fetchone()
     assert row is not None, "an aggregate query returns one row"
     return bool(row[0])
