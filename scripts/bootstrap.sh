@@ -38,6 +38,7 @@ case "$what" in
     .venv/bin/python -m pip install -q -e ".[test]"
     # Lint and types first: they take seconds and name the line.
     .venv/bin/ruff check .
+    .venv/bin/ruff format --check .
     .venv/bin/mypy
     # The SGLang plugin's tests run in their own environment with the real sglang wheel (built once,
     # reused while tests/sglang/requirements.txt is unchanged); in ./.venv they skip.
