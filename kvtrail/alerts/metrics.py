@@ -146,6 +146,19 @@ METRICS: tuple[MetricSpec, ...] = (
         PRODUCER,
         "How long the producer's oldest committed batch the live judge has not judged yet has waited (0: none).",
     ),
+    # OpenTelemetry export (kvtrail serve --otlp-endpoint; listed only while it is on)
+    _m(
+        "kvtrail_otel_exported_records",
+        "counter",
+        ("signal",),
+        "Spans (signal span) and log records (signal log) the OpenTelemetry export delivered.",
+    ),
+    _m(
+        "kvtrail_otel_dropped_records",
+        "counter",
+        ("signal",),
+        "Spans and log records the OpenTelemetry export dropped: its queue was full or the receiver failed.",
+    ),
 )
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
 EXPOSED: dict[str, MetricSpec] = {m.exposed: m for m in METRICS}

@@ -105,6 +105,13 @@ _SERVE_DEFAULTS = ServeConfig()
     help="Least time between two live-judge polls while batches stream "
     "in: the bound on its lag; longer leaves ingest more CPU (docs/service.md).",
 )
+@click.option(
+    "--otlp-endpoint",
+    default=None,
+    metavar="URL",
+    help="Export findings (log records) and one span per judged response to this OTLP/HTTP receiver "
+    "(base URL, e.g. http://127.0.0.1:4318); needs the 'otel' extra (docs/alerts.md).",
+)
 def serve(
     db: str,
     host: str,
@@ -113,6 +120,7 @@ def serve(
     max_body_bytes: int,
     drain_timeout_s: float,
     judge_interval_s: float,
+    otlp_endpoint: str | None,
 ) -> None:
     """Run the audit service (HTTP ingest, live judge, query API) until SIGINT or SIGTERM.
 
@@ -133,6 +141,7 @@ def serve(
                 max_body_bytes=max_body_bytes,
                 drain_timeout_s=drain_timeout_s,
                 judge_interval_s=judge_interval_s,
+                otlp_endpoint=otlp_endpoint,
             ),
             tokens_file=tokens_file,
             ready=lambda url: click.echo(BANNER.format(url=url)),

@@ -75,7 +75,9 @@ def create_app(state: ServiceState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
         )
 
     # No token: like /healthz it names nodes and counts, never a tenant or a request (docs/alerts.md).
-    metrics = registry_for(state.cursor, judge_progress=lambda: dict(state.judge.replay.tail.watermark))
+    metrics = registry_for(
+        state.cursor, judge_progress=lambda: dict(state.judge.replay.tail.watermark), export=state.export
+    )
 
     @app.get(
         "/metrics",

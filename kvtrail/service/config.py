@@ -17,13 +17,14 @@ class ServeConfig:
     """Where the service listens, its largest ingest body, how long a stop waits for requests in flight, and
     the least time between two polls of the live judge while batches stream in (its lag's bound: a shorter
     interval keeps findings fresher, a longer one leaves ingest more CPU, since each poll has fixed
-    costs)."""
+    costs), and where the judge's results go as OpenTelemetry (none by default)."""
 
     host: str = "127.0.0.1"
     port: int = 0  # 0: the OS picks a free port; the banner names it
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_timeout_s: float = 30.0
     judge_interval_s: float = DEFAULT_JUDGE_INTERVAL_S
+    otlp_endpoint: str | None = None  # OTLP/HTTP base URL the judge's results are exported to (kvtrail.alerts.otel)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -34,3 +35,7 @@ class ServeConfig:
             raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
         if not 0 <= self.judge_interval_s <= 3600:
             raise ValueError(f"judge_interval_s: must be 0..3600, got {self.judge_interval_s}")
+        if self.otlp_endpoint is not None:
+            from kvtrail.alerts.otel import check_endpoint
+
+            check_endpoint(self.otlp_endpoint)

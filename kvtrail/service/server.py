@@ -17,6 +17,7 @@ from typing import Callable
 
 import uvicorn
 
+from kvtrail.alerts.otel import OtelExport, otlp_export
 from kvtrail.service.app import create_app
 from kvtrail.service.config import ServeConfig
 from kvtrail.service.state import open_state
@@ -48,10 +49,19 @@ def run_service(
     *,
     tokens_file: str | Path | None = None,
     ready: Callable[[str], None] = print,
+    export: OtelExport | None = None,
 ) -> None:
-    """Serve the store at ``db`` until SIGTERM or SIGINT; ``ready(url)`` is called once it is listening."""
+    """Serve the store at ``db`` until SIGTERM or SIGINT; ``ready(url)`` is called once it is listening.
+    ``export``: where the judge's results go as OpenTelemetry (else ``config.otlp_endpoint``'s, if set)."""
     config = config or ServeConfig()
-    state = open_state(db, tokens_file=tokens_file, judge_interval_s=config.judge_interval_s)
+    if export is None and config.otlp_endpoint is not None:
+        export = otlp_export(config.otlp_endpoint)  # OtelMissing without the extra, before the store is opened
+    try:
+        state = open_state(db, tokens_file=tokens_file, judge_interval_s=config.judge_interval_s, export=export)
+    except BaseException:
+        if export is not None:
+            export.close(0)
+        raise
     try:
         app = create_app(state, max_body_bytes=config.max_body_bytes)
         sock = bind(config.host, config.port)

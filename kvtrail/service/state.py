@@ -13,6 +13,7 @@ from pathlib import Path
 
 import duckdb
 
+from kvtrail.alerts.otel import OtelExport
 from kvtrail.audit.store import DEFAULT_CHECKPOINT, AuditStore, CheckpointPolicy
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.service import tokens
@@ -36,6 +37,7 @@ class ServiceState:
     verified: VerifiedTokens = field(default_factory=VerifiedTokens)  # tokens checked recently (auth.py)
     started_ns: int = field(default_factory=time.time_ns)
     closed: bool = False
+    export: OtelExport | None = None  # the judge's results to OpenTelemetry (kvtrail.alerts.otel), when asked
 
     def cursor(self) -> duckdb.DuckDBPyConnection:
         """A fresh connection to the store's database, for one request (close it when done)."""
@@ -48,6 +50,8 @@ class ServiceState:
         self.closed = True
         self.committer.close(timeout_s)
         self.judge.close(timeout_s)
+        if self.export is not None:
+            self.export.close(timeout_s)
         with self.write_lock:
             self.store.close()
 
@@ -59,9 +63,11 @@ def open_state(
     policy: ForensicsPolicy = ForensicsPolicy(),
     checkpoint: CheckpointPolicy = DEFAULT_CHECKPOINT,
     judge_interval_s: float = POLL_INTERVAL_S,
+    export: OtelExport | None = None,
 ) -> ServiceState:
     """Open (or create) the store at ``db_path`` for writing and start the committer and the judge.
 
+    ``export``: where the judge's results go as OpenTelemetry (closed with the state).
     Raises StoreError naming the path when another process holds the store, and ValueError for a bad
     token file (then the store is closed again).
     """
@@ -76,7 +82,12 @@ def open_state(
     except BaseException:
         store.close()
         raise
-    judge = Judge(store.cursor, policy=policy, poll_interval_s=judge_interval_s)
+    judge = Judge(
+        store.cursor,
+        policy=policy,
+        poll_interval_s=judge_interval_s,
+        on_judged=None if export is None else export.judged,
+    )
     committer = Committer(store, lock, on_commit=judge.notify)
     judge.notify()  # judge what the store already holds
-    return ServiceState(path, store, lock, judge, committer)
+    return ServiceState(path, store, lock, judge, committer, export=export)
