@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -38,7 +39,7 @@ from tests.service.conftest import ServiceProcess  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 60.0
 # The incident's responses on decode: r1 (the victim) and r2 (the reader) succeed, r3 fails.
-RESPONSES = {
+RESPONSES: dict[str, dict[str, Any]] = {
     "r1": {"http_status": 200, "prompt_tokens": 40, "completion_tokens": 7, "ttft_ns": 2_000_000},
     "r2": {"http_status": 200, "prompt_tokens": 48, "completion_tokens": 5, "finish_reason": "length"},
     "r3": {"http_status": 500, "prompt_tokens": 12, "completion_tokens": 0},
