@@ -151,6 +151,13 @@ def report(runs: dict[str, list[dict]], args, responses: int) -> None:
         f"(the rest dropped and counted: queue full or receiver failed); lost events "
         f"{sum(r['lost'] for rs in runs.values() for r in rs)}"
     )
+    cpu_s = {name: Spread.of([r["cpu_s"] for r in rs]).median for name, rs in runs.items()}
+    wall = Spread.of([r["wall_s"] for r in runs["plain"]]).median
+    print(
+        f"the stream's responses: {responses / wall:,.0f}/s at plain's median ingest rate; the export's CPU in the "
+        f"service: {(cpu_s['otlp'] - cpu_s['plain']) / responses * 1e6:,.0f} us per span (median CPU difference of "
+        "the service process over the ingest / responses)"
+    )
     load = [r["load"] for rs in runs.values() for r in rs]
     print(f"load average at the start of the rounds {min(load):.1f} to {max(load):.1f} on {os.cpu_count()} cores")
 
