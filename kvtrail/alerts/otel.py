@@ -257,6 +257,11 @@ class OtelExport:
                 self._export(*item)
             except Exception:  # noqa: BLE001 - an export failure must never reach the judge; counted and logged
                 log.exception("kvtrail service: OpenTelemetry export failed")
+                with self._lock:  # what the failed poll had built is not sent
+                    self.counts[("span", "dropped")] += len(self._spans)
+                    self.counts[("log", "dropped")] += len(self._logs)
+                self._spans.clear()
+                self._logs.clear()
 
     def _export(self, new_findings: list[Finding], tables: list[pa.Table], found: Sequence[Finding]) -> None:
         from opentelemetry.trace import Status, StatusCode
