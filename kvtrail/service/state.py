@@ -44,16 +44,17 @@ class ServiceState:
         return self.store.cursor()
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Commit the batches still queued, judge them, then checkpoint and close the store."""
+        """Commit the batches still queued, judge them, then checkpoint and close the store (and send what the
+        OpenTelemetry export still holds)."""
         if self.closed:
             return
         self.closed = True
         self.committer.close(timeout_s)
         self.judge.close(timeout_s)
-        if self.export is not None:
-            self.export.close(timeout_s)
         with self.write_lock:
             self.store.close()
+        if self.export is not None:  # after the store: a receiver that is down never delays its checkpoint
+            self.export.close(timeout_s)
 
 
 def open_state(
