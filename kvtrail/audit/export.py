@@ -208,7 +208,7 @@ def _import_table(con: duckdb.DuckDBPyConnection, files: list[str], table: str, 
             raise StoreError(f"{table}: manifest says {expected} rows, the export holds none")
         return 0
     cols = _check_columns(con, table, files, table)
-    # Columns are selected by name, which drops the partition columns (and any key=value segment of in_dir).
+    # Partition values are folder names, never file columns (hive_partitioning=false); columns go by name.
     src = "read_parquet(?, hive_partitioning=false)"
     if table == "events":  # split by kind into the kind tables
         n = insert_from(con, f"(SELECT {cols} FROM {src} ORDER BY {TABLE_KEYS[table]})", [files])

@@ -176,4 +176,4 @@ def test_plan_costs_are_the_tasks_file_bytes(lake):
     files = lake.manifest.files
     for t in tasks:
         listed = [p for table, entries in t.files if table in ("events", "page_runs") for p, _ in entries]
-        assert t.cost == sum(files[p]["bytes"] for p in listed) + files[t.checkpoint[0]]["bytes"] > 0
+        assert t.cost == sum(files[p].bytes for p in listed) + files[t.checkpoint[0]].bytes > 0
