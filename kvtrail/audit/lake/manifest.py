@@ -94,7 +94,7 @@ def _to_json(obj: Any) -> dict:
     out: dict = {}
     for f in fields(obj):
         value = getattr(obj, f.name)
-        if f.metadata.get("omit_empty") and not value:
+        if f.metadata.get("omit_empty") and (value is None or value == {}):  # hour 0 and producer 0 are values
             continue
         if isinstance(value, dict):
             value = {k: _to_json(v) if isinstance(v, FileEntry) else v for k, v in value.items()}
