@@ -67,6 +67,16 @@ class RequestDetail:
     findings: pl.DataFrame  # its findings with evidence
 
 
+def request_owner(con: duckdb.DuckDBPyConnection, request_id: str, tenant_id: str | None) -> str | None:
+    """The tenant of ``request_id``, if it has one (and, for a tenant asking, it is that tenant); else None."""
+    row = con.execute(
+        "SELECT tenant_id FROM events_v WHERE request_id = ? AND tenant_id IS NOT NULL "
+        "AND (? IS NULL OR tenant_id = ?) LIMIT 1",
+        [request_id, tenant_id, tenant_id],
+    ).fetchone()
+    return None if row is None else row[0]
+
+
 def request_detail(con: duckdb.DuckDBPyConnection, request_id: str, found: list[fx.Finding]) -> RequestDetail:
     """The drill-down of ``request_id`` (``found``: its findings in the window)."""
     # Page lists live run-length encoded in page_runs (list 0: an event's ``pages``).

@@ -47,6 +47,7 @@ def create_app(state: ServiceState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
         version=__version__,
         description="Ingest of audit events, the live judge's findings and the forensics questions.",
     )
+    app.state.kvtrail = state  # what the query routes' dependencies read (queries.service_state)
 
     @app.exception_handler(KvtrailError)
     async def kvtrail_error(_request: Request, exc: KvtrailError) -> JSONResponse:
