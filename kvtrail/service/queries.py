@@ -173,7 +173,8 @@ Since = Annotated[
 Probe = Annotated[dict, Depends(probe_params)]
 TABLE: dict[int | str, dict[str, Any]] = {200: {"content": TABLE_CONTENT}}
 NOT_FOUND: dict[int | str, dict[str, Any]] = {
-    404: {"model": models.ErrorBody, "description": "No such request (or not the tenant's)."}
+    404: {"model": models.ErrorBody, "description": "No such request (or not the tenant's)."},
+    409: {"model": models.ErrorBody, "description": "Requests of different tenants share the id: add tenant=."},
 }
 ARCHIVE: dict[int | str, dict[str, Any]] = {
     200: {
@@ -288,48 +289,64 @@ def exposure(state: State, who: Who, ask: AskQ, excl: Excl) -> Response:
     return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
 
 
-def _request_status(who: Principal, w: Window, request_id: str, cur: duckdb.DuckDBPyConnection) -> dict | None:
-    owner = pages.request_owner(cur, request_id, who.tenant_id)
-    if owner is None:
-        return None
+def _one_request(
+    who: Principal, tenant: str | None, request_id: str, cur: duckdb.DuckDBPyConnection
+) -> tuple[str, bool]:
+    """(its tenant, whether another tenant's request shares the id) of the request ``request_id`` names: a
+    tenant's own only (another's is the same 404 as none); an operator's, of ``tenant`` when the id is shared
+    (else a 409 listing each request of that id)."""
+    every = pages.request_keys(cur, request_id)
+    mine = [k for k in every if k.tenant_id == (who.tenant_id if who.role == "tenant" else tenant or k.tenant_id)]
+    if not mine:
+        raise HTTPException(404, "no such request")
+    if len(mine) > 1:
+        named = "; ".join(f"tenant {k.tenant_id} (first event {k.first_producer}#{k.first_seq})" for k in mine)
+        raise HTTPException(
+            409, f"request_id: {len(mine)} requests of different tenants share it: {named}; add tenant="
+        )
+    return mine[0].tenant_id, len(every) > 1
+
+
+def _request_status(
+    who: Principal, w: Window, tenant: str | None, request_id: str, cur: duckdb.DuckDBPyConnection
+) -> dict:
+    owner, _ = _one_request(who, tenant, request_id, cur)
     found = ask_findings(cur, w, codes=tuple(sorted(AFFECTED_CODES))).rows
     return tenancy.request_status(found, request_id, owner)
 
 
 def request(state: State, who: Who, ask: AskQ, request_id: RequestId) -> models.TenantRequest:
     """One request's part in the window's findings. A tenant asking for a request that is not its own gets
-    the same 404 as for one that does not exist."""
+    the same 404 as for one that does not exist. Requests of two tenants may share an id: a tenant gets its
+    own; an operator names the tenant (``tenant=``), else a 409 lists them."""
     require_role(who, "operator", "tenant")
     w = tenant_window(who, ask) if who.role == "tenant" else ask.window
-    status = run(state, who, partial(_request_status, who, w, request_id))
-    if status is None:
-        raise HTTPException(404, "no such request")
-    return models.TenantRequest(**status)
+    return models.TenantRequest(**run(state, who, partial(_request_status, who, w, ask.window.tenant, request_id)))
 
 
-def _request_document(who: Principal, span: Window, request_id: str, cur: duckdb.DuckDBPyConnection) -> dict | None:
-    owner = pages.request_owner(cur, request_id, who.tenant_id)
-    if owner is None:
-        return None
+def _request_document(
+    who: Principal, span: Window, tenant: str | None, request_id: str, cur: duckdb.DuckDBPyConnection
+) -> tuple[dict, bool]:
+    owner, shared = _one_request(who, tenant, request_id, cur)
     # as the --db dashboard does: a judge run (or --save) covering the window, else a replay
     saved = persisted.covering_run(cur, span.from_ns, span.to_ns) is not None
     every = persisted.persisted_findings(cur, span.from_ns, span.to_ns) if saved else ask_findings(cur, span).found
-    found = [f for f in every if f.request_id == request_id]
-    return pages.detail_document(pages.request_detail(cur, request_id, found))
+    found = [f for f in every if f.request_id == request_id and (f.tenant_id == owner or not (shared or f.tenant_id))]
+    return pages.detail_document(pages.request_detail(cur, request_id, found, owner)), shared
 
 
 def request_pages(state: State, who: Who, ask: AskQ, request_id: RequestId) -> models.RequestPages:
     """One request's page ownership timeline (who held, wrote and freed each page it read), its transfers,
     response and findings: the dashboard's drill-down. The window bounds the findings (its tenant and node
-    filters do not apply). A tenant gets its own requests only (another's is the same 404 as none), with
-    other requests, tenants and nodes as pseudonyms."""
+    filters do not apply; ``tenant`` chooses between requests of two tenants that share the id, else a 409
+    lists them). A tenant gets its own requests only (another's is the same 404 as none, a request of another
+    tenant with the same id is not shown), with other requests, tenants and nodes as pseudonyms."""
     require_role(who, "operator", "tenant")
     w = tenant_window(who, ask) if who.role == "tenant" else ask.window
-    doc = run(state, who, partial(_request_document, who, Window(w.from_ns, w.to_ns), request_id))
-    if doc is None:
-        raise HTTPException(404, "no such request")
+    span = Window(w.from_ns, w.to_ns)
+    doc, shared = run(state, who, partial(_request_document, who, span, ask.window.tenant, request_id))
     if who.role == "tenant":
-        doc = tenancy.tenant_request_pages(doc, who.tenant_id or "")
+        doc = tenancy.tenant_request_pages(doc, who.tenant_id or "", shared)
     return models.RequestPages(**doc)
 
 
