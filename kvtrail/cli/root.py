@@ -8,6 +8,7 @@ Bad input ends with one line on stderr and exit code 2; a failed check (e.g. a b
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import click
 
@@ -105,6 +106,20 @@ _SERVE_DEFAULTS = ServeConfig()
     help="Least time between two live-judge polls while batches stream "
     "in: the bound on its lag; longer leaves ingest more CPU (docs/service.md).",
 )
+@click.option(
+    "--query-concurrency",
+    default=_SERVE_DEFAULTS.query_limits.per_token,
+    show_default=True,
+    type=click.IntRange(1, 1024),
+    help="Queries one token may have running at once.",
+)
+@click.option(
+    "--query-queue",
+    default=_SERVE_DEFAULTS.query_limits.queue_per_token,
+    show_default=True,
+    type=click.IntRange(0, 100_000),
+    help="Queries of one token waiting beyond those; more get HTTP 429 with Retry-After.",
+)
 def serve(
     db: str,
     host: str,
@@ -113,6 +128,8 @@ def serve(
     max_body_bytes: int,
     drain_timeout_s: float,
     judge_interval_s: float,
+    query_concurrency: int,
+    query_queue: int,
 ) -> None:
     """Run the audit service (HTTP ingest, live judge, query API) until SIGINT or SIGTERM.
 
@@ -133,6 +150,9 @@ def serve(
                 max_body_bytes=max_body_bytes,
                 drain_timeout_s=drain_timeout_s,
                 judge_interval_s=judge_interval_s,
+                query_limits=replace(
+                    _SERVE_DEFAULTS.query_limits, per_token=query_concurrency, queue_per_token=query_queue
+                ),
             ),
             tokens_file=tokens_file,
             ready=lambda url: click.echo(BANNER.format(url=url)),

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtrail.service.limits import QueryLimits
+
 BANNER = "kvtrail service listening on {url}"  # the service's first line of stdout
 DEFAULT_MAX_BODY_BYTES = 64 * 2**20
 DEFAULT_JUDGE_INTERVAL_S = 0.5  # the live judge's least time between two polls (kvtrail serve --judge-interval-s)
@@ -24,6 +26,7 @@ class ServeConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_timeout_s: float = 30.0
     judge_interval_s: float = DEFAULT_JUDGE_INTERVAL_S
+    query_limits: QueryLimits = QueryLimits()  # queries running and waiting per token (429 beyond)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

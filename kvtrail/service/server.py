@@ -51,7 +51,9 @@ def run_service(
 ) -> None:
     """Serve the store at ``db`` until SIGTERM or SIGINT; ``ready(url)`` is called once it is listening."""
     config = config or ServeConfig()
-    state = open_state(db, tokens_file=tokens_file, judge_interval_s=config.judge_interval_s)
+    state = open_state(
+        db, tokens_file=tokens_file, judge_interval_s=config.judge_interval_s, query_limits=config.query_limits
+    )
     try:
         app = create_app(state, max_body_bytes=config.max_body_bytes)
         sock = bind(config.host, config.port)

@@ -20,6 +20,7 @@ from kvtrail.service.auth import VerifiedTokens
 from kvtrail.service.committer import Committer
 from kvtrail.service.judge import POLL_INTERVAL_S, Judge
 from kvtrail.service.judged import AnswerCache, SharedSnapshots
+from kvtrail.service.limits import QueryLimiter, QueryLimits
 
 
 @dataclass
@@ -34,6 +35,7 @@ class ServiceState:
     answers: AnswerCache = field(default_factory=AnswerCache)  # answers on judged snapshots (judged.py)
     snapshots: SharedSnapshots = field(default_factory=SharedSnapshots)  # judged snapshots (judged.py)
     verified: VerifiedTokens = field(default_factory=VerifiedTokens)  # tokens checked recently (auth.py)
+    limiter: QueryLimiter = field(default_factory=QueryLimiter)  # queries running and waiting per token
     started_ns: int = field(default_factory=time.time_ns)
     closed: bool = False
 
@@ -59,6 +61,7 @@ def open_state(
     policy: ForensicsPolicy = ForensicsPolicy(),
     checkpoint: CheckpointPolicy = DEFAULT_CHECKPOINT,
     judge_interval_s: float = POLL_INTERVAL_S,
+    query_limits: QueryLimits | None = None,
 ) -> ServiceState:
     """Open (or create) the store at ``db_path`` for writing and start the committer and the judge.
 
@@ -79,4 +82,4 @@ def open_state(
     judge = Judge(store.cursor, policy=policy, poll_interval_s=judge_interval_s)
     committer = Committer(store, lock, on_commit=judge.notify)
     judge.notify()  # judge what the store already holds
-    return ServiceState(path, store, lock, judge, committer)
+    return ServiceState(path, store, lock, judge, committer, limiter=QueryLimiter(query_limits))
