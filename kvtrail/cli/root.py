@@ -16,6 +16,7 @@ from kvtrail import __version__
 from kvtrail.cli.lazy import LazyGroup
 from kvtrail.errors import KvtrailError, StoreError
 from kvtrail.service.config import BANNER, ServeConfig
+from kvtrail.serving.deadlines import ReadTimeouts
 
 # Each command group's module is imported when the command runs (or --help lists it): `kvtrail --version`
 # and a mistyped name pay for click, not for pandas, pyarrow, numba and DuckDB.
@@ -120,6 +121,20 @@ _SERVE_DEFAULTS = ServeConfig()
     type=click.IntRange(0, 100_000),
     help="Queries of one token waiting beyond those; more get HTTP 429 with Retry-After.",
 )
+@click.option(
+    "--header-timeout-s",
+    default=_SERVE_DEFAULTS.read_timeouts.header_s,
+    show_default=True,
+    type=click.FloatRange(0, 3600, min_open=True),
+    help="How long a client has to send a request's headers; HTTP 408 and closed past it.",
+)
+@click.option(
+    "--body-timeout-s",
+    default=_SERVE_DEFAULTS.read_timeouts.body_s,
+    show_default=True,
+    type=click.FloatRange(0, 3600, min_open=True),
+    help="How long a client has to send a request's body after its headers; HTTP 408 and closed past it.",
+)
 def serve(
     db: str,
     host: str,
@@ -130,6 +145,8 @@ def serve(
     judge_interval_s: float,
     query_concurrency: int,
     query_queue: int,
+    header_timeout_s: float,
+    body_timeout_s: float,
 ) -> None:
     """Run the audit service (HTTP ingest, live judge, query API) until SIGINT or SIGTERM.
 
@@ -153,6 +170,7 @@ def serve(
                 query_limits=replace(
                     _SERVE_DEFAULTS.query_limits, per_token=query_concurrency, queue_per_token=query_queue
                 ),
+                read_timeouts=ReadTimeouts(header_timeout_s, body_timeout_s),
             ),
             tokens_file=tokens_file,
             ready=lambda url: click.echo(BANNER.format(url=url)),

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtrail.service.limits import QueryLimits
+from kvtrail.serving.deadlines import ReadTimeouts
 
 BANNER = "kvtrail service listening on {url}"  # the service's first line of stdout
 DEFAULT_MAX_BODY_BYTES = 64 * 2**20
@@ -27,6 +28,7 @@ class ServeConfig:
     drain_timeout_s: float = 30.0
     judge_interval_s: float = DEFAULT_JUDGE_INTERVAL_S
     query_limits: QueryLimits = QueryLimits()  # queries running and waiting per token (429 beyond)
+    read_timeouts: ReadTimeouts = ReadTimeouts()  # a request's headers and body must arrive in time (408 past)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

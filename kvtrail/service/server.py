@@ -20,6 +20,7 @@ import uvicorn
 from kvtrail.service.app import create_app
 from kvtrail.service.config import ServeConfig
 from kvtrail.service.state import open_state
+from kvtrail.serving.deadlines import deadline_protocol
 from kvtrail.signals import stop_signals_ignored
 
 
@@ -64,6 +65,7 @@ def run_service(
                 access_log=False,
                 lifespan="off",
                 timeout_graceful_shutdown=math.ceil(config.drain_timeout_s),
+                http=deadline_protocol(config.read_timeouts),
             )
         )
         # uvicorn handles both signals while it runs and raises the caught one again after it stops;

@@ -159,6 +159,7 @@ class Stack:
     def _start_router(self) -> None:
         import uvicorn
 
+        from kvtrail.serving.deadlines import deadline_protocol
         from kvtrail.serving.router import RouterCore, create_app
 
         store = self.store
@@ -179,6 +180,7 @@ class Stack:
             log_level="warning",
             lifespan="off",
             timeout_graceful_shutdown=math.ceil(self.cfg.drain_timeout_s),
+            http=deadline_protocol(self.cfg.read_timeouts),
         )
         self._server = server = uvicorn.Server(config)
         self._thread = thread = threading.Thread(target=server.run, name="kvtrail-router-http", daemon=True)
