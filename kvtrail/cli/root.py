@@ -135,6 +135,12 @@ _SERVE_DEFAULTS = ServeConfig()
     type=click.FloatRange(0, 3600, min_open=True),
     help="How long a client has to send a request's body after its headers; HTTP 408 and closed past it.",
 )
+@click.option(
+    "--metrics-token",
+    is_flag=True,
+    help="GET /metrics needs an operator or metrics token (its series name every node; without it, bind "
+    "where tenants cannot reach).",
+)
 def serve(
     db: str,
     host: str,
@@ -147,6 +153,7 @@ def serve(
     query_queue: int,
     header_timeout_s: float,
     body_timeout_s: float,
+    metrics_token: bool,
 ) -> None:
     """Run the audit service (HTTP ingest, live judge, query API) until SIGINT or SIGTERM.
 
@@ -171,6 +178,7 @@ def serve(
                     _SERVE_DEFAULTS.query_limits, per_token=query_concurrency, queue_per_token=query_queue
                 ),
                 read_timeouts=ReadTimeouts(header_timeout_s, body_timeout_s),
+                metrics_token=metrics_token,
             ),
             tokens_file=tokens_file,
             ready=lambda url: click.echo(BANNER.format(url=url)),

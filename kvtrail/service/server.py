@@ -56,7 +56,7 @@ def run_service(
         db, tokens_file=tokens_file, judge_interval_s=config.judge_interval_s, query_limits=config.query_limits
     )
     try:
-        app = create_app(state, max_body_bytes=config.max_body_bytes)
+        app = create_app(state, max_body_bytes=config.max_body_bytes, metrics_token=config.metrics_token)
         sock = bind(config.host, config.port)
         server = uvicorn.Server(
             uvicorn.Config(
