@@ -138,11 +138,14 @@ class RemoteSource:
             return pl.DataFrame(schema=TRANSFER_SCHEMA)
         return rows.select(list(TRANSFER_SCHEMA)).cast(TRANSFER_SCHEMA)  # type: ignore[arg-type]
 
-    def request(self, request_id: str, w: fx.Window) -> pages.RequestDetail:
-        """One request's page ownership timeline, tokens and digests, TTFT (``/v1/requests/{id}/pages``)."""
+    def request(self, request_id: str, w: fx.Window, tenant: str | None = None) -> pages.RequestDetail:
+        """One request's page ownership timeline, tokens and digests, TTFT (``/v1/requests/{id}/pages``;
+        ``tenant``: whose request of that id, when two tenants' requests share it)."""
         params = self._params(w, tenant_ok=False)
         if self.role == "tenant":
             params["node"] = None
+        else:
+            params["tenant"] = tenant
         return pages.detail_from_document(self.client.request_pages(request_id, params))
 
     def report(self, w: fx.Window, context_yaml: bytes | None) -> tuple[bytes, dict, str]:

@@ -249,7 +249,10 @@ class StoreSource:
         found = self.found(w)[0]
         return self._memoised("transfers", w, lambda con: transfers.mismatches(con, found, w))
 
-    def request(self, request_id: str, w: fx.Window) -> pages.RequestDetail:
-        """One request's page ownership timeline, tokens and digests, TTFT."""
-        found = [f for f in self.found(w)[0] if f.request_id == request_id]
-        return self._memoised(f"request:{request_id}", w, lambda con: pages.request_detail(con, request_id, found))
+    def request(self, request_id: str, w: fx.Window, tenant: str | None = None) -> pages.RequestDetail:
+        """One request's page ownership timeline, tokens and digests, TTFT (``tenant``'s request of that id,
+        when requests of two tenants share it)."""
+        found = [f for f in self.found(w)[0] if f.request_id == request_id and tenant in (None, f.tenant_id)]
+        return self._memoised(
+            f"request:{tenant}:{request_id}", w, lambda con: pages.request_detail(con, request_id, found, tenant)
+        )

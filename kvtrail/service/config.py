@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtrail.service.limits import QueryLimits
+from kvtrail.serving.deadlines import ReadTimeouts
+
 BANNER = "kvtrail service listening on {url}"  # the service's first line of stdout
 DEFAULT_MAX_BODY_BYTES = 64 * 2**20
 DEFAULT_JUDGE_INTERVAL_S = 0.5  # the live judge's least time between two polls (kvtrail serve --judge-interval-s)
@@ -25,6 +28,9 @@ class ServeConfig:
     drain_timeout_s: float = 30.0
     judge_interval_s: float = DEFAULT_JUDGE_INTERVAL_S
     otlp_endpoint: str | None = None  # OTLP/HTTP base URL the judge's results are exported to (kvtrail.alerts.otel)
+    query_limits: QueryLimits = QueryLimits()  # queries running and waiting per token (429 beyond)
+    read_timeouts: ReadTimeouts = ReadTimeouts()  # a request's headers and body must arrive in time (408 past)
+    metrics_token: bool = False  # GET /metrics needs an operator or metrics token (it names every node)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -21,6 +21,7 @@ from kvtrail.alerts.otel import OtelExport, otlp_export
 from kvtrail.service.app import create_app
 from kvtrail.service.config import ServeConfig
 from kvtrail.service.state import open_state
+from kvtrail.serving.deadlines import deadline_protocol
 from kvtrail.signals import stop_signals_ignored
 
 
@@ -57,13 +58,19 @@ def run_service(
     if export is None and config.otlp_endpoint is not None:
         export = otlp_export(config.otlp_endpoint)  # OtelMissing without the extra, before the store is opened
     try:
-        state = open_state(db, tokens_file=tokens_file, judge_interval_s=config.judge_interval_s, export=export)
+        state = open_state(
+            db,
+            tokens_file=tokens_file,
+            judge_interval_s=config.judge_interval_s,
+            export=export,
+            query_limits=config.query_limits,
+        )
     except BaseException:
         if export is not None:
             export.close(0)
         raise
     try:
-        app = create_app(state, max_body_bytes=config.max_body_bytes)
+        app = create_app(state, max_body_bytes=config.max_body_bytes, metrics_token=config.metrics_token)
         sock = bind(config.host, config.port)
         server = uvicorn.Server(
             uvicorn.Config(
@@ -72,6 +79,7 @@ def run_service(
                 access_log=False,
                 lifespan="off",
                 timeout_graceful_shutdown=math.ceil(config.drain_timeout_s),
+                http=deadline_protocol(config.read_timeouts),
             )
         )
         # uvicorn handles both signals while it runs and raises the caught one again after it stops;

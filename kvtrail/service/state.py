@@ -21,6 +21,7 @@ from kvtrail.service.auth import VerifiedTokens
 from kvtrail.service.committer import Committer
 from kvtrail.service.judge import POLL_INTERVAL_S, Judge
 from kvtrail.service.judged import AnswerCache, SharedSnapshots
+from kvtrail.service.limits import QueryLimiter, QueryLimits
 
 
 @dataclass
@@ -35,6 +36,7 @@ class ServiceState:
     answers: AnswerCache = field(default_factory=AnswerCache)  # answers on judged snapshots (judged.py)
     snapshots: SharedSnapshots = field(default_factory=SharedSnapshots)  # judged snapshots (judged.py)
     verified: VerifiedTokens = field(default_factory=VerifiedTokens)  # tokens checked recently (auth.py)
+    limiter: QueryLimiter = field(default_factory=QueryLimiter)  # queries running and waiting per token
     started_ns: int = field(default_factory=time.time_ns)
     closed: bool = False
     export: OtelExport | None = None  # the judge's results to OpenTelemetry (kvtrail.alerts.otel), when asked
@@ -65,6 +67,7 @@ def open_state(
     checkpoint: CheckpointPolicy = DEFAULT_CHECKPOINT,
     judge_interval_s: float = POLL_INTERVAL_S,
     export: OtelExport | None = None,
+    query_limits: QueryLimits | None = None,
 ) -> ServiceState:
     """Open (or create) the store at ``db_path`` for writing and start the committer and the judge.
 
@@ -91,4 +94,4 @@ def open_state(
     )
     committer = Committer(store, lock, on_commit=judge.notify)
     judge.notify()  # judge what the store already holds
-    return ServiceState(path, store, lock, judge, committer, export=export)
+    return ServiceState(path, store, lock, judge, committer, export=export, limiter=QueryLimiter(query_limits))
