@@ -144,13 +144,20 @@ class Checker:
             else:
                 raise AssertionError(f"model: no concrete step reaches the counterexample's state {k + 1}")
         at = len(steps) - 1
-        steps += self._ending(concrete, late=prop == "no_free_before_drain")
+        who = steps[-1].request
+        if prop == "no_free_before_drain":
+            goal = _lands_on_another
+        elif prop == "transferred_equals_reserved":  # carried on until decode reads what it committed
+            goal = lambda st, lab: lab[0] == "read" and lab[1] == who  # noqa: E731
+        else:
+            goal = None
+        steps += self._ending(concrete, goal)
         return Counterexample(prop, detail, steps, at)
 
-    def _ending(self, s: State, *, late: bool) -> list[Step]:
-        """The shortest way from ``s`` to the end of the run (through a late write landing in another
-        request's page first, with ``late``); no steps when none is found within the limit."""
-        for want_late in (True, False) if late else (False,):
+    def _ending(self, s: State, goal) -> list[Step]:
+        """The shortest way from ``s`` to the end of the run, through a step ``goal(state, label)`` holds
+        for first when one is given (else just to the end); no steps when none is found within the limit."""
+        for want_late in (True, False) if goal is not None else (False,):
             root = (self.canon(s), False)
             back: dict = {root: None}  # key -> (previous key, step)
             queue = deque([(s, False)])
@@ -165,7 +172,7 @@ class Checker:
                     return steps[::-1]
                 cur_key = (self.canon(cur), flag)
                 for lab, t, viols in self.trans.successors(cur):
-                    f = flag or (lab[0] == "land" and _lands_on_another(cur, lab))
+                    f = flag or (goal is not None and goal(cur, lab))
                     key = (self.canon(t), f)
                     if key not in back:
                         back[key] = (cur_key, Step(lab[0], lab[1], lab[2], cur, t, tuple(viols)))
@@ -174,6 +181,9 @@ class Checker:
 
 
 def _lands_on_another(s: State, label: tuple) -> bool:
+    """A write lands on a page another request holds (a late write's harm)."""
+    if label[0] != "land":
+        return False
     _, i, c = label
     page = s.reqs[i][DPAGES][c]
     owner = s.dpool[page][0]

@@ -34,7 +34,7 @@ from kvtrail.forensics import (
 )
 from kvtrail.forensics.options import ReportOptions
 from kvtrail.forensics.questions import findings_of
-from kvtrail.service import audit_api, models, tokens_api
+from kvtrail.service import audit_api, model_api, models, tokens_api
 from kvtrail.service.audited import logged_route
 from kvtrail.service.auth import principal_dependency, require_role
 from kvtrail.service.judged import affected_answer, findings_answer, judged_or_replayed
@@ -405,5 +405,6 @@ def router(state: Any) -> APIRouter:
         return run(who, lambda cur: report_response(cur, options, body, state.db_path.name))
 
     r.include_router(audit_api.router(state, logged_route(state), run))
+    r.include_router(model_api.router(state, logged_route(state), run))
     r.include_router(tokens_api.router(state, logged_route(state)))
     return r
