@@ -149,6 +149,8 @@ class Checker:
             goal = _lands_on_another
         elif prop == "transferred_equals_reserved":  # carried on until decode reads what it committed
             goal = lambda st, lab: lab[0] == "read" and lab[1] == who  # noqa: E731
+        elif prop == "aborted_never_sent":  # ... until the rejected request is served
+            goal = lambda st, lab: lab[0] == "finish" and lab[1] == who  # noqa: E731
         else:
             goal = None
         steps += self._ending(concrete, goal)

@@ -190,7 +190,8 @@ class HistoryWriter:
             self._freed_prefill(pre, b, s2, i, t, "abort")
         elif a in ("commit", "commit_refused"):
             landed = _ids(r[DPAGES][: r[NSEND]])
-            status = "ok" if r[NSEND] == self.k else "mismatch"
+            # without the length check decode cannot see a short transfer: it takes it as complete
+            status = "mismatch" if a == "commit_refused" else "ok"
             dec.add("transfer_received", t, ref, pages=landed, num_tokens=r[NSEND] * PAGE_TOKENS, status=status)
             if a == "commit_refused":
                 dec.add(
