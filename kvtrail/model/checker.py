@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtrail.model.properties import pages_conserved
@@ -145,6 +146,7 @@ class Checker:
                 raise AssertionError(f"model: no concrete step reaches the counterexample's state {k + 1}")
         at = len(steps) - 1
         who = steps[-1].request
+        goal: Callable[[State, tuple], bool] | None
         if prop == "no_free_before_drain":
             goal = _lands_on_another
         elif prop == "transferred_equals_reserved":  # carried on until decode reads what it committed

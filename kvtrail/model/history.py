@@ -115,7 +115,7 @@ class HistoryWriter:
 
     def _config(self, prod: _Producer, role: str, t: int) -> None:
         deferred = role == "decode" and self.v.deferred_release
-        extra = {"release_timeout_ns": 60_000_000_000} if role == "decode" and self.v.release_timeout else {}
+        extra: dict = {"release_timeout_ns": 60_000_000_000} if role == "decode" and self.v.release_timeout else {}
         prod.add(
             "node_config",
             t,

@@ -73,7 +73,7 @@ class Violation:
 
 @dataclass
 class _Pool:
-    holders: dict = field(default_factory=dict)  # page -> {request: block hash or None (exclusive)}
+    holders: dict[int, dict] = field(default_factory=dict)  # page -> {request: block hash or None (exclusive)}
     writer: dict = field(default_factory=dict)  # page -> (request, tenant, block hash stored) ; None: unknown
     freed_by: dict = field(default_factory=dict)  # (page, request) -> event that freed it
 
@@ -86,9 +86,9 @@ class Monitors:
         self.from_ns = from_ns
         self.pools: dict[tuple, _Pool] = {}
         self.instance_of: dict[tuple, str] = {}
-        self.stopped: dict[tuple, tuple] = {}  # (node, request) -> the abort event
+        self.stopped: dict[tuple, dict] = {}  # (node, request) -> the abort event
         self.reserved: dict[tuple, int] = {}  # (node, request) -> tokens decode reserved
-        self.received: dict[tuple, tuple[int, tuple]] = {}  # (node, request) -> (tokens, event)
+        self.received: dict[tuple, tuple[int, dict]] = {}  # (node, request) -> (tokens, event)
         self.sent: dict[str, int] = {}  # request -> tokens prefill sent
         self.tenant: dict[str, str] = {}
         self.violations: list[Violation] = []

@@ -77,10 +77,12 @@ def canonical(s: State, page_symmetry: bool) -> State:
     for new, old in enumerate(order):
         rmap[old] = new
     if page_symmetry:
+        dmap: list[int] | None
+        pmap: list[int] | None
         dmap = _page_map(len(s.dpool), (reqs[i][DPAGES] for i in order), s.dpool, rmap, 1)
         pmap = _page_map(len(s.ppool), (reqs[i][PPAGES] for i in order), s.ppool, rmap, 2)
     else:
-        dmap = pmap = None
+        dmap = pmap = None  # no page renaming
     new_reqs = []
     for old in order:
         r = reqs[old]

@@ -188,7 +188,7 @@ class Transitions:
                 for c in post:
                     ch[c] = W_POSTED
                 rl[CHUNKS], rl[P] = tuple(ch), P_SENDING
-                viol = ()
+                viol: tuple = ()
                 if r[REJ]:
                     viol = (("aborted_never_sent", f"{request_name(i)} was rejected, yet prefill posts its KV"),)
                 out.append((("post", i, tuple(post)), self._with(s, i, rl), viol))

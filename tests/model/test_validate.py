@@ -81,7 +81,8 @@ def test_validate_agrees_with_the_findings_on_the_reference_stack(mode, tmp_path
 
     from kvtrail.serving.config import Faults, StackConfig
     from kvtrail.serving.stack import Stack
-    from tests.serving.test_stack import FAULT_CFG, SMALL as STACK_SMALL, _two_requests, incident_traffic, prompt
+    from tests.serving.test_stack import FAULT_CFG, _two_requests, incident_traffic, prompt
+    from tests.serving.test_stack import SMALL as STACK_SMALL
 
     db = tmp_path / "incident.duckdb"
     with Stack(StackConfig.incident(mode=mode, **STACK_SMALL), db) as st:
