@@ -31,6 +31,13 @@ def model() -> None:
 @click.option("--pages", default=_BOUNDS_DEFAULTS["pages"], show_default=True, type=int, help="Pages per pool.")
 @click.option("--chunks", default=_BOUNDS_DEFAULTS["chunks"], show_default=True, type=int, help="Pages per transfer.")
 @click.option("--reuse", default=None, help="Page reuse order: any | lowest | lifo (default: the variant's).")
+@click.option(
+    "--max-states",
+    default=2_000_000,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Stop the search after this many states (then exit 3 when nothing broke: not a proof).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option(
     "--trace-out",
@@ -38,11 +45,19 @@ def model() -> None:
     help="Write each counterexample as events-v1 JSON lines, one file per producer (for kvtrail audit ingest).",
 )
 def check(
-    variant: str, requests: int, pages: int, chunks: int, reuse: str | None, as_json: bool, trace_out: str | None
+    variant: str,
+    requests: int,
+    pages: int,
+    chunks: int,
+    reuse: str | None,
+    max_states: int,
+    as_json: bool,
+    trace_out: str | None,
 ) -> None:
     """Explore every state within the bounds; exit 1 with the shortest counterexample per violated property.
 
-    Prints the states explored, the depth and the time; exit 0 when every property holds within the bounds.
+    Prints the states explored, the depth and the time; exit 0 when every property holds within the bounds,
+    3 when the search stopped at --max-states with nothing broken (not a proof), 2 for bad input.
     """
     from kvtrail.model.checker import Checker
     from kvtrail.model.history import write_history
@@ -55,7 +70,7 @@ def check(
     out_dir = Path(trace_out) if trace_out else None
     if out_dir is not None and out_dir.exists() and any(out_dir.iterdir()):
         raise KvtrailError(f"--trace-out: {trace_out} exists and is not empty")
-    res = Checker(v, bounds).run()
+    res = Checker(v, bounds).run(max_states=max_states)
     if as_json:
         click.echo(json.dumps(result_dict(res)))
     else:
@@ -68,6 +83,8 @@ def check(
                 click.echo(f"wrote {path}", err=True)
     if res.counterexamples:
         sys.exit(1)
+    if not res.exhaustive:
+        sys.exit(3)
 
 
 @model.command()

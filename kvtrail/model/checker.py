@@ -51,6 +51,7 @@ class CheckResult:
     depth: int = 0
     seconds: float = 0.0
     first_counterexample_s: float | None = None
+    exhaustive: bool = True  # False: the search stopped at its state limit before the bounds were exhausted
     counterexamples: list[Counterexample] = field(default_factory=list)
 
 
@@ -110,6 +111,7 @@ class Checker:
             frontier = nxt_frontier
             if max_states is not None and len(parent) >= max_states:
                 break
+        result.exhaustive = not frontier
         result.states, result.depth = len(parent), depth
         result.seconds = time.perf_counter() - started
         kept = _shortest_per_property(found)

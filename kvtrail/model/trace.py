@@ -71,6 +71,8 @@ def result_lines(res: CheckResult) -> list[str]:
         f"variant {res.variant.name} ({res.variant.doc})",
         f"{res.states} states explored, depth {res.depth}, {res.seconds:.2f} s ({bounds})",
     ]
+    if not res.exhaustive:
+        lines.append("  stopped at --max-states before every state within the bounds was explored: not a proof")
     broken = {cx.property for cx in res.counterexamples}
     for prop in PROPERTIES:
         lines.append(f"  {'VIOLATED' if prop in broken else 'holds   '} {prop}")

@@ -118,3 +118,8 @@ def test_validate_bad_input_exits_2(capsys, tmp_path, monkeypatch, argv, field):
     monkeypatch.delenv("KVTRAIL_URL", raising=False)
     rc, _, err = run_cli(capsys, "model", "validate", *argv)
     assert rc == 2 and field in err[-1], err
+
+
+def test_check_stopped_at_max_states_is_not_a_proof(capsys):
+    rc, out, _ = run_cli(capsys, "model", "check", "--variant", "patched", "--max-states", "50")
+    assert rc == 3 and any("not a proof" in line for line in out)
