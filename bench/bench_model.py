@@ -35,6 +35,26 @@ from kvtrail.model.variants import VARIANTS, Bounds  # noqa: E402
 from kvtrail.sim.fleet.config import FleetConfig  # noqa: E402
 from kvtrail.sim.fleet.run import write_fleet  # noqa: E402
 
+# the fleet of tests/sim/test_fleet.py's SMALL (pools that churn within seconds, every planted class armed
+# often), run until the page-events wanted
+PLANTED = FleetConfig(
+    rate_per_s=10,
+    prefill_nodes=2,
+    decode_nodes=2,
+    tenants=6,
+    chunk_tokens=4096,
+    prefill_pool_tokens=16_384,
+    decode_pool_tokens=69_632,
+    context_tokens=65_536,
+    prefill_rate_min_tokens_per_s=40_000,
+    prompt_median_tokens=1024,
+    prompt_sigma=1.5,
+    completion_median_tokens=48,
+    max_new_tokens=1024,
+    doc_median_tokens=512,
+    plants_per_hour=1500,
+)
+
 
 def checker_part(bounds: Bounds, rounds: int) -> None:
     rates, firsts, states = [], [], 0
@@ -59,7 +79,7 @@ def checker_part(bounds: Bounds, rounds: int) -> None:
 
 
 def monitors_part(page_events: int, rounds: int) -> None:
-    cfg = replace(FleetConfig(), target_page_events=page_events, decode_nodes=4, prefill_nodes=4)
+    cfg = replace(PLANTED, target_page_events=page_events)
     with tempfile.TemporaryDirectory() as tmp:
         db = Path(tmp) / "fleet.duckdb"
         with AuditStore(db) as store:

@@ -71,11 +71,18 @@ class Violation:
         }
 
 
+_FREED_KEPT = 4  # per page, the latest requests that freed it (a late write of an earlier one goes unseen)
+
+
 @dataclass
 class _Pool:
-    holders: dict[int, dict] = field(default_factory=dict)  # page -> {request: block hash or None (exclusive)}
+    owners: dict[int, list] = field(default_factory=dict)  # page -> requests holding it exclusively
+    hits: dict[int, dict] = field(default_factory=dict)  # page -> {request: block hash} (prefix-cache hits)
     writer: dict = field(default_factory=dict)  # page -> (request, tenant, block hash stored) ; None: unknown
-    freed_by: dict = field(default_factory=dict)  # (page, request) -> event that freed it
+    freed_by: dict[int, dict] = field(default_factory=dict)  # page -> {request: the event that freed it}
+
+    def holds(self, page: int, rid) -> bool:
+        return rid in self.owners.get(page, ()) or rid in self.hits.get(page, ())
 
 
 class Monitors:
@@ -98,11 +105,11 @@ class Monitors:
 
     # ---- feeding ---------------------------------------------------------------------------------
 
-    def feed(self, table: pa.Table) -> None:
-        """Judge one table of events (already in the judge's order)."""
+    def feed(self, table: pa.Table, order: list[int] | None = None) -> None:
+        """Judge one table of events, in ``order`` (row numbers; default: as they come)."""
         cols = {c: table.column(c).to_pylist() for c in _COLUMNS}
         kinds = cols["kind"]
-        for n in range(table.num_rows):
+        for n in range(table.num_rows) if order is None else order:
             handler = getattr(self, "on_" + kinds[n], None)
             self.events += 1
             if handler is not None:
@@ -148,16 +155,21 @@ class Monitors:
             self.tenant.setdefault(rid, e["tenant_id"])
         if e["purpose"] == "prefix_hit":
             for p, h in zip(pages, e["block_hashes"] or [None] * len(pages)):
-                pool.holders.setdefault(p, {})[rid] = h
+                pool.hits.setdefault(p, {})[rid] = h
             return
         if len(set(pages)) != len(pages):
             self._report("pages_conserved", e, f"one allocation lists a page twice: {pages}")
+        owners = pool.owners
         for p in pages:
-            held = pool.holders.setdefault(p, {})
-            others = [r for r, h in held.items() if h is None and r != rid]
-            if others:
-                self._report("pages_conserved", e, f"page {p} allocated to {rid} while {others[0]} holds it")
-            held[rid] = None
+            held = owners.get(p)
+            if held is None:
+                owners[p] = [rid]
+            else:
+                others = [r for r in held if r != rid]
+                if others:
+                    self._report("pages_conserved", e, f"page {p} allocated to {rid} while {others[0]} holds it")
+                if rid not in held:
+                    held.append(rid)
             if e["purpose"] == "decode_growth":
                 pool.writer[p] = (rid, self.tenant.get(rid), None)  # the step that reads it fills it
 
@@ -166,15 +178,26 @@ class Monitors:
         if pool is None:
             return
         rid = e["request_id"]
+        owners, hits = pool.owners, pool.hits
         for p in e["pages"] or []:
-            held = pool.holders.get(p)
-            if not held:
-                continue
             if rid is None:  # a radix eviction releases every holder
-                held.clear()
-            elif rid in held:
-                del held[rid]
-                pool.freed_by[(p, rid)] = e
+                owners.pop(p, None)
+                hits.pop(p, None)
+                continue
+            held = owners.get(p)
+            if held is not None and rid in held:
+                held.remove(rid)
+                if not held:
+                    del owners[p]
+            elif rid in hits.get(p, ()):
+                del hits[p][rid]
+            else:
+                continue
+            freed = pool.freed_by.setdefault(p, {})
+            freed.pop(rid, None)
+            freed[rid] = e
+            if len(freed) > _FREED_KEPT:
+                del freed[next(iter(freed))]
 
     def on_kv_written(self, e: dict) -> None:
         pool = self._pool(e)
@@ -183,9 +206,8 @@ class Monitors:
         rid = e["request_id"]
         hashes = e["block_hashes"] or [None] * len(e["pages"] or [])
         for p, h in zip(e["pages"] or [], hashes):
-            held = pool.holders.get(p, {})
-            if e["source"] == "transfer_in" and rid not in held:
-                freed = pool.freed_by.get((p, rid))
+            if e["source"] == "transfer_in" and not pool.holds(p, rid):
+                freed = pool.freed_by.get(p, {}).get(rid)
                 if freed is not None:
                     self._report(
                         "no_free_before_drain",
@@ -226,8 +248,7 @@ class Monitors:
         rid = e["request_id"]
         tenant = self.tenant.get(rid, e["tenant_id"])
         for p in e["pages"] or []:
-            held = pool.holders.get(p, {})
-            if rid not in held:
+            if not pool.holds(p, rid):
                 self._report("no_foreign_read", e, f"{rid} reads page {p} it does not hold")
                 break
             if p not in pool.writer:
@@ -240,7 +261,7 @@ class Monitors:
             writer, wtenant, whash = w
             if writer == rid:
                 continue
-            hit = held[rid]
+            hit = pool.hits.get(p, {}).get(rid)
             if hit is not None and hit == whash and wtenant == tenant:
                 continue  # a sealed prefix of its own namespace
             why = "a prefix of another namespace" if hit is not None and hit == whash else "last written"
@@ -282,13 +303,10 @@ class Monitors:
         return out
 
 
-def judge_order(table: pa.Table) -> pa.Table:
-    """The judge's order: wall time, then cluster, node, instance, seq."""
-    idx = pc.sort_indices(
-        table,
-        sort_keys=[(c, "ascending") for c in ("wall_ns", "cluster", "node", "instance", "seq")],
-    )
-    return table.take(idx)
+def judge_order(table: pa.Table) -> list[int]:
+    """Row numbers in the judge's order: wall time, then cluster, node, instance, seq."""
+    keys = [(c, "ascending") for c in ("wall_ns", "cluster", "node", "instance", "seq")]
+    return pc.sort_indices(table.select([k for k, _ in keys]), sort_keys=keys).to_pylist()
 
 
 assert set(PROPERTIES) >= {"no_foreign_read", "aborted_never_sent", "no_free_before_drain"}

@@ -72,17 +72,23 @@ def canonical(s: State, page_symmetry: bool) -> State:
     """The representative of ``s`` under renaming requests (and pages, with ``page_symmetry``)."""
     reqs = s.reqs
     n = len(reqs)
-    order = sorted(range(n), key=lambda i: _req_key(reqs[i]))
+    keys = [_req_key(r) for r in reqs]
+    order = sorted(range(n), key=keys.__getitem__)
+    same_reqs = order == list(range(n))
     rmap = [0] * n
     for new, old in enumerate(order):
         rmap[old] = new
+    dmap: list[int] | None = None
+    pmap: list[int] | None = None
     if page_symmetry:
-        dmap: list[int] | None
-        pmap: list[int] | None
         dmap = _page_map(len(s.dpool), (reqs[i][DPAGES] for i in order), s.dpool, rmap, 1)
         pmap = _page_map(len(s.ppool), (reqs[i][PPAGES] for i in order), s.ppool, rmap, 2)
-    else:
-        dmap = pmap = None  # no page renaming
+        if dmap == sorted(dmap):
+            dmap = None  # already named canonically
+        if pmap == sorted(pmap):
+            pmap = None
+    if same_reqs and dmap is None and pmap is None:
+        return s
     new_reqs = []
     for old in order:
         r = reqs[old]
@@ -92,8 +98,11 @@ def canonical(s: State, page_symmetry: bool) -> State:
         if pmap is not None and pp:
             pp = tuple(pmap[p] for p in pp)
         new_reqs.append(r[:DPAGES] + (dp, pp) + r[HIT:])
-    dpool = [((rmap[o] if o >= 0 else -1), (rmap[w] if w >= 0 else -1), late) for o, w, late in s.dpool]
-    ppool = [(_remap_mask(h, rmap), ns, (rmap[w] if w >= 0 else -1)) for h, ns, w in s.ppool]
+    if same_reqs:
+        dpool, ppool = list(s.dpool), list(s.ppool)
+    else:
+        dpool = [((rmap[o] if o >= 0 else -1), (rmap[w] if w >= 0 else -1), late) for o, w, late in s.dpool]
+        ppool = [(_remap_mask(h, rmap), ns, (rmap[w] if w >= 0 else -1)) for h, ns, w in s.ppool]
     dfree, pfree = s.dfree, s.pfree
     if dmap is not None:
         dpool = _permute(dpool, dmap)

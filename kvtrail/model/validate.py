@@ -17,9 +17,9 @@ def validate_store(con: duckdb.DuckDBPyConnection, w: Window | None = None) -> d
     w = w or Window()
     check_window(con, w)
     where, params = ("wall_ns <= ?", [w.to_ns]) if w.to_ns is not None else ("TRUE", [])
-    table = judge_order(read_events(con, where, params))
+    table = read_events(con, where, params)
     mon = Monitors(w.from_ns)
-    mon.feed(table)
+    mon.feed(table, judge_order(table))
     coverage = mon.coverage()
     for gap in coverage_gaps(con, w).iter_rows(named=True):
         coverage.append(
