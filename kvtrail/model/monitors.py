@@ -13,8 +13,8 @@ How each property reads a history:
   R does not hold is not R's to read either. A page given to R for decode growth counts as R's. A page an
   ``unverified`` receipt may have written has an unknown writer: cannot tell.
 - ``aborted_never_sent``: a ``transfer_sent`` for R on a node that already recorded R rejected or aborted.
-- ``no_free_before_drain``: R's write lands (``kv_written`` from ``transfer_in``) on a page R freed: the
-  free came before the drain; the first offending event is that free.
+- ``no_free_before_drain``: R's write lands (``kv_written`` from ``transfer_in``) on a page R does not hold
+  and was the last to free: the free came before the drain; the first offending event is that free.
 - ``transferred_equals_reserved``: decode reads for R after a receipt (or sends) for R whose tokens differ
   from what decode reserved; a read with a reservation and no receipt: cannot tell.
 - ``pages_conserved``: a page allocated (not as a prefix hit) while another request holds it, or listed
@@ -23,8 +23,9 @@ How each property reads a history:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -46,6 +47,20 @@ _COLUMNS = (
     "status",
     "block_hashes",
 )
+
+
+_LISTS = ("pages", "block_hashes")
+
+
+def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, list[bool]]:
+    """A list column as (flat values, offsets, row is not null)."""
+    arr = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    values = arr.values.to_numpy(zero_copy_only=False) if len(arr) else np.zeros(0, np.int64)
+    offsets = arr.offsets.to_numpy()
+    if arr.offset or offsets[0]:
+        offsets = offsets - offsets[0]
+        values = arr.flatten().to_numpy(zero_copy_only=False)
+    return values.astype(np.int64, copy=False), offsets, arr.is_valid().to_pylist()
 
 
 @dataclass
@@ -71,18 +86,40 @@ class Violation:
         }
 
 
-_FREED_KEPT = 4  # per page, the latest requests that freed it (a late write of an earlier one goes unseen)
+NEVER, UNKNOWN, FREE = -1, -2, -1
+NO_HASH = np.iinfo(np.int64).min  # the writer stored no block hash
 
 
-@dataclass
 class _Pool:
-    owners: dict[int, list] = field(default_factory=dict)  # page -> requests holding it exclusively
-    hits: dict[int, dict] = field(default_factory=dict)  # page -> {request: block hash} (prefix-cache hits)
-    writer: dict = field(default_factory=dict)  # page -> (request, tenant, block hash stored) ; None: unknown
-    freed_by: dict[int, dict] = field(default_factory=dict)  # page -> {request: the event that freed it}
+    """One node's pool as arrays indexed by page id (grown as page ids appear): the exclusive owner's
+    request code (a second owner, a fault, kept aside), the last writer and the block hash it stored,
+    the last request that freed the page; prefix-cache hits in a dict (page -> {request code: hash})."""
 
-    def holds(self, page: int, rid) -> bool:
-        return rid in self.owners.get(page, ()) or rid in self.hits.get(page, ())
+    def __init__(self, size: int = 1024):
+        self.owner = np.full(size, FREE, np.int64)
+        self.writer = np.full(size, NEVER, np.int64)
+        self.whash = np.full(size, NO_HASH, np.int64)
+        self.freer = np.full(size, FREE, np.int64)
+        self.freed_ev: dict[int, dict] = {}  # page -> the event that freed it last
+        self.extra: dict[int, list[int]] = {}  # page -> further exclusive owners (double ownership)
+        self.hits: dict[int, dict[int, int | None]] = {}
+
+    def fit(self, pages: np.ndarray) -> None:
+        if len(pages) and int(pages.max()) >= len(self.owner):
+            size = max(int(pages.max()) + 1, 2 * len(self.owner))
+            for name, fill in (("owner", FREE), ("writer", NEVER), ("whash", NO_HASH), ("freer", FREE)):
+                old = getattr(self, name)
+                grown = np.full(size, fill, np.int64)
+                grown[: len(old)] = old
+                setattr(self, name, grown)
+
+    def held_mask(self, pages: np.ndarray, code: int) -> np.ndarray:
+        held = self.owner[pages] == code
+        if not held.all() and (self.extra or self.hits):
+            for k in np.flatnonzero(~held):
+                p = int(pages[k])
+                held[k] = code in self.extra.get(p, ()) or code in self.hits.get(p, ())
+        return held
 
 
 class Monitors:
@@ -97,26 +134,46 @@ class Monitors:
         self.reserved: dict[tuple, int] = {}  # (node, request) -> tokens decode reserved
         self.received: dict[tuple, tuple[int, dict]] = {}  # (node, request) -> (tokens, event)
         self.sent: dict[str, int] = {}  # request -> tokens prefill sent
-        self.tenant: dict[str, str] = {}
+        self.codes: dict[str, int] = {}
+        self.names: list[str] = []
+        self.tenants: list[str | None] = []
         self.violations: list[Violation] = []
         self.reported: set = set()
         self.cannot_tell: dict[tuple[str, str], list] = {}
         self.events = 0
 
+    def _code(self, rid: str, tenant: str | None) -> int:
+        c = self.codes.get(rid)
+        if c is None:
+            c = self.codes[rid] = len(self.names)
+            self.names.append(rid)
+            self.tenants.append(tenant)
+        elif tenant is not None and self.tenants[c] is None:
+            self.tenants[c] = tenant
+        return c
+
     # ---- feeding ---------------------------------------------------------------------------------
 
     def feed(self, table: pa.Table, order: list[int] | None = None) -> None:
         """Judge one table of events, in ``order`` (row numbers; default: as they come)."""
-        cols = {c: table.column(c).to_pylist() for c in _COLUMNS}
+        cols = {c: table.column(c).to_pylist() for c in _COLUMNS if c not in _LISTS}
+        lists = {c: _flat(table.column(c)) for c in _LISTS}
         kinds = cols["kind"]
+        names = [c for c in _COLUMNS if c not in _LISTS]
         for n in range(table.num_rows) if order is None else order:
             handler = getattr(self, "on_" + kinds[n], None)
             self.events += 1
             if handler is not None:
-                handler({c: cols[c][n] for c in _COLUMNS})
+                e = {c: cols[c][n] for c in names}
+                for c, (values, offsets, valid) in lists.items():
+                    e[c] = values[offsets[n] : offsets[n + 1]] if valid[n] else None
+                handler(e)
 
     def _pool(self, e: dict) -> _Pool | None:
-        return self.pools.get((e["cluster"], e["node"]))
+        pool = self.pools.get((e["cluster"], e["node"]))
+        if pool is not None and e.get("pages") is not None:
+            pool.fit(e["pages"])
+        return pool
 
     def _report(self, prop: str, e: dict, detail: str, key=None) -> None:
         if self.from_ns is not None and e["wall_ns"] < self.from_ns:
@@ -140,8 +197,7 @@ class Monitors:
             self.pools[key] = _Pool()  # a new producer instance: a fresh pool
 
     def on_request_received(self, e: dict) -> None:
-        if e["tenant_id"] is not None:
-            self.tenant.setdefault(e["request_id"], e["tenant_id"])
+        self._code(e["request_id"], e["tenant_id"])
 
     def on_request_aborted(self, e: dict) -> None:
         self.stopped.setdefault((e["cluster"], e["node"], e["request_id"]), e)
@@ -150,79 +206,89 @@ class Monitors:
         pool = self._pool(e)
         if pool is None:
             return
-        rid, pages = e["request_id"], e["pages"] or []
-        if e["tenant_id"] is not None:
-            self.tenant.setdefault(rid, e["tenant_id"])
+        rid, pages = e["request_id"], e["pages"]
+        code = self._code(rid, e["tenant_id"])
         if e["purpose"] == "prefix_hit":
-            for p, h in zip(pages, e["block_hashes"] or [None] * len(pages)):
-                pool.hits.setdefault(p, {})[rid] = h
+            hashes = e["block_hashes"]
+            for k, p in enumerate(pages.tolist()):
+                pool.hits.setdefault(p, {})[code] = None if hashes is None else int(hashes[k])
             return
-        if len(set(pages)) != len(pages):
-            self._report("pages_conserved", e, f"one allocation lists a page twice: {pages}")
-        owners = pool.owners
-        for p in pages:
-            held = owners.get(p)
-            if held is None:
-                owners[p] = [rid]
-            else:
-                others = [r for r in held if r != rid]
-                if others:
-                    self._report("pages_conserved", e, f"page {p} allocated to {rid} while {others[0]} holds it")
-                if rid not in held:
-                    held.append(rid)
-            if e["purpose"] == "decode_growth":
-                pool.writer[p] = (rid, self.tenant.get(rid), None)  # the step that reads it fills it
+        if len(set(pages.tolist())) != len(pages):
+            self._report("pages_conserved", e, f"one allocation lists a page twice: {pages.tolist()}")
+        cur = pool.owner[pages]
+        clash = (cur != FREE) & (cur != code)
+        if clash.any():
+            for k in np.flatnonzero(clash):
+                p, other = int(pages[k]), int(cur[k])
+                self._report("pages_conserved", e, f"page {p} allocated to {rid} while {self.names[other]} holds it")
+                pool.extra.setdefault(p, []).append(other)
+        pool.owner[pages] = code
+        if e["purpose"] == "decode_growth":
+            pool.writer[pages] = code  # the step that reads it fills it
+            pool.whash[pages] = NO_HASH
 
     def on_pages_freed(self, e: dict) -> None:
         pool = self._pool(e)
         if pool is None:
             return
-        rid = e["request_id"]
-        owners, hits = pool.owners, pool.hits
-        for p in e["pages"] or []:
-            if rid is None:  # a radix eviction releases every holder
-                owners.pop(p, None)
-                hits.pop(p, None)
-                continue
-            held = owners.get(p)
-            if held is not None and rid in held:
-                held.remove(rid)
-                if not held:
-                    del owners[p]
-            elif rid in hits.get(p, ()):
-                del hits[p][rid]
-            else:
-                continue
-            freed = pool.freed_by.setdefault(p, {})
-            freed.pop(rid, None)
-            freed[rid] = e
-            if len(freed) > _FREED_KEPT:
-                del freed[next(iter(freed))]
+        rid, pages = e["request_id"], e["pages"]
+        if rid is None:  # a radix eviction releases every holder
+            pool.owner[pages] = FREE
+            if pool.hits or pool.extra:
+                for p in pages.tolist():
+                    pool.hits.pop(p, None)
+                    pool.extra.pop(p, None)  # every holder released
+            return
+        code = self._code(rid, e["tenant_id"])
+        mine = pool.owner[pages] == code
+        freed = pages[mine]
+        if not mine.all():
+            more = []
+            for p in pages[~mine].tolist():
+                if code in pool.extra.get(p, ()):
+                    pool.extra[p].remove(code)
+                    if not pool.extra[p]:
+                        del pool.extra[p]
+                    more.append(p)
+                elif code in pool.hits.get(p, ()):
+                    del pool.hits[p][code]
+                    more.append(p)
+            freed = np.concatenate([freed, np.asarray(more, dtype=freed.dtype)])
+        pool.owner[pages[mine]] = FREE
+        if pool.extra:  # a second owner still holds the page: it becomes the owner
+            for p in set(pool.extra).intersection(pages[mine].tolist()):
+                pool.owner[p] = pool.extra[p].pop()
+                if not pool.extra[p]:
+                    del pool.extra[p]
+        pool.freer[freed] = code
+        for p in freed.tolist():
+            pool.freed_ev[p] = e
 
     def on_kv_written(self, e: dict) -> None:
         pool = self._pool(e)
         if pool is None:
             return
-        rid = e["request_id"]
-        hashes = e["block_hashes"] or [None] * len(e["pages"] or [])
-        for p, h in zip(e["pages"] or [], hashes):
-            if e["source"] == "transfer_in" and not pool.holds(p, rid):
-                freed = pool.freed_by.get(p, {}).get(rid)
-                if freed is not None:
-                    self._report(
-                        "no_free_before_drain",
-                        freed,
-                        f"{rid}'s write landed on page {p} after {rid} freed it (seq {e['seq']} of {e['node']})",
-                    )
-            pool.writer[p] = (rid, self.tenant.get(rid), h)
+        rid, pages = e["request_id"], e["pages"]
+        code = self._code(rid, e["tenant_id"])
+        if e["source"] == "transfer_in":
+            late = ~pool.held_mask(pages, code) & (pool.freer[pages] == code)
+            if late.any():
+                p = int(pages[np.flatnonzero(late)[0]])
+                self._report(
+                    "no_free_before_drain",
+                    pool.freed_ev[p],
+                    f"{rid}'s write landed on page {p} after {rid} freed it (seq {e['seq']} of {e['node']})",
+                )
+        pool.writer[pages] = code
+        hashes = e["block_hashes"]
+        pool.whash[pages] = NO_HASH if hashes is None else hashes
 
     def on_transfer_received(self, e: dict) -> None:
         key = (e["cluster"], e["node"], e["request_id"])
         if e["status"] == "unverified":
             pool = self._pool(e)
             if pool is not None:
-                for p in e["pages"] or []:
-                    pool.writer[p] = None  # writer unknown from now on
+                pool.writer[e["pages"]] = UNKNOWN  # writer unknown from now on
             return
         if e["status"] in ("ok", "mismatch"):
             self.received[key] = (e["num_tokens"], e)
@@ -245,27 +311,31 @@ class Monitors:
         pool = self._pool(e)
         if pool is None:
             return
-        rid = e["request_id"]
-        tenant = self.tenant.get(rid, e["tenant_id"])
-        for p in e["pages"] or []:
-            if not pool.holds(p, rid):
+        rid, pages = e["request_id"], e["pages"]
+        code = self._code(rid, e["tenant_id"])
+        held = pool.held_mask(pages, code)
+        writers = pool.writer[pages]
+        bad = np.flatnonzero(~held | (writers != code))
+        tenant = self.tenants[code]
+        for k in bad.tolist():
+            p = int(pages[k])
+            if not held[k]:
                 self._report("no_foreign_read", e, f"{rid} reads page {p} it does not hold")
                 break
-            if p not in pool.writer:
+            w = int(writers[k])
+            if w == NEVER:
                 self._report("no_foreign_read", e, f"{rid} reads page {p}, never written since the pool began")
                 break
-            w = pool.writer[p]
-            if w is None:
+            if w == UNKNOWN:
                 self._unknown("no_foreign_read", "a read of pages an unverified transfer may have written", e)
                 continue
-            writer, wtenant, whash = w
-            if writer == rid:
-                continue
-            hit = pool.hits.get(p, {}).get(rid)
+            hit = pool.hits.get(p, {}).get(code)
+            whash = int(pool.whash[p])
+            wtenant = self.tenants[w]
             if hit is not None and hit == whash and wtenant == tenant:
                 continue  # a sealed prefix of its own namespace
             why = "a prefix of another namespace" if hit is not None and hit == whash else "last written"
-            self._report("no_foreign_read", e, f"{rid} ({tenant}) reads page {p}: {why} by {writer} ({wtenant})")
+            self._report("no_foreign_read", e, f"{rid} ({tenant}) reads page {p}: {why} by {self.names[w]} ({wtenant})")
             break
         key = (e["cluster"], e["node"], rid)
         if key in self.reserved:
