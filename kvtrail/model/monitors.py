@@ -218,7 +218,7 @@ class Monitors:
         cur = pool.owner[pages]
         clash = (cur != FREE) & (cur != code)
         if clash.any():
-            for k in np.flatnonzero(clash):
+            for k in np.flatnonzero(clash).tolist():
                 p, other = int(pages[k]), int(cur[k])
                 self._report("pages_conserved", e, f"page {p} allocated to {rid} while {self.names[other]} holds it")
                 pool.extra.setdefault(p, []).append(other)

@@ -15,8 +15,8 @@ from kvtrail.model.transitions import Transitions
 from kvtrail.model.variants import VARIANTS, Bounds
 
 
-def run(variant: str, *bounds: int, reuse: str | None = None):
-    return Checker(VARIANTS[variant], Bounds(*bounds, reuse=reuse)).run()
+def run(variant: str, requests: int, pages: int, chunks: int, reuse: str | None = None):
+    return Checker(VARIANTS[variant], Bounds(requests, pages, chunks, reuse)).run()
 
 
 @pytest.mark.parametrize("variant", ["patched", "stack-patched"])
@@ -104,7 +104,7 @@ def _shuffled(s: State, rng: random.Random) -> State:
     for old in perm:
         r = s.reqs[old]
         reqs.append(r[:9] + (tuple(pmap[p] for p in r[9]), r[10]) + r[11:])
-    dpool = [None] * m
+    dpool: list = [None] * m
     for p, (o, w, late) in enumerate(s.dpool):
         dpool[pmap[p]] = (rq(o), rq(w), late)
     ppool = [(sum(1 << inv[i] for i in range(n) if h >> i & 1), ns, rq(w)) for h, ns, w in s.ppool]
