@@ -25,6 +25,7 @@ _LAZY = {
     "dashboard": "kvtrail.cli.dashboard:dashboard",
     "forensics": "kvtrail.cli.forensics:forensics",
     "lake": "kvtrail.cli.lake:lake",
+    "model": "kvtrail.cli.model:model",
     "preflight": "kvtrail.cli.preflight:preflight",
     "simulate": "kvtrail.cli.simulate:simulate",
     "stack": "kvtrail.cli.stack:stack",

@@ -35,7 +35,7 @@ from kvtrail.forensics import (
 )
 from kvtrail.forensics.options import ReportOptions
 from kvtrail.forensics.questions import findings_of
-from kvtrail.service import audit_api, models, tokens_api
+from kvtrail.service import audit_api, model_api, models, tokens_api
 from kvtrail.service.audited import logged_route
 from kvtrail.service.auth import current_principal, require_role
 from kvtrail.service.judged import affected_answer, findings_answer, judged_or_replayed
@@ -432,5 +432,6 @@ def router(state: Any) -> APIRouter:
         r.add_api_route(path, endpoint, methods=["GET"], response_model=model, responses=TABLE)
     r.add_api_route("/reports", reports, methods=["POST"], responses=ARCHIVE, response_class=Response)
     r.include_router(audit_api.router(state, logged_route(state), partial(run, state)))
+    r.include_router(model_api.router(state, logged_route(state), partial(run, state)))
     r.include_router(tokens_api.router(state, logged_route(state)))
     return r
