@@ -24,10 +24,10 @@ from kvtrail.answers.tables import (
     json_text,
     printable,
     render_table,
-    terminal_text,
     view_for,
     window_scope,
 )
+from kvtrail.answers.text import terminal_text
 from kvtrail.cli.options import exclusion_options, exclusions, probe_options, report_options
 from kvtrail.cli.progress import replaying, step
 from kvtrail.cli.report import report, verify_report_cmd
