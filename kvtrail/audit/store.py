@@ -13,6 +13,8 @@ Tables (see ``docs/events.md`` for the columns):
   page_runs   (producer_id, seq, list, pos, page_start, num_pages): list 0 = pages, 1 = dst_pages
   batches     one row per committed batch: seq range, counts, prev digest, digest, signature
   prunes, prune_batches, legal_holds   retention records (see kvtrail.audit.retention)
+  tlog_leaves the transparency log's leaves: each committed batch's digest in commit order; its compact
+              frontier is meta's tlog_frontier (see kvtrail.audit.tlog)
 
   store_opens one row per writable open (open_no, opened_ns, kvtrail_version): a restarted owner shows
 
@@ -53,6 +55,7 @@ from kvtrail.audit.storefile import (
     store_tables,
     wal_path,
 )
+from kvtrail.audit.tlog import TreeWriter
 from kvtrail.audit.validate import Prechecked, ProducerState, ValidatedBatch, merge_validated, validate_batch
 
 log = logging.getLogger(__name__)
@@ -223,6 +226,7 @@ class AuditStore:
             self.con.execute(
                 "INSERT INTO meta VALUES ('store_format', ?), ('created_ns', ?)", [STORE_FORMAT, str(time.time_ns())]
             )
+        self.tree = TreeWriter(self.con)  # an older store's tree is built here, from its batches
         self.open_no = int(fetch_row(self.con, f"SELECT coalesce(max(open_no) + 1, 0) FROM {OPENS_TABLE}")[0])
         self.con.execute(f"INSERT INTO {OPENS_TABLE} VALUES (?, ?, ?)", [self.open_no, time.time_ns(), __version__])
         self.con.commit()
@@ -422,6 +426,8 @@ class AuditStore:
                     "INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
                     (*row, digest, sig, key_id),
                 )  # ~1.5 ms even for one row
+            frontier, leaves = self.tree.stage([(pid, no, d) for (pid, no), (d, _s) in zip(committed, digests)])
+            self.tree.write(con, frontier, leaves)
             con.commit()
         except BaseException:
             con.rollback()
@@ -431,6 +437,7 @@ class AuditStore:
             if pending is not None and not pending.cancel():
                 wait([pending])  # a failed commit: the helper is not left working on its digests
         self.requests.remember(new_idents)
+        self.tree.frontier = frontier
         for (pid, (last_seq, batch_no)), (digest, _sig) in zip(state_after.items(), digests):
             link = (batch_no, digest)
             st = self._state.setdefault(pid, ProducerState())

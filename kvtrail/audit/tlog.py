@@ -1,0 +1,257 @@
+"""The store's transparency log: one RFC 9162 Merkle tree per store over its committed batches.
+
+Leaf ``i`` is the ``i``-th committed batch's chain digest (``batches.digest``), in commit order; the
+batches one group commit stores are ordered by producer id. ``tlog_leaves`` keeps (leaf_index,
+producer_id, batch_no, digest) and ``meta``'s ``tlog_frontier`` the compact frontier, both written in
+the commit's own transaction, so a commit costs one leaf hash and O(log n) node hashes. A store an
+older kvtrail wrote gets its tree on its next writable open, from its batches in the same order
+(commit time, producer, batch number); a read-only reader of such a store derives it the same way.
+Pruning keeps ``batches`` rows, so the tree never loses a leaf. See docs/audit-log.md.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+
+import duckdb
+
+from kvtrail.audit.merkle import Frontier, Tree, leaf_hash, verify_consistency, verify_inclusion
+from kvtrail.audit.note import Checkpoint
+from kvtrail.errors import KvtrailError
+
+LEAVES_TABLE = "tlog_leaves"
+FRONTIER_KEY = "tlog_frontier"
+DDL = (
+    f"CREATE TABLE IF NOT EXISTS {LEAVES_TABLE} (leaf_index BIGINT NOT NULL, producer_id BIGINT NOT NULL, "
+    "batch_no BIGINT NOT NULL, digest BLOB NOT NULL)"
+)
+# The order an older store's batches become leaves in; a group commit's leaves follow it too.
+_BATCH_ORDER = "committed_ns, producer_id, batch_no"
+NEWEST_PREFIX = "kvtrail newest-batch "  # the checkpoint's extension line naming its newest leaf's batch
+
+
+@dataclass(frozen=True)
+class Leaf:
+    index: int
+    producer_id: int
+    batch_no: int
+    digest: bytes
+
+
+def _has_table(con: duckdb.DuckDBPyConnection) -> bool:
+    q = "SELECT count(*) FROM duckdb_tables() WHERE table_name = ? AND database_name = current_database()"
+    row = con.execute(q, [LEAVES_TABLE]).fetchone()
+    return bool(row and row[0])
+
+
+def origin(con: duckdb.DuckDBPyConnection) -> str:
+    """The log's origin line: fixed at the store's creation (kept by export and import with ``meta``)."""
+    row = con.execute("SELECT value FROM meta WHERE key = 'created_ns'").fetchone()
+    return f"kvtrail.store/{row[0] if row else 'unknown'}"
+
+
+def read_leaves(con: duckdb.DuckDBPyConnection) -> list[Leaf]:
+    """The tree's leaves in order (an older store's, not opened writable since, derived from its batches)."""
+    con.complete()
+    if _has_table(con) and _count(con, LEAVES_TABLE) > 0:
+        sql = f"SELECT leaf_index, producer_id, batch_no, digest FROM {LEAVES_TABLE} ORDER BY leaf_index"
+    else:
+        sql = (
+            f"SELECT row_number() OVER (ORDER BY {_BATCH_ORDER}) - 1, producer_id, batch_no, digest "
+            f"FROM batches ORDER BY {_BATCH_ORDER}"
+        )
+    return [Leaf(int(i), int(p), int(b), bytes(d)) for i, p, b, d in con.execute(sql).fetchall()]
+
+
+def _count(con: duckdb.DuckDBPyConnection, table: str) -> int:
+    row = con.execute(f"SELECT count(*) FROM {table}").fetchone()
+    return int(row[0]) if row else 0
+
+
+class TreeWriter:
+    """The writer's side: the frontier, advanced by each commit inside its transaction."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection):
+        """Load the frontier; build the tree of a store that has batches but no leaves (an older store).
+        Runs inside the writable open's transaction."""
+        con.execute(DDL)
+        if _count(con, LEAVES_TABLE) == 0 and _count(con, "batches") > 0:
+            con.execute(
+                f"INSERT INTO {LEAVES_TABLE} SELECT row_number() OVER (ORDER BY {_BATCH_ORDER}) - 1, "
+                f"producer_id, batch_no, digest FROM batches"
+            )
+            con.execute("DELETE FROM meta WHERE key = ?", [FRONTIER_KEY])
+        row = con.execute("SELECT value FROM meta WHERE key = ?", [FRONTIER_KEY]).fetchone()
+        frontier = Frontier.decode(row[0]) if row else None
+        if frontier is None or frontier.size != _count(con, LEAVES_TABLE):
+            frontier = Frontier()
+            for leaf in read_leaves(con):
+                frontier.append(leaf.digest)
+            con.execute("DELETE FROM meta WHERE key = ?", [FRONTIER_KEY])
+            con.execute("INSERT INTO meta VALUES (?, ?)", [FRONTIER_KEY, frontier.encode()])
+        self.frontier = frontier
+
+    def stage(self, batches: list[tuple[int, int, bytes]]) -> tuple[Frontier, list[tuple]]:
+        """The frontier after appending ``batches`` (producer, batch_no, digest) and their leaf rows."""
+        f = self.frontier.copy()
+        rows = []
+        for pid, batch_no, digest in sorted(batches):
+            rows.append((f.size, pid, batch_no, digest))
+            f.append(digest)
+        return f, rows
+
+    @staticmethod
+    def write(con: duckdb.DuckDBPyConnection, frontier: Frontier, rows: list[tuple]) -> None:
+        """Insert the staged leaves and the new frontier (inside the commit's transaction): two statements."""
+        values = ", ".join("(?, ?, ?, ?)" for _ in rows)
+        con.execute(f"INSERT INTO {LEAVES_TABLE} VALUES {values}", [v for r in rows for v in r])
+        con.execute("UPDATE meta SET value = ? WHERE key = ?", [frontier.encode(), FRONTIER_KEY])
+
+
+class LogView:
+    """The log as a reader sees it: leaves, roots, proofs; a checkpoint checked against it."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection):
+        self.origin = origin(con)
+        self.leaves = read_leaves(con)
+        self.tree = Tree([leaf_hash(leaf.digest) for leaf in self.leaves])
+
+    @property
+    def size(self) -> int:
+        return len(self.leaves)
+
+    def checkpoint(self, size: int | None = None) -> Checkpoint:
+        n = self.size if size is None else size
+        ext: tuple[str, ...] = ()
+        if n:
+            last = self.leaves[n - 1]
+            ext = (f"{NEWEST_PREFIX}{last.producer_id}.{last.batch_no}",)
+        return Checkpoint(self.origin, n, self.tree.root(n), ext)
+
+    def consistency(self, old: Checkpoint, new: Checkpoint | None = None) -> dict:
+        """The consistency proof document from ``old`` to ``new`` (the store's tree now by default)."""
+        new = new or self.checkpoint()
+        for cp, what in ((old, "--from"), (new, "--to")):
+            if cp.origin != self.origin:
+                raise KvtrailError(f"{what}: checkpoint of log {cp.origin!r}, this store's log is {self.origin!r}")
+            if cp.size > self.size:
+                raise KvtrailError(f"{what}: checkpoint of {cp.size} leaves, the store's log holds {self.size}")
+        if old.size > new.size:
+            raise KvtrailError(f"--from: tree size {old.size} is larger than --to's {new.size}")
+        return {
+            "type": "consistency",
+            "origin": self.origin,
+            "old_size": old.size,
+            "old_root": b64(old.root),
+            "new_size": new.size,
+            "new_root": b64(new.root),
+            "proof": [b64(h) for h in self.tree.consistency_proof(old.size, new.size)],
+        }
+
+    def inclusion(self, batches: list[tuple[int, int]], size: int | None = None) -> dict:
+        """Inclusion proofs of the leaves of ``batches`` (producer, batch_no) in the tree of ``size`` leaves."""
+        n = self.size if size is None else size
+        where = {(leaf.producer_id, leaf.batch_no): leaf for leaf in self.leaves[:n]}
+        out = []
+        for key in sorted(set(batches)):
+            leaf = where.get(key)
+            if leaf is None:
+                raise KvtrailError(f"batch {key[0]}.{key[1]} is not among the log's first {n} leaves")
+            out.append(
+                {
+                    "leaf_index": leaf.index,
+                    "producer_id": leaf.producer_id,
+                    "batch_no": leaf.batch_no,
+                    "batch_digest": leaf.digest.hex(),
+                    "proof": [b64(h) for h in self.tree.inclusion_proof(leaf.index, n)],
+                }
+            )
+        return {
+            "type": "inclusion",
+            "origin": self.origin,
+            "tree_size": n,
+            "root": b64(self.tree.root(n)),
+            "leaves": out,
+        }
+
+
+def b64(h: bytes) -> str:
+    return base64.b64encode(h).decode()
+
+
+def unb64(text: object, what: str) -> bytes:
+    try:
+        raw = base64.b64decode(str(text), validate=True)
+    except ValueError:
+        raw = b""
+    if len(raw) != 32:
+        raise KvtrailError(f"{what}: not base64 of a 32-byte hash")
+    return raw
+
+
+def check_inclusion_doc(doc: dict, cp: Checkpoint) -> list[str]:
+    """Problems of an inclusion proof document against a checkpoint (none: every leaf proven)."""
+    problems = []
+    if doc.get("origin") != cp.origin or doc.get("tree_size") != cp.size:
+        return [f"proofs are for log {doc.get('origin')!r} size {doc.get('tree_size')}, not the checkpoint's"]
+    for i, leaf in enumerate(doc.get("leaves", [])):
+        try:
+            digest = bytes.fromhex(leaf["batch_digest"])
+            path = [unb64(h, f"leaves[{i}].proof") for h in leaf["proof"]]
+            ok = verify_inclusion(leaf_hash(digest), int(leaf["leaf_index"]), cp.size, path, cp.root)
+        except (KeyError, ValueError, TypeError, KvtrailError):
+            ok = False
+        if not ok:
+            problems.append(
+                f"batch {leaf.get('producer_id')}.{leaf.get('batch_no')}: its inclusion proof does not "
+                f"verify against the checkpoint's root"
+            )
+    return problems
+
+
+def check_consistency_doc(doc: dict, old: Checkpoint, new: Checkpoint) -> bool:
+    try:
+        path = [unb64(h, "proof") for h in doc["proof"]]
+    except (KeyError, TypeError, KvtrailError):
+        return False
+    return verify_consistency(old.size, new.size, old.root, new.root, path)
+
+
+def verify_against(con: duckdb.DuckDBPyConnection, cp: Checkpoint) -> list[str]:
+    """What the store no longer holds of what ``cp`` committed to: each problem names the leaf, and the
+    batch where the store or the checkpoint can name it; empty when the store's tree extends ``cp``."""
+    view = LogView(con)
+    if cp.origin != view.origin:
+        return [f"the checkpoint is of log {cp.origin!r}, this store's log is {view.origin!r}"]
+    problems = []
+    newest = next((e[len(NEWEST_PREFIX) :] for e in cp.extensions if e.startswith(NEWEST_PREFIX)), None)
+    if view.size < cp.size:
+        named = f" (the checkpoint's newest, batch {newest})" if newest else ""
+        problems.append(
+            f"truncated: the checkpoint commits to {cp.size} batches, the store's log holds {view.size}: "
+            f"leaf {view.size}..{cp.size - 1}{named} missing"
+        )
+    digests = {
+        (int(p), int(b)): bytes(d)
+        for p, b, d in con.execute("SELECT producer_id, batch_no, digest FROM batches").fetchall()
+    }
+    for leaf in view.leaves[: cp.size]:
+        have = digests.get((leaf.producer_id, leaf.batch_no))
+        if have is None:
+            problems.append(f"leaf {leaf.index}: batch {leaf.producer_id}.{leaf.batch_no} missing from the store")
+        elif have != leaf.digest:
+            problems.append(f"leaf {leaf.index}: batch {leaf.producer_id}.{leaf.batch_no} rewritten (digest differs)")
+    if view.size >= cp.size and view.tree.root(cp.size) != cp.root:
+        problems.append(
+            f"forked: the store's first {cp.size} leaves hash to {b64(view.tree.root(cp.size))}, not the "
+            f"checkpoint's root {b64(cp.root)}: a batch among them was rewritten, removed or reordered"
+        )
+    elif view.size >= cp.size and newest and cp.size:
+        last = view.leaves[cp.size - 1]
+        if newest != f"{last.producer_id}.{last.batch_no}":
+            problems.append(
+                f"leaf {cp.size - 1}: the checkpoint names batch {newest}, the store holds "
+                f"{last.producer_id}.{last.batch_no}"
+            )
+    return problems
