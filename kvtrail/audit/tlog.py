@@ -109,6 +109,27 @@ class TreeWriter:
         con.execute("UPDATE meta SET value = ? WHERE key = ?", [frontier.encode(), FRONTIER_KEY])
 
 
+def current_checkpoint(con: duckdb.DuckDBPyConnection) -> Checkpoint:
+    """The checkpoint of the tree now, from the stored frontier and newest leaf (O(log n), one snapshot);
+    an older store without them is read whole."""
+    con.complete()
+    con.begin()
+    try:
+        row = con.execute("SELECT value FROM meta WHERE key = ?", [FRONTIER_KEY]).fetchone()
+        last = (
+            con.execute(f"SELECT producer_id, batch_no FROM {LEAVES_TABLE} ORDER BY leaf_index DESC LIMIT 1").fetchone()
+            if row and _has_table(con)
+            else None
+        )
+        if row is None:
+            return LogView(con).checkpoint()
+        frontier = Frontier.decode(row[0])
+        ext = (f"{NEWEST_PREFIX}{last[0]}.{last[1]}",) if last and frontier.size else ()
+        return Checkpoint(origin(con), frontier.size, frontier.root(), ext)
+    finally:
+        con.commit()
+
+
 class LogView:
     """The log as a reader sees it: leaves, roots, proofs; a checkpoint checked against it."""
 

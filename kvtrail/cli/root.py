@@ -105,6 +105,11 @@ _SERVE_DEFAULTS = ServeConfig()
     help="Least time between two live-judge polls while batches stream "
     "in: the bound on its lag; longer leaves ingest more CPU (docs/service.md).",
 )
+@click.option(
+    "--signing-key",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Ed25519 private key (PEM) that signs the log's checkpoints at GET /v1/audit/checkpoint.",
+)
 def serve(
     db: str,
     host: str,
@@ -113,6 +118,7 @@ def serve(
     max_body_bytes: int,
     drain_timeout_s: float,
     judge_interval_s: float,
+    signing_key: str | None,
 ) -> None:
     """Run the audit service (HTTP ingest, live judge, query API) until SIGINT or SIGTERM.
 
@@ -133,6 +139,7 @@ def serve(
                 max_body_bytes=max_body_bytes,
                 drain_timeout_s=drain_timeout_s,
                 judge_interval_s=judge_interval_s,
+                signing_key=signing_key,
             ),
             tokens_file=tokens_file,
             ready=lambda url: click.echo(BANNER.format(url=url)),

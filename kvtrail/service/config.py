@@ -24,6 +24,7 @@ class ServeConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_timeout_s: float = 30.0
     judge_interval_s: float = DEFAULT_JUDGE_INTERVAL_S
+    signing_key: str | None = None  # Ed25519 private key (PEM) signing GET /v1/audit/checkpoint's checkpoints
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -17,6 +17,7 @@ from typing import Callable
 
 import uvicorn
 
+from kvtrail.audit.chain import Signer
 from kvtrail.service.app import create_app
 from kvtrail.service.config import ServeConfig
 from kvtrail.service.state import open_state
@@ -51,7 +52,9 @@ def run_service(
 ) -> None:
     """Serve the store at ``db`` until SIGTERM or SIGINT; ``ready(url)`` is called once it is listening."""
     config = config or ServeConfig()
+    signer = Signer.from_file(config.signing_key) if config.signing_key else None  # a bad key fails first
     state = open_state(db, tokens_file=tokens_file, judge_interval_s=config.judge_interval_s)
+    state.checkpoint_signer = signer
     try:
         app = create_app(state, max_body_bytes=config.max_body_bytes)
         sock = bind(config.host, config.port)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import duckdb
 
+from kvtrail.audit.chain import Signer
 from kvtrail.audit.store import DEFAULT_CHECKPOINT, AuditStore, CheckpointPolicy
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.service import tokens
@@ -35,6 +36,7 @@ class ServiceState:
     snapshots: SharedSnapshots = field(default_factory=SharedSnapshots)  # judged snapshots (judged.py)
     verified: VerifiedTokens = field(default_factory=VerifiedTokens)  # tokens checked recently (auth.py)
     started_ns: int = field(default_factory=time.time_ns)
+    checkpoint_signer: Signer | None = None  # signs GET /v1/audit/checkpoint (serve --signing-key)
     closed: bool = False
 
     def cursor(self) -> duckdb.DuckDBPyConnection:
