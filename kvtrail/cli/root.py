@@ -27,6 +27,7 @@ _LAZY = {
     "simulate": "kvtrail.cli.simulate:simulate",
     "stack": "kvtrail.cli.stack:stack",
     "token": "kvtrail.cli.token:token",
+    "witness": "kvtrail.cli.witness:witness",
 }
 
 
