@@ -130,3 +130,18 @@ def test_frontier_survives_encoding_and_refuses_a_wrong_shape():
     assert Frontier.decode(f.encode()).root() == f.root() == root_of([bytes([i]) for i in range(11)])
     with pytest.raises(ValueError, match="subtrees"):
         Frontier(11, f.hashes[:-1])
+
+
+def test_the_worked_example_in_the_docs_is_what_the_code_computes():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "audit-log.md").read_text()
+    tree = Tree.of([b"a", b"b", b"c"])
+    leaves = [leaf_hash(x) for x in (b"a", b"b", b"c")]
+    for h in (*leaves, tree.subtree(0, 2), tree.root()):
+        assert f"`{h.hex()}`" in doc
+    import base64
+
+    assert base64.b64encode(tree.root()).decode() in doc
+    assert tree.inclusion_proof(2, 3) == [tree.subtree(0, 2)] and tree.inclusion_proof(0, 3) == leaves[1:]
+    assert tree.consistency_proof(2, 3) == [leaves[2]]

@@ -3,8 +3,9 @@
 ``manifests/manifest-NNNNNN.json`` (the highest number is current) holds the producers' chain heads,
 per file its SHA-256, rows, partition and the batch range of each producer it holds, the last exported
 batch per producer (what makes the next export incremental) and the SHA-256 of the manifest before it,
-so the export history is a chain too. ``signature`` signs the SHA-256 of the manifest's canonical JSON
-without that field (:class:`kvtrail.audit.chain.Signer`, Ed25519).
+so the export history is a chain too, and the store's transparency log it covers (``tree_origin``,
+``tree_size``, base64 ``tree_root``: kvtrail.audit.tlog). ``signature`` signs the SHA-256 of the
+manifest's canonical JSON without that field (:class:`kvtrail.audit.chain.Signer`, Ed25519).
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ class LakeManifest:
         """Last exported batch_no per producer id (as a string)."""
         return self.doc.get("exported_batches", {})
 
+    @property
+    def tree(self) -> tuple[str, int, str] | None:
+        """(origin, size, base64 root) of the store's log as of this export; None before the log existed."""
+        d = self.doc
+        return (d["tree_origin"], d["tree_size"], d["tree_root"]) if "tree_size" in d else None
+
     def files_of(self, table: str) -> dict[str, dict]:
         return {p: f for p, f in self.files.items() if f["table"] == table}
 
@@ -89,6 +96,13 @@ def parse_manifest(raw: bytes, where: str) -> dict:
     for key, kind in (("files", dict), ("exported_batches", dict), ("chain_heads", dict), ("producers", dict)):
         if not isinstance(doc.get(key), kind):
             raise KvtrailError(f"{where}: field {key!r} missing or not an object")
+    # The store's transparency log the export covers (absent in manifests written before the log).
+    if "tree_size" in doc and not (
+        isinstance(doc["tree_size"], int)
+        and isinstance(doc.get("tree_root"), str)
+        and isinstance(doc.get("tree_origin"), str)
+    ):
+        raise KvtrailError(f"{where}: fields 'tree_size', 'tree_root', 'tree_origin': an integer and two strings")
     return doc
 
 
