@@ -2,7 +2,8 @@
 
 Leaf ``i`` is the ``i``-th committed batch's chain digest (``batches.digest``), in commit order; the
 batches one group commit stores are ordered by producer id. ``tlog_leaves`` keeps (leaf_index,
-producer_id, batch_no, digest) and ``meta``'s ``tlog_frontier`` the compact frontier, both written in
+producer_id, batch_no, digest) and ``meta``'s ``tlog_frontier`` the compact frontier (``tlog_origin`` the
+log's name), both written in
 the commit's own transaction, so a commit costs one leaf hash and O(log n) node hashes. A store an
 older kvtrail wrote gets its tree on its next writable open, from its batches in the same order
 (commit time, producer, batch number); a read-only reader of such a store derives it the same way.
@@ -22,6 +23,7 @@ from kvtrail.errors import KvtrailError
 
 LEAVES_TABLE = "tlog_leaves"
 FRONTIER_KEY = "tlog_frontier"
+ORIGIN_KEY = "tlog_origin"
 DDL = (
     f"CREATE TABLE IF NOT EXISTS {LEAVES_TABLE} (leaf_index BIGINT NOT NULL, producer_id BIGINT NOT NULL, "
     "batch_no BIGINT NOT NULL, digest BLOB NOT NULL)"
@@ -46,9 +48,41 @@ def _has_table(con: duckdb.DuckDBPyConnection) -> bool:
 
 
 def origin(con: duckdb.DuckDBPyConnection) -> str:
-    """The log's origin line: fixed at the store's creation (kept by export and import with ``meta``)."""
+    """The log's origin line: ``meta``'s ``tlog_origin``, fixed when the tree was made from the store's
+    creation time (an import into a new store adopts the exported one)."""
+    row = con.execute("SELECT value FROM meta WHERE key = ?", [ORIGIN_KEY]).fetchone()
+    if row:
+        return str(row[0])
     row = con.execute("SELECT value FROM meta WHERE key = 'created_ns'").fetchone()
     return f"kvtrail.store/{row[0] if row else 'unknown'}"
+
+
+def extend_from_batches(con: duckdb.DuckDBPyConnection) -> Frontier:
+    """Append a leaf for each batch that has none (in commit order) and store the frontier; inside the
+    caller's transaction. Builds an older store's whole tree; after an import, appends the imported batches."""
+    con.execute(DDL)
+    n = _count(con, LEAVES_TABLE)
+    con.execute(
+        f"INSERT INTO {LEAVES_TABLE} SELECT ? + row_number() OVER (ORDER BY {_BATCH_ORDER}) - 1, producer_id, "
+        f"batch_no, digest FROM batches b WHERE NOT EXISTS (SELECT 1 FROM {LEAVES_TABLE} l "
+        "WHERE l.producer_id = b.producer_id AND l.batch_no = b.batch_no)",
+        [n],
+    )
+    row = con.execute("SELECT value FROM meta WHERE key = ?", [FRONTIER_KEY]).fetchone()
+    frontier = Frontier.decode(row[0]) if row else Frontier()
+    total = _count(con, LEAVES_TABLE)
+    if frontier.size != total:
+        if frontier.size != n:  # not the frontier of the leaves before: recompute it
+            frontier, n = Frontier(), 0
+        added = con.execute(
+            f"SELECT digest FROM {LEAVES_TABLE} WHERE leaf_index >= ? ORDER BY leaf_index", [n]
+        ).fetchall()
+        for (digest,) in added:
+            frontier.append(bytes(digest))
+    if row is None or row[0] != frontier.encode():
+        con.execute("DELETE FROM meta WHERE key = ?", [FRONTIER_KEY])
+        con.execute("INSERT INTO meta VALUES (?, ?)", [FRONTIER_KEY, frontier.encode()])
+    return frontier
 
 
 def read_leaves(con: duckdb.DuckDBPyConnection) -> list[Leaf]:
@@ -73,24 +107,11 @@ class TreeWriter:
     """The writer's side: the frontier, advanced by each commit inside its transaction."""
 
     def __init__(self, con: duckdb.DuckDBPyConnection):
-        """Load the frontier; build the tree of a store that has batches but no leaves (an older store).
-        Runs inside the writable open's transaction."""
-        con.execute(DDL)
-        if _count(con, LEAVES_TABLE) == 0 and _count(con, "batches") > 0:
-            con.execute(
-                f"INSERT INTO {LEAVES_TABLE} SELECT row_number() OVER (ORDER BY {_BATCH_ORDER}) - 1, "
-                f"producer_id, batch_no, digest FROM batches"
-            )
-            con.execute("DELETE FROM meta WHERE key = ?", [FRONTIER_KEY])
-        row = con.execute("SELECT value FROM meta WHERE key = ?", [FRONTIER_KEY]).fetchone()
-        frontier = Frontier.decode(row[0]) if row else None
-        if frontier is None or frontier.size != _count(con, LEAVES_TABLE):
-            frontier = Frontier()
-            for leaf in read_leaves(con):
-                frontier.append(leaf.digest)
-            con.execute("DELETE FROM meta WHERE key = ?", [FRONTIER_KEY])
-            con.execute("INSERT INTO meta VALUES (?, ?)", [FRONTIER_KEY, frontier.encode()])
-        self.frontier = frontier
+        """Load the frontier; give an older store (batches without leaves) its tree. Runs inside the
+        writable open's transaction."""
+        if con.execute("SELECT count(*) FROM meta WHERE key = ?", [ORIGIN_KEY]).fetchone() == (0,):
+            con.execute("INSERT INTO meta VALUES (?, ?)", [ORIGIN_KEY, origin(con)])
+        self.frontier = extend_from_batches(con)
 
     def stage(self, batches: list[tuple[int, int, bytes]]) -> tuple[Frontier, list[tuple]]:
         """The frontier after appending ``batches`` (producer, batch_no, digest) and their leaf rows."""

@@ -213,3 +213,19 @@ def test_prove_cli_consistency_and_request_inclusion_verify(tmp_path, keys, caps
     assert check_inclusion_doc(doc, new)
     rc, _, err = run_cli(capsys, "audit", "prove", "--db", str(db), "--request", "nope")
     assert rc == 2 and "nope" in err[0]
+
+
+def test_export_and_import_keep_the_log_so_old_checkpoints_still_verify(tmp_path, keys):
+    from kvtrail.audit.export import export_parquet, import_parquet
+
+    db = tmp_path / "a.duckdb"
+    _fill(db, 3)
+    cp = _checkpoint(db, keys, tmp_path / "cp").checkpoint
+    export_parquet(db, tmp_path / "out")
+    import_parquet(tmp_path / "out", tmp_path / "b.duckdb")
+    con = connect_readonly(tmp_path / "b.duckdb")
+    try:
+        assert LogView(con).checkpoint() == cp
+        assert verify_against(con, cp) == []
+    finally:
+        con.close()
