@@ -34,7 +34,7 @@ from kvtrail import __version__
 from kvtrail.audit.layout import insert_from
 from kvtrail.audit.store import AuditStore, connect_readonly, fetch_row, schema_ddl
 from kvtrail.audit.storefile import MIGRATABLE_FORMATS, STORE_FORMAT, connect, wal_path
-from kvtrail.audit.tlog import FRONTIER_KEY, ORIGIN_KEY, extend_from_batches
+from kvtrail.audit.tlog import FRONTIER_KEY, ORIGIN_KEY
 from kvtrail.audit.verify import VerifyReport, verify_store
 from kvtrail.errors import ChainError, StoreError
 
@@ -289,20 +289,17 @@ def _import_all(con: duckdb.DuckDBPyConnection, in_dir: Path, manifest: dict, pr
         if counts[table] and fetch_row(con, f"SELECT count(*) FROM {table}")[0]:
             raise StoreError(f"target store already has {table} rows; retention records of two stores cannot be merged")
     fresh = fetch_row(con, "SELECT count(*) FROM batches")[0] == 0
+    if fresh:  # a new store continues the exported log: its name and frontier come with meta
+        con.execute("DELETE FROM meta WHERE key IN (?, ?)", [FRONTIER_KEY, ORIGIN_KEY])
     got = {}
     for table in TABLES:
         if progress:
             progress(table)
         got[table] = _import_table(con, in_dir, table, counts[table])
-    # The transparency log: a new store continues the exported log under its name (the same leaves, in
-    # commit order); a store that had batches appends the imported ones as new leaves.
-    if fresh and manifest["row_counts"]["meta"]:
-        src = "read_parquet(?, hive_partitioning=false)"
-        row = con.execute(f"SELECT value FROM {src} WHERE key = ?", [_files(in_dir, "meta"), ORIGIN_KEY]).fetchone()
-        if row:
-            con.execute("UPDATE meta SET value = ? WHERE key = ?", [row[0], ORIGIN_KEY])
+    if not fresh:
+        # The imported batches take their places among the store's by commit time: its log is re-formed
+        # (its earlier checkpoints no longer verify, docs/audit-log.md) and the cached frontier dropped.
         con.execute("DELETE FROM meta WHERE key = ?", [FRONTIER_KEY])
-    extend_from_batches(con)
     heads, expected = _chain_heads(con, pids), manifest["chain_heads"]
     if heads != expected:
         pid = next(p for p in sorted(set(heads) | set(expected)) if heads.get(p) != expected.get(p))

@@ -1,12 +1,11 @@
 """The store's transparency log: one RFC 9162 Merkle tree per store over its committed batches.
 
-Leaf ``i`` is the ``i``-th committed batch's chain digest (``batches.digest``), in commit order; the
-batches one group commit stores are ordered by producer id. ``tlog_leaves`` keeps (leaf_index,
-producer_id, batch_no, digest) and ``meta``'s ``tlog_frontier`` the compact frontier (``tlog_origin`` the
-log's name), both written in
-the commit's own transaction, so a commit costs one leaf hash and O(log n) node hashes. A store an
-older kvtrail wrote gets its tree on its next writable open, from its batches in the same order
-(commit time, producer, batch number); a read-only reader of such a store derives it the same way.
+Leaf ``i`` is the ``i``-th committed batch's chain digest (``batches.digest``), in commit order: the
+order of (``committed_ns``, ``producer_id``, ``batch_no``), which the writer keeps strictly increasing
+from commit to commit (a group commit's batches share one time and follow in producer order). So the
+leaves are the ``batches`` rows themselves and a commit adds no statement: it hashes its leaves into the
+in-memory compact frontier, which ``meta``'s ``tlog_frontier`` caches at each store checkpoint (``meta``'s
+``tlog_origin`` names the log). A store an older kvtrail wrote has the same tree, read the same way.
 Pruning keeps ``batches`` rows, so the tree never loses a leaf. See docs/audit-log.md.
 """
 
@@ -21,15 +20,10 @@ from kvtrail.audit.merkle import Frontier, Tree, leaf_hash, verify_consistency, 
 from kvtrail.audit.note import Checkpoint
 from kvtrail.errors import KvtrailError
 
-LEAVES_TABLE = "tlog_leaves"
 FRONTIER_KEY = "tlog_frontier"
 ORIGIN_KEY = "tlog_origin"
-DDL = (
-    f"CREATE TABLE IF NOT EXISTS {LEAVES_TABLE} (leaf_index BIGINT NOT NULL, producer_id BIGINT NOT NULL, "
-    "batch_no BIGINT NOT NULL, digest BLOB NOT NULL)"
-)
-# The order an older store's batches become leaves in; a group commit's leaves follow it too.
-_BATCH_ORDER = "committed_ns, producer_id, batch_no"
+# The leaves' order: commit order, as the writer keeps committed_ns (kvtrail.audit.store).
+LEAF_ORDER = "committed_ns, producer_id, batch_no"
 NEWEST_PREFIX = "kvtrail newest-batch "  # the checkpoint's extension line naming its newest leaf's batch
 
 
@@ -41,15 +35,9 @@ class Leaf:
     digest: bytes
 
 
-def _has_table(con: duckdb.DuckDBPyConnection) -> bool:
-    q = "SELECT count(*) FROM duckdb_tables() WHERE table_name = ? AND database_name = current_database()"
-    row = con.execute(q, [LEAVES_TABLE]).fetchone()
-    return bool(row and row[0])
-
-
 def origin(con: duckdb.DuckDBPyConnection) -> str:
-    """The log's origin line: ``meta``'s ``tlog_origin``, fixed when the tree was made from the store's
-    creation time (an import into a new store adopts the exported one)."""
+    """The log's origin line: ``meta``'s ``tlog_origin``, fixed from the store's creation time when the
+    store first had a log (an import into a new store adopts the exported one)."""
     row = con.execute("SELECT value FROM meta WHERE key = ?", [ORIGIN_KEY]).fetchone()
     if row:
         return str(row[0])
@@ -57,95 +45,73 @@ def origin(con: duckdb.DuckDBPyConnection) -> str:
     return f"kvtrail.store/{row[0] if row else 'unknown'}"
 
 
-def extend_from_batches(con: duckdb.DuckDBPyConnection) -> Frontier:
-    """Append a leaf for each batch that has none (in commit order) and store the frontier; inside the
-    caller's transaction. Builds an older store's whole tree; after an import, appends the imported batches."""
-    con.execute(DDL)
-    n = _count(con, LEAVES_TABLE)
-    con.execute(
-        f"INSERT INTO {LEAVES_TABLE} SELECT ? + row_number() OVER (ORDER BY {_BATCH_ORDER}) - 1, producer_id, "
-        f"batch_no, digest FROM batches b WHERE NOT EXISTS (SELECT 1 FROM {LEAVES_TABLE} l "
-        "WHERE l.producer_id = b.producer_id AND l.batch_no = b.batch_no)",
-        [n],
-    )
-    row = con.execute("SELECT value FROM meta WHERE key = ?", [FRONTIER_KEY]).fetchone()
-    frontier = Frontier.decode(row[0]) if row else Frontier()
-    total = _count(con, LEAVES_TABLE)
-    if frontier.size != total:
-        if frontier.size != n:  # not the frontier of the leaves before: recompute it
-            frontier, n = Frontier(), 0
-        added = con.execute(
-            f"SELECT digest FROM {LEAVES_TABLE} WHERE leaf_index >= ? ORDER BY leaf_index", [n]
-        ).fetchall()
-        for (digest,) in added:
-            frontier.append(bytes(digest))
-    if row is None or row[0] != frontier.encode():
-        con.execute("DELETE FROM meta WHERE key = ?", [FRONTIER_KEY])
-        con.execute("INSERT INTO meta VALUES (?, ?)", [FRONTIER_KEY, frontier.encode()])
-    return frontier
-
-
 def read_leaves(con: duckdb.DuckDBPyConnection) -> list[Leaf]:
-    """The tree's leaves in order (an older store's, not opened writable since, derived from its batches)."""
+    """The tree's leaves in order."""
     con.complete()
-    if _has_table(con) and _count(con, LEAVES_TABLE) > 0:
-        sql = f"SELECT leaf_index, producer_id, batch_no, digest FROM {LEAVES_TABLE} ORDER BY leaf_index"
-    else:
-        sql = (
-            f"SELECT row_number() OVER (ORDER BY {_BATCH_ORDER}) - 1, producer_id, batch_no, digest "
-            f"FROM batches ORDER BY {_BATCH_ORDER}"
-        )
-    return [Leaf(int(i), int(p), int(b), bytes(d)) for i, p, b, d in con.execute(sql).fetchall()]
+    rows = con.execute(f"SELECT producer_id, batch_no, digest FROM batches ORDER BY {LEAF_ORDER}").fetchall()
+    return [Leaf(i, int(p), int(b), bytes(d)) for i, (p, b, d) in enumerate(rows)]
 
 
-def _count(con: duckdb.DuckDBPyConnection, table: str) -> int:
-    row = con.execute(f"SELECT count(*) FROM {table}").fetchone()
+def _count(con: duckdb.DuckDBPyConnection) -> int:
+    row = con.execute("SELECT count(*) FROM batches").fetchone()
     return int(row[0]) if row else 0
 
 
+def load_frontier(con: duckdb.DuckDBPyConnection) -> Frontier:
+    """The tree's frontier now: the cached one extended by the batches committed since (recomputed
+    whole when the cache does not fit)."""
+    row = con.execute("SELECT value FROM meta WHERE key = ?", [FRONTIER_KEY]).fetchone()
+    try:
+        frontier = Frontier.decode(row[0]) if row else Frontier()
+    except ValueError:
+        frontier = Frontier()
+    total = _count(con)
+    if frontier.size > total:
+        frontier = Frontier()
+    if frontier.size < total:
+        rows = con.execute(f"SELECT digest FROM batches ORDER BY {LEAF_ORDER} OFFSET ?", [frontier.size]).fetchall()
+        for (digest,) in rows:
+            frontier.append(bytes(digest))
+    return frontier
+
+
+def save_frontier(con: duckdb.DuckDBPyConnection, frontier: Frontier) -> None:
+    con.execute("DELETE FROM meta WHERE key = ?", [FRONTIER_KEY])
+    con.execute("INSERT INTO meta VALUES (?, ?)", [FRONTIER_KEY, frontier.encode()])
+
+
 class TreeWriter:
-    """The writer's side: the frontier, advanced by each commit inside its transaction."""
+    """The writer's side: the frontier, advanced by each commit (hashing only; no statement)."""
 
     def __init__(self, con: duckdb.DuckDBPyConnection):
-        """Load the frontier; give an older store (batches without leaves) its tree. Runs inside the
-        writable open's transaction."""
+        """Name the log and load its frontier; runs inside the writable open's transaction."""
         if con.execute("SELECT count(*) FROM meta WHERE key = ?", [ORIGIN_KEY]).fetchone() == (0,):
             con.execute("INSERT INTO meta VALUES (?, ?)", [ORIGIN_KEY, origin(con)])
-        self.frontier = extend_from_batches(con)
+        self.frontier = load_frontier(con)
+        self.saved = -1
 
-    def stage(self, batches: list[tuple[int, int, bytes]]) -> tuple[Frontier, list[tuple]]:
-        """The frontier after appending ``batches`` (producer, batch_no, digest) and their leaf rows."""
+    def stage(self, batches: list[tuple[int, int, bytes]]) -> Frontier:
+        """The frontier after appending ``batches`` (producer, batch_no, digest) of one commit."""
         f = self.frontier.copy()
-        rows = []
-        for pid, batch_no, digest in sorted(batches):
-            rows.append((f.size, pid, batch_no, digest))
+        for _pid, _batch_no, digest in sorted(batches):
             f.append(digest)
-        return f, rows
+        return f
 
-    @staticmethod
-    def write(con: duckdb.DuckDBPyConnection, frontier: Frontier, rows: list[tuple]) -> None:
-        """Insert the staged leaves and the new frontier (inside the commit's transaction): two statements."""
-        values = ", ".join("(?, ?, ?, ?)" for _ in rows)
-        con.execute(f"INSERT INTO {LEAVES_TABLE} VALUES {values}", [v for r in rows for v in r])
-        con.execute("UPDATE meta SET value = ? WHERE key = ?", [frontier.encode(), FRONTIER_KEY])
+    def save(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Cache the frontier in ``meta`` (at a store checkpoint), so an open need not rehash the tree."""
+        if self.frontier.size != self.saved:
+            save_frontier(con, self.frontier)
+            self.saved = self.frontier.size
 
 
 def current_checkpoint(con: duckdb.DuckDBPyConnection) -> Checkpoint:
-    """The checkpoint of the tree now, from the stored frontier and newest leaf (O(log n), one snapshot);
-    an older store without them is read whole."""
+    """The checkpoint of the tree now, from the cached frontier and the batches since (one snapshot)."""
     con.complete()
     con.begin()
     try:
-        row = con.execute("SELECT value FROM meta WHERE key = ?", [FRONTIER_KEY]).fetchone()
-        last = (
-            con.execute(f"SELECT producer_id, batch_no FROM {LEAVES_TABLE} ORDER BY leaf_index DESC LIMIT 1").fetchone()
-            if row and _has_table(con)
-            else None
-        )
-        if row is None:
-            return LogView(con).checkpoint()
-        frontier = Frontier.decode(row[0])
-        ext = (f"{NEWEST_PREFIX}{last[0]}.{last[1]}",) if last and frontier.size else ()
+        frontier = load_frontier(con)
+        last = con.execute(f"SELECT producer_id, batch_no FROM batches ORDER BY {LEAF_ORDER} DESC LIMIT 1").fetchone()
+        ext = (f"{NEWEST_PREFIX}{last[0]}.{last[1]}",) if last else ()
         return Checkpoint(origin(con), frontier.size, frontier.root(), ext)
     finally:
         con.commit()
@@ -274,16 +240,6 @@ def verify_against(con: duckdb.DuckDBPyConnection, cp: Checkpoint) -> list[str]:
             f"truncated: the checkpoint commits to {cp.size} batches, the store's log holds {view.size}: "
             f"leaf {view.size}..{cp.size - 1}{named} missing"
         )
-    digests = {
-        (int(p), int(b)): bytes(d)
-        for p, b, d in con.execute("SELECT producer_id, batch_no, digest FROM batches").fetchall()
-    }
-    for leaf in view.leaves[: cp.size]:
-        have = digests.get((leaf.producer_id, leaf.batch_no))
-        if have is None:
-            problems.append(f"leaf {leaf.index}: batch {leaf.producer_id}.{leaf.batch_no} missing from the store")
-        elif have != leaf.digest:
-            problems.append(f"leaf {leaf.index}: batch {leaf.producer_id}.{leaf.batch_no} rewritten (digest differs)")
     if view.size >= cp.size and view.tree.root(cp.size) != cp.root:
         problems.append(
             f"forked: the store's first {cp.size} leaves hash to {b64(view.tree.root(cp.size))}, not the "
