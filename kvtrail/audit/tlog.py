@@ -110,7 +110,10 @@ def current_checkpoint(con: duckdb.DuckDBPyConnection) -> Checkpoint:
     con.begin()
     try:
         frontier = load_frontier(con)
-        last = con.execute(f"SELECT producer_id, batch_no FROM batches ORDER BY {LEAF_ORDER} DESC LIMIT 1").fetchone()
+        last = con.execute(
+            "SELECT producer_id, batch_no FROM batches "
+            "ORDER BY committed_ns DESC, producer_id DESC, batch_no DESC LIMIT 1"
+        ).fetchone()
         ext = (f"{NEWEST_PREFIX}{last[0]}.{last[1]}",) if last else ()
         return Checkpoint(origin(con), frontier.size, frontier.root(), ext)
     finally:

@@ -228,3 +228,22 @@ def test_export_and_import_keep_the_log_so_old_checkpoints_still_verify(tmp_path
         assert verify_against(con, cp) == []
     finally:
         con.close()
+
+
+def test_the_cached_frontier_and_the_batches_since_give_the_whole_tree(tmp_path):
+    from kvtrail.audit.tlog import current_checkpoint
+
+    db = tmp_path / "a.duckdb"
+    _fill(db, 3)  # closed: the frontier is cached at 8 leaves
+    store = AuditStore(db)
+    try:
+        store.append(_table([alloc(4, [4], rid="r4", prod=P), alloc(4, [5], rid="dr4", prod=D)]))
+        cur = store.cursor()
+        now = current_checkpoint(cur)  # the cache (8) extended by the commit since, without a checkpoint
+        full = LogView(cur).checkpoint()
+        cur.close()
+        assert now == full and now.size == 10
+        assert now.root == store.tree.frontier.root()
+        assert now.extensions == (f"kvtrail newest-batch {LogView(store.cursor()).leaves[-1].producer_id}.4",)
+    finally:
+        store.close()
