@@ -1,9 +1,11 @@
 """Notices that prove themselves: ``notices/<tenant>/`` beside a disclosure report, checked offline.
 
-Each folder holds the tenant's notice (``notice.md``), its affected responses (``responses.json``: request
-id, time, pages, codes, the evidence each finding rests on), the evidence events (``events.json``), the
-log's signed checkpoint (``checkpoint.txt``), the inclusion proofs of the batches holding those events
-(``proofs.json``), and ``notice.json``: every file's SHA-256, signed with the operator's key
+Each affected tenant (one that received a response built on memory it did not own, or whose data another
+tenant's response read) gets a folder: its notice (``notice.md``), ``responses.json`` (per response it
+received: request id, time, pages, codes; per read of its data: the reader's request as a hash, time,
+pages, codes, its own requests read; each with the events its finding rests on), the evidence events
+(``events.json``), the log's signed checkpoint (``checkpoint.txt``), the inclusion proofs of the batches
+holding those events (``proofs.json``), and ``notice.json``: every file's SHA-256, signed with the operator's key
 (``notice.sig``). Another tenant's request and tenant ids appear only as salted SHA-256 hashes.
 
 :func:`verify_notice` needs nothing but the folder and the public key: the manifest's signature and every
@@ -95,27 +97,56 @@ def write_notices(
         keys = {(int(e["producer_id"]), int(e["seq"])) for row in f.iter_rows(named=True) for e in row["evidence"]}
         events = _evidence_events(con, keys)
         written = []
-        for tenant, group in affected.group_by("tenant_id", maintain_order=True):
-            tenant = tenant[0]
-            if tenant is None:
+        recipient = dict(zip(affected["request_id"], affected["tenant_id"]))
+        received: dict[str, list[dict]] = {}
+        for row in affected.sort("last_ns").iter_rows(named=True):
+            if row["tenant_id"] is None:
                 continue
-            responses, used = [], set()
-            for row in group.sort("last_ns").iter_rows(named=True):
-                rows = by_request.get(row["request_id"], [])
-                ev = sorted({(int(e["producer_id"]), int(e["seq"])) for r in rows for e in r["evidence"]})
-                used |= set(ev)
-                responses.append(
+            rows = by_request.get(row["request_id"], [])
+            received.setdefault(row["tenant_id"], []).append(
+                {
+                    "role": "recipient",
+                    "request_id": row["request_id"],
+                    "time_ns": row["last_ns"],
+                    "pages": sorted({int(p) for r in rows for p in (r["pages"] or [])}),
+                    "codes": sorted(set(row["codes"] or [])),
+                    "other_tenants_data": any(
+                        v not in (None, row["tenant_id"], NEVER_WRITTEN, UNKNOWN_TENANT)
+                        for v in row["victim_tenants"] or []
+                    ),
+                    "evidence": [
+                        list(k)
+                        for k in sorted({(int(e["producer_id"]), int(e["seq"])) for r in rows for e in r["evidence"]})
+                    ],
+                }
+            )
+        # A tenant whose data another tenant's response read: each such finding, the reader as hashes.
+        for row in f.sort("last_ns").iter_rows(named=True):
+            reader = recipient.get(row["request_id"])
+            for victim in sorted({v for v in row["victim_tenant_ids"] or [] if v not in (None, reader)}):
+                if victim in (NEVER_WRITTEN, UNKNOWN_TENANT):
+                    continue
+                received.setdefault(victim, []).append(
                     {
-                        "request_id": row["request_id"],
+                        "role": "victim",
+                        "request_id": hashed(row["request_id"]),
                         "time_ns": row["last_ns"],
-                        "pages": sorted({int(p) for r in rows for p in (r["pages"] or [])}),
-                        "codes": sorted(set(row["codes"] or [])),
-                        "other_tenants_data": any(
-                            v not in (None, tenant, NEVER_WRITTEN, UNKNOWN_TENANT) for v in row["victim_tenants"] or []
+                        "pages": sorted(int(p) for p in row["pages"] or []),
+                        "codes": [row["code"]],
+                        "your_requests": sorted(
+                            {
+                                r
+                                for r, t in zip(row["victim_request_ids"] or [], row["victim_tenant_ids"] or [])
+                                if t == victim
+                            }
                         ),
-                        "evidence": [list(k) for k in ev],
+                        "evidence": [
+                            list(k) for k in sorted({(int(e["producer_id"]), int(e["seq"])) for e in row["evidence"]})
+                        ],
                     }
                 )
+        for tenant, responses in received.items():
+            used = {tuple(k) for r in responses for k in r["evidence"]}
             shown = []
             for k in sorted(used):
                 e = dict(events[k])
@@ -196,8 +227,12 @@ def verify_notice(folder: str | Path, checker: SignatureChecker) -> list[str]:
 
 
 def _supports(r: dict, tenant: str, events: dict) -> list[str]:
-    """Whether a response's listed events support its finding."""
-    where = f"response {r['request_id']}"
+    """Whether an entry's listed events support its finding: for a response the tenant received, an event
+    of that request on its pages (and, where another tenant's data is named, an earlier event of another
+    tenant there); for a read of the tenant's data, an event of one of its requests on those pages and a
+    later event of the (hashed) reader there."""
+    role = r.get("role", "recipient")
+    where = f"{'response' if role == 'recipient' else 'read by'} {r['request_id']}"
     evs = []
     for k in r["evidence"]:
         if tuple(k) not in events:
@@ -206,6 +241,20 @@ def _supports(r: dict, tenant: str, events: dict) -> list[str]:
     if not r["codes"]:
         return [f"{where}: no finding code"]
     pages = set(r["pages"])
+    if role == "victim":
+        mine = [
+            e
+            for e in evs
+            if e["tenant_id"] == tenant and e["request_id"] in r["your_requests"] and pages & set(e["pages"])
+        ]
+        if not mine:
+            return [f"{where}: no listed event of your requests on its pages {sorted(pages)[:8]}"]
+        first = min(e["wall_ns"] for e in mine)
+        if not any(
+            e["request_id"] == r["request_id"] and pages & set(e["pages"]) and e["wall_ns"] >= first for e in evs
+        ):
+            return [f"{where}: no listed event of the reader on those pages after your request wrote them"]
+        return []
     mine = [e for e in evs if e["request_id"] == r["request_id"] and pages & set(e["pages"])]
     if not mine:
         return [f"{where}: no listed event of this request on its pages {sorted(pages)[:8]}"]

@@ -48,18 +48,23 @@ def _verify(capsys, d, folder):
 
 def test_every_affected_tenant_gets_a_folder_that_verifies_alone(made, capsys, tmp_path):
     affected = json.loads((made / "rep" / "affected_responses.json").read_text())
+    exposed = json.loads((made / "rep" / "exposed_tenants.json").read_text())
     tenants = {r["tenant_id"] for r in affected if r["excluded_by"] is None}
+    victims = {e["victim_tenant"] for e in exposed if e["recipient_count"]}
     folders = {p.name for p in (made / "rep" / "notices").iterdir()}
-    assert folders == tenants
+    assert victims - tenants and folders == tenants | victims  # those whose data was read get one too
     for t in tenants:
         alone = tmp_path / t
         shutil.copytree(made / "rep" / "notices" / t, alone)  # nothing but the folder
         rc, out, _ = _verify(capsys, made, alone)
         assert rc == 0, out
         doc = json.loads((alone / "responses.json").read_text())
-        assert sorted(r["request_id"] for r in doc["responses"]) == sorted(
+        assert sorted(r["request_id"] for r in doc["responses"] if r["role"] == "recipient") == sorted(
             r["request_id"] for r in affected if r["tenant_id"] == t and r["excluded_by"] is None
         )
+        read = [r for r in doc["responses"] if r["role"] == "victim"]
+        assert bool(read) == (t in victims)
+        assert all(r["request_id"].startswith("sha256:") and r["your_requests"] for r in read)
         assert all(r["evidence"] and r["codes"] and r["pages"] for r in doc["responses"])
     # the report's own manifest lists the notices, so verify-report covers them too
     assert any(name.startswith("notices/") for name in json.loads((made / "rep" / "report.json").read_text())["files"])
