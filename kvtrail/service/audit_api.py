@@ -88,7 +88,17 @@ def router(state: Any, route_class: type, run: Run) -> APIRouter:
 
         return run(who, answer)
 
-    @r.get("/audit/checkpoint", response_class=PlainTextResponse)
+    @r.get(
+        "/audit/checkpoint",
+        response_model=None,
+        responses={
+            200: {
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+                "description": "The checkpoint as a C2SP signed note.",
+            },
+            404: {"model": models.ErrorBody, "description": "The service was started without --signing-key."},
+        },
+    )
     def audit_checkpoint(who: Who) -> PlainTextResponse:
         """The store's log checkpoint signed with the service's key (``kvtrail audit checkpoint --url``): a
         C2SP signed note. Any token may read it: tenants check their notices' proofs against it."""
