@@ -13,6 +13,8 @@ Tables (see ``docs/events.md`` for the columns):
   page_runs   (producer_id, seq, list, pos, page_start, num_pages): list 0 = pages, 1 = dst_pages
   batches     one row per committed batch: seq range, counts, prev digest, digest, signature
   prunes, prune_batches, legal_holds   retention records (see kvtrail.audit.retention)
+  (the transparency log's leaves are the batches rows in commit order; its frontier is cached in meta:
+  kvtrail.audit.tlog)
 
   store_opens one row per writable open (open_no, opened_ns, kvtrail_version): a restarted owner shows
 
@@ -53,6 +55,7 @@ from kvtrail.audit.storefile import (
     store_tables,
     wal_path,
 )
+from kvtrail.audit.tlog import TreeWriter
 from kvtrail.audit.validate import Prechecked, ProducerState, ValidatedBatch, merge_validated, validate_batch
 
 log = logging.getLogger(__name__)
@@ -223,6 +226,7 @@ class AuditStore:
             self.con.execute(
                 "INSERT INTO meta VALUES ('store_format', ?), ('created_ns', ?)", [STORE_FORMAT, str(time.time_ns())]
             )
+        self.tree = TreeWriter(self.con)  # an older store's tree is built here, from its batches
         self.open_no = int(fetch_row(self.con, f"SELECT coalesce(max(open_no) + 1, 0) FROM {OPENS_TABLE}")[0])
         self.con.execute(f"INSERT INTO {OPENS_TABLE} VALUES (?, ?, ?)", [self.open_no, time.time_ns(), __version__])
         self.con.commit()
@@ -239,6 +243,7 @@ class AuditStore:
         for pid, batch_no, last_seq, digest in rows:
             self._state.setdefault(pid, ProducerState()).last_seq = int(last_seq)
             self._chain[pid] = (batch_no, bytes(digest))
+        self.last_commit_ns = int(fetch_row(self.con, "SELECT coalesce(max(committed_ns), 0) FROM batches")[0])
         self.reset_requests()
 
     def reset_requests(self) -> None:
@@ -326,7 +331,8 @@ class AuditStore:
         request_no, new_requests, new_idents = self.requests.number(t)
         num_pages = pc.fill_null(pc.list_value_length(t.column("pages")), 0).cast(pa.int32())
         num_dst = pc.fill_null(pc.list_value_length(t.column("dst_pages")), 0).cast(pa.int32())
-        now = time.time_ns()
+        # Strictly increasing from commit to commit: the transparency log's leaves are in this order.
+        now = max(time.time_ns(), self.last_commit_ns + 1)
         batch_rows, new_producers, new_pools = [], [], {}
         ev_parts, run_parts, committed, code_parts, rq_parts, jobs = [], [], [], [], [], []
         state_after = {}
@@ -431,6 +437,8 @@ class AuditStore:
             if pending is not None and not pending.cancel():
                 wait([pending])  # a failed commit: the helper is not left working on its digests
         self.requests.remember(new_idents)
+        self.tree.frontier = self.tree.stage([(pid, no, d) for (pid, no), (d, _s) in zip(committed, digests)])
+        self.last_commit_ns = now
         for (pid, (last_seq, batch_no)), (digest, _sig) in zip(state_after.items(), digests):
             link = (batch_no, digest)
             st = self._state.setdefault(pid, ProducerState())
@@ -444,6 +452,7 @@ class AuditStore:
     def checkpoint(self) -> None:
         """Write the WAL into the main file now."""
         t = time.perf_counter()
+        self.tree.save(self.con)  # the log's frontier cached with the data it covers
         self.con.execute("CHECKPOINT")
         self.checkpoint_s += time.perf_counter() - t
         self.checkpoints += 1

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from kvtrail.cli.audit_log import checkpoint, checkpoint_options, print_checkpoint, prove
 from kvtrail.errors import KvtrailError, StoreError, ValidationError
 from kvtrail.timeutil import format_utc, parse_utc
 
@@ -40,6 +41,10 @@ def _existing(db: str) -> str:
 @click.group()
 def audit() -> None:
     """The audit store: ingest events, verify the tamper-evidence chain, retention, export."""
+
+
+audit.add_command(checkpoint)
+audit.add_command(prove)
 
 
 @audit.command()
@@ -123,22 +128,44 @@ TOKEN_OPTION = click.option(
     help="JSON written earlier by 'kvtrail audit head --json': also fail if a producer's chain is "
     "behind (newest batches deleted) or forked from those heads.",
 )
+@checkpoint_options
 def verify(
-    db: str, url: str | None, api_token: str | None, public_key: str | None, as_json: bool, expect_heads: str | None
+    db: str,
+    url: str | None,
+    api_token: str | None,
+    public_key: str | None,
+    as_json: bool,
+    expect_heads: str | None,
+    checkpoint: str | None,
+    witness_keys: tuple[str, ...],
+    require_cosignatures: int,
 ) -> None:
     """Recompute the hash chain; name the first broken or missing link. Exit 1 if anything fails.
 
     With --expect-heads, also name each producer whose chain no longer reaches its saved head.
+    With --checkpoint, also check the store's log still extends that signed checkpoint.
     With --url, the service recomputes it on its store (the JSON adds the service's access-log check).
     """
     from kvtrail.audit.verify import load_heads
 
     saved = load_heads(expect_heads) if expect_heads else None  # a bad file fails before the long check
+    note = None
+    if checkpoint is not None:
+        from kvtrail.cli.audit_log import load_checkpoint
+
+        note = load_checkpoint(checkpoint, url, public_key, witness_keys, require_cosignatures)
+    elif require_cosignatures or witness_keys:
+        raise KvtrailError("--require-cosignatures/--witness-key: need --checkpoint")
     if url:
         pem = _read(public_key).decode("ascii", errors="replace") if public_key else None
         doc, chain_problems = _verify_remote(url, api_token, saved, pem)
     else:
-        doc, chain_problems = _verify_local(db, public_key, saved)
+        # With --checkpoint the key is the log's: batches need not be signed with it.
+        doc, chain_problems = _verify_local(db, None if note else public_key, saved)
+    if note is not None:
+        from kvtrail.cli.audit_log import check_checkpoint
+
+        check_checkpoint(doc, db, note, str(public_key), witness_keys, require_cosignatures)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
@@ -195,11 +222,12 @@ def _print_verify(doc: dict, chain_problems: list[str], saved: list | None) -> N
         click.echo(f"FAILED: first problem: {chain_problems[0]}")
         for p in chain_problems[1:10]:
             click.echo(f"  also: {p}")
-    head_problems = doc["problems"][len(chain_problems) :]
+    head_problems = [p for p in doc["problems"][len(chain_problems) :] if not p.startswith("checkpoint: ")]
     if saved is not None and not head_problems:
         click.echo(f"OK: the store still holds all {len(saved)} saved chain heads")
     for p in head_problems:  # every one: each names a producer whose history was cut or rewritten
         click.echo(f"FAILED: saved chain head: {p}")
+    print_checkpoint(doc)
     log = doc.get("access_log")
     if log is not None:
         click.echo(
