@@ -181,7 +181,7 @@ def build_report(
     catalog). ``findings``: every finding of the window already computed elsewhere (an audit lake's
     partition replay, :func:`kvtrail.forensics.lake.questions.lake_findings`) instead of replaying ``con``;
     ``lake``: the lake manifest record that goes into ``report.json``."""
-    from kvtrail.audit.verify import chain_heads
+    from kvtrail.audit.heads import chain_heads
 
     o = options
     w = Window(o.from_ns, o.to_ns)

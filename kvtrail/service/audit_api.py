@@ -19,9 +19,10 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtrail.audit.chain import SignatureChecker
+from kvtrail.audit.heads import chain_heads, compare_heads, parse_heads
 from kvtrail.audit.note import sign_checkpoint
 from kvtrail.audit.tlog import current_checkpoint
-from kvtrail.audit.verify import chain_heads, compare_heads, parse_heads, verify_store
+from kvtrail.audit.verify import verify_store
 from kvtrail.service import access, models
 from kvtrail.service.auth import principal_dependency, require_role
 from kvtrail.service.reports import ReportCheckBody, ReportCheckResult, check_report
