@@ -15,6 +15,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 
 from kvtrail import __version__
 from kvtrail.alerts import CONTENT_TYPE, exposition, registry_for
@@ -60,6 +61,12 @@ def create_app(
         if isinstance(exc, ValidationError):
             return JSONResponse({"errors": [exc.to_dict()]}, status_code=422)
         return JSONResponse({"detail": str(exc)}, status_code=exc.http_status)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_request: Request, _exc: ClientDisconnect) -> Response:
+        # The client left (or a read deadline closed it) while its body was read: nothing was taken and
+        # there is nobody to answer; a quiet 408 instead of a traceback in the service's log.
+        return Response(status_code=408)
 
     @app.get("/healthz", response_model=Health, tags=["service"], summary="Liveness (no token needed)")
     def healthz() -> Health:
