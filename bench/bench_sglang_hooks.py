@@ -1,9 +1,9 @@
 """SGLang plugin: what its hooks cost on SGLang's real allocator calls, on CPU.
 
-Runs in the SGLang environment (``bash scripts/sglang-env.sh`` builds ``.venv-sglang``):
+Runs in the SGLang environment (``bash scripts/sglang-env.sh`` builds it and prints its python, ``$PY`` below):
 
-    .venv-sglang/bin/python bench/bench_sglang_hooks.py            # 5 rounds x 2000 calls per method
-    .venv-sglang/bin/python bench/bench_sglang_hooks.py --quick
+    $PY bench/bench_sglang_hooks.py            # 5 rounds x 2000 calls per method
+    $PY bench/bench_sglang_hooks.py --quick
 
 kvtrail's plugin is loaded by SGLang's own ``load_plugins()``. Two calls, each timed alone:
   alloc  ``disaggregation.decode.alloc_for_decode_prealloc``: decode's reservation of ``--pages`` pages
