@@ -16,6 +16,13 @@ if importlib.util.find_spec("sglang") is None:
     collect_ignore = [p.name for p in Path(__file__).parent.glob("test_*.py") if p.name not in WITHOUT_SGLANG]
 else:
     collect_ignore = sorted(WITHOUT_SGLANG)
+    from importlib.metadata import version
+
+    if tuple(int(x) for x in version("sglang").split(".")[:3]) < (0, 5, 23):
+        # An older release (0.5.19, the incident's): the test written for every release runs; the others drive
+        # 0.5.23's own API (its KV checksum, runtime context, paged allocator on CPU) and run on 0.5.23.
+        EVERY_RELEASE = {"test_incident_by_release.py"}
+        collect_ignore += [p.name for p in Path(__file__).parent.glob("test_*.py") if p.name not in EVERY_RELEASE]
 
 
 class SharedStore:

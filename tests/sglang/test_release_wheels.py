@@ -39,7 +39,17 @@ def wheel(version: str) -> Path:
         return found[0]
     cache.mkdir(parents=True, exist_ok=True)
     run = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", f"sglang=={version}", "-d", cache],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            f"sglang=={version}",
+            "-d",
+            cache,
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -137,7 +147,9 @@ def test_the_check_fails_on_a_signature_the_hook_cannot_take():
 
     wants_checkpoint = inspect.Signature(list(inspect.signature(old_hook).parameters.values())[1:])
     assert problems(fn, wants_checkpoint)
-    release = next(t for t in Plugin(PluginConfig("x.duckdb", "n", "c"), version="0.5.19").targets if t.path == T.RELEASE)
+    release = next(
+        t for t in Plugin(PluginConfig("x.duckdb", "n", "c"), version="0.5.19").targets if t.path == T.RELEASE
+    )
     assert problems(fn, release.expects()) == []
 
 

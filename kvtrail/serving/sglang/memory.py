@@ -150,7 +150,9 @@ def _record_decode(s: Session, ref: Any, out: Snapshot | None, at: int, row: Sna
 # ---- releases: release_kv_cache (AROUND), page returns (BEFORE), free groups -----------------------------
 
 
-def release_pre(s: Session, req: Any, tree_cache: Any, is_insert: bool = True, *, checkpoint: bool | None = None) -> Any:
+def release_pre(
+    s: Session, req: Any, tree_cache: Any, is_insert: bool = True, *, checkpoint: bool | None = None
+) -> Any:
     """Attribute the pages the release returns to the request (the page-return hook reads this).
 
     ``release_kv_cache(req, tree_cache, *, checkpoint)`` from 0.5.22, ``(req, tree_cache, is_insert=True)`` before:

@@ -65,7 +65,7 @@ def release(version: str | None) -> tuple[int, ...] | None:
     """A release's number as a tuple ("0.5.19.post1" -> (0, 5, 19)); None for a version that does not parse."""
     if not version:
         return None
-    parts = []
+    parts: list[int] = []
     for p in version.split("."):
         digits = "".join(c for c in p if c.isdigit()) if p[:1].isdigit() else ""
         if not digits or len(parts) == 3:
