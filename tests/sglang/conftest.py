@@ -39,6 +39,18 @@ class SharedStore:
             return self.store.append(table)
 
 
+def start_node(plugin, scheduler, sink, node: str):
+    """plugin.start for one node of a PD pair, under its own node name (prefill and decode pools are apart)."""
+    import dataclasses
+
+    base = plugin.config
+    plugin.config = dataclasses.replace(base, node=node)
+    try:
+        return plugin.start(scheduler, sink=sink)
+    finally:
+        plugin.config = base
+
+
 @pytest.fixture(scope="session")
 def plugin(tmp_path_factory):
     """kvtrail's plugin, loaded by SGLang's own load_plugins() from the installed entry point."""

@@ -12,6 +12,7 @@ scheduler, plugins load before logging is configured) and named in the node's co
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from typing import Any
@@ -87,6 +88,7 @@ class Plugin:
             T.Target(T.COMPUTE, "AFTER", after(self, "KvChecksumComputer.compute", checksum.on_compute)),
             T.Target(T.MISMATCH, "BEFORE", before(self, "_handle_kv_checksum_mismatch", checksum.on_mismatch)),
             T.Target(T.HTTP_OUTCOME, "AROUND", frontend.outcome_hook(self.frontend_session)),
+            T.Target(T.SHUTDOWN, "BEFORE", self._on_shutdown),
         ]
 
     # ---- installation ------------------------------------------------------------------------------
@@ -139,6 +141,16 @@ class Plugin:
             self.start(scheduler)
         except Exception as exc:  # noqa: BLE001 - a plugin failure must not stop SGLang; loud instead
             _warn(f"kvtrail: WARNING: recording not started: {type(exc).__name__}: {exc}")
+
+    def _on_shutdown(self, _scheduler: Any, *_: Any, **__: Any) -> None:
+        """SGLang's clean shutdown reached this scheduler (ShutdownReq): flush and close the recorder while the
+        process still runs, so the record ends clean (the process is killed soon after; a SIGKILL never gets here)."""
+        s, self.session = self.session, None
+        if s is not None:
+            try:
+                s.close()
+            except Exception as exc:  # noqa: BLE001 - never raise into SGLang; loud instead
+                _warn(f"kvtrail: WARNING: recorder not closed at shutdown: {type(exc).__name__}: {exc}")
 
     def _on_set_buf(self, _result: Any, buffers: Any, req: Any) -> None:
         # Every prefill TP rank writes the slot, so every decode rank decides alike.
@@ -230,7 +242,13 @@ class Plugin:
         recorder = Recorder(sink, producer, RecorderConfig(flush_interval_s=self.config.flush_interval_s))
         page_size = int(getattr(getattr(tokenizer_manager, "server_args", None), "page_size", None) or 1)
         self.frontend = Session(recorder, page_size, role)
+        atexit.register(self._close_frontend)  # the HTTP process exits normally after a clean shutdown
         return self.frontend
+
+    def _close_frontend(self) -> None:
+        s, self.frontend = self.frontend, None
+        if s is not None:
+            s.close()
 
     def frontend_session(self, tokenizer_manager: Any) -> Session | None:
         """The HTTP process's session, started once at its first finished request."""
