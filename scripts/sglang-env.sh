@@ -18,7 +18,7 @@ name=${1:-0.5.23}
 python=${PYTHON:-python3}
 reqs=tests/sglang/requirements-$name.txt
 if [ ! -f "$reqs" ]; then
-  echo "sglang-env: no $reqs; versions: $(ls tests/sglang/requirements-*.txt | sed 's/.*requirements-\(.*\)\.txt/\1/' | tr '\n' ' ')" >&2
+  echo "sglang-env: no $reqs; versions: $(ls tests/sglang/requirements-[0-9]*.txt | sed 's/.*requirements-\(.*\)\.txt/\1/' | tr '\n' ' ')" >&2
   exit 2
 fi
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/kvtrail
