@@ -57,7 +57,7 @@ def free_port() -> int:
 class Server:
     """One launch_server process; ``db`` its store file."""
 
-    def __init__(self, model: Path, db: Path, node: str, log: Path, *extra: str):
+    def __init__(self, model: Path, db: Path, node: str, log: Path, *extra: str, env: dict | None = None):
         self.port = free_port()
         self.db, self.node, self.log = db, node, log
         env = dict(os.environ)
@@ -68,6 +68,7 @@ class Server:
             KVTRAIL_NODE=node,
             KVTRAIL_CLUSTER="real-sglang",
             KVTRAIL_FLUSH_INTERVAL_S="0.2",
+            **(env or {}),
         )
         args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), *CPU_FLAGS]
         args += ["--port", str(self.port), *extra]
@@ -93,16 +94,21 @@ class Server:
             time.sleep(1)
         raise AssertionError(f"{self.node} not ready in {timeout} s:\n{self.tail()}")
 
-    def generate(self, text: str, tenant: str, max_new_tokens: int = 4) -> tuple[int, dict]:
-        body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens}, "extra_key": tenant}
+    def generate(
+        self, text: str, tenant: str, max_new_tokens: int = 4, timeout: float = 120, **more
+    ) -> tuple[int, dict]:
+        """POST /generate; (HTTP status, body), or (0, {}) when no answer came in ``timeout`` (the client hangs up)."""
+        body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens}, "extra_key": tenant, **more}
         req = urllib.request.Request(
             self.url("/generate"), data=json.dumps(body).encode(), headers={"content-type": "application/json"}
         )
         try:
-            with urllib.request.urlopen(req, timeout=120) as r:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as err:
             return err.code, json.loads(err.read() or b"{}")
+        except (TimeoutError, urllib.error.URLError):
+            return 0, {}
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 90) -> float:
         """Signal the launcher (by pid) and wait for it and its children; returns the seconds it took."""
