@@ -1,6 +1,7 @@
 """Dashboard views' data queries on a simulated fleet store, cold and warm (goal: <= 2 s cold, <= 200 ms warm).
 
     .venv/bin/python bench/bench_dashboard.py [--page-events 100000000] [--rounds 5] [--db bench/out/dash.duckdb]
+    .venv/bin/python bench/bench_dashboard.py --quick     # 4 M page-events, 2 rounds (no verdict): a smoke run
 
 Builds the store once with ``kvtrail simulate --target-page-events N`` (kept as ``*.nosave.duckdb`` and
 reused when it exists), then a copy whose findings and per-minute aggregates a ``kvtrail forensics
@@ -119,10 +120,14 @@ def timed(fn: Callable[[], object]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--db", type=Path, default=Path("bench/out/dash.duckdb"))
-    ap.add_argument("--page-events", type=int, default=100_000_000)
-    ap.add_argument("--rounds", type=int, default=MIN_ROUNDS)
+    ap.add_argument("--db", type=Path, default=None, help="the store (default bench/out/dash.duckdb)")
+    ap.add_argument("--page-events", type=int, default=None, help="page-events of the history (default 1e8)")
+    ap.add_argument("--rounds", type=int, default=None, help=f"rounds (default {MIN_ROUNDS}; 2 with --quick)")
+    ap.add_argument("--quick", action="store_true", help="4 M page-events, 2 rounds, its own store")
     a = ap.parse_args()
+    a.db = a.db or Path("bench/out/dash-quick.duckdb" if a.quick else "bench/out/dash.duckdb")
+    a.page_events = a.page_events or (4_000_000 if a.quick else 100_000_000)
+    a.rounds = a.rounds or (2 if a.quick else MIN_ROUNDS)
     rounds = check_rounds(a.rounds)
     raw = build(a.db, a.page_events)
     print(f"aggregates of the whole store recomputed in {recompute_s(a.db):.2f} s")

@@ -179,7 +179,7 @@ def main() -> int:
                 methods.append(name)
                 executors[name] = PlainProcesses(n)
         with open_lake(lake_dir) as lake:
-            parts = len({(f["node"], f["hour"]) for f in lake.manifest.files_of("events").values()})
+            parts = len({(f.node, f.hour) for f in lake.manifest.files_of("events").values()})
             print(f"lake: {parts} partitions (node, hour)")
             walls: dict[tuple[str, str], list[float]] = {(q, m): [] for q in questions for m in methods}
             same: dict[tuple[str, str], bool] = {}

@@ -162,7 +162,13 @@ def _window(bodies: list[list[bytes]]) -> tuple[str, str]:
 
 
 def run_http(
-    bodies: list[list[bytes]], queries: int, tmp: Path, round_no: int, interval_s: float, judge_interval_s: float
+    bodies: list[list[bytes]],
+    queries: int,
+    tmp: Path,
+    round_no: int,
+    interval_s: float,
+    judge_interval_s: float,
+    serve_args: tuple[str, ...] = (),
 ) -> dict:
     db = tmp / f"http{round_no}.duckdb"
     ptoken = new_token("producer")
@@ -183,6 +189,7 @@ def run_http(
             str(tokens),
             "--judge-interval-s",
             str(judge_interval_s),
+            *serve_args,
         ],
         stdout=subprocess.PIPE,
         text=True,

@@ -2,8 +2,9 @@
 
 - the layout follows the data path: ``audit`` (the store) and ``forensics`` (the judge) never import
   ``serving`` (the reference stack), so they work beside any serving engine;
-- floors: stored (``audit``) < judged (``forensics``) < asked (``answers``) < the faces < the ``kvtrail``
-  command (``cli``); no import runs back up a floor, and no import circle, between modules or packages;
+- floors: stored (``audit``) < judged (``forensics``) < the model (``model``, which judges by its
+  properties) < asked (``answers``) < the faces < the ``kvtrail`` command (``cli``); no import runs back up
+  a floor, and no import circle, between modules or packages;
 - the faces (``report``, ``service``, ``dashboards``, ``alerts``, ``preflight``) import no other face,
   except what a face hands out as it is (``HANDED_OUT``); only ``kvtrail/cli`` imports click; the
   dashboards run no SQL;
@@ -24,6 +25,7 @@ FORENSICS_SUBPACKAGES = ("replay", "sql")
 FLOORS = {
     "kvtrail.audit": 1,
     "kvtrail.forensics": 2,
+    "kvtrail.model": 2.5,  # judges by the model's properties, beside the findings engines
     "kvtrail.answers": 3,
     "kvtrail.report": 4,
     "kvtrail.service": 4,
@@ -121,7 +123,7 @@ def test_the_graph_sees_the_imports():
     assert "kvtrail.audit.store" in GRAPH["kvtrail.forensics.questions"]
 
 
-@pytest.mark.parametrize("judge", ["kvtrail.audit", "kvtrail.forensics"])
+@pytest.mark.parametrize("judge", ["kvtrail.audit", "kvtrail.forensics", "kvtrail.model"])
 def test_store_and_judge_do_not_depend_on_the_serving_stack(judge):
     bad = sorted(
         f"{m} -> {t}" for m, ts in GRAPH.items() if _package(m) == judge for t in ts if _package(t) == "kvtrail.serving"

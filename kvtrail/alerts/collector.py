@@ -46,6 +46,14 @@ SELECT producer, node, role, sum(num_events), sum(num_page_events), max(committe
        (SELECT sum(i.missing) FROM inst i JOIN producers q USING (producer_id)
         WHERE q.cluster || '/' || q.node || '/' || q.role = b.producer)
 FROM b GROUP BY producer, node, role ORDER BY producer"""
+# F2 and F3 by pair: the prefill node of a send in the finding's evidence (the transfer's source).
+UNKNOWN_PREFILL = "(unknown)"
+_PAIRS_SQL = f"""
+SELECT f.code, coalesce((SELECT min(p.node) FROM (SELECT unnest(f.evidence) AS ev) e
+                         JOIN producers p ON p.producer_id = e.ev.producer_id WHERE p.role = 'prefill'),
+                        '{UNKNOWN_PREFILL}'),
+       coalesce(f.node, ''), count(*)
+FROM findings f WHERE f.code IN ('F2', 'F3') GROUP BY ALL ORDER BY ALL"""
 _GAPS_SQL = """
 SELECT cluster || '/' || node || '/' || role, coalesce(sum(dropped_events), 0)
 FROM events_v WHERE kind = 'recorder_gap' GROUP BY ALL"""
@@ -163,6 +171,10 @@ class StoreCollector(Collector):
                 if c == code:
                     fam.add_metric([node], n)
             out.append(fam)
+        pairs = _family("kvtrail_forensics_transfer_pair_mismatches")
+        for code, prefill, decode, n in con.execute(_PAIRS_SQL).fetchall() if _has_table(con, "findings") else []:
+            pairs.add_metric([code, prefill, decode], n)
+        out.append(pairs)
         return out
 
     # ---- transfers ------------------------------------------------------------------------------

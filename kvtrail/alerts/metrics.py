@@ -4,7 +4,7 @@ The collector (:mod:`kvtrail.alerts.collector`), ``docs/alerts.md`` and the aler
 these names; a test checks the three agree. Names follow ``kvtrail_<subsystem>_<name>_<unit>``; a
 counter's exposed name adds ``_total``. Labels are bounded: node, role, code, producer (the
 ``cluster/node/role`` a recorder reports as, summed over its restarts) and, where said, the abort
-cause or the engine's name and version - never a request, tenant or API-key id.
+cause, the engine's name and version or a transfer's prefill and decode nodes - never a request, tenant or API-key id.
 """
 
 from __future__ import annotations
@@ -109,6 +109,13 @@ METRICS: tuple[MetricSpec, ...] = (
         ("node",),
         "Transfers that outlived their decode node's release timeout (F11).",
     ),
+    _m(
+        "kvtrail_forensics_transfer_pair_mismatches",
+        "counter",
+        ("code", "prefill_node", "decode_node"),
+        "Transfer length (F2) and digest (F3) mismatches by prefill -> decode pair: the prefill node whose send "
+        "is in the finding's evidence, (unknown) when none is.",
+    ),
     # transfers
     _m(
         "kvtrail_transfer_aborts",
@@ -145,6 +152,19 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         PRODUCER,
         "How long the producer's oldest committed batch the live judge has not judged yet has waited (0: none).",
+    ),
+    # OpenTelemetry export (kvtrail serve --otlp-endpoint; listed only while it is on)
+    _m(
+        "kvtrail_otel_exported_records",
+        "counter",
+        ("signal",),
+        "Spans (signal span) and log records (signal log) the OpenTelemetry export delivered.",
+    ),
+    _m(
+        "kvtrail_otel_dropped_records",
+        "counter",
+        ("signal",),
+        "Spans and log records the OpenTelemetry export dropped: its queue was full or the receiver failed.",
     ),
 )
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}

@@ -110,6 +110,10 @@ class Client:
         """The store's part of ``verify-report`` for a report's ``report.json``: problems, notes, the store's name."""
         return self._call("POST", "/v1/reports/verify", json={"manifest": manifest, "strict": strict}).json()
 
+    def model_violations(self, params: dict) -> dict:
+        """``kvtrail model validate --json``'s document, computed by the service (``from``, ``to``)."""
+        return self._call("GET", "/v1/model/violations", params=_clean(params)).json()
+
     def heads(self) -> dict:
         """``{"heads": [...]}`` as ``kvtrail audit head --json`` prints it."""
         return self._call("GET", "/v1/audit/heads").json()

@@ -67,16 +67,56 @@ class RequestDetail:
     findings: pl.DataFrame  # its findings with evidence
 
 
-def request_detail(con: duckdb.DuckDBPyConnection, request_id: str, found: list[fx.Finding]) -> RequestDetail:
-    """The drill-down of ``request_id`` (``found``: its findings in the window)."""
+@dataclass(frozen=True)
+class RequestKey:
+    """What the store numbers a request by: its tenant, its id and its own first event (producer, seq, time).
+    Clients may choose request ids, so two tenants' requests can share one; the id text alone names neither."""
+
+    tenant_id: str
+    request_id: str
+    first_producer: str
+    first_seq: int
+    first_ns: int
+
+
+def request_keys(con: duckdb.DuckDBPyConnection, request_id: str, tenant_id: str | None = None) -> list[RequestKey]:
+    """The requests named ``request_id`` (of ``tenant_id`` only, when given), first-seen first. A request is
+    known by the events naming its tenant; events of the id that name no tenant belong to none of several."""
+    rows = con.execute(
+        "SELECT tenant_id, arg_min(producer_id, (wall_ns, producer_id, seq)),"
+        " arg_min(seq, (wall_ns, producer_id, seq)), min(wall_ns) FROM events_v"
+        " WHERE request_id = ? AND tenant_id IS NOT NULL AND (? IS NULL OR tenant_id = ?)"
+        " GROUP BY tenant_id ORDER BY 4, 1",
+        [request_id, tenant_id, tenant_id],
+    ).fetchall()
+    return [RequestKey(t, request_id, str(p), int(q), int(ns)) for t, p, q, ns in rows]
+
+
+def request_owner(con: duckdb.DuckDBPyConnection, request_id: str, tenant_id: str | None) -> str | None:
+    """The tenant of ``request_id``, if it has one (and, for a tenant asking, it is that tenant); else None."""
+    keys = request_keys(con, request_id, tenant_id)
+    return keys[0].tenant_id if keys else None
+
+
+def _shared(con: duckdb.DuckDBPyConnection, request_id: str) -> bool:
+    return len(request_keys(con, request_id)) > 1
+
+
+def request_detail(
+    con: duckdb.DuckDBPyConnection, request_id: str, found: list[fx.Finding], tenant: str | None = None
+) -> RequestDetail:
+    """The drill-down of ``request_id`` (``found``: its findings in the window); of ``tenant``'s request of that
+    id when another tenant's request shares it (then the events naming no tenant are neither's)."""
+    only = tenant if tenant is not None and _shared(con, request_id) else None
+    me = (request_id, only)
     # Page lists live run-length encoded in page_runs (list 0: an event's ``pages``).
     reads = con.execute(
         """
         SELECT e.node, e.wall_ns, g.page, e.tenant_id FROM events_v e
         JOIN page_runs r ON r.producer_id = e.producer_id AND r.seq = e.seq AND r.list = 0,
              generate_series(r.page_start, r.page_start + r.num_pages - 1) AS g(page)
-        WHERE e.kind = 'kv_read' AND e.request_id = ? ORDER BY e.wall_ns""",
-        [request_id],
+        WHERE e.kind = 'kv_read' AND e.request_id = ? AND (? IS NULL OR e.tenant_id = ?) ORDER BY e.wall_ns""",
+        [request_id, only, only],
     ).fetchall()
     foreign = {(f.node, p) for f in found if f.code in fx.AFFECTED_CODES for p in f.pages}
     read_pages: dict[tuple[str, int], int] = {}
@@ -88,7 +128,8 @@ def request_detail(con: duckdb.DuckDBPyConnection, request_id: str, found: list[
     for node in sorted({n for n, _ in focus}):
         wanted = sorted(p for n, p in focus if n == node)
         lo = con.execute(
-            "SELECT min(wall_ns) FROM events_v WHERE request_id = ? AND node = ?", [request_id, node]
+            "SELECT min(wall_ns) FROM events_v WHERE request_id = ? AND node = ? AND (? IS NULL OR tenant_id = ?)",
+            [request_id, node, only, only],
         ).fetchall()[0][0]
         if lo is None:
             continue
@@ -104,23 +145,22 @@ def request_detail(con: duckdb.DuckDBPyConnection, request_id: str, found: list[
               AND e.wall_ns BETWEEN ? AND ? AND list_contains(?::INTEGER[], g.page::INTEGER)""",
             [max(wanted), min(wanted), node, lo - LOOKBACK_NS, hi + AFTER_NS, wanted],
         ).fetchall()
-        _history(node, rows, request_id, hi + AFTER_NS, spans, marks)
-    tenant = reads[0][3] if reads else None
+        _history(node, rows, me, hi + AFTER_NS, spans, marks)
+    owner = only if only is not None else reads[0][3] if reads else None
     spans_df = pl.DataFrame(spans, schema=SPAN_SCHEMA)
     marks_df = pl.DataFrame(marks, schema=MARK_SCHEMA)
     page_rows = [
-        _page_row(node, page, read_pages[(node, page)], (node, page) in foreign, marks_df, request_id)
-        for node, page in focus
+        _page_row(node, page, read_pages[(node, page)], (node, page) in foreign, marks_df, me) for node, page in focus
     ]
     return RequestDetail(
         request_id,
-        tenant,
+        owner,
         spans_df,
         marks_df,
         pl.DataFrame(page_rows, schema=_PAGE_SCHEMA),
         len(read_pages),
-        _transfers(con, request_id),
-        _response(con, request_id, found),
+        _transfers(con, request_id, only),
+        _response(con, request_id, found, only),
         findings_frame(found),
     )
 
@@ -155,13 +195,20 @@ def detail_from_document(doc: dict) -> RequestDetail:
     )
 
 
-def _label(rid: str | None, tenant: str | None, me: str) -> str:
-    if rid == me:
+Me = tuple[str, str | None]  # the request shown: its id, and its tenant when another tenant's request shares the id
+
+
+def _is_me(rid: str | None, tenant: str | None, me: Me) -> bool:
+    return rid == me[0] and (me[1] is None or tenant == me[1])
+
+
+def _label(rid: str | None, tenant: str | None, me: Me) -> str:
+    if _is_me(rid, tenant, me):
         return f"this request ({tenant})"
     return f"{(rid or '?')[:12]} ({tenant or '?'})"
 
 
-def _history(node: str, rows: list[tuple], me: str, end_ns: int, spans: list[dict], marks: list[dict]) -> None:
+def _history(node: str, rows: list[tuple], me: Me, end_ns: int, spans: list[dict], marks: list[dict]) -> None:
     """Holding spans (allocation to free) and marks of each page, from its events in time order."""
     open_by_page: dict[int, dict] = {}
     for kind, rid, tenant, t, _seq, page in sorted(rows, key=lambda r: (r[5], r[3], _ORDER[r[0]], r[4])):
@@ -187,7 +234,7 @@ def _history(node: str, rows: list[tuple], me: str, end_ns: int, spans: list[dic
             marks.append(
                 {"node": node, "page": page, "what": "write", "request_id": rid, "tenant_id": tenant, "wall_ns": t}
             )
-        elif rid == me:
+        elif _is_me(rid, tenant, me):
             marks.append(
                 {"node": node, "page": page, "what": "read", "request_id": rid, "tenant_id": tenant, "wall_ns": t}
             )
@@ -207,14 +254,17 @@ _PAGE_SCHEMA = {
 }
 
 
-def _page_row(node: str, page: int, read_ns: int, is_foreign: bool, marks: pl.DataFrame, me: str) -> dict:
+def _page_row(node: str, page: int, read_ns: int, is_foreign: bool, marks: pl.DataFrame, me: Me) -> dict:
     m = marks.filter((pl.col("node") == node) & (pl.col("page") == page))
     writes = m.filter((pl.col("what") == "write") & (pl.col("wall_ns") <= read_ns)).sort("wall_ns")
     last = writes.row(-1, named=True) if len(writes) else None
     frees = m.filter((pl.col("what") == "free") & (pl.col("wall_ns") >= read_ns)).sort("wall_ns")
     freed = frees["wall_ns"][0] if len(frees) else None
+    mine = pl.col("request_id") == me[0]
+    if me[1] is not None:
+        mine = mine & (pl.col("tenant_id") == me[1])
     later = m.filter(
-        (pl.col("what") == "write") & (pl.col("wall_ns") > (freed or read_ns)) & (pl.col("request_id") != me)
+        (pl.col("what") == "write") & (pl.col("wall_ns") > (freed or read_ns)) & ~mine.fill_null(False)
     ).sort("wall_ns")
     return {
         "node": node,
@@ -229,23 +279,26 @@ def _page_row(node: str, page: int, read_ns: int, is_foreign: bool, marks: pl.Da
     }
 
 
-def _transfers(con: duckdb.DuckDBPyConnection, request_id: str) -> pl.DataFrame:
+def _transfers(con: duckdb.DuckDBPyConnection, request_id: str, only: str | None) -> pl.DataFrame:
     return pl.DataFrame(
         con.sql(
             "SELECT kind, node, wall_ns, transfer_id, num_tokens, num_pages, digest, digest_algo, status "
-            "FROM events_v WHERE request_id = ? "
+            "FROM events_v WHERE request_id = ? AND (? IS NULL OR tenant_id = ?) "
             "AND kind IN ('transfer_reserved', 'transfer_sent', 'transfer_received') "
             "ORDER BY wall_ns",
-            params=[request_id],
+            params=[request_id, only, only],
         ).to_arrow_table()
     ).cast(pl.Schema(TRANSFER_SCHEMA))
 
 
-def _response(con: duckdb.DuckDBPyConnection, request_id: str, found: list[fx.Finding]) -> dict | None:
+def _response(
+    con: duckdb.DuckDBPyConnection, request_id: str, found: list[fx.Finding], only: str | None
+) -> dict | None:
     rows = con.execute(
         "SELECT http_status, prompt_tokens, completion_tokens, ttft_ns, latency_ns, tenant_id "
-        "FROM events_v WHERE kind = 'response_sent' AND request_id = ? ORDER BY wall_ns DESC LIMIT 1",
-        [request_id],
+        "FROM events_v WHERE kind = 'response_sent' AND request_id = ? AND (? IS NULL OR tenant_id = ?) "
+        "ORDER BY wall_ns DESC LIMIT 1",
+        [request_id, only, only],
     ).fetchall()
     if not rows:
         return None

@@ -11,6 +11,7 @@ other requests, tenants and nodes as pseudonyms).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -18,6 +19,7 @@ import polars as pl
 
 from kvtrail import forensics as fx
 from kvtrail.answers import pages
+from kvtrail.answers.ask import ServiceAnswers, window_params
 from kvtrail.answers.client import Client
 from kvtrail.answers.store import SourceError, Thresholds
 from kvtrail.answers.transfers import SCHEMA as TRANSFER_SCHEMA
@@ -32,6 +34,7 @@ class RemoteSource:
 
     def __init__(self, url: str, token: str | None, *, transport: httpx.BaseTransport | None = None):
         self.client = Client(url, token, transport=transport)
+        self.answers = ServiceAnswers(url, token, client=self.client)  # the questions, asked as the CLI asks them
         self.label = f"service {self.client.url}"
         try:
             self._nodes = self.client.table("/v1/nodes", {})[0]
@@ -84,10 +87,10 @@ class RemoteSource:
         return [], f"the service at {self.client.url}"
 
     def findings(self, w: fx.Window) -> pl.DataFrame:
-        return self.client.table("/v1/findings", self._params(w))[0]
+        return self.answers.findings(w).rows
 
     def affected(self, w: fx.Window) -> pl.DataFrame:
-        rows = self.client.table("/v1/affected", self._params(w, tenant_ok=self.role != "tenant"))[0]
+        rows = self.answers.affected(w if self.role != "tenant" else replace(w, tenant=None)).rows
         if self.role == "tenant":  # victims come as counts: the view's columns, without other tenants' ids
             rows = rows.with_columns(
                 pl.lit(None, pl.Utf8).alias("tenant_id"), pl.lit([], pl.List(pl.Utf8)).alias("victim_tenants")
@@ -117,17 +120,17 @@ class RemoteSource:
                     "victim_requests": pl.Int64,
                 },
             )
-        return self.client.table("/v1/exposure", self._params(w))[0]
+        return self.answers.exposure(w).rows
 
     def thresholds(self, w: fx.Window) -> Thresholds:
         if self.role == "tenant":
             return Thresholds(pl.DataFrame(), "The threshold analysis is for operators.")
-        rows, meta = self.client.table("/v1/thresholds", self._params(w))
-        notes = meta.get("notes") or [""]
-        return Thresholds(rows, notes[0])
+        answer = self.answers.thresholds(w)
+        return Thresholds(answer.rows, (answer.notes or ("",))[0])
 
     def exploitation(self, w: fx.Window) -> pl.DataFrame:
-        return self.client.table("/v1/exploitation", self._params(w))[0]
+        # The service's own probe defaults (the dashboard sets no baseline or threshold of its own).
+        return self.answers.answer("/v1/exploitation", window_params(w)).rows
 
     def transfers(self, w: fx.Window) -> pl.DataFrame:
         rows = self.client.table("/v1/transfers", self._params(w))[0]
@@ -135,11 +138,14 @@ class RemoteSource:
             return pl.DataFrame(schema=TRANSFER_SCHEMA)
         return rows.select(list(TRANSFER_SCHEMA)).cast(TRANSFER_SCHEMA)  # type: ignore[arg-type]
 
-    def request(self, request_id: str, w: fx.Window) -> pages.RequestDetail:
-        """One request's page ownership timeline, tokens and digests, TTFT (``/v1/requests/{id}/pages``)."""
+    def request(self, request_id: str, w: fx.Window, tenant: str | None = None) -> pages.RequestDetail:
+        """One request's page ownership timeline, tokens and digests, TTFT (``/v1/requests/{id}/pages``;
+        ``tenant``: whose request of that id, when two tenants' requests share it)."""
         params = self._params(w, tenant_ok=False)
         if self.role == "tenant":
             params["node"] = None
+        else:
+            params["tenant"] = tenant
         return pages.detail_from_document(self.client.request_pages(request_id, params))
 
     def report(self, w: fx.Window, context_yaml: bytes | None) -> tuple[bytes, dict, str]:

@@ -37,12 +37,10 @@ from kvtrail.forensics.analysis import (
     exposure_matrix,
     node_capacity,
     requests_table,
-    threshold_analysis,
     threshold_sentence,
-    thresholds_table,
 )
 from kvtrail.forensics.options import ReportOptions
-from kvtrail.forensics.questions import affected_with_exclusions, exploitation_for, findings_frame
+from kvtrail.forensics.questions import affected_with_exclusions, exploitation_for, findings_frame, thresholds_of
 from kvtrail.forensics.results import window_counts
 
 PERSISTED = "persisted findings"  # how found() names findings read from a saved run
@@ -226,15 +224,7 @@ class StoreSource:
         every = self._requests(w, kept["request_id"].to_list())
 
         def compute(con: duckdb.DuckDBPyConnection) -> Thresholds:
-            capacity = node_capacity(con, w.from_ns, w.to_ns)
-            requests = every
-            if w.tenant:
-                requests = requests.filter(pl.col("tenant_id") == w.tenant)
-            if w.node:
-                requests = requests.filter(pl.col("prefill_node") == w.node)
-                capacity = capacity.filter(pl.col("node") == w.node)
-            by_node, summary = threshold_analysis(requests, set(kept["request_id"]))
-            table = thresholds_table(capacity, by_node)
+            table, summary = thresholds_of(node_capacity(con, w.from_ns, w.to_ns), every, kept, w)
             return Thresholds(table, threshold_sentence(summary))
 
         return self._memoised("thresholds", w, compute)
@@ -259,7 +249,10 @@ class StoreSource:
         found = self.found(w)[0]
         return self._memoised("transfers", w, lambda con: transfers.mismatches(con, found, w))
 
-    def request(self, request_id: str, w: fx.Window) -> pages.RequestDetail:
-        """One request's page ownership timeline, tokens and digests, TTFT."""
-        found = [f for f in self.found(w)[0] if f.request_id == request_id]
-        return self._memoised(f"request:{request_id}", w, lambda con: pages.request_detail(con, request_id, found))
+    def request(self, request_id: str, w: fx.Window, tenant: str | None = None) -> pages.RequestDetail:
+        """One request's page ownership timeline, tokens and digests, TTFT (``tenant``'s request of that id,
+        when requests of two tenants share it)."""
+        found = [f for f in self.found(w)[0] if f.request_id == request_id and tenant in (None, f.tenant_id)]
+        return self._memoised(
+            f"request:{tenant}:{request_id}", w, lambda con: pages.request_detail(con, request_id, found, tenant)
+        )

@@ -89,8 +89,11 @@ def tenant_exposure(findings: pl.DataFrame, tenant: str) -> dict:
 
 def request_status(findings: pl.DataFrame, request_id: str, tenant: str | None) -> dict:
     """One request's part in the window's findings: what it read that it did not own, and who read its data
-    (counts only; ``tenant``: the asking tenant, whose own id is not counted as another tenant)."""
+    (counts only). ``tenant``: the request's tenant; another tenant's request of the same id is not this one,
+    neither as reader nor as victim."""
     own = findings.filter(pl.col("code").is_in(sorted(AFFECTED_CODES)) & (pl.col("request_id") == request_id))
+    if tenant is not None:
+        own = own.filter(pl.col("tenant_id") == tenant)
     codes: set[str] = set()
     pages: set[tuple] = set()
     victims: set[str] = set()
@@ -100,7 +103,9 @@ def request_status(findings: pl.DataFrame, request_id: str, tenant: str | None) 
         pages.update((f["node"], p) for p in f["pages"] or ())
         victims.update(v for v in f["victim_request_ids"] or () if v)
         victim_tenants.update(t for t in f["victim_tenant_ids"] or () if t)
-    responses, tenants, _, _ = _reads_of(findings, lambda rid, tid: rid == request_id)
+    responses, tenants, _, _ = _reads_of(
+        findings, lambda rid, tid: rid == request_id and (tenant is None or tid == tenant)
+    )
     me = tenant if tenant is not None else next(iter(own["tenant_id"].to_list()), None)
     return {
         "request_id": request_id,
@@ -117,8 +122,8 @@ def request_status(findings: pl.DataFrame, request_id: str, tenant: str | None) 
 class _Pseudonyms:
     """Stable stand-ins for another tenant's request and tenant ids and for node names, within one answer."""
 
-    def __init__(self, request_id: str, tenant: str):
-        self.me, self.tenant = request_id, tenant
+    def __init__(self, request_id: str, tenant: str, shared: bool):
+        self.me, self.tenant, self.shared = request_id, tenant, shared
         self._names: dict[tuple[str, str], str] = {}
 
     def _alias(self, kind: str, value: str) -> str:
@@ -127,8 +132,14 @@ class _Pseudonyms:
             self._names[key] = f"{kind} {1 + sum(k == kind for k, _ in self._names)}"
         return self._names[key]
 
-    def request(self, rid: str | None) -> str | None:
-        return rid if rid is None or rid == self.me else self._alias("other request", rid)
+    def request(self, rid: str | None, tid: str | None = None) -> str | None:
+        """``rid`` itself for the asking request (its id and tenant; no tenant named: only while no other
+        tenant's request shares the id), else a pseudonym."""
+        mine = rid == self.me and (tid == self.tenant or (tid is None and not self.shared))
+        return rid if rid is None or mine else self._alias("other request", rid)
+
+    def other_request(self, rid: str) -> str:
+        return self._alias("other request", rid)
 
     def tenant_id(self, tid: str | None) -> str | None:
         if tid is None or tid == self.tenant or tid in PSEUDO_VICTIMS:
@@ -139,13 +150,14 @@ class _Pseudonyms:
         return None if name is None else self._alias("node", name)
 
 
-def tenant_request_pages(doc: dict, tenant: str) -> dict:
-    """A request drill-down (``dashboards.pages.detail_document``) as its tenant may see it: other requests,
-    tenants and every node as pseudonyms, no evidence event ids and no finding's free text."""
-    p = _Pseudonyms(doc["request_id"], tenant)
+def tenant_request_pages(doc: dict, tenant: str, shared: bool = False) -> dict:
+    """A request drill-down (``answers.pages.detail_document``) as its tenant may see it: other requests,
+    tenants and every node as pseudonyms, no evidence event ids and no finding's free text. ``shared``: another
+    tenant's request has the same id (then only rows naming this tenant are this request's)."""
+    p = _Pseudonyms(doc["request_id"], tenant, shared)
 
     def owner(row: dict, rid: str = "request_id", tid: str = "tenant_id") -> dict:
-        return {**row, "node": p.node(row["node"]), rid: p.request(row[rid]), tid: p.tenant_id(row[tid])}
+        return {**row, "node": p.node(row["node"]), rid: p.request(row[rid], row[tid]), tid: p.tenant_id(row[tid])}
 
     spans = []
     for s in doc["spans"]:
@@ -154,13 +166,19 @@ def tenant_request_pages(doc: dict, tenant: str) -> dict:
         s["holder"] = f"this request ({tenant})" if mine else f"{s['request_id'] or '?'} ({s['tenant_id'] or '?'})"
         spans.append(s)
     pages = [
-        {**owner(row, "last_writer", "last_writer_tenant"), "next_holder": p.request(row["next_holder"])}
+        {
+            **owner(row, "last_writer", "last_writer_tenant"),
+            # never the request itself (pages.py): the same id is another tenant's request
+            "next_holder": None if row["next_holder"] is None else p.other_request(row["next_holder"]),
+        }
         for row in doc["pages"]
     ]
     findings = [
         {
             **owner(f),
-            "victim_request_ids": [p.request(r) for r in f["victim_request_ids"] or ()],
+            "victim_request_ids": [
+                p.request(r, t) for r, t in zip(f["victim_request_ids"] or (), f["victim_tenant_ids"] or ())
+            ],
             "victim_tenant_ids": [p.tenant_id(t) for t in f["victim_tenant_ids"] or ()],
             "evidence": None,
             "detail": None,

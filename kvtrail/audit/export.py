@@ -1,60 +1,46 @@
-"""Export an audit store to Hive-partitioned Parquet, and import such an export back losslessly.
+"""``kvtrail audit export`` / ``audit import``: a store as Parquet, and such an export back into a store, losslessly.
 
-Layout of an export directory (the one fleet-scale queries read with ``hive_partitioning``)::
-
-  events/date=YYYY-MM-DD/node=<node>/*.parquet      every column of ``events``
-  page_runs/date=YYYY-MM-DD/node=<node>/*.parquet   ``page_runs``, partitioned like their event
-  producers.parquet  batches.parquet  prunes.parquet  prune_batches.parquet  legal_holds.parquet  meta.parquet
-  manifest.json      format version, kvtrail version, export time, row counts, chain head per producer
-
-``date`` is the UTC date of the event's ``wall_ns`` and ``node`` its producer's node. The partition
-values live only in the directory names; the files hold exactly the store's columns and types.
+An export is a lake of one whole-store export (:func:`kvtrail.audit.lake.export.export_lake` with
+``whole_store``; layout and manifest in docs/lake.md): ``events/`` and ``page_runs/`` partitioned
+``cluster=/node=/date=/hour=``, one folder per other table, ``manifests/manifest-000001.json``. So
+``kvtrail lake verify`` checks it and ``--lake`` asks it, and a lake that ``kvtrail lake export`` grew
+imports the same way. An import also reads the exports of format 1 (:mod:`kvtrail.audit.lake.format1`:
+``date=/node=`` partitions, ``manifest.json``). The partition values live only in the folder names; the
+files hold exactly the store's columns and types.
 
 On import the target keeps its own ``meta`` rows (``store_format``, ``created_ns`` describe the
 target file) and its own ``store_opens``; meta keys the target lacks are copied from the export.
-Before anything is written, the import recomputes the chain of what it imports
-(:func:`verify_export`) and refuses a tampered export.
+Before anything is written, the import recomputes the chain of what it imports and, for a lake, checks
+every file against the SHA-256 its manifest lists (:func:`verify_export`), and refuses a tampered export.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import re
+import hashlib
 import shutil
 import tempfile
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
 import duckdb
 
-from kvtrail import __version__
+from kvtrail.audit.lake import format1
+from kvtrail.audit.lake.catalog import STORE_TABLES
+from kvtrail.audit.lake.export import export_lake
+from kvtrail.audit.lake.fs import LakeFS
+from kvtrail.audit.lake.manifest import MANIFEST_DIR, LakeManifest, read_manifest
 from kvtrail.audit.layout import insert_from
-from kvtrail.audit.store import AuditStore, connect_readonly, fetch_row, schema_ddl
-from kvtrail.audit.storefile import MIGRATABLE_FORMATS, STORE_FORMAT, connect, wal_path
-from kvtrail.audit.verify import VerifyReport, verify_store
-from kvtrail.errors import ChainError, StoreError
+from kvtrail.audit.store import AuditStore, fetch_row, schema_ddl
+from kvtrail.audit.storefile import connect, wal_path
+from kvtrail.audit.verify import Problem, VerifyReport, verify_store
+from kvtrail.errors import ChainError, KvtrailError, StoreError
 
-FORMAT_VERSION = 1
-# Import order: producers first, so a duplicate producer is refused before any heavy reading.
-TABLES = ("producers", "meta", "batches", "events", "page_runs", "prunes", "prune_batches", "legal_holds")
-TABLE_KEYS = {
-    "producers": "producer_id",
-    "meta": "key",
-    "batches": "producer_id, batch_no",
-    "events": "producer_id, seq",
-    "page_runs": "producer_id, seq, list, pos",
-    "prunes": "prune_id",
-    "prune_batches": "prune_id, producer_id, batch_no",
-    "legal_holds": "hold_id",
-}
-_NODE_RE = re.compile(r"[A-Za-z0-9._-]+")
+TABLES = tuple(STORE_TABLES)
+TABLE_KEYS = STORE_TABLES
 # What verify_store reads: a chain check of an export needs only these.
 _CHAIN_TABLES = ("producers", "batches", "events", "page_runs", "prunes", "prune_batches")
-# Integer arithmetic, not to_timestamp(): a double loses the nanoseconds that decide the day at midnight.
-_DATE_SQL = "CAST(DATE '1970-01-01' + CAST(e.wall_ns // 86400000000000 AS INTEGER) AS VARCHAR)"
 
 Progress = Callable[[str], None] | None
 
@@ -90,115 +76,74 @@ def _chain_heads(con: duckdb.DuckDBPyConnection, producer_ids: list[int] | None 
     return {str(pid): {"batch_no": no, "digest": bytes(d).hex()} for pid, no, d in rows}
 
 
-# Partitioned tables: each row with the UTC date of its event and its producer's node.
-_PARTITION_QUERIES = {
-    "events": f"SELECT e.*, {_DATE_SQL} AS date, p.node AS node FROM events e "
-    "JOIN producers p ON p.producer_id = e.producer_id ORDER BY e.producer_id, e.seq",
-    "page_runs": f"SELECT r.*, {_DATE_SQL} AS date, p.node AS node FROM page_runs r "
-    "JOIN events e ON e.producer_id = r.producer_id AND e.seq = r.seq "
-    "JOIN producers p ON p.producer_id = r.producer_id ORDER BY r.producer_id, r.seq, r.list, r.pos",
-}
+def export_parquet(
+    db_path: str | Path, out_dir: str | Path, *, progress: Progress = None, checkpoints=None
+) -> ExportResult:
+    """Write the store at ``db_path`` to ``out_dir`` as a whole-store lake export (see the module doc).
 
-
-def _copy_sql(table: str, out: Path) -> str:
-    if table in _PARTITION_QUERIES:
-        return f"COPY ({_PARTITION_QUERIES[table]}) TO {_lit(out / table)} (FORMAT parquet, PARTITION_BY (date, node))"
-    query = f"SELECT * FROM {table} ORDER BY {TABLE_KEYS[table]}"
-    return f"COPY ({query}) TO {_lit(out / f'{table}.parquet')} (FORMAT parquet)"
-
-
-def export_parquet(db_path: str | Path, out_dir: str | Path, *, progress: Progress = None) -> ExportResult:
-    """Write the store at ``db_path`` to ``out_dir`` as Hive-partitioned Parquet plus a manifest.
-
-    The store is opened read-only and read in one snapshot. ``out_dir`` must not exist or be empty;
+    The store is opened read-only (no writer can hold it meanwhile). ``out_dir`` must not exist or be empty;
     files are written to a sibling temporary directory that is renamed into place when complete.
-    ``progress`` is called with the name of each step. Raises StoreError.
+    ``progress`` is called with the name of each step; ``checkpoints`` is the lake export's page-state
+    pass (:data:`kvtrail.audit.lake.export.Checkpoints`), without which the export is not judged per
+    partition. Raises StoreError.
     """
     db_path, out_dir = Path(db_path), Path(out_dir)
     if not db_path.is_file():
         raise StoreError(f"store not found: {db_path}")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise StoreError(f"export directory {out_dir} exists and is not empty")
-    con = connect_readonly(db_path)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     try:
-        con.begin()
-        for (node,) in con.execute("SELECT DISTINCT node FROM producers ORDER BY node").fetchall():
-            if not _NODE_RE.fullmatch(node):
-                raise StoreError(
-                    f"node name {node!r} cannot be a partition directory "
-                    "(only letters, digits, '.', '_' and '-' are allowed)"
-                )
-        counts = {t: fetch_row(con, f"SELECT count(*) FROM {t}")[0] for t in TABLES}
-        fmt = con.execute("SELECT value FROM meta WHERE key = 'store_format'").fetchone()
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "kvtrail_version": __version__,
-            "store_format": fmt[0] if fmt else None,
-            "exported_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "row_counts": counts,
-            "chain_heads": _chain_heads(con),
-        }
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
         try:
-            for table in TABLES:
-                if progress:
-                    progress(table)
-                written = fetch_row(con, _copy_sql(table, tmp))[0]
-                if written != counts[table]:
-                    # Only the joins of a partitioned table can drop rows: ones without their event or producer.
-                    raise StoreError(
-                        f"{table}: {counts[table] - written} rows have no event or producer to partition them by"
-                    )
-            if progress:
-                progress("manifest")
-            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-            files = sum(1 for p in tmp.rglob("*") if p.is_file())
-            if out_dir.exists():
-                out_dir.rmdir()
-            tmp.rename(out_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    except duckdb.Error as exc:
-        raise StoreError(f"export of {db_path} failed: {exc}") from None
-    finally:
-        con.close()
-    return ExportResult(counts["events"], counts["page_runs"], counts["batches"], counts["producers"], files)
+            res = export_lake(db_path, str(tmp), whole_store=True, checkpoints=checkpoints, progress=progress)
+        except ValueError as exc:  # a cluster or node name that cannot be a folder
+            raise StoreError(str(exc)) from None
+        if out_dir.exists():
+            out_dir.rmdir()
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportResult(res.events, res.page_runs, res.batches, res.producers, res.files)
 
 
-def _read_manifest(in_dir: Path) -> dict:
-    path = in_dir / "manifest.json"
-    if not path.is_file():
-        raise StoreError(f"{in_dir} is not a kvtrail export: manifest.json is missing")
+@dataclass(frozen=True)
+class _Source:
+    """An export as an import reads it: files per table, the rows and chain heads its manifest promises,
+    and for a lake its manifest (whose SHA-256s the verification checks)."""
+
+    files: dict[str, list[str]]
+    counts: dict[str, int]
+    heads: dict[str, dict]
+    lake: LakeManifest | None = None
+    rel: dict[str, str] | None = None  # absolute path -> path in the lake
+
+
+def _open_source(in_dir: Path) -> _Source:
+    if format1.is_format1(in_dir):
+        manifest = format1.read_manifest(in_dir)
+        files = {t: format1.files(in_dir, t) for t in TABLES}
+        return _Source(files, manifest["row_counts"], manifest["chain_heads"])
+    if not (in_dir / MANIFEST_DIR).is_dir():
+        raise StoreError(f"{in_dir} is not a kvtrail export: {format1.MANIFEST} is missing")
+    lake = LakeFS.open(str(in_dir))
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise StoreError(f"{path}: unreadable manifest ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
-        version = manifest.get("format_version") if isinstance(manifest, dict) else None
-        raise StoreError(f"{path}: unsupported export format version {version!r}; this kvtrail reads {FORMAT_VERSION}")
-    # An export's files have the same columns whatever the layout of the store it came from.
-    if manifest.get("store_format") not in (STORE_FORMAT, *MIGRATABLE_FORMATS):
-        raise StoreError(
-            f"{path}: export of store format {manifest.get('store_format')!r}; "
-            f"this kvtrail reads {', '.join((*MIGRATABLE_FORMATS, STORE_FORMAT))}"
-        )
-    counts, heads = manifest.get("row_counts"), manifest.get("chain_heads")
-    if not isinstance(counts, dict) or set(counts) != set(TABLES) or not isinstance(heads, dict):
-        raise StoreError(
-            f"{path}: row_counts must name exactly the tables {', '.join(TABLES)}, and chain_heads must be given"
-        )
-    return manifest
-
-
-def _files(in_dir: Path, table: str) -> list[str]:
-    if table in _PARTITION_QUERIES:
-        return sorted(str(p) for p in (in_dir / table).glob("date=*/node=*/*.parquet"))
-    path = in_dir / f"{table}.parquet"
-    if not path.is_file():
-        raise StoreError(f"{in_dir} is not a complete export: {path.name} is missing")
-    return [str(path)]
+        m = read_manifest(lake)
+    except KvtrailError as exc:
+        raise StoreError(str(exc)) from None
+    if not m.number:
+        raise StoreError(f"{in_dir} is not a kvtrail export: {MANIFEST_DIR}/ holds no manifest")
+    if m.doc.store_format is not None:
+        format1.check_store_format(m.doc.store_format, f"{in_dir}/{MANIFEST_DIR}")
+    present = set(lake.list())
+    gone = sorted(p for p in m.files if p not in present)
+    if gone:
+        raise StoreError(f"{in_dir} is not a complete export: {gone[0]} is missing")
+    rel = {lake.full(p): p for p in m.files}
+    files = {t: [lake.full(p) for p in sorted(m.files_of(t))] for t in TABLES}
+    counts = {t: sum(f.rows for f in m.files_of(t).values()) for t in TABLES}
+    return _Source(files, counts, m.doc.chain_heads, m, rel)
 
 
 def _check_columns(con: duckdb.DuckDBPyConnection, table: str, files: list[str], store_table: str) -> str:
@@ -215,12 +160,24 @@ def _check_columns(con: duckdb.DuckDBPyConnection, table: str, files: list[str],
     return ", ".join(name for name, _ in table_cols)
 
 
+def _altered(src: _Source) -> list[Problem]:
+    """Files of a lake whose bytes are not the ones its manifest lists."""
+    if src.lake is None or src.rel is None:
+        return []
+    out = []
+    for path, rel in sorted(src.rel.items(), key=lambda kv: kv[1]):
+        if hashlib.sha256(Path(path).read_bytes()).hexdigest() != src.lake.files[rel].sha256:
+            out.append(Problem(None, None, None, f"altered file: {rel} (SHA-256 differs from the manifest)"))
+    return out
+
+
 def verify_export(in_dir: str | Path, *, progress=None) -> VerifyReport:
     """Recompute the chain of an export (every link, every batch digest, the prune records) from its files,
-    without writing anything. ``progress(n)`` is called as batches are checked. Raises StoreError for an
-    export that cannot be read as one (bad manifest, missing files, wrong columns)."""
+    and for a lake check every file against its manifest's SHA-256, without writing anything. ``progress(n)``
+    is called as batches are checked. Raises StoreError for an export that cannot be read as one (bad
+    manifest, missing files, wrong columns)."""
     in_dir = Path(in_dir)
-    _read_manifest(in_dir)
+    src = _open_source(in_dir)
     with duckdb.connect() as con:
         # Empty store tables in schema "ref" give each column's type; the checked tables are views over
         # the export's files (or the empty table where the export has none), so nothing is loaded twice.
@@ -230,7 +187,7 @@ def verify_export(in_dir: str | Path, *, progress=None) -> VerifyReport:
             con.execute(stmt)
         con.execute("USE memory.main")
         for table in _CHAIN_TABLES:
-            files = _files(in_dir, table)
+            files = src.files[table]
             if not files:
                 con.execute(f"CREATE VIEW {table} AS SELECT * FROM ref.{table}")
                 continue
@@ -238,23 +195,21 @@ def verify_export(in_dir: str | Path, *, progress=None) -> VerifyReport:
             listed = ", ".join(_lit(Path(f)) for f in files)
             con.execute(f"CREATE VIEW {table} AS SELECT {cols} FROM read_parquet([{listed}], hive_partitioning=false)")
         try:
-            return verify_store(con, progress=progress)
+            report = verify_store(con, progress=progress)
         except duckdb.Error as exc:
             raise StoreError(f"{in_dir}: cannot read the export to verify it: {str(exc).splitlines()[0]}") from None
+    report.problems.extend(_altered(src))  # after the chain's: a changed row is named by its batch first
+    return report
 
 
-def _import_table(con: duckdb.DuckDBPyConnection, in_dir: Path, table: str, expected) -> int:
-    files = _files(in_dir, table)
+def _import_table(con: duckdb.DuckDBPyConnection, files: list[str], table: str, expected) -> int:
     if not files:
         if expected != 0:
             raise StoreError(f"{table}: manifest says {expected} rows, the export holds none")
         return 0
     cols = _check_columns(con, table, files, table)
-    # Columns are selected by name, which drops the partition columns (and any key=value segment of in_dir).
-    src = (
-        f"read_parquet(?, hive_partitioning={'true' if table in _PARTITION_QUERIES else 'false'}, "
-        "hive_types_autocast=false)"
-    )
+    # Partition values are folder names, never file columns (hive_partitioning=false); columns go by name.
+    src = "read_parquet(?, hive_partitioning=false)"
     if table == "events":  # split by kind into the kind tables
         n = insert_from(con, f"(SELECT {cols} FROM {src} ORDER BY {TABLE_KEYS[table]})", [files])
     elif table == "meta":
@@ -269,14 +224,18 @@ def _import_table(con: duckdb.DuckDBPyConnection, in_dir: Path, table: str, expe
     return n
 
 
-def _import_all(con: duckdb.DuckDBPyConnection, in_dir: Path, manifest: dict, progress: Progress) -> dict:
-    counts = manifest["row_counts"]
-    pids = [
-        r[0]
-        for r in con.execute(
-            "SELECT producer_id FROM read_parquet(?, hive_partitioning=false)", [_files(in_dir, "producers")]
-        ).fetchall()
-    ]
+def _import_all(con: duckdb.DuckDBPyConnection, src: _Source, progress: Progress) -> dict:
+    counts, producer_files = src.counts, src.files["producers"]
+    pids = (
+        [
+            r[0]
+            for r in con.execute(
+                "SELECT producer_id FROM read_parquet(?, hive_partitioning=false)", [producer_files]
+            ).fetchall()
+        ]
+        if producer_files
+        else []
+    )
     dup = con.execute(
         "SELECT producer_id, node, instance FROM producers WHERE producer_id IN (SELECT unnest(?)) "
         "ORDER BY producer_id LIMIT 1",
@@ -291,8 +250,8 @@ def _import_all(con: duckdb.DuckDBPyConnection, in_dir: Path, manifest: dict, pr
     for table in TABLES:
         if progress:
             progress(table)
-        got[table] = _import_table(con, in_dir, table, counts[table])
-    heads, expected = _chain_heads(con, pids), manifest["chain_heads"]
+        got[table] = _import_table(con, src.files[table], table, counts[table])
+    heads, expected = _chain_heads(con, pids), src.heads
     if heads != expected:
         pid = next(p for p in sorted(set(heads) | set(expected)) if heads.get(p) != expected.get(p))
         raise StoreError(f"chain head of producer {pid} differs from the manifest")
@@ -302,7 +261,8 @@ def _import_all(con: duckdb.DuckDBPyConnection, in_dir: Path, manifest: dict, pr
 def import_parquet(
     in_dir: str | Path, db_path: str | Path, *, progress: Progress = None, verify: bool = True
 ) -> ImportResult:
-    """Load an export made by :func:`export_parquet` into the store at ``db_path`` (created if missing).
+    """Load an export (:func:`export_parquet`, a lake, or an export of format 1) into the store at ``db_path``
+    (created if missing).
 
     With ``verify`` (the default) the export's chain is recomputed first (:func:`verify_export`); a
     broken one raises ChainError naming its first problem, before the target is touched.
@@ -312,7 +272,7 @@ def import_parquet(
     retention records when the target already has its own. ``progress`` is called with each table name.
     """
     in_dir, db_path = Path(in_dir), Path(db_path)
-    manifest = _read_manifest(in_dir)
+    src = _open_source(in_dir)
     if verify:
         report = verify_export(in_dir)
         if not report.ok:
@@ -326,7 +286,7 @@ def import_parquet(
         con = connect(db_path, read_only=False)
         try:
             con.begin()
-            got = _import_all(con, in_dir, manifest, progress)
+            got = _import_all(con, src, progress)
             con.commit()
             done = True
         finally:

@@ -301,10 +301,10 @@ class Writer(threading.Thread):
             except Exception as exc:  # noqa: BLE001 - sink failure: retried, then counted as lost
                 if self._retry(items, exc):
                     break
-                lost, lost_pages = _lost_counts(items)
-                self.error_total += lost
+                lost, lost_pages, own = _lost_counts(items)
+                self.error_total += own
                 self._pending_gaps.append(("writer_error", lost, lost_pages, f"{type(exc).__name__}: {exc}"))
-                log.error("kvtrail recorder: %d events lost, store failed: %s", lost, exc)
+                log.error("kvtrail recorder: %d events lost, store failed: %s", own, exc)
                 break
             self._count(result)
             break
@@ -335,8 +335,9 @@ class Writer(threading.Thread):
             except ValidationError as exc:
                 invalid.append(str(exc))
             except Exception as exc:  # noqa: BLE001 - counted like any store failure
-                self.error_total += 1
-                self._pending_gaps.append(("writer_error", *_lost_counts([item]), f"{type(exc).__name__}: {exc}"))
+                lost, lost_pages, own = _lost_counts([item])
+                self.error_total += own
+                self._pending_gaps.append(("writer_error", lost, lost_pages, f"{type(exc).__name__}: {exc}"))
 
     def _retry(self, items: list, first_exc: Exception) -> bool:
         log.warning("kvtrail recorder: store append failed (%s); retrying", first_exc)
@@ -350,17 +351,20 @@ class Writer(threading.Thread):
         return False
 
 
-def _lost_counts(items: list) -> tuple[int, int]:
-    """Events and pages a failed batch loses; a lost gap event carries the losses it was reporting."""
-    events = pages = 0
+def _lost_counts(items: list) -> tuple[int, int, int]:
+    """(sequence numbers, pages, events of the caller's own) a failed batch loses. A lost gap event carries
+    the losses it was reporting and its own sequence number on to the next gap event (so the store's missing
+    numbers stay explained), but was no event of the caller's: ``writer_errors_total`` counts those once."""
+    events = pages = own = 0
     for it in items:
         if it[0] == GAP_CODE:
-            events += it[6][GAP_EVENTS_AT]
+            events += it[6][GAP_EVENTS_AT] + 1
             pages += it[6][GAP_PAGES_AT] or 0
         else:
             events += 1
+            own += 1
             if type(it[4]) is bytes:  # an ndarray snapshot, its dtype in the dst slot
                 pages += len(it[4]) // it[5].itemsize
             elif isinstance(it[4], (tuple, np.ndarray)) and np.ndim(it[4]) == 1:
                 pages += len(it[4])
-    return events, pages
+    return events, pages, own

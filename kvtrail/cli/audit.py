@@ -407,11 +407,15 @@ def backup(db: str, to: str, force: bool, public_key: str | None) -> None:
 @click.option("--format", "fmt", type=click.Choice(["parquet"]), default="parquet", show_default=True)
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory (new or empty).")
 def export(db: str, fmt: str, out: str) -> None:
-    """Export to Hive-partitioned Parquet (date=/node=), the layout fleet-scale querying uses."""
+    """Export the whole store as an audit lake: Hive-partitioned Parquet (cluster=/node=/date=/hour=), page-state
+    checkpoints and a manifest, the layout of 'kvtrail lake export' (so 'lake verify' and --lake read it)."""
     from kvtrail.audit.export import export_parquet
+    from kvtrail.forensics.lake.checkpointer import write_checkpoints
 
     with _progress(None, "export") as bar:
-        res = export_parquet(_existing(db), out, progress=lambda step: bar.set_postfix_str(step))
+        res = export_parquet(
+            _existing(db), out, progress=lambda step: bar.set_postfix_str(step), checkpoints=write_checkpoints
+        )
     click.echo(f"exported {res.events} events, {res.page_runs} page runs, {res.batches} batches to {out}")
 
 
@@ -420,10 +424,11 @@ def export(db: str, fmt: str, out: str) -> None:
 @click.option("--no-verify", is_flag=True, help="Import even if the export's chain does not verify.")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 def import_cmd(db: str, no_verify: bool, src: str) -> None:
-    """Import a Parquet export into a store, losslessly (the chain still verifies).
+    """Import a Parquet export into a store, losslessly (the chain still verifies): an 'audit export', a lake
+    'lake export' wrote, or an export of the earlier format (date=/node=, manifest.json).
 
-    The export's chain is recomputed first: a tampered export exits 1 naming its first broken link,
-    with nothing imported (unless --no-verify).
+    The export's chain is recomputed first, and a lake's files checked against its manifest: a tampered
+    export exits 1 naming its first problem, with nothing imported (unless --no-verify).
     """
     from kvtrail.audit.export import import_parquet, verify_export
 

@@ -24,10 +24,10 @@ from kvtrail.answers.tables import (
     json_text,
     printable,
     render_table,
-    terminal_text,
     view_for,
     window_scope,
 )
+from kvtrail.answers.text import terminal_text
 from kvtrail.cli.options import exclusion_options, exclusions, probe_options, report_options
 from kvtrail.cli.progress import replaying, step
 from kvtrail.cli.report import report, verify_report_cmd
@@ -266,7 +266,15 @@ def findings_cmd(
 @_options
 @exclusion_options
 @lake_options
-def affected(
+def affected(**kw) -> None:
+    """Which responses read foreign pages in the window, and whose data it was."""
+    _ask_table("affected", AFFECTED, **kw)
+
+
+def _ask_table(
+    question: str,
+    view: TableView,
+    *,
     db,
     url,
     api_token,
@@ -283,14 +291,15 @@ def affected(
     scheduler,
     workers,
 ) -> None:
-    """Which responses read foreign pages in the window, and whose data it was."""
+    """One table question (affected, exposure, thresholds) asked of the store, the service or the lake the
+    options name, and printed or written as ``view`` says."""
     _check_out(db, fmt, out, force)
     excl = exclusions(exclude_tenants, exclude_file)
     w = _window(from_, to, tenant, node)
     with open_answers(db, url, api_token, lake_url, scheduler, workers) as answers:
-        answer = answers.affected(w, exclusions=excl)
+        answer = getattr(answers, question)(w, exclusions=excl)
     _say_excluded(answer.excluded)
-    _emit(answer, fmt, out, AFFECTED, w, db, force)
+    _emit(answer, fmt, out, view, w, db, force)
 
 
 def _save(db: str, found, w, engine: str, policy) -> None:
@@ -410,62 +419,18 @@ def _finding_line(f) -> str:
 @_options
 @exclusion_options
 @lake_options
-def exposure(
-    db,
-    url,
-    api_token,
-    from_,
-    to,
-    tenant,
-    node,
-    fmt,
-    out,
-    force,
-    exclude_tenants,
-    exclude_file,
-    lake_url,
-    scheduler,
-    workers,
-) -> None:
+def exposure(**kw) -> None:
     """Exposure matrix: recipient tenant x victim tenant, with responses, pages and victim requests."""
-    _check_out(db, fmt, out, force)
-    excl = exclusions(exclude_tenants, exclude_file)
-    w = _window(from_, to, tenant, node)
-    with open_answers(db, url, api_token, lake_url, scheduler, workers) as answers:
-        answer = answers.exposure(w, exclusions=excl)
-    _say_excluded(answer.excluded)
-    _emit(answer, fmt, out, EXPOSURE, w, db, force)
+    _ask_table("exposure", EXPOSURE, **kw)
 
 
 @forensics.command()
 @_options
 @exclusion_options
 @lake_options
-def thresholds(
-    db,
-    url,
-    api_token,
-    from_,
-    to,
-    tenant,
-    node,
-    fmt,
-    out,
-    force,
-    exclude_tenants,
-    exclude_file,
-    lake_url,
-    scheduler,
-    workers,
-) -> None:
+def thresholds(**kw) -> None:
     """Pool vs advertised context per node, and affected vs unaffected prompts against the prefill pool."""
-    _check_out(db, fmt, out, force)
-    w = _window(from_, to, tenant, node)
-    excl = exclusions(exclude_tenants, exclude_file)
-    with open_answers(db, url, api_token, lake_url, scheduler, workers) as answers:
-        answer = answers.thresholds(w, exclusions=excl)
-    _say_excluded(answer.excluded)
-    _emit(answer, fmt, out, THRESHOLDS, w, db, force)
+    _ask_table("thresholds", THRESHOLDS, **kw)
 
 
 @forensics.command()

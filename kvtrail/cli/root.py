@@ -8,6 +8,7 @@ Bad input ends with one line on stderr and exit code 2; a failed check (e.g. a b
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import click
 
@@ -15,6 +16,7 @@ from kvtrail import __version__
 from kvtrail.cli.lazy import LazyGroup
 from kvtrail.errors import KvtrailError, StoreError
 from kvtrail.service.config import BANNER, ServeConfig
+from kvtrail.serving.deadlines import ReadTimeouts
 
 # Each command group's module is imported when the command runs (or --help lists it): `kvtrail --version`
 # and a mistyped name pay for click, not for pandas, pyarrow, numba and DuckDB.
@@ -23,6 +25,7 @@ _LAZY = {
     "dashboard": "kvtrail.cli.dashboard:dashboard",
     "forensics": "kvtrail.cli.forensics:forensics",
     "lake": "kvtrail.cli.lake:lake",
+    "model": "kvtrail.cli.model:model",
     "preflight": "kvtrail.cli.preflight:preflight",
     "simulate": "kvtrail.cli.simulate:simulate",
     "stack": "kvtrail.cli.stack:stack",
@@ -105,6 +108,47 @@ _SERVE_DEFAULTS = ServeConfig()
     help="Least time between two live-judge polls while batches stream "
     "in: the bound on its lag; longer leaves ingest more CPU (docs/service.md).",
 )
+@click.option(
+    "--otlp-endpoint",
+    default=None,
+    metavar="URL",
+    help="Export findings (log records) and one span per judged response to this OTLP/HTTP receiver "
+    "(base URL, e.g. http://127.0.0.1:4318); needs the 'otel' extra (docs/alerts.md).",
+)
+@click.option(
+    "--query-concurrency",
+    default=_SERVE_DEFAULTS.query_limits.per_token,
+    show_default=True,
+    type=click.IntRange(1, 1024),
+    help="Queries one token may have running at once.",
+)
+@click.option(
+    "--query-queue",
+    default=_SERVE_DEFAULTS.query_limits.queue_per_token,
+    show_default=True,
+    type=click.IntRange(0, 100_000),
+    help="Queries of one token waiting beyond those; more get HTTP 429 with Retry-After.",
+)
+@click.option(
+    "--header-timeout-s",
+    default=_SERVE_DEFAULTS.read_timeouts.header_s,
+    show_default=True,
+    type=click.FloatRange(0, 3600, min_open=True),
+    help="How long a client has to send a request's headers; HTTP 408 and closed past it.",
+)
+@click.option(
+    "--body-timeout-s",
+    default=_SERVE_DEFAULTS.read_timeouts.body_s,
+    show_default=True,
+    type=click.FloatRange(0, 3600, min_open=True),
+    help="How long a client has to send a request's body after its headers; HTTP 408 and closed past it.",
+)
+@click.option(
+    "--metrics-token",
+    is_flag=True,
+    help="GET /metrics needs an operator or metrics token (its series name every node; without it, bind "
+    "where tenants cannot reach).",
+)
 def serve(
     db: str,
     host: str,
@@ -113,6 +157,12 @@ def serve(
     max_body_bytes: int,
     drain_timeout_s: float,
     judge_interval_s: float,
+    otlp_endpoint: str | None,
+    query_concurrency: int,
+    query_queue: int,
+    header_timeout_s: float,
+    body_timeout_s: float,
+    metrics_token: bool,
 ) -> None:
     """Run the audit service (HTTP ingest, live judge, query API) until SIGINT or SIGTERM.
 
@@ -133,6 +183,12 @@ def serve(
                 max_body_bytes=max_body_bytes,
                 drain_timeout_s=drain_timeout_s,
                 judge_interval_s=judge_interval_s,
+                otlp_endpoint=otlp_endpoint,
+                query_limits=replace(
+                    _SERVE_DEFAULTS.query_limits, per_token=query_concurrency, queue_per_token=query_queue
+                ),
+                read_timeouts=ReadTimeouts(header_timeout_s, body_timeout_s),
+                metrics_token=metrics_token,
             ),
             tokens_file=tokens_file,
             ready=lambda url: click.echo(BANNER.format(url=url)),

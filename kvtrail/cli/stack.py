@@ -60,8 +60,9 @@ def stack(
     """Run the reference PD stack (router, prefill, decode) until SIGINT (Ctrl-C) or SIGTERM; prints the router's URL.
 
     On either signal it stops accepting, drains the requests in flight, flushes every process's audit and
-    exits 0. If a worker process dies it stops the stack and exits 1 with one line naming the worker, so a
-    supervisor restarts it. Defaults come from StackConfig (or StackConfig.incident() with --incident).
+    exits 0. If a worker process or the store process dies it stops the stack and exits 1 with one line naming
+    it, so a supervisor restarts it; without its store the router answers 503 and /health says the audit is
+    degraded (docs/service.md). Defaults come from StackConfig (or StackConfig.incident() with --incident).
     """
     from dataclasses import replace
 
@@ -78,6 +79,7 @@ def stack(
     failed: dict[str, int] = {}
     with interrupt_on_stop_signals(), Stack(cfg, db) as stack:
         workers = ", ".join(f"{role} pid {p.pid}" for role, p in stack.procs.items())
+        workers += f", store pid {stack.store.pid if stack.store else '-'}"
         click.echo(
             f"router: {stack.url}/v1/completions  (API keys: {', '.join(k for k, _ in cfg.api_keys)}); "
             f"audit: {db}; workers: {workers}; Ctrl-C or SIGTERM stops"
@@ -87,7 +89,12 @@ def stack(
             failed = stack.failed_workers() or {
                 role: p.exitcode or 0 for role, p in stack.procs.items() if not p.is_alive()
             }
-            what = ", ".join(f"{role} worker exited with code {code}" for role, code in failed.items())
+            if stack.store is not None and not stack.store.alive():
+                failed.setdefault("store", stack.store.exitcode or 0)
+            what = ", ".join(
+                f"{'store process' if role == 'store' else role + ' worker'} exited with code {code}"
+                for role, code in failed.items()
+            )
             click.echo(f"kvtrail stack: {what}; stopping the stack (worker log: {stack.worker_log_path})", err=True)
         except KeyboardInterrupt:
             click.echo("stopping")

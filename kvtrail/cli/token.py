@@ -53,7 +53,7 @@ def _one_target(db: str | None, url: str | None, file: str | None = None) -> Non
 
 @click.group()
 def token() -> None:
-    """API tokens of the service: roles producer, operator and tenant:<id>; stored hashed."""
+    """API tokens of the service: roles producer, operator, metrics and tenant:<id>; stored hashed."""
 
 
 @token.command()
@@ -65,7 +65,7 @@ def token() -> None:
     type=click.Path(dir_okay=False),
     help="Append the token's line (id, role, hash; no secret) to this token file for 'kvtrail serve --tokens'.",
 )
-@click.option("--role", required=True, help="producer, operator or tenant:<id>.")
+@click.option("--role", required=True, help="producer, operator, metrics (GET /metrics only) or tenant:<id>.")
 @click.option("--note", default="", help="What the token is for.")
 @click.option("--node", "nodes", multiple=True, help="Producer tokens: a node it may send for (repeatable).")
 @click.option(

@@ -56,16 +56,20 @@ def render(src, w: fx.Window) -> None:
         key="affected-csv",
     )
     st.subheader("Drill down to one request")
-    ids = rows["request_id"].to_list()
+    # a request is its tenant and id: two tenants' requests may share an id (clients choose them)
+    ids = list(zip(rows["request_id"].to_list(), rows["tenant_id"].to_list()))
     wanted = st.query_params.get("request")
     if ids:
-        rid = st.selectbox("request", ids, index=ids.index(wanted) if wanted in ids else 0, key="affected-request")
-        if rid:
-            request_detail(src, rid, w)
+        first = next((i for i, (rid, _) in enumerate(ids) if rid == wanted), 0)
+        picked = st.selectbox(
+            "request", ids, index=first, format_func=lambda k: f"{k[0]} ({k[1]})", key="affected-request"
+        )
+        if picked:
+            request_detail(src, picked[0], w, picked[1])
 
 
-def request_detail(src, rid: str, w: fx.Window) -> None:
-    d = src.request(rid, w)
+def request_detail(src, rid: str, w: fx.Window, tenant: str | None = None) -> None:
+    d = src.request(rid, w, tenant)
     st.markdown(
         f"**Request `{rid}`** of tenant `{d.tenant_id}`: read {d.pages_read:,} page(s); "
         f"{int(d.pages['foreign'].sum())} of the {len(d.pages)} shown were foreign."

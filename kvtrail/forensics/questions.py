@@ -410,14 +410,23 @@ def thresholds_answer(
     requests = requests_table(con, w.from_ns, w.to_ns, kept["request_id"].to_list())
     warnings = integrity_warnings(con, w)
     requests = requests.filter(~pl.col("request_id").is_in(excluded["request_id"].to_list()))
+    table, summary = thresholds_of(capacity, requests, kept, w)
+    return Answer(table, dropped, gaps, (threshold_sentence(summary),), warnings, summary)
+
+
+def thresholds_of(
+    capacity: pl.DataFrame, requests: pl.DataFrame, kept: pl.DataFrame, w: Window
+) -> tuple[pl.DataFrame, dict]:
+    """The threshold table and its summary from the nodes' capacity, the window's requests and its affected
+    responses (``kept``), with the window's tenant and node filters applied: the one composition the store,
+    the lake and the dashboard share."""
     if w.tenant:
         requests = requests.filter(pl.col("tenant_id") == w.tenant)
     if w.node:
         requests = requests.filter(pl.col("prefill_node") == w.node)
         capacity = capacity.filter(pl.col("node") == w.node)
     by_node, summary = threshold_analysis(requests, set(kept["request_id"]))
-    table = thresholds_table(capacity, by_node)
-    return Answer(table, dropped, gaps, (threshold_sentence(summary),), warnings, summary)
+    return thresholds_table(capacity, by_node), summary
 
 
 def ask_exploitation(store: Store, options: ReportOptions, w: Window | None = None) -> Answer:

@@ -40,7 +40,7 @@ def lake_record(lake: Lake) -> dict:
         "url": lake.fs.url,
         "manifest": m.number,
         "manifest_sha256": hashlib.sha256(m.raw).hexdigest(),
-        "chain_heads": m.doc["chain_heads"],
+        "chain_heads": m.doc.chain_heads,
     }
 
 
@@ -107,7 +107,7 @@ def verify_lake_report(
         check.problems.append(f"lake manifest {name}: altered since the report (SHA-256 differs)")
         return check
     recorded = read_manifest(fs, number)
-    if recorded.doc["chain_heads"] != rec["chain_heads"]:
+    if recorded.doc.chain_heads != rec["chain_heads"]:
         check.problems.append(f"{MANIFEST}: the lake chain heads it records are not those of {name}")
     lake_check = verify_lake(url)
     check.problems.extend(f"lake: {p}" for p in lake_check.problems)

@@ -9,15 +9,18 @@ its response models.
 from __future__ import annotations
 
 import time
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel
 
 from kvtrail import __version__
 from kvtrail.alerts import CONTENT_TYPE, exposition, registry_for
 from kvtrail.errors import KvtrailError, ValidationError
 from kvtrail.service import ingest, queries
+from kvtrail.service.auth import authenticate_request, bearer, require_role
 from kvtrail.service.config import DEFAULT_MAX_BODY_BYTES
 from kvtrail.service.state import ServiceState
 
@@ -40,13 +43,17 @@ class Health(BaseModel):
     judge_lag_p99_s: float | None
 
 
-def create_app(state: ServiceState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The application serving ``state``'s store."""
+def create_app(
+    state: ServiceState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics_token: bool = False
+) -> FastAPI:
+    """The application serving ``state``'s store; ``metrics_token``: ``/metrics`` needs an operator or metrics
+    token (its series name every node)."""
     app = FastAPI(
         title="kvtrail service",
         version=__version__,
         description="Ingest of audit events, the live judge's findings and the forensics questions.",
     )
+    app.state.kvtrail = state  # what the query routes' dependencies read (queries.service_state)
 
     @app.exception_handler(KvtrailError)
     async def kvtrail_error(_request: Request, exc: KvtrailError) -> JSONResponse:
@@ -74,17 +81,24 @@ def create_app(state: ServiceState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
             judge_lag_p99_s=None if p99 is None else float(p99),
         )
 
-    # No token: like /healthz it names nodes and counts, never a tenant or a request (docs/alerts.md).
-    metrics = registry_for(state.cursor, judge_progress=lambda: dict(state.judge.replay.tail.watermark))
+    # It names nodes and counts, never a tenant or a request (docs/alerts.md); with metrics_token only an
+    # operator or metrics token may read it, for a service whose port tenants reach.
+    metrics = registry_for(
+        state.cursor, judge_progress=lambda: dict(state.judge.replay.tail.watermark), export=state.export
+    )
 
     @app.get(
         "/metrics",
         tags=["service"],
-        summary="Prometheus metrics computed from the store (no token needed)",
+        summary="Prometheus metrics computed from the store (a token only with serve --metrics-token)",
         response_class=Response,
         responses={200: {"content": {CONTENT_TYPE: {}}}},
     )
-    def prometheus_metrics() -> Response:
+    def prometheus_metrics(
+        request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+    ) -> Response:
+        if metrics_token:
+            require_role(authenticate_request(state, request, credentials), "operator", "metrics")
         return Response(exposition(metrics), media_type=CONTENT_TYPE)
 
     app.include_router(ingest.router(state, max_body_bytes=max_body_bytes))

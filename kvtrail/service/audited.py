@@ -1,4 +1,5 @@
-"""The route class that writes every query into the access log, whatever its outcome.
+"""The route class that writes every query into the access log, whatever its outcome, and bounds how
+many queries a token has running and waiting (:mod:`kvtrail.service.limits`; 429 beyond).
 
 Each request to a route of the query router leaves one access-log entry (who: the token id and role
 the auth dependency found, or none; what: method, path and query parameters without secrets; the
@@ -13,10 +14,25 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from kvtrail.service import access
+from kvtrail.service.limits import QueryLimiter, TooManyQueries
+
+
+def too_many(limiter: QueryLimiter) -> Response:
+    """The 429 of a query beyond its token's bounds (``Retry-After`` in seconds)."""
+    limits = limiter.limits
+    return JSONResponse(
+        {
+            "detail": f"too many queries of this token: {limits.per_token} running and "
+            f"{limits.queue_per_token} waiting at most; retry after {limits.retry_after_s} s"
+        },
+        status_code=429,
+        headers={"Retry-After": str(limits.retry_after_s)},
+    )
 
 
 def record(state: Any, request: Request, status: int) -> None:
@@ -47,8 +63,18 @@ def logged_route(state: Any) -> type[APIRoute]:
 
             async def logged(request: Request) -> Response:
                 status = 500  # what the client gets when the handler fails unexpectedly
+                limiter = state.limiter
+                key = limiter.key(request.headers.get("authorization"))
                 try:
-                    response = await handler(request)
+                    try:
+                        await limiter.acquire(key)
+                    except TooManyQueries:
+                        status = 429
+                        return too_many(limiter)
+                    try:
+                        response = await handler(request)
+                    finally:
+                        limiter.release(key)
                     status = response.status_code
                     return response
                 except HTTPException as exc:

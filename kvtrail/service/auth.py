@@ -67,28 +67,41 @@ class VerifiedTokens:
             self._known.clear()
 
 
+def authenticate_request(state: Any, request: Request, credentials: HTTPAuthorizationCredentials | None) -> Principal:
+    """The :class:`Principal` of ``request`` (left on ``request.state.principal``); 401 for a missing, unknown,
+    revoked or expired token."""
+    if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
+        raise HTTPException(401, "missing bearer token (Authorization: Bearer <token>)", headers=UNAUTHORIZED)
+    verified = getattr(state, "verified", None)
+    who = verified.get(credentials.credentials) if verified is not None else None
+    if who is None:
+        cur = state.cursor()
+        try:
+            who = authenticate(cur, credentials.credentials)
+        finally:
+            cur.close()
+        if who is None:
+            raise HTTPException(401, "unknown, revoked or expired token", headers=UNAUTHORIZED)
+        if verified is not None:
+            verified.put(credentials.credentials, who)
+    request.state.principal = who
+    return who
+
+
+def current_principal(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> Principal:
+    """The dependency form of :func:`authenticate_request` for the application's own state (``app.state.kvtrail``)."""
+    return authenticate_request(request.app.state.kvtrail, request, credentials)
+
+
 def principal_dependency(state: Any) -> Callable[..., Principal]:
-    """A dependency returning the request's :class:`Principal`; 401 for a missing, unknown, revoked or expired token."""
+    """A dependency returning the request's :class:`Principal` over ``state``'s tokens."""
 
     def principal(
         request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
     ) -> Principal:
-        if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
-            raise HTTPException(401, "missing bearer token (Authorization: Bearer <token>)", headers=UNAUTHORIZED)
-        verified = getattr(state, "verified", None)
-        who = verified.get(credentials.credentials) if verified is not None else None
-        if who is None:
-            cur = state.cursor()
-            try:
-                who = authenticate(cur, credentials.credentials)
-            finally:
-                cur.close()
-            if who is None:
-                raise HTTPException(401, "unknown, revoked or expired token", headers=UNAUTHORIZED)
-            if verified is not None:
-                verified.put(credentials.credentials, who)
-        request.state.principal = who
-        return who
+        return authenticate_request(state, request, credentials)
 
     return principal
 

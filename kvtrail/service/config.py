@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtrail.service.limits import QueryLimits
+from kvtrail.serving.deadlines import ReadTimeouts
+
 BANNER = "kvtrail service listening on {url}"  # the service's first line of stdout
 DEFAULT_MAX_BODY_BYTES = 64 * 2**20
 DEFAULT_JUDGE_INTERVAL_S = 0.5  # the live judge's least time between two polls (kvtrail serve --judge-interval-s)
@@ -17,13 +20,17 @@ class ServeConfig:
     """Where the service listens, its largest ingest body, how long a stop waits for requests in flight, and
     the least time between two polls of the live judge while batches stream in (its lag's bound: a shorter
     interval keeps findings fresher, a longer one leaves ingest more CPU, since each poll has fixed
-    costs)."""
+    costs), and where the judge's results go as OpenTelemetry (none by default)."""
 
     host: str = "127.0.0.1"
     port: int = 0  # 0: the OS picks a free port; the banner names it
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_timeout_s: float = 30.0
     judge_interval_s: float = DEFAULT_JUDGE_INTERVAL_S
+    otlp_endpoint: str | None = None  # OTLP/HTTP base URL the judge's results are exported to (kvtrail.alerts.otel)
+    query_limits: QueryLimits = QueryLimits()  # queries running and waiting per token (429 beyond)
+    read_timeouts: ReadTimeouts = ReadTimeouts()  # a request's headers and body must arrive in time (408 past)
+    metrics_token: bool = False  # GET /metrics needs an operator or metrics token (it names every node)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -34,3 +41,7 @@ class ServeConfig:
             raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
         if not 0 <= self.judge_interval_s <= 3600:
             raise ValueError(f"judge_interval_s: must be 0..3600, got {self.judge_interval_s}")
+        if self.otlp_endpoint is not None:
+            from kvtrail.alerts.otel import check_endpoint
+
+            check_endpoint(self.otlp_endpoint)

@@ -81,6 +81,9 @@ _WARM_UP_EVENTS = [
         "purpose": "prefill_extend",
     },
 ]
+# After each poll that succeeded: (findings it saved, the committed event tables it was handed, every finding
+# it holds); e.g. kvtrail.alerts.otel.OtelExport.judged. It must return at once; what it raises is logged only.
+OnJudged = Callable[[list[Finding], list[pa.Table], list[Finding]], None]
 POLL_INTERVAL_S = DEFAULT_JUDGE_INTERVAL_S  # least time between two polls while commits keep coming (bounds the lag)
 
 
@@ -94,8 +97,10 @@ class Judge:
         policy: ForensicsPolicy = ForensicsPolicy(),
         retry_s: float = 1.0,
         poll_interval_s: float = POLL_INTERVAL_S,
+        on_judged: OnJudged | None = None,
     ):
         self.policy = policy
+        self.on_judged = on_judged
         self.retry_s = retry_s
         self.poll_interval_s = poll_interval_s
         self.replay = OnlineReplay(policy)
@@ -256,6 +261,7 @@ class Judge:
             # Not under the service's write lock: the judge is the only writer of these tables (findings,
             # forensic runs, the minute aggregates), each write is its own transaction on its own cursor,
             # and DuckDB commits it beside the ingest writer's; holding the lock would stall ingest.
+            saved = self._unsaved
             if self._unsaved:
                 record = save_findings(
                     self._con,
@@ -287,4 +293,9 @@ class Judge:
                 self._read_store = True  # what this poll took is judged again from the store
             log.exception("kvtrail service: live judge failed (retried in %.1f s)", self.retry_s)
             return False
+        if self.on_judged is not None:
+            try:
+                self.on_judged(saved, [t for t, _ in fed], self.replay.found)
+            except Exception:  # noqa: BLE001 - a listener never fails the poll
+                log.exception("kvtrail service: the live judge's listener failed")
         return True

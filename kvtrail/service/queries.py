@@ -9,10 +9,11 @@ tokens get their own requests and counts (:mod:`kvtrail.answers.tenancy`); produ
 # No "from __future__ import annotations": FastAPI must see the route-local Annotated aliases as objects.
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Annotated, Any, Literal, TypeVar
 
 import duckdb
-from fastapi import APIRouter, Depends, HTTPException, Path, Query, Response
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
 
 from kvtrail.answers import pages, persisted, tenancy, transfers
 from kvtrail.answers.client import NEXT_HEADER
@@ -34,9 +35,9 @@ from kvtrail.forensics import (
 )
 from kvtrail.forensics.options import ReportOptions
 from kvtrail.forensics.questions import findings_of
-from kvtrail.service import audit_api, models, tokens_api
+from kvtrail.service import audit_api, model_api, models, tokens_api
 from kvtrail.service.audited import logged_route
-from kvtrail.service.auth import principal_dependency, require_role
+from kvtrail.service.auth import current_principal, require_role
 from kvtrail.service.judged import affected_answer, findings_answer, judged_or_replayed
 from kvtrail.service.reports import ReportBody, report_response
 from kvtrail.service.responses import TABLE_CONTENT, answer_meta, table_response
@@ -150,260 +151,287 @@ def tenant_window(who: Principal, ask: Ask, excl: Exclusions | None = None) -> W
     return replace(ask.window, tenant=None)
 
 
-def _request_owner(cur: duckdb.DuckDBPyConnection, request_id: str, tenant_id: str | None) -> str | None:
-    """The tenant of ``request_id``, if it has one (and, for a tenant asking, it is that tenant); else None."""
-    row = cur.execute(
-        "SELECT tenant_id FROM events_v WHERE request_id = ? AND tenant_id IS NOT NULL "
-        "AND (? IS NULL OR tenant_id = ?) LIMIT 1",
-        [request_id, tenant_id, tenant_id],
-    ).fetchone()
-    return None if row is None else row[0]
+def service_state(request: Request) -> Any:
+    """The :class:`~kvtrail.service.state.ServiceState` the application serves (``create_app`` sets it)."""
+    return request.app.state.kvtrail
+
+
+State = Annotated[Any, Depends(service_state)]
+Who = Annotated[Principal, Depends(current_principal)]
+AskQ = Annotated[Ask, Depends(ask_params)]
+Excl = Annotated[Exclusions, Depends(exclusions_params)]
+RequestId = Annotated[str, Path(min_length=1, max_length=1000)]
+Codes = Annotated[list[str], Query(description="Only these codes (repeatable), e.g. F1.")]
+Since = Annotated[
+    int | None,
+    Query(
+        ge=0,
+        le=2**62,
+        description="Persisted findings of judge runs after this cursor (the 'next' of the previous call).",
+    ),
+]
+Probe = Annotated[dict, Depends(probe_params)]
+TABLE: dict[int | str, dict[str, Any]] = {200: {"content": TABLE_CONTENT}}
+NOT_FOUND: dict[int | str, dict[str, Any]] = {
+    404: {"model": models.ErrorBody, "description": "No such request (or not the tenant's)."},
+    409: {"model": models.ErrorBody, "description": "Requests of different tenants share the id: add tenant=."},
+}
+ARCHIVE: dict[int | str, dict[str, Any]] = {
+    200: {
+        "content": {
+            "application/zip": {"schema": {"type": "string", "format": "binary"}},
+            "application/gzip": {"schema": {"type": "string", "format": "binary"}},
+        }
+    }
+}
+
+
+def run(state: Any, who: Principal, fn: Callable[[duckdb.DuckDBPyConnection], T]) -> T:
+    """``fn`` on a fresh cursor of the store; a forensics error becomes a 4xx (a tenant's without its text,
+    which may list the store's tenants or nodes)."""
+    cur = state.cursor()
+    try:
+        return fn(cur)
+    except (KvtrailError, ValueError) as exc:
+        if who.role == "tenant":
+            raise HTTPException(400, "the query cannot be answered for these parameters") from None
+        raise HTTPException(getattr(exc, "http_status", 400), str(exc)) from None
+    finally:
+        cur.close()
+
+
+def _affected_of(state: Any, w: Window, excl: Exclusions, cur: duckdb.DuckDBPyConnection) -> Answer:
+    """``ask_affected`` for ``w``: from what the live judge found when it covers ``w``, else a replay."""
+
+    def judged(c: duckdb.DuckDBPyConnection, u: Window, found: list, ctx: Any) -> Answer:
+        return affected_answer(c, u, found, excl, ctx)
+
+    def replayed(c: duckdb.DuckDBPyConnection) -> Answer:
+        return ask_affected(c, w, exclusions=excl)
+
+    return judged_or_replayed(cur, state, w, judged, replayed, ("affected", excl))
+
+
+def _findings_of(
+    state: Any, w: Window, codes: tuple[str, ...], excl: Exclusions, cur: duckdb.DuckDBPyConnection
+) -> Answer:
+    """``ask_findings`` (replay engine, the judge's policy) for ``w``: judged when the judge covers ``w``."""
+
+    def judged(c: duckdb.DuckDBPyConnection, u: Window, found: list, ctx: Any) -> Answer:
+        return findings_answer(c, u, found, codes, excl, ctx)
+
+    def replayed(c: duckdb.DuckDBPyConnection) -> Answer:
+        return ask_findings(c, w, codes=codes, exclusions=excl)
+
+    return judged_or_replayed(cur, state, w, judged, replayed, ("findings", codes, excl))
+
+
+def affected(state: State, who: Who, ask: AskQ, excl: Excl) -> Response:
+    """Which responses read foreign pages in the window, and whose data it was (``kvtrail forensics affected``).
+    A tenant gets its own affected responses, with other requests and tenants as counts."""
+    require_role(who, "operator", "tenant")
+    if who.role == "tenant":
+        w = tenant_window(who, ask, excl)
+        answer = run(state, who, partial(_affected_of, state, w, Exclusions()))
+        rows = tenancy.tenant_affected(answer.rows, who.tenant_id or "")
+        return table_response(rows, ask.fmt, answer_meta(answer, tenant=True))
+    answer = run(state, who, partial(_affected_of, state, ask.window, excl))
+    return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
+
+
+def _findings_since(state: Any, who: Principal, ask: Ask, codes: tuple[str, ...], since: int) -> Response:
+    rows, nxt = run(state, who, lambda cur: persisted.persisted_since(cur, since, ask.window, codes))
+    if ask.fmt == "json":
+        body = models.FindingsSince.model_validate({"findings": rows.to_dicts(), "next": nxt})
+        return Response(body.model_dump_json(), media_type="application/json")
+    return table_response(rows, ask.fmt, {}, {NEXT_HEADER: str(nxt)})
+
+
+def findings(
+    state: State,
+    who: Who,
+    ask: AskQ,
+    excl: Excl,
+    code: Codes = [],  # noqa: B006
+    engine: Literal["replay", "sql"] = "replay",
+    allow_tenant_cache_sharing: bool = False,
+    latency_factor: Annotated[float, Query(ge=1.0, le=1e9)] = ForensicsPolicy.latency_factor,
+    since: Since = None,
+) -> Response:
+    """Every finding in the window with its evidence (``kvtrail forensics findings``); with ``since``, the
+    findings the live judge persisted since that cursor and the cursor to follow them with."""
+    require_role(who, "operator")
+    codes = tuple(code)
+    if since is not None:
+        return _findings_since(state, who, ask, codes, since)
+    policy = ForensicsPolicy(allow_tenant_cache_sharing=allow_tenant_cache_sharing, latency_factor=latency_factor)
+    if engine == "replay" and policy == state.judge.policy:  # what the judge found is what a replay finds
+        answer = run(state, who, partial(_findings_of, state, ask.window, codes, excl))
+    else:
+        answer = run(
+            state,
+            who,
+            lambda cur: ask_findings(cur, ask.window, codes=codes, engine=engine, policy=policy, exclusions=excl),
+        )
+    return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
+
+
+def exposure(state: State, who: Who, ask: AskQ, excl: Excl) -> Response:
+    """Recipient tenant x victim tenant (``kvtrail forensics exposure``). A tenant learns whether its data was
+    read, which of its requests, and by how many responses and other tenants."""
+    require_role(who, "operator", "tenant")
+    if who.role == "tenant":
+        w = tenant_window(who, ask, excl)
+        answer = run(state, who, lambda cur: ask_findings(cur, w, codes=tuple(sorted(AFFECTED_CODES))))
+        body = models.TenantExposure(**tenancy.tenant_exposure(answer.rows, who.tenant_id or ""))
+        return Response(body.model_dump_json(), media_type="application/json")
+    answer = run(state, who, lambda cur: ask_exposure(cur, ask.window, exclusions=excl))
+    return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
+
+
+def _one_request(
+    who: Principal, tenant: str | None, request_id: str, cur: duckdb.DuckDBPyConnection
+) -> tuple[str, bool]:
+    """(its tenant, whether another tenant's request shares the id) of the request ``request_id`` names: a
+    tenant's own only (another's is the same 404 as none); an operator's, of ``tenant`` when the id is shared
+    (else a 409 listing each request of that id)."""
+    every = pages.request_keys(cur, request_id)
+    mine = [k for k in every if k.tenant_id == (who.tenant_id if who.role == "tenant" else tenant or k.tenant_id)]
+    if not mine:
+        raise HTTPException(404, "no such request")
+    if len(mine) > 1:
+        named = "; ".join(f"tenant {k.tenant_id} (first event {k.first_producer}#{k.first_seq})" for k in mine)
+        raise HTTPException(
+            409, f"request_id: {len(mine)} requests of different tenants share it: {named}; add tenant="
+        )
+    return mine[0].tenant_id, len(every) > 1
+
+
+def _request_status(
+    who: Principal, w: Window, tenant: str | None, request_id: str, cur: duckdb.DuckDBPyConnection
+) -> dict:
+    owner, _ = _one_request(who, tenant, request_id, cur)
+    found = ask_findings(cur, w, codes=tuple(sorted(AFFECTED_CODES))).rows
+    return tenancy.request_status(found, request_id, owner)
+
+
+def request(state: State, who: Who, ask: AskQ, request_id: RequestId) -> models.TenantRequest:
+    """One request's part in the window's findings. A tenant asking for a request that is not its own gets
+    the same 404 as for one that does not exist. Requests of two tenants may share an id: a tenant gets its
+    own; an operator names the tenant (``tenant=``), else a 409 lists them."""
+    require_role(who, "operator", "tenant")
+    w = tenant_window(who, ask) if who.role == "tenant" else ask.window
+    return models.TenantRequest(**run(state, who, partial(_request_status, who, w, ask.window.tenant, request_id)))
+
+
+def _request_document(
+    who: Principal, span: Window, tenant: str | None, request_id: str, cur: duckdb.DuckDBPyConnection
+) -> tuple[dict, bool]:
+    owner, shared = _one_request(who, tenant, request_id, cur)
+    # as the --db dashboard does: a judge run (or --save) covering the window, else a replay
+    saved = persisted.covering_run(cur, span.from_ns, span.to_ns) is not None
+    every = persisted.persisted_findings(cur, span.from_ns, span.to_ns) if saved else ask_findings(cur, span).found
+    found = [f for f in every if f.request_id == request_id and (f.tenant_id == owner or not (shared or f.tenant_id))]
+    return pages.detail_document(pages.request_detail(cur, request_id, found, owner)), shared
+
+
+def request_pages(state: State, who: Who, ask: AskQ, request_id: RequestId) -> models.RequestPages:
+    """One request's page ownership timeline (who held, wrote and freed each page it read), its transfers,
+    response and findings: the dashboard's drill-down. The window bounds the findings (its tenant and node
+    filters do not apply; ``tenant`` chooses between requests of two tenants that share the id, else a 409
+    lists them). A tenant gets its own requests only (another's is the same 404 as none, a request of another
+    tenant with the same id is not shown), with other requests, tenants and nodes as pseudonyms."""
+    require_role(who, "operator", "tenant")
+    w = tenant_window(who, ask) if who.role == "tenant" else ask.window
+    span = Window(w.from_ns, w.to_ns)
+    doc, shared = run(state, who, partial(_request_document, who, span, ask.window.tenant, request_id))
+    if who.role == "tenant":
+        doc = tenancy.tenant_request_pages(doc, who.tenant_id or "", shared)
+    return models.RequestPages(**doc)
+
+
+def thresholds(state: State, who: Who, ask: AskQ, excl: Excl) -> Response:
+    """Pool vs advertised context per node, and prompts against the prefill pool (``kvtrail forensics
+    thresholds``)."""
+    require_role(who, "operator")
+    answer = run(state, who, lambda cur: ask_thresholds(cur, ask.window, exclusions=excl))
+    return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
+
+
+def exploitation(state: State, who: Who, ask: AskQ, excl: Excl, probe: Probe) -> Response:
+    """Per recipient tenant: over-long prompts vs its own baseline, bursts, a verdict (``kvtrail forensics
+    exploitation``)."""
+    require_role(who, "operator")
+    options = report_options(ask.window.from_ns, ask.window.to_ns, excl, probe)
+    answer = run(state, who, lambda cur: ask_exploitation(cur, options, ask.window))
+    return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
+
+
+def _mismatches(w: Window, cur: duckdb.DuckDBPyConnection) -> Any:
+    return transfers.mismatches(cur, findings_of(cur, w, codes=transfers.CODES), w)
+
+
+def transfer_mismatches(state: State, who: Who, ask: AskQ) -> Response:
+    """Length (F2) and digest (F3) mismatches with the prefill -> decode node pair each crossed (the
+    dashboard's Transfers view)."""
+    require_role(who, "operator")
+    return table_response(run(state, who, partial(_mismatches, ask.window)), ask.fmt, {})
+
+
+def nodes(state: State, who: Who, ask: AskQ) -> Response:
+    """Each node's configuration in effect during the window: pool tokens vs advertised context, role."""
+    require_role(who, "operator")
+    answer = run(state, who, lambda cur: ask_node_configurations(cur, ask.window))
+    return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
+
+
+def coverage(state: State, who: Who, ask: AskQ) -> Response:
+    """Per producer: sequence numbers missing that no recorder_gap explains, among the batches whose events
+    overlap the window (``from``/``to``; the whole store without them), optionally of one ``node``."""
+    require_role(who, "operator")
+    gaps = run(state, who, lambda cur: coverage_gaps(cur, ask.window))
+    if ask.window.node:
+        gaps = gaps.filter(gaps["node"] == ask.window.node)
+    return table_response(gaps, ask.fmt, {})
+
+
+def reports(state: State, who: Who, body: ReportBody) -> Response:
+    """Run the disclosure report for a window and options; the archive (zip or tar.gz) of its files."""
+    require_role(who, "operator")
+    options = report_options(
+        _time(body.from_, "from"),
+        _time(body.to, "to"),
+        exclusions_params(body.exclude_tenant, body.exclude_api_key, body.exclude_request),
+        body.probe(),
+    )
+    return run(state, who, lambda cur: report_response(cur, options, body, state.db_path.name))
 
 
 def router(state: Any) -> APIRouter:
     """The ``/v1`` query routes over ``state`` (a :class:`kvtrail.service.state.ServiceState`)."""
     r = APIRouter(prefix="/v1", route_class=logged_route(state), responses=ERRORS, tags=["queries"])
-    Who = Annotated[Principal, Depends(principal_dependency(state))]
-    AskQ = Annotated[Ask, Depends(ask_params)]
-    Excl = Annotated[Exclusions, Depends(exclusions_params)]
-    table: dict[int | str, dict[str, Any]] = {200: {"content": TABLE_CONTENT}}
-
-    def run(who: Principal, fn: Callable[[duckdb.DuckDBPyConnection], T]) -> T:
-        cur = state.cursor()
-        try:
-            return fn(cur)
-        except (KvtrailError, ValueError) as exc:
-            if who.role == "tenant":  # forensics messages may list the store's tenants or nodes
-                raise HTTPException(400, "the query cannot be answered for these parameters") from None
-            raise HTTPException(getattr(exc, "http_status", 400), str(exc)) from None
-        finally:
-            cur.close()
-
-    def operator_only(who: Principal) -> None:
-        require_role(who, "operator")
-
-    @r.get("/affected", response_model=list[models.AffectedRow] | list[models.TenantAffectedRow], responses=table)
-    def affected(who: Who, ask: AskQ, excl: Excl) -> Response:
-        """Which responses read foreign pages in the window, and whose data it was (``kvtrail forensics affected``).
-        A tenant gets its own affected responses, with other requests and tenants as counts."""
-        require_role(who, "operator", "tenant")
-        if who.role == "tenant":
-            w = tenant_window(who, ask, excl)
-            answer = run(
-                who,
-                lambda cur: judged_or_replayed(
-                    cur,
-                    state,
-                    w,
-                    lambda c, u, found, ctx: affected_answer(c, u, found, Exclusions(), ctx),
-                    lambda c: ask_affected(c, w),
-                    ("affected", Exclusions()),
-                ),
-            )
-            return table_response(
-                tenancy.tenant_affected(answer.rows, who.tenant_id or ""), ask.fmt, answer_meta(answer, tenant=True)
-            )
-        answer = run(
-            who,
-            lambda cur: judged_or_replayed(
-                cur,
-                state,
-                ask.window,
-                lambda c, u, found, ctx: affected_answer(c, u, found, excl, ctx),
-                lambda c: ask_affected(c, ask.window, exclusions=excl),
-                ("affected", excl),
-            ),
-        )
-        return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
-
-    @r.get("/findings", response_model=list[models.FindingRow] | models.FindingsSince, responses=table)
-    def findings(
-        who: Who,
-        ask: AskQ,
-        excl: Excl,
-        code: Annotated[list[str], Query(description="Only these codes (repeatable), e.g. F1.")] = [],  # noqa: B006
-        engine: Literal["replay", "sql"] = "replay",
-        allow_tenant_cache_sharing: bool = False,
-        latency_factor: Annotated[float, Query(ge=1.0, le=1e9)] = ForensicsPolicy.latency_factor,
-        since: Annotated[
-            int | None,
-            Query(
-                ge=0,
-                le=2**62,
-                description="Persisted findings of judge runs after this cursor (the 'next' of the previous call).",
-            ),
-        ] = None,
-    ) -> Response:
-        """Every finding in the window with its evidence (``kvtrail forensics findings``); with ``since``, the
-        findings the live judge persisted since that cursor and the cursor to follow them with."""
-        operator_only(who)
-        if since is not None:
-            rows, nxt = run(who, lambda cur: persisted.persisted_since(cur, since, ask.window, tuple(code)))
-            if ask.fmt == "json":
-                body = models.FindingsSince.model_validate({"findings": rows.to_dicts(), "next": nxt})
-                return Response(body.model_dump_json(), media_type="application/json")
-            return table_response(rows, ask.fmt, {}, {NEXT_HEADER: str(nxt)})
-        policy = ForensicsPolicy(allow_tenant_cache_sharing=allow_tenant_cache_sharing, latency_factor=latency_factor)
-
-        def replayed(cur: duckdb.DuckDBPyConnection) -> Answer:
-            return ask_findings(cur, ask.window, codes=tuple(code), engine=engine, policy=policy, exclusions=excl)
-
-        if engine == "replay" and policy == state.judge.policy:  # what the judge found is what a replay finds
-            answer = run(
-                who,
-                lambda cur: judged_or_replayed(
-                    cur,
-                    state,
-                    ask.window,
-                    lambda c, u, found, ctx: findings_answer(c, u, found, tuple(code), excl, ctx),
-                    replayed,
-                    ("findings", tuple(code), excl),
-                ),
-            )
-        else:
-            answer = run(who, replayed)
-        return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
-
-    @r.get("/exposure", response_model=list[models.ExposureRow] | models.TenantExposure, responses=table)
-    def exposure(who: Who, ask: AskQ, excl: Excl) -> Response:
-        """Recipient tenant x victim tenant (``kvtrail forensics exposure``). A tenant learns whether its data was
-        read, which of its requests, and by how many responses and other tenants."""
-        require_role(who, "operator", "tenant")
-        if who.role == "tenant":
-            w = tenant_window(who, ask, excl)
-            answer = run(who, lambda cur: ask_findings(cur, w, codes=tuple(sorted(AFFECTED_CODES))))
-            body = models.TenantExposure(**tenancy.tenant_exposure(answer.rows, who.tenant_id or ""))
-            return Response(body.model_dump_json(), media_type="application/json")
-        answer = run(who, lambda cur: ask_exposure(cur, ask.window, exclusions=excl))
-        return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
-
-    @r.get(
-        "/requests/{request_id}",
-        response_model=models.TenantRequest,
-        responses={404: {"model": models.ErrorBody, "description": "No such request (or not the tenant's)."}},
+    tables: tuple[tuple[str, Callable[..., Response], Any], ...] = (
+        ("/affected", affected, list[models.AffectedRow] | list[models.TenantAffectedRow]),
+        ("/findings", findings, list[models.FindingRow] | models.FindingsSince),
+        ("/exposure", exposure, list[models.ExposureRow] | models.TenantExposure),
     )
-    def request(
-        who: Who, ask: AskQ, request_id: Annotated[str, Path(min_length=1, max_length=1000)]
-    ) -> models.TenantRequest:
-        """One request's part in the window's findings. A tenant asking for a request that is not its own gets
-        the same 404 as for one that does not exist."""
-        require_role(who, "operator", "tenant")
-        w = tenant_window(who, ask) if who.role == "tenant" else ask.window
-
-        def answer(cur: duckdb.DuckDBPyConnection) -> dict | None:
-            owner = _request_owner(cur, request_id, who.tenant_id)
-            if owner is None:
-                return None
-            found = ask_findings(cur, w, codes=tuple(sorted(AFFECTED_CODES))).rows
-            return tenancy.request_status(found, request_id, owner)
-
-        status = run(who, answer)
-        if status is None:
-            raise HTTPException(404, "no such request")
-        return models.TenantRequest(**status)
-
-    @r.get(
-        "/requests/{request_id}/pages",
-        response_model=models.RequestPages,
-        responses={404: {"model": models.ErrorBody, "description": "No such request (or not the tenant's)."}},
+    for path, endpoint, model in tables:
+        r.add_api_route(path, endpoint, methods=["GET"], response_model=model, responses=TABLE)
+    r.add_api_route("/requests/{request_id}", request, response_model=models.TenantRequest, responses=NOT_FOUND)
+    r.add_api_route(
+        "/requests/{request_id}/pages", request_pages, response_model=models.RequestPages, responses=NOT_FOUND
     )
-    def request_pages(
-        who: Who, ask: AskQ, request_id: Annotated[str, Path(min_length=1, max_length=1000)]
-    ) -> models.RequestPages:
-        """One request's page ownership timeline (who held, wrote and freed each page it read), its transfers,
-        response and findings: the dashboard's drill-down. The window bounds the findings (its tenant and node
-        filters do not apply). A tenant gets its own requests only (another's is the same 404 as none), with
-        other requests, tenants and nodes as pseudonyms."""
-        require_role(who, "operator", "tenant")
-        w = tenant_window(who, ask) if who.role == "tenant" else ask.window
-        span = Window(w.from_ns, w.to_ns)
-
-        def answer(cur: duckdb.DuckDBPyConnection) -> dict | None:
-            owner = _request_owner(cur, request_id, who.tenant_id)
-            if owner is None:
-                return None
-            # as the --db dashboard does: a judge run (or --save) covering the window, else a replay
-            saved = persisted.covering_run(cur, span.from_ns, span.to_ns) is not None
-            every = (
-                persisted.persisted_findings(cur, span.from_ns, span.to_ns) if saved else ask_findings(cur, span).found
-            )
-            found = [f for f in every if f.request_id == request_id]
-            return pages.detail_document(pages.request_detail(cur, request_id, found))
-
-        doc = run(who, answer)
-        if doc is None:
-            raise HTTPException(404, "no such request")
-        if who.role == "tenant":
-            doc = tenancy.tenant_request_pages(doc, who.tenant_id or "")
-        return models.RequestPages(**doc)
-
-    @r.get("/thresholds", response_model=list[models.ThresholdRow], responses=table)
-    def thresholds(who: Who, ask: AskQ, excl: Excl) -> Response:
-        """Pool vs advertised context per node, and prompts against the prefill pool (``kvtrail forensics
-        thresholds``)."""
-        operator_only(who)
-        answer = run(who, lambda cur: ask_thresholds(cur, ask.window, exclusions=excl))
-        return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
-
-    @r.get("/exploitation", response_model=list[models.ExploitationRow], responses=table)
-    def exploitation(who: Who, ask: AskQ, excl: Excl, probe: Annotated[dict, Depends(probe_params)]) -> Response:
-        """Per recipient tenant: over-long prompts vs its own baseline, bursts, a verdict (``kvtrail forensics
-        exploitation``)."""
-        operator_only(who)
-        options = report_options(ask.window.from_ns, ask.window.to_ns, excl, probe)
-        answer = run(who, lambda cur: ask_exploitation(cur, options, ask.window))
-        return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
-
-    @r.get("/transfers", response_model=list[models.TransferRow], responses=table)
-    def transfer_mismatches(who: Who, ask: AskQ) -> Response:
-        """Length (F2) and digest (F3) mismatches with the prefill -> decode node pair each crossed (the
-        dashboard's Transfers view)."""
-        operator_only(who)
-        rows = run(
-            who, lambda cur: transfers.mismatches(cur, findings_of(cur, ask.window, codes=transfers.CODES), ask.window)
-        )
-        return table_response(rows, ask.fmt, {})
-
-    @r.get("/nodes", response_model=list[models.NodeRow], responses=table)
-    def nodes(who: Who, ask: AskQ) -> Response:
-        """Each node's configuration in effect during the window: pool tokens vs advertised context, role."""
-        operator_only(who)
-        answer = run(who, lambda cur: ask_node_configurations(cur, ask.window))
-        return table_response(answer.rows, ask.fmt, answer_meta(answer, tenant=False))
-
-    @r.get("/coverage", response_model=list[models.CoverageRow], responses=table)
-    def coverage(who: Who, ask: AskQ) -> Response:
-        """Per producer: sequence numbers missing that no recorder_gap explains, among the batches whose events
-        overlap the window (``from``/``to``; the whole store without them), optionally of one ``node``."""
-        operator_only(who)
-        gaps = run(who, lambda cur: coverage_gaps(cur, ask.window))
-        if ask.window.node:
-            gaps = gaps.filter(gaps["node"] == ask.window.node)
-        return table_response(gaps, ask.fmt, {})
-
-    @r.post(
-        "/reports",
-        responses={
-            200: {
-                "content": {
-                    "application/zip": {"schema": {"type": "string", "format": "binary"}},
-                    "application/gzip": {"schema": {"type": "string", "format": "binary"}},
-                }
-            }
-        },
-        response_class=Response,
+    tables = (
+        ("/thresholds", thresholds, list[models.ThresholdRow]),
+        ("/exploitation", exploitation, list[models.ExploitationRow]),
+        ("/transfers", transfer_mismatches, list[models.TransferRow]),
+        ("/nodes", nodes, list[models.NodeRow]),
+        ("/coverage", coverage, list[models.CoverageRow]),
     )
-    def reports(who: Who, body: ReportBody) -> Response:
-        """Run the disclosure report for a window and options; the archive (zip or tar.gz) of its files."""
-        operator_only(who)
-        options = report_options(
-            _time(body.from_, "from"),
-            _time(body.to, "to"),
-            exclusions_params(body.exclude_tenant, body.exclude_api_key, body.exclude_request),
-            body.probe(),
-        )
-        return run(who, lambda cur: report_response(cur, options, body, state.db_path.name))
-
-    r.include_router(audit_api.router(state, logged_route(state), run))
+    for path, endpoint, model in tables:
+        r.add_api_route(path, endpoint, methods=["GET"], response_model=model, responses=TABLE)
+    r.add_api_route("/reports", reports, methods=["POST"], responses=ARCHIVE, response_class=Response)
+    r.include_router(audit_api.router(state, logged_route(state), partial(run, state)))
+    r.include_router(model_api.router(state, logged_route(state), partial(run, state)))
     r.include_router(tokens_api.router(state, logged_route(state)))
     return r

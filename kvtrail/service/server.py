@@ -17,9 +17,11 @@ from typing import Callable
 
 import uvicorn
 
+from kvtrail.alerts.otel import OtelExport, otlp_export
 from kvtrail.service.app import create_app
 from kvtrail.service.config import ServeConfig
 from kvtrail.service.state import open_state
+from kvtrail.serving.deadlines import deadline_protocol
 from kvtrail.signals import stop_signals_ignored
 
 
@@ -48,12 +50,27 @@ def run_service(
     *,
     tokens_file: str | Path | None = None,
     ready: Callable[[str], None] = print,
+    export: OtelExport | None = None,
 ) -> None:
-    """Serve the store at ``db`` until SIGTERM or SIGINT; ``ready(url)`` is called once it is listening."""
+    """Serve the store at ``db`` until SIGTERM or SIGINT; ``ready(url)`` is called once it is listening.
+    ``export``: where the judge's results go as OpenTelemetry (else ``config.otlp_endpoint``'s, if set)."""
     config = config or ServeConfig()
-    state = open_state(db, tokens_file=tokens_file, judge_interval_s=config.judge_interval_s)
+    if export is None and config.otlp_endpoint is not None:
+        export = otlp_export(config.otlp_endpoint)  # OtelMissing without the extra, before the store is opened
     try:
-        app = create_app(state, max_body_bytes=config.max_body_bytes)
+        state = open_state(
+            db,
+            tokens_file=tokens_file,
+            judge_interval_s=config.judge_interval_s,
+            export=export,
+            query_limits=config.query_limits,
+        )
+    except BaseException:
+        if export is not None:
+            export.close(0)
+        raise
+    try:
+        app = create_app(state, max_body_bytes=config.max_body_bytes, metrics_token=config.metrics_token)
         sock = bind(config.host, config.port)
         server = uvicorn.Server(
             uvicorn.Config(
@@ -62,6 +79,7 @@ def run_service(
                 access_log=False,
                 lifespan="off",
                 timeout_graceful_shutdown=math.ceil(config.drain_timeout_s),
+                http=deadline_protocol(config.read_timeouts),
             )
         )
         # uvicorn handles both signals while it runs and raises the caught one again after it stops;

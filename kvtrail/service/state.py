@@ -13,6 +13,7 @@ from pathlib import Path
 
 import duckdb
 
+from kvtrail.alerts.otel import OtelExport
 from kvtrail.audit.store import DEFAULT_CHECKPOINT, AuditStore, CheckpointPolicy
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.service import tokens
@@ -20,6 +21,7 @@ from kvtrail.service.auth import VerifiedTokens
 from kvtrail.service.committer import Committer
 from kvtrail.service.judge import POLL_INTERVAL_S, Judge
 from kvtrail.service.judged import AnswerCache, SharedSnapshots
+from kvtrail.service.limits import QueryLimiter, QueryLimits
 
 
 @dataclass
@@ -34,15 +36,18 @@ class ServiceState:
     answers: AnswerCache = field(default_factory=AnswerCache)  # answers on judged snapshots (judged.py)
     snapshots: SharedSnapshots = field(default_factory=SharedSnapshots)  # judged snapshots (judged.py)
     verified: VerifiedTokens = field(default_factory=VerifiedTokens)  # tokens checked recently (auth.py)
+    limiter: QueryLimiter = field(default_factory=QueryLimiter)  # queries running and waiting per token
     started_ns: int = field(default_factory=time.time_ns)
     closed: bool = False
+    export: OtelExport | None = None  # the judge's results to OpenTelemetry (kvtrail.alerts.otel), when asked
 
     def cursor(self) -> duckdb.DuckDBPyConnection:
         """A fresh connection to the store's database, for one request (close it when done)."""
         return self.store.cursor()
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Commit the batches still queued, judge them, then checkpoint and close the store."""
+        """Commit the batches still queued, judge them, then checkpoint and close the store (and send what the
+        OpenTelemetry export still holds)."""
         if self.closed:
             return
         self.closed = True
@@ -50,6 +55,8 @@ class ServiceState:
         self.judge.close(timeout_s)
         with self.write_lock:
             self.store.close()
+        if self.export is not None:  # after the store: a receiver that is down never delays its checkpoint
+            self.export.close(timeout_s)
 
 
 def open_state(
@@ -59,9 +66,12 @@ def open_state(
     policy: ForensicsPolicy = ForensicsPolicy(),
     checkpoint: CheckpointPolicy = DEFAULT_CHECKPOINT,
     judge_interval_s: float = POLL_INTERVAL_S,
+    export: OtelExport | None = None,
+    query_limits: QueryLimits | None = None,
 ) -> ServiceState:
     """Open (or create) the store at ``db_path`` for writing and start the committer and the judge.
 
+    ``export``: where the judge's results go as OpenTelemetry (closed with the state).
     Raises StoreError naming the path when another process holds the store, and ValueError for a bad
     token file (then the store is closed again).
     """
@@ -76,7 +86,12 @@ def open_state(
     except BaseException:
         store.close()
         raise
-    judge = Judge(store.cursor, policy=policy, poll_interval_s=judge_interval_s)
+    judge = Judge(
+        store.cursor,
+        policy=policy,
+        poll_interval_s=judge_interval_s,
+        on_judged=None if export is None else export.judged,
+    )
     committer = Committer(store, lock, on_commit=judge.notify)
     judge.notify()  # judge what the store already holds
-    return ServiceState(path, store, lock, judge, committer)
+    return ServiceState(path, store, lock, judge, committer, export=export, limiter=QueryLimiter(query_limits))

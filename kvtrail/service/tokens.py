@@ -37,7 +37,7 @@ from kvtrail.service import access
 
 TABLE = "api_tokens"
 ITERATIONS = 2_000
-SIMPLE_ROLES = ("producer", "operator")
+SIMPLE_ROLES = ("producer", "operator", "metrics")  # metrics: GET /metrics only (serve --metrics-token)
 _ID = re.compile(r"^[0-9a-f]{12}$")
 _TENANT = re.compile(r"^[^\s:]{1,200}$")
 _NODE = re.compile(r"^[^\s,]{1,200}$")
@@ -69,12 +69,12 @@ class Principal:
 
 
 def parse_role(role: str) -> tuple[str, str | None]:
-    """``producer`` / ``operator`` / ``tenant:<id>`` -> (role, tenant id); ValueError naming ``role``."""
+    """``producer`` / ``operator`` / ``metrics`` / ``tenant:<id>`` -> (role, tenant id); ValueError naming ``role``."""
     if role in SIMPLE_ROLES:
         return role, None
     if role.startswith("tenant:") and _TENANT.match(role[len("tenant:") :]):
         return "tenant", role[len("tenant:") :]
-    raise ValueError(f"role: {role!r} is not producer, operator or tenant:<id> (an id without spaces or ':')")
+    raise ValueError(f"role: {role!r} is not producer, operator, metrics or tenant:<id> (an id without spaces or ':')")
 
 
 def _check_nodes(role: str, nodes: tuple[str, ...], what: str = "node") -> tuple[str, ...]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from kvtrail.audit.recorder import RecorderConfig
 from kvtrail.serving.allocator import REUSE_POLICIES
+from kvtrail.serving.deadlines import ReadTimeouts
 
 MODES = ("vulnerable", "patched")
 
@@ -65,6 +66,8 @@ class StackConfig:
     recorder: RecorderConfig = field(default_factory=lambda: RecorderConfig(flush_interval_s=1.0))
     # On stop (SIGINT or SIGTERM): how long the router waits for requests in flight before it closes them.
     drain_timeout_s: float = 30.0
+    # How long a client has to send the router a request's headers, and its body (408 and closed past them).
+    read_timeouts: ReadTimeouts = ReadTimeouts()
     cluster: str = "reference"
     api_keys: tuple[tuple[str, str], ...] = (("key-acme", "acme"), ("key-globex", "globex"), ("key-initech", "initech"))
     faults: Faults = field(default_factory=Faults)

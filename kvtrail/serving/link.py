@@ -52,6 +52,9 @@ class WorkerLink:
             raise ValueError(f"kinds: {kinds!r} must be reply types of kvtrail.serving.messages (ROUTER_INBOX)")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        # A request that fails on one worker never awaits what it expected of the other: the WorkerDown
+        # that future then gets is the request's story already, not an error of its own to log.
+        fut.add_done_callback(_retrieve)
         with self._lock:
             if not self.alive:
                 fut.set_exception(WorkerDown(f"{self.name} worker is down"))
@@ -98,6 +101,11 @@ class WorkerLink:
 def _resolve(fut: asyncio.Future, msg) -> None:
     if not fut.done():
         fut.set_result(msg)
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _fail(fut: asyncio.Future, exc: Exception) -> None:

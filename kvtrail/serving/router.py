@@ -12,6 +12,7 @@ import hashlib
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,6 +40,10 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param}}, status_code=status)
 
 
+def _audit_down() -> JSONResponse:
+    return _error(503, "the audit store is down: the stack serves nothing it cannot record")
+
+
 def api_key_id(key: str) -> str:
     """What the audit stores instead of the key: a short hash."""
     return "k:" + hashlib.sha256(key.encode()).hexdigest()[:12]
@@ -47,14 +52,26 @@ def api_key_id(key: str) -> str:
 class RouterCore:
     """Orchestrates one request across the workers and records what the client saw."""
 
-    def __init__(self, cfg: StackConfig, prefill: WorkerLink, decode: WorkerLink, recorder):
+    def __init__(
+        self,
+        cfg: StackConfig,
+        prefill: WorkerLink,
+        decode: WorkerLink,
+        recorder,
+        audit_alive: Callable[[], bool] = lambda: True,
+    ):
         self.cfg = cfg
         self.prefill = prefill
         self.decode = decode
         self.rec = recorder
         self._tenants = cfg.tenants
+        # Whether the store that records every event is there: without it nothing is served (503), not
+        # even a request already worked on, so no client holds an answer the audit cannot have.
+        self.audit_alive = audit_alive
 
     async def complete(self, key: str | None, req: CompletionRequest, abort_after_s: float | None) -> JSONResponse:
+        if not self.audit_alive():
+            return _audit_down()
         tenant = self._tenants.get(key or "")
         if tenant is None:
             return _error(401, "unknown API key", "authorization")
@@ -107,6 +124,8 @@ class RouterCore:
         self.rec.response_sent(ref, status, len(tokens), completion_tokens, latency, ttft_ns, finish_reason)
         if status != 200:
             return _error(status, error or "request failed")
+        if not self.audit_alive():  # it died while this request was served: its events cannot be recorded
+            return _audit_down()
         headers = {"x-kvtrail-ttft-ms": f"{ttft_ns / 1e6:.3f}"} if ttft_ns is not None else None
         return JSONResponse(
             headers=headers,
@@ -159,9 +178,11 @@ def create_app(core: RouterCore) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        ok = core.prefill.alive and core.decode.alive
+        audit = core.audit_alive()
+        ok = core.prefill.alive and core.decode.alive and audit
         return JSONResponse(
-            {"prefill": core.prefill.alive, "decode": core.decode.alive}, status_code=200 if ok else 503
+            {"prefill": core.prefill.alive, "decode": core.decode.alive, "audit": "ok" if audit else "degraded"},
+            status_code=200 if ok else 503,
         )
 
     return app

@@ -141,14 +141,19 @@ class Stack:
         since = lines[starts[-1] + 1 :] if starts else lines
         return since[-max_lines:]
 
-    def wait_for_worker_exit(self, poll_s: float = 0.5) -> None:
-        """Block until a worker process exits (a KeyboardInterrupt from a stop signal ends the wait too)."""
-        while all(p.is_alive() for p in self.procs.values()):
+    def wait_for_worker_exit(self, poll_s: float = 0.1) -> None:
+        """Block until a worker process or the store process exits (a KeyboardInterrupt from a stop signal ends
+        the wait too)."""
+        while all(p.is_alive() for p in self.procs.values()) and (self.store is None or self.store.alive()):
             time.sleep(poll_s)
 
     def failed_workers(self) -> dict[str, int]:
-        """Workers that exited with a non-zero code (a kill by signal ``n`` reads ``-n``): role -> code."""
-        return {role: p.exitcode for role, p in self.procs.items() if p.exitcode not in (None, 0)}
+        """Workers, and the store process (as ``store``), that exited with a non-zero code (a kill by signal
+        ``n`` reads ``-n``): role -> code."""
+        failed = {role: p.exitcode for role, p in self.procs.items() if p.exitcode not in (None, 0)}
+        if self.store is not None and self.store.exitcode not in (None, 0):
+            failed["store"] = self.store.exitcode
+        return failed
 
     def _log_tail(self) -> str:
         tail = self.worker_log_tail()
@@ -159,6 +164,7 @@ class Stack:
     def _start_router(self) -> None:
         import uvicorn
 
+        from kvtrail.serving.deadlines import deadline_protocol
         from kvtrail.serving.router import RouterCore, create_app
 
         store = self.store
@@ -170,7 +176,9 @@ class Stack:
             self.cfg.cluster, "router-0", "router", "kvtrail-reference", __version__, f"router-{uuid.uuid4().hex[:8]}"
         )
         self.recorder = make_recorder(self.cfg.audit, lambda: RelaySink(address, authkey), producer, self.cfg.recorder)
-        self.core = core = RouterCore(self.cfg, self.links["prefill"], self.links["decode"], self.recorder)
+        self.core = core = RouterCore(
+            self.cfg, self.links["prefill"], self.links["decode"], self.recorder, audit_alive=store.alive
+        )
         # On stop uvicorn stops accepting, then waits up to drain_timeout_s for the requests in flight.
         config = uvicorn.Config(
             create_app(core),
@@ -179,6 +187,7 @@ class Stack:
             log_level="warning",
             lifespan="off",
             timeout_graceful_shutdown=math.ceil(self.cfg.drain_timeout_s),
+            http=deadline_protocol(self.cfg.read_timeouts),
         )
         self._server = server = uvicorn.Server(config)
         self._thread = thread = threading.Thread(target=server.run, name="kvtrail-router-http", daemon=True)

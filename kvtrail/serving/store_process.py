@@ -80,6 +80,15 @@ class StoreProcess:
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
+    def alive(self) -> bool:
+        """Whether the store process is running (the router answers nothing it could not record otherwise)."""
+        return self._proc is not None and self._proc.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        """How the store process ended (a kill by signal ``n`` reads ``-n``); None while it runs."""
+        return None if self._proc is None else self._proc.exitcode
+
     def start(self) -> "StoreProcess":
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()

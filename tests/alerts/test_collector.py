@@ -102,9 +102,12 @@ def test_no_label_names_a_request_or_tenant(incident):
         for s in fam.samples:
             names |= set(s.labels)
             assert "r1" not in s.labels.values() and "t-r2" not in s.labels.values()
-    assert names <= {"node", "role", "code", "producer", "cause", "engine", "version"}
+    assert names <= {"node", "role", "code", "producer", "cause", "engine", "version", "prefill_node", "decode_node"}
     exposed = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
-    assert exposed == set(EXPOSED), "every declared metric appears, no other"
+    # every declared metric appears, no other; the OpenTelemetry export's only while it is on
+    # (tests/alerts/test_otel.py), a transfer pair's once it has a mismatch (no zero per pair: many series)
+    later = {"kvtrail_forensics_transfer_pair_mismatches_total"}
+    assert exposed == {n for n in EXPOSED if not n.startswith("kvtrail_otel_")} - later
     assert len(METRICS) == len(EXPOSED)
 
 

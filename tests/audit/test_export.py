@@ -1,5 +1,8 @@
 """Parquet export/import of an audit store: layout, lossless round trip, and every refusal.
 
+An export is a lake of one whole-store export (cluster=/node=/date=/hour=, ``manifests/manifest-000001.json``);
+the exports of format 1 (date=/node=, ``manifest.json``) are read in ``test_export_formats.py``.
+
 ``meta`` is compared without ``created_ns``: an import keeps the target's own ``store_format`` and
 ``created_ns`` (they describe the target file), so only that row may differ from the source.
 """
@@ -11,6 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import duckdb
+import pyarrow.parquet as pq
 import pytest
 
 from kvtrail.audit import chain
@@ -174,6 +178,13 @@ def build_store(path: Path, *, signer=None) -> None:
         )
 
 
+MANIFEST = Path("manifests") / "manifest-000001.json"
+
+
+def manifest_of(out: Path) -> dict:
+    return json.loads((out / MANIFEST).read_text())
+
+
 def expected_partitions(path: Path) -> tuple[set, set]:
     """(date, node) of every event, and of every event with a page list, computed in Python."""
     with duckdb.connect(str(path), read_only=True) as con:
@@ -230,27 +241,28 @@ def test_round_trip_is_lossless(tmp_path, signer):
     steps = []
     res = export_parquet(src, out, progress=steps.append)
 
-    assert set(steps) == set(TABLES) | {"manifest"}
+    assert {s for s in steps if not s.startswith("producer ")} == set(TABLES) - {"events", "page_runs"} | {"manifest"}
     for name in ("events", "page_runs"):
         found = {
-            (d.name.removeprefix("date="), n.name.removeprefix("node="))
-            for d in (out / name).iterdir()
-            for n in d.iterdir()
+            (p.parent.parent.name.removeprefix("date="), p.parent.parent.parent.name.removeprefix("node="))
+            for p in (out / name).glob("cluster=c/node=*/date=*/hour=*/*.parquet")
+            if pq.read_metadata(p).num_rows  # a partition's page-runs file is there even when it holds none
         }
         assert found == partitions[name], name
-        assert all(list(p.glob("*.parquet")) for d in (out / name).iterdir() for p in d.iterdir())
-    for name in ("producers", "batches", "prunes", "prune_batches", "legal_holds", "meta"):
-        assert (out / f"{name}.parquet").is_file()
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = manifest_of(out)
+    listed = {t: sum(f["rows"] for f in manifest["files"].values() if f["table"] == t) for t in TABLES}
+    for name in ("producers", "batches", "meta"):  # the other tables are empty: no file
+        assert (out / name / "part-E000001.parquet").is_file()
     with duckdb.connect(str(src), read_only=True) as con:
         counts = {t: scalar(con, f"SELECT count(*) FROM {t}") for t in TABLES}
         heads = con.execute(
             "SELECT producer_id, max(batch_no), arg_max(digest, batch_no) FROM batches GROUP BY producer_id"
         ).fetchall()
         assert scalar(con, "SELECT count(*) FROM batches WHERE signature IS NULL") == 0
-    assert manifest["row_counts"] == counts
+    assert listed == counts
     assert manifest["chain_heads"] == {str(p): {"batch_no": n, "digest": bytes(d).hex()} for p, n, d in heads}
-    assert manifest["format_version"] == 1 and manifest["exported_at"].endswith("+00:00")
+    assert manifest["format_version"] == 2 and manifest["exported_at"].endswith("+00:00")
+    assert manifest["store_format"] == STORE_FORMAT
     assert (res.events, res.page_runs, res.batches, res.producers) == (
         counts["events"],
         counts["page_runs"],
@@ -338,7 +350,7 @@ def test_import_refuses_a_column_of_another_type(tmp_path):
     src, out = tmp_path / "src.duckdb", tmp_path / "export"
     build_store(src)
     export_parquet(src, out)
-    path = out / "batches.parquet"
+    path = out / "batches" / "part-E000001.parquet"
     with duckdb.connect() as con:
         con.execute(
             f"COPY (SELECT * REPLACE (CAST(num_runs AS INTEGER) AS num_runs) FROM read_parquet('{path}')) "
@@ -387,7 +399,7 @@ def test_export_refuses_non_empty_out_dir_and_missing_store(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     export_parquet(src, empty)  # an existing empty directory is fine
-    assert (empty / "manifest.json").is_file()
+    assert (empty / MANIFEST).is_file()
 
 
 def test_export_refuses_unsafe_node_name(tmp_path):
@@ -404,10 +416,10 @@ def test_import_refuses_tampered_count_and_rolls_back(tmp_path):
     src, out = tmp_path / "src.duckdb", tmp_path / "export"
     build_store(src)
     export_parquet(src, out)
-    manifest_path = out / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    manifest["row_counts"]["page_runs"] += 1
-    manifest_path.write_text(json.dumps(manifest))
+    manifest = manifest_of(out)
+    runs = next(f for f in manifest["files"].values() if f["table"] == "page_runs" and f["rows"])
+    runs["rows"] += 1
+    (out / MANIFEST).write_text(json.dumps(manifest))
 
     fresh = tmp_path / "fresh.duckdb"
     with pytest.raises(StoreError, match="page_runs"):
@@ -432,10 +444,10 @@ def test_import_refuses_tampered_chain_head(tmp_path):
     src, out = tmp_path / "src.duckdb", tmp_path / "export"
     build_store(src)
     export_parquet(src, out)
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = manifest_of(out)
     pid = sorted(manifest["chain_heads"])[0]
     manifest["chain_heads"][pid]["digest"] = "00" * 32
-    (out / "manifest.json").write_text(json.dumps(manifest))
+    (out / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(StoreError, match=f"chain head of producer {pid}"):
         import_parquet(out, tmp_path / "dst.duckdb")
 
@@ -457,12 +469,15 @@ def test_import_refuses_missing_or_unsupported_manifest(tmp_path):
     src, out = tmp_path / "src.duckdb", tmp_path / "export"
     build_store(src)
     export_parquet(src, out)
-    manifest_path = out / "manifest.json"
+    manifest_path = out / MANIFEST
     text = manifest_path.read_text()
-    manifest_path.write_text(text.replace('"format_version": 1', '"format_version": 99'))
-    with pytest.raises(StoreError, match="unsupported export format version 99"):
+    manifest_path.write_text(text.replace('"format_version": 2', '"format_version": 99'))
+    with pytest.raises(StoreError, match="not a kvtrail-lake manifest of format_version 1 or 2"):
         import_parquet(out, tmp_path / "a.duckdb")
     manifest_path.unlink()
-    with pytest.raises(StoreError, match="manifest.json is missing"):
+    with pytest.raises(StoreError, match="manifests/ holds no manifest"):
         import_parquet(out, tmp_path / "b.duckdb")
-    assert not (tmp_path / "a.duckdb").exists() and not (tmp_path / "b.duckdb").exists()
+    manifest_path.parent.rmdir()
+    with pytest.raises(StoreError, match="manifest.json is missing"):
+        import_parquet(out, tmp_path / "c.duckdb")
+    assert not any((tmp_path / f"{n}.duckdb").exists() for n in "abc")

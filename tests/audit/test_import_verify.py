@@ -36,7 +36,7 @@ def _rewrite(path: Path, select: str) -> None:
 
 
 def _runs_file(export: Path) -> Path:
-    (path,) = export.glob("page_runs/date=*/node=*/*.parquet")
+    (path,) = export.glob("page_runs/cluster=*/node=*/date=*/hour=*/*.parquet")
     return path
 
 
@@ -67,7 +67,7 @@ def test_an_edited_page_run_is_refused_and_nothing_is_imported(capsys, export, t
 
 
 def test_an_existing_target_keeps_what_it_had(capsys, export, tmp_path):
-    batches = export / "batches.parquet"
+    batches = export / "batches" / "part-E000001.parquet"
     _rewrite(
         batches, "SELECT * REPLACE (CASE WHEN batch_no = 2 THEN digest ELSE prev_digest END AS prev_digest) FROM {f}"
     )
@@ -95,7 +95,9 @@ def test_no_verify_imports_a_tampered_export_and_says_so(capsys, export, tmp_pat
 
 
 def test_an_unreadable_export_is_still_an_exit_2(capsys, export, tmp_path):
-    _rewrite(export / "batches.parquet", "SELECT * REPLACE (CAST(num_runs AS INTEGER) AS num_runs) FROM {f}")
+    _rewrite(
+        export / "batches" / "part-E000001.parquet", "SELECT * REPLACE (CAST(num_runs AS INTEGER) AS num_runs) FROM {f}"
+    )
     with pytest.raises(StoreError, match=r"batches: exported columns do not match.*num_runs"):
         verify_export(export)
     rc, out, err = run_cli(capsys, "audit", "import", "--db", str(tmp_path / "d.duckdb"), str(export))

@@ -96,7 +96,7 @@ def test_drops_and_losses_count_a_snapshot_in_pages():
         buf.put(ALLOC, REQ, pages.tobytes(), pages.dtype, _payload("pages_allocated", purpose="decode_growth"))
     assert buf.total_dropped == 2 and buf.dropped_pages == 14
     items, _ = buf.drain([])
-    assert writer._lost_counts(items[:1]) == (1, 7)
+    assert writer._lost_counts(items[:1]) == (1, 7, 1)
 
 
 def test_the_recorder_snapshots_what_the_caller_passed_and_isolates_bad_arrays(tmp_path):

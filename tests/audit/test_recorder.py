@@ -227,3 +227,48 @@ def test_kv_written_carries_the_block_hashes_the_writer_stored(tmp_path):
         assert rec.flush(10)
     written = [e for e in stored_events(path) if e["kind"] == "kv_written"]
     assert written[0]["block_hashes"] == [-7, 2**62] and "block_hashes" not in written[1]
+
+
+class OutageSink:
+    """A store that commits ``ok_first`` appends, fails the next ``failures`` (an outage), then commits."""
+
+    def __init__(self, path, ok_first: int, failures: int):
+        self.store = AuditStore(path)
+        self.ok_first, self.failures = ok_first, failures
+
+    def append(self, table):
+        if self.ok_first > 0:
+            self.ok_first -= 1
+        elif self.failures > 0:
+            self.failures -= 1
+            raise OSError("store unreachable")
+        return self.store.append(table)
+
+    def close(self):
+        self.store.close()
+
+
+def test_gap_accounting_after_an_outage_counts_each_lost_event_once(tmp_path, monkeypatch):
+    monkeypatch.setattr("kvtrail.audit.writer._RETRY_DELAYS_S", (0.0,))
+    path = tmp_path / "a.duckdb"
+    sink = OutageSink(path, ok_first=1, failures=8)  # then four failed commits (each: a try and one retry)
+    rec = Recorder(sink, PROD, RecorderConfig(flush_interval_s=3600))
+    _config(rec)
+    assert rec.flush(10)  # recorder_started and node_config stored
+    sent = 0
+    for burst in (5, 3):  # two flushes during the outage; gap events of the first are lost in the second
+        for i in range(burst):
+            rec.pages_allocated(RequestRef(f"r{sent + i}"), [1 + i], "decode_growth")
+        sent += burst
+        assert rec.flush(10)
+    rec.pages_allocated(REQ, [50], "decode_growth")  # after the outage: committed, with the pending gaps
+    assert rec.flush(10)
+    stats = rec.stats()
+    rec.close()
+    report = verify_store(path)
+    (cov,) = report.coverage
+    assert cov.unexplained == 0 and cov.missing_events == cov.explained_by_gaps, cov
+    stored = {e["kind"] for e in stored_events(path)}
+    assert "recorder_gap" in stored
+    assert cov.missing_events == sent + 3  # the 8 allocations and the 3 gap events lost with them
+    assert stats["writer_errors_total"] == sent  # the caller's own events lost: each once

@@ -145,7 +145,7 @@ def test_drill_down_shows_the_page_ownership_of_one_request(monkeypatch, seeded,
     affected = fx.ask_affected(seeded, as_window(p)).rows
     victim = affected.filter(pl.col("victim_requests").list.len() > 0).row(0, named=True)
     at = run_app(monkeypatch, seeded, "Affected responses", **p, request=victim["request_id"])
-    assert at.selectbox(key="affected-request").value == victim["request_id"]
+    assert at.selectbox(key="affected-request").value == (victim["request_id"], victim["tenant_id"])
     pages = frame(at, "page-table")
     assert pages["foreign"].any() and len(pages) <= 24
     writers = set(pages.filter(pl.col("foreign"))["last_writer"].drop_nulls())

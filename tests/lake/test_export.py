@@ -13,7 +13,7 @@ import pytest
 from kvtrail.audit.chain import generate_keypair
 from kvtrail.audit.lake.export import export_lake
 from kvtrail.audit.lake.fs import LakeFS
-from kvtrail.audit.lake.manifest import read_manifest
+from kvtrail.audit.lake.manifest import FileEntry, read_manifest
 from kvtrail.audit.lake.partition import HOUR_NS
 from kvtrail.audit.lake.verify import verify_lake
 from kvtrail.audit.store import AuditStore
@@ -26,7 +26,7 @@ from kvtrail.sim.fleet import write_fleet
 from tests.lake.conftest import BOUNDARY_NS, FLEET, make_store, second_cluster
 
 
-def _files(lake: str, table: str) -> dict[str, dict]:
+def _files(lake: str, table: str) -> dict[str, FileEntry]:
     return read_manifest(LakeFS.open(lake)).files_of(table)
 
 
@@ -34,21 +34,21 @@ def test_layout_rows_and_checkpoints(fleet_lake, fleet_con):
     events = _files(fleet_lake, "events")
     assert all("/cluster=fleet-sim/node=" in p and "/date=2026-09-01/hour=0" in p for p in events)
     boundary_hour = BOUNDARY_NS // HOUR_NS
-    assert {f["hour"] for f in events.values()} == {boundary_hour - 1, boundary_hour}  # around the boundary
-    assert sum(f["rows"] for f in events.values()) == fleet_con.execute("SELECT count(*) FROM events").fetchone()[0]
-    runs = sum(f["rows"] for f in _files(fleet_lake, "page_runs").values())
+    assert {f.hour for f in events.values()} == {boundary_hour - 1, boundary_hour}  # around the boundary
+    assert sum(f.rows for f in events.values()) == fleet_con.execute("SELECT count(*) FROM events").fetchone()[0]
+    runs = sum(f.rows for f in _files(fleet_lake, "page_runs").values())
     assert runs == fleet_con.execute("SELECT count(*) FROM page_runs").fetchone()[0]
     # one checkpoint beside each partition, its digest in the manifest
     ckpts = _files(fleet_lake, "checkpoint")
-    parts = {(f["node"], f["hour"]) for f in events.values()}
-    assert {(f["node"], f["hour"]) for f in ckpts.values()} == parts
+    parts = {(f.node, f.hour) for f in events.values()}
+    assert {(f.node, f.hour) for f in ckpts.values()} == parts
     assert all(Path(p).parent.as_posix() in {Path(e).parent.as_posix() for e in events} for p in ckpts)
     f = next(iter(events))
     table = pq.read_table(str(Path(fleet_lake) / f))
     assert table.column_names == [r[0] for r in fleet_con.execute("DESCRIBE events").fetchall()]
     doc = read_manifest(LakeFS.open(fleet_lake)).doc
     heads = dict(fleet_con.execute("SELECT producer_id::VARCHAR, max(batch_no) FROM batches GROUP BY 1").fetchall())
-    assert {k: v["batch_no"] for k, v in doc["chain_heads"].items()} == heads
+    assert {k: v["batch_no"] for k, v in doc.chain_heads.items()} == heads
 
 
 def test_verify_ok_and_cli(fleet_lake, capsys):
@@ -102,8 +102,8 @@ def test_incremental_export_adds_only_new_batches(tmp_path):
         total = con.execute("SELECT count(*) FROM batches").fetchone()[0]
     assert first.batches + second.batches == total
     m = read_manifest(LakeFS.open(lake))
-    assert {f["export_no"] for f in m.files_of("events").values()} == {1, 2}
-    assert {f["hour"] for f in m.files_of("checkpoint").values() if f["export_no"] == 2} == {BOUNDARY_NS // HOUR_NS + 1}
+    assert {f.export_no for f in m.files_of("events").values()} == {1, 2}
+    assert {f.hour for f in m.files_of("checkpoint").values() if f.export_no == 2} == {BOUNDARY_NS // HOUR_NS + 1}
     assert verify_lake(lake).ok
     # the second export's checkpoints continue the first's state: answers still equal the store's
     with duckdb.connect(db, read_only=True) as con, open_lake(lake) as lk:
@@ -116,7 +116,7 @@ def test_many_stores_one_lake(tmp_path, fleet_db):
     export_lake(fleet_db, lake, checkpoints=write_checkpoints)
     export_lake(west, lake, checkpoints=write_checkpoints)
     m = read_manifest(LakeFS.open(lake))
-    assert {p["cluster"] for p in m.doc["producers"].values()} == {"fleet-sim", "fleet-west"}
+    assert {p["cluster"] for p in m.doc.producers.values()} == {"fleet-sim", "fleet-west"}
     r = verify_lake(lake)
     assert r.ok, r.problems
 
@@ -148,9 +148,9 @@ def test_since_exports_later_batches_and_still_verifies(tmp_path):
     lake = str(tmp_path / "lake")
     assert main(["lake", "export", "--db", db, "--to", lake, "--since", "2026-09-01T01:00:05Z"]) == 0
     m = read_manifest(LakeFS.open(lake))
-    assert m.doc["anchors"] and all(a["batch_no"] > 0 for a in m.doc["anchors"].values())
+    assert m.doc.anchors and all(a["batch_no"] > 0 for a in m.doc.anchors.values())
     with duckdb.connect(db, read_only=True) as con:
         total = con.execute("SELECT count(*) FROM batches").fetchone()[0]
-    assert 0 < sum(f["rows"] for f in m.files_of("batches").values()) < total
+    assert 0 < sum(f.rows for f in m.files_of("batches").values()) < total
     r = verify_lake(lake)
     assert r.ok, r.problems

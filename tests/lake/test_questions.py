@@ -120,7 +120,7 @@ def test_checkpoint_round_trip(fleet_con):
 
 def test_missing_partition_refuses(lake_copy):
     files = read_manifest(LakeFS.open(lake_copy)).files
-    events = sorted(p for p, f in files.items() if f["table"] == "events" and f["hour"] == BOUNDARY_NS // HOUR_NS)
+    events = sorted(p for p, f in files.items() if f.table == "events" and f.hour == BOUNDARY_NS // HOUR_NS)
     (Path(lake_copy) / events[0]).unlink()
     with pytest.raises(LakeCoverageError, match="partition file missing: " + events[0]):
         with open_lake(lake_copy) as lk:
@@ -129,7 +129,7 @@ def test_missing_partition_refuses(lake_copy):
 
 def test_altered_checkpoint_refuses(lake_copy, capsys):
     files = read_manifest(LakeFS.open(lake_copy)).files
-    ckpt = sorted(p for p, f in files.items() if f["table"] == "checkpoint" and f["hour"] == BOUNDARY_NS // HOUR_NS)
+    ckpt = sorted(p for p, f in files.items() if f.table == "checkpoint" and f.hour == BOUNDARY_NS // HOUR_NS)
     (Path(lake_copy) / ckpt[0]).write_bytes(b"not a checkpoint")
     assert main(["forensics", "affected", "--lake", lake_copy]) == 2
     err = capsys.readouterr().err
@@ -176,4 +176,4 @@ def test_plan_costs_are_the_tasks_file_bytes(lake):
     files = lake.manifest.files
     for t in tasks:
         listed = [p for table, entries in t.files if table in ("events", "page_runs") for p, _ in entries]
-        assert t.cost == sum(files[p]["bytes"] for p in listed) + files[t.checkpoint[0]]["bytes"] > 0
+        assert t.cost == sum(files[p].bytes for p in listed) + files[t.checkpoint[0]].bytes > 0

@@ -59,7 +59,7 @@ def test_lake_report_equals_the_store_report(reports, fleet_lake):
     assert lake["lake"] == {
         "url": fleet_lake,
         "manifest": m.number,
-        "chain_heads": m.doc["chain_heads"],
+        "chain_heads": m.doc.chain_heads,
         "manifest_sha256": hashlib.sha256(m.raw).hexdigest(),
     }
     assert f"verify-report REPORT_DIR --lake {fleet_lake}" in (reports[1] / "report.md").read_text()
@@ -73,7 +73,7 @@ def test_verify_report_on_the_lake(reports, fleet_lake, capsys):
 
 def _partition(lake: str, table: str) -> str:
     files = read_manifest(LakeFS.open(lake)).files
-    return sorted(p for p, f in files.items() if f["table"] == table and f["hour"] == BOUNDARY_NS // HOUR_NS)[0]
+    return sorted(p for p, f in files.items() if f.table == table and f.hour == BOUNDARY_NS // HOUR_NS)[0]
 
 
 def test_altered_partition_is_named(copied, capsys):

@@ -76,7 +76,7 @@ def test_cli_engine_sql_on_the_lake(fleet_lake, fleet_db, capsys):
 
 def test_altered_checkpoint_refuses_the_sql_engine(lake_copy):
     files = read_manifest(LakeFS.open(lake_copy)).files
-    ckpt = sorted(p for p, f in files.items() if f["table"] == "checkpoint" and f["hour"] == BOUNDARY_NS // HOUR_NS)
+    ckpt = sorted(p for p, f in files.items() if f.table == "checkpoint" and f.hour == BOUNDARY_NS // HOUR_NS)
     (Path(lake_copy) / ckpt[0]).write_bytes(b"not a checkpoint")
     with open_lake(lake_copy) as lk, pytest.raises(LakeCoverageError, match="does not match the manifest"):
         sql_lake_findings(lk, None, None, ForensicsPolicy(), ("F1",))

@@ -298,7 +298,7 @@ def test_a_worker_killed_mid_transfer_fails_its_requests_and_the_other_keeps_run
         assert r.status_code in (502, 503)
         assert st.procs["decode"].is_alive()
         health = httpx.get(f"{st.url}/health")
-        assert health.status_code == 503 and health.json() == {"prefill": False, "decode": True}
+        assert health.status_code == 503 and health.json() == {"prefill": False, "decode": True, "audit": "ok"}
         assert complete(st.url, "globex", prompt("globex", 300))[0] == 502  # fails fast, no hang
     # Decode released the stranded reservation, and nothing leaked.
     rows = query(db, "SELECT kind, free_reason FROM events_v WHERE node = 'decode-0' AND kind = 'pages_freed'")

@@ -16,8 +16,22 @@ import pyarrow.dataset as pads
 from kvtrail.audit.lake.fs import LakeFS
 from kvtrail.audit.store import schema_ddl
 
-# Tables a lake holds files of; every other store table is an empty view.
+# Every table of a store (the kind tables and request dictionary are one wide ``events``), in the order an
+# import loads them (producers first: a producer the target holds is refused before any heavy reading),
+# each with its key, the order its rows are written in.
+STORE_TABLES = {
+    "producers": "producer_id",
+    "meta": "key",
+    "batches": "producer_id, batch_no",
+    "events": "producer_id, seq",
+    "page_runs": "producer_id, seq, list, pos",
+    "prunes": "prune_id",
+    "prune_batches": "prune_id, producer_id, batch_no",
+    "legal_holds": "hold_id",
+}
+# Tables every export writes files of; the rest only a whole-store export writes (one store's own records).
 LAKE_TABLES = ("producers", "batches", "events", "page_runs")
+WHOLE_STORE_TABLES = tuple(t for t in STORE_TABLES if t not in LAKE_TABLES)
 _EVENTS_V = (
     "CREATE VIEW events_v AS SELECT p.cluster, p.node, p.role, p.engine, p.engine_version, p.instance, e.* "
     "FROM events e JOIN producers p USING (producer_id)"

@@ -1,11 +1,17 @@
-"""``kvtrail lake export``: a store's batches not yet in the lake, as Hive-partitioned Parquet plus a manifest.
+"""``kvtrail lake export`` and ``kvtrail audit export``: a store's batches not yet in the lake, as Hive-partitioned
+Parquet plus a manifest (:mod:`kvtrail.audit.lake.manifest`), the one layout of both.
 
-Each export reads the store read-only, takes per producer the committed batches after the last one the
-lake holds (and, with ``since_ns``, ending at or after it), writes their events and page runs one file
-per (producer, partition), the batch headers and new producers, then the page-state checkpoints of the
-nodes it touched, and last the next manifest (so a failed export leaves the lake as it was, plus unlisted
-files the next verify names). Several stores export into one lake: a producer's batches are only
+Each export reads the store read-only (no writer holds it meanwhile), takes per producer the committed batches after the
+last one the lake holds (and, with ``since_ns``, ending at or after it), writes their events and page runs
+one file per (producer, partition), the batch headers and new producers, then the page-state checkpoints
+of the nodes it touched, and last the next manifest (so a failed export leaves the lake as it was, plus
+unlisted files the next verify names). Several stores export into one lake: a producer's batches are only
 appended after the head the lake holds, and a store whose chain for that producer differs is refused.
+
+A whole-store export (``whole_store=True``, what ``kvtrail audit export`` writes) goes into a lake with no
+manifest yet and takes everything the store holds, so an import gives the store back: every producer,
+the headers of pruned batches too, and the tables an incremental export leaves to each store (``meta``,
+``prunes``, ``prune_batches``, ``legal_holds``), one file each.
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ import pyarrow.parquet as pq
 from kvtrail import __version__
 from kvtrail.audit.chain import Signer
 from kvtrail.audit.events import PRODUCER_FIELDS
+from kvtrail.audit.lake.catalog import STORE_TABLES, WHOLE_STORE_TABLES
 from kvtrail.audit.lake.fs import LakeFS
-from kvtrail.audit.lake.manifest import read_manifest, write_manifest
+from kvtrail.audit.lake.manifest import FileEntry, Manifest, read_manifest, write_manifest
 from kvtrail.audit.lake.partition import HOUR_NS, Partition, check_name
-from kvtrail.audit.store import connect_readonly
+from kvtrail.audit.store import connect_readonly, fetch_row
 from kvtrail.errors import KvtrailError, StoreError
 
 PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
@@ -42,6 +49,8 @@ class LakeExportResult:
     events: int
     files: int  # files written, checkpoints and manifest included
     checkpoints: int
+    page_runs: int = 0
+    producers: int = 0  # producer rows written
 
 
 def _parquet(table: pa.Table) -> bytes:
@@ -55,27 +64,26 @@ def _pid_name(pid: int) -> str:
 
 
 class LakeWriter:
-    """Writes files into the lake and records them for the manifest."""
+    """Writes files into the lake and records them in the manifest being built."""
 
-    def __init__(self, lake: LakeFS, doc: dict):
+    def __init__(self, lake: LakeFS, doc: Manifest):
         self.lake, self.doc, self.written = lake, doc, 0
 
-    def put(self, rel: str, data: bytes, **entry) -> None:
+    def put(self, rel: str, data: bytes, *, table: str, rows: int, **partition) -> None:
         self.lake.write(rel, data)
-        self.doc["files"][rel] = {
-            "sha256": hashlib.sha256(data).hexdigest(),
-            "bytes": len(data),
-            "export_no": self.doc["export_no"],
-            **entry,
-        }
+        self.doc.files[rel] = FileEntry(
+            table, hashlib.sha256(data).hexdigest(), len(data), rows, self.doc.export_no, **partition
+        )
         self.written += 1
 
 
-def _new_batches(con: duckdb.DuckDBPyConnection, doc: dict, since_ns: int | None) -> pa.Table:
+def _new_batches(con: duckdb.DuckDBPyConnection, doc: Manifest, since_ns: int | None, whole: bool) -> pa.Table:
+    if whole:  # pruned batches too: their headers (and the prune records) are what the store holds of them
+        return con.sql("SELECT * FROM batches ORDER BY producer_id, batch_no").to_arrow_table()
     done = pa.table(
         {
-            "producer_id": pa.array([int(k) for k in doc["exported_batches"]], pa.int64()),
-            "done": pa.array(list(doc["exported_batches"].values()), pa.int64()),
+            "producer_id": pa.array([int(k) for k in doc.exported_batches], pa.int64()),
+            "done": pa.array(list(doc.exported_batches.values()), pa.int64()),
         }
     )
     con.register("_lake_done", done)
@@ -91,9 +99,9 @@ def _new_batches(con: duckdb.DuckDBPyConnection, doc: dict, since_ns: int | None
         con.unregister("_lake_done")
 
 
-def _check_heads(con: duckdb.DuckDBPyConnection, doc: dict) -> None:
+def _check_heads(con: duckdb.DuckDBPyConnection, doc: Manifest) -> None:
     """A producer the lake already holds must continue the lake's chain in this store."""
-    for pid, head in doc["chain_heads"].items():
+    for pid, head in doc.chain_heads.items():
         rows = con.execute(
             "SELECT digest FROM batches WHERE producer_id = ? AND batch_no = ?", [int(pid), head["batch_no"]]
         ).fetchall()
@@ -104,7 +112,8 @@ def _check_heads(con: duckdb.DuckDBPyConnection, doc: dict) -> None:
             )
 
 
-def _export_partitions(con, w: LakeWriter, pid: int, ident: dict, batch_nos: list[int]) -> tuple[int, set[int]]:
+def _export_partitions(con, w: LakeWriter, pid: int, ident: dict, batch_nos: list[int]) -> tuple[int, int, set[int]]:
+    """(events, page runs, hours) written of producer ``pid``'s batches ``batch_nos``."""
     con.register("_lake_b", pa.table({"batch_no": pa.array(batch_nos, pa.int64())}))
     try:
         hours = [
@@ -115,7 +124,7 @@ def _export_partitions(con, w: LakeWriter, pid: int, ident: dict, batch_nos: lis
                 [HOUR_NS, pid],
             ).fetchall()
         ]
-        events = 0
+        events = runs_written = 0
         for hour in hours:
             part = Partition(ident["cluster"], ident["node"], int(hour))
             where = "producer_id = ? AND batch_no IN (SELECT batch_no FROM _lake_b) AND wall_ns >= ? AND wall_ns < ?"
@@ -134,13 +143,31 @@ def _export_partitions(con, w: LakeWriter, pid: int, ident: dict, batch_nos: lis
                 "producer_id": pid,
                 "batches": [int(b.min()), int(b.max())],
             }
-            name = f"part-E{w.doc['export_no']:06d}-P{_pid_name(pid)}.parquet"
+            name = f"part-E{w.doc.export_no:06d}-P{_pid_name(pid)}.parquet"
             w.put(f"{part.path('events')}/{name}", _parquet(ev), table="events", rows=ev.num_rows, **entry)
             w.put(f"{part.path('page_runs')}/{name}", _parquet(runs), table="page_runs", rows=runs.num_rows, **entry)
             events += ev.num_rows
-        return events, {int(h) for h in hours}
+            runs_written += runs.num_rows
+        return events, runs_written, {int(h) for h in hours}
     finally:
         con.unregister("_lake_b")
+
+
+def _whole_store_tables(con: duckdb.DuckDBPyConnection, w: LakeWriter, tag: str, progress: Progress) -> None:
+    for table in WHOLE_STORE_TABLES:
+        if progress:
+            progress(table)
+        rows = con.sql(f"SELECT * FROM {table} ORDER BY {STORE_TABLES[table]}").to_arrow_table()
+        if rows.num_rows:
+            w.put(f"{table}/part-{tag}.parquet", _parquet(rows), table=table, rows=rows.num_rows)
+
+
+def _check_complete(con: duckdb.DuckDBPyConnection, events: int, runs: int) -> None:
+    """A whole-store export holds every event and page run: only one without its batch could be left out."""
+    for table, written in (("events", events), ("page_runs", runs)):
+        total = fetch_row(con, f"SELECT count(*) FROM {table}")[0]
+        if written != total:
+            raise StoreError(f"{table}: {total - written} rows have no batch or event to partition them by")
 
 
 # checkpoints(con, lake, writer, node key, first hour with new events, producer ids) -> checkpoints written:
@@ -156,22 +183,27 @@ def export_lake(
     signer: Signer | None = None,
     checkpoints: Checkpoints | None = None,
     progress: Progress = None,
+    whole_store: bool = False,
 ) -> LakeExportResult:
     """Export the batches of the store at ``db`` the lake at ``url`` does not hold yet (see the module doc).
 
     ``checkpoints`` writes the page-state checkpoints of each node touched (the forensics' pass; a lake
-    without them cannot be judged per partition)."""
+    without them cannot be judged per partition). ``whole_store``: everything the store holds, into a lake
+    with no manifest yet."""
     if not Path(db).is_file():
         raise KvtrailError(f"--db: store not found: {db}")
     lake = LakeFS.open(url)
     current = read_manifest(lake)
-    doc = current.next_doc()
-    doc.update(kvtrail_version=__version__, exported_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    if whole_store and current.number:
+        raise KvtrailError(f"lake {url} holds exports already; a whole-store export starts a lake")
+    doc = current.next()
+    doc.kvtrail_version = __version__
+    doc.exported_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     w = LakeWriter(lake, doc)
     con = connect_readonly(db)
     try:
         _check_heads(con, doc)
-        new = _new_batches(con, doc, since_ns)
+        new = _new_batches(con, doc, since_ns, whole_store)
         prod = con.sql(
             f"SELECT producer_id, {', '.join(PRODUCER_NAMES)}, pool_pages, first_seen_ns FROM producers "
             "ORDER BY producer_id"
@@ -179,19 +211,23 @@ def export_lake(
         idents = {r["producer_id"]: r for r in prod.to_pylist()}
         producer_ids = {tuple(r[n] for n in PRODUCER_NAMES): pid for pid, r in idents.items()}
         pids = sorted(set(new.column("producer_id").to_pylist()))
-        fresh = [pid for pid in pids if str(pid) not in doc["producers"]]
+        fresh = sorted(idents) if whole_store else [pid for pid in pids if str(pid) not in doc.producers]
         for pid in fresh:
             check_name("cluster", idents[pid]["cluster"])
             check_name("node", idents[pid]["node"])
-        tag = f"E{doc['export_no']:06d}"
+        tag = f"E{doc.export_no:06d}"
+        if progress and whole_store:
+            progress("producers")
         if fresh:
             rows = prod.filter(pa.compute.is_in(prod.column("producer_id"), value_set=pa.array(fresh, pa.int64())))
             w.put(f"producers/part-{tag}.parquet", _parquet(rows), table="producers", rows=rows.num_rows)
             for pid in fresh:
-                doc["producers"][str(pid)] = {n: idents[pid][n] for n in PRODUCER_NAMES}
+                doc.producers[str(pid)] = {n: idents[pid][n] for n in PRODUCER_NAMES}
+        if progress and whole_store:
+            progress("batches")
         if new.num_rows:
             w.put(f"batches/part-{tag}.parquet", _parquet(new), table="batches", rows=new.num_rows)
-        events = 0
+        events = runs = 0
         first_new: dict[tuple[str, str], int] = {}
         bno = new.column("batch_no").to_numpy()
         bpid = new.column("producer_id").to_numpy()
@@ -199,22 +235,27 @@ def export_lake(
             mine = bno[bpid == pid]
             if progress:
                 progress(f"producer {pid}: {len(mine)} batches")
-            n, hours = _export_partitions(con, w, pid, idents[pid], mine.tolist())
-            events += n
+            n, r, hours = _export_partitions(con, w, pid, idents[pid], mine.tolist())
+            events, runs = events + n, runs + r
             key = (idents[pid]["cluster"], idents[pid]["node"])
             if hours:
                 first_new[key] = min(first_new.get(key, min(hours)), min(hours))
-            if str(pid) not in doc["exported_batches"] and int(mine.min()) > 0:
+            if str(pid) not in doc.exported_batches and int(mine.min()) > 0:
                 # --since left the producer's earlier batches out: its chain in the lake starts here
                 k = int(np.flatnonzero((bpid == pid) & (bno == mine.min()))[0])
-                doc.setdefault("anchors", {})[str(pid)] = {
+                doc.anchors[str(pid)] = {
                     "batch_no": int(mine.min()),
                     "prev_digest": bytes(new.column("prev_digest")[k].as_py()).hex(),
                 }
             last = int(mine.max())
             digest = new.column("digest").to_pylist()[int(np.flatnonzero((bpid == pid) & (bno == last))[0])]
-            doc["exported_batches"][str(pid)] = last
-            doc["chain_heads"][str(pid)] = {"batch_no": last, "digest": bytes(digest).hex()}
+            doc.exported_batches[str(pid)] = last
+            doc.chain_heads[str(pid)] = {"batch_no": last, "digest": bytes(digest).hex()}
+        if whole_store:
+            _check_complete(con, events, runs)
+            fmt = con.execute("SELECT value FROM meta WHERE key = 'store_format'").fetchall()
+            doc.store_format = fmt[0][0] if fmt else None
+            _whole_store_tables(con, w, tag, progress)
         written = 0
         for key in sorted(first_new):
             if checkpoints is None:
@@ -228,5 +269,7 @@ def export_lake(
         con.close()
     if not w.written and current.number:
         return LakeExportResult(current.number, 0, 0, 0, 0)  # nothing new: no new manifest
+    if progress and whole_store:
+        progress("manifest")
     write_manifest(lake, doc, signer)
-    return LakeExportResult(doc["export_no"], new.num_rows, events, w.written + 1, written)
+    return LakeExportResult(doc.export_no, new.num_rows, events, w.written + 1, written, runs, len(fresh))

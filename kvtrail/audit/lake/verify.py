@@ -13,7 +13,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from kvtrail.audit.chain import SignatureChecker
-from kvtrail.audit.lake.catalog import LAKE_TABLES, open_catalog
+from kvtrail.audit.lake.catalog import STORE_TABLES, open_catalog
 from kvtrail.audit.lake.fs import LakeFS
 from kvtrail.audit.lake.manifest import (
     MANIFEST_DIR,
@@ -51,7 +51,7 @@ def check_files(lake: LakeFS, m: LakeManifest, report: LakeVerifyReport, *, extr
             report.damaged.add(rel)
             continue
         report.files_checked += 1
-        if hashlib.sha256(lake.read(rel)).hexdigest() != entry["sha256"]:
+        if hashlib.sha256(lake.read(rel)).hexdigest() != entry.sha256:
             report.problems.append(f"altered file: {rel} (SHA-256 differs from the manifest)")
             report.damaged.add(rel)
     if extras:
@@ -71,7 +71,7 @@ def _check_manifests(lake: LakeFS, report: LakeVerifyReport) -> None:
             continue
         raw = lake.read(manifest_name(n))
         doc = parse_manifest(raw, manifest_name(n))
-        want = doc.get("prev_manifest_sha256")
+        want = doc.prev_manifest_sha256
         if prev_raw is not None and want != hashlib.sha256(prev_raw).hexdigest():
             report.problems.append(f"{manifest_name(n)}: its predecessor {manifest_name(n - 1)} was altered")
         if n == 1 and want is not None:
@@ -110,16 +110,16 @@ def verify_lake(url: str, *, checker: SignatureChecker | None = None) -> LakeVer
     report = LakeVerifyReport(manifest=m.number)
     _check_manifests(lake, report)
     if checker is not None:
-        bad = check_signature(m.doc, checker)
+        bad = check_signature(m, checker)
         if bad:
             report.problems.append(f"{manifest_name(m.number)}: {bad}")
     check_files(lake, m, report)
-    usable = {t: sorted(p for p, f in m.files_of(t).items() if p not in report.damaged) for t in LAKE_TABLES}
+    usable = {t: sorted(p for p, f in m.files_of(t).items() if p not in report.damaged) for t in STORE_TABLES}
     con = open_catalog(lake, usable)
     try:
         chain = verify_store(con)
         report.batches_checked = chain.batches_checked
-        anchors = m.doc.get("anchors", {})
+        anchors = m.doc.anchors
         report.problems.extend(f"chain: {p}" for p in chain.problems if not _anchored(p, anchors))
         report.problems.extend(_anchored_links(con, anchors))
         heads = {
@@ -131,7 +131,7 @@ def verify_lake(url: str, *, checker: SignatureChecker | None = None) -> LakeVer
         }
     finally:
         con.close()
-    for pid, head in sorted(m.doc["chain_heads"].items()):
+    for pid, head in sorted(m.doc.chain_heads.items()):
         if heads.get(pid) != (head["batch_no"], head["digest"]):
             report.problems.append(
                 f"chain head of producer {pid}: the files end at {heads.get(pid, ('nothing',))[0]}, "

@@ -13,6 +13,7 @@ import duckdb
 
 from kvtrail.audit.lake.export import LakeWriter
 from kvtrail.audit.lake.fs import LakeFS
+from kvtrail.audit.lake.manifest import Manifest
 from kvtrail.audit.lake.partition import Partition
 from kvtrail.audit.store import read_events
 from kvtrail.forensics.lake import checkpoint
@@ -24,8 +25,8 @@ from kvtrail.forensics.replay.source import store_batches
 POOL_CODES = ("F1", "F5", "F6", "F7", "F8", "F10")
 
 
-def _node_hours(doc: dict, key: tuple[str, str]) -> set[int]:
-    return {f["hour"] for f in doc["files"].values() if f["table"] == "events" and (f["cluster"], f["node"]) == key}
+def _node_hours(doc: Manifest, key: tuple[str, str]) -> set[int]:
+    return {f.part[1] for f in doc.files.values() if f.table == "events" and f.part[0] == key}
 
 
 def feed_node_hour(con: duckdb.DuckDBPyConnection, engine: ReplayEngine, part: Partition) -> None:
@@ -50,11 +51,7 @@ def write_checkpoints(
     """Write node ``key``'s checkpoints from hour ``first_new`` on (see the module doc); returns how many."""
     doc = w.doc
     hours = sorted(_node_hours(doc, key))
-    have = {
-        f["hour"]: rel
-        for rel, f in doc["files"].items()
-        if f["table"] == "checkpoint" and (f["cluster"], f["node"]) == key
-    }
+    have = {f.part[1]: rel for rel, f in doc.files.items() if f.table == "checkpoint" and f.part[0] == key}
     start = max((h for h in have if h <= first_new), default=hours[0])
     engine = ReplayEngine(producer_ids, ForensicsPolicy(), codes=POOL_CODES)
     if start in have:
@@ -65,10 +62,10 @@ def write_checkpoints(
         if hour != start or start not in have:
             data = checkpoint.capture(engine.state, key, part.start_ns)
             old = have.get(hour)
-            rel = f"{part.path('events')}/_checkpoint-E{doc['export_no']:06d}.npz"
+            rel = f"{part.path('events')}/_checkpoint-E{doc.export_no:06d}.npz"
             w.put(rel, data, table="checkpoint", rows=0, cluster=key[0], node=key[1], hour=hour)
             if old is not None and old != rel:
-                del doc["files"][old]
+                del doc.files[old]
                 lake.delete(old)
             written += 1
         feed_node_hour(con, engine, part)

@@ -59,19 +59,17 @@ def plan_tasks(
     """The tasks for the window [from_ns, to_ns] (see the module doc)."""
     files = m.files
     shared = tuple(
-        (t, tuple((p, f["sha256"]) for p, f in sorted(files.items()) if f["table"] == t))
-        for t in ("producers", "batches")
+        (t, tuple((p, f.sha256) for p, f in sorted(files.items()) if f.table == t)) for t in ("producers", "batches")
     )
     by_part: dict[tuple[NodeKey, int], dict[str, list[tuple[str, str]]]] = defaultdict(lambda: defaultdict(list))
     producers_in: dict[tuple[NodeKey, int], set[int]] = defaultdict(set)
     checkpoints: dict[tuple[NodeKey, int], tuple[str, str]] = {}
     for path, f in sorted(files.items()):
-        if f["table"] in ("events", "page_runs"):
-            key = ((f["cluster"], f["node"]), f["hour"])
-            by_part[key][f["table"]].append((path, f["sha256"]))
-            producers_in[key].add(int(f["producer_id"]))
-        elif f["table"] == "checkpoint":
-            checkpoints[((f["cluster"], f["node"]), f["hour"])] = (path, f["sha256"])
+        if f.table in ("events", "page_runs"):
+            by_part[f.part][f.table].append((path, f.sha256))
+            producers_in[f.part].add(int(f.producer_id or 0))
+        elif f.table == "checkpoint":
+            checkpoints[f.part] = (path, f.sha256)
     configs = _configs(con)
     to_hour = hour_of(to_ns) if to_ns is not None else None
     tasks: list[PartitionTask] = []
@@ -79,8 +77,8 @@ def plan_tasks(
     def task(mode: str, node: NodeKey, hours: list[int], ckpt, starts) -> PartitionTask:
         parts = [by_part[(node, h)] for h in hours]
         tables = tuple((t, tuple(e for p in parts for e in p.get(t, ()))) for t in ("events", "page_runs"))
-        cost = sum(files[path]["bytes"] for _, entries in tables for path, _ in entries)
-        cost += files[ckpt[0]]["bytes"] if ckpt is not None else 0
+        cost = sum(files[path].bytes for _, entries in tables for path, _ in entries)
+        cost += files[ckpt[0]].bytes if ckpt is not None else 0
         return PartitionTask(
             lake.url,
             mode,

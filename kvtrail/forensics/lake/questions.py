@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import duckdb
 import polars as pl
 
-from kvtrail.audit.lake.catalog import LAKE_TABLES, open_catalog
+from kvtrail.audit.lake.catalog import STORE_TABLES, open_catalog
 from kvtrail.audit.lake.fs import LakeFS
 from kvtrail.audit.lake.manifest import LakeManifest, read_manifest, require_manifest
 from kvtrail.errors import KvtrailError
@@ -72,7 +72,7 @@ def open_lake(url: str, number: int | None = None) -> Iterator[Lake]:
     """The lake at ``url`` as of its current manifest (or manifest ``number``: the files it listed)."""
     lake = LakeFS.open(url)
     m = require_manifest(lake) if number is None else read_manifest(lake, number)
-    files = {t: sorted(m.files_of(t)) for t in LAKE_TABLES}
+    files = {t: sorted(m.files_of(t)) for t in STORE_TABLES}
     present = set(lake.list())
     gone = sorted(p for t in files.values() for p in t if p not in present)
     if gone:

@@ -1,14 +1,10 @@
 """The replay engine's Python event handlers: the reference statement of the per-node findings rules.
 
 :class:`EventHandlers` applies one :class:`~kvtrail.forensics.replay.event.ReplayEvent` to a
-:class:`~kvtrail.forensics.replay.state.ReplayState` and emits the findings it proves: F1, F5, F6, F7,
-F8 and F10 as events arrive; the kinds that feed the cross-node joins (F2, F3, F4, F9, F11) go to
-:class:`~kvtrail.forensics.replay.joins.CrossNodeJoins`. The pure path hands it every event, the
-compiled path (:mod:`kvtrail.forensics.replay.fast`) only the events its kernel does not replay.
-
-Rules beyond the mission's definitions: a prefix-cache read is legitimate (not F1) only when the page's
-last writer recorded a block hash equal to the hit's; a ``decode_growth`` page read before anyone wrote
-it since its allocation is filled by the very step that reads it (not F1).
+:class:`~kvtrail.forensics.replay.state.ReplayState` and emits the findings it proves (F1, F5, F6, F7, F8,
+F10; the cross-node kinds go to :class:`~kvtrail.forensics.replay.joins.CrossNodeJoins`). The rules, including
+those beyond the mission's definitions (block-hash-matched prefix hits, ``decode_growth`` pages, unverified
+landings), are stated in ``docs/findings.md``.
 """
 
 from __future__ import annotations

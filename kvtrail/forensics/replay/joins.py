@@ -1,20 +1,8 @@
 """The replay engine's cross-node findings: F2, F3, F4, F9 and F11 join events of several producers.
 
 Events are collected as they stream by and joined when findings are asked for, so the order in which
-different nodes' batches arrive does not matter. A transfer id alone is no key (producers reuse and
-collide them): the reservation, sends and receipt of one transfer join on ``(transfer_id,
-request_id)`` (F2, F3); an abort anywhere and a 2xx response (F4), a response and its prefill node's
-receipt (F9) join on ``request_id``, and when both events carry a transfer id it must be the same one
-(another attempt of the request is not this one).
-
-F2 counts what landed (the receipt's ``num_tokens``) whatever status the receiver reported; the status
-and whether the client still got output are its evidence, and output raises its severity. F3 compares
-digests of receipts decode took as landed (``ok``, ``mismatch``). F4 needs output: a 2xx with no
-completion tokens after an abort is a symptom the questions report, not a finding.
-
-F11 times a transfer from its first send to its last send or receipt and compares that with the release
-timeout of its decode node (the node of the latest receipt, else of the latest reservation), as that
-node's latest ``node_config`` before that event states it; no timeout stated, no finding.
+different nodes' batches arrive does not matter. The join keys and each rule are stated in
+``docs/findings.md`` ("Cross-node rules"); this module is their reference statement in code.
 """
 
 from __future__ import annotations

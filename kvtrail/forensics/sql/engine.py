@@ -1,45 +1,11 @@
 """A second, independent findings engine: DuckDB SQL over the audit store (F1-F11).
 
-Where :mod:`kvtrail.forensics.replay.engine` walks events one by one, this module asks the store directly.
-Page questions are range joins over ``page_runs``: runs are joined by node, pool epoch and
-overlapping page ranges (``a.page_start <= b.page_end AND b.page_start <= a.page_end``) and only the
-overlap of two runs is expanded to single pages, so the store's pages are never exploded wholesale.
-Runs are first cut at multiples of ``PAGE_BUCKET`` pages and every page join also matches the bucket,
-so DuckDB hashes on (node, epoch, bucket) and compares ranges within a bucket rather than a whole
-pool. A lake runs the page queries per (node, hour) from each partition's checkpoint
+Where :mod:`kvtrail.forensics.replay.engine` walks events one by one, this module asks the store directly,
+restating every rule of ``docs/findings.md`` (the contract both engines are held to) over the record. Page
+questions are range joins over ``page_runs`` by node, pool epoch and overlapping page ranges, cut at
+multiples of ``PAGE_BUCKET`` pages so DuckDB hashes on (node, epoch, bucket); only the overlap of two runs is
+expanded to single pages. A lake runs the page queries per (node, hour) from each partition's checkpoint
 (:mod:`kvtrail.forensics.lake.sqltask`, through ``scope``).
-
-Model (the replay engine's rules, restated over the record):
-
-* Events are ordered by ``(wall_ns, cluster, node, instance, seq)`` (``ord``). A node's pool is
-  identified by ``(cluster, node, epoch)``; a ``node_config`` from a new producer instance starts a
-  new epoch (a fresh pool). Page events before a node's first ``node_config`` are ignored.
-* Request R holds page p at ``ord`` t when, of R's allocations and releases of p before t (a release
-  without a request id - a radix eviction - releases every holder), the last one is an allocation.
-  Prefix-cache hits hold a page too (shared).
-* F5: a ``kv_read`` by R of a page R does not hold. F7: a ``kv_written`` attributed to R on a page R
-  does not hold. F6: an allocation (not a prefix hit) of a page another request holds. Victims are
-  the page's holders at that moment. Also F6: any allocation listing a page twice (the allocator
-  handed it out twice; the request is its own victim).
-* An ``unverified`` ``transfer_received`` (decode could not show what landed) is a write by nobody: its
-  pages' writer is unknown, as if never written (F1's "never written" victim), its receipt the evidence.
-* F1: a page R reads whose last write before the read was by another request (or never happened),
-  unless R holds it as a prefix-cache hit whose block hash equals the one the last write stored, or it
-  is a fresh growth page (R holds it, the page's last exclusive allocation was R's ``decode_growth``,
-  and no write came after that allocation). F10: such a legitimate hit on a page another tenant wrote,
-  unless the policy allows tenants to share the cache.
-* F2/F3/F4/F8/F9 mirror the replay engine's joins (:mod:`kvtrail.forensics.replay.joins`): a
-  transfer's events by ``(transfer_id, request_id)``; an abort or a prefill receipt and a response by
-  ``request_id`` of the same attempt (transfer ids equal where both carry one). F2 whatever the receipt's
-  status (critical when the client got output); F4 only for a 2xx with output. F11: a transfer's span
-  from its first send to its last send or receipt against its decode node's ``release_timeout_ns`` (the
-  node of the latest receipt, else of the latest reservation; that node's latest ``node_config`` before it).
-
-The window is the replay engine's: each producer is read from its last ``node_config`` at or before
-``from_ns``; findings ending before ``from_ns`` are dropped.
-
-Known difference: when a page has several exclusive holders and the owner releases it, the replay
-engine promotes an arbitrary remaining holder (``set.pop``); F6 evidence here promotes the earliest.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""A model of PD page ownership: variants, transitions, properties, the checker and the monitors (docs/model.md)."""

@@ -1,0 +1,135 @@
+"""The stack's store process killed: the stack treats it like a worker. The router answers nothing it cannot
+record (503 from the moment the store is gone, ``/health`` says the audit is degraded), ``kvtrail stack``
+names the store process and exits 1, and every request a client was answered 200 for but the store lacks
+lies within the unclean end ``audit verify`` reports (after the router's last stored event, before the kill)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import duckdb
+import httpx
+import pytest
+
+from kvtrail.audit.verify import verify_store
+from kvtrail.serving.config import StackConfig
+from kvtrail.serving.stack import Stack
+
+pytestmark = pytest.mark.slow
+
+_BANNER = re.compile(r"router: (http://127\.0\.0\.1:\d+)/v1/completions.*store pid (\d+)")
+_START_TIMEOUT_S = 120.0
+_MAX_REQUESTS = 400  # per client: the loop ends when the stack is gone, or here
+
+
+def _complete(client: httpx.Client, url: str) -> httpx.Response:
+    return client.post(
+        f"{url}/v1/completions",
+        json={"prompt": "hello kvtrail", "max_tokens": 4},
+        headers={"Authorization": "Bearer key-acme"},
+    )
+
+
+def test_a_stack_without_its_store_answers_503_and_health_says_degraded(tmp_path: Path) -> None:
+    cfg = StackConfig(page_size=16, prefill_pool_tokens=2048, decode_pool_tokens=8192, context_tokens=8192)
+    with Stack(cfg, tmp_path / "s.duckdb") as st:
+        assert st.url is not None and st.store is not None and st.store.pid is not None
+        with httpx.Client(timeout=60) as client:
+            assert _complete(client, st.url).status_code == 200
+            assert client.get(f"{st.url}/health").json()["audit"] == "ok"
+            os.kill(st.store.pid, signal.SIGKILL)
+            for _ in range(200):  # the kill lands within milliseconds
+                if not st.store.alive():
+                    break
+                time.sleep(0.01)
+            health = client.get(f"{st.url}/health")
+            refused = _complete(client, st.url)
+        assert st.failed_workers() == {"store": -signal.SIGKILL}
+    assert health.status_code == 503 and health.json()["audit"] == "degraded"
+    assert refused.status_code == 503 and "audit store is down" in refused.json()["error"]["message"]
+
+
+def test_kvtrail_stack_exits_1_naming_its_killed_store_and_verify_bounds_the_gap(tmp_path: Path) -> None:
+    db = tmp_path / "x.duckdb"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtrail", "stack", "--db", str(db), "--max-new-tokens", "8"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    out: list[str] = []
+    err: list[str] = []
+    readers = [
+        threading.Thread(target=lambda s=s, into=into: into.extend(s), daemon=True)
+        for s, into in ((proc.stdout, out), (proc.stderr, err))
+    ]
+    for r in readers:
+        r.start()
+    answers: list[tuple[int, int, str | None]] = []  # (received at, status or 0 for no answer, request id)
+    try:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not (m := _BANNER.search("".join(out))):
+            assert proc.poll() is None, f"stack exited with {proc.returncode}: {''.join(err)[-2000:]}"
+            assert time.monotonic() < deadline, "no router URL"
+            time.sleep(0.1)
+        url, store_pid = m.group(1), int(m.group(2))
+
+        def client() -> None:
+            with httpx.Client(timeout=30) as http:
+                for _ in range(_MAX_REQUESTS):
+                    try:
+                        r = _complete(http, url)
+                    except httpx.HTTPError:
+                        answers.append((time.time_ns(), 0, None))
+                        if proc.poll() is not None:
+                            return
+                        time.sleep(0.05)
+                        continue
+                    rid = r.json()["id"].removeprefix("cmpl-") if r.status_code == 200 else None
+                    answers.append((time.time_ns(), r.status_code, rid))
+
+        clients = [threading.Thread(target=client, daemon=True) for _ in range(2)]
+        for c in clients:
+            c.start()
+        time.sleep(2.0)  # requests served and recorded
+        killed_ns = time.time_ns()
+        os.kill(store_pid, signal.SIGKILL)
+        rc = proc.wait(60)
+        for c in clients:
+            c.join(60)
+    finally:
+        if proc.poll() is None:  # only our own child, by its handle
+            proc.kill()
+            proc.wait(10)
+        for r in readers:
+            r.join(5)
+    assert rc == 1 and "store process exited with code -9" in "".join(err), "".join(err)[-2000:]
+    assert "Traceback" not in "".join(err)
+    served = [(t, rid) for t, status, rid in answers if status == 200]
+    assert served and any(t < killed_ns for t, _ in served)
+    # the kill reaches the process within milliseconds; from then on no client is answered 200
+    assert all(t < killed_ns + 100_000_000 for t, _ in served), sorted(t - killed_ns for t, _ in served)[-5:]
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        recorded = {
+            r[0] for r in con.execute("SELECT request_id FROM events_v WHERE kind = 'response_sent'").fetchall()
+        }
+    finally:
+        con.close()
+    report = verify_store(db)
+    router_end = [u for u in report.unclean_ends if u.node == "router-0"]
+    assert router_end, report.unclean_ends  # the router's last batch has no recorder_closed: an unclean end
+    last_stored_ns = max(u.last_wall_ns for u in router_end)
+    unrecorded = [t for t, rid in served if rid not in recorded]
+    # what a client was told but the store lacks was answered between the router's last stored event and the
+    # store's death (verify's gap), never after it
+    assert all(last_stored_ns <= t < killed_ns + 100_000_000 for t in unrecorded)
