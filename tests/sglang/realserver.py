@@ -84,8 +84,8 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"{self.node} exited {self.proc.returncode}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
+            try:  # /v1/models, not /health: SGLang's /health runs a generation (a health-check request)
+                with urllib.request.urlopen(self.url("/v1/models"), timeout=2) as r:
                     if r.status == 200:
                         self.ready_s = time.monotonic() - self.started
                         return

@@ -18,7 +18,7 @@ from tests.conftest import stored_events
 from tests.sglang.realserver import Server, check_shims, free_port
 
 NEWEST = tuple(int(x) for x in version("sglang").split(".")[:3]) >= (0, 5, 23)
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not NEWEST, reason="PD on 0.5.23")]
+pytestmark = [pytest.mark.slow]
 PD_ENV = {"MC_FORCE_TCP": "1", "MC_LOG_LEVEL": "ERROR"}
 PD_FLAGS = ["--disaggregation-transfer-backend", "mooncake", "--disable-overlap-schedule"]
 TIMINGS: dict[str, float] = {}
@@ -72,10 +72,12 @@ def pd(tmp_path_factory):
         print(f"real PD timings: {TIMINGS}")
 
 
-def both(prefill, decode, bootstrap, room, text, tenant, decode_timeout=120.0):
+def both(prefill, decode, bootstrap, room, text, tenant, decode_timeout=120.0, rid=None):
     """The request to prefill and decode at once, as a PD load balancer sends it; (prefill's, decode's) answers.
     A balancer answers prefill's error and hangs up on decode: ``decode_timeout`` bounds decode's wait."""
     more = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap, "bootstrap_room": room}
+    if rid is not None:  # one request id on both nodes (a router gives each its own; joining them is open)
+        more["rid"] = rid
     out: dict[str, tuple[int, dict]] = {}
     t = threading.Thread(target=lambda: out.__setitem__("p", prefill.generate(text, tenant, **more)))
     t.start()
@@ -84,6 +86,7 @@ def both(prefill, decode, bootstrap, room, text, tenant, decode_timeout=120.0):
     return out["p"], out["d"]
 
 
+@pytest.mark.skipif(not NEWEST, reason="0.5.23's door")
 def test_pd_on_0_5_23_serves_and_refuses_the_over_long_prompt_before_transfer(pd):
     prefill, decode, bootstrap = pd
     rooms = {}
@@ -105,3 +108,34 @@ def test_pd_on_0_5_23_serves_and_refuses_the_over_long_prompt_before_transfer(pd
         assert room in sent and got[room]["status"] == "ok", (room, sorted(sent), got.get(room))
     assert 2000 not in sent  # refused before transfer
     assert not [e for e in p_events + d_events if e["kind"] == "recorder_gap"]
+
+
+@pytest.mark.skipif(NEWEST, reason="the incident's release")
+def test_pd_on_0_5_19_serves_the_over_long_prompt_and_the_record_is_judged_f4_f2_f1(pd, tmp_path):
+    from kvtrail.audit.export import export_parquet, import_parquet
+    from kvtrail.forensics import ask_findings, open_store
+
+    prefill, decode, bootstrap = pd
+    for i, tenant in enumerate(("tenant-a", "tenant-b")):
+        (ps, pb), (ds, db) = both(
+            prefill, decode, bootstrap, 1000 + i, f"the tenant asked {i} " * 8, tenant, rid=f"r{i}"
+        )
+        assert ps == 200 and ds == 200, (pb, db)
+    long_text = "kv cache pages move " * 700  # over prefill's max_req_input_len (2048-token pool), under the context
+    (ps, pb), (ds, db) = both(prefill, decode, bootstrap, 2000, long_text, "tenant-c", rid="long")
+    assert ps == 200 and pb["meta_info"]["prompt_tokens"] == 1, pb  # 0.5.19: the placeholder was prefilled and sent
+    assert ds == 200 and db["meta_info"]["prompt_tokens"] > 2042, db  # and decode served the whole prompt
+    time.sleep(1.0)
+    TIMINGS["prefill_stop_s"] = prefill.stop(signal.SIGTERM)
+    TIMINGS["decode_stop_s"] = decode.stop(signal.SIGTERM)
+    for s in (prefill, decode):
+        assert not [e for e in stored_events(s.db) if e["kind"] == "recorder_gap"], s.node
+    export_parquet(prefill.db, tmp_path / "prefill-export")
+    import_parquet(tmp_path / "prefill-export", decode.db)  # one record of both nodes
+    con = open_store(decode.db)
+    try:
+        found = ask_findings(con).found
+    finally:
+        con.close()
+    per_request = {(f.code, f.request_id) for f in found if f.request_id is not None}
+    assert {c for c, _ in per_request} >= {"F1", "F2", "F4"} and {r for _, r in per_request} == {"long"}, per_request
