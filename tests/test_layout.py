@@ -32,6 +32,7 @@ FLOORS = {
     "kvtrail.dashboards": 4,
     "kvtrail.alerts": 4,
     "kvtrail.preflight": 4,
+    "kvtrail.witness": 4,
     "kvtrail.cli": 5,
 }
 FACES = tuple(p for p, f in FLOORS.items() if f == 4)

@@ -118,6 +118,10 @@ class Client:
         """``{"heads": [...]}`` as ``kvtrail audit head --json`` prints it."""
         return self._call("GET", "/v1/audit/heads").json()
 
+    def checkpoint(self) -> str:
+        """The service's signed checkpoint of its store's log (a C2SP signed note, as text)."""
+        return self._call("GET", "/v1/audit/checkpoint").text
+
     def add_token(
         self,
         role: str,

@@ -150,6 +150,7 @@ class Signer:
             raise ChainError(f"signing key: an Ed25519 key is required, got {type(key).__name__}")
         self._key = key
         pub = self._key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        self.raw_public = pub  # the 32-byte public key (signed notes name keys by it)
         self.key_id = hashlib.sha256(pub).hexdigest()[:16]
 
     @classmethod
@@ -178,6 +179,7 @@ class SignatureChecker:
             raise ChainError(f"public key: an Ed25519 key is required, got {type(key).__name__}")
         self._key = key
         pub = self._key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        self.raw_public = pub
         self.key_id = hashlib.sha256(pub).hexdigest()[:16]
         self._invalid = exceptions.InvalidSignature
 

@@ -34,6 +34,7 @@ from kvtrail.audit.lake.manifest import MANIFEST_DIR, LakeManifest, read_manifes
 from kvtrail.audit.layout import insert_from
 from kvtrail.audit.store import AuditStore, fetch_row, schema_ddl
 from kvtrail.audit.storefile import connect, wal_path
+from kvtrail.audit.tlog import FRONTIER_KEY, ORIGIN_KEY
 from kvtrail.audit.verify import Problem, VerifyReport, verify_store
 from kvtrail.errors import ChainError, KvtrailError, StoreError
 
@@ -246,11 +247,18 @@ def _import_all(con: duckdb.DuckDBPyConnection, src: _Source, progress: Progress
     for table in ("prunes", "legal_holds"):
         if counts[table] and fetch_row(con, f"SELECT count(*) FROM {table}")[0]:
             raise StoreError(f"target store already has {table} rows; retention records of two stores cannot be merged")
+    fresh = fetch_row(con, "SELECT count(*) FROM batches")[0] == 0
+    if fresh:  # a new store continues the exported log: its name and frontier come with meta
+        con.execute("DELETE FROM meta WHERE key IN (?, ?)", [FRONTIER_KEY, ORIGIN_KEY])
     got = {}
     for table in TABLES:
         if progress:
             progress(table)
         got[table] = _import_table(con, src.files[table], table, counts[table])
+    if not fresh:
+        # The imported batches take their places among the store's by commit time: its log is re-formed
+        # (its earlier checkpoints no longer verify, docs/audit-log.md) and the cached frontier dropped.
+        con.execute("DELETE FROM meta WHERE key = ?", [FRONTIER_KEY])
     heads, expected = _chain_heads(con, pids), src.heads
     if heads != expected:
         pid = next(p for p in sorted(set(heads) | set(expected)) if heads.get(p) != expected.get(p))

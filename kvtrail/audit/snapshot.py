@@ -16,9 +16,9 @@ from pathlib import Path
 
 import duckdb
 
+from kvtrail.audit.heads import chain_heads
 from kvtrail.audit.layout import KIND_TABLES
 from kvtrail.audit.storefile import migrate_hint
-from kvtrail.audit.verify import chain_heads
 from kvtrail.errors import StoreError
 
 # Tables whose rows belong to a (producer_id, batch_no); the other tables are copied through as they are.

@@ -13,6 +13,8 @@ Tables (see ``docs/events.md`` for the columns):
   page_runs   (producer_id, seq, list, pos, page_start, num_pages): list 0 = pages, 1 = dst_pages
   batches     one row per committed batch: seq range, counts, prev digest, digest, signature
   prunes, prune_batches, legal_holds   retention records (see kvtrail.audit.retention)
+  (the transparency log's leaves are the batches rows in commit order; its frontier is cached in meta:
+  kvtrail.audit.tlog)
 
   store_opens one row per writable open (open_no, opened_ns, kvtrail_version): a restarted owner shows
 
@@ -38,10 +40,12 @@ import pyarrow.compute as pc
 
 from kvtrail import __version__
 from kvtrail.audit import chain, layout
-from kvtrail.audit.arrowutil import flat_list, list_array, pick_rows, row_selection
-from kvtrail.audit.events import ALL_FIELDS, KIND_NAMES, KINDS, PAGE_LIST_FIELDS, PRODUCER_FIELDS
+from kvtrail.audit.arrowutil import flat_list, pick_rows, row_selection
+from kvtrail.audit.events import PAGE_LIST_FIELDS, PRODUCER_FIELDS
 from kvtrail.audit.layout import EVENT_VALUE_FIELDS, EVENTS_SCHEMA, REQUESTS_TABLE, append_kinds, column_type
-from kvtrail.audit.pagelist import decode_runs, encode_runs
+from kvtrail.audit.pagelist import encode_runs
+from kvtrail.audit.readback import arrow_query as arrow_query  # read-back lives in readback.py; importers
+from kvtrail.audit.readback import read_events as read_events  # of these names from the store keep them
 from kvtrail.audit.requests import RequestNumbers
 from kvtrail.audit.storefile import (
     OPENS_TABLE,
@@ -53,6 +57,7 @@ from kvtrail.audit.storefile import (
     store_tables,
     wal_path,
 )
+from kvtrail.audit.tlog import TreeWriter
 from kvtrail.audit.validate import Prechecked, ProducerState, ValidatedBatch, merge_validated, validate_batch
 
 log = logging.getLogger(__name__)
@@ -223,6 +228,7 @@ class AuditStore:
             self.con.execute(
                 "INSERT INTO meta VALUES ('store_format', ?), ('created_ns', ?)", [STORE_FORMAT, str(time.time_ns())]
             )
+        self.tree = TreeWriter(self.con)  # an older store's tree is built here, from its batches
         self.open_no = int(fetch_row(self.con, f"SELECT coalesce(max(open_no) + 1, 0) FROM {OPENS_TABLE}")[0])
         self.con.execute(f"INSERT INTO {OPENS_TABLE} VALUES (?, ?, ?)", [self.open_no, time.time_ns(), __version__])
         self.con.commit()
@@ -239,6 +245,7 @@ class AuditStore:
         for pid, batch_no, last_seq, digest in rows:
             self._state.setdefault(pid, ProducerState()).last_seq = int(last_seq)
             self._chain[pid] = (batch_no, bytes(digest))
+        self.last_commit_ns = int(fetch_row(self.con, "SELECT coalesce(max(committed_ns), 0) FROM batches")[0])
         self.reset_requests()
 
     def reset_requests(self) -> None:
@@ -326,7 +333,8 @@ class AuditStore:
         request_no, new_requests, new_idents = self.requests.number(t)
         num_pages = pc.fill_null(pc.list_value_length(t.column("pages")), 0).cast(pa.int32())
         num_dst = pc.fill_null(pc.list_value_length(t.column("dst_pages")), 0).cast(pa.int32())
-        now = time.time_ns()
+        # Strictly increasing from commit to commit: the transparency log's leaves are in this order.
+        now = max(time.time_ns(), self.last_commit_ns + 1)
         batch_rows, new_producers, new_pools = [], [], {}
         ev_parts, run_parts, committed, code_parts, rq_parts, jobs = [], [], [], [], [], []
         state_after = {}
@@ -431,6 +439,8 @@ class AuditStore:
             if pending is not None and not pending.cancel():
                 wait([pending])  # a failed commit: the helper is not left working on its digests
         self.requests.remember(new_idents)
+        self.tree.frontier = self.tree.stage([(pid, no, d) for (pid, no), (d, _s) in zip(committed, digests)])
+        self.last_commit_ns = now
         for (pid, (last_seq, batch_no)), (digest, _sig) in zip(state_after.items(), digests):
             link = (batch_no, digest)
             st = self._state.setdefault(pid, ProducerState())
@@ -444,6 +454,7 @@ class AuditStore:
     def checkpoint(self) -> None:
         """Write the WAL into the main file now."""
         t = time.perf_counter()
+        self.tree.save(self.con)  # the log's frontier cached with the data it covers
         self.con.execute("CHECKPOINT")
         self.checkpoint_s += time.perf_counter() - t
         self.checkpoints += 1
@@ -473,50 +484,3 @@ class AuditStore:
             return False
         self.checkpoint_error = None
         return True
-
-
-def arrow_query(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> pa.Table:
-    """Run a query and return its result as an Arrow table."""
-    con.complete()  # DuckDB refuses a new query while an earlier execute() result is still open
-    return con.sql(sql, params=params or None).to_arrow_table()
-
-
-def _read_events_snapshot(con, where: str, params: list | None) -> tuple[pa.Table, pa.Table]:
-    ev = arrow_query(con, f"SELECT * FROM events_v WHERE {where} ORDER BY producer_id, seq", params)
-    runs = arrow_query(
-        con,
-        f"WITH e AS (SELECT producer_id, seq, row_number() OVER (ORDER BY producer_id, seq) - 1 AS row "
-        f"FROM events_v WHERE {where}) "
-        f"SELECT e.row, r.list, r.page_start, r.num_pages FROM page_runs r JOIN e USING (producer_id, seq) "
-        f"ORDER BY e.row, r.list, r.pos",
-        params,
-    )
-    return ev, runs
-
-
-def read_events(con: duckdb.DuckDBPyConnection, where: str = "TRUE", params: list | None = None) -> pa.Table:
-    """Read events back as a wire-shaped batch (producer identity and page lists restored).
-
-    ``where`` filters the ``events_v`` view (events with producer identity). Rows come in
-    (producer_id, seq) order.
-    """
-    con.complete()
-    con.begin()  # both queries must see the same snapshot, or page lists could attach to wrong events
-    try:
-        ev, runs = _read_events_snapshot(con, where, params)
-    finally:
-        con.commit()
-    out = {f.name: ev.column(f.name) for f in ALL_FIELDS if f.name not in PAGE_LIST_FIELDS}
-
-    row = runs.column("row").to_numpy().astype(np.int64)
-    lists = runs.column("list").to_numpy()
-    for list_no, name in enumerate(PAGE_LIST_FIELDS):
-        m = lists == list_no
-        flat, offsets = decode_runs(
-            ev.num_rows, row[m], runs.column("page_start").to_numpy()[m], runs.column("num_pages").to_numpy()[m]
-        )
-        # A kind that requires a list always carries one (possibly empty); other kinds carry none.
-        needs = [k for k in KIND_NAMES if name in KINDS[k].required]
-        present = pc.is_in(ev.column("kind"), value_set=pa.array(needs)).to_numpy(zero_copy_only=False)
-        out[name] = list_array(flat, offsets, pa.int32(), ~present, field=name)
-    return pa.table({f.name: out[f.name] for f in ALL_FIELDS})

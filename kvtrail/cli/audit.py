@@ -8,17 +8,12 @@ from pathlib import Path
 
 import click
 
-from kvtrail.errors import KvtrailError, StoreError, ValidationError
-from kvtrail.timeutil import format_utc, parse_utc
-
-DB_OPTION = click.option(
-    "--db",
-    "db",
-    default="kvtrail.duckdb",
-    show_default=True,
-    type=click.Path(dir_okay=False),
-    help="DuckDB audit store file.",
-)
+from kvtrail.cli.audit_log import checkpoint, checkpoint_options, print_checkpoint, prove
+from kvtrail.cli.audit_retention import hold, prune_cmd
+from kvtrail.cli.audit_store import DB_OPTION
+from kvtrail.cli.audit_store import existing as _existing
+from kvtrail.errors import KvtrailError, ValidationError
+from kvtrail.timeutil import format_utc
 
 
 def _progress(total: int | None, desc: str):
@@ -27,19 +22,15 @@ def _progress(total: int | None, desc: str):
     return tqdm(total=total, desc=desc, unit="batch", file=sys.stderr, disable=None, leave=False)
 
 
-def _existing(db: str) -> str:
-    from kvtrail.audit.storefile import require_file
-
-    try:
-        require_file(db)
-    except StoreError as exc:
-        raise StoreError(f"--db: {exc}") from None
-    return db
-
-
 @click.group()
 def audit() -> None:
     """The audit store: ingest events, verify the tamper-evidence chain, retention, export."""
+
+
+audit.add_command(checkpoint)
+audit.add_command(prune_cmd)
+audit.add_command(hold)
+audit.add_command(prove)
 
 
 @audit.command()
@@ -123,22 +114,44 @@ TOKEN_OPTION = click.option(
     help="JSON written earlier by 'kvtrail audit head --json': also fail if a producer's chain is "
     "behind (newest batches deleted) or forked from those heads.",
 )
+@checkpoint_options
 def verify(
-    db: str, url: str | None, api_token: str | None, public_key: str | None, as_json: bool, expect_heads: str | None
+    db: str,
+    url: str | None,
+    api_token: str | None,
+    public_key: str | None,
+    as_json: bool,
+    expect_heads: str | None,
+    checkpoint: str | None,
+    witness_keys: tuple[str, ...],
+    require_cosignatures: int,
 ) -> None:
     """Recompute the hash chain; name the first broken or missing link. Exit 1 if anything fails.
 
     With --expect-heads, also name each producer whose chain no longer reaches its saved head.
+    With --checkpoint, also check the store's log still extends that signed checkpoint.
     With --url, the service recomputes it on its store (the JSON adds the service's access-log check).
     """
-    from kvtrail.audit.verify import load_heads
+    from kvtrail.audit.heads import load_heads
 
     saved = load_heads(expect_heads) if expect_heads else None  # a bad file fails before the long check
+    note = None
+    if checkpoint is not None:
+        from kvtrail.cli.audit_log import load_checkpoint
+
+        note = load_checkpoint(checkpoint, url, public_key, witness_keys, require_cosignatures)
+    elif require_cosignatures or witness_keys:
+        raise KvtrailError("--require-cosignatures/--witness-key: need --checkpoint")
     if url:
         pem = _read(public_key).decode("ascii", errors="replace") if public_key else None
         doc, chain_problems = _verify_remote(url, api_token, saved, pem)
     else:
-        doc, chain_problems = _verify_local(db, public_key, saved)
+        # With --checkpoint the key is the log's: batches need not be signed with it.
+        doc, chain_problems = _verify_local(db, None if note else public_key, saved)
+    if note is not None:
+        from kvtrail.cli.audit_log import check_checkpoint
+
+        check_checkpoint(doc, db, note, str(public_key), witness_keys, require_cosignatures)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
@@ -159,8 +172,9 @@ def _verify_remote(
 
 def _verify_local(db: str, public_key: str | None, saved: list | None) -> tuple[dict, list[str]]:
     from kvtrail.audit.chain import SignatureChecker
+    from kvtrail.audit.heads import compare_heads
     from kvtrail.audit.store import connect_readonly, fetch_row
-    from kvtrail.audit.verify import compare_heads, verify_store
+    from kvtrail.audit.verify import verify_store
 
     checker = SignatureChecker.from_file(public_key) if public_key else None
     con = connect_readonly(_existing(db))
@@ -195,11 +209,12 @@ def _print_verify(doc: dict, chain_problems: list[str], saved: list | None) -> N
         click.echo(f"FAILED: first problem: {chain_problems[0]}")
         for p in chain_problems[1:10]:
             click.echo(f"  also: {p}")
-    head_problems = doc["problems"][len(chain_problems) :]
+    head_problems = [p for p in doc["problems"][len(chain_problems) :] if not p.startswith("checkpoint: ")]
     if saved is not None and not head_problems:
         click.echo(f"OK: the store still holds all {len(saved)} saved chain heads")
     for p in head_problems:  # every one: each names a producer whose history was cut or rewritten
         click.echo(f"FAILED: saved chain head: {p}")
+    print_checkpoint(doc)
     log = doc.get("access_log")
     if log is not None:
         click.echo(
@@ -225,8 +240,8 @@ def head(db: str, url: str | None, api_token: str | None, as_json: bool) -> None
 
         heads = Client(url, api_token).heads()["heads"]
     else:
+        from kvtrail.audit.heads import chain_heads
         from kvtrail.audit.store import connect_readonly
-        from kvtrail.audit.verify import chain_heads
 
         con = connect_readonly(_existing(db))
         heads = chain_heads(con)
@@ -289,80 +304,6 @@ def stats(db: str) -> None:
     click.echo(f"{'node':<16}{'role':<9}{'kind':<20}{'events':>10}{'page-events':>14}  first .. last (UTC)")
     for node, role, kind, n, pages, t0, t1 in rows:
         click.echo(f"{node:<16}{role:<9}{kind:<20}{n:>10}{int(pages or 0):>14}  {format_utc(t0)} .. {format_utc(t1)}")
-
-
-@audit.command(name="prune")
-@DB_OPTION
-@click.option("--before", "before", required=True, help="UTC time; batches entirely before it are removed.")
-@click.option("--note", help="Why (kept in the prune record).")
-@click.option("--dry-run", is_flag=True, help="Only count what would be removed.")
-def prune_cmd(db: str, before: str, note: str | None, dry_run: bool) -> None:
-    """Remove data older than --before, except data under a legal hold; the prune is recorded and chained."""
-    from kvtrail.audit.retention import prune
-    from kvtrail.audit.store import AuditStore
-
-    before_ns = parse_utc(before, field="--before")
-    with AuditStore(_existing(db)) as store:
-        res = prune(store, before_ns, note=note, dry_run=dry_run)
-    verb = "would remove" if dry_run else "removed"
-    rec = f" (prune record {res.prune_id})" if res.prune_id else ""
-    click.echo(
-        f"{verb} {res.num_batches} batches, {res.num_events} events before {format_utc(before_ns)}; "
-        f"kept {res.num_held_batches} batches under legal hold{rec}"
-    )
-
-
-@audit.group()
-def hold() -> None:
-    """Legal holds: data they cover is never pruned."""
-
-
-@hold.command("add")
-@DB_OPTION
-@click.option("--from", "from_", required=True, help="UTC start of the held window.")
-@click.option("--to", "to", required=True, help="UTC end of the held window.")
-@click.option("--tenant", help="Only this tenant's requests.")
-@click.option("--node", help="Only this node.")
-@click.option("--reason", required=True, help="Case or ticket reference.")
-def hold_add(db: str, from_: str, to: str, tenant: str | None, node: str | None, reason: str) -> None:
-    """Place a legal hold."""
-    from kvtrail.audit.retention import add_hold
-    from kvtrail.audit.store import AuditStore
-
-    with AuditStore(_existing(db)) as store:
-        hold_id = add_hold(
-            store, parse_utc(from_, field="--from"), parse_utc(to, field="--to"), reason, tenant_id=tenant, node=node
-        )
-    click.echo(f"hold {hold_id} placed")
-
-
-@hold.command("list")
-@DB_OPTION
-def hold_list(db: str) -> None:
-    """List legal holds."""
-    from kvtrail.audit.retention import list_holds
-    from kvtrail.audit.store import AuditStore
-
-    with AuditStore(_existing(db)) as store:
-        for h in list_holds(store):
-            state = f"released {format_utc(h.released_ns)}" if h.released_ns else "active"
-            click.echo(
-                f"{h.hold_id}\t{format_utc(h.from_ns)} .. {format_utc(h.to_ns)}\ttenant={h.tenant_id or '*'}\t"
-                f"node={h.node or '*'}\t{state}\t{h.reason}"
-            )
-
-
-@hold.command("release")
-@DB_OPTION
-@click.argument("hold_id", type=int)
-def hold_release(db: str, hold_id: int) -> None:
-    """Release a legal hold (its data becomes prunable)."""
-    from kvtrail.audit.retention import release_hold
-    from kvtrail.audit.store import AuditStore
-
-    with AuditStore(_existing(db)) as store:
-        release_hold(store, hold_id)
-    click.echo(f"hold {hold_id} released")
 
 
 @audit.command()

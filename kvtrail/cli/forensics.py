@@ -30,7 +30,7 @@ from kvtrail.answers.tables import (
 from kvtrail.answers.text import terminal_text
 from kvtrail.cli.options import exclusion_options, exclusions, probe_options, report_options
 from kvtrail.cli.progress import replaying, step
-from kvtrail.cli.report import report, verify_report_cmd
+from kvtrail.cli.report import report, verify_notice_cmd, verify_report_cmd
 from kvtrail.cli.sources import (
     lake_options,
     remote_options,
@@ -470,3 +470,4 @@ def exploitation(
 
 forensics.add_command(report)
 forensics.add_command(verify_report_cmd)
+forensics.add_command(verify_notice_cmd)

@@ -11,6 +11,7 @@ import click
 
 from kvtrail.answers.ask import hint_service
 from kvtrail.answers.tables import printable
+from kvtrail.audit.chain import SignatureChecker, Signer
 from kvtrail.audit.snapshot import open_snapshot
 from kvtrail.cli.options import exclusion_options, exclusions, probe_options, report_options
 from kvtrail.cli.progress import replaying, step
@@ -29,8 +30,10 @@ from kvtrail.forensics.questions import require_store
 from kvtrail.outputs import check_out_dir
 from kvtrail.report.build import build_report, write_report
 from kvtrail.report.context import load_context
+from kvtrail.report.evidence import verify_notice, write_notices
 from kvtrail.report.lake import check_out_of_lake, lake_report
 from kvtrail.report.manifest import MANIFEST
+from kvtrail.report.notices import notice_texts
 from kvtrail.timeutil import parse_utc
 
 
@@ -50,6 +53,12 @@ from kvtrail.timeutil import parse_utc
     type=click.Path(dir_okay=False),
     help="The operator's incident.yaml (contact, times, measures, exclusions, tenant names).",
 )
+@click.option(
+    "--signing-key",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Ed25519 private key (PEM): also write notices/<tenant>/ per affected tenant, signed, with the "
+    "log's checkpoint and inclusion proofs ('kvtrail forensics verify-notice' checks one offline; --db only).",
+)
 @exclusion_options
 @probe_options
 @remote_options
@@ -61,6 +70,7 @@ def report(
     out,
     force,
     context,
+    signing_key,
     exclude_tenants,
     exclude_file,
     url,
@@ -76,6 +86,9 @@ def report(
     remote = remote_of(url, api_token)
     if remote is None and lake_url is None:
         require_store(db)
+    if signing_key and (remote is not None or lake_url is not None):
+        raise KvtrailError("--signing-key: notices with proofs are written from a store file (--db)")
+    signer = Signer.from_file(signing_key) if signing_key else None
     if lake_url is not None:
         check_out_of_lake(out, lake_url)
     before = check_out_dir(out, force, protected=(db,))  # refused before the queries run, not after
@@ -107,7 +120,14 @@ def report(
         finally:
             con.close()
     with step(f"report: writing the files into {out}"):
-        manifest = write_report(r, out, lake_url or Path(db).name, force=force, protected=(db,))
+        extra = None
+        if signer is not None:
+            texts, found = notice_texts(r), r.findings
+
+            def extra(folder: Path, r=r) -> list[str]:
+                return write_notices(folder, found, r.affected, texts, db, signer)
+
+        manifest = write_report(r, out, lake_url or Path(db).name, force=force, protected=(db,), extra=extra)
     report_lines(
         before,
         {*manifest["files"], MANIFEST},
@@ -145,3 +165,19 @@ def verify_report_cmd(report_dir, db, strict, url, api_token, lake_url, schedule
     source = f"the lake {lake_url}" if lake_url else f"the store {store_name}"
     what = "lake manifest, " if lake_url else ""
     click.echo(printable(f"confirmed: {report_dir} matches {source} ({what}results digest, chain heads, files)"))
+
+
+@click.command(name="verify-notice")
+@click.argument("notice_dir", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--public-key", required=True, type=click.Path(exists=True, dir_okay=False), help="The operator's Ed25519 key."
+)
+def verify_notice_cmd(notice_dir: str, public_key: str) -> None:
+    """Check a notice folder (notices/<tenant>/) offline: its signature, every file, the checkpoint, every
+    inclusion proof against it, and that the listed events support each finding. Exit 1 if anything fails."""
+    problems = verify_notice(notice_dir, SignatureChecker.from_file(public_key))
+    if problems:
+        for p in problems:
+            click.echo(f"FAILED: {p}")
+        sys.exit(1)
+    click.echo(f"OK: {notice_dir}: signed, every file as signed, every proof verifies, the events support each finding")

@@ -30,6 +30,7 @@ _LAZY = {
     "simulate": "kvtrail.cli.simulate:simulate",
     "stack": "kvtrail.cli.stack:stack",
     "token": "kvtrail.cli.token:token",
+    "witness": "kvtrail.cli.witness:witness",
 }
 
 
@@ -149,6 +150,11 @@ _SERVE_DEFAULTS = ServeConfig()
     help="GET /metrics needs an operator or metrics token (its series name every node; without it, bind "
     "where tenants cannot reach).",
 )
+@click.option(
+    "--signing-key",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Ed25519 private key (PEM) that signs the log's checkpoints at GET /v1/audit/checkpoint.",
+)
 def serve(
     db: str,
     host: str,
@@ -163,6 +169,7 @@ def serve(
     header_timeout_s: float,
     body_timeout_s: float,
     metrics_token: bool,
+    signing_key: str | None,
 ) -> None:
     """Run the audit service (HTTP ingest, live judge, query API) until SIGINT or SIGTERM.
 
@@ -189,6 +196,7 @@ def serve(
                 ),
                 read_timeouts=ReadTimeouts(header_timeout_s, body_timeout_s),
                 metrics_token=metrics_token,
+                signing_key=signing_key,
             ),
             tokens_file=tokens_file,
             ready=lambda url: click.echo(BANNER.format(url=url)),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,7 +181,7 @@ def build_report(
     catalog). ``findings``: every finding of the window already computed elsewhere (an audit lake's
     partition replay, :func:`kvtrail.forensics.lake.questions.lake_findings`) instead of replaying ``con``;
     ``lake``: the lake manifest record that goes into ``report.json``."""
-    from kvtrail.audit.verify import chain_heads
+    from kvtrail.audit.heads import chain_heads
 
     o = options
     w = Window(o.from_ns, o.to_ns)
@@ -229,18 +229,25 @@ def build_report(
 
 
 def write_report(
-    report: Report, out_dir: str | Path, store_name: str, *, force: bool = False, protected: Iterable[str | Path] = ()
+    report: Report,
+    out_dir: str | Path,
+    store_name: str,
+    *,
+    force: bool = False,
+    protected: Iterable[str | Path] = (),
+    extra: Callable[[Path], list[str]] | None = None,
 ) -> dict:
     """Write every report file into a staging folder beside ``out_dir`` (the manifest last), then move
     them into place (:func:`kvtrail.outputs.write_dir_atomically`): ``out_dir`` must be new or empty,
     or with ``force`` only the report's own files in it are replaced; a failure leaves it as it was.
-    ``protected``: the store's paths, never written over. Returns the manifest."""
+    ``protected``: the store's paths, never written over. ``extra(folder)`` writes more files (the
+    notices), listed in the manifest with the others. Returns the manifest."""
     from kvtrail.report import manifest
 
     done: dict = {}
     write_dir_atomically(
         out_dir,
-        lambda staging: done.update(_write_files(report, staging, store_name)),
+        lambda staging: done.update(_write_files(report, staging, store_name, extra)),
         force=force,
         protected=protected,
         last=(manifest.MANIFEST,),
@@ -248,7 +255,7 @@ def write_report(
     return done
 
 
-def _write_files(report: Report, out: Path, store_name: str) -> dict:
+def _write_files(report: Report, out: Path, store_name: str, extra: Callable[[Path], list[str]] | None = None) -> dict:
     """Every report file into the (new, empty) folder ``out``, the manifest last; returns the manifest."""
     from kvtrail.report import disclosure, manifest, render
 
@@ -267,6 +274,8 @@ def _write_files(report: Report, out: Path, store_name: str) -> dict:
     (out / "report.html").write_text(render.html(blocks, title=disclosure.title(report)), encoding="utf-8")
     render.pdf(blocks, out / "report.pdf", title=disclosure.title(report))
     written += ["report.md", "report.html", "report.pdf"]
+    if extra is not None:
+        written += extra(out)
     return manifest.write_manifest(report, out, written, store_name)
 
 

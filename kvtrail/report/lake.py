@@ -17,11 +17,11 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from kvtrail.audit.heads import chain_heads, compare_heads, parse_heads
 from kvtrail.audit.lake.catalog import LAKE_TABLES, open_catalog
 from kvtrail.audit.lake.fs import LakeFS
 from kvtrail.audit.lake.manifest import manifest_name, manifest_numbers, read_manifest
 from kvtrail.audit.lake.verify import LakeVerifyReport, check_files, verify_lake
-from kvtrail.audit.verify import chain_heads, compare_heads, parse_heads
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics.lake.executor import Executor
 from kvtrail.forensics.lake.questions import Lake, lake_findings, open_lake

@@ -177,3 +177,21 @@ def _ids(ids, most: int = 10) -> str:
 def _join(sentences) -> str:
     """Operator sentences joined into one ("a; b"), without doubled full stops."""
     return "; ".join(s.rstrip(". ") for s in sentences)
+
+
+def notice_texts(r) -> dict[str, str]:
+    """Each tenant's notice alone, as Markdown (the notice folders' ``notice.md``)."""
+    from kvtrail.report.render import markdown
+
+    name = r.context.display_name if r.context else (lambda t: t)
+    blocks = tenant_notices(r)
+    tenants = sorted({t for t in r.affected["tenant_id"] if t} | set(r.exposed["victim_tenant"]))
+    titles = {f"Notice to {name(t)}": t for t in tenants}
+    out: dict[str, list[tuple]] = {}
+    current = None
+    for b in blocks:
+        if b[0] == "h3":
+            current = titles.get(b[1])
+        if current is not None:
+            out.setdefault(current, []).append(b)
+    return {t: markdown(bl) for t, bl in out.items()}

@@ -15,9 +15,10 @@ from typing import Callable
 
 import duckdb
 
+from kvtrail.audit.heads import chain_heads, compare_heads, parse_heads
 from kvtrail.audit.snapshot import open_snapshot
 from kvtrail.audit.store import connect_readonly
-from kvtrail.audit.verify import chain_heads, compare_heads, parse_heads, verify_store
+from kvtrail.audit.verify import verify_store
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics.options import ReportOptions
 from kvtrail.forensics.questions import require_store

@@ -1,5 +1,6 @@
 """``/v1/audit`` and ``/v1/reports/verify``: the chain checks of ``kvtrail audit verify|head`` and
-``kvtrail forensics verify-report`` run by the service on the store it holds (operator tokens only).
+``kvtrail forensics verify-report`` run by the service on the store it holds (operator tokens only), and
+``GET /v1/audit/checkpoint``, the log's signed checkpoint (any token).
 
 ``GET /v1/audit/verify`` is ``audit verify --json``; ``POST`` takes what the local form reads from files
 (``--expect-heads``' saved heads, ``--public-key``'s PEM) in its body. ``chain_problems`` says how many
@@ -13,11 +14,15 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import duckdb
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, HTTPException
+from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtrail.audit.chain import SignatureChecker
-from kvtrail.audit.verify import chain_heads, compare_heads, parse_heads, verify_store
+from kvtrail.audit.heads import chain_heads, compare_heads, parse_heads
+from kvtrail.audit.note import sign_checkpoint
+from kvtrail.audit.tlog import current_checkpoint
+from kvtrail.audit.verify import verify_store
 from kvtrail.service import access, models
 from kvtrail.service.auth import principal_dependency, require_role
 from kvtrail.service.reports import ReportCheckBody, ReportCheckResult, check_report
@@ -83,6 +88,26 @@ def router(state: Any, route_class: type, run: Run) -> APIRouter:
             return models.VerifyResult(**verify_document(cur, checker=checker, saved=saved))
 
         return run(who, answer)
+
+    @r.get(
+        "/audit/checkpoint",
+        response_model=None,
+        responses={
+            200: {
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+                "description": "The checkpoint as a C2SP signed note.",
+            },
+            404: {"model": models.ErrorBody, "description": "The service was started without --signing-key."},
+        },
+    )
+    def audit_checkpoint(who: Who) -> PlainTextResponse:
+        """The store's log checkpoint signed with the service's key (``kvtrail audit checkpoint --url``): a
+        C2SP signed note. Any token may read it: tenants check their notices' proofs against it."""
+        signer = state.checkpoint_signer
+        if signer is None:
+            raise HTTPException(404, "no checkpoint: the service was started without --signing-key")
+        note = run(who, lambda cur: sign_checkpoint(current_checkpoint(cur), signer))
+        return PlainTextResponse(note.text(), media_type="text/plain; charset=utf-8")
 
     @r.get("/audit/heads", response_model=models.Heads)
     def audit_heads(who: Who) -> models.Heads:

@@ -31,6 +31,7 @@ class ServeConfig:
     query_limits: QueryLimits = QueryLimits()  # queries running and waiting per token (429 beyond)
     read_timeouts: ReadTimeouts = ReadTimeouts()  # a request's headers and body must arrive in time (408 past)
     metrics_token: bool = False  # GET /metrics needs an operator or metrics token (it names every node)
+    signing_key: str | None = None  # Ed25519 private key (PEM) signing GET /v1/audit/checkpoint's checkpoints
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -26,8 +26,8 @@ from fastapi import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtrail.answers.client import REPORT_HEADER
+from kvtrail.audit.heads import chain_heads, parse_heads
 from kvtrail.audit.snapshot import live_snapshot
-from kvtrail.audit.verify import chain_heads, parse_heads
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics.options import ReportOptions
 from kvtrail.report.build import build_report, write_report

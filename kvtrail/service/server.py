@@ -18,6 +18,7 @@ from typing import Callable
 import uvicorn
 
 from kvtrail.alerts.otel import OtelExport, otlp_export
+from kvtrail.audit.chain import Signer
 from kvtrail.service.app import create_app
 from kvtrail.service.config import ServeConfig
 from kvtrail.service.state import open_state
@@ -55,6 +56,7 @@ def run_service(
     """Serve the store at ``db`` until SIGTERM or SIGINT; ``ready(url)`` is called once it is listening.
     ``export``: where the judge's results go as OpenTelemetry (else ``config.otlp_endpoint``'s, if set)."""
     config = config or ServeConfig()
+    signer = Signer.from_file(config.signing_key) if config.signing_key else None  # a bad key fails first
     if export is None and config.otlp_endpoint is not None:
         export = otlp_export(config.otlp_endpoint)  # OtelMissing without the extra, before the store is opened
     try:
@@ -69,6 +71,7 @@ def run_service(
         if export is not None:
             export.close(0)
         raise
+    state.checkpoint_signer = signer
     try:
         app = create_app(state, max_body_bytes=config.max_body_bytes, metrics_token=config.metrics_token)
         sock = bind(config.host, config.port)

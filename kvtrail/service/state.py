@@ -14,6 +14,7 @@ from pathlib import Path
 import duckdb
 
 from kvtrail.alerts.otel import OtelExport
+from kvtrail.audit.chain import Signer
 from kvtrail.audit.store import DEFAULT_CHECKPOINT, AuditStore, CheckpointPolicy
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.service import tokens
@@ -38,6 +39,7 @@ class ServiceState:
     verified: VerifiedTokens = field(default_factory=VerifiedTokens)  # tokens checked recently (auth.py)
     limiter: QueryLimiter = field(default_factory=QueryLimiter)  # queries running and waiting per token
     started_ns: int = field(default_factory=time.time_ns)
+    checkpoint_signer: Signer | None = None  # signs GET /v1/audit/checkpoint (serve --signing-key)
     closed: bool = False
     export: OtelExport | None = None  # the judge's results to OpenTelemetry (kvtrail.alerts.otel), when asked
 

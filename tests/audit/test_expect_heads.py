@@ -8,8 +8,8 @@ import json
 import duckdb
 import pytest
 
+from kvtrail.audit.heads import compare_heads
 from kvtrail.audit.store import connect_readonly, fetch_row
-from kvtrail.audit.verify import compare_heads
 from kvtrail.cli import main
 from tests.conftest import alloc, config, delete_stored, producer
 

@@ -154,3 +154,33 @@ def test_since_exports_later_batches_and_still_verifies(tmp_path):
     assert 0 < sum(f.rows for f in m.files_of("batches").values()) < total
     r = verify_lake(lake)
     assert r.ok, r.problems
+
+
+def test_each_manifest_carries_the_store_log_it_covers(tmp_path):
+    """Every export records the store's tree size and root; a later export's tree extends the earlier one."""
+    import base64
+
+    from kvtrail.audit.merkle import verify_consistency
+    from kvtrail.audit.store import connect_readonly
+    from kvtrail.audit.tlog import LogView
+
+    db = make_store(tmp_path / "s.duckdb")
+    lake = str(tmp_path / "lake")
+    export_lake(db, lake, checkpoints=write_checkpoints)
+    first = read_manifest(LakeFS.open(lake)).tree
+    later = dataclasses.replace(FLEET, seed=2, start_ns=BOUNDARY_NS + HOUR_NS - 5_000_000_000, hours=0.003)
+    with AuditStore(db) as store:
+        write_fleet(later, store, str(tmp_path / "t2.json"))
+    export_lake(db, lake, checkpoints=write_checkpoints)
+    second = read_manifest(LakeFS.open(lake)).tree
+    con = connect_readonly(db)
+    view = LogView(con)
+    con.close()
+    assert first is not None and second is not None and first[0] == second[0] == view.origin
+    assert second[1] == view.size > first[1] and second[2] == base64.b64encode(view.tree.root()).decode()
+    old_root = base64.b64decode(first[2])
+    assert old_root == view.tree.root(first[1])
+    assert verify_consistency(
+        first[1], second[1], old_root, view.tree.root(), view.tree.consistency_proof(first[1], second[1])
+    )
+    assert verify_lake(lake).ok

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kvtrail.answers.client import Client
-from kvtrail.audit.verify import chain_heads
+from kvtrail.audit.heads import chain_heads
 from kvtrail.forensics import open_store
 from kvtrail.service import tokens
 from tests.conftest import run_cli

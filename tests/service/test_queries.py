@@ -12,7 +12,7 @@ import pytest
 
 from kvtrail.answers import pages
 from kvtrail.answers.tables import json_text
-from kvtrail.audit.verify import chain_heads
+from kvtrail.audit.heads import chain_heads
 from kvtrail.forensics import (
     Window,
     ask_affected,

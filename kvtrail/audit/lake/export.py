@@ -16,6 +16,7 @@ the headers of pruned batches too, and the tables an incremental export leaves t
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from kvtrail.audit.lake.fs import LakeFS
 from kvtrail.audit.lake.manifest import FileEntry, Manifest, read_manifest, write_manifest
 from kvtrail.audit.lake.partition import HOUR_NS, Partition, check_name
 from kvtrail.audit.store import connect_readonly, fetch_row
+from kvtrail.audit.tlog import current_checkpoint
 from kvtrail.errors import KvtrailError, StoreError
 
 PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
@@ -204,6 +206,10 @@ def export_lake(
     try:
         _check_heads(con, doc)
         new = _new_batches(con, doc, since_ns, whole_store)
+        # The store's transparency log as of this export (it covers every batch the export can take).
+        tree = current_checkpoint(con)
+        doc.tree_origin, doc.tree_size = tree.origin, tree.size
+        doc.tree_root = base64.b64encode(tree.root).decode()
         prod = con.sql(
             f"SELECT producer_id, {', '.join(PRODUCER_NAMES)}, pool_pages, first_seen_ns FROM producers "
             "ORDER BY producer_id"

@@ -11,6 +11,8 @@ follow them, so a new field is one line here (with a default, so older manifests
 Format 1 (lakes before the two exports shared one format) is read as is: format 2 only adds
 ``store_format`` and files of the store's other tables (``meta``, ``prunes``, ``prune_batches``,
 ``legal_holds``), which a whole-store export (``kvtrail audit export``) writes.
+The store's transparency log the export covers is ``tree_origin``, ``tree_size`` and base64
+``tree_root`` (kvtrail.audit.tlog; absent in manifests written before the log).
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ class Manifest:
     kvtrail_version: str | None = None
     exported_at: str | None = None
     store_format: str | None = field(default=None, metadata=_OMIT)  # of the store a whole-store export read
+    tree_origin: str | None = field(default=None, metadata=_OMIT)  # the store's transparency log (audit.tlog)
+    tree_size: int | None = field(default=None, metadata=_OMIT)  # batches it covers as of this export
+    tree_root: str | None = field(default=None, metadata=_OMIT)  # its root hash, base64
     # producer id -> {batch_no, prev_digest}: where a chain exported from a later batch (--since) starts
     anchors: dict[str, dict] = field(default_factory=dict, metadata=_OMIT)
     signature: dict | None = field(default=None, metadata=_OMIT)  # {key_id, ed25519}
@@ -161,6 +166,14 @@ class LakeManifest:
     def files_of(self, table: str) -> dict[str, FileEntry]:
         return self.doc.files_of(table)
 
+    @property
+    def tree(self) -> tuple[str, int, str] | None:
+        """(origin, size, base64 root) of the store's log as of this export; None before the log existed."""
+        d = self.doc
+        if d.tree_size is None or d.tree_origin is None or d.tree_root is None:
+            return None
+        return d.tree_origin, d.tree_size, d.tree_root
+
     def next(self) -> Manifest:
         """The next manifest's starting point: this one's files and state, linked to this one."""
         d = self.doc
@@ -191,7 +204,11 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         raise KvtrailError(f"{where}: unreadable manifest ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("format_version") not in READ_VERSIONS:
         raise KvtrailError(f"{where}: not a {FORMAT} manifest of format_version {' or '.join(map(str, READ_VERSIONS))}")
-    return _from_json(Manifest, doc, where)
+    m = _from_json(Manifest, doc, where)
+    tree = (m.tree_origin, m.tree_size, m.tree_root)
+    if any(v is not None for v in tree) and any(v is None for v in tree):
+        raise KvtrailError(f"{where}: fields 'tree_size', 'tree_root', 'tree_origin': all three or none")
+    return m
 
 
 def read_manifest(lake: LakeFS, number: int | None = None) -> LakeManifest:
