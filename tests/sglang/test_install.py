@@ -96,3 +96,15 @@ print("recorded", len(plugin.targets))
         assert tables
     finally:
         con.close()
+
+
+def test_the_command_without_the_judge_extra_names_it(tmp_path):
+    # A node with the base install (the recording path) has no click: the `kvtrail` script says which
+    # extra it needs, exit 2, and no traceback.
+    code = (
+        "import sys; sys.modules['click'] = None\nfrom kvtrail.cli import main\nraise SystemExit(main(['--version']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "kvtrail[judge]" in proc.stderr and "is not installed" in proc.stderr
+    assert "Traceback" not in proc.stderr
