@@ -1,9 +1,9 @@
 """SGLang plugin: what its hooks cost on SGLang's real allocator calls, on CPU.
 
-Runs in the SGLang environment (``bash scripts/sglang-env.sh`` builds ``.venv-sglang``):
+Runs in the SGLang environment (``bash scripts/sglang-env.sh`` builds it and prints its python, ``$PY`` below):
 
-    .venv-sglang/bin/python bench/bench_sglang_hooks.py            # 5 rounds x 2000 calls per method
-    .venv-sglang/bin/python bench/bench_sglang_hooks.py --quick
+    $PY bench/bench_sglang_hooks.py            # 5 rounds x 2000 calls per method
+    $PY bench/bench_sglang_hooks.py --quick
 
 kvtrail's plugin is loaded by SGLang's own ``load_plugins()``. Two calls, each timed alone:
   alloc  ``disaggregation.decode.alloc_for_decode_prealloc``: decode's reservation of ``--pages`` pages
@@ -18,6 +18,12 @@ Three methods, alternating within each round (bench/rounds.py):
   recording  the hooked functions recording into a DuckDB store (the resolver and writer threads run)
 It prints ns per call and per page (min / median / max over rounds) and the recording overhead, by the wall
 clock and by the CPU time of SGLang's thread (the hooks' own work there, apart from waits for the GIL).
+
+``--decode`` measures instead the hook cost per request per decode step: a batch of ``--batch`` requests
+(``--prompt`` tokens each, extended through the hooked ``alloc_for_extend``) runs ``--steps`` decode steps
+through the hooked ``mem_cache.allocation.alloc_for_decode`` (AFTER: ``kv_read`` of the page table at a
+request's first step, ``pages_allocated`` ``decode_growth`` + ``kv_read`` when a step crosses a page), then
+the requests are released and the next round starts; only the decode steps are timed, per request per step.
 """
 
 from __future__ import annotations
@@ -92,16 +98,93 @@ def _time_calls(node, r, num_pages: int, calls: int, plain: bool) -> tuple[float
     return t_alloc / calls, t_free / calls, c_alloc / calls, c_free / calls
 
 
+def _time_decode(node, batch: int, prompt: int, steps: int, plain: bool, tag: str) -> tuple[float, float]:
+    """ns per request per decode step (wall clock, CPU time of SGLang's thread) over ``steps`` steps of a batch."""
+    import torch
+    from sglang.srt.mem_cache import allocation
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    from tests.sglang.pd import extend
+    from tests.sglang.world import req
+
+    decode = allocation.alloc_for_decode.__wrapped__ if plain else allocation.alloc_for_decode
+    reqs = [extend(node, req(f"{tag}-{i}", list(range(i, i + prompt)), i + 1)) for i in range(batch)]
+    b = node.batch(reqs)
+    b.req_pool_indices = b.req_pool_indices_cpu = torch.tensor([r.kv.req_pool_idx for r in reqs])
+    lens = torch.tensor([prompt] * batch)
+    clock, cpu = time.perf_counter_ns, time.thread_time_ns
+    t = c = 0
+    for _ in range(steps):
+        b.seq_lens, b.seq_lens_cpu = lens.clone(), lens.clone()
+        c0, t0 = cpu(), clock()
+        decode(b, 1)
+        t1, c1 = clock(), cpu()
+        t, c = t + t1 - t0, c + c1 - c0
+        lens += 1
+        for r in reqs:
+            r.kv.kv_allocated_len = r.kv.kv_committed_len = int(lens[0])
+    for r in reqs:
+        r.output_ids = [1] * steps
+        release_kv_cache(r, node.tree, checkpoint=False)
+    return t / (steps * batch), c / (steps * batch)
+
+
+def main_decode(a: argparse.Namespace) -> int:
+    tmp = tempfile.mkdtemp(prefix="kvtrail-bench-sglang-")
+    os.environ.setdefault("KVTRAIL_DB", str(Path(tmp) / "unused.duckdb"))
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from kvtrail.serving.sglang import plugin as mod
+    from tests.sglang.world import Node, publish
+
+    assert mod.PLUGIN is not None and not mod.PLUGIN.missing, "the plugin did not load with every hook"
+    publish()
+    node = Node("null", num_pages=(a.prompt + a.steps) * a.batch // 4 + 64)
+    session = mod.PLUGIN.start(node.scheduler, sink=str(Path(tmp) / "bench.duckdb"))
+    mod.PLUGIN.session = None
+    per: dict[str, list[tuple[float, float]]] = {m: [] for m in METHODS}
+    for rnd in range(a.rounds):
+        for m in rotated(METHODS, rnd):
+            mod.PLUGIN.session = session if m == "recording" else None
+            per[m].append(_time_decode(node, a.batch, a.prompt, a.steps, m == "sglang", f"{m}-{rnd}"))
+            mod.PLUGIN.session = None
+            if session is not None:
+                session.resolver.drain()
+    assert session is not None
+    lost = session.resolver.failures
+    session.close()
+    print(
+        f"SGLang plugin hooks per request per decode step (alloc_for_decode, device cpu, page size 4): batch "
+        f"{a.batch}, prompt {a.prompt}, {a.steps} steps x {a.rounds} rounds; ns min / median / max over rounds"
+    )
+    for title, i in (("wall clock", 0), ("CPU time of SGLang's thread", 1)):
+        print(f"{title}:")
+        for m in METHODS:
+            print(f"  {m:<11} {Spread.of([x[i] for x in per[m]]).text(fmt='.0f'):>28} ns/request/step")
+        extra = [rec[i] - base[i] for rec, base in zip(per["recording"], per["sglang"])]
+        worst = max(extra)
+        print(f"  recording overhead: {Spread.of(extra).text(fmt='.0f')} ns/request/step (worst round {worst:.0f})")
+    print(f"hook failures: {dict(lost)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--pages", type=int, default=16, help="pages per allocation (page size 4)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--decode", action="store_true", help="the hook cost per request per decode step")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=64)
     a = ap.parse_args(argv)
     if a.quick:
-        a.rounds, a.calls = 2, 300
+        a.rounds, a.calls, a.steps = 2, 300, 16
     warnings.filterwarnings("ignore")
+    if a.decode:
+        return main_decode(a)
     tmp = tempfile.mkdtemp(prefix="kvtrail-bench-sglang-")
     os.environ.setdefault("KVTRAIL_DB", str(Path(tmp) / "unused.duckdb"))
     from sglang.srt.plugins import load_plugins

@@ -40,11 +40,14 @@ case "$what" in
     .venv/bin/ruff check .
     .venv/bin/ruff format --check .
     .venv/bin/mypy
-    # The SGLang plugin's tests run in their own environment with the real sglang wheel (built once,
-    # reused while tests/sglang/requirements.txt is unchanged); in ./.venv they skip.
-    sglang_python=$(bash scripts/sglang-env.sh | tail -n 1)
+    # The SGLang plugin's tests run in their own environments with the real sglang wheels, 0.5.23 and the
+    # incident's 0.5.19 (built once under ~/.cache/kvtrail/, reused by every clone while their
+    # requirements are unchanged); in ./.venv only the release-wheel checks of tests/sglang run.
+    sglang_latest=$(bash scripts/sglang-env.sh 0.5.23 | tail -n 1)
+    sglang_incident=$(bash scripts/sglang-env.sh 0.5.19 | tail -n 1)
     .venv/bin/python -m pytest -q "$@"
-    exec "$sglang_python" -m pytest -q -p no:cacheprovider tests/sglang
+    "$sglang_latest" -m pytest -q -p no:cacheprovider tests/sglang
+    exec "$sglang_incident" -m pytest -q -p no:cacheprovider tests/sglang
     ;;
   *)
     echo "usage: scripts/bootstrap.sh demo|test [args]" >&2

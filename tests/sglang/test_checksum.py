@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import stored_events
-from tests.sglang.conftest import SharedStore
+from tests.sglang.conftest import SharedStore, start_node
 from tests.sglang.pd import (
     checksum_computer,
     commit,
@@ -30,7 +30,10 @@ PROMPT = 12  # 3 pages of 4
 def pd(plugin, tmp_path):
     store = SharedStore(tmp_path / "audit.duckdb")
     pnode, dnode = Node("prefill", checksum=True), Node("decode", checksum=True)
-    sessions = [plugin.start(pnode.scheduler, sink=store), plugin.start(dnode.scheduler, sink=store)]
+    sessions = [
+        start_node(plugin, pnode.scheduler, store, "sg-prefill"),
+        start_node(plugin, dnode.scheduler, store, "sg-decode"),
+    ]
     tm = tokenizer("decode")
     sessions.append(plugin.start_frontend(tm, sink=store))
     plugin.session = None

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import stored_events
-from tests.sglang.conftest import SharedStore
+from tests.sglang.conftest import SharedStore, start_node
 from tests.sglang.pd import commit, decode_step, finish, prefill_request, reserve, respond, streamer, tokenizer
 from tests.sglang.world import FakeMooncake, Node
 
@@ -26,8 +26,8 @@ def nodes(plugin, tmp_path):
     # decode's pool is small: B must reuse A's pages
     prefill, decode = Node("prefill", radix=True, checksum=True), Node("decode", num_pages=12)
     sessions = {
-        "prefill": plugin.start(prefill.scheduler, sink=store),
-        "decode": plugin.start(decode.scheduler, sink=store),
+        "prefill": start_node(plugin, prefill.scheduler, store, "sg-prefill"),
+        "decode": start_node(plugin, decode.scheduler, store, "sg-decode"),
     }
     plugin.session = None
     tm = tokenizer("decode")  # decode server's HTTP process: the client's status

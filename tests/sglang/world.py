@@ -30,11 +30,29 @@ PAGE_BYTES = 16  # one page of the stand-in KV buffer (what the transfer copies 
 MODEL = types.SimpleNamespace(is_encoder_decoder=False, vocab_size=1000, is_multimodal=False, context_len=4096)
 
 
+_HELD: list = []
+
+
 def publish(role: str = "null", *, world_rank: int | None = None, dp_rank: int | None = None, **parallel) -> ServerArgs:
     """SGLang's runtime context as its launcher publishes it for one scheduler process: ``parallel`` are
     ServerArgs widths (tp_size, dp_size, enable_dp_attention), ``world_rank`` / ``dp_rank`` the process's
     placement (SpawnRanks); without a placement, TP rank 0 of one rank."""
-    runtime_context.get_parallel().clear_stamp()
+    ctx = runtime_context.get_parallel()
+    if not hasattr(type(ctx), "clear_stamp"):  # 0.5.19: ranks come from live groups; rank 0 of one rank
+        args = ServerArgs(
+            model_path="dummy",
+            device="cpu",
+            page_size=PAGE_SIZE,
+            disaggregation_mode=role,
+            attention_backend="torch_native",  # as on a CPU server: no Triton writers
+            **parallel,
+        )
+        runtime_context.publish(args, role="scheduler")
+        held = ctx.override(tp_rank=0, attn_tp_rank=0, attn_cp_rank=0, pp_rank=0)
+        held.__enter__()
+        _HELD.append(held)  # for the session: a collected override would restore on its way out
+        return args
+    ctx.clear_stamp()
     args = ServerArgs(model_path="dummy", device="cpu", page_size=PAGE_SIZE, disaggregation_mode=role, **parallel)
     if world_rank is None:
         runtime_context.publish(args, role="scheduler")

@@ -30,6 +30,7 @@ def after(holder: Holder, name: str, body: Callable[..., None]) -> Callable[...,
         return None
 
     hook.__qualname__ = f"kvtrail.{name}"
+    hook.__kvtrail_body__ = body  # type: ignore[attr-defined]  # what Target.expects reads
     return hook
 
 
@@ -47,6 +48,7 @@ def before(holder: Holder, name: str, body: Callable[..., None]) -> Callable[...
         return None
 
     hook.__qualname__ = f"kvtrail.{name}"
+    hook.__kvtrail_body__ = body  # type: ignore[attr-defined]  # what Target.expects reads
     return hook
 
 
@@ -80,4 +82,5 @@ def around(
         return result
 
     hook.__qualname__ = f"kvtrail.{name}"
+    hook.__kvtrail_body__ = pre  # type: ignore[attr-defined]  # what Target.expects reads
     return hook

@@ -150,11 +150,17 @@ def _record_decode(s: Session, ref: Any, out: Snapshot | None, at: int, row: Sna
 # ---- releases: release_kv_cache (AROUND), page returns (BEFORE), free groups -----------------------------
 
 
-def release_pre(s: Session, req: Any, tree_cache: Any, *, checkpoint: bool) -> Any:
-    """Attribute the pages the release returns to the request (the page-return hook reads this)."""
+def release_pre(
+    s: Session, req: Any, tree_cache: Any, is_insert: bool = True, *, checkpoint: bool | None = None
+) -> Any:
+    """Attribute the pages the release returns to the request (the page-return hook reads this).
+
+    ``release_kv_cache(req, tree_cache, *, checkpoint)`` from 0.5.22, ``(req, tree_cache, is_insert=True)`` before:
+    either flag false is a release whose KV the radix cache does not keep (an abort)."""
+    keep = is_insert if checkpoint is None else checkpoint
     if getattr(req, "is_retracted", False) or getattr(s.local, "retracting", False):
         reason = "retract"
-    elif is_aborted(req) or not checkpoint:
+    elif is_aborted(req) or not keep:
         reason = "abort"
     else:
         reason = "finish"

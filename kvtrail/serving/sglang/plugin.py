@@ -12,6 +12,7 @@ scheduler, plugins load before logging is configured) and named in the node's co
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from typing import Any
@@ -32,8 +33,9 @@ PLUGIN: Plugin | None = None  # the process's plugin, set by register()
 class Plugin:
     """The hooks of one process and, in a recording scheduler process, its :class:`Session`."""
 
-    def __init__(self, config: PluginConfig):
+    def __init__(self, config: PluginConfig, version: str | None = None):
         self.config = config
+        self.version = version or _sglang_version()  # the SGLang release: which targets it has (T.SPANS)
         self.session: Session | None = None
         self.missing: list[str] = []
         self.unaudited: list[str] = []
@@ -43,7 +45,7 @@ class Plugin:
         self._started: set[int] = set()  # the schedulers (ids) a start was tried for
         self._place_unaudited: list[str] = []  # what the parallel layout leaves unaudited (ranks.placement)
         self._intake = before(self, "handle_generate_request", lifecycle.on_generate_request)
-        self.targets = self._targets()
+        self.targets = [t for t in self._targets() if T.applies(t.path, self.version)]
 
     def _targets(self) -> list[T.Target]:
         return [
@@ -56,6 +58,9 @@ class Plugin:
             T.Target(T.PAGE_RETURN, "BEFORE", before(self, "_release_page_ids", memory.pages_returned)),
             T.Target(T.TOKEN_RETURN, "BEFORE", before(self, "TokenToKVPoolAllocator.free", memory.tokens_returned)),
             T.Target(T.SEND, "AROUND", around(self, "CommonKVSender.send", transfer.send_pre, transfer.send_post)),
+            T.Target(
+                T.MOONCAKE_SEND, "AROUND", around(self, "MooncakeKVSender.send", transfer.send_pre, transfer.send_post)
+            ),
             T.Target(T.SET_BUF, "AFTER", self._on_set_buf),
             T.Target(T.SET_CHECKSUM, "AFTER", after(self, "set_kv_checksum", transfer.on_set_kv_checksum)),
             T.Target(T.COMMIT, "AROUND", self._on_commit),
@@ -83,6 +88,7 @@ class Plugin:
             T.Target(T.COMPUTE, "AFTER", after(self, "KvChecksumComputer.compute", checksum.on_compute)),
             T.Target(T.MISMATCH, "BEFORE", before(self, "_handle_kv_checksum_mismatch", checksum.on_mismatch)),
             T.Target(T.HTTP_OUTCOME, "AROUND", frontend.outcome_hook(self.frontend_session)),
+            T.Target(T.SHUTDOWN, "BEFORE", self._on_shutdown),
         ]
 
     # ---- installation ------------------------------------------------------------------------------
@@ -136,6 +142,16 @@ class Plugin:
         except Exception as exc:  # noqa: BLE001 - a plugin failure must not stop SGLang; loud instead
             _warn(f"kvtrail: WARNING: recording not started: {type(exc).__name__}: {exc}")
 
+    def _on_shutdown(self, _scheduler: Any, *_: Any, **__: Any) -> None:
+        """SGLang's clean shutdown reached this scheduler (ShutdownReq): flush and close the recorder while the
+        process still runs, so the record ends clean (the process is killed soon after; a SIGKILL never gets here)."""
+        s, self.session = self.session, None
+        if s is not None:
+            try:
+                s.close()
+            except Exception as exc:  # noqa: BLE001 - never raise into SGLang; loud instead
+                _warn(f"kvtrail: WARNING: recorder not closed at shutdown: {type(exc).__name__}: {exc}")
+
     def _on_set_buf(self, _result: Any, buffers: Any, req: Any) -> None:
         # Every prefill TP rank writes the slot, so every decode rank decides alike.
         try:
@@ -188,7 +204,7 @@ class Plugin:
             return None
         role = _role(scheduler)
         node = place.node(self.config.node)  # each DP pool is its own node
-        producer = Producer(self.config.cluster, node, role, "sglang", _sglang_version(), instance_id())
+        producer = Producer(self.config.cluster, node, role, "sglang", self.version, instance_id())
         sink = self.config.sink if sink is None else sink
         recorder = Recorder(sink, producer, RecorderConfig(flush_interval_s=self.config.flush_interval_s))
         self._scheduler = scheduler
@@ -222,11 +238,17 @@ class Plugin:
             or modes.responses_in_scheduler(getattr(tokenizer_manager, "server_args", None))
         ):
             return None
-        producer = Producer(self.config.cluster, self.config.node, role, "sglang", _sglang_version(), instance_id())
+        producer = Producer(self.config.cluster, self.config.node, role, "sglang", self.version, instance_id())
         recorder = Recorder(sink, producer, RecorderConfig(flush_interval_s=self.config.flush_interval_s))
         page_size = int(getattr(getattr(tokenizer_manager, "server_args", None), "page_size", None) or 1)
         self.frontend = Session(recorder, page_size, role)
+        atexit.register(self._close_frontend)  # the HTTP process exits normally after a clean shutdown
         return self.frontend
+
+    def _close_frontend(self) -> None:
+        s, self.frontend = self.frontend, None
+        if s is not None:
+            s.close()
 
     def frontend_session(self, tokenizer_manager: Any) -> Session | None:
         """The HTTP process's session, started once at its first finished request."""
@@ -242,7 +264,11 @@ class Plugin:
         """The modes of this scheduler the record does not cover; a prefill node's transfer backend among them
         when no patched hook sees its sender's sends (judged against the hook check as it stands now)."""
         out = [*modes.unaudited(scheduler), *self._place_unaudited]
-        gap = senders.backend_gap(_backend(scheduler), self.missing) if role == "prefill" else None
+        checksum_on = bool(getattr(scheduler.server_args, "disaggregation_enable_kv_checksum", False))
+        if checksum_on and not any(t.path in T.CHECKSUM_TARGETS for t in self.targets):
+            out.append(f"KV checksum of sglang {self.version} (another shape than 0.5.23's: no digests)")
+        hooked = {t.path for t in self.targets}
+        gap = senders.backend_gap(_backend(scheduler), self.missing, hooked=hooked) if role == "prefill" else None
         return out + [gap] if gap else out
 
     def _record_config(self, s: Session, scheduler: Any) -> None:
@@ -305,9 +331,12 @@ def _deferred_release(role: str) -> bool | None:
 
 
 def _sglang_version() -> str:
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    return version("sglang")
+    try:
+        return version("sglang")
+    except PackageNotFoundError:  # no SGLang here (a check of the targets): the newest release's targets
+        return "unknown"
 
 
 def register() -> None:

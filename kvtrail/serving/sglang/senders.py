@@ -11,12 +11,13 @@ another build), or whose hook was not patched.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Collection
 
 from kvtrail.serving.sglang import targets as T
 
-# Sender classes whose own ``send`` does its work through its base class's (``super().send``); the tests
-# check this against SGLang's source, since these modules need their transfer engines to import.
+# Sender classes whose own ``send`` does its work through its base class's (``super().send``) on 0.5.23; the
+# tests check this against SGLang's source, since these modules need their transfer engines to import. Up to
+# 0.5.22 Mooncake's does not, and is hooked itself (targets.MOONCAKE_SEND), found first in its MRO.
 DELEGATES = frozenset({"MooncakeKVSender"})
 # Sender classes that move no KV (no destination pages to record).
 MOVES_NOTHING = frozenset({"FakeKVSender"})
@@ -41,27 +42,27 @@ def _path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}.send"
 
 
-def send_target(cls: type) -> str | None:
-    """The hook target that sees ``cls().send`` (None: no hooked function runs)."""
+def send_target(cls: type, hooked: Collection[str] = (T.SEND,)) -> str | None:
+    """The hook target that sees ``cls().send`` among ``hooked`` (None: no hooked function runs)."""
     definers = [c for c in cls.__mro__ if "send" in c.__dict__]
     for c in definers:
         path = _path(c)
-        if path == T.SEND:
+        if path in hooked:
             return path
         if c.__name__ not in DELEGATES:
             return None
     return None
 
 
-def backend_gap(backend: str, missing: list[str], cls: Any = None) -> str | None:
+def backend_gap(backend: str, missing: list[str], cls: Any = None, hooked: Collection[str] = (T.SEND,)) -> str | None:
     """Why ``backend``'s sends are not recorded (None: they are). ``missing``: targets not patched;
-    ``cls``: its sender class (default: SGLang's for the backend)."""
+    ``cls``: its sender class (default: SGLang's for the backend); ``hooked``: the targets of this release."""
     if cls is None:
         try:
             cls = sender_class(backend)
         except Exception as exc:  # noqa: BLE001 - an unknown backend, or one whose module does not import
             return f"transfer backend {backend} (sender not resolved: {type(exc).__name__})"
-    target = send_target(cls)
+    target = send_target(cls, hooked)
     if cls.__name__ in MOVES_NOTHING:
         return f"transfer backend {backend} ({cls.__qualname__} moves no KV: no transfer_sent)"
     if target is None:

@@ -1,4 +1,4 @@
-"""The hook targets: which SGLang 0.5.23 functions the plugin wraps, and whether each was really patched.
+"""The hook targets: which SGLang functions the plugin wraps on each release, and whether each was really patched.
 
 SGLang's ``HookRegistry.apply_hooks`` logs a target that does not resolve (a renamed function, another
 version) and skips it without raising, so a silently missing hook would leave a hole in the record.
@@ -7,6 +7,7 @@ version) and skips it without raising, so a silently missing hook would leave a 
 
 from __future__ import annotations
 
+import inspect
 import pkgutil
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -39,6 +40,47 @@ COMPUTE = "sglang.srt.disaggregation.checksum.KvChecksumComputer.compute"
 MISMATCH = "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin._handle_kv_checksum_mismatch"
 # the HTTP (tokenizer) process: the status the client gets
 HTTP_OUTCOME = "sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_abort_finish_reason"
+# a clean shutdown (launch_server's SIGTERM: the tokenizer manager's ShutdownReq): the recorder closes first
+SHUTDOWN = "sglang.srt.managers.scheduler.Scheduler.handle_shutdown"
+# up to 0.5.22 Mooncake's sender overrides CommonKVSender.send without calling it
+MOONCAKE_SEND = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.send"
+
+# The releases the plugin is checked against (tests/sglang/test_release_wheels.py reads each wheel's source).
+RELEASES = ("0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
+# Targets hooked on some releases only: (first, last) release, inclusive, None for open. Every other target
+# is hooked on every release. Outside a span the function is absent (free_page_ids before 0.5.20, the KV
+# checksum's decode side before 0.5.21) or hooked elsewhere (Mooncake's send after 0.5.22 runs
+# CommonKVSender.send); 0.5.21 and 0.5.22 have a KV checksum of another shape (set_kv_checksum(req, value)),
+# not hooked: a node running it there is named as not audited for it.
+SPANS: dict[str, tuple[str | None, str | None]] = {
+    GROUP_PAGES: ("0.5.20", None),
+    SET_CHECKSUM: ("0.5.23", None),
+    VERIFY: ("0.5.23", None),
+    COMPUTE: ("0.5.23", None),
+    MISMATCH: ("0.5.23", None),
+    MOONCAKE_SEND: (None, "0.5.22"),
+}
+CHECKSUM_TARGETS = (SET_CHECKSUM, VERIFY, COMPUTE, MISMATCH)
+
+
+def release(version: str | None) -> tuple[int, ...] | None:
+    """A release's number as a tuple ("0.5.19.post1" -> (0, 5, 19)); None for a version that does not parse."""
+    if not version:
+        return None
+    parts: list[int] = []
+    for p in version.split("."):
+        digits = "".join(c for c in p if c.isdigit()) if p[:1].isdigit() else ""
+        if not digits or len(parts) == 3:
+            break
+        parts.append(int(digits))
+    return tuple(parts) if len(parts) == 3 else None
+
+
+def applies(path: str, version: str | None) -> bool:
+    """Whether ``path`` is hooked on SGLang ``version`` (an unknown version gets the newest release's targets)."""
+    first, last = SPANS.get(path, (None, None))
+    v = release(version) or release(RELEASES[-1])
+    return (first is None or v >= release(first)) and (last is None or v <= release(last))  # type: ignore[operator]
 
 
 @dataclass(frozen=True)
@@ -48,6 +90,18 @@ class Target:
     path: str
     hook_type: str
     hook: Callable[..., Any]
+
+    def expects(self) -> inspect.Signature:
+        """The arguments the hook takes from SGLang's call of the target (bound methods: ``self`` first)."""
+        body = getattr(self.hook, "__kvtrail_body__", None)
+        if body is not None:  # a guard wrapper: the body's signature, less the session (and the result)
+            skip = 2 if self.hook_type == "AFTER" else 1
+            fn = body
+        else:  # the hook itself: less the result (AFTER) or the original (AROUND)
+            skip = 0 if self.hook_type == "BEFORE" else 1
+            fn = self.hook
+        params = list(inspect.signature(fn).parameters.values())[skip:]
+        return inspect.Signature(params)
 
 
 def resolve(path: str) -> Any:

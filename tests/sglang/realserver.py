@@ -1,0 +1,153 @@
+"""Real ``python -m sglang.launch_server`` processes on CPU for the real-server tests (test-only).
+
+Each server serves the tiny random-weight model of :mod:`tests.sglang.tinymodel` on 127.0.0.1 with the flags a
+CPU needs (``--device cpu --attention-backend torch_native --disable-cuda-graph --skip-server-warmup
+--grammar-backend none``), kvtrail's plugin recording into its own store file. ``PYTHONPATH`` carries this
+clone and the test-only shims (``tests/sglang/shims``: vLLM's RoPE function SGLang falls back to on a CPU-only
+machine); the shim module fails loudly at import when SGLang no longer reaches it (see ``check_shims``).
+Servers are stopped by pid (SIGTERM, or SIGKILL), never by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIMS = Path(__file__).resolve().parent / "shims"
+CPU_FLAGS = [
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--disable-cuda-graph",
+    "--skip-server-warmup",
+    "--grammar-backend",
+    "none",
+    "--host",
+    "127.0.0.1",
+]
+
+
+def check_shims() -> None:
+    """Each shim stands in for something SGLang really reaches: fail loudly when it no longer does."""
+    from sglang.srt.layers.rotary_embedding import base
+
+    source = Path(base.__file__).read_text()
+    assert "from vllm._custom_ops import rotary_embedding" in source, (
+        "SGLang's RotaryEmbedding no longer falls back to vllm._custom_ops.rotary_embedding: "
+        "remove or update the test-only shim tests/sglang/shims/vllm"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """One launch_server process; ``db`` its store file."""
+
+    def __init__(self, model: Path, db: Path, node: str, log: Path, *extra: str, env: dict | None = None):
+        self.port = free_port()
+        self.db, self.node, self.log = db, node, log
+        env = dict(os.environ)
+        env.update(
+            PYTHONPATH=os.pathsep.join([str(SHIMS), str(ROOT)]),
+            HF_HUB_OFFLINE="1",
+            KVTRAIL_DB=str(db),
+            KVTRAIL_NODE=node,
+            KVTRAIL_CLUSTER="real-sglang",
+            KVTRAIL_FLUSH_INTERVAL_S="0.2",
+            **(env or {}),
+        )
+        args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), *CPU_FLAGS]
+        args += ["--port", str(self.port), *extra]
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=log.parent)
+        self.ready_s: float | None = None
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def wait_ready(self, timeout: float = 420) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.node} exited {self.proc.returncode}:\n{self.tail()}")
+            try:  # /v1/models, not /health: SGLang's /health runs a generation (a health-check request)
+                with urllib.request.urlopen(self.url("/v1/models"), timeout=2) as r:
+                    if r.status == 200:
+                        self.ready_s = time.monotonic() - self.started
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1)
+        raise AssertionError(f"{self.node} not ready in {timeout} s:\n{self.tail()}")
+
+    def generate(
+        self, text: str, tenant: str, max_new_tokens: int = 4, timeout: float = 120, **more
+    ) -> tuple[int, dict]:
+        """POST /generate; (HTTP status, body), or (0, {}) when no answer came in ``timeout`` (the client hangs up)."""
+        body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens}, "extra_key": tenant, **more}
+        req = urllib.request.Request(
+            self.url("/generate"), data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"{}")
+        except (TimeoutError, urllib.error.URLError):
+            return 0, {}
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 90) -> float:
+        """Signal the launcher (by pid) and wait for it and its children; returns the seconds it took."""
+        t0 = time.monotonic()
+        children = _children(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout)
+        finally:
+            for pid in children:  # what the launcher left behind (the test started them): by pid
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return time.monotonic() - t0
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def _children(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

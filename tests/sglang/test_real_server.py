@@ -1,0 +1,129 @@
+"""Real ``sglang.launch_server`` processes on CPU with kvtrail's plugin recording (slow: ~2-3 min on 2 cores).
+
+Two unified servers are started in parallel on the tiny model made once for the module: one is stopped with
+SIGTERM (SGLang's clean shutdown: the record must end clean, the plugin closes its recorder at SGLang's
+ShutdownReq), the other with SIGKILL (still an unclean end). Traffic from three tenants; a prompt over the
+context is refused 400 by the HTTP process.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from importlib.metadata import version
+
+import pytest
+
+from tests.conftest import stored_events
+from tests.sglang.realserver import Server, check_shims
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        tuple(int(x) for x in version("sglang").split(".")[:3]) < (0, 5, 23), reason="the unified server on 0.5.23"
+    ),
+]
+CONTEXT = 256
+TENANTS = ("tenant-a", "tenant-b", "tenant-c")
+TIMINGS: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from tests.sglang.tinymodel import make
+
+    check_shims()
+    t0 = time.monotonic()
+    folder = make(tmp_path_factory.mktemp("tiny") / "model")
+    TIMINGS["model_s"] = time.monotonic() - t0
+    return folder
+
+
+@pytest.fixture(scope="module")
+def servers(model, tmp_path_factory):
+    base = tmp_path_factory.mktemp("servers")
+    flags = ["--context-length", str(CONTEXT), "--max-total-tokens", "1024"]
+    started = {
+        how: Server(model, base / f"{how}.duckdb", f"unified-{how}", base / f"{how}.log", *flags)
+        for how in ("term", "kill")
+    }
+    try:
+        for s in started.values():
+            s.wait_ready()
+            TIMINGS[f"{s.node}_ready_s"] = s.ready_s or 0.0
+        yield started
+    finally:
+        for s in started.values():
+            if s.proc.poll() is None:
+                s.stop(signal.SIGKILL)
+        print(f"real-server timings: {TIMINGS}")
+
+
+def traffic(server):
+    """Two requests per tenant, and one over the context (refused by the HTTP process)."""
+    answers = []
+    for i, tenant in enumerate(TENANTS * 2):
+        status, body = server.generate(f"the tenant asked for pages {i} " * (i + 1), tenant)
+        answers.append((tenant, status, body))
+    status, body = server.generate("kv cache pages " * CONTEXT, "tenant-c")
+    return answers, (status, body)
+
+
+def test_a_sigterm_shutdown_is_a_clean_end_with_every_tenants_pages_and_statuses(servers):
+    from kvtrail.audit.store import connect_readonly
+    from kvtrail.audit.verify import unclean_ends
+
+    server = servers["term"]
+    answers, (over_status, over_body) = traffic(server)
+    assert all(status == 200 for _, status, _ in answers), answers
+    assert over_status == 400, over_body  # the HTTP process refused it: over the context
+    TIMINGS["sigterm_stop_s"] = server.stop(signal.SIGTERM)
+    assert server.proc.returncode is not None
+
+    events = stored_events(server.db)
+    by_rid: dict[str, list[dict]] = {}
+    for e in events:
+        rid = (e.get("request") or {}).get("request_id")
+        if rid:
+            by_rid.setdefault(rid, []).append(e)
+    for tenant, _, body in answers:
+        rid = body["meta_info"]["id"]
+        mine = by_rid.get(rid, [])
+        kinds = {e["kind"] for e in mine}
+        # (its pages stay in the radix cache after it finished: no pages_freed until an eviction)
+        assert {"request_received", "pages_allocated", "kv_written", "kv_read", "response_sent"} <= kinds, (rid, kinds)
+        [resp] = [e for e in mine if e["kind"] == "response_sent"]
+        assert resp["http_status"] == 200 and resp["completion_tokens"] == body["meta_info"]["completion_tokens"]
+        [recv] = [e for e in mine if e["kind"] == "request_received"]
+        assert recv["request"]["tenant_id"] == tenant
+        assert recv["prompt_tokens"] == body["meta_info"]["prompt_tokens"]
+        allocated = {p for e in mine if e["kind"] == "pages_allocated" for p in e["pages"]}
+        assert len(allocated) >= body["meta_info"]["prompt_tokens"]  # page size 1: a page per token
+    configs = [e for e in events if e["kind"] == "node_config"]
+    assert configs and all("hooks all patched" in e["config_source"] for e in configs), configs
+    con = connect_readonly(server.db)
+    try:
+        assert unclean_ends(con, resting=True) == []  # SGLang's clean shutdown: the recorder closed first
+    finally:
+        con.close()
+    assert any(e["kind"] == "recorder_closed" for e in events)
+
+
+def test_a_sigkill_is_still_an_unclean_end(servers):
+    from kvtrail.audit.store import connect_readonly
+    from kvtrail.audit.verify import unclean_ends
+
+    server = servers["kill"]
+    status, body = server.generate("the tenant asked for pages", "tenant-a")
+    assert status == 200
+    time.sleep(1.0)  # the recorder's flush interval is 0.2 s: the request's events are stored
+    TIMINGS["sigkill_stop_s"] = server.stop(signal.SIGKILL)
+    events = stored_events(server.db)
+    assert any(e["kind"] == "response_sent" for e in events)
+    assert not any(e["kind"] == "recorder_closed" for e in events)
+    con = connect_readonly(server.db)
+    try:
+        ends = unclean_ends(con, resting=True)
+    finally:
+        con.close()
+    assert [e.node for e in ends] == ["unified-kill"], ends
