@@ -10,6 +10,7 @@ import json
 
 import click
 
+from kvtrail.cli.audit_store import existing as _existing
 from kvtrail.errors import KvtrailError
 
 
@@ -65,16 +66,6 @@ def checkpoint(
         _write(cp.body(), out)
     else:
         _write(sign_checkpoint(cp, signer).text(), out)
-
-
-def _existing(db: str) -> str:
-    from kvtrail.audit.storefile import require_file
-
-    try:
-        require_file(db)
-    except KvtrailError as exc:
-        raise KvtrailError(f"--db: {exc}") from None
-    return db
 
 
 @click.command()
