@@ -2,7 +2,8 @@
 
 No counter is kept beside the store (it could drift from the audit): each scrape opens a cursor, reads
 the latest node configurations, the persisted findings, the batches and the recorders' gap events,
-and closes it. Only the live judge's progress is not in the store; the service passes it in.
+and closes it. Only the live judge's progress and what its model monitors found are not in the store;
+the service passes them in (counted at scrape time from what the judge holds).
 
 Findings counters are listed at zero for every configured node and code, so a rule's ``increase()``
 sees the first finding of a node arrive instead of a series that starts at one.
@@ -21,9 +22,12 @@ from prometheus_client.registry import Collector
 from kvtrail.alerts.metrics import ABORT_CAUSES, BY_NAME, METRICS
 from kvtrail.audit.configs import latest_configs
 from kvtrail.forensics import AFFECTED_CODES, CODES
+from kvtrail.model.properties import PROPERTIES
 
 # {producer_id: last batch_no the live judge has read}
 JudgeProgress = Callable[[], dict[int, int]]
+# {(property, node): violations} the live judge's model monitors hold
+ModelViolations = Callable[[], dict[tuple[str, str], int]]
 
 
 class _Cursors(Protocol):
@@ -86,14 +90,20 @@ def _family(name: str) -> Family:
 class StoreCollector(Collector):
     """A prometheus-client collector over one store. ``source``: an object with ``cursor()`` (an
     ``AuditStore``) or a function returning a fresh connection; ``judge_progress``: the live judge's
-    per-producer watermark, for ``kvtrail_judge_lag_seconds`` (left out without it)."""
+    per-producer watermark, for ``kvtrail_judge_lag_seconds``; ``model_violations``: the live judge's
+    model violations, for ``kvtrail_model_violations_total`` (each left out without it)."""
 
     def __init__(
-        self, source: _Cursors | Callable[[], duckdb.DuckDBPyConnection], *, judge_progress: JudgeProgress | None = None
+        self,
+        source: _Cursors | Callable[[], duckdb.DuckDBPyConnection],
+        *,
+        judge_progress: JudgeProgress | None = None,
+        model_violations: ModelViolations | None = None,
     ):
         cursor = getattr(source, "cursor", None)
         self._connect = cast(Callable[[], duckdb.DuckDBPyConnection], source if cursor is None else cursor)
         self._judge_progress = judge_progress
+        self._model_violations = model_violations
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # the families depend on the store: no checks at registration
@@ -175,7 +185,18 @@ class StoreCollector(Collector):
         for code, prefill, decode, n in con.execute(_PAIRS_SQL).fetchall() if _has_table(con, "findings") else []:
             pairs.add_metric([code, prefill, decode], n)
         out.append(pairs)
+        if self._model_violations is not None:
+            out.append(self._model(nodes))
         return out
+
+    def _model(self, nodes: list[str]) -> Metric:
+        """Listed at zero for every property and configured node, like the findings counters."""
+        counts = {(prop, n): 0 for prop in PROPERTIES for n in nodes}
+        counts.update(self._model_violations() if self._model_violations is not None else {})
+        fam = _family("kvtrail_model_violations")
+        for labels, n in sorted(counts.items()):
+            fam.add_metric(list(labels), n)
+        return fam
 
     # ---- transfers ------------------------------------------------------------------------------
 
@@ -253,7 +274,10 @@ class StoreCollector(Collector):
 
 
 def collector(
-    store: _Cursors | Callable[[], duckdb.DuckDBPyConnection], *, judge_progress: JudgeProgress | None = None
+    store: _Cursors | Callable[[], duckdb.DuckDBPyConnection],
+    *,
+    judge_progress: JudgeProgress | None = None,
+    model_violations: ModelViolations | None = None,
 ) -> StoreCollector:
     """A collector over ``store`` to register in a ``prometheus_client`` registry."""
-    return StoreCollector(store, judge_progress=judge_progress)
+    return StoreCollector(store, judge_progress=judge_progress, model_violations=model_violations)

@@ -102,6 +102,18 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 ((f'sum by (code) ({_x("kvtrail_forensics_findings")}{{node=~"$node"}})', "{{code}}"),),
             ),
             Panel(
+                "Model property violations",
+                "Violations of the model's properties (docs/model.md) the live judge's monitors found, per property "
+                "and node, since the store began: a history the patched protocol does not allow.",
+                (
+                    (
+                        f'sum by (property, node) ({_x("kvtrail_model_violations")}{{node=~"$node"}})',
+                        "{{node}} {{property}}",
+                    ),
+                ),
+                ("KvtrailModelViolation",),
+            ),
+            Panel(
                 "Rejected but served (F4)",
                 "Requests a node rejected or aborted that the client still got as a 2xx with output.",
                 (

@@ -4,7 +4,8 @@ The collector (:mod:`kvtrail.alerts.collector`), ``docs/alerts.md`` and the aler
 these names; a test checks the three agree. Names follow ``kvtrail_<subsystem>_<name>_<unit>``; a
 counter's exposed name adds ``_total``. Labels are bounded: node, role, code, producer (the
 ``cluster/node/role`` a recorder reports as, summed over its restarts) and, where said, the abort
-cause, the engine's name and version or a transfer's prefill and decode nodes - never a request, tenant or API-key id.
+cause, the engine's name and version, a transfer's prefill and decode nodes or a model property - never
+a request, tenant or API-key id.
 """
 
 from __future__ import annotations
@@ -115,6 +116,14 @@ METRICS: tuple[MetricSpec, ...] = (
         ("code", "prefill_node", "decode_node"),
         "Transfer length (F2) and digest (F3) mismatches by prefill -> decode pair: the prefill node whose send "
         "is in the finding's evidence, (unknown) when none is.",
+    ),
+    # the model's properties (docs/model.md), as the live judge's monitors find them broken
+    _m(
+        "kvtrail_model_violations",
+        "counter",
+        ("property", "node"),
+        "Violations of the model's properties (docs/model.md) the live judge's monitors found, by property and "
+        "the node of the first offending event.",
     ),
     # transfers
     _m(

@@ -14,24 +14,28 @@ How each property reads a history:
   ``unverified`` receipt may have written has an unknown writer: cannot tell.
 - ``aborted_never_sent``: a ``transfer_sent`` for R on a node that already recorded R rejected or aborted.
 - ``no_free_before_drain``: R's write lands (``kv_written`` from ``transfer_in``) on a page R does not hold
-  and was the last to free: the free came before the drain; the first offending event is that free.
-- ``transferred_equals_reserved``: decode reads for R after a receipt (or sends) for R whose tokens differ
-  from what decode reserved; a read with a reservation and no receipt: cannot tell.
+  and freed before: the free came before the drain; the first offending event is R's latest free of it
+  (every free of R is kept while R is in flight, not only each page's last freer: see ``Pool``).
+- ``transferred_equals_reserved``: decode reads for R after a receipt for R whose tokens differ from what
+  decode reserved, or R's sends total other than the reservation (more than it, or a different total once
+  the sender's last chunk is recorded, whichever node's events come first); a read with a
+  reservation and no receipt: cannot tell.
 - ``pages_conserved``: a page allocated (not as a prefix hit) while another request holds it, or listed
   twice in one allocation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kvtrail.model.pool import FREE, NEVER, NO_HASH, UNKNOWN, Pool, Violation
 from kvtrail.model.properties import PROPERTIES
 
-_COLUMNS = (
+__all__ = ["Monitors", "Violation", "judge_order"]
+
+_SCALARS = (
     "kind",
     "cluster",
     "node",
@@ -40,86 +44,44 @@ _COLUMNS = (
     "wall_ns",
     "request_id",
     "tenant_id",
-    "pages",
     "purpose",
     "source",
     "num_tokens",
     "status",
-    "block_hashes",
+    "is_last_chunk",
 )
-
-
 _LISTS = ("pages", "block_hashes")
+_GONE = np.iinfo(np.int64).max  # the last-seen time of a request code not in use
+
+
+def _column(table: pa.Table, name: str, type_: pa.DataType) -> pa.ChunkedArray:
+    """A column of ``table``; all null when the batch leaves it out (a producer's wire batch may)."""
+    if name in table.column_names:
+        return table.column(name)
+    return pa.chunked_array([pa.nulls(table.num_rows, type_)])
 
 
 def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, list[bool]]:
-    """A list column as (flat values, offsets, row is not null)."""
+    """A list column as (flat values, offsets from 0, row is not null)."""
     arr = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    values = arr.values.to_numpy(zero_copy_only=False) if len(arr) else np.zeros(0, np.int64)
+    if not len(arr):
+        return np.zeros(0, np.int64), np.zeros(1, np.int64), []
     offsets = arr.offsets.to_numpy()
-    if arr.offset or offsets[0]:
+    values = arr.values.to_numpy(zero_copy_only=False)
+    if offsets[0]:  # a slice: its values start part-way
+        values = values[offsets[0] : offsets[-1]]
         offsets = offsets - offsets[0]
-        values = arr.flatten().to_numpy(zero_copy_only=False)
     return values.astype(np.int64, copy=False), offsets, arr.is_valid().to_pylist()
 
 
-@dataclass
-class Violation:
-    property: str
-    producer: str
-    seq: int
-    node: str
-    request_id: str | None
-    detail: str
-    wall_ns: int
-
-    def as_dict(self) -> dict:
-        return {
-            "property": self.property,
-            "first_event": {
-                "producer": self.producer,
-                "seq": self.seq,
-                "node": self.node,
-                "request_id": self.request_id,
-            },
-            "detail": self.detail,
-        }
-
-
-NEVER, UNKNOWN, FREE = -1, -2, -1
-NO_HASH = np.iinfo(np.int64).min  # the writer stored no block hash
-
-
-class _Pool:
-    """One node's pool as arrays indexed by page id (grown as page ids appear): the exclusive owner's
-    request code (a second owner, a fault, kept aside), the last writer and the block hash it stored,
-    the last request that freed the page; prefix-cache hits in a dict (page -> {request code: hash})."""
-
-    def __init__(self, size: int = 1024):
-        self.owner = np.full(size, FREE, np.int64)
-        self.writer = np.full(size, NEVER, np.int64)
-        self.whash = np.full(size, NO_HASH, np.int64)
-        self.freer = np.full(size, FREE, np.int64)
-        self.freed_ev: dict[int, dict] = {}  # page -> the event that freed it last
-        self.extra: dict[int, list[int]] = {}  # page -> further exclusive owners (double ownership)
-        self.hits: dict[int, dict[int, int | None]] = {}
-
-    def fit(self, pages: np.ndarray) -> None:
-        if len(pages) and int(pages.max()) >= len(self.owner):
-            size = max(int(pages.max()) + 1, 2 * len(self.owner))
-            for name, fill in (("owner", FREE), ("writer", NEVER), ("whash", NO_HASH), ("freer", FREE)):
-                old = getattr(self, name)
-                grown = np.full(size, fill, np.int64)
-                grown[: len(old)] = old
-                setattr(self, name, grown)
-
-    def held_mask(self, pages: np.ndarray, code: int) -> np.ndarray:
-        held = self.owner[pages] == code
-        if not held.all() and (self.extra or self.hits):
-            for k in np.flatnonzero(~held):
-                p = int(pages[k])
-                held[k] = code in self.extra.get(p, ()) or code in self.hits.get(p, ())
-        return held
+def _row_max(values: np.ndarray, offsets: np.ndarray) -> list[int]:
+    """Per row, the largest value of its list (-1 for an empty or null one), in one pass."""
+    out = np.full(len(offsets) - 1, -1, np.int64)
+    starts = offsets[:-1]
+    full = np.flatnonzero(offsets[1:] > starts)
+    if len(full):
+        out[full] = np.maximum.reduceat(values, starts[full])
+    return out.tolist()
 
 
 class Monitors:
@@ -128,51 +90,70 @@ class Monitors:
 
     def __init__(self, from_ns: int | None = None):
         self.from_ns = from_ns
-        self.pools: dict[tuple, _Pool] = {}
+        self.pools: dict[tuple, Pool] = {}
         self.instance_of: dict[tuple, str] = {}
-        self.stopped: dict[tuple, dict] = {}  # (node, request) -> the abort event
-        self.reserved: dict[tuple, int] = {}  # (node, request) -> tokens decode reserved
-        self.received: dict[tuple, tuple[int, dict]] = {}  # (node, request) -> (tokens, event)
-        self.sent: dict[str, int] = {}  # request -> tokens prefill sent
+        # per (cluster, node, request code): the abort event, the tokens reserved, the receipt (tokens, event)
+        self.stopped: dict[tuple, dict] = {}
+        self.reserved: dict[tuple, int] = {}
+        self.received: dict[tuple, tuple[int, dict]] = {}
+        self.sent: dict[int, list] = {}  # request code -> [tokens sent, last chunk seen]
+        self.pending: dict[int, list[tuple[int, tuple[int, dict]]]] = {}  # code -> (reserved, receipt) of reads
         self.codes: dict[str, int] = {}
-        self.names: list[str] = []
+        self.names: list[str | None] = []
         self.tenants: list[str | None] = []
+        self.last_ns: list[int] = []  # per code, the wall time of its latest event
+        self._spare: list[int] = []  # codes of pruned requests, to reuse
         self.violations: list[Violation] = []
         self.reported: set = set()
-        self.cannot_tell: dict[tuple[str, str], list] = {}
+        self.cannot_tell: dict[tuple[str, str], list] = {}  # -> [events, the first of them]
         self.events = 0
 
-    def _code(self, rid: str, tenant: str | None) -> int:
+    def _code(self, e: dict) -> int:
+        rid, tenant = e["request_id"], e["tenant_id"]
         c = self.codes.get(rid)
         if c is None:
-            c = self.codes[rid] = len(self.names)
-            self.names.append(rid)
-            self.tenants.append(tenant)
-        elif tenant is not None and self.tenants[c] is None:
+            if self._spare:
+                c = self._spare.pop()
+                self.names[c], self.tenants[c], self.last_ns[c] = rid, tenant, e["wall_ns"]
+            else:
+                c = len(self.names)
+                self.names.append(rid)
+                self.tenants.append(tenant)
+                self.last_ns.append(e["wall_ns"])
+            self.codes[rid] = c
+            return c
+        if tenant is not None and self.tenants[c] is None:
             self.tenants[c] = tenant
+        if e["wall_ns"] > self.last_ns[c]:
+            self.last_ns[c] = e["wall_ns"]
         return c
 
     # ---- feeding ---------------------------------------------------------------------------------
 
     def feed(self, table: pa.Table, order: list[int] | None = None) -> None:
         """Judge one table of events, in ``order`` (row numbers; default: as they come)."""
-        cols = {c: table.column(c).to_pylist() for c in _COLUMNS if c not in _LISTS}
-        lists = {c: _flat(table.column(c)) for c in _LISTS}
-        kinds = cols["kind"]
-        names = [c for c in _COLUMNS if c not in _LISTS]
+        rows = list(zip(*(_column(table, c, pa.null()).to_pylist() for c in _SCALARS)))
+        lists = {c: _flat(_column(table, c, pa.list_(pa.int64()))) for c in _LISTS}
+        values, offsets, valid = lists["pages"]
+        hvalues, hoffsets, hvalid = lists["block_hashes"]
+        maxes = _row_max(values, offsets)
+        handlers = {k: getattr(self, "on_" + k) for k in _HANDLED}
         for n in range(table.num_rows) if order is None else order:
-            handler = getattr(self, "on_" + kinds[n], None)
+            row = rows[n]
             self.events += 1
-            if handler is not None:
-                e = {c: cols[c][n] for c in names}
-                for c, (values, offsets, valid) in lists.items():
-                    e[c] = values[offsets[n] : offsets[n + 1]] if valid[n] else None
-                handler(e)
+            handler = handlers.get(row[0])
+            if handler is None:
+                continue
+            e = dict(zip(_SCALARS, row))
+            e["pages"] = values[offsets[n] : offsets[n + 1]] if valid[n] else None
+            e["block_hashes"] = hvalues[hoffsets[n] : hoffsets[n + 1]] if hvalid[n] else None
+            e["max_page"] = maxes[n]
+            handler(e)
 
-    def _pool(self, e: dict) -> _Pool | None:
+    def _pool(self, e: dict) -> Pool | None:
         pool = self.pools.get((e["cluster"], e["node"]))
-        if pool is not None and e.get("pages") is not None:
-            pool.fit(e["pages"])
+        if pool is not None:
+            pool.fit(e["max_page"])
         return pool
 
     def _report(self, prop: str, e: dict, detail: str, key=None) -> None:
@@ -186,7 +167,48 @@ class Monitors:
         self.violations.append(Violation(prop, producer, e["seq"], e["node"], e["request_id"], detail, e["wall_ns"]))
 
     def _unknown(self, prop: str, why: str, e: dict) -> None:
-        self.cannot_tell.setdefault((prop, why), []).append(e)
+        seen = self.cannot_tell.get((prop, why))
+        if seen is None:
+            self.cannot_tell[(prop, why)] = [1, e]
+            return
+        seen[0] += 1
+        first = seen[1]  # the earliest in the judge's order, whichever order the nodes were fed in
+        if (e["wall_ns"], e["cluster"], e["node"], e["instance"], e["seq"]) < (
+            first["wall_ns"],
+            first["cluster"],
+            first["node"],
+            first["instance"],
+            first["seq"],
+        ):
+            seen[1] = e
+
+    def prune(self, before_ns: int) -> int:
+        """Forget requests with no event since ``before_ns`` that no page refers to any more (their aborts,
+        reservations, receipts, sends and frees; their codes are reused). Returns how many were dropped.
+        A write of such a request landing later is not recognised as late: the horizon is the caller's."""
+        last = np.asarray(self.last_ns, np.int64)
+        old = set(np.flatnonzero(last < before_ns).tolist())
+        if not old:
+            return 0
+        for pool in self.pools.values():
+            old -= pool.codes()
+        if not old:
+            return 0
+        for c in old:
+            name = self.names[c]
+            assert name is not None, "model: a pruned code is not in use"
+            del self.codes[name]
+            self.names[c] = self.tenants[c] = None
+            self.last_ns[c] = _GONE
+            self.sent.pop(c, None)
+            self.pending.pop(c, None)
+            for pool in self.pools.values():
+                pool.freed.pop(c, None)
+        self._spare.extend(old)
+        for d in (self.stopped, self.reserved, self.received):
+            for k in [k for k in d if k[2] in old]:
+                del d[k]
+        return len(old)
 
     # ---- handlers --------------------------------------------------------------------------------
 
@@ -194,29 +216,29 @@ class Monitors:
         key = (e["cluster"], e["node"])
         if self.instance_of.get(key) != e["instance"]:
             self.instance_of[key] = e["instance"]
-            self.pools[key] = _Pool()  # a new producer instance: a fresh pool
+            self.pools[key] = Pool()  # a new producer instance: a fresh pool
 
     def on_request_received(self, e: dict) -> None:
-        self._code(e["request_id"], e["tenant_id"])
+        self._code(e)
 
     def on_request_aborted(self, e: dict) -> None:
-        self.stopped.setdefault((e["cluster"], e["node"], e["request_id"]), e)
+        self.stopped.setdefault((e["cluster"], e["node"], self._code(e)), e)
 
     def on_pages_allocated(self, e: dict) -> None:
         pool = self._pool(e)
         if pool is None:
             return
         rid, pages = e["request_id"], e["pages"]
-        code = self._code(rid, e["tenant_id"])
+        code = self._code(e)
         if e["purpose"] == "prefix_hit":
             hashes = e["block_hashes"]
             for k, p in enumerate(pages.tolist()):
                 pool.hits.setdefault(p, {})[code] = None if hashes is None else int(hashes[k])
             return
-        if len(set(pages.tolist())) != len(pages):
-            self._report("pages_conserved", e, f"one allocation lists a page twice: {pages.tolist()}")
         cur = pool.owner[pages]
         clash = (cur != FREE) & (cur != code)
+        if len(pages) > 1 and len(np.unique(pages)) != len(pages):
+            self._report("pages_conserved", e, f"one allocation lists a page twice: {pages.tolist()}")
         if clash.any():
             for k in np.flatnonzero(clash).tolist():
                 p, other = int(pages[k]), int(cur[k])
@@ -231,15 +253,15 @@ class Monitors:
         pool = self._pool(e)
         if pool is None:
             return
-        rid, pages = e["request_id"], e["pages"]
-        if rid is None:  # a radix eviction releases every holder
+        pages = e["pages"]
+        if e["request_id"] is None:  # a radix eviction releases every holder
             pool.owner[pages] = FREE
             if pool.hits or pool.extra:
                 for p in pages.tolist():
                     pool.hits.pop(p, None)
                     pool.extra.pop(p, None)  # every holder released
             return
-        code = self._code(rid, e["tenant_id"])
+        code = self._code(e)
         mine = pool.owner[pages] == code
         freed = pages[mine]
         if not mine.all():
@@ -260,59 +282,77 @@ class Monitors:
                 pool.owner[p] = pool.extra[p].pop()
                 if not pool.extra[p]:
                     del pool.extra[p]
-        pool.freer[freed] = code
-        for p in freed.tolist():
-            pool.freed_ev[p] = e
+        if len(freed):
+            pool.freed.setdefault(code, []).append((freed, e))
 
     def on_kv_written(self, e: dict) -> None:
         pool = self._pool(e)
         if pool is None:
             return
-        rid, pages = e["request_id"], e["pages"]
-        code = self._code(rid, e["tenant_id"])
-        if e["source"] == "transfer_in":
-            late = ~pool.held_mask(pages, code) & (pool.freer[pages] == code)
-            if late.any():
-                p = int(pages[np.flatnonzero(late)[0]])
-                self._report(
-                    "no_free_before_drain",
-                    pool.freed_ev[p],
-                    f"{rid}'s write landed on page {p} after {rid} freed it (seq {e['seq']} of {e['node']})",
-                )
+        pages = e["pages"]
+        code = self._code(e)
+        if e["source"] == "transfer_in" and code in pool.freed:
+            for k in np.flatnonzero(~pool.held_mask(pages, code)).tolist():
+                p = int(pages[k])
+                free = pool.freed_by(code, p)
+                if free is not None:
+                    rid = e["request_id"]
+                    self._report(
+                        "no_free_before_drain",
+                        free,
+                        f"{rid}'s write landed on page {p} after {rid} freed it (seq {e['seq']} of {e['node']})",
+                    )
+                    break
         pool.writer[pages] = code
         hashes = e["block_hashes"]
         pool.whash[pages] = NO_HASH if hashes is None else hashes
 
     def on_transfer_received(self, e: dict) -> None:
-        key = (e["cluster"], e["node"], e["request_id"])
+        code = self._code(e)
         if e["status"] == "unverified":
             pool = self._pool(e)
-            if pool is not None:
+            if pool is not None and e["pages"] is not None:
                 pool.writer[e["pages"]] = UNKNOWN  # writer unknown from now on
             return
         if e["status"] in ("ok", "mismatch"):
-            self.received[key] = (e["num_tokens"], e)
+            self.received[(e["cluster"], e["node"], code)] = (e["num_tokens"], e)
 
     def on_transfer_reserved(self, e: dict) -> None:
-        self.reserved[(e["cluster"], e["node"], e["request_id"])] = e["num_tokens"]
+        self.reserved[(e["cluster"], e["node"], self._code(e))] = e["num_tokens"]
 
     def on_transfer_sent(self, e: dict) -> None:
-        rid = e["request_id"]
-        self.sent[rid] = self.sent.get(rid, 0) + (e["num_tokens"] or 0)
-        stop = self.stopped.get((e["cluster"], e["node"], rid))
+        code = self._code(e)
+        sent = self.sent.setdefault(code, [0, False])
+        sent[0] += e["num_tokens"] or 0
+        sent[1] = sent[1] or bool(e["is_last_chunk"])
+        stop = self.stopped.get((e["cluster"], e["node"], code))
         if stop is not None:
             self._report(
                 "aborted_never_sent",
                 e,
-                f"{e['node']} sends {rid}'s KV after recording it aborted at {stop['node']}:{stop['seq']}",
+                f"{e['node']} sends {e['request_id']}'s KV after recording it aborted at {stop['node']}:{stop['seq']}",
             )
+        for want, got in self.pending.get(code, ()):
+            self._check_sent(code, want, got)
+
+    def _check_sent(self, code: int, want: int, got: tuple[int, dict]) -> bool:
+        """A read's reservation against the sends of its request: False once they differ (reported)."""
+        sent = self.sent.get(code)
+        if sent is None or not (sent[0] > want or sent[1] and sent[0] != want):
+            return True
+        self._report(
+            "transferred_equals_reserved",
+            got[1],
+            f"decode committed {self.names[code]}: {want} tokens reserved, {sent[0]} sent, {got[0]} landed",
+        )
+        return False
 
     def on_kv_read(self, e: dict) -> None:
         pool = self._pool(e)
         if pool is None:
             return
         rid, pages = e["request_id"], e["pages"]
-        code = self._code(rid, e["tenant_id"])
+        code = self._code(e)
         held = pool.held_mask(pages, code)
         writers = pool.writer[pages]
         bad = np.flatnonzero(~held | (writers != code))
@@ -337,31 +377,32 @@ class Monitors:
             why = "a prefix of another namespace" if hit is not None and hit == whash else "last written"
             self._report("no_foreign_read", e, f"{rid} ({tenant}) reads page {p}: {why} by {self.names[w]} ({wtenant})")
             break
-        key = (e["cluster"], e["node"], rid)
+        key = (e["cluster"], e["node"], code)
         if key in self.reserved:
             want = self.reserved[key]
             got = self.received.get(key)
             if got is None:
                 self._unknown("transferred_equals_reserved", "decode read with no receipt of the transfer", e)
-            elif got[0] != want or self.sent.get(rid, want) != want:
-                sent = self.sent.get(rid)
+            elif got[0] != want:
+                sent = self.sent.get(code)
                 self._report(
                     "transferred_equals_reserved",
                     got[1],
-                    f"decode committed {rid}: {want} tokens reserved, {sent} sent, {got[0]} landed",
+                    f"decode committed {rid}: {want} tokens reserved, {sent and sent[0]} sent, {got[0]} landed",
                 )
+            elif self._check_sent(code, want, got):  # the sends may come later (another node's batch)
+                self.pending.setdefault(code, []).append((want, got))
 
     # ---- result ----------------------------------------------------------------------------------
 
     def coverage(self) -> list[dict]:
         out = []
-        for (prop, why), evs in sorted(self.cannot_tell.items()):
-            e = evs[0]
+        for (prop, why), (n, e) in sorted(self.cannot_tell.items()):
             out.append(
                 {
                     "property": prop,
                     "cannot_tell": why,
-                    "events": len(evs),
+                    "events": n,
                     "first_event": {
                         "producer": f"{e['cluster']}/{e['node']}/{e['instance']}",
                         "seq": e["seq"],
@@ -371,6 +412,9 @@ class Monitors:
                 }
             )
         return out
+
+
+_HANDLED = tuple(name[3:] for name in vars(Monitors) if name.startswith("on_"))
 
 
 def judge_order(table: pa.Table) -> list[int]:

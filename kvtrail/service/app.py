@@ -91,7 +91,10 @@ def create_app(
     # It names nodes and counts, never a tenant or a request (docs/alerts.md); with metrics_token only an
     # operator or metrics token may read it, for a service whose port tenants reach.
     metrics = registry_for(
-        state.cursor, judge_progress=lambda: dict(state.judge.replay.tail.watermark), export=state.export
+        state.cursor,
+        judge_progress=lambda: dict(state.judge.replay.tail.watermark),
+        model_violations=state.judge.model.counts,
+        export=state.export,
     )
 
     @app.get(

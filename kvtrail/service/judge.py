@@ -17,6 +17,11 @@ saved by the next attempt). The lag from a commit to the end of the poll that ju
 
 At start the first poll judges everything the store already holds; findings stored by an earlier run
 keep their ids and ``first_run_id``.
+
+The same polls feed the model's monitors (:class:`~kvtrail.model.live.LiveMonitors`, its own watermark:
+each committed batch fed once, the store read only for what it was not handed), so a property of
+docs/model.md broken by a commit is a violation once the poll that judged it ends
+(``kvtrail_model_violations_total``, the ``KvtrailModelViolation`` alert).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from kvtrail.forensics import Finding, OnlineReplay
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.results import aggregates
 from kvtrail.forensics.results.persist import save_findings
+from kvtrail.model.live import LiveMonitors
 from kvtrail.service.config import DEFAULT_JUDGE_INTERVAL_S
 
 log = logging.getLogger("kvtrail.service")
@@ -104,6 +110,7 @@ class Judge:
         self.retry_s = retry_s
         self.poll_interval_s = poll_interval_s
         self.replay = OnlineReplay(policy)
+        self.model = LiveMonitors()  # the model's properties as monitors (docs/model.md)
         self.last_run_id: int | None = None  # the forensic run of the judge's latest save
         self.polls = 0
         self.failures = 0
@@ -285,6 +292,13 @@ class Judge:
                 aggregates.add_batches(self._con, self._agg_pending)  # one transaction for them all
                 self._agg_pending, self._agg_at = [], time.monotonic()
             self._refresh_aggregates = False
+            # after the findings are saved: the model's monitors never hold them up
+            model_reads = read_store
+            for table, batches in held:
+                if not self.model.feed_committed(table, batches):
+                    model_reads = True
+                    break
+            self.model.poll(self._con, read_store=model_reads)
         except Exception:  # noqa: BLE001 - the judge must outlive any failure; counted, logged, retried
             self._refresh_aggregates = True
             self._agg_pending = []  # the refresh of the retry counts them

@@ -96,14 +96,35 @@ def test_values_follow_the_store_at_each_scrape(incident):
 
 
 def test_no_label_names_a_request_or_tenant(incident):
-    text = exposition(registry_for(incident.cursor, judge_progress=lambda: {})).decode()
+    model = {("no_foreign_read", "decode-0"): 2}
+    text = exposition(registry_for(incident.cursor, judge_progress=lambda: {}, model_violations=lambda: model)).decode()
     names = set()
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             names |= set(s.labels)
             assert "r1" not in s.labels.values() and "t-r2" not in s.labels.values()
-    assert names <= {"node", "role", "code", "producer", "cause", "engine", "version", "prefill_node", "decode_node"}
+    assert names <= {
+        "node",
+        "role",
+        "code",
+        "producer",
+        "cause",
+        "engine",
+        "version",
+        "prefill_node",
+        "decode_node",
+        "property",
+    }
     exposed = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    # the live judge's model violations as given, every other property and configured node at 0
+    violations = {
+        (s.labels["property"], s.labels["node"]): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "kvtrail_model_violations_total"
+    }
+    assert violations[("no_foreign_read", "decode-0")] == 2 and violations[("pages_conserved", "prefill-0")] == 0
+    assert sum(violations.values()) == 2
     # every declared metric appears, no other; the OpenTelemetry export's only while it is on
     # (tests/alerts/test_otel.py), a transfer pair's once it has a mismatch (no zero per pair: many series)
     later = {"kvtrail_forensics_transfer_pair_mismatches_total"}

@@ -80,6 +80,11 @@ CASES: list[Case] = [
     *_new_since(
         "KvtrailTransferOutlivedReleaseTimeout", "kvtrail_forensics_late_transfers_total", {"node": "decode-0"}
     ),
+    *_new_since(
+        "KvtrailModelViolation",
+        "kvtrail_model_violations_total",
+        {"property": "no_free_before_drain", "node": "decode-0"},
+    ),
     *_new_since("KvtrailRecorderDrops", "kvtrail_recorder_dropped_events_total", DP),
     Case(
         "KvtrailTransferAborts",
@@ -190,7 +195,7 @@ def test_every_rule_has_a_firing_and_a_silent_case_and_says_node_and_runbook():
         assert "$labels.node" in ann["summary"] + ann["description"] or "$labels.producer" in ann["summary"], name
         assert "Runbook:" in ann["description"], name
         for m in _TEMPLATE.finditer(ann["summary"] + ann["description"]):
-            assert m.group(2) is None or m.group(2) in ("node", "role", "producer", "cause")
+            assert m.group(2) is None or m.group(2) in ("node", "role", "producer", "cause", "property")
         assert ann["summary"].count("{{") == len(_TEMPLATE.findall(ann["summary"])), "only the rendered subset"
         assert ann["description"].count("{{") == len(_TEMPLATE.findall(ann["description"]))
 

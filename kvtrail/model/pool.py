@@ -1,0 +1,92 @@
+"""One node's page pool as the monitors see it (:mod:`kvtrail.model.monitors`), and what a violation names.
+
+Indexed by page id, so the state is sized by the pool, not by the history: the exclusive owner of each
+page, its last writer and the block hash that writer stored. Beside the arrays, only what is rare or in
+flight: a second owner (double ownership, a fault), the prefix-cache hits held, and, per request, the
+pages it freed whose writes may still land (dropped with the request: ``Monitors.prune``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+NEVER, UNKNOWN, FREE = -1, -2, -1
+NO_HASH = np.iinfo(np.int64).min  # the writer stored no block hash
+
+
+@dataclass
+class Violation:
+    property: str
+    producer: str
+    seq: int
+    node: str
+    request_id: str | None
+    detail: str
+    wall_ns: int
+
+    def as_dict(self) -> dict:
+        return {
+            "property": self.property,
+            "first_event": {
+                "producer": self.producer,
+                "seq": self.seq,
+                "node": self.node,
+                "request_id": self.request_id,
+            },
+            "detail": self.detail,
+        }
+
+
+class Pool:
+    """One node's pool: ``owner``, ``writer`` (request codes) and ``whash`` arrays indexed by page id
+    (grown as page ids appear); ``extra``: page -> further exclusive owners (double ownership);
+    ``hits``: page -> {request code: block hash} of prefix-cache hits; ``freed``: request code -> the
+    (pages, event) of each of its frees, newest last.
+
+    Why every free of a request and not the last freer of a page: a late write of R lands on a page R
+    freed, but the page may have been allocated and freed again by others meanwhile (R frees p, R2 takes
+    it and frees it, then R's write lands): the page's last freer is R2 by then, and R's free is the one
+    that came before the drain. So ``no_free_before_drain`` needs, per request whose writes may still
+    land, the pages it freed, which is what is kept (bounded by the requests in flight, not by pages)."""
+
+    def __init__(self, size: int = 1024):
+        self.owner = np.full(size, FREE, np.int64)
+        self.writer = np.full(size, NEVER, np.int64)
+        self.whash = np.full(size, NO_HASH, np.int64)
+        self.extra: dict[int, list[int]] = {}
+        self.hits: dict[int, dict[int, int | None]] = {}
+        self.freed: dict[int, list[tuple[np.ndarray, dict]]] = {}
+
+    def fit(self, max_page: int) -> None:
+        if max_page >= len(self.owner):
+            size = max(max_page + 1, 2 * len(self.owner))
+            for name, fill in (("owner", FREE), ("writer", NEVER), ("whash", NO_HASH)):
+                old = getattr(self, name)
+                grown = np.full(size, fill, np.int64)
+                grown[: len(old)] = old
+                setattr(self, name, grown)
+
+    def held_mask(self, pages: np.ndarray, code: int) -> np.ndarray:
+        held = self.owner[pages] == code
+        if (self.extra or self.hits) and not held.all():
+            for k in np.flatnonzero(~held):
+                p = int(pages[k])
+                held[k] = code in self.extra.get(p, ()) or code in self.hits.get(p, ())
+        return held
+
+    def freed_by(self, code: int, page: int) -> dict | None:
+        """The event of ``code``'s latest free of ``page`` (None if it never freed it)."""
+        for pages, e in reversed(self.freed.get(code, ())):
+            if page in pages:
+                return e
+        return None
+
+    def codes(self) -> set[int]:
+        """Every request code the pool's pages refer to (owners, writers, prefix hits, second owners)."""
+        used = np.unique(np.concatenate([self.owner, self.writer]))
+        out = set(used[used >= 0].tolist())
+        out.update(c for h in self.hits.values() for c in h)
+        out.update(c for owners in self.extra.values() for c in owners)
+        return out
