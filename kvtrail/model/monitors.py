@@ -50,7 +50,9 @@ _SCALARS = (
     "status",
     "is_last_chunk",
 )
-_LISTS = ("pages", "block_hashes")
+(K_KIND, K_CLUSTER, K_NODE, K_INSTANCE, K_SEQ, K_WALL_NS, K_REQUEST_ID, K_TENANT_ID, K_PURPOSE, K_SOURCE) = range(10)
+K_NUM_TOKENS, K_STATUS, K_IS_LAST_CHUNK, K_PAGES, K_ROW = range(10, 15)
+Event = tuple  # one event as the monitors hold it: the scalars of _SCALARS, its pages, its row
 _GONE = np.iinfo(np.int64).max  # the last-seen time of a request code not in use
 
 
@@ -84,6 +86,19 @@ def _row_max(values: np.ndarray, offsets: np.ndarray) -> list[int]:
     return out.tolist()
 
 
+def _maybe_repeating(values: np.ndarray, offsets: np.ndarray) -> set[int]:
+    """Rows whose page list is not strictly increasing (the only ones that can list a page twice)."""
+    if len(values) < 2:
+        return set()
+    starts = np.zeros(len(values), bool)
+    lengths = np.diff(offsets)
+    starts[offsets[:-1][lengths > 0]] = True
+    pairs = np.flatnonzero((values[1:] <= values[:-1]) & ~starts[1:])  # (j, j+1) within one row
+    if not len(pairs):
+        return set()
+    return set((np.searchsorted(offsets, pairs + 1, side="right") - 1).tolist())
+
+
 class Monitors:
     """The five monitors over one history; ``from_ns``: violations before it are not reported (the
     history before it is still replayed, so the pools' state at ``from_ns`` is right)."""
@@ -93,11 +108,11 @@ class Monitors:
         self.pools: dict[tuple, Pool] = {}
         self.instance_of: dict[tuple, str] = {}
         # per (cluster, node, request code): the abort event, the tokens reserved, the receipt (tokens, event)
-        self.stopped: dict[tuple, dict] = {}
+        self.stopped: dict[tuple, Event] = {}
         self.reserved: dict[tuple, int] = {}
-        self.received: dict[tuple, tuple[int, dict]] = {}
+        self.received: dict[tuple, tuple[int, Event]] = {}
         self.sent: dict[int, list] = {}  # request code -> [tokens sent, last chunk seen]
-        self.pending: dict[int, list[tuple[int, tuple[int, dict]]]] = {}  # code -> (reserved, receipt) of reads
+        self.pending: dict[int, list[tuple[int, tuple[int, Event]]]] = {}  # code -> (reserved, receipt) of reads
         self.codes: dict[str, int] = {}
         self.names: list[str | None] = []
         self.tenants: list[str | None] = []
@@ -107,78 +122,90 @@ class Monitors:
         self.reported: set = set()
         self.cannot_tell: dict[tuple[str, str], list] = {}  # -> [events, the first of them]
         self.events = 0
+        # of the table being fed: each row's largest page id, the rows whose page list may repeat a page,
+        # the block hashes (flat values, offsets, row not null)
+        self._maxes: list[int] = []
+        self._repeats: set[int] = set()
+        self._hash_lists: tuple = (np.zeros(0, np.int64), [0], [])
 
-    def _code(self, e: dict) -> int:
-        rid, tenant = e["request_id"], e["tenant_id"]
+    def _code(self, e: Event) -> int:
+        rid, tenant = e[K_REQUEST_ID], e[K_TENANT_ID]
         c = self.codes.get(rid)
         if c is None:
             if self._spare:
                 c = self._spare.pop()
-                self.names[c], self.tenants[c], self.last_ns[c] = rid, tenant, e["wall_ns"]
+                self.names[c], self.tenants[c], self.last_ns[c] = rid, tenant, e[K_WALL_NS]
             else:
                 c = len(self.names)
                 self.names.append(rid)
                 self.tenants.append(tenant)
-                self.last_ns.append(e["wall_ns"])
+                self.last_ns.append(e[K_WALL_NS])
             self.codes[rid] = c
             return c
         if tenant is not None and self.tenants[c] is None:
             self.tenants[c] = tenant
-        if e["wall_ns"] > self.last_ns[c]:
-            self.last_ns[c] = e["wall_ns"]
+        if e[K_WALL_NS] > self.last_ns[c]:
+            self.last_ns[c] = e[K_WALL_NS]
         return c
 
     # ---- feeding ---------------------------------------------------------------------------------
 
     def feed(self, table: pa.Table, order: list[int] | None = None) -> None:
-        """Judge one table of events, in ``order`` (row numbers; default: as they come)."""
+        """Judge one table of events, in ``order`` (row numbers; default: as they come).
+
+        What can be done for the whole table at once is (the columns to Python rows, each page list's
+        largest id, which lists may repeat a page); what is left per event is the pools' own steps."""
         rows = list(zip(*(_column(table, c, pa.null()).to_pylist() for c in _SCALARS)))
-        lists = {c: _flat(_column(table, c, pa.list_(pa.int64()))) for c in _LISTS}
-        values, offsets, valid = lists["pages"]
-        hvalues, hoffsets, hvalid = lists["block_hashes"]
-        maxes = _row_max(values, offsets)
+        values, offsets, valid = _flat(_column(table, "pages", pa.list_(pa.int64())))
+        # an event is its row's scalars (``K_*``), then its pages (``K_PAGES``) and row number (``K_ROW``)
+        hvalues, hoffsets, hvalid = _flat(_column(table, "block_hashes", pa.list_(pa.int64())))
+        self._maxes = _row_max(values, offsets)
+        self._repeats = _maybe_repeating(values, offsets)
+        self._hash_lists = (hvalues, hoffsets.tolist(), hvalid)
+        offs = offsets.tolist()
         handlers = {k: getattr(self, "on_" + k) for k in _HANDLED}
         for n in range(table.num_rows) if order is None else order:
             row = rows[n]
-            self.events += 1
             handler = handlers.get(row[0])
             if handler is None:
                 continue
-            e = dict(zip(_SCALARS, row))
-            e["pages"] = values[offsets[n] : offsets[n + 1]] if valid[n] else None
-            e["block_hashes"] = hvalues[hoffsets[n] : hoffsets[n + 1]] if hvalid[n] else None
-            e["max_page"] = maxes[n]
-            handler(e)
+            handler(row + ((values[offs[n] : offs[n + 1]] if valid[n] else None), n))
+        self.events += table.num_rows
 
-    def _pool(self, e: dict) -> Pool | None:
-        pool = self.pools.get((e["cluster"], e["node"]))
+    def _hashes(self, e: Event) -> np.ndarray | None:
+        values, offs, valid = self._hash_lists
+        n = e[K_ROW]
+        return values[offs[n] : offs[n + 1]] if valid[n] else None
+
+    def _pool(self, e: Event) -> Pool | None:
+        pool = self.pools.get((e[K_CLUSTER], e[K_NODE]))
         if pool is not None:
-            pool.fit(e["max_page"])
+            pool.fit(self._maxes[e[K_ROW]])
         return pool
 
-    def _report(self, prop: str, e: dict, detail: str, key=None) -> None:
-        if self.from_ns is not None and e["wall_ns"] < self.from_ns:
+    def _report(self, prop: str, e: Event, detail: str, key=None) -> None:
+        if self.from_ns is not None and e[K_WALL_NS] < self.from_ns:
             return
-        key = (prop, key if key is not None else (e["request_id"], e["node"]))
+        key = (prop, key if key is not None else (e[K_REQUEST_ID], e[K_NODE]))
         if key in self.reported:
             return
         self.reported.add(key)
-        producer = f"{e['cluster']}/{e['node']}/{e['instance']}"
-        self.violations.append(Violation(prop, producer, e["seq"], e["node"], e["request_id"], detail, e["wall_ns"]))
+        producer = f"{e[K_CLUSTER]}/{e[K_NODE]}/{e[K_INSTANCE]}"
+        self.violations.append(Violation(prop, producer, e[K_SEQ], e[K_NODE], e[K_REQUEST_ID], detail, e[K_WALL_NS]))
 
-    def _unknown(self, prop: str, why: str, e: dict) -> None:
+    def _unknown(self, prop: str, why: str, e: Event) -> None:
         seen = self.cannot_tell.get((prop, why))
         if seen is None:
             self.cannot_tell[(prop, why)] = [1, e]
             return
         seen[0] += 1
         first = seen[1]  # the earliest in the judge's order, whichever order the nodes were fed in
-        if (e["wall_ns"], e["cluster"], e["node"], e["instance"], e["seq"]) < (
-            first["wall_ns"],
-            first["cluster"],
-            first["node"],
-            first["instance"],
-            first["seq"],
+        if (e[K_WALL_NS], e[K_CLUSTER], e[K_NODE], e[K_INSTANCE], e[K_SEQ]) < (
+            first[K_WALL_NS],
+            first[K_CLUSTER],
+            first[K_NODE],
+            first[K_INSTANCE],
+            first[K_SEQ],
         ):
             seen[1] = e
 
@@ -212,32 +239,32 @@ class Monitors:
 
     # ---- handlers --------------------------------------------------------------------------------
 
-    def on_node_config(self, e: dict) -> None:
-        key = (e["cluster"], e["node"])
-        if self.instance_of.get(key) != e["instance"]:
-            self.instance_of[key] = e["instance"]
+    def on_node_config(self, e: Event) -> None:
+        key = (e[K_CLUSTER], e[K_NODE])
+        if self.instance_of.get(key) != e[K_INSTANCE]:
+            self.instance_of[key] = e[K_INSTANCE]
             self.pools[key] = Pool()  # a new producer instance: a fresh pool
 
-    def on_request_received(self, e: dict) -> None:
+    def on_request_received(self, e: Event) -> None:
         self._code(e)
 
-    def on_request_aborted(self, e: dict) -> None:
-        self.stopped.setdefault((e["cluster"], e["node"], self._code(e)), e)
+    def on_request_aborted(self, e: Event) -> None:
+        self.stopped.setdefault((e[K_CLUSTER], e[K_NODE], self._code(e)), e)
 
-    def on_pages_allocated(self, e: dict) -> None:
+    def on_pages_allocated(self, e: Event) -> None:
         pool = self._pool(e)
         if pool is None:
             return
-        rid, pages = e["request_id"], e["pages"]
+        rid, pages = e[K_REQUEST_ID], e[K_PAGES]
         code = self._code(e)
-        if e["purpose"] == "prefix_hit":
-            hashes = e["block_hashes"]
+        if e[K_PURPOSE] == "prefix_hit":
+            hashes = self._hashes(e)
             for k, p in enumerate(pages.tolist()):
                 pool.hits.setdefault(p, {})[code] = None if hashes is None else int(hashes[k])
             return
         cur = pool.owner[pages]
         clash = (cur != FREE) & (cur != code)
-        if len(pages) > 1 and len(np.unique(pages)) != len(pages):
+        if e[K_ROW] in self._repeats and len(np.unique(pages)) != len(pages):
             self._report("pages_conserved", e, f"one allocation lists a page twice: {pages.tolist()}")
         if clash.any():
             for k in np.flatnonzero(clash).tolist():
@@ -245,16 +272,16 @@ class Monitors:
                 self._report("pages_conserved", e, f"page {p} allocated to {rid} while {self.names[other]} holds it")
                 pool.extra.setdefault(p, []).append(other)
         pool.owner[pages] = code
-        if e["purpose"] == "decode_growth":
+        if e[K_PURPOSE] == "decode_growth":
             pool.writer[pages] = code  # the step that reads it fills it
             pool.whash[pages] = NO_HASH
 
-    def on_pages_freed(self, e: dict) -> None:
+    def on_pages_freed(self, e: Event) -> None:
         pool = self._pool(e)
         if pool is None:
             return
-        pages = e["pages"]
-        if e["request_id"] is None:  # a radix eviction releases every holder
+        pages = e[K_PAGES]
+        if e[K_REQUEST_ID] is None:  # a radix eviction releases every holder
             pool.owner[pages] = FREE
             if pool.hits or pool.extra:
                 for p in pages.tolist():
@@ -285,57 +312,57 @@ class Monitors:
         if len(freed):
             pool.freed.setdefault(code, []).append((freed, e))
 
-    def on_kv_written(self, e: dict) -> None:
+    def on_kv_written(self, e: Event) -> None:
         pool = self._pool(e)
         if pool is None:
             return
-        pages = e["pages"]
+        pages = e[K_PAGES]
         code = self._code(e)
-        if e["source"] == "transfer_in" and code in pool.freed:
+        if e[K_SOURCE] == "transfer_in" and code in pool.freed:
             for k in np.flatnonzero(~pool.held_mask(pages, code)).tolist():
                 p = int(pages[k])
                 free = pool.freed_by(code, p)
                 if free is not None:
-                    rid = e["request_id"]
+                    rid = e[K_REQUEST_ID]
                     self._report(
                         "no_free_before_drain",
                         free,
-                        f"{rid}'s write landed on page {p} after {rid} freed it (seq {e['seq']} of {e['node']})",
+                        f"{rid}'s write landed on page {p} after {rid} freed it (seq {e[K_SEQ]} of {e[K_NODE]})",
                     )
                     break
         pool.writer[pages] = code
-        hashes = e["block_hashes"]
+        hashes = self._hashes(e)
         pool.whash[pages] = NO_HASH if hashes is None else hashes
 
-    def on_transfer_received(self, e: dict) -> None:
+    def on_transfer_received(self, e: Event) -> None:
         code = self._code(e)
-        if e["status"] == "unverified":
+        if e[K_STATUS] == "unverified":
             pool = self._pool(e)
-            if pool is not None and e["pages"] is not None:
-                pool.writer[e["pages"]] = UNKNOWN  # writer unknown from now on
+            if pool is not None and e[K_PAGES] is not None:
+                pool.writer[e[K_PAGES]] = UNKNOWN  # writer unknown from now on
             return
-        if e["status"] in ("ok", "mismatch"):
-            self.received[(e["cluster"], e["node"], code)] = (e["num_tokens"], e)
+        if e[K_STATUS] in ("ok", "mismatch"):
+            self.received[(e[K_CLUSTER], e[K_NODE], code)] = (e[K_NUM_TOKENS], e)
 
-    def on_transfer_reserved(self, e: dict) -> None:
-        self.reserved[(e["cluster"], e["node"], self._code(e))] = e["num_tokens"]
+    def on_transfer_reserved(self, e: Event) -> None:
+        self.reserved[(e[K_CLUSTER], e[K_NODE], self._code(e))] = e[K_NUM_TOKENS]
 
-    def on_transfer_sent(self, e: dict) -> None:
+    def on_transfer_sent(self, e: Event) -> None:
         code = self._code(e)
         sent = self.sent.setdefault(code, [0, False])
-        sent[0] += e["num_tokens"] or 0
-        sent[1] = sent[1] or bool(e["is_last_chunk"])
-        stop = self.stopped.get((e["cluster"], e["node"], code))
+        sent[0] += e[K_NUM_TOKENS] or 0
+        sent[1] = sent[1] or bool(e[K_IS_LAST_CHUNK])
+        stop = self.stopped.get((e[K_CLUSTER], e[K_NODE], code))
         if stop is not None:
             self._report(
                 "aborted_never_sent",
                 e,
-                f"{e['node']} sends {e['request_id']}'s KV after recording it aborted at {stop['node']}:{stop['seq']}",
+                f"{e[K_NODE]} sends {e[K_REQUEST_ID]}'s KV after recording it aborted at {stop[K_NODE]}:{stop[K_SEQ]}",
             )
         for want, got in self.pending.get(code, ()):
             self._check_sent(code, want, got)
 
-    def _check_sent(self, code: int, want: int, got: tuple[int, dict]) -> bool:
+    def _check_sent(self, code: int, want: int, got: tuple[int, Event]) -> bool:
         """A read's reservation against the sends of its request: False once they differ (reported)."""
         sent = self.sent.get(code)
         if sent is None or not (sent[0] > want or sent[1] and sent[0] != want):
@@ -347,17 +374,21 @@ class Monitors:
         )
         return False
 
-    def on_kv_read(self, e: dict) -> None:
+    def on_kv_read(self, e: Event) -> None:
         pool = self._pool(e)
         if pool is None:
             return
-        rid, pages = e["request_id"], e["pages"]
+        rid, pages = e[K_REQUEST_ID], e[K_PAGES]
         code = self._code(e)
-        held = pool.held_mask(pages, code)
         writers = pool.writer[pages]
-        bad = np.flatnonzero(~held | (writers != code))
+        own = pool.owner[pages] == code
+        if own.all() and (writers == code).all():
+            bad: list[int] = []  # its own pages, written by itself: the common case
+        else:
+            held = pool.held_mask(pages, code)
+            bad = np.flatnonzero(~held | (writers != code)).tolist()
         tenant = self.tenants[code]
-        for k in bad.tolist():
+        for k in bad:
             p = int(pages[k])
             if not held[k]:
                 self._report("no_foreign_read", e, f"{rid} reads page {p} it does not hold")
@@ -377,7 +408,7 @@ class Monitors:
             why = "a prefix of another namespace" if hit is not None and hit == whash else "last written"
             self._report("no_foreign_read", e, f"{rid} ({tenant}) reads page {p}: {why} by {self.names[w]} ({wtenant})")
             break
-        key = (e["cluster"], e["node"], code)
+        key = (e[K_CLUSTER], e[K_NODE], code)
         if key in self.reserved:
             want = self.reserved[key]
             got = self.received.get(key)
@@ -404,10 +435,10 @@ class Monitors:
                     "cannot_tell": why,
                     "events": n,
                     "first_event": {
-                        "producer": f"{e['cluster']}/{e['node']}/{e['instance']}",
-                        "seq": e["seq"],
-                        "node": e["node"],
-                        "request_id": e["request_id"],
+                        "producer": f"{e[K_CLUSTER]}/{e[K_NODE]}/{e[K_INSTANCE]}",
+                        "seq": e[K_SEQ],
+                        "node": e[K_NODE],
+                        "request_id": e[K_REQUEST_ID],
                     },
                 }
             )

@@ -57,7 +57,7 @@ class Pool:
         self.whash = np.full(size, NO_HASH, np.int64)
         self.extra: dict[int, list[int]] = {}
         self.hits: dict[int, dict[int, int | None]] = {}
-        self.freed: dict[int, list[tuple[np.ndarray, dict]]] = {}
+        self.freed: dict[int, list[tuple[np.ndarray, tuple]]] = {}
 
     def fit(self, max_page: int) -> None:
         if max_page >= len(self.owner):
@@ -76,7 +76,7 @@ class Pool:
                 held[k] = code in self.extra.get(p, ()) or code in self.hits.get(p, ())
         return held
 
-    def freed_by(self, code: int, page: int) -> dict | None:
+    def freed_by(self, code: int, page: int) -> tuple | None:
         """The event of ``code``'s latest free of ``page`` (None if it never freed it)."""
         for pages, e in reversed(self.freed.get(code, ())):
             if page in pages:

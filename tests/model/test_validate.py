@@ -75,30 +75,8 @@ def test_validate_through_a_service_answers_as_the_store_does(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["vulnerable", "patched"])
-def test_validate_agrees_with_the_findings_on_the_reference_stack(mode, tmp_path):
-    import asyncio
-
-    from kvtrail.serving.config import Faults, StackConfig
-    from kvtrail.serving.stack import Stack
-    from tests.serving.test_stack import FAULT_CFG, _two_requests, incident_traffic, prompt
-    from tests.serving.test_stack import SMALL as STACK_SMALL
-
-    db = tmp_path / "incident.duckdb"
-    with Stack(StackConfig.incident(mode=mode, **STACK_SMALL), db) as st:
-        incident_traffic(st.url)
-    late = tmp_path / "late.duckdb"
-    with Stack(StackConfig(mode=mode, faults=Faults(late_write=True), **FAULT_CFG), late) as st:
-        size = 300 if mode == "vulnerable" else 200
-        asyncio.run(
-            _two_requests(
-                st.url,
-                ("acme", prompt("acme", size * 16)),
-                ("globex", prompt("globex", size * 16)),
-                0.2,
-                first_headers={"x-kvtrail-abort-after-ms": "50"},
-            )
-        )
+def test_validate_agrees_with_the_findings_on_the_reference_stack(stack_runs):
+    mode, (db, late) = stack_runs
     for path in (db, late):
         with AuditStore(path) as store:
             found = findings_of(store.con)
