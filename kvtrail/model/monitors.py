@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 from kvtrail.model.pool import FREE, NEVER, NO_HASH, UNKNOWN, Pool, Violation
 from kvtrail.model.properties import PROPERTIES
 
-__all__ = ["Monitors", "Violation", "judge_order"]
+__all__ = ["COLUMNS", "Monitors", "Violation", "judge_order"]
 
 _SCALARS = (
     "kind",
@@ -52,6 +52,7 @@ _SCALARS = (
 )
 (K_KIND, K_CLUSTER, K_NODE, K_INSTANCE, K_SEQ, K_WALL_NS, K_REQUEST_ID, K_TENANT_ID, K_PURPOSE, K_SOURCE) = range(10)
 K_NUM_TOKENS, K_STATUS, K_IS_LAST_CHUNK, K_PAGES, K_ROW = range(10, 15)
+COLUMNS = (*_SCALARS, "block_hashes")  # what the monitors read of an event, besides its pages
 Event = tuple  # one event as the monitors hold it: the scalars of _SCALARS, its pages, its row
 _GONE = np.iinfo(np.int64).max  # the last-seen time of a request code not in use
 
