@@ -1,7 +1,8 @@
 """End to end with real components: ``kvtrail serve`` scraped by a real Prometheus (Debian ``prometheus``)
 loading the shipped rules, alerting a real Alertmanager (``prometheus-alertmanager``) that posts to a
 webhook receiver in this test. A clean deployment raises nothing; the incident's node configuration
-and a foreign read reach the webhook as KvtrailPoolSmallerThanContext and KvtrailForeignRead."""
+and a foreign read reach the webhook as KvtrailPoolSmallerThanContext, KvtrailForeignRead and (the live
+judge's model monitors) KvtrailModelViolation."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ pytestmark = [
     ),
 ]
 DEADLINE_S = 90.0
+INCIDENT_ALERTS = ("KvtrailPoolSmallerThanContext", "KvtrailForeignRead", "KvtrailModelViolation")
 QUIET_S = 6.0  # a clean store: this many seconds of 1 s scrapes and evaluations without an alert
 
 
@@ -221,10 +223,8 @@ def test_prometheus_and_alertmanager_deliver_the_incident_and_nothing_on_a_clean
                 _post(svc.url, token, node_configs(wall_ns=now + 10)[:1])
                 _post(svc.url, token, foreign_read(seq0=2, wall_ns=now + 20))
                 firing = wait_for(
-                    "both alerts at the webhook",
-                    lambda: (
-                        lambda f: f if {"KvtrailPoolSmallerThanContext", "KvtrailForeignRead"} <= set(f) else None
-                    )(_firing(received)),
+                    "the three alerts at the webhook",
+                    lambda: (lambda f: f if set(INCIDENT_ALERTS) <= set(f) else None)(_firing(received)),
                     logs,
                 )
     finally:
@@ -232,6 +232,8 @@ def test_prometheus_and_alertmanager_deliver_the_incident_and_nothing_on_a_clean
     assert firing["KvtrailPoolSmallerThanContext"]["node"] == "prefill-0"
     assert firing["KvtrailPoolSmallerThanContext"]["severity"] == "critical"
     assert firing["KvtrailForeignRead"]["node"] == "decode-0"
+    model = firing["KvtrailModelViolation"]  # the live judge's monitors, on the same read
+    assert (model["node"], model["property"]) == ("decode-0", "no_foreign_read")
     annotations = {a["labels"]["alertname"]: a["annotations"] for b in received for a in b["alerts"]}
     assert "prefill-0" in annotations["KvtrailPoolSmallerThanContext"]["summary"]
     assert "kvtrail preflight" in annotations["KvtrailPoolSmallerThanContext"]["description"]

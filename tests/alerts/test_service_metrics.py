@@ -35,4 +35,8 @@ def test_metrics_without_a_token_follow_ingest_and_the_judge(client, producer_to
     dec_producer = (("node", "decode-0"), ("producer", "c1/decode-0/decode"), ("role", "decode"))
     assert got[("kvtrail_judge_lag_seconds", dec_producer)] == 0.0  # judged
     assert got[("kvtrail_ingest_events_total", dec_producer)] == 7
+    # the live judge's model monitors saw the same foreign read
+    nfr = ("kvtrail_model_violations_total", (("node", "decode-0"), ("property", "no_foreign_read")))
+    assert got[nfr] == 1
+    assert got[("kvtrail_model_violations_total", (("node", "prefill-0"), ("property", "no_foreign_read")))] == 0
     assert "/metrics" in client.get("/openapi.json").json()["paths"]
