@@ -179,10 +179,12 @@ class Monitors:
         return values[offs[n] : offs[n + 1]] if valid[n] else None
 
     def _pool(self, e: Event) -> Pool | None:
-        pool = self.pools.get((e[K_CLUSTER], e[K_NODE]))
-        if pool is not None:
-            pool.fit(self._maxes[e[K_ROW]])
-        return pool
+        """The event's node's pool (None before the node's first config)."""
+        return self.pools.get((e[K_CLUSTER], e[K_NODE]))
+
+    def _slots(self, pool: Pool, e: Event) -> np.ndarray:
+        """Where the event's pages live in the pool's arrays."""
+        return pool.slots(e[K_PAGES], self._maxes[e[K_ROW]])
 
     def _report(self, prop: str, e: Event, detail: str, key=None) -> None:
         if self.from_ns is not None and e[K_WALL_NS] < self.from_ns:
@@ -263,7 +265,8 @@ class Monitors:
             for k, p in enumerate(pages.tolist()):
                 pool.hits.setdefault(p, {})[code] = None if hashes is None else int(hashes[k])
             return
-        cur = pool.owner[pages]
+        ix = self._slots(pool, e)
+        cur = pool.owner[ix]
         clash = (cur != FREE) & (cur != code)
         if e[K_ROW] in self._repeats and len(np.unique(pages)) != len(pages):
             self._report("pages_conserved", e, f"one allocation lists a page twice: {pages.tolist()}")
@@ -272,25 +275,25 @@ class Monitors:
                 p, other = int(pages[k]), int(cur[k])
                 self._report("pages_conserved", e, f"page {p} allocated to {rid} while {self.names[other]} holds it")
                 pool.extra.setdefault(p, []).append(other)
-        pool.owner[pages] = code
+        pool.owner[ix] = code
         if e[K_PURPOSE] == "decode_growth":
-            pool.writer[pages] = code  # the step that reads it fills it
-            pool.whash[pages] = NO_HASH
+            pool.writer[ix] = code  # the step that reads it fills it
+            pool.whash[ix] = NO_HASH
 
     def on_pages_freed(self, e: Event) -> None:
         pool = self._pool(e)
         if pool is None:
             return
-        pages = e[K_PAGES]
+        pages, ix = e[K_PAGES], self._slots(pool, e)
         if e[K_REQUEST_ID] is None:  # a radix eviction releases every holder
-            pool.owner[pages] = FREE
+            pool.owner[ix] = FREE
             if pool.hits or pool.extra:
                 for p in pages.tolist():
                     pool.hits.pop(p, None)
                     pool.extra.pop(p, None)  # every holder released
             return
         code = self._code(e)
-        mine = pool.owner[pages] == code
+        mine = pool.owner[ix] == code
         freed = pages[mine]
         if not mine.all():
             more = []
@@ -304,10 +307,10 @@ class Monitors:
                     del pool.hits[p][code]
                     more.append(p)
             freed = np.concatenate([freed, np.asarray(more, dtype=freed.dtype)])
-        pool.owner[pages[mine]] = FREE
+        pool.owner[ix[mine]] = FREE
         if pool.extra:  # a second owner still holds the page: it becomes the owner
             for p in set(pool.extra).intersection(pages[mine].tolist()):
-                pool.owner[p] = pool.extra[p].pop()
+                pool.owner[pool.slot(p)] = pool.extra[p].pop()
                 if not pool.extra[p]:
                     del pool.extra[p]
         if len(freed):
@@ -317,10 +320,10 @@ class Monitors:
         pool = self._pool(e)
         if pool is None:
             return
-        pages = e[K_PAGES]
+        pages, ix = e[K_PAGES], self._slots(pool, e)
         code = self._code(e)
         if e[K_SOURCE] == "transfer_in" and code in pool.freed:
-            for k in np.flatnonzero(~pool.held_mask(pages, code)).tolist():
+            for k in np.flatnonzero(~pool.held_mask(ix, pages, code)).tolist():
                 p = int(pages[k])
                 free = pool.freed_by(code, p)
                 if free is not None:
@@ -331,16 +334,16 @@ class Monitors:
                         f"{rid}'s write landed on page {p} after {rid} freed it (seq {e[K_SEQ]} of {e[K_NODE]})",
                     )
                     break
-        pool.writer[pages] = code
+        pool.writer[ix] = code
         hashes = self._hashes(e)
-        pool.whash[pages] = NO_HASH if hashes is None else hashes
+        pool.whash[ix] = NO_HASH if hashes is None else hashes
 
     def on_transfer_received(self, e: Event) -> None:
         code = self._code(e)
         if e[K_STATUS] == "unverified":
             pool = self._pool(e)
             if pool is not None and e[K_PAGES] is not None:
-                pool.writer[e[K_PAGES]] = UNKNOWN  # writer unknown from now on
+                pool.writer[self._slots(pool, e)] = UNKNOWN  # writer unknown from now on
             return
         if e[K_STATUS] in ("ok", "mismatch"):
             self.received[(e[K_CLUSTER], e[K_NODE], code)] = (e[K_NUM_TOKENS], e)
@@ -381,12 +384,13 @@ class Monitors:
             return
         rid, pages = e[K_REQUEST_ID], e[K_PAGES]
         code = self._code(e)
-        writers = pool.writer[pages]
-        own = pool.owner[pages] == code
+        ix = self._slots(pool, e)
+        writers = pool.writer[ix]
+        own = pool.owner[ix] == code
         if own.all() and (writers == code).all():
             bad: list[int] = []  # its own pages, written by itself: the common case
         else:
-            held = pool.held_mask(pages, code)
+            held = pool.held_mask(ix, pages, code)
             bad = np.flatnonzero(~held | (writers != code)).tolist()
         tenant = self.tenants[code]
         for k in bad:
@@ -402,7 +406,7 @@ class Monitors:
                 self._unknown("no_foreign_read", "a read of pages an unverified transfer may have written", e)
                 continue
             hit = pool.hits.get(p, {}).get(code)
-            whash = int(pool.whash[p])
+            whash = int(pool.whash[ix[k]])
             wtenant = self.tenants[w]
             if hit is not None and hit == whash and wtenant == tenant:
                 continue  # a sealed prefix of its own namespace

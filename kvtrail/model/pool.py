@@ -14,6 +14,7 @@ import numpy as np
 
 NEVER, UNKNOWN, FREE = -1, -2, -1
 NO_HASH = np.iinfo(np.int64).min  # the writer stored no block hash
+DENSE_PAGES = 1 << 20  # page ids under this index the arrays directly (8 MB per array at most)
 
 
 @dataclass
@@ -40,10 +41,10 @@ class Violation:
 
 
 class Pool:
-    """One node's pool: ``owner``, ``writer`` (request codes) and ``whash`` arrays indexed by page id
-    (grown as page ids appear); ``extra``: page -> further exclusive owners (double ownership);
-    ``hits``: page -> {request code: block hash} of prefix-cache hits; ``freed``: request code -> the
-    (pages, event) of each of its frees, newest last.
+    """One node's pool: ``owner``, ``writer`` (request codes) and ``whash`` arrays indexed by page slot
+    (:meth:`slots`: the page id itself under ``DENSE_PAGES``); ``extra``: page -> further exclusive
+    owners (double ownership); ``hits``: page -> {request code: block hash} of prefix-cache hits;
+    ``freed``: request code -> the (pages, event) of each of its frees, newest last.
 
     Why every free of a request and not the last freer of a page: a late write of R lands on a page R
     freed, but the page may have been allocated and freed again by others meanwhile (R frees p, R2 takes
@@ -58,18 +59,43 @@ class Pool:
         self.extra: dict[int, list[int]] = {}
         self.hits: dict[int, dict[int, int | None]] = {}
         self.freed: dict[int, list[tuple[np.ndarray, tuple]]] = {}
+        self.sparse: dict[int, int] = {}  # page id (at or over DENSE_PAGES) -> its slot in the arrays
 
-    def fit(self, max_page: int) -> None:
-        if max_page >= len(self.owner):
-            size = max(max_page + 1, 2 * len(self.owner))
-            for name, fill in (("owner", FREE), ("writer", NEVER), ("whash", NO_HASH)):
-                old = getattr(self, name)
-                grown = np.full(size, fill, np.int64)
-                grown[: len(old)] = old
-                setattr(self, name, grown)
+    def slots(self, pages: np.ndarray, max_page: int) -> np.ndarray:
+        """Where ``pages`` (the largest ``max_page``) live in the arrays: page ids under ``DENSE_PAGES``
+        index them directly (grown by doubling as ids appear); larger ids, which a pool of up to 2^31
+        pages may use, get slots past ``DENSE_PAGES`` as they appear, so the arrays stay sized by the
+        pages in use, not by the largest id."""
+        if max_page < DENSE_PAGES:
+            if max_page >= len(self.owner):
+                self._grow(max(max_page + 1, 2 * len(self.owner)))
+            return pages
+        ix = pages.copy()
+        for k in np.flatnonzero(pages >= DENSE_PAGES).tolist():
+            ix[k] = self.slot(int(pages[k]))
+        return ix
 
-    def held_mask(self, pages: np.ndarray, code: int) -> np.ndarray:
-        held = self.owner[pages] == code
+    def slot(self, page: int) -> int:
+        """One page id's slot (assigned on first sight for an id at or over ``DENSE_PAGES``)."""
+        if page < DENSE_PAGES:
+            return page
+        s = self.sparse.get(page)
+        if s is None:
+            s = self.sparse[page] = DENSE_PAGES + len(self.sparse)
+            if s >= len(self.owner):
+                self._grow(max(s + 1, 2 * len(self.owner), DENSE_PAGES + 1024))
+        return s
+
+    def _grow(self, size: int) -> None:
+        for name, fill in (("owner", FREE), ("writer", NEVER), ("whash", NO_HASH)):
+            old = getattr(self, name)
+            grown = np.full(size, fill, np.int64)
+            grown[: len(old)] = old
+            setattr(self, name, grown)
+
+    def held_mask(self, ix: np.ndarray, pages: np.ndarray, code: int) -> np.ndarray:
+        """Per page (``ix``: its slots), whether ``code`` holds it: as owner, second owner or prefix hit."""
+        held = self.owner[ix] == code
         if (self.extra or self.hits) and not held.all():
             for k in np.flatnonzero(~held):
                 p = int(pages[k])

@@ -164,3 +164,24 @@ def test_a_late_write_is_seen_after_the_page_changed_hands_twice():
     mon = Monitors()
     mon.feed(from_dicts(events))
     assert [(v.property, v.request_id, v.seq) for v in mon.violations] == [("no_free_before_drain", "r1", 2)]
+
+
+def test_a_pool_with_page_ids_near_two_to_the_31_stays_small():
+    """A pool may declare up to 2^31 pages; the arrays grow with the pages in use, not with the largest id,
+    and the late write is still seen on such pages."""
+    top = 2**31 - 1
+    cfg = {"pool_tokens": 2**31 * 16, "pool_pages": 2**31, "page_size": 16, "context_tokens": 64}
+    events = [
+        _ev(0, "node_config", 1, **cfg),
+        _ev(1, "pages_allocated", 2, "r1", pages=[3, top], purpose="decode_reservation"),
+        _ev(2, "pages_freed", 3, "r1", pages=[3, top], free_reason="abort"),
+        _ev(3, "pages_allocated", 4, "r2", pages=[top - 1, top], purpose="decode_reservation"),
+        _ev(4, "kv_written", 5, "r1", pages=[top], token_start=0, token_end=16, source="transfer_in"),
+        _ev(5, "kv_read", 6, "r2", pages=[top - 1, top]),
+    ]
+    mon = Monitors()
+    mon.feed(from_dicts(events))
+    got = {(v.property, v.request_id) for v in mon.violations}
+    assert got == {("no_free_before_drain", "r1"), ("no_foreign_read", "r2")}
+    pool = next(iter(mon.pools.values()))
+    assert pool.owner.nbytes < 64 << 20 and len(pool.sparse) == 2
