@@ -37,6 +37,7 @@ class LiveMonitors:
         self.tail = StoreTail()
         self.horizon_ns = horizon_ns
         self.pruned = 0  # requests forgotten so far
+        self.fed_direct = 0  # batches fed as handed over, not read back from the store
         self._newest_ns = 0
         self._pruned_at_ns = 0
         self._lock = threading.Lock()
@@ -52,6 +53,7 @@ class LiveMonitors:
             return False
         self.feed(table)
         mark.update(batches)
+        self.fed_direct += len(batches)
         return True
 
     def poll(self, con: duckdb.DuckDBPyConnection, *, read_store: bool) -> None:
@@ -87,7 +89,8 @@ class LiveMonitors:
         return out
 
     def stats(self) -> dict[str, int]:
-        """What the monitors hold: events fed, requests and nodes tracked, requests pruned, violations."""
+        """What the monitors hold: events fed, requests and nodes tracked, requests pruned, batches fed as
+        handed over, violations."""
         with self._lock:
             m = self.monitors
             return {
@@ -95,5 +98,6 @@ class LiveMonitors:
                 "requests": len(m.codes),
                 "nodes": len(m.pools),
                 "pruned": self.pruned,
+                "fed_direct": self.fed_direct,
                 "violations": len(m.violations),
             }

@@ -72,10 +72,12 @@ def _serve_and_post(db: Path, batches: list[pa.Table]) -> tuple[dict, dict, dict
                 r = client.post("/v1/events", content=write_ipc(wire_table(b)), headers=auth(producer, ARROW))
                 assert r.status_code == 200, r.text
             assert state.judge.wait_idle(120)
-            live = {**state.judge.model.stats(), "violations": [v.as_dict() for v in state.judge.model.violations()]}
+            live: dict = {**state.judge.model.stats()}
+            live["violations"] = [v.as_dict() for v in state.judge.model.violations()]
             metric = _metric(client.get("/metrics").text)
             answer = client.get("/v1/model/violations", headers={"Authorization": f"Bearer {operator}"}).json()
         assert state.judge.fed_direct > 0  # the commits were handed over, not read back
+        assert live["fed_direct"] > 0  # to the model's monitors too
     finally:
         state.close()
     return live, metric, answer
