@@ -187,3 +187,17 @@ def test_a_pool_with_page_ids_near_two_to_the_31_stays_small():
     assert got == {("no_free_before_drain", "r1"), ("no_foreign_read", "r2")}
     pool = next(iter(mon.pools.values()))
     assert pool.owner.nbytes < 64 << 20 and len(pool.sparse) == 2
+
+
+@pytest.mark.slow
+def test_the_reference_stacks_runs_posted_live(stack_runs, tmp_path):
+    """The stack's runs (tests/model/conftest.py) posted to a service: the live violations are validate's,
+    none for the patched stack."""
+    mode, stores = stack_runs
+    for n, db in enumerate(stores):
+        with AuditStore(db) as store:
+            whole = validate_store(store.con)
+        live, metric, _ = _serve_and_post(tmp_path / f"svc-{n}.duckdb", _fleet_batches(db, 20))
+        assert _named(live["violations"]) == _named(whole["violations"]), db.name
+        assert sum(metric.values()) == len(live["violations"])
+        assert (live["violations"] == []) == (mode == "patched")
