@@ -128,8 +128,15 @@ def test_kvtrail_stack_exits_1_naming_its_killed_store_and_verify_bounds_the_gap
     report = verify_store(db)
     router_end = [u for u in report.unclean_ends if u.node == "router-0"]
     assert router_end, report.unclean_ends  # the router's last batch has no recorder_closed: an unclean end
-    last_stored_ns = max(u.last_wall_ns for u in router_end)
+    [end] = router_end
+    last_stored_ns = end.last_wall_ns
     unrecorded = [t for t, rid in served if rid not in recorded]
     # what a client was told but the store lacks was answered between the router's last stored event and the
     # store's death (verify's gap), never after it
     assert all(last_stored_ns <= t < killed_ns + 100_000_000 for t in unrecorded)
+    # ... and within the loss verify states: the flush interval (1 s) plus the slowest commit the store saw of
+    # the router (a client's answer comes after its response_sent is stamped: the check is on the safe side)
+    assert end.loss_bound_ns is not None and end.loss_bound_ns == end.bound_ns + end.commit_delay_ns
+    lost_span = [t - last_stored_ns for t in unrecorded]
+    assert all(d <= end.loss_bound_ns for d in lost_span), (str(end), sorted(lost_span)[-3:])
+    assert f"{end.loss_bound_ns / 1e9:g} s after it may be lost" in str(end)
