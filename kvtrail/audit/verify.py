@@ -28,7 +28,6 @@ from kvtrail.audit.retention import prune_digest
 from kvtrail.audit.store import EVENTS_SCHEMA, RUN_COLUMNS, RUNS_SCHEMA, arrow_query, connect_readonly
 from kvtrail.timeutil import format_utc
 
-
 # A batch committed later than this after its newest event was not committed by a live recorder (an import, a
 # backfill, a clock far off): its delay says nothing of what a batch in flight can lose.
 MAX_COMMIT_DELAY_NS = 3600 * 10**9
@@ -332,14 +331,15 @@ def unclean_ends(
         WITH spans AS (
             SELECT producer_id, min(min_wall_ns) AS first_wall, max(max_wall_ns) AS last_wall,
                    max(last_seq) AS last_seq, max(committed_ns) AS last_commit,
-                   greatest(max(committed_ns - max_wall_ns) FILTER (committed_ns - max_wall_ns <= {MAX_COMMIT_DELAY_NS}),
-                            0) AS commit_delay,
+                   greatest(max(committed_ns - max_wall_ns)
+                            FILTER (committed_ns - max_wall_ns <= {MAX_COMMIT_DELAY_NS}), 0) AS commit_delay,
                    arg_max(pruned_by IS NOT NULL, batch_no) AS last_pruned,
                    arg_min(pruned_by IS NOT NULL, batch_no) AS first_pruned
             FROM batches GROUP BY producer_id),
         life AS ({life})
         SELECT p.producer_id, p.cluster, p.node, p.instance, s.first_wall, s.last_wall, s.last_seq, s.last_commit,
-               s.commit_delay, s.last_pruned, s.first_pruned, coalesce(l.closed, false), coalesce(l.started, false), l.bound_ns
+               s.commit_delay, s.last_pruned, s.first_pruned, coalesce(l.closed, false), coalesce(l.started, false),
+               l.bound_ns
         FROM producers p JOIN spans s USING (producer_id) LEFT JOIN life l USING (producer_id)
         ORDER BY p.producer_id""").fetchall()
     opens: list[int] = []
