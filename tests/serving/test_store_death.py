@@ -138,16 +138,19 @@ def test_kvtrail_stack_exits_1_naming_its_killed_store_and_verify_bounds_the_gap
     # ... and before the end verify proves: the stack, once every process of it stopped, opened the store once
     # (its store_opens row), so every producer's unclean end is ended by then and nothing lost came after it
     assert all(u.ended_by_ns is not None and "owner restarted" in u.reason for u in report.unclean_ends)
-    assert all(t < end.ended_by_ns for t in unrecorded), (str(end), end.ended_by_ns)
-    assert end.gap_end_ns is not None and end.gap_end_ns <= end.ended_by_ns
+    ended_by = end.ended_by_ns
+    assert ended_by is not None and all(t < ended_by for t in unrecorded), (str(end), ended_by)
+    assert end.gap_end_ns is not None and end.gap_end_ns <= ended_by
     # verify's estimate of the loss: the flush interval (1 s) and the slowest commit the store saw of the router
     # (from a batch's newest event to its commit: a batch in flight when the store died is lost too)
     con = duckdb.connect(str(db), read_only=True)
     try:
-        (delay,) = con.execute(
+        row = con.execute(
             "SELECT greatest(max(committed_ns - max_wall_ns), 0) FROM batches WHERE producer_id = ?", [end.producer_id]
         ).fetchone()
     finally:
         con.close()
-    assert end.commit_delay_ns == delay and end.loss_bound_ns == 10**9 + delay
-    assert f"{end.loss_bound_ns / 1e9:g} s after it may be lost" in str(end)
+    assert row is not None and end.commit_delay_ns == row[0]
+    bound = end.loss_bound_ns
+    assert bound is not None and bound == 10**9 + row[0]
+    assert f"{bound / 1e9:g} s after it may be lost" in str(end)
