@@ -158,3 +158,15 @@ def test_a_checkpoint_keeps_where_sparse_pages_live():
     for spec in PAGE_ARRAYS:
         np.testing.assert_array_equal(back.raw(spec.name), pool.raw(spec.name), err_msg=spec.name)
     assert back.owner[HIGH + 9] == 0 and back.writer[np.array([HIGH, HIGH + 9])].tolist() == [-1, 0]
+
+
+def test_a_pickled_sparse_pool_indexes_by_page_id():
+    import pickle
+
+    pool = PageState.empty(4)
+    pool.fit(np.array([2, HIGH]))
+    pool.owner[HIGH] = 7
+    back = pickle.loads(pickle.dumps(pool))
+    assert back.owner[HIGH] == 7 and back.owner[2] == -1
+    back.writer[np.array([HIGH])] = 3
+    assert back.raw("writer")[back.slots.one(HIGH)] == 3 and pool.writer[HIGH] == -1

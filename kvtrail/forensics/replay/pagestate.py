@@ -103,6 +103,11 @@ class PageState:
     def __post_init__(self) -> None:
         self.slots = PageSlots(len(self.owner))
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled (a lake's partitions travel pickled): the views are made again over this PageSlots."""
+        self.__dict__.update(state)
+        self._wrap()
+
     @classmethod
     def empty(cls, num_pages: int) -> PageState:
         """A pool of ``num_pages`` unused, unwritten pages (plus the padding page)."""
