@@ -175,19 +175,18 @@ def main() -> int:
         failed |= rc != 0 or crc != 0
         high_cost = max(high_cost, peak - cpeak)
         print(f"  {name:<26} {rc:>4} {peak:7.1f}MB {floor:12.1f}MB {peak - floor:6.1f}MB {cpeak - cfloor:6.1f}MB")
-    print(
-        f"what 4 pages near 2^30 add to a judge's peak RSS over the control: {high_cost:+.1f} MB "
-        f"(goal < {GOAL_MB:.0f} MB)"
-    )
-    pool_cost = max(pool_cost, high_cost)
-    verdict = "ok" if pool_cost < GOAL_MB and not failed else "MISSED"
+    verdict = "ok" if max(pool_cost, high_cost) < GOAL_MB and not failed else "MISSED"
     print(
         f"worst judging cost (peak RSS above the process's RSS after importing kvtrail): {worst:.1f} MB "
         f"({worst_control:.1f} MB on the control)"
     )
     print(
         f"what the {args.pool_pages:,}-page pool adds to a judge's peak RSS over the 64-page control: "
-        f"{pool_cost:+.1f} MB (goal < {GOAL_MB:.0f} MB; before page state followed use: ~100 B a page): {verdict}"
+        f"{pool_cost:+.1f} MB (goal < {GOAL_MB:.0f} MB; before page state followed use: ~100 B a page)"
+    )
+    print(
+        f"what 4 pages near 2^30 add to a judge's peak RSS over the control: {high_cost:+.1f} MB "
+        f"(goal < {GOAL_MB:.0f} MB; sized by the highest page id: ~100 GB): {verdict}"
     )
     return 0 if verdict == "ok" else 1
 
