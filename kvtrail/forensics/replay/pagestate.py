@@ -270,7 +270,7 @@ class PageState:
             self._add_sparse(new.tolist())
 
     def reserve(self, max_page: int) -> None:
-        """Give page ids up to ``max_page`` entries (a dense part of at least ``max_page + 1``)."""
+        """Give page id ``max_page`` an entry (every id below it too where the dense part grows over it)."""
         if max_page >= self.slots.dense_n:
             self.fit(np.array([max_page]))
 
