@@ -78,6 +78,7 @@ class Stack:
         self.links: dict[str, WorkerLink] = {}
         # Reads on the running stack's store go through its process (``store.cursor()``, ``store.query``).
         self.store: StoreProcess | None = None
+        self._store_served = False  # the store process started and took commits
         self.recorder: AuditRecorder | None = None
         self.core: RouterCore | None = None
         self._server: uvicorn.Server | None = None
@@ -93,6 +94,7 @@ class Stack:
         try:
             self.store = store = StoreProcess(self.db_path)  # set first: stop() ends it if start fails
             store.start()
+            self._store_served = True  # from here a death of the store process loses events (see _mark_end)
             for role in ("prefill", "decode"):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(
@@ -264,7 +266,7 @@ class Stack:
             link.close()
         self.links = {}
         if self.store is not None:  # last: every recorder has flushed through its relay by now
-            died = self.store.exitcode not in (None, 0)
+            died = self._store_served and self.store.exitcode not in (None, 0)
             self.store.stop()
             self.store = None
             if died:
