@@ -128,6 +128,8 @@ def main() -> None:
     ap.add_argument("--duration-s", type=float, default=600.0)
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--quick", action="store_true", help="20 s, a smoke run")
+    ap.add_argument("--memory-limit-mb", type=int, default=None, help="kvtrail serve --memory-limit-mb (its default)")
+    ap.add_argument("--series", action="store_true", help="print every RSS sample (seconds, MB)")
     args = ap.parse_args()
     if args.quick:
         args.duration_s, args.sample_s = 20.0, 2.0
@@ -139,7 +141,8 @@ def main() -> None:
             token_line(ptoken[0], "producer", ptoken[2]) + "\n" + token_line(otoken[0], "operator", otoken[2]) + "\n"
         )
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtrail", "serve", "--db", str(db), "--tokens", str(tmp / "tokens.txt")],
+            [sys.executable, "-m", "kvtrail", "serve", "--db", str(db), "--tokens", str(tmp / "tokens.txt")]
+            + ([] if args.memory_limit_mb is None else ["--memory-limit-mb", str(args.memory_limit_mb)]),
             stdout=subprocess.PIPE,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -193,6 +196,8 @@ def main() -> None:
         f"query latency p50 {_pct(qlat, 50) * 1e3:.0f} ms, p99 {_pct(qlat, 99) * 1e3:.0f} ms over {len(qlat)} "
         f"queries ({sum(r[1] for r in qres)} answered 429)"
     )
+    if args.series:
+        print("RSS samples (s: MB): " + ", ".join(f"{a:.0f}: {b:.0f}" for a, b in samples))
     dropped = sum(r[2] for r in results)
     print(f"events acknowledged {acked:,}, stored {stored:,}, lost {acked - stored:,}; recorder drops {dropped:,}")
 

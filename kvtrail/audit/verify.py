@@ -28,6 +28,10 @@ from kvtrail.audit.retention import prune_digest
 from kvtrail.audit.store import EVENTS_SCHEMA, RUN_COLUMNS, RUNS_SCHEMA, arrow_query, connect_readonly
 from kvtrail.timeutil import format_utc
 
+# A batch committed later than this after its newest event was not committed by a live recorder (an import, a
+# backfill, a clock far off): its delay says nothing of what a batch in flight can lose.
+MAX_COMMIT_DELAY_NS = 3600 * 10**9
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -64,10 +68,13 @@ class Coverage:
 class UncleanEnd:
     """A producer instance that ended without ``recorder_closed``: events after ``last_seq`` may be lost.
 
-    ``bound_ns``: how long its events could wait in memory (``flush_interval_ns`` of its
-    ``recorder_started``), so at most about that much after ``last_wall_ns`` is missing; None when
-    unknown. ``ended_by_ns``: when it was seen to have ended (the later instance's first event, or the
-    store's reopening), which bounds the gap too.
+    ``bound_ns``: how long its events could wait in memory for the next drain (``flush_interval_ns`` of
+    its ``recorder_started``); None when unknown. A drained batch is lost too while it is in flight (sent,
+    queued behind other commits, committing): ``commit_delay_ns`` is the slowest the store saw of this
+    producer, from a batch's newest event to its commit (``committed_ns - max_wall_ns``). What may be lost
+    lies within ``loss_bound_ns`` = flush interval + that delay after ``last_wall_ns`` (a commit slower
+    than every one before it, in flight when the store died, can lose more); ``ended_by_ns``: when it was
+    seen to have ended (the later instance's first event, or the store's reopening), bounds the gap too.
     """
 
     producer_id: int
@@ -79,22 +86,27 @@ class UncleanEnd:
     reason: str
     cluster: str = ""
     ended_by_ns: int | None = None
+    commit_delay_ns: int = 0
+
+    @property
+    def loss_bound_ns(self) -> int | None:
+        """How long after ``last_wall_ns`` a lost event can have been recorded: flush interval + commit delay."""
+        return None if self.bound_ns is None else self.bound_ns + self.commit_delay_ns
 
     @property
     def gap_end_ns(self) -> int | None:
         """The latest time a lost event can have: the bound or the end's evidence, whichever comes first."""
-        ends = [
-            t
-            for t in (None if self.bound_ns is None else self.last_wall_ns + self.bound_ns, self.ended_by_ns)
-            if t is not None
-        ]
+        bound = self.loss_bound_ns
+        ends = [t for t in (None if bound is None else self.last_wall_ns + bound, self.ended_by_ns) if t is not None]
         return min(ends) if ends else None
 
     def __str__(self) -> str:
+        bound = self.loss_bound_ns
         lost = (
             "events up to an unknown time after it may be lost"
-            if self.bound_ns is None
-            else f"events up to {self.bound_ns / 1e9:g} s after it may be lost"
+            if bound is None or self.bound_ns is None
+            else f"events up to {bound / 1e9:g} s after it may be lost (flush interval {self.bound_ns / 1e9:g} s "
+            f"+ slowest commit {self.commit_delay_ns / 1e9:g} s)"
         )
         return (
             f"{self.node} producer {self.producer_id} (instance {self.instance}): unclean end after seq "
@@ -319,12 +331,15 @@ def unclean_ends(
         WITH spans AS (
             SELECT producer_id, min(min_wall_ns) AS first_wall, max(max_wall_ns) AS last_wall,
                    max(last_seq) AS last_seq, max(committed_ns) AS last_commit,
+                   greatest(max(committed_ns - max_wall_ns)
+                            FILTER (committed_ns - max_wall_ns <= {MAX_COMMIT_DELAY_NS}), 0) AS commit_delay,
                    arg_max(pruned_by IS NOT NULL, batch_no) AS last_pruned,
                    arg_min(pruned_by IS NOT NULL, batch_no) AS first_pruned
             FROM batches GROUP BY producer_id),
         life AS ({life})
         SELECT p.producer_id, p.cluster, p.node, p.instance, s.first_wall, s.last_wall, s.last_seq, s.last_commit,
-               s.last_pruned, s.first_pruned, coalesce(l.closed, false), coalesce(l.started, false), l.bound_ns
+               s.commit_delay, s.last_pruned, s.first_pruned, coalesce(l.closed, false), coalesce(l.started, false),
+               l.bound_ns
         FROM producers p JOIN spans s USING (producer_id) LEFT JOIN life l USING (producer_id)
         ORDER BY p.producer_id""").fetchall()
     opens: list[int] = []
@@ -343,6 +358,7 @@ def unclean_ends(
         last_wall,
         last_seq,
         last_commit,
+        commit_delay,
         last_pruned,
         first_pruned,
         closed,
@@ -378,6 +394,7 @@ def unclean_ends(
                 reason,
                 cluster,
                 ended_by,
+                int(commit_delay),
             )
         )
     return ends

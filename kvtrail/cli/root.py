@@ -155,6 +155,13 @@ _SERVE_DEFAULTS = ServeConfig()
     type=click.Path(exists=True, dir_okay=False),
     help="Ed25519 private key (PEM) that signs the log's checkpoints at GET /v1/audit/checkpoint.",
 )
+@click.option(
+    "--memory-limit-mb",
+    default=_SERVE_DEFAULTS.memory_limit_mb,
+    show_default=True,
+    type=click.IntRange(64, 2**24),
+    help="DuckDB's buffer pool in MB (its own default is 80% of RAM); part of the memory bound in docs/service.md.",
+)
 def serve(
     db: str,
     host: str,
@@ -170,6 +177,7 @@ def serve(
     body_timeout_s: float,
     metrics_token: bool,
     signing_key: str | None,
+    memory_limit_mb: int,
 ) -> None:
     """Run the audit service (HTTP ingest, live judge, query API) until SIGINT or SIGTERM.
 
@@ -197,6 +205,7 @@ def serve(
                 read_timeouts=ReadTimeouts(header_timeout_s, body_timeout_s),
                 metrics_token=metrics_token,
                 signing_key=signing_key,
+                memory_limit_mb=memory_limit_mb,
             ),
             tokens_file=tokens_file,
             ready=lambda url: click.echo(BANNER.format(url=url)),

@@ -13,6 +13,9 @@ from kvtrail.serving.deadlines import ReadTimeouts
 BANNER = "kvtrail service listening on {url}"  # the service's first line of stdout
 DEFAULT_MAX_BODY_BYTES = 64 * 2**20
 DEFAULT_JUDGE_INTERVAL_S = 0.5  # the live judge's least time between two polls (kvtrail serve --judge-interval-s)
+# DuckDB's buffer pool (kvtrail serve --memory-limit-mb): DuckDB's own default is 80 % of the host's RAM; a query
+# needing more spills to the store's temporary directory (or fails with an out-of-memory error, HTTP 503).
+DEFAULT_MEMORY_LIMIT_MB = 1024
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class ServeConfig:
     read_timeouts: ReadTimeouts = ReadTimeouts()  # a request's headers and body must arrive in time (408 past)
     metrics_token: bool = False  # GET /metrics needs an operator or metrics token (it names every node)
     signing_key: str | None = None  # Ed25519 private key (PEM) signing GET /v1/audit/checkpoint's checkpoints
+    memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB  # DuckDB's buffer pool (SET memory_limit)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -42,6 +46,8 @@ class ServeConfig:
             raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
         if not 0 <= self.judge_interval_s <= 3600:
             raise ValueError(f"judge_interval_s: must be 0..3600, got {self.judge_interval_s}")
+        if not 64 <= self.memory_limit_mb <= 2**24:
+            raise ValueError(f"memory_limit_mb: must be 64..{2**24} (MB), got {self.memory_limit_mb}")
         if self.otlp_endpoint is not None:
             from kvtrail.alerts.otel import check_endpoint
 

@@ -66,6 +66,7 @@ def run_service(
             judge_interval_s=config.judge_interval_s,
             export=export,
             query_limits=config.query_limits,
+            memory_limit_mb=config.memory_limit_mb,
         )
     except BaseException:
         if export is not None:

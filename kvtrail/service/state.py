@@ -70,10 +70,12 @@ def open_state(
     judge_interval_s: float = POLL_INTERVAL_S,
     export: OtelExport | None = None,
     query_limits: QueryLimits | None = None,
+    memory_limit_mb: int | None = None,
 ) -> ServiceState:
     """Open (or create) the store at ``db_path`` for writing and start the committer and the judge.
 
-    ``export``: where the judge's results go as OpenTelemetry (closed with the state).
+    ``export``: where the judge's results go as OpenTelemetry (closed with the state). ``memory_limit_mb``:
+    DuckDB's buffer pool for the database (every cursor shares it; None leaves DuckDB's default).
     Raises StoreError naming the path when another process holds the store, and ValueError for a bad
     token file (then the store is closed again).
     """
@@ -82,6 +84,8 @@ def open_state(
     lock = threading.Lock()
     try:
         with lock:
+            if memory_limit_mb is not None:
+                store.con.execute(f"SET memory_limit = '{int(memory_limit_mb)}MB'")
             tokens.ensure_tables(store.con)
             if tokens_file is not None:
                 tokens.load_token_file(store.con, tokens_file)

@@ -11,6 +11,7 @@ store; a worker that fails to start, or exits with an error, is reported with th
 
 from __future__ import annotations
 
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -47,6 +48,8 @@ from kvtrail.serving.messages import (
 from kvtrail.serving.store_process import StoreProcess
 from kvtrail.signals import stop_signals_ignored
 
+log = logging.getLogger("kvtrail.serving")
+
 if TYPE_CHECKING:
     import uvicorn
 
@@ -75,6 +78,7 @@ class Stack:
         self.links: dict[str, WorkerLink] = {}
         # Reads on the running stack's store go through its process (``store.cursor()``, ``store.query``).
         self.store: StoreProcess | None = None
+        self._store_served = False  # the store process started and took commits
         self.recorder: AuditRecorder | None = None
         self.core: RouterCore | None = None
         self._server: uvicorn.Server | None = None
@@ -90,6 +94,7 @@ class Stack:
         try:
             self.store = store = StoreProcess(self.db_path)  # set first: stop() ends it if start fails
             store.start()
+            self._store_served = True  # from here a death of the store process loses events (see _mark_end)
             for role in ("prefill", "decode"):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(
@@ -261,8 +266,24 @@ class Stack:
             link.close()
         self.links = {}
         if self.store is not None:  # last: every recorder has flushed through its relay by now
+            died = self._store_served and self.store.exitcode not in (None, 0)
             self.store.stop()
             self.store = None
+            if died:
+                self._mark_end()
+
+    def _mark_end(self) -> None:
+        """The store process died and every process of the stack has stopped: open the store once for writing.
+
+        Its ``store_opens`` row is the proven end of what the stack's producers recorded: ``audit verify``
+        reports each one's unclean end as ended by this open (whatever was lost was recorded before it).
+        """
+        from kvtrail.audit.store import AuditStore  # DuckDB, once, only here
+
+        try:
+            AuditStore(self.db_path).close()
+        except KvtrailError as exc:  # the file is damaged or held: verify still reports the unclean ends
+            log.warning("kvtrail stack: could not mark the end of the audit in %s: %s", self.db_path, exc)
 
     def __enter__(self) -> "Stack":
         return self.start()

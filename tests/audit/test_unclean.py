@@ -223,6 +223,16 @@ def test_a_killed_store_owner_leaves_an_unclean_end_with_its_bound(tmp_path):
         assert killed_ns - end.last_wall_ns < SECOND_NS // 2 + SECOND_NS
 
 
+def _commits(path, producer_id: int) -> list[tuple[int, int]]:
+    con = connect_readonly(path)
+    try:
+        return con.execute(
+            "SELECT committed_ns, max_wall_ns FROM batches WHERE producer_id = ?", [producer_id]
+        ).fetchall()
+    finally:
+        con.close()
+
+
 def test_read_only_verify_of_a_crashed_store_copy_reports_its_unclean_end(tmp_path, capsys):
     # the probe: a store whose owner was killed, copied (main file and WAL), verified without any writer
     # opening it first
@@ -251,7 +261,10 @@ def test_read_only_verify_of_a_crashed_store_copy_reports_its_unclean_end(tmp_pa
     doc = json.loads("\n".join(out))
     [end] = doc["unclean_ends"]
     assert (end["node"], end["instance"], end["bound_ns"]) == ("router-0", "killed", SECOND_NS // 2)
-    assert "store is at rest" in end["reason"] and end["gap_end_ns"] == end["last_wall_ns"] + SECOND_NS // 2
+    # the flush interval plus the slowest commit the store saw of it (from a batch's newest event to its commit)
+    delay = max(0, max(c - w for c, w in _commits(copy, end["producer_id"])))
+    assert end["commit_delay_ns"] == delay
+    assert "store is at rest" in end["reason"] and end["gap_end_ns"] == end["last_wall_ns"] + SECOND_NS // 2 + delay
     rc, out, _ = run_cli(capsys, "audit", "verify", "--db", str(copy))
     assert rc == 0 and any("unclean end after seq" in line and "killed" in line for line in out), out
     # nothing wrote to the copy: the read-only check found the end on its own

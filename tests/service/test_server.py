@@ -169,3 +169,34 @@ def test_the_judge_interval_reaches_the_judge_and_a_bad_one_is_refused_by_name(t
         assert state.judge.poll_interval_s == 2.5
     finally:
         state.close()
+
+
+def test_the_buffer_pool_is_capped_as_configured(tmp_path):
+    """DuckDB's memory_limit is set on the service's database (every cursor shares it), by default and as given."""
+    from kvtrail.service.config import DEFAULT_MEMORY_LIMIT_MB, ServeConfig
+    from kvtrail.service.state import open_state
+
+    assert ServeConfig().memory_limit_mb == DEFAULT_MEMORY_LIMIT_MB
+    with pytest.raises(ValueError, match="memory_limit_mb"):
+        ServeConfig(memory_limit_mb=1)
+    for mb in (DEFAULT_MEMORY_LIMIT_MB, 256):
+        state = open_state(tmp_path / f"m{mb}.duckdb", memory_limit_mb=mb)
+        try:
+            cur = state.cursor()
+            (limit,) = cur.execute("SELECT current_setting('memory_limit')").fetchone()
+            cur.close()
+        finally:
+            state.close()
+        # DuckDB reports the limit in its own units (MiB/GiB, 1000- or 1024-based by version): compare bytes
+        value, unit = limit.split()
+        scale = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}[unit]
+        assert abs(float(value) * scale - mb * 10**6) <= 0.01 * mb * 10**6, limit
+
+
+def test_serve_refuses_a_memory_limit_below_the_floor(tmp_path):
+    from click.testing import CliRunner
+
+    from kvtrail.cli import cli
+
+    out = CliRunner().invoke(cli, ["serve", "--db", str(tmp_path / "x.duckdb"), "--memory-limit-mb", "1"])
+    assert out.exit_code == 2 and "--memory-limit-mb" in out.output

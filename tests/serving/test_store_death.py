@@ -1,7 +1,8 @@
 """The stack's store process killed: the stack treats it like a worker. The router answers nothing it cannot
 record (503 from the moment the store is gone, ``/health`` says the audit is degraded), ``kvtrail stack``
 names the store process and exits 1, and every request a client was answered 200 for but the store lacks
-lies within the unclean end ``audit verify`` reports (after the router's last stored event, before the kill)."""
+lies within the unclean end ``audit verify`` reports (after the router's last stored event, before the kill,
+before the end the stack marks by opening the store once all its processes stopped)."""
 
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def test_kvtrail_stack_exits_1_naming_its_killed_store_and_verify_bounds_the_gap
         clients = [threading.Thread(target=client, daemon=True) for _ in range(2)]
         for c in clients:
             c.start()
-        time.sleep(2.0)  # requests served and recorded
+        time.sleep(5.0)  # requests served and recorded (the first commits take seconds on a loaded machine)
         killed_ns = time.time_ns()
         os.kill(store_pid, signal.SIGKILL)
         rc = proc.wait(60)
@@ -128,8 +129,28 @@ def test_kvtrail_stack_exits_1_naming_its_killed_store_and_verify_bounds_the_gap
     report = verify_store(db)
     router_end = [u for u in report.unclean_ends if u.node == "router-0"]
     assert router_end, report.unclean_ends  # the router's last batch has no recorder_closed: an unclean end
-    last_stored_ns = max(u.last_wall_ns for u in router_end)
+    [end] = router_end
+    last_stored_ns = end.last_wall_ns
     unrecorded = [t for t, rid in served if rid not in recorded]
     # what a client was told but the store lacks was answered between the router's last stored event and the
     # store's death (verify's gap), never after it
     assert all(last_stored_ns <= t < killed_ns + 100_000_000 for t in unrecorded)
+    # ... and before the end verify proves: the stack, once every process of it stopped, opened the store once
+    # (its store_opens row), so every producer's unclean end is ended by then and nothing lost came after it
+    assert all(u.ended_by_ns is not None and "owner restarted" in u.reason for u in report.unclean_ends)
+    ended_by = end.ended_by_ns
+    assert ended_by is not None and all(t < ended_by for t in unrecorded), (str(end), ended_by)
+    assert end.gap_end_ns is not None and end.gap_end_ns <= ended_by
+    # verify's estimate of the loss: the flush interval (1 s) and the slowest commit the store saw of the router
+    # (from a batch's newest event to its commit: a batch in flight when the store died is lost too)
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        row = con.execute(
+            "SELECT greatest(max(committed_ns - max_wall_ns), 0) FROM batches WHERE producer_id = ?", [end.producer_id]
+        ).fetchone()
+    finally:
+        con.close()
+    assert row is not None and end.commit_delay_ns == row[0]
+    bound = end.loss_bound_ns
+    assert bound is not None and bound == 10**9 + row[0]
+    assert f"{bound / 1e9:g} s after it may be lost" in str(end)

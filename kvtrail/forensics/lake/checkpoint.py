@@ -67,11 +67,13 @@ def capture(state: ReplayState, key: NodeKey, boundary_ns: int) -> bytes:
         used = _referenced(pool)
         remap = np.full(len(state.requests) + 1, -1, np.int64)  # index -1 stays -1 (last entry)
         remap[used] = np.arange(len(used))
-        for spec in PAGE_ARRAYS:
-            arr = getattr(pool, spec.name)
+        for spec in PAGE_ARRAYS:  # entries, as the pool lays them out (its sparse pages after the dense part)
+            arr = pool.raw(spec.name)
             arrays[spec.name] = remap[arr].astype(arr.dtype) if spec.name in _REQUEST_ARRAYS else arr
-        arrays["share_head"] = np.full_like(pool.share_head, -1)
-        arrays["nshared"] = np.zeros_like(pool.nshared)
+        arrays["share_head"] = np.full_like(arrays["share_head"], -1)
+        arrays["nshared"] = np.zeros_like(arrays["nshared"])
+        arrays["dense_n"] = np.array([pool.dense_n], np.int64)
+        arrays["sparse_pages"] = pool.slots.pages()
         hits = [(p, remap[r], h) for p, rs in pool.shared().items() for r, h in rs.items()]
         arrays["shares"] = np.array(hits, np.int64).reshape(-1, 3)
         extra = [(p, remap[r]) for p, rs in pool.extra.items() for r in sorted(rs)]
@@ -114,7 +116,11 @@ def restore(data: bytes, state: ReplayState) -> CheckpointInfo:
     for rid in info["requests"]:
         state.req(rid)
     state.tenants.update(info["tenants"])
-    pool = PageState(**{spec.name: arrays[spec.name].copy() for spec in PAGE_ARRAYS})
+    raw = {spec.name: arrays[spec.name].copy() for spec in PAGE_ARRAYS}
+    if "dense_n" in arrays:  # where the sparse pages live (a checkpoint without them: every page dense)
+        pool = PageState.restore(raw, int(arrays["dense_n"][0]), arrays["sparse_pages"].tolist())
+    else:
+        pool = PageState(**raw)
     hits = arrays["shares"]
     slots = INITIAL_SLOTS
     while slots < len(hits):

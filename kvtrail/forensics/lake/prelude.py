@@ -141,8 +141,11 @@ class _Builder:
         return out
 
     def emit(self, kind: str, pages: np.ndarray, reqs: np.ndarray, *, purpose=None, real=None, extra=()) -> None:
-        """One synthetic event per request (and per real key / extra column value) over ``pages``."""
-        cols = [reqs[pages]] + ([] if real is None else [real[pages, 0], real[pages, 1]]) + [c[pages] for c in extra]
+        """One synthetic event per request (and per real key / extra column value) over ``pages`` (page ids;
+        ``reqs``, ``real`` and ``extra`` are arrays of the pool's entries)."""
+        pages = np.sort(pages)
+        at = self.pool.slots.many(pages)
+        cols = [reqs[at]] + ([] if real is None else [real[at, 0], real[at, 1]]) + [c[at] for c in extra]
         for values, ps in _groups(pages, *cols):
             r = values[0]
             rid = self.rid(r) if r >= 0 else None
@@ -154,7 +157,7 @@ class _Builder:
 
     def writes(self, pages: np.ndarray) -> None:
         """The last write of each page (its real event, time, digests and block hashes)."""
-        pool = self.pool
+        pool, pages = self.pool, np.sort(pages)
         for values, ps in _groups(
             pages,
             pool.writer[pages],
@@ -178,7 +181,7 @@ class _Builder:
 
     def unverified(self, pages: np.ndarray) -> None:
         """Pages an unverified transfer landed on (writer unknown): that receipt, as the engine reads it."""
-        pool = self.pool
+        pool, pages = self.pool, np.sort(pages)
         for (k0, k1), ps in _groups(pages, pool.write_ev[pages, 0], pool.write_ev[pages, 1]):
             self.out.add(
                 "transfer_received", None, None, ps, int(pool.write_ns[ps[0]]), real=(k0, k1), status=UNVERIFIED
@@ -191,11 +194,13 @@ def build_prelude(pool: PageState, requests: list, tenants: dict, producer_id: i
     # the pool's configuration first: the engine ignores page events before a node's first node_config
     out.add("node_config", None, None, np.zeros(0, np.int64), prelude_ns)
     b = _Builder(pool, requests, tenants, out, prelude_ns)
+    # Arrays over the pool's entries; idx is each entry's page id (its sparse pages after the dense part).
     n = pool.num_entries
-    idx = np.arange(n)
-    owner, areq = pool.owner.astype(np.int64), pool.alloc_req.astype(np.int64)
-    writer = pool.writer.astype(np.int64)
-    gen, wgen = pool.gen, pool.write_gen
+    idx = pool.page_of_entries()
+    slot = pool.slots.one
+    owner, areq = pool.raw("owner").astype(np.int64), pool.raw("alloc_req").astype(np.int64)
+    writer = pool.raw("writer").astype(np.int64)
+    gen, wgen, write_ev = pool.raw("gen"), pool.raw("write_gen"), pool.raw("write_ev")
     # released history: a hold and its release, before anything else
     rel_pages, rel_reqs = [], []
     for r, lists in pool.released.items():
@@ -216,21 +221,21 @@ def build_prelude(pool: PageState, requests: list, tenants: dict, producer_id: i
     late_gen = np.full(n, -1, np.int64)
     for p, (k, w, g) in pool.late.items():
         if k == (int(pool.write_ev[p, 0]), int(pool.write_ev[p, 1])):
-            late_cur[p], late_prev[p], late_gen[p] = True, w, g
+            late_cur[slot(p)], late_prev[slot(p)], late_gen[slot(p)] = True, w, g
     written = writer >= 0
     early = written & (wgen < gen)  # written before the page's last exclusive allocation
     after = written & ~early
-    unverified = (writer < 0) & (pool.write_ev[:, 0] >= 0)  # landed by an unverified transfer: writer unknown
+    unverified = (writer < 0) & (write_ev[:, 0] >= 0)  # landed by an unverified transfer: writer unknown
     in_extra = np.zeros(n, bool)
     for p, rs in pool.extra.items():
-        in_extra[p] = int(writer[p]) in rs
+        in_extra[slot(p)] = int(writer[slot(p)]) in rs
     prev = late_cur & (late_prev >= 0)
     b.emit("kv_written", idx[prev & (late_gen < gen)], late_prev)
     b.emit("pages_allocated", idx[early & ~late_cur], writer, purpose=HOLD_PURPOSE)
     b.writes(idx[early])
     b.unverified(idx[unverified & (wgen < gen)])
-    b.emit("pages_allocated", idx[(owner >= 0) & (owner != areq)], owner, real=pool.alloc_ev)
-    extras = [(p, r) for p, rs in sorted(pool.extra.items()) for r in sorted(rs) if r != areq[p]]
+    b.emit("pages_allocated", idx[(owner >= 0) & (owner != areq)], owner, real=pool.raw("alloc_ev"))
+    extras = [(p, r) for p, rs in sorted(pool.extra.items()) for r in sorted(rs) if r != areq[slot(p)]]
     if extras:
         ep = np.array(extras, np.int64).reshape(-1, 2)
         for (r,), ps in _groups(np.arange(len(ep)), ep[:, 1]):
@@ -239,7 +244,7 @@ def build_prelude(pool: PageState, requests: list, tenants: dict, producer_id: i
             out.add("pages_allocated", rid, tenants.get(rid), pages, prelude_ns)
     last = idx[areq >= 0]
     is_owner = (owner == areq).astype(np.int64)
-    alloc_key = np.where(is_owner[:, None] == 1, pool.alloc_ev, -1)
+    alloc_key = np.where(is_owner[:, None] == 1, pool.raw("alloc_ev"), -1)
     b.emit(
         "pages_allocated",
         last,

@@ -73,7 +73,7 @@ class _Slot:
             self.arrays, self.shares, self.multi = _NO_POOL, _NO_SHARES, np.zeros(0, np.bool_)
             return
         self.shares = pool.shares.arrays()
-        n = pool.num_entries
+        n = pool.dense_n  # the kernel sees the dense part only (pagestate)
         multi, stamp = (spec.allocate(n) for spec in K.SCRATCH_ARRAYS)
         multi[[p for p in pool.extra if 0 <= p < n]] = True  # page has extra holders (double ownership)
         self.arrays, self.multi = pool.arrays() + (multi, stamp), multi

@@ -9,10 +9,15 @@ shared as prefix-cache hits (with the block hash each hit was keyed by) are freq
 radix cache: they live in arrays too (:class:`~kvtrail.forensics.replay.shares.PrefixShares`), so that
 the compiled path replays hits and their reads.
 
-The arrays are sized by the highest page id events actually use, not by the pool the node_config
-declares: a pool starts small (:meth:`PageState.for_pool`) and grows on demand, doubling, so that a
-node declaring 2^25 pages that uses a few hundred costs kilobytes (``PageState.fit``/``reserve``; the
-fast path reserves a batch's highest page id before its kernel runs).
+The arrays cost memory in proportion to the pages events use, not to the pool the node_config declares
+nor to the highest page id named. A pool starts small (:meth:`PageState.for_pool`); a page beyond its
+arrays either extends the *dense* part (entry p is page p, grown doubling) while that part stays at most
+twice the pages the pool has used (or below :data:`DENSE_FLOOR`), or gets an entry of its own in a
+*sparse* part after it (:mod:`kvtrail.forensics.replay.pagemap`): a node declaring 2^25 pages that uses a
+few hundred costs kilobytes, and so does one event naming page 2^30 - 1. Entries therefore number at
+most ``max(DENSE_FLOOR, 2 * U) + 2 * S + 16``, U the pages allocated, written or shared and S the pages
+placed sparse. The dense part grows over sparse pages it comes to cover (they move to their own entry),
+so an ordinary pool keeps plain arrays and the compiled path (which sees the dense part only).
 
 Each page array is declared once, as a field of :class:`PageState` carrying its dtype and the value of
 an unused page; :data:`PAGE_ARRAYS` lists those declarations in order, and allocation, growth and the
@@ -29,12 +34,16 @@ import numpy as np
 
 from kvtrail.audit.validate import MAX_POOL_PAGES
 from kvtrail.errors import StoreError
+from kvtrail.forensics.replay.pagemap import ByPage, PageSlots
 from kvtrail.forensics.replay.shares import PrefixShares
 
 # Released page lists kept per pool (entries); older requests' lists are forgotten first.
 RELEASED_CAP_PAGES = 1 << 22
 # Pages a new pool's arrays hold before any event uses more (then they grow, doubling).
 INITIAL_PAGES = 1 << 10
+# The dense part may always grow to this many entries (~7 MB with the kernel's scratch); beyond it only while
+# it stays at most twice the pages used.
+DENSE_FLOOR = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,17 @@ class PageState:
     # a late write (F7) and what it overwrote; current while the page's write_ev is still that key.
     late: dict[int, tuple[tuple[int, int], int, int]] = field(default_factory=dict, init=False)
     released_pages: int = field(default=0, init=False)  # entries in `released`
+    # where each page id lives in the arrays (dense part, sparse part); see pagemap
+    slots: PageSlots = field(default_factory=lambda: PageSlots(0), init=False)
+    _used: tuple[int, int, int] = field(default=(-1, 0, 0), init=False)  # (dense_n, sparse pages, used) at a count
+
+    def __post_init__(self) -> None:
+        self.slots = PageSlots(len(self.owner))
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled (a lake's partitions travel pickled): the views are made again over this PageSlots."""
+        self.__dict__.update(state)
+        self._wrap()
 
     @classmethod
     def empty(cls, num_pages: int) -> PageState:
@@ -146,10 +166,11 @@ class PageState:
     def shared(self) -> dict[int, dict[int, int]]:
         """Every prefix-cache hit: page -> {request: block hash}, pages ascending, requests in hit order."""
         out = {}
-        for p in np.flatnonzero(self.nshared).tolist():
-            slots = self.shares.chain(self.share_head, p)[::-1]
-            out[p] = {int(self.shares.req[s]): int(self.shares.bhash[s]) for s in slots}
-        return out
+        head = self.raw("share_head")
+        for e in np.flatnonzero(self.raw("nshared")).tolist():  # entries: the page is the shares' own key
+            slots = self.shares.chain(head, e)[::-1]
+            out[int(self.shares.page[slots[0]])] = {int(self.shares.req[s]): int(self.shares.bhash[s]) for s in slots}
+        return dict(sorted(out.items()))
 
     def drop(self, p: int, r: int) -> None:
         """Remove request r from the holders of page p."""
@@ -219,34 +240,119 @@ class PageState:
         lists = self.released.get(r)
         return np.isin(pages, np.concatenate(lists)) if lists else np.zeros(len(pages), bool)
 
-    def fit(self, pages: np.ndarray) -> None:
-        """Make every page id of ``pages`` (non-empty) an index of the arrays."""
-        self.reserve(int(pages.max()))
+    @property
+    def dense_n(self) -> int:
+        """Entries of the dense part: page p at entry p below it."""
+        return self.slots.dense_n
 
-    def reserve(self, max_page: int) -> None:
-        """Make page ids up to ``max_page`` indices of the arrays: grown at least twofold, so that a pool used
-        up to page n costs O(n) memory and O(n) copying in all. A page id beyond any plausible pool (a store
-        written before ingest refused such pools) is a StoreError, not an allocation of its size."""
-        if max_page < self.num_entries:
+    def fit(self, pages: np.ndarray) -> None:
+        """Give every page id of ``pages`` (non-empty) an entry of the arrays. A page id beyond any plausible
+        pool (a store written before ingest refused such pools) is a StoreError, not an allocation."""
+        top = int(pages.max())
+        if top < self.slots.dense_n:
             return
-        if max_page > MAX_POOL_PAGES:
+        if top > MAX_POOL_PAGES:
             raise StoreError(
-                f"replay: page id {max_page} is beyond any plausible pool ({MAX_POOL_PAGES} pages); "
+                f"replay: page id {top} is beyond any plausible pool ({MAX_POOL_PAGES} pages); "
                 "the store holds an event no engine recorded"
             )
-        self.grow(min(max(max_page + 1, 2 * self.num_entries), MAX_POOL_PAGES + 1))
+        new = np.unique(pages[pages >= self.slots.dense_n])
+        if len(self.slots):
+            new = new[~self.slots.known(new)]
+        if not len(new):
+            return
+        allowed = self._dense_allowed(len(new))
+        near = new[new < allowed]
+        if len(near):  # the dense part grows (doubling, within what is allowed) to cover them
+            self._layout(max(int(near[-1]) + 1, min(2 * self.slots.dense_n, allowed)))
+            new = new[new >= self.slots.dense_n]
+        if len(new):
+            self._add_sparse(new.tolist())
+
+    def reserve(self, max_page: int) -> None:
+        """Give page id ``max_page`` an entry (every id below it too where the dense part grows over it)."""
+        if max_page >= self.slots.dense_n:
+            self.fit(np.array([max_page]))
 
     def grow(self, num_entries: int) -> None:
-        """Extend every page array to ``num_entries`` entries with the values of an unused page."""
+        """Extend the dense part to ``num_entries`` entries with the values of an unused page."""
+        if num_entries > self.slots.dense_n:
+            self._layout(num_entries)
+
+    def _dense_allowed(self, num_new: int) -> int:
+        """How far the dense part may reach: twice the pages used (allocated, written or shared in the
+        dense part, plus the sparse pages and ``num_new`` more), at least DENSE_FLOOR. The dense part's
+        count is taken again when it has grown or the sparse pages have doubled since."""
+        d, num_sparse = self.slots.dense_n, len(self.slots)
+        at_d, at_sparse, used = self._used
+        if at_d != d or num_sparse > 2 * at_sparse + 64:
+            gen, ev, shared = (np.asarray(getattr(self, n))[:d] for n in ("gen", "write_ev", "nshared"))
+            used = int(np.count_nonzero((gen > 0) | (ev[:, 0] >= 0) | (shared > 0)))
+            self._used = (d, num_sparse, used)
+        return min(max(DENSE_FLOOR, 2 * (used + num_sparse + num_new)), MAX_POOL_PAGES + 1)
+
+    def _layout(self, dense_n: int, sparse_cap: int | None = None) -> None:
+        """Move the arrays to a dense part of ``dense_n`` entries and room for ``sparse_cap`` sparse pages
+        (default: twice those left); sparse pages the dense part now covers move to their own entry."""
+        old = self.slots
+        pages = old.pages()
+        keep = pages >= dense_n
+        left = pages[keep]
+        if sparse_cap is None:
+            sparse_cap = 2 * len(left) + 16 if len(left) else 0
+        slots = PageSlots(dense_n, left.tolist())
+        src = np.arange(old.dense_n, old.dense_n + len(pages))
+        dst = slots.many(pages)
+        n = min(old.dense_n, dense_n)
         for spec in PAGE_ARRAYS:
-            old = getattr(self, spec.name)
-            new = spec.allocate(num_entries)
-            new[: len(old)] = old
+            raw = np.asarray(getattr(self, spec.name))
+            new = spec.allocate(dense_n + sparse_cap)
+            new[:n] = raw[:n]
+            new[dst] = raw[src]
             setattr(self, spec.name, new)
+        self.slots = slots
+        self._wrap()
+
+    def _add_sparse(self, pages: list[int]) -> None:
+        """Give new page ids (none known, all beyond the dense part) entries in the sparse part."""
+        need = self.slots.dense_n + len(self.slots) + len(pages)
+        if need > self.num_entries:  # room doubles: O(S) moves in all
+            self._layout(self.slots.dense_n, 2 * (len(self.slots) + len(pages)) + 16)
+        self.slots.add(pages)  # the views share this PageSlots: they see the new pages at once
+        if not isinstance(self.owner, ByPage):
+            self._wrap()
+
+    def _wrap(self) -> None:
+        """Plain arrays while every page is dense; :class:`ByPage` views (page ids to entries) otherwise."""
+        for spec in PAGE_ARRAYS:
+            raw = np.asarray(getattr(self, spec.name))
+            setattr(self, spec.name, ByPage.over(raw, self.slots) if len(self.slots) else raw)
+
+    @classmethod
+    def restore(cls, arrays: dict[str, np.ndarray], dense_n: int, sparse_pages: list[int]) -> PageState:
+        """A pool from its raw arrays (entries, as :meth:`raw` gives them) and where its sparse pages live."""
+        pool = cls(**{spec.name: arrays[spec.name] for spec in PAGE_ARRAYS})
+        pool.slots = PageSlots(dense_n, sparse_pages)
+        pool._wrap()
+        return pool
+
+    def raw(self, name: str) -> np.ndarray:
+        """Page array ``name`` as a plain array of entries (see :meth:`page_of_entries`)."""
+        return np.asarray(getattr(self, name))
+
+    def page_of_entries(self) -> np.ndarray:
+        """The page id of every entry of the arrays (-1: an entry no page has)."""
+        out = np.full(self.num_entries, -1, np.int64)
+        out[: self.slots.dense_n] = np.arange(self.slots.dense_n)
+        out[self.slots.dense_n : self.slots.dense_n + len(self.slots)] = self.slots.pages()
+        return out
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        """The page arrays in :data:`PAGE_ARRAYS` order (what the compiled kernel takes)."""
-        return tuple(getattr(self, spec.name) for spec in PAGE_ARRAYS)
+        """The page arrays of the dense part in :data:`PAGE_ARRAYS` order (what the compiled kernel takes:
+        it hands any event naming a sparse page to the handlers)."""
+        if not len(self.slots) and self.slots.dense_n == self.num_entries:
+            return tuple(getattr(self, spec.name) for spec in PAGE_ARRAYS)
+        return tuple(self.raw(spec.name)[: self.slots.dense_n] for spec in PAGE_ARRAYS)
 
 
 # The page arrays in declaration order: the one list allocation, growth and the kernel follow.
