@@ -53,12 +53,28 @@ class SqlScope:
     order: str = EVENT_ORDER
 
 
+# A request is (its id, its tenant), never the id text alone (clients choose ids: two tenants' requests can
+# share one). An event naming no tenant belongs to the request of the first tenant named for its id in the
+# engine's order (the replay's ``ReplayState``; ``docs/findings.md``, "Requests"). In the queries below
+# ``request_id`` is that key as text: the id's length, the id and the tenant, so no two keys collide whatever
+# characters an id holds; ``rid_text`` and ``rtenant`` are its parts.
+REQUEST_KEY = (
+    "CASE WHEN e.request_id IS NOT NULL THEN length(e.request_id)::VARCHAR || ':' || e.request_id"
+    " || coalesce(':' || coalesce(e.tenant_id, f.ft_tenant), '') END"
+)
+
+
 def _base(where: str, order: str) -> str:
     """CTEs shared by every query: windowed events (ev), pool epochs, page runs of page events (pr)."""
     return f"""
-    ev AS (SELECT {_EVENT_COLS},
-                  row_number() OVER (ORDER BY {order}) AS ord
-           FROM events_v WHERE {where}),
+    ev0 AS (SELECT {_EVENT_COLS},
+                   row_number() OVER (ORDER BY {order}) AS ord
+            FROM events_v WHERE {where}),
+    first_tenant AS (SELECT request_id AS ft_id, arg_min(tenant_id, ord) AS ft_tenant FROM ev0
+                     WHERE request_id IS NOT NULL AND tenant_id IS NOT NULL GROUP BY request_id),
+    ev AS (SELECT e.* REPLACE ({REQUEST_KEY} AS request_id), e.request_id AS rid_text,
+                  coalesce(e.tenant_id, f.ft_tenant) AS rtenant
+           FROM ev0 e LEFT JOIN first_tenant f ON f.ft_id = e.request_id),
     cfg AS (SELECT cluster, node, ord,
                    sum(CASE WHEN instance IS DISTINCT FROM prev THEN 1 ELSE 0 END)
                        OVER (PARTITION BY cluster, node ORDER BY ord) AS epoch
@@ -83,8 +99,9 @@ def _base(where: str, order: str) -> str:
             FROM pr WHERE kind IN ('pages_allocated', 'pages_freed'))"""
 
 
-def _sorted_ids(ids) -> tuple:
-    return tuple(sorted(set(ids), key=lambda x: (x is None, x)))
+def _by_id(v: tuple) -> tuple:
+    """Victims' order: by request id, then tenant (no id, no tenant last), as the replay engine."""
+    return (v[0] is None, v[0] or "", v[1] is None, v[1] or "")
 
 
 def _keys(items) -> tuple[tuple[int, int], ...]:
@@ -94,7 +111,14 @@ def _keys(items) -> tuple[tuple[int, int], ...]:
 class Ctx:
     def __init__(self, con, where: str, params: list, order: str = EVENT_ORDER):
         self.con, self.where, self.params, self.order = con, where, params, order
-        self.tenants: dict[str, str] = {}
+        self.keys: dict[str, tuple[str, str | None]] = {}  # request key -> (request id, tenant)
+
+    def rid(self, key: str | None) -> str | None:
+        """The request id of a request key (None: none)."""
+        return None if key is None else self.keys[key][0]
+
+    def tenant(self, key: str | None) -> str | None:
+        return None if key is None else self.keys[key][1]
 
     def query(self, body: str, extra_ctes: str = "", params=()) -> list[tuple]:
         sql = "WITH " + _base(self.where, self.order) + ("," + extra_ctes if extra_ctes else "") + "\n" + body
@@ -115,14 +139,14 @@ class Ctx:
         lineage=(0, 0),
         severity=None,
     ):
-        vic = _sorted_ids(victims)
+        vic = sorted({(self.rid(v), self.tenant(v)) for v in victims}, key=_by_id)
         return make_finding(
             code,
             node=node,
-            request_id=request,
-            tenant_id=self.tenants.get(request),
-            victim_request_ids=vic,
-            victim_tenant_ids=tuple(self.tenants.get(v) for v in vic),
+            request_id=self.rid(request),
+            tenant_id=self.tenant(request),
+            victim_request_ids=tuple(v for v, _ in vic),
+            victim_tenant_ids=tuple(t for _, t in vic),
             pages=tuple(int(p) for p in pages),
             first_ns=int(first_ns),
             last_ns=int(last_ns),
@@ -418,12 +442,12 @@ def sql_findings(
     con.begin()  # one snapshot for every query
     try:
         ctx = Ctx(con, where, params, order)
-        ctx.tenants = dict(
-            ctx.query(
-                "SELECT request_id, arg_min(tenant_id, ord) FROM ev WHERE request_id IS NOT NULL "
-                "AND tenant_id IS NOT NULL GROUP BY request_id"
+        ctx.keys = {
+            k: (rid, t)
+            for k, rid, t in ctx.query(
+                "SELECT DISTINCT request_id, rid_text, rtenant FROM ev WHERE request_id IS NOT NULL"
             )
-        )
+        }
         found = [f for part_codes, fn in parts if want is None or part_codes & want for f in fn(ctx)]
     finally:
         con.commit()
