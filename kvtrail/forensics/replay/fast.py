@@ -11,8 +11,9 @@ against on random histories. Both work on the one :class:`~kvtrail.forensics.rep
 they are given.
 
 What the handlers do besides page state is done in bulk, with the same result: request indices are
-assigned and tenants named per batch (:meth:`ReplayState.register_requests`, both paths), releases are remembered in order before it, and the
-prefill-rate samples of kernel-applied writes are summed per (node, request) at the end of the batch.
+assigned and tenants named per batch (:meth:`ReplayState.register_requests`, both paths), releases are
+remembered in order before it, and the prefill-rate samples of kernel-applied writes are summed per
+(node, request) at the end of the batch.
 """
 
 from __future__ import annotations
@@ -181,8 +182,10 @@ class FastReplay:
         for row in np.flatnonzero(~pooled & (op == K.OP_PYTHON)).tolist():
             handle(known.pop(row))
         hit_pages = state.joins.hit_pages
-        for row in np.flatnonzero(run.hit).tolist():  # what CrossNodeJoins.prefix_hit adds for the kernel's hits
-            key = (self.slots[slot[row]].key, state.requests[req[row]])
+        hits = np.flatnonzero(run.hit)
+        tenant_ids = b.column("tenant_id").take(pa.array(hits)).to_pylist() if len(hits) else []
+        for row, tenant in zip(hits.tolist(), tenant_ids):  # what CrossNodeJoins.prefix_hit adds for the kernel's
+            key = (self.slots[slot[row]].key, b.request_ids[b.rcode[row]], tenant)
             hit_pages[key] = hit_pages.get(key, 0) + int(b.poff[row + 1] - b.poff[row])
         roles = state.joins.role
         last = n - 1 - first_rows(b.producer[::-1], len(b.idents))

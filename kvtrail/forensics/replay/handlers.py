@@ -173,7 +173,12 @@ class EventHandlers:
         counts = Counter(listed)
         dups = list(dict.fromkeys(p for p in listed if counts[p] > 1))  # in order of first listing
         self.emit(
-            "F6", ev, req=(r := self.state.req(ev.request_id, ev.tenant_id)), victims=[r], pages=dups, detail=REPEAT_DETAIL
+            "F6",
+            ev,
+            req=(r := self.state.req(ev.request_id, ev.tenant_id)),
+            victims=[r],
+            pages=dups,
+            detail=REPEAT_DETAIL,
         )
 
     def on_pages_freed(self, ev: ReplayEvent) -> None:

@@ -23,11 +23,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvtrail.forensics.findings import Finding
-from kvtrail.forensics.replay.batch import first_rows
 from kvtrail.forensics.replay.event import NodeKey
 from kvtrail.forensics.replay.joins import CrossNodeJoins
 from kvtrail.forensics.replay.pagestate import PageState
-
 
 RequestKey = tuple[str | None, str | None]  # (request_id, tenant_id): how the replay identifies a request
 _NEVER = 2**62  # tenant_since of a request whose tenant no event has named yet
@@ -53,6 +51,9 @@ class ReplayState:
     renamed: list[int] = field(default_factory=list)  # indices whose tenant or tenant_since changed (fast path)
     found: list[Finding] = field(default_factory=list)  # the per-node findings, as emitted
     num_events: int = 0  # events fed so far: the next event's order number
+
+    def __post_init__(self) -> None:
+        self.joins.tenants = self.tenants  # the joins resolve an event naming no tenant alike
 
     def key(self, request_id: str | None, tenant_id: str | None) -> RequestKey:
         """The request an event of ``request_id`` naming ``tenant_id`` (or none) belongs to."""
