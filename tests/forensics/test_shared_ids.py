@@ -97,3 +97,98 @@ def test_events_naming_no_tenant_belong_to_the_first_tenant_named_for_the_id():
                 for f in engine.findings()
             ]
             assert got == [("F1", "x", "mallory", ("x",), ("acme",))], (split, fast)
+
+
+# ---- bootstrap rooms: one transfer id, prefill's request id and decode's -------------------------------------
+
+ROOM = 7
+
+
+def _room(tl, pre: str, dec: str, tid: int | None, *, sent_tokens: int = 32, sent_digest: int = 5) -> None:
+    """One SGLang PD request: prefill records it as ``pre``, decode as ``dec``, both with transfer id ``tid`` (the
+    bootstrap room). Decode reserves and receives 32 tokens with digest 5; prefill sends ``sent_tokens``."""
+    tl.add("p", "request_received", pre, tid, prompt_tokens=32)
+    tl.add("d", "request_received", dec, tid, prompt_tokens=32)
+    if tid is None:  # a health check: no room, nothing transferred
+        return
+    tl.add("d", "transfer_reserved", dec, tid, pages=[5, 6], num_tokens=32)
+    tl.alloc("d", dec, [5, 6], "decode_reservation")
+    tl.alloc("p", pre, [1, 2])
+    tl.write("p", pre, [1, 2])
+    tl.add(
+        "p",
+        "transfer_sent",
+        pre,
+        tid,
+        pages=[1, 2],
+        dst_pages=[5, 6],
+        num_tokens=sent_tokens,
+        is_last_chunk=True,
+        digest=sent_digest,
+        digest_algo="adler32",
+    )
+    tl.free("p", pre, [1, 2])
+    tl.write("d", dec, [5, 6], source="transfer_in")
+    tl.add(
+        "d", "transfer_received", dec, tid, pages=[5, 6], num_tokens=32, status="ok", digest=5, digest_algo="adler32"
+    )
+    tl.read("d", dec, [5, 6])
+    tl.add("d", "response_sent", dec, tid, http_status=200, prompt_tokens=32, completion_tokens=4, latency_ns=5)
+
+
+def _pd(**names) -> Timeline:
+    tl = Timeline()
+    tl.node("p", "prefill")
+    tl.node("d", "decode")
+    for rid, shown in names.items():
+        tl.id_of[rid] = shown
+        tl.tenant_of[rid] = "acme"
+    return tl
+
+
+def _judged(tl: Timeline, tmp_path) -> tuple[list[fx.Finding], fx.Answer]:
+    """Every engine's findings of the history (asserted equal: replay, its fast path, SQL, both on a lake)
+    and the findings answer (its warnings)."""
+    db = str(tmp_path / "room.duckdb")
+    with AuditStore(db) as store:
+        store.append(from_dicts(tl.events))
+    found = _engines(db)
+    assert found["replay"] == found["replay fast"] == found["sql"]
+    lake = str(tmp_path / "lake")
+    export_lake(db, lake, checkpoints=write_checkpoints)
+    with open_lake(lake) as lk:
+        assert lake_findings(lk, fx.Window()) == found["sql"]
+        assert sql_lake_findings(lk, None, None, ForensicsPolicy(), None) == found["sql"]
+    return found["sql"], fx.ask_findings(db)
+
+
+def test_a_bootstrap_rooms_prefill_and_decode_ids_are_one_transfer(tmp_path):
+    tl = _pd(pre="prefill-rid-1", dec="decode-rid-1")
+    _room(tl, "pre", "dec", ROOM, sent_tokens=16, sent_digest=9)  # prefill sent half, with another digest
+    found, answer = _judged(tl, tmp_path)
+    assert sorted(f.code for f in found) == ["F2", "F3"]  # decode's receipt alone agrees with its reservation
+    for f in found:  # named by decode's id (whose response the client got), prefill's kept
+        assert (f.request_id, f.tenant_id) == ("decode-rid-1", "acme")
+        assert f.detail.endswith("; prefill's request id: prefill-rid-1")
+    assert "sent 16 tokens/2 pages" in next(f.detail for f in found if f.code == "F2")
+    assert "prefill digest 0x9 != decode digest 0x5" in next(f.detail for f in found if f.code == "F3")
+    assert answer.warnings == ()  # one request per side: no collision
+
+
+def test_a_clean_room_and_health_checks_without_a_room_say_nothing(tmp_path):
+    tl = _pd(pre="prefill-rid-1", dec="decode-rid-1", hp="health-p", hd="health-d")
+    _room(tl, "pre", "dec", ROOM)
+    _room(tl, "hp", "hd", None)  # never joined: no transfer id
+    found, answer = _judged(tl, tmp_path)
+    assert found == [] and answer.warnings == ()
+
+
+def test_two_senders_of_one_room_are_a_collision_joined_with_nobody(tmp_path):
+    tl = _pd(pre="prefill-rid-1", dec="decode-rid-1", pre2="prefill-rid-2")
+    _room(tl, "pre", "dec", ROOM, sent_tokens=16, sent_digest=9)
+    tl.add("p", "transfer_sent", "pre2", ROOM, pages=[3], dst_pages=[5], num_tokens=16, is_last_chunk=True)
+    found, answer = _judged(tl, tmp_path)
+    assert found == []  # decode's reservation and receipt agree; no send is decode's
+    (warning,) = answer.warnings
+    assert "1 transfer id(s) carried by more than one request" in warning
+    assert f"{ROOM}: decode-rid-1, prefill-rid-1, prefill-rid-2" in warning
