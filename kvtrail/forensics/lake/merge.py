@@ -10,7 +10,7 @@ renumbered by its place in that order before the joins are evaluated.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, TypeVar
 
 from kvtrail.forensics.findings import Finding
 from kvtrail.forensics.lake.task import PartitionResult
@@ -19,6 +19,8 @@ from kvtrail.forensics.replay.event import ReplayEvent
 from kvtrail.forensics.replay.handlers import EventHandlers
 from kvtrail.forensics.replay.joins import CrossNodeJoins, TransferEvents
 from kvtrail.forensics.replay.state import ReplayState
+
+K = TypeVar("K")
 
 
 def _key(ev: ReplayEvent) -> tuple:
@@ -55,14 +57,23 @@ def _events_of(j: CrossNodeJoins) -> Iterable[ReplayEvent]:
     yield from j.configs.values()
 
 
+def _earliest(into: dict[K, ReplayEvent], receipts: dict[K, ReplayEvent], num: _Renumber) -> None:
+    """Add ``receipts`` to ``into``, renumbered: per key, the earliest in the engine's order."""
+    for key, ev in receipts.items():
+        ev = num.ev(ev)
+        cur = into.get(key)
+        if cur is None or ev.ord < cur.ord:
+            into[key] = ev
+
+
 def merge_joins(results: list[PartitionResult], policy: ForensicsPolicy) -> CrossNodeJoins:
     """One CrossNodeJoins holding every task's collections, renumbered into one order."""
     results = sorted(results, key=lambda r: (r.hours[0], r.cluster, r.node))
     num = _Renumber(results)
     out = CrossNodeJoins(policy)
     for r in results:  # the first tenant named for each id, in hour order (as one store's replay)
-        for rid, tenant in r.tenants.items():
-            out.tenants.setdefault(rid, tenant)
+        for named, tenant in r.tenants.items():
+            out.tenants.setdefault(named, tenant)
     # Each task's latest node_config per node: a task that starts from a checkpoint has fed none, so the
     # config in force at one of its events is the latest one before it in any task (F11).
     configs: dict[tuple[str, str], list[ReplayEvent]] = {}
@@ -98,12 +109,8 @@ def merge_joins(results: list[PartitionResult], policy: ForensicsPolicy) -> Cros
             out.aborts.setdefault(rid, []).extend(num.ev(e) for e in evs)
         out.aborted_at |= j.aborted_at
         out.responses.extend(num.ev(e) for e in j.responses)
-        for receipts, into in ((j.receipts, out.receipts), (j.request_receipts, out.request_receipts)):
-            for rkey, ev in receipts.items():  # type: ignore[attr-defined]
-                ev = num.ev(ev)
-                cur = into.get(rkey)  # type: ignore[attr-defined]
-                if cur is None or ev.ord < cur.ord:
-                    into[rkey] = ev  # type: ignore[index]
+        _earliest(out.receipts, j.receipts, num)
+        _earliest(out.request_receipts, j.request_receipts, num)
         out.forward_writes.extend((w[0], num.rank[(w[2], w[0], w[1])], w[2], w[3], w[4]) for w in j.forward_writes)
         for hkey, n in list(j.hit_pages.items()) + list(r.hit_pages.items()):
             out.hit_pages[hkey] = out.hit_pages.get(hkey, 0) + n
