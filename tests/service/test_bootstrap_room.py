@@ -35,5 +35,16 @@ def test_the_service_judges_a_room_as_one_transfer(tmp_path):
             assert {(row["request_id"], row["tenant_id"]) for row in rows} == {("decode-rid-1", "acme")}
             assert all("prefill's request id: prefill-rid-1" in row["detail"] for row in rows)
             assert json.loads(r.headers["x-kvtrail-answer"])["warnings"] == []
+            # decode's request's drill-down shows prefill's sends for the room beside its own reservation and receipt
+            drill = client.get(
+                "/v1/requests/decode-rid-1/pages", params=window, headers={"Authorization": f"Bearer {token}"}
+            )
+            assert drill.status_code == 200, drill.text
+            shown = [(t["kind"], t["node"], t["num_tokens"]) for t in drill.json()["transfers"]]
+            assert shown == [("transfer_reserved", "d", 32), ("transfer_sent", "p", 16), ("transfer_received", "d", 32)]
+            none = client.get(
+                "/v1/requests/prefill-rid-1/pages", params=window, headers={"Authorization": f"Bearer {token}"}
+            )
+            assert [t["kind"] for t in none.json()["transfers"]] == ["transfer_sent"]  # its own only
     finally:
         state.close()
