@@ -97,6 +97,7 @@ class ReplayEngine:
         state.register_requests(
             is_page_event, *request_codes(table.column("request_id")), table.column("tenant_id"), ord0
         )
+        state.renamed.clear()  # only the fast path's tenant arrays follow them
         rows = zip(*(table.column(name).to_pylist() for name in SCALARS))
         ident = list(zip(*(table.column(n).to_pylist() for n in PRODUCER_NAMES)))
         pids = table.column("producer_id").to_pylist() if "producer_id" in table.column_names else None
