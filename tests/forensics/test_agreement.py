@@ -279,7 +279,13 @@ PD_KINDS = (
     "aborted_empty",
     "collide",
     "collide_short",
+    "room",
+    "room_short_send",
+    "room_bad_digest",
 )
+# room*: SGLang's PD, where the transfer id is the bootstrap room and prefill records the request under its own id
+# (p<i>, its own tenant) while decode and the router use q<i>: one transfer, named by decode's id. Decode's
+# receipt agrees with its reservation, so only the pair's comparison (prefill's send) can find the F2 / F3.
 
 
 def pd_history(data):
@@ -296,21 +302,24 @@ def pd_history(data):
     placeholders = []
     for i, kind in enumerate(kinds):
         rid, tid = f"q{i}", 1000 + i
-        if kind.startswith("collide") and i > 0:  # the previous request's transfer id, reused
+        room = kind.startswith("room")
+        kind = {"room": "clean"}.get(kind, kind.removeprefix("room_"))
+        pre = f"p{i}" if room else rid  # prefill's request id
+        if kind.startswith("collide") and i > 0 and not kinds[i - 1].startswith("room"):  # the previous id, reused
             tid -= 1
         pages = data.draw(st.integers(1, 4))
         tokens = 16 * pages - data.draw(st.integers(0, 15))
         dst = list(range(next_page, next_page + pages))
         next_page += pages
-        recv = tl.add("p", "request_received", rid, tid, prompt_tokens=tokens)
+        recv = tl.add("p", "request_received", pre, tid, prompt_tokens=tokens)
         tl.add("d", "transfer_reserved", rid, tid, pages=dst, num_tokens=tokens)
         tl.alloc("d", rid, dst, "decode_reservation")
         if kind in ("rejected_served", "placeholder", "aborted_empty"):
             tl.add("p", "request_aborted", rid, tid, stage="prefill_queue", abort_reason="too long", http_status=400)
         computed = 1 if kind == "placeholder" else tokens
         src = [1 + i % 60]
-        tl.alloc("p", rid, src)
-        w = tl.add("p", "kv_written", rid, pages=src, token_start=0, token_end=computed, source="forward")
+        tl.alloc("p", pre, src)
+        w = tl.add("p", "kv_written", pre, pages=src, token_start=0, token_end=computed, source="forward")
         recv["wall_ns"] = w["wall_ns"] - computed  # prefill runs at 1 token/ns
         sent_tokens = (
             tokens - 1 if kind in ("short_send", "collide_short") else (1 if kind == "placeholder" else tokens)
@@ -320,7 +329,7 @@ def pd_history(data):
         tl.add(
             "p",
             "transfer_sent",
-            rid,
+            pre,
             tid,
             pages=src * len(landed),
             dst_pages=landed,
@@ -329,11 +338,11 @@ def pd_history(data):
             digest=digest,
             digest_algo="adler32",
         )
-        tl.free("p", rid, src)
+        tl.free("p", pre, src)
         tl.write("d", rid, landed, source="transfer_in")
         got_digest = digest + 1 if kind == "bad_digest" else digest
         status = {"receiver_mismatch": "mismatch", "failed_short": "failed"}.get(kind, "ok")
-        landed_tokens = tokens // 2 if kind == "failed_short" else sent_tokens
+        landed_tokens = tokens // 2 if kind == "failed_short" else tokens if room else sent_tokens
         rec = tl.add(
             "d",
             "transfer_received",
@@ -358,7 +367,7 @@ def pd_history(data):
             latency_ns=ttft + 10,
             ttft_ns=ttft,
         )
-        if landed_tokens != tokens:  # a placeholder of a 1-token prompt sends what was reserved
+        if landed_tokens != tokens or sent_tokens != tokens:  # a 1-token prompt's placeholder sends what was reserved
             expected.append(("F2", rid, rec["wall_ns"]))
         if kind in ("bad_digest", "receiver_mismatch"):
             expected.append(("F3", rid, rec["wall_ns"]))
