@@ -5,7 +5,7 @@ who wrote it, when it was freed and given to someone else, and the request's own
 read from the events of that node in a bounded span around the request (``LOOKBACK_NS`` before its first
 event there, ``AFTER_NS`` after its last read of the pages shown), for at most ``MAX_PAGES`` pages, the
 foreign ones (its F1/F5 findings) first. Beside it: what decode reserved, prefill sent and decode received
-(tokens, pages, digests), and the response's TTFT.
+(tokens, pages, digests; a bootstrap room's sends under prefill's own request id too), and the response's TTFT.
 """
 
 from __future__ import annotations
@@ -279,16 +279,27 @@ def _page_row(node: str, page: int, read_ns: int, is_foreign: bool, marks: pl.Da
     }
 
 
+# The request's own transfer events, and a bootstrap room's sends by prefill's request for it (the room's one
+# sender, decode's request its one receiver: ``docs/findings.md``, "Cross-node rules").
+_TRANSFERS = """
+WITH tx AS (SELECT * FROM events_v WHERE kind IN ('transfer_reserved', 'transfer_sent', 'transfer_received')),
+mine AS (SELECT * FROM tx WHERE request_id = ? AND (? IS NULL OR tenant_id = ?)),
+rooms AS (SELECT t.cluster, t.transfer_id, any_value(t.request_id) FILTER (WHERE t.request_id <> ?) AS sender
+          FROM tx t SEMI JOIN (SELECT DISTINCT cluster, transfer_id FROM mine WHERE kind <> 'transfer_sent') m
+            ON m.cluster = t.cluster AND m.transfer_id = t.transfer_id
+          GROUP BY ALL
+          HAVING count(DISTINCT t.request_id) = 2
+             AND NOT bool_or(t.request_id = ? AND t.kind = 'transfer_sent')
+             AND NOT bool_or(t.request_id <> ? AND t.kind <> 'transfer_sent')),
+room_sends AS (SELECT t.* FROM tx t JOIN rooms r
+               ON r.cluster = t.cluster AND r.transfer_id = t.transfer_id AND t.request_id = r.sender)
+SELECT kind, node, wall_ns, transfer_id, num_tokens, num_pages, digest, digest_algo, status
+FROM (SELECT * FROM mine UNION ALL SELECT * FROM room_sends) ORDER BY wall_ns, node"""
+
+
 def _transfers(con: duckdb.DuckDBPyConnection, request_id: str, only: str | None) -> pl.DataFrame:
-    return pl.DataFrame(
-        con.sql(
-            "SELECT kind, node, wall_ns, transfer_id, num_tokens, num_pages, digest, digest_algo, status "
-            "FROM events_v WHERE request_id = ? AND (? IS NULL OR tenant_id = ?) "
-            "AND kind IN ('transfer_reserved', 'transfer_sent', 'transfer_received') "
-            "ORDER BY wall_ns",
-            params=[request_id, only, only],
-        ).to_arrow_table()
-    ).cast(pl.Schema(TRANSFER_SCHEMA))
+    params = [request_id, only, only, request_id, request_id, request_id]
+    return pl.DataFrame(con.sql(_TRANSFERS, params=params).to_arrow_table()).cast(pl.Schema(TRANSFER_SCHEMA))
 
 
 def _response(

@@ -1,9 +1,12 @@
 """What the record shows that is not a finding, but that every answer over it must mention.
 
-* **Shared transfer ids** - a transfer id carried by events of more than one request in the window (a
-  collision, a replayed id, a producer bug). The engines join a transfer's events on (transfer id,
-  request id), so nothing is merged, but the record itself is suspect: each answer and report carries
-  an integrity warning naming them.
+* **Shared transfer ids** - a transfer id carried by events of more than one request on one side of a
+  transfer in the window: two request ids for it on the prefill nodes (or on the decode nodes, or another
+  role's) of one cluster, or the id in more than one cluster (a collision, a replayed id, a producer bug).
+  One request on prefill and another on decode is no collision: SGLang's bootstrap room is the transfer's
+  identity and each side records its own request id; the engines join that pair as one transfer
+  (``docs/findings.md``, "Cross-node rules"). A collision joins nothing across requests, but the record
+  itself is suspect: each answer and report carries an integrity warning naming them.
 * **Empty 2xx after an abort** - a request aborted on some node whose client still got a 2xx with no
   completion tokens (SGLang's "abort returns 200 with finish_reason length"). Not F4, which needs
   output, and not exposure; shown beside the findings so that nobody mistakes it for a clean success.
@@ -39,8 +42,9 @@ def _windowed(w: Window) -> tuple[str, list]:
 def shared_transfer_ids(
     con: duckdb.DuckDBPyConnection, w: Window = Window(), *, kinds: bool | None = None
 ) -> pl.DataFrame:
-    """Transfer ids that events of more than one request carry in the window: (transfer_id,
-    request_ids, num_events). ``kinds``: whether the store has its kind tables (None: look)."""
+    """Transfer ids that collide in the window (more than one request id on one side of one cluster, or the
+    id in more than one cluster): (transfer_id, request_ids, num_events). ``kinds``: whether the store has
+    its kind tables (None: look)."""
     schema: dict[str, pl.DataType] = {
         "transfer_id": pl.UInt64(),
         "request_ids": pl.List(pl.Utf8),
@@ -55,9 +59,15 @@ def shared_transfer_ids(
     ev, params = _windowed(w)
     rows = con.execute(
         f"""
+        WITH t AS (SELECT transfer_id, cluster, CASE WHEN role = 'unified' THEN 'prefill' ELSE role END AS side,
+                          request_id FROM {ev} WHERE transfer_id IS NOT NULL AND request_id IS NOT NULL),
+        sides AS (SELECT transfer_id, max(n) AS most FROM (SELECT transfer_id, cluster, side,
+                  count(DISTINCT request_id) AS n FROM t GROUP BY ALL) GROUP BY transfer_id)
         SELECT transfer_id, list(DISTINCT request_id ORDER BY request_id), count(*)
-        FROM {ev} WHERE transfer_id IS NOT NULL AND request_id IS NOT NULL
-        GROUP BY transfer_id HAVING count(DISTINCT request_id) > 1 ORDER BY transfer_id""",
+        FROM t JOIN sides USING (transfer_id)
+        GROUP BY transfer_id
+        HAVING count(DISTINCT request_id) > 1 AND (any_value(most) > 1 OR count(DISTINCT cluster) > 1)
+        ORDER BY transfer_id""",
         params,
     ).fetchall()
     return pl.DataFrame([{"transfer_id": t, "request_ids": r, "num_events": n} for t, r, n in rows], schema=schema)

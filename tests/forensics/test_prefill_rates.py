@@ -42,7 +42,7 @@ def rates_by_definition(j: CrossNodeJoins) -> dict:
 
 
 def _event(nk, rid, ord_, wall):
-    return SimpleNamespace(node_key=nk, request_id=rid, ord=ord_, wall_ns=wall)
+    return SimpleNamespace(node_key=nk, request_id=rid, tenant_id=None, ord=ord_, wall_ns=wall)
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -18,6 +18,7 @@ class Timeline:
     def __init__(self):
         self.events, self.seqs, self.prods = [], {}, {}
         self.tenant_of: dict[str, str] = {}  # request -> tenant (default "t-" + request id)
+        self.id_of: dict[str, str] = {}  # request -> the request_id its events carry (default: its own name)
 
     def node(self, name, role="decode", pool_pages=32, page_size=16, context_tokens=None, instance="i1"):
         prod = producer(name, role, instance=instance)
@@ -38,7 +39,7 @@ class Timeline:
     def add(self, node, kind, rid=None, tid=None, **payload):
         request = None
         if rid is not None:
-            request = {"request_id": rid, "tenant_id": self.tenant_of.get(rid, "t-" + rid)}
+            request = {"request_id": self.id_of.get(rid, rid), "tenant_id": self.tenant_of.get(rid, "t-" + rid)}
             if tid is not None:
                 request["transfer_id"] = tid
         seq = self.seqs[node]

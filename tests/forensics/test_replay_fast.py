@@ -38,6 +38,8 @@ def assert_same(tables, **kw):
     assert fast.findings() == pure.findings()
     fs, ps = fast.state, pure.state
     assert fs.requests == ps.requests and fs.tenants == ps.tenants and fs.num_events == ps.num_events
+    assert fs.request_tenants == ps.request_tenants and fs.tenant_since == ps.tenant_since
+    assert fs.request_index == ps.request_index
     assert fs.joins.role == ps.joins.role and fs.joins.hit_pages == ps.joins.hit_pages
     if "codes" not in kw:  # without the joins, only the handlers run for Python events still feed them
         assert sorted(fs.joins.forward_writes) == sorted(ps.joins.forward_writes)
@@ -109,9 +111,12 @@ def free_form(events) -> pa.Table:
     tl = Timeline()
     tl.node("a", pool_pages=8)
     tl.node("b", pool_pages=8, instance="b1")
+    for r in range(6):  # two tenants reuse each request id; r5's events name no tenant (r2's id: r2's request)
+        tl.id_of[f"r{r}"], tl.tenant_of[f"r{r}"] = f"x{r % 3}", "t-a" if r < 3 else "t-b"
     restarts = 0
     for kind, node, r, pages, extra in events:
         rid = f"r{r}"
+        before = len(tl.events)
         tag = {"page_digests": [abs(p) * 7 for p in pages]} if extra else {}
         if kind in ("alloc", "growth"):
             tl.alloc(node, rid, pages, "decode_growth" if kind == "growth" else "decode_reservation")
@@ -133,6 +138,8 @@ def free_form(events) -> pa.Table:
             tl.add(node, "transfer_received", rid, r, pages=pages, num_tokens=0, status="unverified")
         elif kind == "response":
             tl.add(node, "response_sent", rid, http_status=200, prompt_tokens=10, completion_tokens=1, latency_ns=5)
+        if r == 5 and len(tl.events) > before and tl.events[-1].get("request"):
+            tl.events[-1]["request"].pop("tenant_id")
     return from_dicts(tl.events)
 
 

@@ -141,7 +141,7 @@ def test_a_lake_checkpoint_prelude_carries_the_unverified_landing():
     engine = ReplayEngine(fast=False)
     engine.feed(from_dicts(tl.events[: tl.events.index(rec) + 1]))  # the checkpoint right after the receipt
     [(key, pool)] = [(k, p) for k, p in engine.state.pools.items() if k[1] == "d"]
-    prelude = build_prelude(pool, engine.state.requests, engine.state.tenants, 99, tl.events[-1]["wall_ns"])
+    prelude = build_prelude(pool, engine.state.requests, engine.state.request_tenants, 99, tl.events[-1]["wall_ns"])
     receipts = [r for r in prelude.rows if r["kind"] == "transfer_received"]
     assert [(r["status"], r["request_id"], r["num_pages"]) for r in receipts] == [("unverified", None, 3)]
     assert prelude.keys[receipts[0]["seq"]] == (int(pool.write_ev[1, 0]), rec["seq"])

@@ -65,11 +65,6 @@ def test_a_tenant_asking_about_a_shared_id_gets_only_its_own_request(shared):
         assert body["response"]["prompt_tokens"] == (LONG if me == "mallory" else SHORT_ACME)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the replay engine keys requests by id text: both requests are one index there, their findings carry "
-    "the tenant first named for the id (forensics/replay/state.py), and the read of acme's pages is no F1",
-)
 def test_the_victim_is_not_told_its_request_was_affected_by_the_other_tenants(shared):
     client, tokens, _ = shared
     acme = _get(client, tokens["tenant:acme"], f"/v1/requests/{DUP}")

@@ -26,7 +26,7 @@ from kvtrail.forensics.replay.pagestate import PAGE_ARRAYS, PageState
 from kvtrail.forensics.replay.shares import INITIAL_SLOTS, PrefixShares
 from kvtrail.forensics.replay.state import ReplayState
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: each request's tenant (requests are (id, tenant), not the id alone)
 _REQUEST_ARRAYS = ("owner", "alloc_req", "writer")  # page arrays that hold request indices
 
 
@@ -89,6 +89,7 @@ def capture(state: ReplayState, key: NodeKey, boundary_ns: int) -> bytes:
         ids = [state.requests[r] for r in used.tolist()]
         info["requests"] = ids
         info["tenants"] = {rid: state.tenants[rid] for rid in ids if rid is not None and rid in state.tenants}
+        info["request_tenants"] = [state.request_tenants[r] for r in used.tolist()]
     buf = io.BytesIO()
     arrays["info"] = np.frombuffer(json.dumps(info).encode(), np.uint8)
     np.savez_compressed(buf, allow_pickle=False, **arrays)
@@ -113,9 +114,11 @@ def restore(data: bytes, state: ReplayState) -> CheckpointInfo:
     out = CheckpointInfo(info["cluster"], info["node"], info["boundary_ns"], info["has_pool"], info["instance"])
     if not info["has_pool"]:
         return out
-    for rid in info["requests"]:
-        state.req(rid)
     state.tenants.update(info["tenants"])
+    for rid, tenant in zip(info["requests"], info["request_tenants"]):
+        if tenant is not None:
+            state.named[(rid, tenant)] = -1  # named before anything the restored replay reads
+        state.req(rid, tenant)
     raw = {spec.name: arrays[spec.name].copy() for spec in PAGE_ARRAYS}
     if "dense_n" in arrays:  # where the sparse pages live (a checkpoint without them: every page dense)
         pool = PageState.restore(raw, int(arrays["dense_n"][0]), arrays["sparse_pages"].tolist())

@@ -1,7 +1,7 @@
 """The second stage: what crosses partitions, resolved from every task's result.
 
 Per-node findings (F1, F5, F6, F7, F8, F10) come from the tasks as they are. The cross-node joins
-(F2/F3/F4/F9/F11: transfers keyed by (transfer id, request id), aborts against 2xx responses, TTFT against
+(F2/F3/F4/F9/F11: transfers per request and bootstrap room, aborts against 2xx responses, TTFT against
 each prefill node's measured rate) are rebuilt in one :class:`~kvtrail.forensics.replay.joins.CrossNodeJoins`
 from the tasks' collections, in the order one store's replay would have fed them: the engine's order is
 (wall time, cluster, node, ...), a task's own order numbers break ties inside its node, so each event is
@@ -10,7 +10,7 @@ renumbered by its place in that order before the joins are evaluated.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, TypeVar
 
 from kvtrail.forensics.findings import Finding
 from kvtrail.forensics.lake.task import PartitionResult
@@ -19,6 +19,8 @@ from kvtrail.forensics.replay.event import ReplayEvent
 from kvtrail.forensics.replay.handlers import EventHandlers
 from kvtrail.forensics.replay.joins import CrossNodeJoins, TransferEvents
 from kvtrail.forensics.replay.state import ReplayState
+
+K = TypeVar("K")
 
 
 def _key(ev: ReplayEvent) -> tuple:
@@ -51,7 +53,17 @@ def _events_of(j: CrossNodeJoins) -> Iterable[ReplayEvent]:
         yield from evs
     yield from j.responses
     yield from j.receipts.values()
+    yield from j.request_receipts.values()
     yield from j.configs.values()
+
+
+def _earliest(into: dict[K, ReplayEvent], receipts: dict[K, ReplayEvent], num: _Renumber) -> None:
+    """Add ``receipts`` to ``into``, renumbered: per key, the earliest in the engine's order."""
+    for key, ev in receipts.items():
+        ev = num.ev(ev)
+        cur = into.get(key)
+        if cur is None or ev.ord < cur.ord:
+            into[key] = ev
 
 
 def merge_joins(results: list[PartitionResult], policy: ForensicsPolicy) -> CrossNodeJoins:
@@ -59,6 +71,9 @@ def merge_joins(results: list[PartitionResult], policy: ForensicsPolicy) -> Cros
     results = sorted(results, key=lambda r: (r.hours[0], r.cluster, r.node))
     num = _Renumber(results)
     out = CrossNodeJoins(policy)
+    for r in results:  # the first tenant named for each id, in hour order (as one store's replay)
+        for named, tenant in r.tenants.items():
+            out.tenants.setdefault(named, tenant)
     # Each task's latest node_config per node: a task that starts from a checkpoint has fed none, so the
     # config in force at one of its events is the latest one before it in any task (F11).
     configs: dict[tuple[str, str], list[ReplayEvent]] = {}
@@ -94,11 +109,8 @@ def merge_joins(results: list[PartitionResult], policy: ForensicsPolicy) -> Cros
             out.aborts.setdefault(rid, []).extend(num.ev(e) for e in evs)
         out.aborted_at |= j.aborted_at
         out.responses.extend(num.ev(e) for e in j.responses)
-        for rkey, ev in j.receipts.items():
-            ev = num.ev(ev)
-            cur = out.receipts.get(rkey)
-            if cur is None or ev.ord < cur.ord:
-                out.receipts[rkey] = ev
+        _earliest(out.receipts, j.receipts, num)
+        _earliest(out.request_receipts, j.request_receipts, num)
         out.forward_writes.extend((w[0], num.rank[(w[2], w[0], w[1])], w[2], w[3], w[4]) for w in j.forward_writes)
         for hkey, n in list(j.hit_pages.items()) + list(r.hit_pages.items()):
             out.hit_pages[hkey] = out.hit_pages.get(hkey, 0) + n
@@ -130,6 +142,7 @@ def merged_findings(
     found = [f for r in ordered for f in r.found]
     if need_joins:
         joins = merge_joins(ordered, policy)
+        joins.tenants = state.tenants
         joins.evaluate(lambda code, ev, **kw: found.append(handlers.finding(code, ev, **kw)))
     wanted = None if codes is None else frozenset(codes)
     out = [f for f in found if wanted is None or f.code in wanted]

@@ -125,12 +125,16 @@ def _groups(pages: np.ndarray, *cols: np.ndarray):
 class _Builder:
     """Walks one pool's state in the prelude's order (see the module doc)."""
 
-    def __init__(self, pool: PageState, requests: list, tenants: dict, out: Prelude, prelude_ns: int):
+    def __init__(self, pool: PageState, requests: list, tenants: list, out: Prelude, prelude_ns: int):
         self.pool, self.requests, self.tenants, self.out, self.ns = pool, requests, tenants, out, prelude_ns
         self.shared = pool.shared()
 
     def rid(self, r: int) -> str | None:
         return self.requests[r]
+
+    def tenant(self, r: int) -> str | None:
+        """The tenant request ``r`` is keyed by (its events name it, so the engine keys them alike)."""
+        return self.tenants[r] if r >= 0 else None
 
     def holds(self, pages: np.ndarray, reqs: np.ndarray) -> np.ndarray:
         """Whether request reqs[i] holds pages[i] in the checkpoint (owner, further holder or hit)."""
@@ -153,7 +157,7 @@ class _Builder:
                 continue  # a release without a request is a radix eviction (it would drop every holder)
             key = (values[1], values[2]) if real is not None else None
             p_purpose = purpose(values) if callable(purpose) else purpose
-            self.out.add(kind, rid, self.tenants.get(rid), ps, self.ns, purpose=p_purpose, real=key)
+            self.out.add(kind, rid, self.tenant(r), ps, self.ns, purpose=p_purpose, real=key)
 
     def writes(self, pages: np.ndarray) -> None:
         """The last write of each page (its real event, time, digests and block hashes)."""
@@ -171,7 +175,7 @@ class _Builder:
             self.out.add(
                 "kv_written",
                 rid,
-                self.tenants.get(rid),
+                self.tenant(r),
                 ps,
                 int(pool.write_ns[ps[0]]),
                 hashes=pool.bhash[ps] if has_bh else None,
@@ -188,7 +192,7 @@ class _Builder:
             )
 
 
-def build_prelude(pool: PageState, requests: list, tenants: dict, producer_id: int, prelude_ns: int) -> Prelude:
+def build_prelude(pool: PageState, requests: list, tenants: list, producer_id: int, prelude_ns: int) -> Prelude:
     """The synthetic events that leave ``pool`` behind (see the module doc)."""
     out = Prelude(producer_id)
     # the pool's configuration first: the engine ignores page events before a node's first node_config
@@ -215,7 +219,7 @@ def build_prelude(pool: PageState, requests: list, tenants: dict, producer_id: i
                 rid = b.rid(r)
                 if rid is None:
                     continue
-                out.add(kind, rid, tenants.get(rid), pages, prelude_ns, purpose=purpose)
+                out.add(kind, rid, b.tenant(r), pages, prelude_ns, purpose=purpose)
     late_cur = np.zeros(n, bool)
     late_prev = np.full(n, -1, np.int64)
     late_gen = np.full(n, -1, np.int64)
@@ -241,7 +245,7 @@ def build_prelude(pool: PageState, requests: list, tenants: dict, producer_id: i
         for (r,), ps in _groups(np.arange(len(ep)), ep[:, 1]):
             pages = np.sort(ep[ps, 0])
             rid = b.rid(r)
-            out.add("pages_allocated", rid, tenants.get(rid), pages, prelude_ns)
+            out.add("pages_allocated", rid, b.tenant(r), pages, prelude_ns)
     last = idx[areq >= 0]
     is_owner = (owner == areq).astype(np.int64)
     alloc_key = np.where(is_owner[:, None] == 1, pool.raw("alloc_ev"), -1)
@@ -264,7 +268,7 @@ def build_prelude(pool: PageState, requests: list, tenants: dict, producer_id: i
         out.add(
             "pages_allocated",
             rid,
-            tenants.get(rid),
+            b.tenant(r),
             ps,
             prelude_ns,
             purpose="prefix_hit",
@@ -278,7 +282,7 @@ def build_prelude(pool: PageState, requests: list, tenants: dict, producer_id: i
     for (r,), ps in _groups(np.arange(len(pairs)), pairs[:, 0]):
         rid = b.rid(r)
         if rid is not None:
-            out.add("pages_freed", rid, tenants.get(rid), np.sort(pairs[ps, 1]), prelude_ns)
+            out.add("pages_freed", rid, b.tenant(r), np.sort(pairs[ps, 1]), prelude_ns)
     return out
 
 

@@ -93,7 +93,7 @@ def run_sql_task(task: PartitionTask) -> PartitionResult:
         pool = state.pools.get((task.cluster, task.node))
         if pool is not None:
             pid = _synthetic_pid(tables["producers"])
-            prelude = build_prelude(pool, state.requests, state.tenants, pid, lo - 1)
+            prelude = build_prelude(pool, state.requests, state.request_tenants, pid, lo - 1)
             producer = _producer_row(tables["producers"], task, pid, info.instance)
     con = open_memory_catalog(_with_prelude(tables, prelude, producer), threads)
     try:

@@ -73,7 +73,8 @@ class PartitionResult:
     found: list[Finding] = field(default_factory=list)
     joins: CrossNodeJoins | None = None
     tenants: dict[str, str] = field(default_factory=dict)
-    hit_pages: dict[tuple[tuple[str, str], str | None], int] = field(default_factory=dict)  # joins mode
+    # joins mode: ((cluster, node), request_id, tenant_id) -> prefix-hit pages
+    hit_pages: dict[tuple[tuple[str, str], str | None, str | None], int] = field(default_factory=dict)
     events: int = 0
     page_events: int = 0
 
@@ -179,8 +180,8 @@ def _collect_joins(con, task: PartitionTask, producer_ids: dict, out: PartitionR
     out.joins = engine.state.joins
     out.tenants = dict(engine.state.tenants)
     hits = con.execute(
-        f"SELECT cluster, node, request_id, sum(num_pages) FROM events_v WHERE {where} "
+        f"SELECT cluster, node, request_id, tenant_id, sum(num_pages) FROM events_v WHERE {where} "
         "AND kind = 'pages_allocated' AND purpose = 'prefix_hit' AND num_pages > 0 GROUP BY ALL",
         params,
     ).fetchall()
-    out.hit_pages = {((c, n), rid): int(k) for c, n, rid, k in hits}
+    out.hit_pages = {((c, n), rid, t): int(k) for c, n, rid, t, k in hits}

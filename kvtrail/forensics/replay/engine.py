@@ -93,7 +93,11 @@ class ReplayEngine:
             return
         state = self.state
         is_page_event = codes_of(table.column("kind"), PAGE_KINDS) >= 0
-        state.register_requests(is_page_event, *request_codes(table.column("request_id")))
+        ord0 = state.take_ords(table.num_rows)
+        state.register_requests(
+            is_page_event, *request_codes(table.column("request_id")), table.column("tenant_id"), ord0
+        )
+        state.renamed.clear()  # only the fast path's tenant arrays follow them
         rows = zip(*(table.column(name).to_pylist() for name in SCALARS))
         ident = list(zip(*(table.column(n).to_pylist() for n in PRODUCER_NAMES)))
         pids = table.column("producer_id").to_pylist() if "producer_id" in table.column_names else None
@@ -101,8 +105,7 @@ class ReplayEngine:
         digests, doff = flat_list(table.column("page_digests"), np.uint64)
         hashes, hoff = flat_list(table.column("block_hashes"), np.int64)
         ndst = pc.fill_null(pc.list_value_length(table.column("dst_pages")), 0).to_pylist()
-        roles, tenants, handle, make = state.joins.role, state.tenants, self.handlers.handle, ReplayEvent._make
-        ord0 = state.take_ords(table.num_rows)
+        roles, handle, make = state.joins.role, self.handlers.handle, ReplayEvent._make
         for i, vals in enumerate(rows):
             who = ident[i]
             node_key = (who[0], who[1])
@@ -121,8 +124,6 @@ class ReplayEngine:
                     ndst[i],
                 )
             )
-            if ev.request_id is not None and ev.tenant_id is not None:
-                tenants.setdefault(ev.request_id, ev.tenant_id)
             if not self.need_joins and ev.kind in JOIN_KINDS and ev.status != UNVERIFIED:
                 continue  # an unverified receipt changes page state (its pages' writer becomes unknown)
             handle(ev)

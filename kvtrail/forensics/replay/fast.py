@@ -11,9 +11,9 @@ against on random histories. Both work on the one :class:`~kvtrail.forensics.rep
 they are given.
 
 What the handlers do besides page state is done in bulk, with the same result: request indices are
-assigned per batch (:meth:`ReplayState.register_requests`, both paths), tenants are registered in row
-order up to each event handed to Python, releases are remembered in order before it, and the
-prefill-rate samples of kernel-applied writes are summed per (node, request) at the end of the batch.
+assigned and tenants named per batch (:meth:`ReplayState.register_requests`, both paths), releases are
+remembered in order before it, and the prefill-rate samples of kernel-applied writes are summed per
+(node, request) at the end of the batch.
 """
 
 from __future__ import annotations
@@ -141,14 +141,13 @@ class FastReplay:
         n = b.num_rows
         ord0 = state.take_ords(n)
         kind = codes_of(b.column("kind"), PAGE_KINDS + JOIN_KINDS + ("node_config",))
-        state.register_requests((kind >= 0) & (kind < len(PAGE_KINDS)), b.rcode, b.request_ids)
+        req = state.register_requests(
+            (kind >= 0) & (kind < len(PAGE_KINDS)), b.rcode, b.request_ids, b.column("tenant_id"), ord0
+        ).astype(np.int32)
         op = self.ops(b, kind)
         node_slot = np.array([self._slot((c, nd)) for c, nd, *_ in b.idents], np.int64)
         slot = node_slot[b.producer] if n else np.zeros(0, np.int64)
-        index = state.request_index
-        req = np.array([index.get(r, -1) for r in b.request_ids] + [-1], np.int32)[b.rcode]
-        tenants = _TenantQueue(b)
-        self._tenant_arrays(tenants, ord0)
+        self._tenant_arrays()
         run = _Run(self, b, op, req, ord0)
         known = b.events(np.flatnonzero(op == K.OP_PYTHON), ord0)
         handle = self.handlers.handle
@@ -171,7 +170,6 @@ class FastReplay:
         handled = np.zeros(n, np.bool_)
         while waiting:
             row, k = heapq.heappop(waiting)
-            tenants.register_upto(state.tenants, row)
             ev = known.pop(row, None)
             handle(ev if ev is not None else b.event(row, ord0 + row))
             handled[row] = True
@@ -179,14 +177,15 @@ class FastReplay:
             pos[k] = run(lanes[k], pos[k] + 1, lanes_slot[k])
             if pos[k] < len(lanes[k]):
                 heapq.heappush(waiting, (int(lanes[k][pos[k]]), k))
-        tenants.register_upto(state.tenants, n)
         # The other kinds only feed the cross-node joins, which judge when findings are asked for: their
         # order among themselves is kept, their place among the page events does not matter.
         for row in np.flatnonzero(~pooled & (op == K.OP_PYTHON)).tolist():
             handle(known.pop(row))
         hit_pages = state.joins.hit_pages
-        for row in np.flatnonzero(run.hit).tolist():  # what CrossNodeJoins.prefix_hit adds for the kernel's hits
-            key = (self.slots[slot[row]].key, b.request_ids[b.rcode[row]])
+        hits = np.flatnonzero(run.hit)
+        tenant_ids = b.column("tenant_id").take(pa.array(hits)).to_pylist() if len(hits) else []
+        for row, tenant in zip(hits.tolist(), tenant_ids):  # what CrossNodeJoins.prefix_hit adds for the kernel's
+            key = (self.slots[slot[row]].key, b.request_ids[b.rcode[row]], tenant)
             hit_pages[key] = hit_pages.get(key, 0) + int(b.poff[row + 1] - b.poff[row])
         roles = state.joins.role
         last = n - 1 - first_rows(b.producer[::-1], len(b.idents))
@@ -196,29 +195,20 @@ class FastReplay:
         if self.need_joins:
             self._forward_samples(b, op, handled, slot, run.wall, ord0)
 
-    def _tenant_arrays(self, queue: _TenantQueue, ord0: int) -> None:
-        """Bring tenant_code / tenant_ord up to the batch: requests indexed since, tenants first named in it."""
+    def _tenant_arrays(self) -> None:
+        """Bring tenant_code / tenant_ord up to the state: each request's tenant and the order number from
+        which it is named (both set when the batch's requests were registered)."""
         state, old = self.state, len(self.tenant_code)
         if len(state.requests) > old:
-            known = state.tenants.get
-            codes = [
-                -1 if t is None else self._tenant(t)
-                for t in (known(rid) if rid is not None else None for rid in state.requests[old:])
-            ]
+            codes = [-1 if t is None else self._tenant(t) for t in state.request_tenants[old:]]
             self.tenant_code = np.concatenate([self.tenant_code, np.array(codes, np.int32)])
-            self.tenant_ord = np.concatenate([self.tenant_ord, np.full(len(codes), -1, np.int64)])
-        if not len(queue.rows):
-            return
-        # A request whose tenant the state knows already has a code (set when it was indexed or when its
-        # tenant was first named): the tenant named first stays.
-        index = state.request_index.get
-        idx = np.array([index(rid, -1) for rid, _ in queue.pairs], np.int64)
-        new = idx >= 0
-        new[new] = self.tenant_code[idx[new]] < 0
-        if new.any():
-            tcode = np.array([self._tenant(t) for _, t in queue.pairs], np.int32)
-            self.tenant_code[idx[new]] = tcode[new]
-            self.tenant_ord[idx[new]] = ord0 + queue.rows[new]
+            self.tenant_ord = np.concatenate([self.tenant_ord, np.array(state.tenant_since[old:], np.int64)])
+        for r in state.renamed:
+            if r < old:
+                t = state.request_tenants[r]
+                self.tenant_code[r] = -1 if t is None else self._tenant(t)
+                self.tenant_ord[r] = state.tenant_since[r]
+        state.renamed.clear()
 
     def _tenant(self, tenant: str) -> int:
         return self.tenant_codes.setdefault(tenant, len(self.tenant_codes))
@@ -244,26 +234,6 @@ class FastReplay:
                 tokens,
             )
         )
-
-
-class _TenantQueue:
-    """Each request's first (request_id, tenant_id) pair in the batch, registered in row order."""
-
-    def __init__(self, b: ReplayBatch):
-        rows = np.flatnonzero((b.rcode >= 0) & b.column("tenant_id").is_valid().to_numpy(zero_copy_only=False))
-        first = first_rows(b.rcode[rows], len(b.request_ids))
-        self.rows = np.sort(rows[first[first < len(rows)]])
-        tenants = b.column("tenant_id").take(pa.array(self.rows)).to_pylist()
-        rids = np.array(b.request_ids, dtype=object)[b.rcode[self.rows]].tolist() if len(self.rows) else []
-        self.pairs = list(zip(rids, tenants))
-        self.done = 0
-
-    def register_upto(self, tenant: dict[str, str], row: int) -> None:
-        """Register the pairs first seen at or before ``row`` (``ReplayState.tenants``)."""
-        end = int(np.searchsorted(self.rows, row, side="right"))
-        if end > self.done:  # each request once per batch: its first pair is the only one
-            tenant.update({rid: t for rid, t in self.pairs[self.done : end] if rid not in tenant})
-        self.done = max(self.done, end)
 
 
 class _Run:

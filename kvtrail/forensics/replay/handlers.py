@@ -58,6 +58,8 @@ class EventHandlers:
         *,
         node: str | None = None,
         request: str | None = None,
+        tenant: str | None = None,
+        req: int | None = None,
         victims: Iterable[int] = (),
         pages: Iterable[int] = (),
         first_ns: int | None = None,
@@ -66,16 +68,25 @@ class EventHandlers:
         lineage: tuple[int, int] = (0, 0),
         severity: str | None = None,
     ) -> Finding:
-        """The finding ``code`` proved by ``ev`` (victims are request indices, -1 for nobody)."""
-        requests, tenants = self.state.requests, self.state.tenants
-        vic = tuple(sorted({requests[v] if v >= 0 else None for v in victims}, key=lambda x: (x is None, x)))
+        """The finding ``code`` proved by ``ev`` (victims are request indices, -1 for nobody). Its request:
+        ``req`` (an index: its tenant as known at ``ev``), else ``request`` of ``tenant`` (a cross-node
+        finding: the event's tenant, else the first named for the id)."""
+        state = self.state
+        if req is not None:
+            request, tenant = state.requests[req], state.tenant_at(req, ev.ord)
+        elif request is not None and tenant is None:
+            tenant = state.tenants.get(request)
+        vic = sorted(
+            {(state.requests[v], state.tenant_at(v, ev.ord)) if v >= 0 else (None, None) for v in victims},
+            key=_by_id,
+        )
         return make_finding(
             code,
             node=ev.node_key[1] if node is None else node,
             request_id=request,
-            tenant_id=tenants.get(request) if request is not None else None,
-            victim_request_ids=vic,
-            victim_tenant_ids=tuple(tenants.get(v) if v is not None else None for v in vic),
+            tenant_id=tenant if request is not None else None,
+            victim_request_ids=tuple(v for v, _ in vic),
+            victim_tenant_ids=tuple(t for _, t in vic),
             pages=_ints(pages),
             first_ns=ev.wall_ns if first_ns is None else int(first_ns),
             last_ns=ev.wall_ns,
@@ -116,7 +127,7 @@ class EventHandlers:
         pool, pages = self._pool(ev), ev.pages
         if pool is None:
             return
-        r = self.state.req(ev.request_id)
+        r = self.state.req(ev.request_id, ev.tenant_id)
         self._check_repeats(ev, pages)
         if ev.purpose == "prefix_hit":  # shared radix-cache pages: many readers by design
             if ev.hashes is None:
@@ -139,7 +150,7 @@ class EventHandlers:
                 self.emit(
                     "F6",
                     ev,
-                    request=ev.request_id,
+                    req=r,
                     victims=victims,
                     pages=busy_pages,
                     evidence=evidence,
@@ -162,7 +173,12 @@ class EventHandlers:
         counts = Counter(listed)
         dups = list(dict.fromkeys(p for p in listed if counts[p] > 1))  # in order of first listing
         self.emit(
-            "F6", ev, request=ev.request_id, victims=[self.state.req(ev.request_id)], pages=dups, detail=REPEAT_DETAIL
+            "F6",
+            ev,
+            req=(r := self.state.req(ev.request_id, ev.tenant_id)),
+            victims=[r],
+            pages=dups,
+            detail=REPEAT_DETAIL,
         )
 
     def on_pages_freed(self, ev: ReplayEvent) -> None:
@@ -170,7 +186,7 @@ class EventHandlers:
         if pool is None:
             return
         if ev.request_id is not None:
-            r = self.state.req(ev.request_id)
+            r = self.state.req(ev.request_id, ev.tenant_id)
             pool.drop_all(pages, r)
             pool.remember_release(r, pages)
             return
@@ -194,7 +210,7 @@ class EventHandlers:
         pool, pages = self._pool(ev), ev.pages
         if pool is None:
             return
-        r = self.state.req(ev.request_id)
+        r = self.state.req(ev.request_id, ev.tenant_id)
         outside = ~pool.held_by(pages, r)
         if outside.any():
             late = pages[outside]
@@ -203,7 +219,7 @@ class EventHandlers:
             for p in late.tolist():
                 victims |= pool.holders(p)
             why = "after the request released them" if was_held.all() else "on pages the request never held"
-            self.emit("F7", ev, request=ev.request_id, victims=victims, pages=late, detail=late_write_detail(why))
+            self.emit("F7", ev, req=r, victims=victims, pages=late, detail=late_write_detail(why))
             pool.remember_late(late, ev.key)
         pool.writer[pages] = r
         pool.write_ns[pages] = ev.wall_ns
@@ -240,7 +256,7 @@ class EventHandlers:
         pool, pages = self._pool(ev), ev.pages
         if pool is None:
             return
-        r = self.state.req(ev.request_id)
+        r = self.state.req(ev.request_id, ev.tenant_id)
         held = pool.held_by(pages, r)
         if not held.all():
             outside = pages[~held]
@@ -250,7 +266,7 @@ class EventHandlers:
             self.emit(
                 "F5",
                 ev,
-                request=ev.request_id,
+                req=r,
                 victims=victims,
                 pages=outside,
                 detail="read of pages the request does not hold",
@@ -272,7 +288,7 @@ class EventHandlers:
                 self.emit(
                     "F1",
                     ev,
-                    request=ev.request_id,
+                    req=r,
                     victims=[-1],
                     pages=pages[sel],
                     evidence={(int(k[0]), int(k[1])) for k in unverified.tolist()},
@@ -283,7 +299,7 @@ class EventHandlers:
             self.emit(
                 "F1",
                 ev,
-                request=ev.request_id,
+                req=r,
                 victims=[w],
                 pages=pages[sel],
                 first_ns=pool.write_ns[pages[sel]].min(),
@@ -293,24 +309,27 @@ class EventHandlers:
             )
         cross = cached & (writer >= 0) & (writer != r)
         if cross.any() and not self.policy.allow_tenant_cache_sharing:
-            tenants = self.state.tenants
-            mine = tenants.get(ev.request_id) if ev.request_id is not None else None
+            mine = self.state.tenant_at(r, ev.ord) if ev.request_id is not None else None
             for w in np.unique(writer[cross]).tolist():
-                rid = self.state.requests[w]
-                theirs = tenants.get(rid) if rid is not None else None
+                theirs = self.state.tenant_at(w, ev.ord) if self.state.requests[w] is not None else None
                 if mine is None or theirs is None or mine == theirs:
                     continue
                 sel = pages[cross & (writer == w)]
                 self.emit(
                     "F10",
                     ev,
-                    request=ev.request_id,
+                    req=r,
                     victims=[w],
                     pages=sel,
                     first_ns=pool.write_ns[sel].min(),
                     evidence=_write_keys(pool, sel),
                     detail=f"prefix-cache pages written for tenant {theirs} served to tenant {mine}",
                 )
+
+
+def _by_id(v: tuple[str | None, str | None]) -> tuple:
+    """Victims' order: by request id, then tenant (no id, no tenant last)."""
+    return (v[0] is None, v[0] or "", v[1] is None, v[1] or "")
 
 
 def _write_keys(pool: PageState, pages: np.ndarray) -> set[EventKey]:

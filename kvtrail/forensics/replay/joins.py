@@ -22,7 +22,10 @@ PREFILL_ROLES = ("prefill", "unified")
 Emit = Callable[..., None]
 # One forward write as a prefill-rate sample: (node_key, ord, wall_ns, request_id, tokens).
 ForwardWrite = tuple[NodeKey, int, int, str | None, int]
-TransferKey = tuple[int | None, str | None]  # (transfer_id, request_id)
+# A transfer's events are collected per (cluster, transfer_id, request_id, tenant_id as the event names it)
+# and joined per transfer when findings are asked for (``transfers_by_request``).
+TransferKey = tuple[str, int | None, str | None, str | None]
+RequestKey = tuple[str | None, str | None]  # (request_id, tenant_id): a request, as ReplayState keys it
 
 
 def same_attempt(a: ReplayEvent, b: ReplayEvent) -> bool:
@@ -44,6 +47,8 @@ class TransferEvents:
     # the node_config in force on the reservation's / the receipt's node when it was recorded (F11)
     reserved_cfg: ReplayEvent | None = None
     received_cfg: ReplayEvent | None = None
+    # a bootstrap room's pair: prefill's own request id for it (decode's names the transfer)
+    prefill_request_id: str | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -64,13 +69,19 @@ class CrossNodeJoins:
 
     def __init__(self, policy: ForensicsPolicy):
         self.policy = policy
+        # request_id -> the first tenant named for it (the replay's ReplayState.tenants): an event naming no
+        # tenant belongs to that tenant's request of its id
+        self.tenants: dict[str, str] = {}
         self.transfers: dict[TransferKey, TransferEvents] = {}
         self.aborts: dict[str | None, list[ReplayEvent]] = {}  # by request_id
         self.aborted_at: set[tuple[NodeKey, str | None]] = set()
         self.responses: list[ReplayEvent] = []  # 2xx responses
-        self.receipts: dict[tuple[NodeKey, str | None], ReplayEvent] = {}  # first request_received per request
+        # first request_received per (node, request id) (rate samples start there) and per (node, request) (F9)
+        self.receipts: dict[tuple[NodeKey, str | None], ReplayEvent] = {}
+        self.request_receipts: dict[tuple[NodeKey, str | None, str | None], ReplayEvent] = {}
         self.forward_writes: list[ForwardWrite] = []
-        self.hit_pages: dict[tuple[NodeKey, str | None], int] = {}  # (node_key, request_id) -> prefix-hit pages
+        # (node_key, request_id, tenant_id the events name) -> prefix-hit pages
+        self.hit_pages: dict[tuple[NodeKey, str | None, str | None], int] = {}
         self.page_size: dict[NodeKey, int] = {}
         self.role: dict[NodeKey, str] = {}
         self.configs: dict[NodeKey, ReplayEvent] = {}  # the latest node_config per node (set by its handler)
@@ -82,7 +93,7 @@ class CrossNodeJoins:
         self._deferred: dict[NodeKey, list[ForwardWrite]] = {}  # writes of nodes not (yet) prefill nodes
         # What each transfer's checks emitted, with the inputs they saw: a transfer whose events and
         # request's responses are unchanged emits the same again without being checked again.
-        self._transfer_checks: dict[TransferKey, tuple[tuple, tuple, list[tuple]]] = {}
+        self._transfer_checks: dict[tuple, tuple[tuple, tuple, list[tuple]]] = {}
 
     def __getstate__(self) -> dict:  # the derived caches are not sent along (a lake's partitions are pickled)
         state = dict(self.__dict__)
@@ -93,8 +104,17 @@ class CrossNodeJoins:
 
     # ---- collection ---------------------------------------------------------------------------------
 
+    def tenant_of(self, ev: ReplayEvent) -> str | None:
+        """The tenant of the request ``ev`` belongs to: its own, else the first named for its id."""
+        if ev.tenant_id is not None or ev.request_id is None:
+            return ev.tenant_id
+        return self.tenants.get(ev.request_id)
+
+    def request_of(self, ev: ReplayEvent) -> RequestKey:
+        return (ev.request_id, self.tenant_of(ev))
+
     def _transfer(self, ev: ReplayEvent) -> TransferEvents:
-        key = (ev.transfer_id, ev.request_id)
+        key = (ev.node_key[0], ev.transfer_id, ev.request_id, ev.tenant_id)
         t = self.transfers.get(key)
         if t is None:
             t = self.transfers[key] = TransferEvents()
@@ -116,6 +136,7 @@ class CrossNodeJoins:
         self.aborted_at.add((ev.node_key, ev.request_id))
 
     def request_received(self, ev: ReplayEvent) -> None:
+        self.request_receipts.setdefault((ev.node_key, ev.request_id, ev.tenant_id), ev)
         key = (ev.node_key, ev.request_id)
         if key not in self.receipts:
             self.receipts[key] = ev
@@ -133,19 +154,19 @@ class CrossNodeJoins:
             self.forward_writes.append((ev.node_key, ev.ord, ev.wall_ns, ev.request_id, tokens))
 
     def prefix_hit(self, ev: ReplayEvent, num_pages: int) -> None:
-        key = (ev.node_key, ev.request_id)
+        key = (ev.node_key, ev.request_id, ev.tenant_id)
         self.hit_pages[key] = self.hit_pages.get(key, 0) + num_pages
 
     # ---- evaluation ---------------------------------------------------------------------------------
 
     def evaluate(self, emit: Emit) -> None:
         """Emit F2/F3/F11 per transfer, F4 and F9 per 2xx response (``emit(code, ev, **kw)``)."""
-        by_request: dict[str | None, list[ReplayEvent]] = {}
+        by_request: dict[RequestKey, list[ReplayEvent]] = {}
         for resp in self.responses:
-            by_request.setdefault(resp.request_id, []).append(resp)
+            by_request.setdefault(self.request_of(resp), []).append(resp)
         checks = self._transfer_checks
-        for key, t in self.transfers.items():
-            responses = by_request.get(key[1], ())
+        for key, t in transfers_by_request(self.transfers, self.tenants).items():
+            responses = by_request.get((key[2], key[3]), ())
             # Everything the checks read: the transfer's events and configurations, the request's responses
             # (sends and responses are only ever appended; objects are compared by identity).
             seen = (
@@ -168,17 +189,19 @@ class CrossNodeJoins:
                 out.append((code, ev, kw))
                 emit(code, ev, **kw)
 
+            tenant = key[3]
             if t.received is not None:
-                _check_transfer(t, [r for r in responses if same_attempt(r, t.received)], keep)
-            _check_duration(t, keep)
+                _check_transfer(t, [r for r in responses if same_attempt(r, t.received)], tenant, keep)
+            _check_duration(t, tenant, keep)
             checks[key] = (seen, counts, out)
         rates = self.prefill_rates()
         receipts_by = self._receipts_by_request()
         for resp in self.responses:
+            me = self.request_of(resp)
             aborts = {
                 a.key: a
                 for a in self.aborts.get(resp.request_id, ())
-                if resp.request_id is not None and same_attempt(a, resp)
+                if resp.request_id is not None and same_attempt(a, resp) and self.request_of(a) == me
             }
             if aborts and has_output(resp):
                 first = min(a.wall_ns for a in aborts.values())
@@ -187,6 +210,7 @@ class CrossNodeJoins:
                     "F4",
                     resp,
                     request=resp.request_id,
+                    tenant=me[1],
                     first_ns=first,
                     evidence=aborts,
                     detail=f"HTTP {resp.http_status} after abort: {what}",
@@ -267,20 +291,34 @@ class CrossNodeJoins:
             s.prev, s.last_ord = prev, writes[-1][1]
             self._samples_ord = max(self._samples_ord, s.last_ord)
 
-    def _receipts_by_request(self) -> dict[str, list[ReplayEvent]]:
-        """Prefill-node receipts per request_id."""
-        out: dict[str, list[ReplayEvent]] = {}
-        for (nk, rid), rec in self.receipts.items():
+    def _receipts_by_request(self) -> dict[RequestKey, list[ReplayEvent]]:
+        """Prefill-node receipts per request."""
+        out: dict[RequestKey, list[ReplayEvent]] = {}
+        for (nk, rid, _), rec in self.request_receipts.items():
             if rid is not None and self.role.get(nk) in PREFILL_ROLES:
-                out.setdefault(rid, []).append(rec)
+                out.setdefault(self.request_of(rec), []).append(rec)
         return out
 
+    def _hits(self, nk: NodeKey, request: RequestKey) -> int:
+        """Prefix-hit pages of ``request`` on node ``nk`` (its events naming its tenant or, if it is the first
+        named for the id, none)."""
+        rid, tenant = request
+        n = self.hit_pages.get((nk, rid, tenant), 0)
+        if tenant is not None and self.tenants.get(rid) == tenant:  # type: ignore[arg-type]
+            n += self.hit_pages.get((nk, rid, None), 0)
+        return n
+
     def _check_latency(
-        self, resp: ReplayEvent, rates: dict[NodeKey, float], receipts_by: dict[str, list[ReplayEvent]], emit: Emit
+        self,
+        resp: ReplayEvent,
+        rates: dict[NodeKey, float],
+        receipts_by: dict[RequestKey, list[ReplayEvent]],
+        emit: Emit,
     ) -> None:
         if resp.ttft_ns is None or resp.prompt_tokens is None or resp.request_id is None:
             return
-        found = [c for c in receipts_by.get(resp.request_id, ()) if same_attempt(c, resp)]
+        me = self.request_of(resp)
+        found = [c for c in receipts_by.get(me, ()) if same_attempt(c, resp)]
         if not found:
             return
         rec = min(found, key=lambda c: c.ord)
@@ -288,7 +326,7 @@ class CrossNodeJoins:
         rate = rates.get(nk)
         if rate is None:
             return
-        need = resp.prompt_tokens - self.hit_pages.get((nk, rec.request_id), 0) * self.page_size.get(nk, 0)
+        need = resp.prompt_tokens - self._hits(nk, me) * self.page_size.get(nk, 0)
         if need <= 0:
             return
         floor_ns = need / rate / self.policy.latency_factor
@@ -298,6 +336,7 @@ class CrossNodeJoins:
                 resp,
                 node=nk[1],
                 request=resp.request_id,
+                tenant=me[1],
                 evidence=[rec.key],
                 detail=f"TTFT {resp.ttft_ns / 1e6:.3f} ms for {need} tokens to prefill; {nk[1]} prefills "
                 f"at {rate * 1e9:.0f} tokens/s (q{self.policy.latency_quantile:g}), so at least "
@@ -305,7 +344,58 @@ class CrossNodeJoins:
             )
 
 
-def _check_transfer(t: TransferEvents, responses: list[ReplayEvent], emit: Emit) -> None:
+def transfers_by_request(
+    legs: dict[TransferKey, TransferEvents], tenants: dict[str, str]
+) -> dict[TransferKey, TransferEvents]:
+    """The transfers to judge, keyed (cluster, transfer_id, request_id, tenant) by the request that names them.
+
+    ``legs`` are the events as collected, per the tenant each event named: those of one request are one
+    transfer (an event naming no tenant is of the first tenant named for its id). A bootstrap room: where one
+    transfer id of a cluster has exactly one request that sent it (prefill's) and exactly one other that
+    reserved or received it (decode's), both are one transfer, named by decode's request, with prefill's id
+    kept (``prefill_request_id``). Anything else (two senders or receivers: a collision) stays apart.
+    """
+    merged: dict[TransferKey, TransferEvents] = {}
+    for (cluster, tid, rid, tenant), t in legs.items():
+        if tenant is None and rid is not None:
+            tenant = tenants.get(rid)
+        key = (cluster, tid, rid, tenant)
+        cur = merged.get(key)
+        merged[key] = t if cur is None else _combined(cur, t)
+    rooms: dict[tuple[str, int], list[TransferKey]] = {}
+    for key in merged:
+        if key[1] is not None:
+            rooms.setdefault((key[0], key[1]), []).append(key)
+    for keys in rooms.values():
+        if len(keys) != 2:
+            continue
+        senders = [k for k in keys if merged[k].sent]
+        receivers = [k for k in keys if merged[k].reserved is not None or merged[k].received is not None]
+        if len(senders) != 1 or len(receivers) != 1 or senders[0] == receivers[0]:
+            continue
+        s, d = merged.pop(senders[0]), merged[receivers[0]]
+        merged[receivers[0]] = TransferEvents(
+            d.reserved, s.sent, d.received, d.reserved_cfg, d.received_cfg, prefill_request_id=senders[0][2]
+        )
+    return merged
+
+
+def _combined(a: TransferEvents, b: TransferEvents) -> TransferEvents:
+    """One request's transfer events from two collections: the latest reservation and receipt, every send."""
+    out = TransferEvents(sent=sorted(a.sent + b.sent, key=lambda e: e.ord))
+    for name in ("reserved", "received"):
+        x, y = getattr(a, name), getattr(b, name)
+        pick = a if y is None or (x is not None and x.ord > y.ord) else b
+        setattr(out, name, getattr(pick, name))
+        setattr(out, f"{name}_cfg", getattr(pick, f"{name}_cfg"))
+    return out
+
+
+def _paired(t: TransferEvents, detail: str) -> str:
+    return detail if t.prefill_request_id is None else f"{detail}; prefill's request id: {t.prefill_request_id}"
+
+
+def _check_transfer(t: TransferEvents, responses: list[ReplayEvent], tenant: str | None, emit: Emit) -> None:
     """F2 and F3 of one transfer; ``responses``: the request's 2xx responses (what the client got)."""
     res, rec, sent = t.reserved, t.received, t.sent
     assert rec is not None, "a transfer is checked at its receipt"
@@ -326,22 +416,26 @@ def _check_transfer(t: TransferEvents, responses: list[ReplayEvent], emit: Emit)
                 "F2",
                 rec,
                 request=rec.request_id,
+                tenant=tenant,
                 pages=res.pages,
                 first_ns=first,
                 evidence=evidence + [r.key for r in responses],
                 severity="critical" if served else None,
-                detail=transfer_mismatch_detail(
-                    int(required(res.num_tokens, "num_tokens")),
-                    len(res.pages),
-                    problems,
-                    str(rec.status),
-                    [
-                        (
-                            int(required(r.http_status, "http_status")),
-                            int(required(r.completion_tokens, "completion_tokens")),
-                        )
-                        for r in responses
-                    ],
+                detail=_paired(
+                    t,
+                    transfer_mismatch_detail(
+                        int(required(res.num_tokens, "num_tokens")),
+                        len(res.pages),
+                        problems,
+                        str(rec.status),
+                        [
+                            (
+                                int(required(r.http_status, "http_status")),
+                                int(required(r.completion_tokens, "completion_tokens")),
+                            )
+                            for r in responses
+                        ],
+                    ),
                 ),
             )
     if rec.status not in _DIGESTED:
@@ -354,24 +448,28 @@ def _check_transfer(t: TransferEvents, responses: list[ReplayEvent], emit: Emit)
                 "F3",
                 rec,
                 request=rec.request_id,
+                tenant=tenant,
                 pages=rec.pages,
                 first_ns=first,
                 evidence=evidence,
-                detail=f"prefill digest {src.digest:#x} != decode digest {rec.digest:#x} ({rec.digest_algo})",
+                detail=_paired(
+                    t, f"prefill digest {src.digest:#x} != decode digest {rec.digest:#x} ({rec.digest_algo})"
+                ),
             )
     elif rec.status == "mismatch":
         emit(
             "F3",
             rec,
             request=rec.request_id,
+            tenant=tenant,
             pages=rec.pages,
             first_ns=first,
             evidence=evidence,
-            detail="decode reported a digest mismatch",
+            detail=_paired(t, "decode reported a digest mismatch"),
         )
 
 
-def _check_duration(t: TransferEvents, emit: Emit) -> None:
+def _check_duration(t: TransferEvents, tenant: str | None, emit: Emit) -> None:
     """F11: the transfer ran longer than its decode node holds the pages of an aborted transfer."""
     if not t.sent:
         return
@@ -387,7 +485,8 @@ def _check_duration(t: TransferEvents, emit: Emit) -> None:
             end,
             node=node,
             request=dec.request_id,
+            tenant=tenant,
             first_ns=start,
             evidence=[e.key for e in t.sent] + [dec.key, cfg.key],
-            detail=late_transfer_detail(end.wall_ns - start, node, cfg.release_timeout_ns),
+            detail=_paired(t, late_transfer_detail(end.wall_ns - start, node, cfg.release_timeout_ns)),
         )

@@ -6,6 +6,12 @@ the compiled path (:class:`~kvtrail.forensics.replay.fast.FastReplay`); neither 
 or into the engine. Everything the two paths must agree on lives here: the node pools' page state,
 request indices (they decide which extra holder a released page passes to), tenants, the cross-node
 joins' collections, the events' order numbers and the findings emitted so far.
+
+A request is what the store numbers it by, never its id text alone (clients choose request ids, so two
+tenants' requests can share one): its id and its tenant. An event naming a tenant belongs to the request
+(id, that tenant); an event of the id naming none belongs to the request of the first tenant named for the
+id in the engine's order (before or after it), or, where no event of the id names a tenant, to the id's
+tenant-less request. ``docs/findings.md`` ("Requests") states it; the SQL engine keys requests the same way.
 """
 
 from __future__ import annotations
@@ -13,12 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from kvtrail.forensics.findings import Finding
-from kvtrail.forensics.replay.batch import first_rows
 from kvtrail.forensics.replay.event import NodeKey
 from kvtrail.forensics.replay.joins import CrossNodeJoins
 from kvtrail.forensics.replay.pagestate import PageState
+
+RequestKey = tuple[str | None, str | None]  # (request_id, tenant_id): how the replay identifies a request
+_NEVER = 2**62  # tenant_since of a request whose tenant no event has named yet
 
 
 @dataclass(eq=False)
@@ -28,20 +38,48 @@ class ReplayState:
     joins: CrossNodeJoins
     pools: dict[NodeKey, PageState] = field(default_factory=dict)
     pool_instance: dict[NodeKey, str] = field(default_factory=dict)  # the producer instance a pool belongs to
-    # Requests by index, as the page arrays name them (a write without request id registers None).
+    # Requests by index, as the page arrays name them (a write without request id registers None): the id,
+    # the tenant it is keyed by (None: no event of its id named one yet) and the order number of the first
+    # event naming that tenant for it (from then on a finding names its tenant).
     requests: list[str | None] = field(default_factory=list)
-    request_index: dict[str | None, int] = field(default_factory=dict)
-    tenants: dict[str, str] = field(default_factory=dict)  # request_id -> tenant of its first event naming one
+    request_tenants: list[str | None] = field(default_factory=list)
+    tenant_since: list[int] = field(default_factory=list)
+    request_index: dict[RequestKey, int] = field(default_factory=dict)
+    # request_id -> the first tenant named for it, as of the end of the batch being replayed
+    tenants: dict[str, str] = field(default_factory=dict)
+    named: dict[RequestKey, int] = field(default_factory=dict)  # (id, tenant) -> order of its first event
+    renamed: list[int] = field(default_factory=list)  # indices whose tenant or tenant_since changed (fast path)
     found: list[Finding] = field(default_factory=list)  # the per-node findings, as emitted
     num_events: int = 0  # events fed so far: the next event's order number
 
-    def req(self, request_id: str | None) -> int:
-        """The index of a request, registering it when new."""
-        r = self.request_index.get(request_id)
+    def __post_init__(self) -> None:
+        self.joins.tenants = self.tenants  # the joins resolve an event naming no tenant alike
+
+    def key(self, request_id: str | None, tenant_id: str | None) -> RequestKey:
+        """The request an event of ``request_id`` naming ``tenant_id`` (or none) belongs to."""
+        if request_id is None:
+            return (None, None)
+        return (request_id, tenant_id if tenant_id is not None else self.tenants.get(request_id))
+
+    def req(self, request_id: str | None, tenant_id: str | None = None) -> int:
+        """The index of the request an event of ``request_id`` (naming ``tenant_id``) belongs to, registered
+        when new."""
+        return self._index(self.key(request_id, tenant_id))
+
+    def _index(self, key: RequestKey) -> int:
+        r = self.request_index.get(key)
         if r is None:
-            r = self.request_index[request_id] = len(self.requests)
-            self.requests.append(request_id)
+            r = self.request_index[key] = len(self.requests)
+            self.requests.append(key[0])
+            self.request_tenants.append(key[1])
+            self.tenant_since.append(self.named.get(key, _NEVER) if key[1] is not None else _NEVER)
         return r
+
+    def tenant_at(self, r: int, ord_: int) -> str | None:
+        """Request ``r``'s tenant as known at order number ``ord_`` (None: not named by then, or nobody)."""
+        if r < 0 or self.tenant_since[r] > ord_:
+            return None
+        return self.request_tenants[r]
 
     def take_ords(self, num_events: int) -> int:
         """Order numbers for ``num_events`` new events: returns the first."""
@@ -49,16 +87,64 @@ class ReplayState:
         self.num_events += num_events
         return first
 
-    def register_requests(self, is_page_event: np.ndarray, rcode: np.ndarray, request_ids: list[str]) -> None:
-        """Give the request ids of a batch's page events their indices, in order of first appearance.
+    def name_tenant(self, request_id: str, tenant_id: str, ord_: int) -> None:
+        """An event at ``ord_`` names ``tenant_id`` for ``request_id`` (called in order, first naming only)."""
+        key = (request_id, tenant_id)
+        if key in self.named:
+            return
+        self.named[key] = ord_
+        if request_id not in self.tenants:
+            self.tenants[request_id] = tenant_id
+            # the id's events so far named no tenant: they were this request's
+            r = self.request_index.pop((request_id, None), None)
+            if r is not None and key not in self.request_index:
+                self.request_index[key] = r
+                self.request_tenants[r] = tenant_id
+        r = self.request_index.get(key)
+        if r is not None and self.tenant_since[r] > ord_:
+            self.tenant_since[r] = ord_
+            self.renamed.append(r)
+
+    def register_requests(
+        self, is_page_event: np.ndarray, rcode: np.ndarray, request_ids: list[str], tenant_col, ord0: int
+    ) -> np.ndarray:
+        """Name a batch's tenants and give its page events' requests their indices, in order of first
+        appearance; returns each row's request index (-1: no request id, or not a page event).
 
         Both engine paths do this before replaying a batch, so that a request has the same index in
-        both. What :meth:`req` does for one id, done for the batch's new ids at once.
+        both, and a finding names a request's tenant from the same event on. What :meth:`name_tenant` and
+        :meth:`req` do for one event, done for the batch's rows at once.
         """
-        codes = rcode[is_page_event & (rcode >= 0)]
-        first = first_rows(codes, len(request_ids))
-        seen = np.flatnonzero(first < len(codes))
-        index = self.request_index
-        new = [rid for rid in (request_ids[k] for k in seen[np.argsort(first[seen])].tolist()) if rid not in index]
-        index.update(zip(new, range(len(self.requests), len(self.requests) + len(new))))
-        self.requests.extend(new)
+        n = len(rcode)
+        tenant_col = tenant_col.combine_chunks() if isinstance(tenant_col, pa.ChunkedArray) else tenant_col
+        enc = tenant_col.dictionary_encode()
+        tcode = pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+        tnames: list[str] = enc.dictionary.to_pylist()
+        named = np.flatnonzero((rcode >= 0) & (tcode >= 0))
+        if len(named):
+            combo = rcode[named].astype(np.int64) * (len(tnames) + 1) + tcode[named]
+            _, first = np.unique(combo, return_index=True)
+            for row in np.sort(named[first]).tolist():
+                self.name_tenant(request_ids[rcode[row]], tnames[tcode[row]], ord0 + row)
+        out = np.full(n, -1, np.int64)
+        rows = np.flatnonzero(is_page_event & (rcode >= 0))
+        if not len(rows):
+            return out
+        # each row's tenant: its own, else the first named for its id (-1: none)
+        codes = {t: k for k, t in enumerate(tnames)}
+        by_id = np.array(
+            [codes.setdefault(self.tenants[rid], len(codes)) if rid in self.tenants else -1 for rid in request_ids],
+            np.int64,
+        )
+        names = list(codes)
+        own = tcode[rows]
+        rt = np.where(own >= 0, own, by_id[rcode[rows]])
+        combo = rcode[rows].astype(np.int64) * (len(names) + 1) + (rt + 1)
+        uniq, first, inverse = np.unique(combo, return_index=True, return_inverse=True)
+        index = np.empty(len(uniq), np.int64)
+        for k in np.argsort(first, kind="stable").tolist():
+            row = rows[first[k]]
+            t = int(rt[first[k]])
+            index[k] = self._index((request_ids[rcode[row]], names[t] if t >= 0 else None))
+        out[rows] = index[inverse.reshape(-1)]
+        return out

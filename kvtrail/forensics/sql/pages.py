@@ -437,12 +437,12 @@ def f1_f10(ctx, allow_tenant_cache_sharing: bool) -> list[Finding]:
                         first_ns=first,
                         last_ns=wall,
                         evidence=[(pid, seq), *wkeys],
-                        detail=foreign_read_detail(writer, num_late, num_lost),
+                        detail=foreign_read_detail(ctx.rid(writer), num_late, num_lost),
                         lineage=(checked, matched),
                     )
                 )
             continue
-        mine, theirs = ctx.tenants.get(rid), ctx.tenants.get(writer)
+        mine, theirs = ctx.tenant(rid), ctx.tenant(writer)
         if allow_tenant_cache_sharing or mine is None or theirs is None or mine == theirs:
             continue
         out.append(
