@@ -27,6 +27,7 @@ from kvtrail.forensics.replay.shares import INITIAL_SLOTS, PrefixShares
 from kvtrail.forensics.replay.state import ReplayState
 
 FORMAT_VERSION = 2  # 2: each request's tenant (requests are (id, tenant), not the id alone)
+_READS = (1, FORMAT_VERSION)  # 1 keyed a request by its id: its tenant is the first one named for the id
 _REQUEST_ARRAYS = ("owner", "alloc_req", "writer")  # page arrays that hold request indices
 
 
@@ -107,15 +108,18 @@ def restore(data: bytes, state: ReplayState) -> CheckpointInfo:
     assert not state.requests, "a checkpoint is restored into a fresh replay state"
     with np.load(io.BytesIO(data), allow_pickle=False) as z:
         info = json.loads(bytes(z["info"]).decode())
-        if info.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"checkpoint: format_version {info.get('format_version')!r}, expected {FORMAT_VERSION}")
+        if info.get("format_version") not in _READS:
+            raise ValueError(f"checkpoint: format_version {info.get('format_version')!r}, expected one of {_READS}")
         arrays = {name: z[name] for name in z.files if name != "info"}
     key = (info["cluster"], info["node"])
     out = CheckpointInfo(info["cluster"], info["node"], info["boundary_ns"], info["has_pool"], info["instance"])
     if not info["has_pool"]:
         return out
     state.tenants.update(info["tenants"])
-    for rid, tenant in zip(info["requests"], info["request_tenants"]):
+    tenants = info.get("request_tenants") or [
+        info["tenants"].get(rid) if rid is not None else None for rid in info["requests"]
+    ]
+    for rid, tenant in zip(info["requests"], tenants):
         if tenant is not None:
             state.named[(rid, tenant)] = -1  # named before anything the restored replay reads
         state.req(rid, tenant)
