@@ -114,7 +114,7 @@ def request_detail(
         """
         SELECT e.node, e.wall_ns, g.page, e.tenant_id FROM events_v e
         JOIN page_runs r ON r.producer_id = e.producer_id AND r.seq = e.seq AND r.list = 0,
-             generate_series(r.page_start, r.page_start + r.num_pages - 1) AS g(page)
+             generate_series(r.page_start, r.page_start::BIGINT + r.num_pages - 1) AS g(page)
         WHERE e.kind = 'kv_read' AND e.request_id = ? AND (? IS NULL OR e.tenant_id = ?) ORDER BY e.wall_ns""",
         [request_id, only, only],
     ).fetchall()
@@ -139,8 +139,8 @@ def request_detail(
             """
             SELECT e.kind, e.request_id, e.tenant_id, e.wall_ns, e.seq, g.page FROM events_v e
             JOIN page_runs r ON r.producer_id = e.producer_id AND r.seq = e.seq AND r.list = 0
-                 AND r.page_start <= ? AND r.page_start + r.num_pages > ?,
-                 generate_series(r.page_start, r.page_start + r.num_pages - 1) AS g(page)
+                 AND r.page_start <= ? AND r.page_start::BIGINT + r.num_pages > ?,
+                 generate_series(r.page_start, r.page_start::BIGINT + r.num_pages - 1) AS g(page)
             WHERE e.node = ? AND e.kind IN ('pages_allocated', 'pages_freed', 'kv_written', 'kv_read')
               AND e.wall_ns BETWEEN ? AND ? AND list_contains(?::INTEGER[], g.page::INTEGER)""",
             [max(wanted), min(wanted), node, lo - LOOKBACK_NS, hi + AFTER_NS, wanted],

@@ -79,7 +79,7 @@ def _base(where: str, order: str) -> str:
            WHERE e.kind IN {_PAGE_KINDS} OR (e.kind = 'transfer_received' AND e.status = '{UNVERIFIED}')),
     runs AS (SELECT pe.cluster, pe.node, pe.epoch, pe.ord, pe.producer_id, pe.seq, pe.wall_ns, pe.kind,
                     pe.request_id, pe.purpose, pe.num_pages AS ev_pages, r.pos AS run_pos, r.page_start AS run_start,
-                    r.page_start + r.num_pages - 1 AS run_end
+                    r.page_start::BIGINT + r.num_pages - 1 AS run_end
              FROM pe JOIN page_runs r ON r.producer_id = pe.producer_id AND r.seq = pe.seq AND r.list = 0),
     pr AS (SELECT x.* EXCLUDE (run_pos, run_start, run_end), b.bucket,
                   greatest(x.run_start, b.bucket * {PAGE_BUCKET}) AS page_start,

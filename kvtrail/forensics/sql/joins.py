@@ -46,7 +46,7 @@ def f2(ctx) -> list[Finding]:
            rec.num_tokens, least(rec.wall_ns, res.wall_ns, coalesce(s.first_ns, rec.wall_ns)),
            [rec.producer_id, rec.seq::BIGINT], [res.producer_id, res.seq::BIGINT], s.keys,
            (SELECT list(g.page ORDER BY r.pos, g.page) FROM page_runs r,
-                   generate_series(r.page_start, r.page_start + r.num_pages - 1) AS g(page)
+                   generate_series(r.page_start, r.page_start::BIGINT + r.num_pages - 1) AS g(page)
             WHERE r.producer_id = res.producer_id AND r.seq = res.seq AND r.list = 0) AS res_pages,
            rec.status,
            (SELECT list([x.http_status::BIGINT, x.completion_tokens, x.producer_id, x.seq::BIGINT]) FROM ev x
@@ -150,7 +150,7 @@ def f3(ctx) -> list[Finding]:
            [rec.producer_id, rec.seq::BIGINT], CASE WHEN res.producer_id IS NULL THEN NULL
                                                     ELSE [res.producer_id, res.seq::BIGINT] END, s.keys,
            (SELECT list(g.page ORDER BY r.pos, g.page) FROM page_runs r,
-                   generate_series(r.page_start, r.page_start + r.num_pages - 1) AS g(page)
+                   generate_series(r.page_start, r.page_start::BIGINT + r.num_pages - 1) AS g(page)
             WHERE r.producer_id = rec.producer_id AND r.seq = rec.seq AND r.list = 0) AS rec_pages,
            rec.prefill_rid
     FROM (SELECT * FROM txk WHERE kind = 'transfer_received'

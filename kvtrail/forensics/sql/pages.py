@@ -242,7 +242,7 @@ def repeats(ctx) -> list[Finding]:
 def _event_order(ctx, key, pages, first_only: bool = False) -> list[int]:
     """The given pages of one event in the order the event lists them."""
     rows = ctx.con.execute(
-        "SELECT g.page FROM page_runs r, generate_series(r.page_start, r.page_start + r.num_pages - 1) AS g(page) "
+        "SELECT g.page FROM page_runs r, generate_series(r.page_start, r.page_start::BIGINT + r.num_pages - 1) AS g(page) "
         "WHERE r.producer_id = ? AND r.seq = ? AND r.list = 0 AND list_contains(?, g.page) ORDER BY r.pos, g.page",
         [key[0], key[1], list(pages)],
     ).fetchall()
@@ -320,9 +320,9 @@ def f1_f10(ctx, allow_tenant_cache_sharing: bool) -> list[Finding]:
     lw AS (SELECT r.producer_id, r.seq, g.page,
                   max_by(struct_pack(rid := w.request_id, pid := w.producer_id, wseq := w.seq::BIGINT,
                                      wns := w.wall_ns, word := w.ord,
-                                     bh := w.block_hashes[w.pos + g.page - w.page_start + 1],
+                                     bh := w.block_hashes[w.pos + (g.page - w.page_start) + 1],
                                      has_bh := w.block_hashes IS NOT NULL,
-                                     dg := w.page_digests[w.pos + g.page - w.page_start + 1]), w.ord) AS w
+                                     dg := w.page_digests[w.pos + (g.page - w.page_start) + 1]), w.ord) AS w
            FROM rd r JOIN wr w
              ON w.cluster = r.cluster AND w.node = r.node AND w.epoch = r.epoch AND w.bucket = r.bucket
             AND w.ord < r.ord
@@ -335,7 +335,7 @@ def f1_f10(ctx, allow_tenant_cache_sharing: bool) -> list[Finding]:
                    max(m.ord) FILTER (WHERE NOT m.is_alloc) AS last_drop,
                    max(m.ord) FILTER (WHERE m.is_alloc) AS last_alloc,
                    max(m.ord) FILTER (WHERE m.is_alloc AND m.purpose = 'prefix_hit') AS last_hit,
-                   max_by(m.block_hashes[m.pos + c.page - m.page_start + 1], m.ord)
+                   max_by(m.block_hashes[m.pos + (c.page - m.page_start) + 1], m.ord)
                        FILTER (WHERE m.is_alloc AND m.purpose = 'prefix_hit') AS hit_hash
             FROM cand c JOIN memx m
               ON m.cluster = c.cluster AND m.node = c.node AND m.epoch = c.epoch AND m.bucket = c.bucket
