@@ -69,6 +69,7 @@ def plugin(tmp_path_factory):
 
     assert mod.PLUGIN is not None, "load_plugins() did not call kvtrail's entry point"
     mod.PLUGIN._frontend_tried = True  # tests start the HTTP process's session themselves, on their own stores
+    mod.PLUGIN._refusals_tried = True
     from tests.sglang.world import publish
 
     publish()
