@@ -60,20 +60,20 @@ class Server:
     def __init__(self, model: Path, db: Path, node: str, log: Path, *extra: str, env: dict | None = None):
         self.port = free_port()
         self.db, self.node, self.log = db, node, log
-        env = dict(os.environ)
-        env.update(
+        env_all = dict(os.environ)
+        env_all.update(
             PYTHONPATH=os.pathsep.join([str(SHIMS), str(ROOT)]),
             HF_HUB_OFFLINE="1",
             KVTRAIL_DB=str(db),
             KVTRAIL_NODE=node,
             KVTRAIL_CLUSTER="real-sglang",
             KVTRAIL_FLUSH_INTERVAL_S="0.2",
-            **(env or {}),
         )
+        env_all.update(env or {})  # the caller's own (a PYTHONPATH of the caller's shell is replaced above)
         args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), *CPU_FLAGS]
         args += ["--port", str(self.port), *extra]
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=log.parent)
+        self.proc = subprocess.Popen(args, env=env_all, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=log.parent)
         self.ready_s: float | None = None
 
     def url(self, path: str) -> str:
@@ -151,3 +151,60 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+class Router:
+    """SGLang's router in front of a PD pair (``python -m sglang_router.launch_router --pd-disaggregation``): it
+    gives each request a bootstrap room and sends it to both servers; its worker health checks (``/health``,
+    every ``health_s`` seconds) run SGLang's health-check generation on each server (fake bootstrap host,
+    room 0). Stopped by pid."""
+
+    def __init__(self, prefill: Server, bootstrap_port: int, decode: Server, log: Path, health_s: int = 2):
+        self.port = free_port()
+        self.log = log
+        args = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+        args += ["--prefill", prefill.url(""), str(bootstrap_port), "--decode", decode.url("")]
+        args += ["--host", "127.0.0.1", "--port", str(self.port), "--health-check-interval-secs", str(health_s)]
+        self.proc = subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=log.parent)
+        self.started = time.monotonic()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"router exited {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1)
+        raise AssertionError(f"router not ready in {timeout} s:\n{self.tail()}")
+
+    generate = Server.generate
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    tail = Server.tail
+
+
+def get(url: str, timeout: float = 60) -> int:
+    """GET ``url``; its HTTP status (0: no answer)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as err:
+        return err.code
+    except (TimeoutError, urllib.error.URLError):
+        return 0

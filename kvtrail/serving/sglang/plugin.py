@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvtrail.audit.configs import HOOKS_MISSING, NOT_AUDITED
 from kvtrail.audit.events import Producer
 from kvtrail.audit.recorder import Recorder, RecorderConfig
 from kvtrail.serving.sglang import checksum, frontend, lifecycle, memory, modes, ranks, senders, transfer
@@ -310,9 +311,9 @@ class Plugin:
         self.unaudited = self._unaudited(scheduler, s.role)
         args = scheduler.server_args
         pool_tokens = int(scheduler.max_total_num_tokens)
-        source = "sglang-plugin; hooks " + (("missing: " + ",".join(self.missing)) if self.missing else "all patched")
-        if self.unaudited:
-            source += "; not audited: " + ",".join(self.unaudited)
+        source = "sglang-plugin; " + ((HOOKS_MISSING + ",".join(self.missing)) if self.missing else "hooks all patched")
+        if self.unaudited:  # read back by kvtrail.audit.configs.unaudited_paths (metrics, preflight)
+            source += "; " + NOT_AUDITED + ",".join(self.unaudited)
         s.recorder.node_config(
             pool_tokens=pool_tokens,
             pool_pages=pool_tokens // s.page_size,
