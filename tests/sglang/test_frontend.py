@@ -103,6 +103,24 @@ def test_without_a_python_tokenizer_the_scheduler_records_each_outcome_once(plug
     assert resp["http_status"] == 500 and resp["request"]["request_id"] == "rs"
 
 
+def test_a_request_streamed_twice_by_the_overlap_schedule_is_one_response(plugin, tmp_path):
+    """With the overlap schedule SGLang calls stream_output twice for a finished request (its delayed token) and
+    skips the second by ``finished_output``, which the first call set: one response is recorded, not two."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+    db = tmp_path / "audit.duckdb"
+    s = plugin.start(Node("unified").scheduler, sink=str(db))  # a store file: the scheduler records responses
+    try:
+        r = _finished("twice", FINISH_LENGTH(2), 2)
+        streamer().stream_output([r], False)
+        r.finished_output = True  # what SGLang's stream of the finished request sets (the stand-in streams nothing)
+        streamer().stream_output([r], False)
+    finally:
+        plugin.session = None
+        s.close()
+    assert [e["request"]["request_id"] for e in stored_events(db) if e["kind"] == "response_sent"] == ["twice"]
+
+
 @pytest.mark.parametrize("grpc", ["grpc_mode", "smg_grpc_mode", "tokenizer_worker_num"])
 def test_grpc_front_ends_and_extra_tokenizer_workers_leave_responses_to_the_scheduler(grpc):
     import types

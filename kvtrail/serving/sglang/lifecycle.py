@@ -60,7 +60,9 @@ def on_stream_output(s: Session, streamer: Any, reqs: list, return_logprob: bool
     """
     now = time.monotonic_ns()
     for req in reqs:
-        if req is skip_req or not req.finished():
+        # With the overlap schedule SGLang streams a finished request twice (one delayed token) and skips the
+        # second time by its finished_output flag, which its first stream set: so do we, or it is recorded twice.
+        if req is skip_req or not req.finished() or getattr(req, "finished_output", False):
             continue
         rid = str(req.rid)
         if s.role == "prefill" or not s.records_responses:
