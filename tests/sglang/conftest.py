@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-# test_release_wheels.py reads every release's wheel without SGLang: it runs in the main environment only.
-WITHOUT_SGLANG = {"test_release_wheels.py"}
+# test_release_wheels.py reads every release's wheel without SGLang, test_demo_script.py checks a script's commands:
+# they run in the main environment only.
+WITHOUT_SGLANG = {"test_release_wheels.py", "test_demo_script.py"}
 if importlib.util.find_spec("sglang") is None:
     # The main .venv has no SGLang: these run in the SGLang environments scripts/sglang-env.sh builds (the test
     # command runs them on 0.5.23 and 0.5.19).

@@ -35,6 +35,9 @@ CPU_FLAGS = [
     "--host",
     "127.0.0.1",
 ]
+# a PD pair: Mooncake over loopback TCP (no RDMA here), no overlap schedule (it records a torch.cuda.Event)
+PD_ENV = {"MC_FORCE_TCP": "1", "MC_LOG_LEVEL": "ERROR"}
+PD_FLAGS = ["--disaggregation-transfer-backend", "mooncake", "--disable-overlap-schedule"]
 
 
 def check_shims() -> None:
@@ -54,7 +57,39 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Server:
+class _Http:
+    """A process of this test serving HTTP on 127.0.0.1 (``port``), with its log file (``log``)."""
+
+    port: int
+    log: Path
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def generate(
+        self, text: str, tenant: str, max_new_tokens: int = 4, timeout: float = 120, **more
+    ) -> tuple[int, dict]:
+        """POST /generate; (HTTP status, body), or (0, {}) when no answer came in ``timeout`` (the client hangs up)."""
+        body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens}, "extra_key": tenant, **more}
+        req = urllib.request.Request(
+            self.url("/generate"), data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"{}")
+        except (TimeoutError, urllib.error.URLError):
+            return 0, {}
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class Server(_Http):
     """One launch_server process; ``db`` its store file."""
 
     def __init__(self, model: Path, db: Path, node: str, log: Path, *extra: str, env: dict | None = None):
@@ -76,9 +111,6 @@ class Server:
         self.proc = subprocess.Popen(args, env=env_all, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=log.parent)
         self.ready_s: float | None = None
 
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
     def wait_ready(self, timeout: float = 420) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -93,22 +125,6 @@ class Server:
                 pass
             time.sleep(1)
         raise AssertionError(f"{self.node} not ready in {timeout} s:\n{self.tail()}")
-
-    def generate(
-        self, text: str, tenant: str, max_new_tokens: int = 4, timeout: float = 120, **more
-    ) -> tuple[int, dict]:
-        """POST /generate; (HTTP status, body), or (0, {}) when no answer came in ``timeout`` (the client hangs up)."""
-        body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens}, "extra_key": tenant, **more}
-        req = urllib.request.Request(
-            self.url("/generate"), data=json.dumps(body).encode(), headers={"content-type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as err:
-            return err.code, json.loads(err.read() or b"{}")
-        except (TimeoutError, urllib.error.URLError):
-            return 0, {}
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 90) -> float:
         """Signal the launcher (by pid) and wait for it and its children; returns the seconds it took."""
@@ -129,12 +145,6 @@ class Server:
             time.sleep(0.2)
         return time.monotonic() - t0
 
-    def tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
 
 def _children(pid: int) -> list[int]:
     import psutil
@@ -153,7 +163,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class Router:
+class Router(_Http):
     """SGLang's router in front of a PD pair (``python -m sglang_router.launch_router --pd-disaggregation``): it
     gives each request a bootstrap room and sends it to both servers; its worker health checks (``/health``,
     every ``health_s`` seconds) run SGLang's health-check generation on each server (fake bootstrap host,
@@ -167,9 +177,6 @@ class Router:
         args += ["--host", "127.0.0.1", "--port", str(self.port), "--health-check-interval-secs", str(health_s)]
         self.proc = subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=log.parent)
         self.started = time.monotonic()
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
 
     def wait_ready(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -185,8 +192,6 @@ class Router:
             time.sleep(1)
         raise AssertionError(f"router not ready in {timeout} s:\n{self.tail()}")
 
-    generate = Server.generate
-
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -195,8 +200,6 @@ class Router:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(30)
-
-    tail = Server.tail
 
 
 def get(url: str, timeout: float = 60) -> int:

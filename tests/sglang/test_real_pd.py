@@ -15,12 +15,10 @@ from importlib.metadata import version
 import pytest
 
 from tests.conftest import stored_events
-from tests.sglang.realserver import Server, check_shims, free_port
+from tests.sglang.realserver import PD_ENV, PD_FLAGS, Server, check_shims, free_port
 
 NEWEST = tuple(int(x) for x in version("sglang").split(".")[:3]) >= (0, 5, 23)
 pytestmark = [pytest.mark.slow]
-PD_ENV = {"MC_FORCE_TCP": "1", "MC_LOG_LEVEL": "ERROR"}
-PD_FLAGS = ["--disaggregation-transfer-backend", "mooncake", "--disable-overlap-schedule"]
 TIMINGS: dict[str, float] = {}
 
 
