@@ -86,9 +86,13 @@ ready() { # URL: wait up to 7 minutes for a 200
 }
 generate() { # TENANT TEXT [MAX_S]: through the router; the HTTP status (000: no answer in MAX_S s) and the answer
   local out
-  out=$(curl -s --max-time "${3:-120}" -w '\n%{http_code}' -H 'content-type: application/json' \
-    "http://127.0.0.1:$router_port/generate" \
-    -d "{\"text\": \"$2\", \"sampling_params\": {\"max_new_tokens\": 4}, \"extra_key\": \"$1\"}" || true)
+  for _ in $(seq 60); do # a 503 while the router has not admitted its workers yet (its /health answers first)
+    out=$(curl -s --max-time "${3:-120}" -w '\n%{http_code}' -H 'content-type: application/json' \
+      "http://127.0.0.1:$router_port/generate" \
+      -d "{\"text\": \"$2\", \"sampling_params\": {\"max_new_tokens\": 4}, \"extra_key\": \"$1\"}" || true)
+    [ "${out##*$'\n'}" = 503 ] || break
+    sleep 1
+  done
   echo "$1 -> HTTP ${out##*$'\n'}: $(printf '%s' "${out%$'\n'*}" | head -c 160)"
 }
 

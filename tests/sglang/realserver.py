@@ -192,6 +192,16 @@ class Router(_Http):
             time.sleep(1)
         raise AssertionError(f"router not ready in {timeout} s:\n{self.tail()}")
 
+    def generate(self, text: str, tenant: str, max_new_tokens: int = 4, timeout: float = 120, **more):
+        """As the servers' ``generate``; a 503 while the router has not yet admitted its workers (its own /health
+        answers before its first worker check) is asked again, for up to a minute."""
+        deadline = time.monotonic() + 60
+        while True:
+            status, body = super().generate(text, tenant, max_new_tokens, timeout, **more)
+            if status != 503 or time.monotonic() > deadline:
+                return status, body
+            time.sleep(1)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
