@@ -115,7 +115,8 @@ curl -s -o /dev/null -w '/health decode -> HTTP %{http_code}\n' "http://127.0.0.
 echo "the over-long prompt (~2100 tokens, over prefill's 2048-token pool, under the 4096-token context):"
 generate tenant-c "$(printf 'kv cache pages move %.0s' $(seq 700))" 30
 echo "(0.5.23: prefill refuses it 400 before any transfer, and the router waits on decode, which waits for a"
-echo " transfer that never starts: no answer here; 0.5.19: served 200 from one transferred placeholder token)"
+echo " transfer that never starts: no answer here; 0.5.19, as its real PD test shows: served 200 from one"
+echo " transferred placeholder token)"
 sleep 3
 stop
 for cmd in "${merge_cmds[@]}"; do
