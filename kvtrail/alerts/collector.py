@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from kvtrail.alerts.metrics import ABORT_CAUSES, BY_NAME, METRICS
-from kvtrail.audit.configs import latest_configs
+from kvtrail.audit.configs import latest_configs, unaudited_paths
 from kvtrail.forensics import AFFECTED_CODES, CODES
 from kvtrail.model.properties import PROPERTIES
 
@@ -124,9 +124,10 @@ class StoreCollector(Collector):
         specs = [(m, m.column) for m in METRICS if m.column is not None]
         fams: dict[str, Family] = {m.name: _family(m.name) for m, _ in specs}
         info = InfoMetricFamily("kvtrail_node_engine", BY_NAME["kvtrail_node_engine"].doc, labels=["node", "role"])
+        unaudited = _family("kvtrail_node_unaudited_paths")
         configs = latest_configs(
             con,
-            ("node", "role", "engine", "engine_version", *(c for _, c in specs)),
+            ("node", "role", "engine", "engine_version", "config_source", *(c for _, c in specs)),
             per=("node", "role"),
             order_by=("node", "role"),
         ).to_pylist()
@@ -137,7 +138,9 @@ class StoreCollector(Collector):
                 if v is not None:  # unknown stays absent, never a number
                     fams[m.name].add_metric(labels, float(v) / m.per_unit)
             info.add_metric(labels, {"engine": row["engine"], "version": row["engine_version"]})
-        return [*fams.values(), info]
+            for path in unaudited_paths(row["config_source"]):  # what the node itself declares it does not audit
+                unaudited.add_metric([*labels, path], 1.0)
+        return [*fams.values(), info, unaudited]
 
     # ---- findings -------------------------------------------------------------------------------
 

@@ -75,6 +75,14 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 ("KvtrailPoolSmallerThanContext",),
                 kind="bargauge",
             ),
+            Panel(
+                "Unaudited paths per node",
+                "Paths of a node's page traffic its recorder declares it does not audit (a mode such as HiCache "
+                "load-back, the fake transfer backend, a hook that was not patched): pages moved that way are not "
+                "in the record. Empty when every node is fully audited.",
+                ((f"{_x('kvtrail_node_unaudited_paths')}{_NODE}", "{{node}} ({{role}}): {{path}}"),),
+                ("KvtrailNodeUnaudited",),
+            ),
         ),
     ),
     (

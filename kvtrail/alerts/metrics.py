@@ -4,8 +4,8 @@ The collector (:mod:`kvtrail.alerts.collector`), ``docs/alerts.md`` and the aler
 these names; a test checks the three agree. Names follow ``kvtrail_<subsystem>_<name>_<unit>``; a
 counter's exposed name adds ``_total``. Labels are bounded: node, role, code, producer (the
 ``cluster/node/role`` a recorder reports as, summed over its restarts) and, where said, the abort
-cause, the engine's name and version, a transfer's prefill and decode nodes or a model property - never
-a request, tenant or API-key id.
+cause, the engine's name and version, a transfer's prefill and decode nodes, a model property or an
+unaudited path (a mode the recorder names, a few per node) - never a request, tenant or API-key id.
 """
 
 from __future__ import annotations
@@ -83,6 +83,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "transfer_batch_max_pages",
     ),
     _m("kvtrail_node_engine", "info", (*NODE, "engine", "version"), "Serving engine and version of the node."),
+    _m(
+        "kvtrail_node_unaudited_paths",
+        "gauge",
+        (*NODE, "path"),
+        "1 for each path of the node's page traffic its recorder declares it does not audit (a mode, a transfer "
+        "backend, a hook that was not patched: the node_config's config_source); absent when it declares none.",
+    ),
     # findings (the judge's persisted findings)
     _m("kvtrail_forensics_findings", "counter", ("code", "node"), "Findings stored, by code and node."),
     _m(

@@ -3,7 +3,9 @@
 - :func:`latest_configs`: the newest configuration of each node (or producer, or node and role) at or
   before a time, ties broken by the later sequence number;
 - :func:`configs_in_effect`: every configuration in effect during a window (each producer's newest at
-  or before its start, and every later one up to its end).
+  or before its start, and every later one up to its end);
+- :func:`unaudited_paths`: what a node's ``config_source`` declares its record does not cover (the SGLang
+  plugin's ``hooks missing: ...`` and ``not audited: ...``).
 
 The metrics, the Fleet view and the thresholds analysis read them here; the SQL findings engine keeps
 its own statement of F8's inputs so that it stays independent of the replay (docs/architecture.md).
@@ -56,3 +58,20 @@ def configs_in_effect(
         ORDER BY node, wall_ns, instance""",
         [hi, lo, lo],
     )
+
+
+# The parts of a config_source the SGLang plugin writes ("sglang-plugin; hooks all patched; not audited: a,b"):
+# parts split by "; ", names in a part by ",".
+HOOKS_MISSING, NOT_AUDITED = "hooks missing: ", "not audited: "
+
+
+def unaudited_paths(config_source: str | None) -> list[str]:
+    """The paths a node's record does not cover, as its ``config_source`` declares them: each mode or backend
+    named ``not audited``, and ``hook not patched: <target>`` for each hook target that was not patched."""
+    out: list[str] = []
+    for part in (config_source or "").split("; "):
+        if part.startswith(NOT_AUDITED):
+            out += [p for p in part[len(NOT_AUDITED) :].split(",") if p]
+        elif part.startswith(HOOKS_MISSING):
+            out += [f"hook not patched: {p}" for p in part[len(HOOKS_MISSING) :].split(",") if p]
+    return out

@@ -55,7 +55,8 @@ def preflight(
     sources: tuple[str, ...],
 ) -> None:
     """Check a deployment before it serves: pool >= context on every node, integrity settings equal on both
-    roles, an engine with the PD admission fix, bounded transfer batches.
+    roles, an engine with the PD admission fix, bounded transfer batches, every path of a node's page traffic
+    audited by kvtrail's SGLang plugin.
 
     Each SOURCE is an SGLang start-up log, a saved /server_info (or /get_server_info) JSON, a saved
     /metrics text, or the http(s):// URL of a running server. Exit 0 when every check passes on every

@@ -1,5 +1,6 @@
-"""The preflight checks: per node, pool >= context; across the deployment, integrity settings equal on
-both roles, an engine with the PD admission fix, bounded transfer batches within the release timeout.
+"""The preflight checks: per node, pool >= context and every path of its page traffic audited; across the
+deployment, integrity settings equal on both roles, an engine with the PD admission fix, bounded transfer
+batches within the release timeout.
 
 Every check is ``pass``, ``fail`` or ``unknown``. Pool vs context is checked on every node (unknown when
 either number is missing: never guessed); the deployment checks apply where the sources carry the
@@ -109,6 +110,22 @@ def transfer_bound(node: NodeConfig, nodes: list[NodeConfig]) -> CheckResult | N
     )
 
 
+def audit_coverage(node: NodeConfig) -> CheckResult | None:
+    """Whether kvtrail's SGLang plugin audits every path of this node's page traffic (left out where the source
+    does not say). A path it does not audit is ``unknown``: pages moved that way are missing from the record, so
+    their isolation cannot be established (``--allow-unknown`` accepts it knowingly)."""
+    if node.unaudited is None:
+        return None
+    if node.unaudited:
+        return CheckResult(
+            "audit_coverage",
+            "unknown",
+            f"kvtrail's SGLang plugin does not audit {', '.join(node.unaudited)}: pages moved that way are missing "
+            "from the record (run without it, or accept the hole with --allow-unknown)",
+        )
+    return CheckResult("audit_coverage", "pass", "no mode kvtrail's SGLang plugin leaves unaudited")
+
+
 def check_node(node: NodeConfig, nodes: list[NodeConfig]) -> list[CheckResult]:
     """Every check that applies to ``node`` in the deployment ``nodes``."""
     out = [pool_vs_context(node)]
@@ -116,6 +133,7 @@ def check_node(node: NodeConfig, nodes: list[NodeConfig]) -> list[CheckResult]:
         engine_version(node),
         *(_integrity(node, nodes, n, a) for n, a in INTEGRITY),
         transfer_bound(node, nodes),
+        audit_coverage(node),
     ):
         if result is not None:
             out.append(result)

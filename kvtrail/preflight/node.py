@@ -29,6 +29,7 @@ class NodeConfig:
     deferred_release: bool | None = None
     release_timeout_ns: int | None = None
     transfer_batch_max_pages: int | None = None
+    unaudited: tuple[str, ...] | None = None  # paths kvtrail's SGLang plugin does not audit (preflight.coverage)
     config_source: str = ""
     notes: tuple[str, ...] = ()
     node: str | None = None  # the node's name as the operator gave it (--node); None: named after the source

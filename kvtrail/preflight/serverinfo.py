@@ -20,6 +20,7 @@ from dataclasses import replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtrail.preflight.coverage import unaudited_by_args
 from kvtrail.preflight.node import ROLES, NodeConfig
 
 
@@ -60,9 +61,11 @@ def _common(doc: Mapping, source: str) -> NodeConfig:
     timeout_s = doc.get("disaggregation_release_timeout_s")
     timeout_ns = None if _int(timeout_s) is None else int(float(timeout_s) * 1e9)  # type: ignore[arg-type]
     version = doc.get("version")
+    role = _role(doc.get("disaggregation_mode"))
     return NodeConfig(
         source=source,
-        role=_role(doc.get("disaggregation_mode")),
+        role=role,
+        unaudited=unaudited_by_args(doc, role),
         pool_tokens=_int(doc.get("max_total_num_tokens")),
         context_tokens=_int(doc.get("context_length")) or _models_context(doc),
         page_size=_int(doc.get("page_size")),

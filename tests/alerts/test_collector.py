@@ -114,7 +114,9 @@ def test_no_label_names_a_request_or_tenant(incident):
         "prefill_node",
         "decode_node",
         "property",
+        "path",
     }
+    # (path: kvtrail_node_unaudited_paths, listed only for a node that declares one; none does here)
     exposed = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
     # the live judge's model violations as given, every other property and configured node at 0
     violations = {
@@ -126,8 +128,9 @@ def test_no_label_names_a_request_or_tenant(incident):
     assert violations[("no_foreign_read", "decode-0")] == 2 and violations[("pages_conserved", "prefill-0")] == 0
     assert sum(violations.values()) == 2
     # every declared metric appears, no other; the OpenTelemetry export's only while it is on
-    # (tests/alerts/test_otel.py), a transfer pair's once it has a mismatch (no zero per pair: many series)
-    later = {"kvtrail_forensics_transfer_pair_mismatches_total"}
+    # (tests/alerts/test_otel.py), a transfer pair's once it has a mismatch (no zero per pair: many series), an
+    # unaudited path's once a node declares one
+    later = {"kvtrail_forensics_transfer_pair_mismatches_total", "kvtrail_node_unaudited_paths"}
     assert exposed == {n for n in EXPOSED if not n.startswith("kvtrail_otel_")} - later
     assert len(METRICS) == len(EXPOSED)
 
@@ -164,3 +167,26 @@ def test_late_transfers_count_f11_findings(incident):
     reg = registry_for(incident.cursor)
     assert reg.get_sample_value("kvtrail_forensics_late_transfers_total", {"node": "decode-0"}) == 1
     assert reg.get_sample_value("kvtrail_forensics_late_transfers_total", {"node": "prefill-0"}) == 0
+
+
+def test_unaudited_paths_are_what_each_nodes_latest_config_declares(tmp_path):
+    """kvtrail_node_unaudited_paths: one series per path the SGLang plugin's config_source names (modes not audited,
+    hooks not patched), from each node's latest node_config; a node that declares none has no series."""
+    pre, dec = node_configs()
+    declared = "sglang-plugin; hooks missing: x.Y.send; not audited: HiCache load-back and write-back allocations"
+    later = event(1, "node_config", DECODE, wall_ns=T0 + 10, **{k: v for k, v in dec.items() if k in _CONFIG_FIELDS})
+    with AuditStore(tmp_path / "a.duckdb") as store:
+        store.append(from_dicts([{**pre, "config_source": declared}]))
+        store.append(from_dicts([{**dec, "config_source": "sglang-plugin; not audited: speculative decoding EAGLE"}]))
+        get = registry_for(store.cursor).get_sample_value
+        hicache = {**PRE, "path": "HiCache load-back and write-back allocations"}
+        assert get("kvtrail_node_unaudited_paths", hicache) == 1
+        assert get("kvtrail_node_unaudited_paths", {**PRE, "path": "hook not patched: x.Y.send"}) == 1
+        assert get("kvtrail_node_unaudited_paths", {**DEC, "path": "speculative decoding EAGLE"}) == 1
+        store.append(from_dicts([{**later, "config_source": "sglang-plugin; hooks all patched"}]))
+        get = registry_for(store.cursor).get_sample_value
+        assert get("kvtrail_node_unaudited_paths", {**DEC, "path": "speculative decoding EAGLE"}) is None  # restarted
+        assert get("kvtrail_node_unaudited_paths", hicache) == 1
+
+
+_CONFIG_FIELDS = ("pool_tokens", "pool_pages", "page_size", "context_tokens")

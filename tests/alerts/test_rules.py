@@ -65,6 +65,19 @@ CASES: list[Case] = [
         1,
         None,
     ),
+    Case(
+        "KvtrailNodeUnaudited",
+        [("kvtrail_node_unaudited_paths", {**P, "path": "HiCache load-back and write-back allocations"}, "1x10")],
+        1,
+        {**P, "path": "HiCache load-back and write-back allocations"},
+        "1",
+    ),
+    Case(  # a node that declares nothing has no series: silent
+        "KvtrailNodeUnaudited",
+        [("kvtrail_node_kv_pool_tokens", P, "2097152x10")],
+        1,
+        None,
+    ),
     *_new_since("KvtrailForeignRead", "kvtrail_forensics_findings_total", {"code": "F1", "node": "decode-0"}),
     Case(
         "KvtrailForeignRead",
@@ -195,7 +208,7 @@ def test_every_rule_has_a_firing_and_a_silent_case_and_says_node_and_runbook():
         assert "$labels.node" in ann["summary"] + ann["description"] or "$labels.producer" in ann["summary"], name
         assert "Runbook:" in ann["description"], name
         for m in _TEMPLATE.finditer(ann["summary"] + ann["description"]):
-            assert m.group(2) is None or m.group(2) in ("node", "role", "producer", "cause", "property")
+            assert m.group(2) is None or m.group(2) in ("node", "role", "producer", "cause", "property", "path")
         assert ann["summary"].count("{{") == len(_TEMPLATE.findall(ann["summary"])), "only the rendered subset"
         assert ann["description"].count("{{") == len(_TEMPLATE.findall(ann["description"]))
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-# test_release_wheels.py reads every release's wheel without SGLang: it runs in the main environment only.
-WITHOUT_SGLANG = {"test_release_wheels.py"}
+# test_release_wheels.py reads every release's wheel without SGLang, test_demo_script.py checks a script's commands:
+# they run in the main environment only.
+WITHOUT_SGLANG = {"test_release_wheels.py", "test_demo_script.py"}
 if importlib.util.find_spec("sglang") is None:
     # The main .venv has no SGLang: these run in the SGLang environments scripts/sglang-env.sh builds (the test
     # command runs them on 0.5.23 and 0.5.19).
@@ -69,6 +70,7 @@ def plugin(tmp_path_factory):
 
     assert mod.PLUGIN is not None, "load_plugins() did not call kvtrail's entry point"
     mod.PLUGIN._frontend_tried = True  # tests start the HTTP process's session themselves, on their own stores
+    mod.PLUGIN._refusals_tried = True
     from tests.sglang.world import publish
 
     publish()

@@ -35,6 +35,9 @@ CPU_FLAGS = [
     "--host",
     "127.0.0.1",
 ]
+# a PD pair: Mooncake over loopback TCP (no RDMA here), no overlap schedule (it records a torch.cuda.Event)
+PD_ENV = {"MC_FORCE_TCP": "1", "MC_LOG_LEVEL": "ERROR"}
+PD_FLAGS = ["--disaggregation-transfer-backend", "mooncake", "--disable-overlap-schedule"]
 
 
 def check_shims() -> None:
@@ -54,45 +57,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Server:
-    """One launch_server process; ``db`` its store file."""
+class _Http:
+    """A process of this test serving HTTP on 127.0.0.1 (``port``), with its log file (``log``)."""
 
-    def __init__(self, model: Path, db: Path, node: str, log: Path, *extra: str, env: dict | None = None):
-        self.port = free_port()
-        self.db, self.node, self.log = db, node, log
-        env = dict(os.environ)
-        env.update(
-            PYTHONPATH=os.pathsep.join([str(SHIMS), str(ROOT)]),
-            HF_HUB_OFFLINE="1",
-            KVTRAIL_DB=str(db),
-            KVTRAIL_NODE=node,
-            KVTRAIL_CLUSTER="real-sglang",
-            KVTRAIL_FLUSH_INTERVAL_S="0.2",
-            **(env or {}),
-        )
-        args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), *CPU_FLAGS]
-        args += ["--port", str(self.port), *extra]
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=log.parent)
-        self.ready_s: float | None = None
+    port: int
+    log: Path
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
-
-    def wait_ready(self, timeout: float = 420) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"{self.node} exited {self.proc.returncode}:\n{self.tail()}")
-            try:  # /v1/models, not /health: SGLang's /health runs a generation (a health-check request)
-                with urllib.request.urlopen(self.url("/v1/models"), timeout=2) as r:
-                    if r.status == 200:
-                        self.ready_s = time.monotonic() - self.started
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1)
-        raise AssertionError(f"{self.node} not ready in {timeout} s:\n{self.tail()}")
 
     def generate(
         self, text: str, tenant: str, max_new_tokens: int = 4, timeout: float = 120, **more
@@ -109,6 +81,50 @@ class Server:
             return err.code, json.loads(err.read() or b"{}")
         except (TimeoutError, urllib.error.URLError):
             return 0, {}
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class Server(_Http):
+    """One launch_server process; ``db`` its store file."""
+
+    def __init__(self, model: Path, db: Path, node: str, log: Path, *extra: str, env: dict | None = None):
+        self.port = free_port()
+        self.db, self.node, self.log = db, node, log
+        env_all = dict(os.environ)
+        env_all.update(
+            PYTHONPATH=os.pathsep.join([str(SHIMS), str(ROOT)]),
+            HF_HUB_OFFLINE="1",
+            KVTRAIL_DB=str(db),
+            KVTRAIL_NODE=node,
+            KVTRAIL_CLUSTER="real-sglang",
+            KVTRAIL_FLUSH_INTERVAL_S="0.2",
+        )
+        env_all.update(env or {})  # the caller's own (a PYTHONPATH of the caller's shell is replaced above)
+        args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), *CPU_FLAGS]
+        args += ["--port", str(self.port), *extra]
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(args, env=env_all, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=log.parent)
+        self.ready_s: float | None = None
+
+    def wait_ready(self, timeout: float = 420) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.node} exited {self.proc.returncode}:\n{self.tail()}")
+            try:  # /v1/models, not /health: SGLang's /health runs a generation (a health-check request)
+                with urllib.request.urlopen(self.url("/v1/models"), timeout=2) as r:
+                    if r.status == 200:
+                        self.ready_s = time.monotonic() - self.started
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1)
+        raise AssertionError(f"{self.node} not ready in {timeout} s:\n{self.tail()}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 90) -> float:
         """Signal the launcher (by pid) and wait for it and its children; returns the seconds it took."""
@@ -129,12 +145,6 @@ class Server:
             time.sleep(0.2)
         return time.monotonic() - t0
 
-    def tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
 
 def _children(pid: int) -> list[int]:
     import psutil
@@ -151,3 +161,63 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+class Router(_Http):
+    """SGLang's router in front of a PD pair (``python -m sglang_router.launch_router --pd-disaggregation``): it
+    gives each request a bootstrap room and sends it to both servers; its worker health checks (``/health``,
+    every ``health_s`` seconds) run SGLang's health-check generation on each server (fake bootstrap host,
+    room 0). Stopped by pid."""
+
+    def __init__(self, prefill: Server, bootstrap_port: int, decode: Server, log: Path, health_s: int = 2):
+        self.port = free_port()
+        self.log = log
+        args = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+        args += ["--prefill", prefill.url(""), str(bootstrap_port), "--decode", decode.url("")]
+        args += ["--host", "127.0.0.1", "--port", str(self.port), "--health-check-interval-secs", str(health_s)]
+        self.proc = subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=log.parent)
+        self.started = time.monotonic()
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"router exited {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1)
+        raise AssertionError(f"router not ready in {timeout} s:\n{self.tail()}")
+
+    def generate(self, text: str, tenant: str, max_new_tokens: int = 4, timeout: float = 120, **more):
+        """As the servers' ``generate``; a 503 while the router has not yet admitted its workers (its own /health
+        answers before its first worker check) is asked again, for up to a minute."""
+        deadline = time.monotonic() + 60
+        while True:
+            status, body = super().generate(text, tenant, max_new_tokens, timeout, **more)
+            if status != 503 or time.monotonic() > deadline:
+                return status, body
+            time.sleep(1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def get(url: str, timeout: float = 60) -> int:
+    """GET ``url``; its HTTP status (0: no answer)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as err:
+        return err.code
+    except (TimeoutError, urllib.error.URLError):
+        return 0

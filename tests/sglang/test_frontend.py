@@ -103,6 +103,24 @@ def test_without_a_python_tokenizer_the_scheduler_records_each_outcome_once(plug
     assert resp["http_status"] == 500 and resp["request"]["request_id"] == "rs"
 
 
+def test_a_request_streamed_twice_by_the_overlap_schedule_is_one_response(plugin, tmp_path):
+    """With the overlap schedule SGLang calls stream_output twice for a finished request (its delayed token) and
+    skips the second by ``finished_output``, which the first call set: one response is recorded, not two."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+    db = tmp_path / "audit.duckdb"
+    s = plugin.start(Node("unified").scheduler, sink=str(db))  # a store file: the scheduler records responses
+    try:
+        r = _finished("twice", FINISH_LENGTH(2), 2)
+        streamer().stream_output([r], False)
+        r.finished_output = True  # what SGLang's stream of the finished request sets (the stand-in streams nothing)
+        streamer().stream_output([r], False)
+    finally:
+        plugin.session = None
+        s.close()
+    assert [e["request"]["request_id"] for e in stored_events(db) if e["kind"] == "response_sent"] == ["twice"]
+
+
 @pytest.mark.parametrize("grpc", ["grpc_mode", "smg_grpc_mode", "tokenizer_worker_num"])
 def test_grpc_front_ends_and_extra_tokenizer_workers_leave_responses_to_the_scheduler(grpc):
     import types
@@ -129,3 +147,115 @@ def test_where_the_http_hook_is_missing_the_scheduler_records_the_responses(plug
     finally:
         plugin.missing = []
         store.store.close()
+
+
+def _refusing_tokenizer(mode: str, context: int):
+    """A TokenizerManager with what its real _validate_one_request reads, for a model of ``context`` tokens."""
+    import types
+
+    tm = tokenizer(mode)
+    tm.context_len, tm.num_reserved_tokens, tm.allow_auto_truncate, tm.validate_total_tokens = context, 0, False, True
+    tm.model_config = types.SimpleNamespace(joint_head_config=None, pointer_head=None)
+    return tm
+
+
+def _validate(tm, rid, n_tokens, tenant, room=None, host=None):
+    """SGLang's own check of a tokenized request (the HTTP server answers 400 for its ValueError)."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    obj = GenerateReqInput(
+        input_ids=list(range(n_tokens)),
+        rid=rid,
+        extra_key=tenant,
+        sampling_params={"max_new_tokens": 4},
+        bootstrap_room=room,
+        bootstrap_host=host,
+    )
+    try:
+        tm._validate_one_request(obj, list(obj.input_ids))
+    except ValueError:
+        return 400
+    return 200
+
+
+@pytest.mark.parametrize("mode", ["decode", "null", "prefill"])
+def test_a_request_the_http_process_refuses_is_recorded_with_its_tenant_status_and_reason(plugin, tmp_path, mode):
+    db = tmp_path / "audit.duckdb"
+    tm = _refusing_tokenizer(mode, 64)
+    s = plugin.start_refusals(tm, sink=str(db))
+    try:
+        assert _validate(tm, "fits", 20, "tenant-a", room=7) == 200  # SGLang's check passes: nothing recorded here
+        assert _validate(tm, "long", 80, "tenant-b", room=8) == 400  # over the context: refused before any scheduler
+        assert _validate(tm, "anon", 80, None) == 400
+    finally:
+        plugin.refusals = None
+        s.close()
+    assert not db.exists()  # a store file's one writer is the scheduler: the refusals go to their own file
+    events = stored_events(tmp_path / "audit.http.duckdb")
+    by_kind: dict[str, list[dict]] = {}
+    for e in events:
+        by_kind.setdefault(e["kind"], []).append(e)
+    assert {e["request"]["request_id"] for e in by_kind["request_received"]} == {"long", "anon"}
+    [recv] = [e for e in by_kind["request_received"] if e["request"]["request_id"] == "long"]
+    assert recv["request"]["tenant_id"] == "tenant-b" and recv["prompt_tokens"] == 80
+    assert recv["request"]["transfer_id"] == 8 and recv["max_new_tokens"] == 4
+    aborts = {e["request"]["request_id"]: e for e in by_kind["request_aborted"]}
+    assert set(aborts) == {"long", "anon"}
+    assert aborts["long"]["stage"] == "http" and aborts["long"]["http_status"] == 400
+    assert "longer than the model's context length (64 tokens)" in aborts["long"]["abort_reason"]
+    assert aborts["anon"]["request"]["tenant_id"] == "(unknown tenant)"
+    responses = {e["request"]["request_id"]: e for e in by_kind.get("response_sent", [])}
+    if mode == "prefill":  # prefill's answer goes to the router, not to the client
+        assert responses == {}
+    else:
+        assert {k: (v["http_status"], v["completion_tokens"]) for k, v in responses.items()} == {
+            "long": (400, 0),
+            "anon": (400, 0),
+        }
+        assert responses["long"]["prompt_tokens"] == 80 and responses["long"]["request"]["tenant_id"] == "tenant-b"
+
+
+def test_with_the_service_the_refusals_go_where_the_responses_go(plugin, tmp_path):
+    from tests.sglang.conftest import SharedStore
+
+    db = tmp_path / "audit.duckdb"
+    store = SharedStore(db)
+    tm = _refusing_tokenizer("decode", 64)
+    s = plugin.start_frontend(tm, sink=store)
+    plugin._frontend_tried = True
+    try:
+        assert s is not None and plugin.refusal_session(tm) is s
+        assert _validate(tm, "long", 80, "tenant-b") == 400
+    finally:
+        plugin.frontend = None
+        s.close()
+        store.store.close()
+    [resp] = [e for e in stored_events(db) if e["kind"] == "response_sent"]
+    assert resp["http_status"] == 400 and resp["request"]["request_id"] == "long"
+
+
+def test_sglang_health_checks_carry_no_transfer_id(plugin, tmp_path):
+    """A PD server's /health request has SGLang's fake bootstrap host and room 0: it transfers nothing, so room 0
+    is not recorded as a transfer id (it would be one transfer shared by every health check)."""
+    from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+    from kvtrail.serving.sglang import session
+
+    assert (session.FAKE_BOOTSTRAP_HOST, session.HEALTH_CHECK_RID_PREFIX) == (
+        FAKE_BOOTSTRAP_HOST,
+        HEALTH_CHECK_RID_PREFIX,
+    )
+    tm = _refusing_tokenizer("decode", 64)
+    db = tmp_path / "audit.duckdb"
+    s = plugin.start_refusals(tm, sink=str(db))
+    try:
+        rid = f"{HEALTH_CHECK_RID_PREFIX}_0"
+        assert _validate(tm, rid, 80, None, room=0, host=FAKE_BOOTSTRAP_HOST) == 400
+        assert _validate(tm, "real", 80, None, room=0, host="127.0.0.1") == 400
+    finally:
+        plugin.refusals = None
+        s.close()
+    events = stored_events(tmp_path / "audit.http.duckdb")
+    rooms = {e["request"]["request_id"]: e["request"].get("transfer_id") for e in events if "request" in e}
+    assert rooms == {rid: None, "real": 0}  # every event of the health check: no transfer id

@@ -3,7 +3,7 @@
 Two unified servers are started in parallel on the tiny model made once for the module: one is stopped with
 SIGTERM (SGLang's clean shutdown: the record must end clean, the plugin closes its recorder at SGLang's
 ShutdownReq), the other with SIGKILL (still an unclean end). Traffic from three tenants; a prompt over the
-context is refused 400 by the HTTP process.
+context is refused 400 by the HTTP process, which records the refusal (into its own file beside the node's).
 """
 
 from __future__ import annotations
@@ -65,13 +65,14 @@ def traffic(server):
     for i, tenant in enumerate(TENANTS * 2):
         status, body = server.generate(f"the tenant asked for pages {i} " * (i + 1), tenant)
         answers.append((tenant, status, body))
-    status, body = server.generate("kv cache pages " * CONTEXT, "tenant-c")
+    status, body = server.generate("kv cache pages " * CONTEXT, "tenant-c", rid="over-context")
     return answers, (status, body)
 
 
 def test_a_sigterm_shutdown_is_a_clean_end_with_every_tenants_pages_and_statuses(servers):
     from kvtrail.audit.store import connect_readonly
     from kvtrail.audit.verify import unclean_ends
+    from kvtrail.serving.sglang.plugin import refusal_store
 
     server = servers["term"]
     answers, (over_status, over_body) = traffic(server)
@@ -107,6 +108,17 @@ def test_a_sigterm_shutdown_is_a_clean_end_with_every_tenants_pages_and_statuses
     finally:
         con.close()
     assert any(e["kind"] == "recorder_closed" for e in events)
+    # the request the HTTP process refused never reached the scheduler: its own file beside the node's
+    refused = [e for e in stored_events(refusal_store(server.db)) if "request" in e]
+    assert {e["request"]["request_id"] for e in refused} == {"over-context"}, refused
+    assert not [e for e in events if (e.get("request") or {}).get("request_id") == "over-context"]
+    by_kind = {e["kind"]: e for e in refused}
+    assert set(by_kind) == {"request_received", "request_aborted", "response_sent"}
+    assert {e["request"]["tenant_id"] for e in refused} == {"tenant-c"}
+    assert by_kind["response_sent"]["http_status"] == 400 and by_kind["response_sent"]["completion_tokens"] == 0
+    assert by_kind["request_aborted"]["stage"] == "http" and by_kind["request_aborted"]["http_status"] == 400
+    assert f"context length ({CONTEXT} tokens)" in by_kind["request_aborted"]["abort_reason"]
+    assert by_kind["request_received"]["prompt_tokens"] >= CONTEXT
 
 
 def test_a_sigkill_is_still_an_unclean_end(servers):

@@ -16,8 +16,8 @@ NO_TENANT = "(unknown tenant)"
 MAX_REASON_CHARS = 160
 
 
-def _reason(msg: Any) -> str:
-    # SGLang's abort messages carry lengths and rids, never prompt text; cut anyway.
+def reason_of(msg: Any) -> str:
+    """An abort reason as recorded: SGLang's messages carry lengths and rids, never prompt text; cut anyway."""
     return str(msg)[:MAX_REASON_CHARS] or "aborted"
 
 
@@ -40,7 +40,7 @@ def on_set_finish_with_abort(
     """Req.set_finish_with_abort (BEFORE): origin_input_ids still holds the real prompt here."""
     s.state(str(req.rid)).aborted = True
     s.recorder.request_aborted(
-        s.ref(req), s.role, _reason(error_msg), int(status_code or HTTP_BAD_REQUEST), len(req.origin_input_ids)
+        s.ref(req), s.role, reason_of(error_msg), int(status_code or HTTP_BAD_REQUEST), len(req.origin_input_ids)
     )
 
 
@@ -48,7 +48,7 @@ def on_prepare_abort(s: Session, req: Any, error_message: str, status_code: Any 
     """disaggregation.utils.prepare_abort (BEFORE): an immediate abort (transfer failure, corruption, ...)."""
     s.state(str(req.rid)).aborted = True
     s.recorder.request_aborted(
-        s.ref(req), f"{s.role}_transfer", _reason(error_message), int(status_code or 500), len(req.origin_input_ids)
+        s.ref(req), f"{s.role}_transfer", reason_of(error_message), int(status_code or 500), len(req.origin_input_ids)
     )
 
 
@@ -60,7 +60,9 @@ def on_stream_output(s: Session, streamer: Any, reqs: list, return_logprob: bool
     """
     now = time.monotonic_ns()
     for req in reqs:
-        if req is skip_req or not req.finished():
+        # With the overlap schedule SGLang streams a finished request twice (one delayed token) and skips the
+        # second time by its finished_output flag, which its first stream set: so do we, or it is recorded twice.
+        if req is skip_req or not req.finished() or getattr(req, "finished_output", False):
             continue
         rid = str(req.rid)
         if s.role == "prefill" or not s.records_responses:

@@ -110,7 +110,8 @@ def _record_prealloc(s: Session, ref: Any, loc: Snapshot, num_tokens: int, hit: 
         s.recorder.pages_allocated(ref, shared, "prefix_hit", block_hashes(ids, 0, len(shared), s.page_size))
     pages = pages_of(loc.numpy(), s.page_size)
     s.recorder.pages_allocated(ref, pages, "decode_reservation")
-    s.recorder.transfer_reserved(ref, pages, num_tokens)
+    if ref.transfer_id is not None:  # SGLang's fake transfers (health checks, warm-up) reserve for no transfer
+        s.recorder.transfer_reserved(ref, pages, num_tokens)
 
 
 def on_decode(s: Session, result: Any, batch: Any, token_per_req: int) -> None:

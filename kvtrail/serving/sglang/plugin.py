@@ -15,8 +15,10 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
+from kvtrail.audit.configs import HOOKS_MISSING, NOT_AUDITED
 from kvtrail.audit.events import Producer
 from kvtrail.audit.recorder import Recorder, RecorderConfig
 from kvtrail.serving.sglang import checksum, frontend, lifecycle, memory, modes, ranks, senders, transfer
@@ -41,6 +43,8 @@ class Plugin:
         self.unaudited: list[str] = []
         self.frontend: Session | None = None  # the HTTP (tokenizer) process's session, started at its first response
         self._frontend_tried = False
+        self.refusals: Session | None = None  # where the HTTP process records no responses: its refusals' session
+        self._refusals_tried = False
         self._scheduler: Any = None
         self._started: set[int] = set()  # the schedulers (ids) a start was tried for
         self._place_unaudited: list[str] = []  # what the parallel layout leaves unaudited (ranks.placement)
@@ -88,6 +92,7 @@ class Plugin:
             T.Target(T.COMPUTE, "AFTER", after(self, "KvChecksumComputer.compute", checksum.on_compute)),
             T.Target(T.MISMATCH, "BEFORE", before(self, "_handle_kv_checksum_mismatch", checksum.on_mismatch)),
             T.Target(T.HTTP_OUTCOME, "AROUND", frontend.outcome_hook(self.frontend_session)),
+            T.Target(T.HTTP_REFUSAL, "AROUND", frontend.refusal_hook(self.refusal_session)),
             T.Target(T.SHUTDOWN, "BEFORE", self._on_shutdown),
         ]
 
@@ -246,9 +251,40 @@ class Plugin:
         return self.frontend
 
     def _close_frontend(self) -> None:
-        s, self.frontend = self.frontend, None
+        for s in (self.frontend, self.refusals):
+            if s is not None:
+                s.close()
+        self.frontend = self.refusals = None
+
+    def start_refusals(self, tokenizer_manager: Any, sink: Any = None) -> Session:
+        """Start recording the requests the HTTP process refuses, where it records no responses (a prefill
+        server; a store file, whose one writer is the scheduler: the refusals go to their own file beside it,
+        :func:`refusal_store`). Only refusals are recorded here: nothing of them reaches a scheduler."""
+        mode = str(getattr(getattr(tokenizer_manager, "disaggregation_mode", None), "value", "null"))
+        role = ROLES.get(mode, "unified")
+        sink = self.config.sink if sink is None else sink
+        if _store_file(sink):
+            sink = refusal_store(sink)
+        producer = Producer(self.config.cluster, self.config.node, role, "sglang", self.version, instance_id())
+        recorder = Recorder(sink, producer, RecorderConfig(flush_interval_s=self.config.flush_interval_s))
+        page_size = int(getattr(getattr(tokenizer_manager, "server_args", None), "page_size", None) or 1)
+        self.refusals = Session(recorder, page_size, role)
+        atexit.register(self._close_frontend)
+        return self.refusals
+
+    def refusal_session(self, tokenizer_manager: Any) -> Session | None:
+        """The session a refusal of the HTTP process is recorded in: the responses' session where there is one,
+        else the refusals' own, started at the first refusal."""
+        s = self.frontend_session(tokenizer_manager)
         if s is not None:
-            s.close()
+            return s
+        if self.refusals is None and not self._refusals_tried:
+            self._refusals_tried = True
+            try:
+                self.start_refusals(tokenizer_manager)
+            except Exception as exc:  # noqa: BLE001 - a plugin failure must not stop SGLang; loud instead
+                _warn(f"kvtrail: WARNING: refusal recording not started: {type(exc).__name__}: {exc}")
+        return self.refusals
 
     def frontend_session(self, tokenizer_manager: Any) -> Session | None:
         """The HTTP process's session, started once at its first finished request."""
@@ -275,9 +311,9 @@ class Plugin:
         self.unaudited = self._unaudited(scheduler, s.role)
         args = scheduler.server_args
         pool_tokens = int(scheduler.max_total_num_tokens)
-        source = "sglang-plugin; hooks " + (("missing: " + ",".join(self.missing)) if self.missing else "all patched")
-        if self.unaudited:
-            source += "; not audited: " + ",".join(self.unaudited)
+        source = "sglang-plugin; " + ((HOOKS_MISSING + ",".join(self.missing)) if self.missing else "hooks all patched")
+        if self.unaudited:  # read back by kvtrail.audit.configs.unaudited_paths (metrics, preflight)
+            source += "; " + NOT_AUDITED + ",".join(self.unaudited)
         s.recorder.node_config(
             pool_tokens=pool_tokens,
             pool_pages=pool_tokens // s.page_size,
@@ -291,10 +327,10 @@ class Plugin:
         )
 
     def stop(self) -> None:
-        for s in (self.session, self.frontend):
+        for s in (self.session, self.frontend, self.refusals):
             if s is not None:
                 s.close()
-        self.session = self.frontend = None
+        self.session = self.frontend = self.refusals = None
 
 
 def _role(scheduler: Any) -> str:
@@ -311,6 +347,13 @@ def _backend(scheduler: Any) -> str:
     if backend is None:
         backend = getattr(getattr(scheduler, "server_args", None), "disaggregation_transfer_backend", None)
     return str(backend or "mooncake")
+
+
+def refusal_store(db: str | os.PathLike) -> str:
+    """The store file of an HTTP process's refusals beside the node's (``KVTRAIL_DB``, whose one writer is the
+    scheduler): ``node.duckdb`` -> ``node.http.duckdb``."""
+    p = Path(db)
+    return str(p.with_name(f"{p.stem}.http{p.suffix}"))
 
 
 def _store_file(sink: Any) -> bool:

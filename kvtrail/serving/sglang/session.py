@@ -2,7 +2,10 @@
 
 Created by the plugin when the scheduler has set up its pools (the node configuration hook); until
 then, and on every rank but attention-TP rank 0, the hooks return at once. Requests are recorded
-with their rid and SGLang's bootstrap room as the transfer id.
+with their rid and SGLang's bootstrap room as the transfer id, except SGLang's own fake transfers:
+its health checks (``/health``, ``/health_generate``: rid ``HEALTH_CHECK_...``) and warm-up requests on a
+PD server carry the fake bootstrap host and room 0, and transfer nothing, so they are recorded with no
+transfer id (room 0 is not one transfer shared by every health check).
 """
 
 from __future__ import annotations
@@ -16,6 +19,20 @@ from typing import Any, Callable
 from kvtrail.audit.contract import AuditRecorder
 from kvtrail.audit.events import RequestRef
 from kvtrail.serving.sglang.resolver import Resolver
+
+# SGLang's disaggregation.utils.FAKE_BOOTSTRAP_HOST: the bootstrap host of its own requests that transfer
+# nothing (health checks, warm-up); tests/sglang/test_real_pd.py checks it against SGLang's constant.
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # SGLang's constants.HEALTH_CHECK_RID_PREFIX
+
+
+def transfer_id(obj: Any) -> int | None:
+    """The transfer id of a request (SGLang's ``Req`` or ``GenerateReqInput``): its bootstrap room, or None
+    without one and for SGLang's fake transfers (health checks, warm-up: the fake host, room 0)."""
+    room = getattr(obj, "bootstrap_room", None)
+    if not isinstance(room, int) or room < 0 or getattr(obj, "bootstrap_host", None) == FAKE_BOOTSTRAP_HOST:
+        return None
+    return int(room)
 
 
 @dataclass
@@ -54,11 +71,8 @@ class Session:
         self.resolver.on_failures = self.report_gaps
 
     def ref(self, req: Any) -> RequestRef:
-        room = getattr(req, "bootstrap_room", None)
         tenant = getattr(req, "extra_key", None)  # SGLang's cache namespace; the only per-tenant field it has
-        return RequestRef(
-            str(req.rid), int(room) if room is not None and room >= 0 else None, str(tenant) if tenant else None
-        )
+        return RequestRef(str(req.rid), transfer_id(req), str(tenant) if tenant else None)
 
     def state(self, rid: str) -> ReqState:
         with self.lock:

@@ -40,6 +40,8 @@ COMPUTE = "sglang.srt.disaggregation.checksum.KvChecksumComputer.compute"
 MISMATCH = "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin._handle_kv_checksum_mismatch"
 # the HTTP (tokenizer) process: the status the client gets
 HTTP_OUTCOME = "sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_abort_finish_reason"
+# ... and the requests it refuses itself (over the context) before any scheduler sees them
+HTTP_REFUSAL = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 # a clean shutdown (launch_server's SIGTERM: the tokenizer manager's ShutdownReq): the recorder closes first
 SHUTDOWN = "sglang.srt.managers.scheduler.Scheduler.handle_shutdown"
 # up to 0.5.22 Mooncake's sender overrides CommonKVSender.send without calling it

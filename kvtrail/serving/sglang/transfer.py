@@ -244,6 +244,8 @@ def _record_landed(
     """The receipt; with the request's token ids (``ids``; None: a receipt only) the KV written into decode's
     pages, with the pages' content keys, so a later prefix hit on decode's radix cache matches its writer.
     ``every_page``: the receipt lists every reserved page (an unproven landing: their writer is unknown)."""
+    if ref.transfer_id is None:  # SGLang's fake transfer (a health check, warm-up): nothing was transferred
+        return
     ps = s.page_size
     pages = pages_of(reserved.numpy(), ps) if reserved is not None else np.zeros(0, dtype=np.int64)
     covered = pages if every_page else (pages[: -(-landed // ps)] if landed else pages[:0])
