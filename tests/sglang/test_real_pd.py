@@ -169,12 +169,6 @@ def test_pd_on_0_5_23_serves_and_refuses_the_over_long_prompt_before_transfer(pd
 
 
 @pytest.mark.skipif(not NEWEST, reason="0.5.23's door")
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="needs forensics to join one bootstrap room's prefill and decode request ids as one request and warn "
-    "that the producer's ids are suspect only on a real collision (the forensics side of issue 29 item 8)",
-)
 def test_pd_on_0_5_23_one_room_is_one_request_and_nothing_is_suspect(tmp_path):
     """The record of the test above (router, direct client, health checks), merged and judged: no finding, and no
     warning that the producer's ids are suspect (each room's two request ids are one request's)."""
