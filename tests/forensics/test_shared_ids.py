@@ -192,3 +192,17 @@ def test_two_senders_of_one_room_are_a_collision_joined_with_nobody(tmp_path):
     (warning,) = answer.warnings
     assert "1 transfer id(s) carried by more than one request" in warning
     assert f"{ROOM}: decode-rid-1, prefill-rid-1, prefill-rid-2" in warning
+
+
+def test_a_rooms_prefill_abort_and_decodes_served_response_are_one_requests_f4(tmp_path):
+    """The incident through a router: prefill rejects the over-long prompt into a placeholder and still sends it
+    (0.5.19), decode serves the response under its own id. Both ids are one request: F4, named by decode's id."""
+    tl = _pd(pre="prefill-rid-1", dec="decode-rid-1", other="prefill-rid-2")
+    tl.add("p", "request_aborted", "pre", ROOM, stage="prefill", abort_reason="input too long", http_status=400)
+    _room(tl, "pre", "dec", ROOM)
+    tl.add("p", "request_aborted", "other", ROOM + 1, stage="prefill", abort_reason="input too long", http_status=400)
+    found, answer = _judged(tl, tmp_path)
+    f4 = [f for f in found if f.code == "F4"]
+    assert [(f.request_id, f.tenant_id) for f in f4] == [("decode-rid-1", "acme")]  # not the unpaired abort
+    assert "after abort: prefill: input too long (400)" in f4[0].detail
+    assert answer.warnings == ()

@@ -47,8 +47,9 @@ class TransferEvents:
     # the node_config in force on the reservation's / the receipt's node when it was recorded (F11)
     reserved_cfg: ReplayEvent | None = None
     received_cfg: ReplayEvent | None = None
-    # a bootstrap room's pair: prefill's own request id for it (decode's names the transfer)
+    # a bootstrap room's pair: prefill's own request id and tenant for it (decode's names the transfer)
     prefill_request_id: str | None = None
+    prefill_tenant: str | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -165,7 +166,10 @@ class CrossNodeJoins:
         for resp in self.responses:
             by_request.setdefault(self.request_of(resp), []).append(resp)
         checks = self._transfer_checks
+        paired: dict[RequestKey, list[RequestKey]] = {}  # decode's request -> its rooms' prefill requests
         for key, t in transfers_by_request(self.transfers, self.tenants).items():
+            if t.prefill_request_id is not None:
+                paired.setdefault((key[2], key[3]), []).append((t.prefill_request_id, t.prefill_tenant))
             responses = by_request.get((key[2], key[3]), ())
             # Everything the checks read: the transfer's events and configurations, the request's responses
             # (sends and responses are only ever appended; objects are compared by identity).
@@ -203,6 +207,12 @@ class CrossNodeJoins:
                 for a in self.aborts.get(resp.request_id, ())
                 if resp.request_id is not None and same_attempt(a, resp) and self.request_of(a) == me
             }
+            for pre in paired.get(me, ()):  # a bootstrap room's prefill abort is its decode request's too
+                aborts.update(
+                    (a.key, a)
+                    for a in self.aborts.get(pre[0], ())
+                    if a.node_key[0] == resp.node_key[0] and same_attempt(a, resp) and self.request_of(a) == pre
+                )
             if aborts and has_output(resp):
                 first = min(a.wall_ns for a in aborts.values())
                 what = "; ".join(sorted({f"{a.stage}: {a.abort_reason} ({a.http_status})" for a in aborts.values()}))
@@ -375,7 +385,13 @@ def transfers_by_request(
             continue
         s, d = merged.pop(senders[0]), merged[receivers[0]]
         merged[receivers[0]] = TransferEvents(
-            d.reserved, s.sent, d.received, d.reserved_cfg, d.received_cfg, prefill_request_id=senders[0][2]
+            d.reserved,
+            s.sent,
+            d.received,
+            d.reserved_cfg,
+            d.received_cfg,
+            prefill_request_id=senders[0][2],
+            prefill_tenant=senders[0][3],
         )
     return merged
 

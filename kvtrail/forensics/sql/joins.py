@@ -115,16 +115,29 @@ def f2(ctx) -> list[Finding]:
 
 
 def f4(ctx) -> list[Finding]:
-    """A 2xx response with output after a request_aborted of the same request and attempt."""
-    rows = ctx.query("""
+    """A 2xx response with output after a request_aborted of the same request and attempt (a bootstrap room's
+    prefill and decode ids are one request)."""
+    rows = ctx.query(
+        """
     SELECT r.node, r.request_id, r.wall_ns, r.http_status, r.producer_id, r.seq,
            min(a.wall_ns), list(DISTINCT [a.producer_id, a.seq::BIGINT]),
            list(DISTINCT a.stage || ': ' || a.abort_reason || ' (' || a.http_status || ')')
-    FROM ev r JOIN ev a
-      ON a.kind = 'request_aborted' AND a.request_id = r.request_id
+    FROM ev r JOIN ab a
+      ON a.request_id = r.request_id
      AND (a.transfer_id IS NULL OR r.transfer_id IS NULL OR a.transfer_id = r.transfer_id)
     WHERE r.kind = 'response_sent' AND r.http_status BETWEEN 200 AND 299 AND r.completion_tokens > 0
-    GROUP BY r.node, r.request_id, r.wall_ns, r.http_status, r.producer_id, r.seq""")
+    GROUP BY r.node, r.request_id, r.wall_ns, r.http_status, r.producer_id, r.seq""",
+        TRANSFER_CTES
+        + """,
+    ab AS (SELECT node, request_id, transfer_id, wall_ns, producer_id, seq, stage, abort_reason, http_status
+           FROM ev WHERE kind = 'request_aborted'
+           UNION ALL  -- a bootstrap room's prefill abort is its decode request's too (one request, two ids)
+           SELECT a.node, m.d_req, a.transfer_id, a.wall_ns, a.producer_id, a.seq, a.stage, a.abort_reason,
+                  a.http_status
+           FROM ev a JOIN rooms m ON m.cluster = a.cluster AND m.s_req = a.request_id
+                                 AND (a.transfer_id IS NULL OR a.transfer_id = m.transfer_id)
+           WHERE a.kind = 'request_aborted')""",
+    )
     return [
         ctx.finding(
             "F4",

@@ -242,7 +242,8 @@ def repeats(ctx) -> list[Finding]:
 def _event_order(ctx, key, pages, first_only: bool = False) -> list[int]:
     """The given pages of one event in the order the event lists them."""
     rows = ctx.con.execute(
-        "SELECT g.page FROM page_runs r, generate_series(r.page_start, r.page_start::BIGINT + r.num_pages - 1) AS g(page) "
+        "SELECT g.page FROM page_runs r, "
+        "generate_series(r.page_start, r.page_start::BIGINT + r.num_pages - 1) AS g(page) "
         "WHERE r.producer_id = ? AND r.seq = ? AND r.list = 0 AND list_contains(?, g.page) ORDER BY r.pos, g.page",
         [key[0], key[1], list(pages)],
     ).fetchall()
