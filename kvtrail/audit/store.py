@@ -41,7 +41,7 @@ import pyarrow.compute as pc
 from kvtrail import __version__
 from kvtrail.audit import chain, layout
 from kvtrail.audit.arrowutil import flat_list, pick_rows, row_selection
-from kvtrail.audit.events import PAGE_LIST_FIELDS, PRODUCER_FIELDS
+from kvtrail.audit.events import ADDED_FIELDS, PAGE_LIST_FIELDS, PRODUCER_FIELDS
 from kvtrail.audit.layout import EVENT_VALUE_FIELDS, EVENTS_SCHEMA, REQUESTS_TABLE, append_kinds, column_type
 from kvtrail.audit.pagelist import encode_runs
 from kvtrail.audit.readback import arrow_query as arrow_query  # read-back lives in readback.py; importers
@@ -221,7 +221,7 @@ class AuditStore:
         added = missing_added_columns(self.con)  # a store an older kvtrail wrote gains later fields
         for table, name in added:
             self.con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {column_type(name)}")
-        self.upgraded = sorted({name for _table, name in added})
+        self.upgraded = [n for n in ADDED_FIELDS if n in {name for _table, name in added}]
         for stmt in views:
             self.con.execute(stmt)
         if fetch_row(self.con, "SELECT count(*) FROM meta WHERE key = 'store_format'")[0] == 0:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from kvtrail.audit.events import RequestRef
+from kvtrail.serving.sglang import speculative
 from kvtrail.serving.sglang.session import Session
 
 HTTP_OK, HTTP_BAD_REQUEST = 200, 400
@@ -62,6 +63,7 @@ def record_response(s: Session, out: dict, state: Any, status: int) -> None:
         max(int(float(meta.get("e2e_latency") or 0) * NS_PER_S), 0),
         _ttft_ns(state),
         str(kind) if kind else None,
+        **speculative.from_meta(meta),
     )
 
 
