@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import duckdb
 import polars as pl
 
+from kvtrail.audit.layout import has_kind_tables, table_name
 from kvtrail.forensics.findings import Finding
 from kvtrail.forensics.window import Window
 
@@ -78,16 +79,25 @@ def _in_window(w: Window, col: str = "wall_ns") -> tuple[str, list]:
     return " AND ".join(where), params
 
 
-def _any(con: duckdb.DuckDBPyConnection, sql: str, params: list) -> bool:
+def _any(con: duckdb.DuckDBPyConnection, kinds: tuple[str, ...], cond: str, w: Window) -> bool:
+    """Whether an event of ``kinds`` in the window meets ``cond``: each kind's own table where the store has
+    them (the ``events`` union binds every kind), else the wide ``events`` (a lake)."""
+    where, params = _in_window(w)
+    if has_kind_tables(con):
+        sql = " UNION ALL ".join(f"SELECT 1 FROM {table_name(k)} WHERE {cond} AND {where}" for k in kinds)
+        params = params * len(kinds)
+    else:
+        listed = ", ".join(f"'{k}'" for k in kinds)
+        sql = f"SELECT 1 FROM events WHERE kind IN ({listed}) AND {cond} AND {where}"
     row = con.execute(f"SELECT EXISTS ({sql})", params).fetchone()
     return bool(row and row[0])
 
 
 def canary_violations(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> pl.DataFrame:
     """The window's canary violations, each with the request that held its page then (if one did)."""
-    where, params = _in_window(w)
-    if not _any(con, f"SELECT 1 FROM events WHERE kind = '{CANARY}' AND {where}", params):
+    if not _any(con, (CANARY,), "TRUE", w):
         return pl.DataFrame(schema=SCHEMA)
+    where, params = _in_window(w)
     rows = con.execute(
         f"""
         WITH v AS (SELECT e.producer_id, e.seq, e.wall_ns, e.node, e.canary_slot, e.canary_position, e.canary_tag,
@@ -124,9 +134,9 @@ def canary_violations(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> p
 def digest_token_differences(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> pl.DataFrame:
     """Transfers with a digest whose covered tokens differ from what decode reserved: one row per transfer,
     naming both sides' digested tokens and whether the digests matched."""
-    where, params = _in_window(w)
-    if not _any(con, f"SELECT 1 FROM events WHERE digest_tokens IS NOT NULL AND {where}", params):
+    if not _any(con, ("transfer_sent", "transfer_received"), "digest_tokens IS NOT NULL", w):
         return pl.DataFrame(schema=SCHEMA)
+    where, params = _in_window(w)
     rows = con.execute(
         f"""
         WITH d AS (SELECT producer_id, seq, kind, node, wall_ns, transfer_id, request_id, tenant_id, digest,
@@ -181,6 +191,8 @@ def spec_acceptance(
 ) -> pl.DataFrame:
     """Responses whose speculative-decoding acceptance rate is below the policy's threshold (none when off)."""
     if policy.spec_min_accept_rate is None:
+        return pl.DataFrame(schema=SCHEMA)
+    if not _any(con, ("response_sent",), "spec_proposed_drafts > 0", w):
         return pl.DataFrame(schema=SCHEMA)
     where, params = _in_window(w)
     rows = con.execute(
