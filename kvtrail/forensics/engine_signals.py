@@ -41,14 +41,14 @@ CONCERNS: dict[str, frozenset[str] | None] = {
     SPEC_ACCEPTANCE: None,
 }
 SHOWN = 5
-SCHEMA = {
-    "signal": pl.Utf8,
-    "node": pl.Utf8,
-    "request_id": pl.Utf8,
-    "tenant_id": pl.Utf8,
-    "wall_ns": pl.Int64,
-    "detail": pl.Utf8,
-    "evidence": pl.List(pl.List(pl.Int64)),
+SCHEMA: dict[str, pl.DataType] = {
+    "signal": pl.Utf8(),
+    "node": pl.Utf8(),
+    "request_id": pl.Utf8(),
+    "tenant_id": pl.Utf8(),
+    "wall_ns": pl.Int64(),
+    "detail": pl.Utf8(),
+    "evidence": pl.List(pl.List(pl.Int64())),
 }
 
 
@@ -243,7 +243,8 @@ def signal_notes(signals: pl.DataFrame, found: list[Finding] | tuple[Finding, ..
         rows = signals.filter(pl.col("signal") == name)
         if rows.is_empty():
             continue
-        beside, alone = [], []
+        beside: list[str] = []
+        alone: list[str] = []
         for rid, detail in rows.select("request_id", "detail").iter_rows():
             codes = corroborated(name, rid, found)
             (beside if codes else alone).append(f"{rid} ({'/'.join(codes)}): {detail}" if codes else f"{rid}: {detail}")

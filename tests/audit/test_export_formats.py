@@ -41,7 +41,7 @@ def digests(db: Path, tables=TABLES) -> dict:
             cols = f"* EXCLUDE ({', '.join(LATER_FIELDS)})" if t == "events" else "*"
             if t == "events":
                 nulls = " AND ".join(f"{n} IS NULL" for n in LATER_FIELDS)
-                assert con.execute(f"SELECT bool_and({nulls}) FROM events").fetchone()[0] is not False
+                assert con.execute(f"SELECT coalesce(bool_and({nulls}), TRUE) FROM events").fetchone() == (True,)
             rows = con.execute(f"SELECT {cols} FROM {t} WHERE {where} ORDER BY {TABLE_KEYS[t]}").fetchall()
             text = json.dumps([[v.hex() if isinstance(v, bytes) else v for v in r] for r in rows], default=str)
             out[t] = {"rows": len(rows), "sha256": hashlib.sha256(text.encode()).hexdigest()}
