@@ -172,3 +172,23 @@ def test_signal_thresholds_name_the_field_they_refuse(bad):
     field = next(iter(bad))
     with pytest.raises(ValueError, match=field):
         SignalPolicy(**bad)
+
+
+def test_a_lake_says_the_same_signal_notes_as_its_store(tmp_path):
+    from kvtrail.audit.lake.export import export_lake
+    from kvtrail.audit.store import AuditStore
+    from kvtrail.forensics.lake.checkpointer import write_checkpoints
+    from kvtrail.forensics.lake.questions import ask_lake_findings, open_lake
+
+    tl = Timeline()
+    transfer(tl, reserved=40, sent=40, landed=40, sent_digest_tokens=16, recv_digest_tokens=16)
+    canary(tl, "d", 2, 2 * 16 + 1)
+    db, lake_dir = tmp_path / "audit.duckdb", tmp_path / "lake"
+    with AuditStore(db) as store:
+        store.append(from_dicts(tl.events))
+        want = ask_findings(store.con).notes
+    export_lake(db, str(lake_dir), checkpoints=write_checkpoints)
+    with open_lake(str(lake_dir)) as lake:
+        got = ask_lake_findings(lake).notes
+    assert [n for n in want if n.startswith("engine signal")] == [n for n in got if n.startswith("engine signal")]
+    assert len([n for n in got if n.startswith("engine signal")]) == 2
