@@ -18,6 +18,7 @@ from tests.sglang.pd import (
     prefill_request,
     reserve,
     respond,
+    streamer,
     tokenizer,
     verify,
 )
@@ -229,10 +230,25 @@ def test_speculative_acceptance_per_response_from_sglangs_meta_info(plugin, tmp_
     assert any(n.startswith("engine signal spec_acceptance_low x1") for n in _ask(db, signals=on).notes)
 
 
-def test_a_req_carries_its_verification_counts_for_the_scheduler_side():
-    from kvtrail.serving.sglang import speculative
+def test_the_scheduler_records_the_counts_its_req_holds_where_it_records_the_response(plugin, tmp_path):
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
 
-    r = req("s", list(range(8)), 5)
-    assert speculative.from_req(r) == {}  # no verification pass: nothing recorded
-    r.spec_verify_ct, r.spec_num_correct_drafts = 4, 6
-    assert speculative.from_req(r) == {"spec_verify_steps": 4, "spec_accepted_drafts": 6}
+    db = tmp_path / "audit.duckdb"
+    s = plugin.start(Node("decode").scheduler, sink=str(db))  # a store file: the scheduler records responses
+    try:
+        assert s.records_responses
+        done = []
+        for rid, steps, correct in (("sp", 3, 4), ("none", 0, 0)):
+            r = req(rid, list(range(10)), 90 + len(rid))
+            r.finished_reason = FINISH_LENGTH(6)
+            r.output_ids.extend(range(6))
+            r.spec_verify_ct, r.spec_num_correct_drafts = steps, correct  # as SGLang's result processor counts
+            done.append(r)
+        streamer().stream_output(done, False)
+    finally:
+        plugin.session = None
+        s.close()
+    got = {e["request"]["request_id"]: e for e in stored_events(db) if e["kind"] == "response_sent"}
+    assert (got["sp"]["spec_verify_steps"], got["sp"]["spec_accepted_drafts"]) == (3, 4)
+    assert "spec_proposed_drafts" not in got["sp"]  # not on the Req: not recorded rather than guessed
+    assert not {"spec_verify_steps", "spec_accepted_drafts"} & set(got["none"])
