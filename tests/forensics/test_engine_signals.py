@@ -192,3 +192,22 @@ def test_a_lake_says_the_same_signal_notes_as_its_store(tmp_path):
         got = ask_lake_findings(lake).notes
     assert [n for n in want if n.startswith("engine signal")] == [n for n in got if n.startswith("engine signal")]
     assert len([n for n in got if n.startswith("engine signal")]) == 2
+
+
+def test_the_cli_turns_acceptance_collapse_on_with_a_threshold_and_refuses_a_bad_one(tmp_path, capsys):
+    from kvtrail.audit.store import AuditStore
+    from tests.conftest import run_cli
+
+    tl = Timeline()
+    tl.node("d", "decode")
+    spec = {"spec_verify_steps": 20, "spec_accepted_drafts": 6, "spec_proposed_drafts": 60}
+    tl.add("d", "response_sent", "low", http_status=200, prompt_tokens=10, completion_tokens=40, latency_ns=9, **spec)
+    db = tmp_path / "audit.duckdb"
+    with AuditStore(db) as store:
+        store.append(from_dicts(tl.events))
+    rc, out, err = run_cli(capsys, "forensics", "findings", "--db", str(db))
+    assert rc == 0 and "spec_acceptance_low" not in "\n".join(out + err)  # off by default
+    rc, out, err = run_cli(capsys, "forensics", "findings", "--db", str(db), "--spec-min-accept-rate", "0.3")
+    assert rc == 0 and "engine signal spec_acceptance_low x1" in "\n".join(out + err), (out, err)
+    rc, _, err = run_cli(capsys, "forensics", "findings", "--db", str(db), "--spec-min-accept-rate", "0")
+    assert rc == 2 and "--spec-min-accept-rate" in "\n".join(err)
