@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import duckdb
 import polars as pl
 
-from kvtrail.audit.layout import has_kind_tables, table_name
+from kvtrail.audit.layout import has_kind_tables, kind_rows, table_name
 from kvtrail.forensics.findings import Finding
 from kvtrail.forensics.window import Window
 
@@ -98,6 +98,18 @@ def canary_violations(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> p
     if not _any(con, (CANARY,), "TRUE", w):
         return pl.DataFrame(schema=SCHEMA)
     where, params = _in_window(w)
+    # the allocations and returns of pages: their own tables where the store has them (not the whole union)
+    if has_kind_tables(con):
+        holders = (
+            "("
+            + " UNION ALL ".join(
+                f"SELECT '{k}' AS kind, x.producer_id, x.seq, x.request_id, x.tenant_id FROM {kind_rows(k, 'x')}"
+                for k in ("pages_allocated", "pages_freed")
+            )
+            + ")"
+        )
+    else:
+        holders = "(SELECT * FROM events WHERE kind IN ('pages_allocated', 'pages_freed'))"
     rows = con.execute(
         f"""
         WITH v AS (SELECT e.producer_id, e.seq, e.wall_ns, e.node, e.canary_slot, e.canary_position, e.canary_tag,
@@ -108,8 +120,7 @@ def canary_violations(con: duckdb.DuckDBPyConnection, w: Window = Window()) -> p
                       FROM v JOIN page_runs r ON r.producer_id = v.producer_id AND r.list = 0 AND r.seq < v.seq
                        AND v.page >= r.page_start AND v.page < r.page_start + r.num_pages),
              touched AS (SELECT x.producer_id, x.vseq, e.seq, e.kind, e.request_id, e.tenant_id
-                         FROM runs x JOIN events e ON e.producer_id = x.producer_id AND e.seq = x.seq
-                         WHERE e.kind IN ('pages_allocated', 'pages_freed')),
+                         FROM runs x JOIN {holders} e ON e.producer_id = x.producer_id AND e.seq = x.seq),
              last AS (SELECT producer_id, vseq, arg_max(kind, seq) AS kind, arg_max(request_id, seq) AS request_id,
                              arg_max(tenant_id, seq) AS tenant_id, max(seq) AS seq
                       FROM touched GROUP BY producer_id, vseq)

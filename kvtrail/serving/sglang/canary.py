@@ -45,4 +45,14 @@ def on_violation(s: Session, result: Any, *_: Any, **__: Any) -> None:
     page = slot // s.page_size
     if tag.endswith(SWA_SUFFIX) or page < 1:
         return
-    s.recorder.kv_canary_violation((page,), slot, tag, reason, position if position >= 0 else None)
+    # through the resolver's queue, behind the allocations hooks handed it before: the record keeps the order
+    # in which SGLang did them (a violation after the allocation of its page), which holder attribution reads
+    s.later(
+        "_format_violation",
+        s.recorder.kv_canary_violation,
+        (page,),
+        slot,
+        tag,
+        reason,
+        position if position >= 0 else None,
+    )
