@@ -35,6 +35,7 @@ from kvtrail.forensics import (
     ask_findings,
     ask_thresholds,
 )
+from kvtrail.forensics.engine_signals import SignalPolicy
 from kvtrail.forensics.lake.executor import DaskExecutor, Executor, LocalExecutor
 from kvtrail.forensics.lake.questions import (
     Lake,
@@ -51,6 +52,7 @@ from kvtrail.timeutil import format_utc
 T = TypeVar("T")
 NO_EXCLUSIONS = Exclusions()
 DEFAULT_POLICY = ForensicsPolicy()
+DEFAULT_SIGNALS = SignalPolicy()
 
 
 class Answers(Protocol):
@@ -66,6 +68,7 @@ class Answers(Protocol):
         exclusions: Exclusions = NO_EXCLUSIONS,
         engine: str = "replay",
         policy: ForensicsPolicy = DEFAULT_POLICY,
+        signals: SignalPolicy = DEFAULT_SIGNALS,
     ) -> Answer: ...
 
     def affected(self, w: Window, *, exclusions: Exclusions = NO_EXCLUSIONS) -> Answer: ...
@@ -106,9 +109,12 @@ class StoreAnswers:
         exclusions: Exclusions = NO_EXCLUSIONS,
         engine: str = "replay",
         policy: ForensicsPolicy = DEFAULT_POLICY,
+        signals: SignalPolicy = DEFAULT_SIGNALS,
     ) -> Answer:
         return hint_service(
-            lambda: ask_findings(self.db, w, codes=codes, engine=engine, policy=policy, exclusions=exclusions)
+            lambda: ask_findings(
+                self.db, w, codes=codes, engine=engine, policy=policy, exclusions=exclusions, signals=signals
+            )
         )
 
     def affected(self, w: Window, *, exclusions: Exclusions = NO_EXCLUSIONS) -> Answer:
@@ -171,7 +177,10 @@ class ServiceAnswers:
         exclusions: Exclusions = NO_EXCLUSIONS,
         engine: str = "replay",
         policy: ForensicsPolicy = DEFAULT_POLICY,
+        signals: SignalPolicy = DEFAULT_SIGNALS,
     ) -> Answer:
+        if signals != DEFAULT_SIGNALS:
+            raise KvtrailError("--spec-min-accept-rate: not with --url (ask a store or a lake for it)")
         return self.answer(
             "/v1/findings",
             {
@@ -226,9 +235,17 @@ class LakeAnswers:
         exclusions: Exclusions = NO_EXCLUSIONS,
         engine: str = "replay",
         policy: ForensicsPolicy = DEFAULT_POLICY,
+        signals: SignalPolicy = DEFAULT_SIGNALS,
     ) -> Answer:
         return ask_lake_findings(
-            self.lake, w, codes=codes, policy=policy, exclusions=exclusions, executor=self.executor, engine=engine
+            self.lake,
+            w,
+            codes=codes,
+            policy=policy,
+            exclusions=exclusions,
+            executor=self.executor,
+            engine=engine,
+            signals=signals,
         )
 
     def affected(self, w: Window, *, exclusions: Exclusions = NO_EXCLUSIONS) -> Answer:

@@ -82,6 +82,7 @@ class AuditRecorder(Protocol):
         is_last_chunk: bool,
         digest: int | None = None,
         digest_algo: str | None = None,
+        digest_tokens: int | None = None,
     ) -> None: ...
 
     def transfer_received(
@@ -92,6 +93,7 @@ class AuditRecorder(Protocol):
         status: str,
         digest: int | None = None,
         digest_algo: str | None = None,
+        digest_tokens: int | None = None,
     ) -> None: ...
 
     def request_aborted(
@@ -107,6 +109,18 @@ class AuditRecorder(Protocol):
         latency_ns: int,
         ttft_ns: int | None = None,
         finish_reason: str | None = None,
+        spec_verify_steps: int | None = None,
+        spec_accepted_drafts: int | None = None,
+        spec_proposed_drafts: int | None = None,
+    ) -> None: ...
+
+    def kv_canary_violation(
+        self,
+        pages: PageIds,
+        canary_slot: int,
+        canary_tag: str,
+        canary_reason: str,
+        canary_position: int | None = None,
     ) -> None: ...
 
     def events_lost(self, reason: str, events: int, pages: int, detail: str) -> None:
@@ -163,6 +177,7 @@ CONTRACT_METHODS: tuple[str, ...] = (
     "transfer_received",
     "request_aborted",
     "response_sent",
+    "kv_canary_violation",
     "events_lost",
     "flush",
     "close",

@@ -173,6 +173,45 @@ PAYLOAD_FIELDS: tuple[FieldSpec, ...] = (
         "events may be lost.",
         minimum=1,
     ),
+    # added later (ADDED_FIELDS): last, so an older store's tables gain them in this order
+    _f(
+        "digest_tokens",
+        "int64",
+        "Tokens the 'digest' covers (the digested range, past any prefix the receiver already held): on "
+        "transfer_sent prefill's digested tokens, on transfer_received decode's. A matching digest over a token "
+        "count other than what decode reserved proves nothing about the tokens it did not cover.",
+        minimum=0,
+    ),
+    _f(
+        "spec_verify_steps",
+        "int64",
+        "Speculative decoding: the request's verification forward passes (SGLang's spec_verify_ct).",
+        minimum=0,
+    ),
+    _f(
+        "spec_accepted_drafts",
+        "int64",
+        "Speculative decoding: draft tokens the target model accepted over the request, bonus tokens excluded "
+        "(SGLang's spec_num_correct_drafts).",
+        minimum=0,
+    ),
+    _f(
+        "spec_proposed_drafts",
+        "int64",
+        "Speculative decoding: draft tokens proposed over the request (verification passes x draft tokens per "
+        "pass less one). Acceptance rate = spec_accepted_drafts / spec_proposed_drafts; acceptance length = "
+        "completion_tokens / spec_verify_steps.",
+        minimum=0,
+    ),
+    # engine integrity signals
+    _f("canary_slot", "int64", "KV canary: the token slot (row of the KV pool) whose canary record failed.", minimum=0),
+    _f("canary_position", "int64", "KV canary: the token position the failed record holds.", minimum=0),
+    _f("canary_tag", "str", "KV canary: the check that failed (SGLang's launch tag, e.g. 'HEAD_K_FULL')."),
+    _f(
+        "canary_reason",
+        "str",
+        "KV canary: why, SGLang's fail reasons joined by '+' (e.g. 'verify_chain_hash+verify_position').",
+    ),
 )
 
 
@@ -266,14 +305,14 @@ KINDS: dict[str, KindSpec] = {
             "transfer_sent",
             "Prefill sent KV from its pages into decode's pages.",
             (*_REQ, "transfer_id", "pages", "dst_pages", "num_tokens", "is_last_chunk"),
-            (*_REQ_OPT[1:], "digest", "digest_algo"),
+            (*_REQ_OPT[1:], "digest", "digest_algo", "digest_tokens"),
             (("pages", "dst_pages"),),
         ),
         KindSpec(
             "transfer_received",
             "KV landed on decode (or failed to).",
             (*_REQ, "transfer_id", "pages", "num_tokens", "status"),
-            (*_REQ_OPT[1:], "digest", "digest_algo"),
+            (*_REQ_OPT[1:], "digest", "digest_algo", "digest_tokens"),
         ),
         KindSpec(
             "request_aborted",
@@ -285,7 +324,14 @@ KINDS: dict[str, KindSpec] = {
             "response_sent",
             "The response as the client saw it.",
             (*_REQ, "http_status", "prompt_tokens", "completion_tokens", "latency_ns"),
-            (*_REQ_OPT, "ttft_ns", "finish_reason"),
+            (
+                *_REQ_OPT,
+                "ttft_ns",
+                "finish_reason",
+                "spec_verify_steps",
+                "spec_accepted_drafts",
+                "spec_proposed_drafts",
+            ),
         ),
         KindSpec(
             "recorder_gap",
@@ -308,6 +354,14 @@ KINDS: dict[str, KindSpec] = {
             (),
             ("dropped_events",),
         ),
+        KindSpec(
+            "kv_canary_violation",
+            "The engine's KV canary found a token slot whose record does not match its position or chain "
+            "(SGLang --kv-canary): `pages` is the one page holding the slot. The engine names slots, not "
+            "requests: forensics attributes it to the request holding the page then.",
+            ("pages", "canary_slot", "canary_tag", "canary_reason"),
+            ("canary_position",),
+        ),
     )
 }
 # Kinds the recorder writes itself, not the serving code: no recording method of the contract has their names.
@@ -316,7 +370,23 @@ RECORDER_KINDS = ("recorder_gap", "recorder_started", "recorder_closed")
 # such a field is null throughout hashes as format 1 did (see kvtrail.audit.chain), so the chains of
 # stores written before the field existed still verify, and an old store gains the column on its next
 # writable open.
-ADDED_FIELDS: tuple[str, ...] = ("flush_interval_ns", "release_timeout_ns", "transfer_batch_max_pages")
+ADDED_FIELDS: tuple[str, ...] = (
+    "flush_interval_ns",
+    "release_timeout_ns",
+    "transfer_batch_max_pages",
+    "digest_tokens",
+    "spec_verify_steps",
+    "spec_accepted_drafts",
+    "spec_proposed_drafts",
+    "canary_slot",
+    "canary_position",
+    "canary_tag",
+    "canary_reason",
+)
+# Kinds added after store format 3 (each one a new kind table): a store an older kvtrail wrote lacks their
+# tables and gains them on its next writable open ('kvtrail audit upgrade'), as with ADDED_FIELDS. New kinds
+# go last, so the codes of the older ones do not change.
+ADDED_KINDS: tuple[str, ...] = ("kv_canary_violation",)
 KIND_NAMES = tuple(KINDS)
 KIND_CODES = {name: i for i, name in enumerate(KIND_NAMES)}
 # The payload tuple of one recorded event holds its kind's payload fields in this order; the recorder

@@ -27,7 +27,7 @@ from typing import Callable
 import duckdb
 
 from kvtrail.audit.lake import format1
-from kvtrail.audit.lake.catalog import STORE_TABLES
+from kvtrail.audit.lake.catalog import STORE_TABLES, select_list
 from kvtrail.audit.lake.export import export_lake
 from kvtrail.audit.lake.fs import LakeFS
 from kvtrail.audit.lake.manifest import MANIFEST_DIR, LakeManifest, read_manifest
@@ -148,17 +148,16 @@ def _open_source(in_dir: Path) -> _Source:
 
 
 def _check_columns(con: duckdb.DuckDBPyConnection, table: str, files: list[str], store_table: str) -> str:
-    """The store table's column list, after checking that the export's files have exactly its columns and types."""
+    """The select list that reads the export's files as the store table, after checking that the files have
+    exactly its columns and types; an export written before an event field was added (``ADDED_FIELDS``)
+    lacks that column, read as null."""
     # Partition values are path segments, not file columns: compare the files themselves to the table.
     file_cols = [
         (r[0], r[1])
         for r in con.execute("DESCRIBE SELECT * FROM read_parquet(?, hive_partitioning=false)", [files]).fetchall()
     ]
     table_cols = [(r[0], r[1]) for r in con.execute(f"DESCRIBE {store_table}").fetchall()]
-    if file_cols != table_cols:
-        diff = next((f"{a} vs {b}" for a, b in zip(file_cols, table_cols) if a != b), f"{file_cols} vs {table_cols}")
-        raise StoreError(f"{table}: exported columns do not match the store's ({diff})")
-    return ", ".join(name for name, _ in table_cols)
+    return select_list(table, file_cols, table_cols)
 
 
 def _altered(src: _Source) -> list[Problem]:

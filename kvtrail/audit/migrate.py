@@ -20,7 +20,7 @@ from pathlib import Path
 import duckdb
 
 from kvtrail.audit.events import ADDED_FIELDS
-from kvtrail.audit.layout import KIND_TABLES, REQUESTS_TABLE, column_type, insert_from, missing_columns
+from kvtrail.audit.layout import KIND_TABLES, REQUESTS_TABLE, column_type, insert_from
 from kvtrail.audit.store import fetch_row, schema_ddl
 from kvtrail.audit.storefile import MIGRATABLE_FORMATS, STORE_FORMAT, check_store, connect, require_file
 from kvtrail.audit.verify import VerifyReport, verify_store
@@ -28,6 +28,7 @@ from kvtrail.errors import StoreError
 
 _OLD_TABLE = "events_format1"
 _OLD_ROWS = "_kv_format2_events"
+_OLD_VIEW = "_kv_format2_view"
 
 
 @dataclass(frozen=True)
@@ -97,16 +98,34 @@ def _take_old_rows(con: duckdb.DuckDBPyConnection, fmt: str) -> str:
     # Format 2: its kind tables have format 3's names, so its rows are copied out through its own view.
     con.execute(f"CREATE TEMP TABLE {_OLD_ROWS} AS SELECT * FROM events")
     con.execute("DROP VIEW events")
+    con.execute(f"DROP VIEW IF EXISTS {_OLD_VIEW}")
     for table in KIND_TABLES:
-        con.execute(f"DROP TABLE {table}")
+        con.execute(f"DROP TABLE IF EXISTS {table}")  # kinds added later have no table in a format-2 store
     return _OLD_ROWS
+
+
+def _add_later_fields_format2(con: duckdb.DuckDBPyConnection) -> None:
+    """Format 2's events view gains the fields added after it was written, as nulls: its own view under
+    another name, wrapped."""
+    have = {
+        r[0]
+        for r in con.execute(
+            "SELECT column_name FROM duckdb_columns() WHERE schema_name = 'main' AND "
+            "database_name = current_database() AND table_name = 'events'"
+        ).fetchall()
+    }
+    later = [n for n in ADDED_FIELDS if n not in have]
+    if later:
+        con.execute(f"ALTER VIEW events RENAME TO {_OLD_VIEW}")
+        added = ", ".join(f"NULL::{column_type(n)} AS {n}" for n in later)
+        con.execute(f"CREATE VIEW events AS SELECT *, {added} FROM {_OLD_VIEW}")
 
 
 def _convert(con: duckdb.DuckDBPyConnection, path: Path, fmt: str) -> tuple[int, VerifyReport]:
     if fmt == "1":
         _add_later_fields_format1(con)
-    elif missing_columns(con, ADDED_FIELDS):
-        raise StoreError(f"store {path}: a format-2 store without the later event fields; nothing changed")
+    else:
+        _add_later_fields_format2(con)
     _events_v(con)
     before = verify_store(con)
     old = fetch_row(con, "SELECT count(*) FROM events")[0]

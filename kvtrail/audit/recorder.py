@@ -223,13 +223,14 @@ class Recorder:
         is_last_chunk: bool,
         digest: int | None = None,
         digest_algo: str | None = None,
+        digest_tokens: int | None = None,
     ) -> None:
         self._put(
             _C["transfer_sent"],
             req,
             _copy_pages(pages),
             _copy_pages(dst_pages),
-            (num_tokens, is_last_chunk, digest, digest_algo),
+            (num_tokens, is_last_chunk, digest, digest_algo, digest_tokens),
         )
 
     def transfer_received(
@@ -240,8 +241,15 @@ class Recorder:
         status: str,
         digest: int | None = None,
         digest_algo: str | None = None,
+        digest_tokens: int | None = None,
     ) -> None:
-        self._put(_C["transfer_received"], req, _copy_pages(pages), None, (num_tokens, status, digest, digest_algo))
+        self._put(
+            _C["transfer_received"],
+            req,
+            _copy_pages(pages),
+            None,
+            (num_tokens, status, digest, digest_algo, digest_tokens),
+        )
 
     def request_aborted(
         self, req: RequestRef, stage: str, reason: str, http_status: int, prompt_tokens: int | None = None
@@ -257,13 +265,43 @@ class Recorder:
         latency_ns: int,
         ttft_ns: int | None = None,
         finish_reason: str | None = None,
+        spec_verify_steps: int | None = None,
+        spec_accepted_drafts: int | None = None,
+        spec_proposed_drafts: int | None = None,
     ) -> None:
         self._put(
             _C["response_sent"],
             req,
             None,
             None,
-            (http_status, prompt_tokens, completion_tokens, latency_ns, ttft_ns, finish_reason),
+            (
+                http_status,
+                prompt_tokens,
+                completion_tokens,
+                latency_ns,
+                ttft_ns,
+                finish_reason,
+                spec_verify_steps,
+                spec_accepted_drafts,
+                spec_proposed_drafts,
+            ),
+        )
+
+    def kv_canary_violation(
+        self,
+        pages: PageIds,
+        canary_slot: int,
+        canary_tag: str,
+        canary_reason: str,
+        canary_position: int | None = None,
+    ) -> None:
+        """The engine's KV canary failed on token slot ``canary_slot`` of the pool; ``pages``: the page holding it."""
+        self._put(
+            _C["kv_canary_violation"],
+            None,
+            _copy_pages(pages),
+            None,
+            (canary_slot, canary_tag, canary_reason, canary_position),
         )
 
     def events_lost(self, reason: str, events: int, pages: int, detail: str) -> None:
@@ -374,6 +412,7 @@ class NullRecorder:
         is_last_chunk: bool,
         digest: int | None = None,
         digest_algo: str | None = None,
+        digest_tokens: int | None = None,
     ) -> None:
         return None
 
@@ -385,6 +424,7 @@ class NullRecorder:
         status: str,
         digest: int | None = None,
         digest_algo: str | None = None,
+        digest_tokens: int | None = None,
     ) -> None:
         return None
 
@@ -402,6 +442,19 @@ class NullRecorder:
         latency_ns: int,
         ttft_ns: int | None = None,
         finish_reason: str | None = None,
+        spec_verify_steps: int | None = None,
+        spec_accepted_drafts: int | None = None,
+        spec_proposed_drafts: int | None = None,
+    ) -> None:
+        return None
+
+    def kv_canary_violation(
+        self,
+        pages: PageIds,
+        canary_slot: int,
+        canary_tag: str,
+        canary_reason: str,
+        canary_position: int | None = None,
     ) -> None:
         return None
 

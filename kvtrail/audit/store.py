@@ -41,7 +41,7 @@ import pyarrow.compute as pc
 from kvtrail import __version__
 from kvtrail.audit import chain, layout
 from kvtrail.audit.arrowutil import flat_list, pick_rows, row_selection
-from kvtrail.audit.events import PAGE_LIST_FIELDS, PRODUCER_FIELDS
+from kvtrail.audit.events import ADDED_FIELDS, ADDED_KINDS, KINDS, PAGE_LIST_FIELDS, PRODUCER_FIELDS
 from kvtrail.audit.layout import EVENT_VALUE_FIELDS, EVENTS_SCHEMA, REQUESTS_TABLE, append_kinds, column_type
 from kvtrail.audit.pagelist import encode_runs
 from kvtrail.audit.readback import arrow_query as arrow_query  # read-back lives in readback.py; importers
@@ -212,6 +212,8 @@ class AuditStore:
         # Check before touching anything, so a foreign or incomplete file is refused unchanged.
         if not (adopt and not store_tables(self.con)):
             check_store(self.con, self.path, upgrading=True)
+        existing = store_tables(self.con)
+        created = [k for k in ADDED_KINDS if existing and layout.table_name(k) not in existing]
         self.con.begin()
         stmts = schema_ddl()
         views = [s for s in stmts if s.startswith("CREATE OR REPLACE VIEW")]  # they bind columns when made
@@ -221,7 +223,9 @@ class AuditStore:
         added = missing_added_columns(self.con)  # a store an older kvtrail wrote gains later fields
         for table, name in added:
             self.con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {column_type(name)}")
-        self.upgraded = sorted({name for _table, name in added})
+        # an older store gains later fields as columns, and the tables of later kinds with theirs
+        names = {name for _table, name in added} | {n for k in created for n in KINDS[k].allowed}
+        self.upgraded = [n for n in ADDED_FIELDS if n in names]
         for stmt in views:
             self.con.execute(stmt)
         if fetch_row(self.con, "SELECT count(*) FROM meta WHERE key = 'store_format'")[0] == 0:

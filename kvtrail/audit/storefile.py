@@ -14,8 +14,8 @@ from pathlib import Path
 
 import duckdb
 
-from kvtrail.audit.events import ADDED_FIELDS
-from kvtrail.audit.layout import EVENT_TABLES, missing_columns
+from kvtrail.audit.events import ADDED_FIELDS, ADDED_KINDS
+from kvtrail.audit.layout import EVENT_TABLES, missing_columns, table_name
 from kvtrail.errors import StoreError
 
 # Format 3 keeps events in one table per kind and request identities in a dictionary
@@ -26,7 +26,18 @@ MIGRATABLE_FORMATS = ("1", "2")
 _FORMAT_LAYOUTS = {"1": "one wide events table", "2": "request fields in every event row"}
 # Every table a kvtrail store of this format has; store_opens came later and is created on the
 # next writable open of an older store, so a read-only open does not require it.
-STORE_TABLES = ("meta", "producers", *EVENT_TABLES, "page_runs", "batches", "prunes", "prune_batches", "legal_holds")
+# The tables of kinds added later (events.ADDED_KINDS) are made on the next writable open of an older store.
+ADDED_TABLES = tuple(table_name(k) for k in ADDED_KINDS)
+STORE_TABLES = (
+    "meta",
+    "producers",
+    *(t for t in EVENT_TABLES if t not in ADDED_TABLES),
+    "page_runs",
+    "batches",
+    "prunes",
+    "prune_batches",
+    "legal_holds",
+)
 OPENS_TABLE = "store_opens"
 _LOCK_PID = re.compile(r"\(PID (\d+)\)")
 
@@ -132,6 +143,7 @@ def check_store(con: duckdb.DuckDBPyConnection, path: str | Path, *, upgrading: 
     if missing:
         raise StoreError(f"store {path} is incomplete: table(s) {', '.join(missing)} missing; {backup_hint(path)}")
     older = [] if upgrading else sorted({name for _table, name in missing_added_columns(con)})
+    older += [] if upgrading else [f"{t} table" for t in ADDED_TABLES if t not in tables]
     if older:
         raise StoreError(
             f"store {path} was written by an older kvtrail (its events have no {', '.join(older)}): "

@@ -46,6 +46,7 @@ from kvtrail.forensics import (
     Window,
     open_store,
 )
+from kvtrail.forensics.engine_signals import SignalPolicy
 from kvtrail.forensics.lake.task import LakeCoverageError
 from kvtrail.forensics.lake.watch import LakeWatch
 from kvtrail.forensics.questions import require_store
@@ -213,6 +214,13 @@ def _policy(allow_tenant_cache_sharing: bool, latency_factor: float):
 @exclusion_options
 @_policy_options
 @click.option(
+    "--spec-min-accept-rate",
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    default=None,
+    help="Name responses whose speculative-decoding acceptance rate is below this (over at least "
+    f"{SignalPolicy.spec_min_verify_steps} verification passes) as an engine signal; off by default.",
+)
+@click.option(
     "--save",
     is_flag=True,
     help="Also keep the window's findings in the store (tables findings and "
@@ -236,6 +244,7 @@ def findings_cmd(
     engine,
     allow_tenant_cache_sharing,
     latency_factor,
+    spec_min_accept_rate,
     save,
     lake_url,
     scheduler,
@@ -253,7 +262,10 @@ def findings_cmd(
             raise KvtrailError("--save: not with --url (the service's live judge keeps the findings)")
         doing = "replaying the store" if answers.kind == "store" else f"asking the {answers.kind}"
         with replaying(f"findings: {doing}"):
-            answer = answers.findings(w, codes=tuple(codes), exclusions=excl, engine=engine, policy=policy)
+            signals = SignalPolicy(spec_min_accept_rate=spec_min_accept_rate)
+            answer = answers.findings(
+                w, codes=tuple(codes), exclusions=excl, engine=engine, policy=policy, signals=signals
+            )
     if save:
         with step(f"findings: saving {len(answer.found):,} findings into {db}"):
             _save(db, list(answer.found), w, engine, policy)

@@ -44,6 +44,7 @@ from kvtrail.forensics.analysis.exclusions import (
     excluded_requests,
     split_excluded,
 )
+from kvtrail.forensics.engine_signals import SignalPolicy, engine_signals, signal_notes
 from kvtrail.forensics.findings import AFFECTED_CODES, CODES, NEVER_WRITTEN, Finding, findings_table
 from kvtrail.forensics.options import ReportOptions
 from kvtrail.forensics.policy import ForensicsPolicy
@@ -303,11 +304,14 @@ def ask_findings(
     exclusions: Exclusions = Exclusions(),
     found: list[Finding] | None = None,
     context: WindowContext | None = None,
+    signals: SignalPolicy = SignalPolicy(),
 ) -> Answer:
     """Every finding in the window (only ``codes`` when given) with evidence; excluded accounts' findings
     left out. ``Answer.found`` keeps every finding of the window (e.g. to persist them). ``found``: the
     window's findings already judged (the service's live judge), used instead of a replay; ``context``:
-    the window's :func:`window_context` on the same store state, when the caller has it already."""
+    the window's :func:`window_context` on the same store state, when the caller has it already. The
+    engine's own signals (:mod:`~kvtrail.forensics.engine_signals`, thresholds in ``signals``) are notes:
+    beside the findings they corroborate, or on their own where no rule fired."""
     bad = [c for c in codes if c not in CODES]
     if bad:
         raise KvtrailError(f"--code: unknown finding code {bad[0]!r}; known: {', '.join(CODES)}")
@@ -321,8 +325,9 @@ def ask_findings(
         found, withheld = withhold_incomplete(found, ctx.incomplete)
         df, excluded = findings_frame(found, w, codes), excluded_requests(con, exclusions)
         warnings = ctx.warnings(con, w, withheld=len(withheld))
+        notes = ctx.notes + signal_notes(engine_signals(con, w, signals), found)
     hit = excluded_mask(excluded, exclusions)
-    return Answer(df.filter(~hit), df.filter(hit), ctx.gaps, ctx.notes, warnings, found=tuple(found))
+    return Answer(df.filter(~hit), df.filter(hit), ctx.gaps, notes, warnings, found=tuple(found))
 
 
 def ask_affected(

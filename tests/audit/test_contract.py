@@ -88,6 +88,7 @@ def test_contract_problems_names_each_drift():
 # Where a method's parameter name differs from the field it fills.
 _PARAM_OF_FIELD = {"free_reason": "reason", "abort_reason": "reason"}
 _LIST_PARAMS = {"pages", "dst_pages", "page_digests", "block_hashes"}
+_NO_REQUEST = ("node_config", "kv_canary_violation")  # kinds recorded without a request
 
 
 def _arguments(method) -> dict:
@@ -107,7 +108,7 @@ def test_each_method_lays_its_payload_out_as_the_registry_says(kind):
     try:
         method = getattr(rec, kind)
         args = _arguments(method)
-        method(**({} if kind == "node_config" else {"req": REQ}), **args)
+        method(**({} if kind in _NO_REQUEST else {"req": REQ}), **args)
     finally:
         rec.close()
     ((req, pages, dst, payload),) = captured
@@ -122,7 +123,7 @@ def test_each_method_lays_its_payload_out_as_the_registry_says(kind):
     assert set(args) <= used
     assert pages == (None if "pages" not in args else tuple(args["pages"]))
     assert dst == (None if "dst_pages" not in args else tuple(args["dst_pages"]))
-    assert req == (None if kind == "node_config" else REQ)
+    assert req == (None if kind in _NO_REQUEST else REQ)
 
 
 def test_every_kind_but_the_gap_has_a_recording_method():
@@ -133,7 +134,7 @@ def test_null_recorder_accepts_every_call_and_reports_nothing():
     null = NullRecorder()
     for kind in RECORDING:
         method = getattr(null, kind)
-        assert method(**({} if kind == "node_config" else {"req": REQ}), **_arguments(method)) is None
+        assert method(**({} if kind in _NO_REQUEST else {"req": REQ}), **_arguments(method)) is None
     assert null.events_lost("hook_error", 2, 8, "x") is None
     assert null.flush(0) is True and null.stats() == {}
     null.close()

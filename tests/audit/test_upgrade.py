@@ -8,7 +8,7 @@ import pytest
 
 from kvtrail.audit import chain
 from kvtrail.audit.batch import from_dicts
-from kvtrail.audit.events import ADDED_FIELDS, KIND_NAMES
+from kvtrail.audit.events import ADDED_FIELDS, ADDED_KINDS, KIND_NAMES
 from kvtrail.audit.layout import kind_columns, table_name
 from kvtrail.audit.store import EVENTS_SCHEMA, AuditStore, connect_readonly
 from kvtrail.audit.verify import verify_store
@@ -32,6 +32,9 @@ def _events(prod, seq):
     ]
 
 
+_ADDED_TABLES = tuple(table_name(k) for k in ADDED_KINDS)
+
+
 def _added_columns():
     """(kind table, column) of every later field, as this kvtrail stores it."""
     return [(table_name(k), n) for k in KIND_NAMES for n in ADDED_FIELDS if n in kind_columns(k)]
@@ -49,7 +52,10 @@ def _old_store(path):
         con.execute("DROP VIEW IF EXISTS events_v")
         con.execute("DROP VIEW IF EXISTS events")
         for table, name in _added_columns():
-            con.execute(f"ALTER TABLE {table} DROP COLUMN {name}")
+            if table not in _ADDED_TABLES:
+                con.execute(f"ALTER TABLE {table} DROP COLUMN {name}")
+        for table in _ADDED_TABLES:  # kinds added later: their tables did not exist
+            con.execute(f"DROP TABLE {table}")
     return prod
 
 
@@ -73,7 +79,8 @@ def test_an_older_store_is_refused_read_only_then_upgraded_and_still_verifies(tm
     with pytest.raises(StoreError, match="written by an older kvtrail .*kvtrail audit upgrade --db"):
         connect_readonly(db)
     assert main(["audit", "verify", "--db", str(db)]) == 2
-    assert "older kvtrail" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "older kvtrail" in err and all(f"{t} table" in err for t in _ADDED_TABLES)
     assert main(["audit", "upgrade", "--db", str(db)]) == 0
     assert f"added event field(s) {', '.join(ADDED_FIELDS)}" in capsys.readouterr().out
     assert main(["audit", "upgrade", "--db", str(db)]) == 0

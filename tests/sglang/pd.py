@@ -86,6 +86,7 @@ def prefill_request(pnode, rid, room, tokens, mgr, dst_pages, placeholder=False,
     n = len(r.origin_input_ids)
     b.prefix_lens, b.extend_lens, b.extend_num_tokens = [0], [n], n
     b.seq_lens = b.seq_lens_cpu = torch.tensor([n])
+    r.extend_end = n  # as prepare_for_extend sets it: send_kv_chunk's last chunk digests up to it
     allocation.alloc_for_extend(b)
     r.output_ids.append(7)
     r.metadata_buffer_index, r.disagg_decode_prefix_len = 0, 0
@@ -251,7 +252,7 @@ def tokenizer(mode: str = "decode"):
     return tm
 
 
-def respond(tm, r, *, stream=False, first_token_s=None, latency_s=0.25):
+def respond(tm, r, *, stream=False, first_token_s=None, latency_s=0.25, extra_meta=None):
     """The tokenizer's end of a finished request as _stream_one_response runs it: the HTTP status the client
     gets (200, or the status of the exception SGLang's server turns into the response)."""
     from sglang.srt.managers.io_struct import GenerateReqInput
@@ -273,6 +274,7 @@ def respond(tm, r, *, stream=False, first_token_s=None, latency_s=0.25):
             "prompt_tokens": len(r.origin_input_ids),
             "completion_tokens": len(r.output_ids),
             "e2e_latency": latency_s,
+            **(extra_meta or {}),  # what else SGLang's _handle_batch_output put there (e.g. speculative counts)
         }
     }
 

@@ -13,8 +13,10 @@ import duckdb
 import pyarrow as pa
 import pyarrow.dataset as pads
 
+from kvtrail.audit.events import ADDED_FIELDS
 from kvtrail.audit.lake.fs import LakeFS
 from kvtrail.audit.store import schema_ddl
+from kvtrail.errors import StoreError
 
 # Every table of a store (the kind tables and request dictionary are one wide ``events``), in the order an
 # import loads them (producers first: a producer the target holds is refused before any heavy reading),
@@ -38,18 +40,37 @@ _EVENTS_V = (
 )
 
 
+def select_list(table: str, file_cols: list[tuple[str, str]], table_cols: list[tuple[str, str]]) -> str:
+    """The store table's columns as a select list over files with ``file_cols`` ((name, type) pairs): the
+    later fields the files lack as typed nulls; StoreError for any other difference."""
+    have = {name for name, _ in file_cols}
+    later = [(n, t) for n, t in table_cols if n not in have and n in ADDED_FIELDS] if table == "events" else []
+    expected = [c for c in table_cols if c not in later]
+    if file_cols != expected:
+        diff = next((f"{a} vs {b}" for a, b in zip(file_cols, expected) if a != b), f"{file_cols} vs {expected}")
+        raise StoreError(f"{table}: exported columns do not match the store's ({diff})")
+    return ", ".join(f"NULL::{t} AS {n}" if (n, t) in later else n for n, t in table_cols)
+
+
 def _lit(path: str) -> str:
     return "'" + path.replace("'", "''") + "'"
 
 
-def _view(con: duckdb.DuckDBPyConnection, lake: LakeFS, table: str, paths: list[str], cols: str) -> None:
+def _view(con: duckdb.DuckDBPyConnection, lake: LakeFS, table: str, paths: list[str]) -> None:
     if lake.is_local:
         listed = ", ".join(_lit(lake.full(p)) for p in paths)
-        con.execute(f"CREATE VIEW {table} AS SELECT {cols} FROM read_parquet([{listed}], hive_partitioning=false)")
+        src = f"read_parquet([{listed}], hive_partitioning=false)"
     else:
         ds = pads.dataset([lake.full(p) for p in paths], filesystem=lake.fs, format="parquet")
         con.register(f"_lake_{table}", ds)
-        con.execute(f"CREATE VIEW {table} AS SELECT {cols} FROM _lake_{table}")
+        src = f"_lake_{table}"
+    have = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
+    # files written before an event field was added lack its column: read as null
+    table_cols = [(r[0], r[1]) for r in con.execute(f"DESCRIBE ref.{table}").fetchall()]
+    cols = ", ".join(
+        f"NULL::{t} AS {n}" if table == "events" and n not in have and n in ADDED_FIELDS else n for n, t in table_cols
+    )
+    con.execute(f"CREATE VIEW {table} AS SELECT {cols} FROM {src}")
 
 
 def open_memory_catalog(tables: dict[str, pa.Table], threads: int | None = None) -> duckdb.DuckDBPyConnection:
@@ -84,10 +105,9 @@ def open_catalog(lake: LakeFS, files: dict[str, list[str]]) -> duckdb.DuckDBPyCo
     tables += ["events"]
     for table in tables:
         paths = files.get(table, [])
-        cols = ", ".join(r[0] for r in con.execute(f"DESCRIBE ref.{table}").fetchall())
         if not paths:
             con.execute(f"CREATE VIEW {table} AS SELECT * FROM ref.{table}")
         else:
-            _view(con, lake, table, paths, cols)
+            _view(con, lake, table, paths)
     con.execute(_EVENTS_V)
     return con

@@ -29,6 +29,7 @@ from kvtrail.forensics.analysis import (
     node_capacity,
 )
 from kvtrail.forensics.analysis.exclusions import Exclusions, excluded_mask
+from kvtrail.forensics.engine_signals import SignalPolicy, engine_signals, signal_notes
 from kvtrail.forensics.findings import AFFECTED_CODES, CODES, Finding
 from kvtrail.forensics.lake.executor import Executor, LocalExecutor, map_largest_first
 from kvtrail.forensics.lake.merge import merged_findings
@@ -124,6 +125,7 @@ def ask_lake_findings(
     exclusions: Exclusions = Exclusions(),
     executor: Executor | None = None,
     engine: str = "replay",
+    signals: SignalPolicy = SignalPolicy(),
 ) -> Answer:
     """:func:`kvtrail.forensics.ask_findings` on a lake."""
     bad = [c for c in codes if c not in CODES]
@@ -139,7 +141,8 @@ def ask_lake_findings(
     df, excluded, gaps = findings_frame(found, w, codes), excluded_requests(con, exclusions), coverage_gaps(con)
     warnings = integrity_warnings(con, w, ends=ends, incomplete=incomplete, withheld=len(withheld))
     hit = excluded_mask(excluded, exclusions)
-    return Answer(df.filter(~hit), df.filter(hit), gaps, _notes(con, w), warnings, found=tuple(found))
+    notes = _notes(con, w) + signal_notes(engine_signals(con, w, signals), found)  # as the store's answer says them
+    return Answer(df.filter(~hit), df.filter(hit), gaps, notes, warnings, found=tuple(found))
 
 
 def ask_lake_affected(

@@ -109,8 +109,10 @@ def read_tables(lake: LakeFS, task: PartitionTask, threads: int | None = None) -
     ``threads``: the task's thread budget (:func:`~kvtrail.forensics.lake.executor.worker_threads`)."""
     many = threads is None or threads > 1
     tables = {
+        # files written before an event field was added lack its column: null there (promoted)
         table: pa.concat_tables(
-            [pq.read_table(pa.BufferReader(read_checked(lake, path, sha)), use_threads=many) for path, sha in entries]
+            [pq.read_table(pa.BufferReader(read_checked(lake, path, sha)), use_threads=many) for path, sha in entries],
+            promote_options="default",
         )
         for table, entries in task.files
         if entries

@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable
 
 from kvtrail.audit.events import RequestRef
+from kvtrail.serving.sglang import speculative
 from kvtrail.serving.sglang.lifecycle import NO_TENANT, reason_of
 from kvtrail.serving.sglang.session import Session, transfer_id
 
@@ -70,6 +71,7 @@ def record_response(s: Session, out: dict, state: Any, status: int) -> None:
         max(int(float(meta.get("e2e_latency") or 0) * NS_PER_S), 0),
         _ttft_ns(state),
         str(kind) if kind else None,
+        **speculative.from_meta(meta),
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from kvtrail.serving.sglang import speculative
 from kvtrail.serving.sglang.memory import is_aborted
 from kvtrail.serving.sglang.session import Session
 
@@ -79,5 +80,6 @@ def on_stream_output(s: Session, streamer: Any, reqs: list, return_logprob: bool
             max(now - st.created_ns, 0),
             None,
             str(info.get("type", "")) or None,
+            **speculative.from_req(req),
         )
         s.forget(rid)

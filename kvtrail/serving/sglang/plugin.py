@@ -21,7 +21,7 @@ from typing import Any
 from kvtrail.audit.configs import HOOKS_MISSING, NOT_AUDITED
 from kvtrail.audit.events import Producer
 from kvtrail.audit.recorder import Recorder, RecorderConfig
-from kvtrail.serving.sglang import checksum, frontend, lifecycle, memory, modes, ranks, senders, transfer
+from kvtrail.serving.sglang import canary, checksum, frontend, lifecycle, memory, modes, ranks, senders, transfer
 from kvtrail.serving.sglang import targets as T
 from kvtrail.serving.sglang.config import PluginConfig
 from kvtrail.serving.sglang.guard import after, around, before
@@ -91,6 +91,7 @@ class Plugin:
             ),
             T.Target(T.COMPUTE, "AFTER", after(self, "KvChecksumComputer.compute", checksum.on_compute)),
             T.Target(T.MISMATCH, "BEFORE", before(self, "_handle_kv_checksum_mismatch", checksum.on_mismatch)),
+            T.Target(T.CANARY, "AFTER", after(self, "_format_violation", canary.on_violation)),
             T.Target(T.HTTP_OUTCOME, "AROUND", frontend.outcome_hook(self.frontend_session)),
             T.Target(T.HTTP_REFUSAL, "AROUND", frontend.refusal_hook(self.refusal_session)),
             T.Target(T.SHUTDOWN, "BEFORE", self._on_shutdown),

@@ -38,6 +38,8 @@ GROUP_PAGED_END = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAlloca
 VERIFY = "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin._verify_kv_checksums"
 COMPUTE = "sglang.srt.disaggregation.checksum.KvChecksumComputer.compute"
 MISMATCH = "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin._handle_kv_checksum_mismatch"
+# --kv-canary: every violation SGLang's reporter formats (log and raise modes alike)
+CANARY = "sglang.srt.kv_canary.runner.violation_reporter._format_violation"
 # the HTTP (tokenizer) process: the status the client gets
 HTTP_OUTCOME = "sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_abort_finish_reason"
 # ... and the requests it refuses itself (over the context) before any scheduler sees them

@@ -62,9 +62,20 @@ def reserved_tokens(req: Any) -> int:
 
 
 def on_set_kv_checksum(s: Session, _result: Any, _buffers: Any, req: Any, digest: int, signature: int) -> None:
-    """SGLang's own transfer digest (--disaggregation-enable-kv-checksum), sent with the last chunk."""
+    """SGLang's own transfer digest (--disaggregation-enable-kv-checksum), sent with the last chunk, and the
+    tokens it covers: ``send_kv_chunk`` digests ``[disagg_decode_prefix_len, min(extend_end, prompt))``."""
     if digest and getattr(req, "bootstrap_room", None) is not None:
-        s.digests[int(req.bootstrap_room)] = int(digest)
+        s.digests[int(req.bootstrap_room)] = (int(digest), sent_digest_tokens(req))
+
+
+def sent_digest_tokens(req: Any) -> int | None:
+    """The tokens prefill's last-chunk digest covers (host ints only); None where the request has no extend
+    end (SGLang itself needs one there: not a path it digests on)."""
+    end = getattr(req, "extend_end", None)
+    if end is None:
+        return None
+    covered = min(int(end), len(req.origin_input_ids)) - int(getattr(req, "disagg_decode_prefix_len", 0) or 0)
+    return max(covered, 0)
 
 
 def send_pre(
@@ -96,6 +107,11 @@ def send_post(s: Session, token: Any, _result: Any) -> None:
     s.later("CommonKVSender.send", _record_sent, s, ref, pages, dst, n, last, digest)
 
 
+def _digest_parts(digest: tuple[int, int | None] | None) -> tuple[int | None, str | None, int | None]:
+    """(digest, its algorithm, the tokens it covers) of a kept prefill digest, or three Nones."""
+    return (digest[0], DIGEST_ALGO, digest[1]) if digest is not None else (None, None, None)
+
+
 def _dst_pages(sender: Any, start: int, end: int) -> np.ndarray | None:
     infos = getattr(sender.kv_mgr, "transfer_infos", {}).get(sender.bootstrap_room) or {}
     for info in infos.values():
@@ -106,7 +122,13 @@ def _dst_pages(sender: Any, start: int, end: int) -> np.ndarray | None:
 
 
 def _record_sent(
-    s: Session, ref: Any, pages: Snapshot, dst: np.ndarray | None, n: int, last: bool, digest: int | None
+    s: Session,
+    ref: Any,
+    pages: Snapshot,
+    dst: np.ndarray | None,
+    n: int,
+    last: bool,
+    digest: tuple[int, int | None] | None,
 ) -> None:
     src = pages.numpy().reshape(-1).copy()
     if dst is None or len(dst) != len(src):
@@ -118,7 +140,7 @@ def _record_sent(
             f"sglang transfer_sent of transfer {ref.transfer_id}: decode's destination pages unknown to prefill",
         )
         return
-    s.recorder.transfer_sent(ref, src, dst, n, last, digest, DIGEST_ALGO if digest is not None else None)
+    s.recorder.transfer_sent(ref, src, dst, n, last, *_digest_parts(digest))
 
 
 # ---- decode: DecodeTransferQueue._commit_transfer_to_req ------------------------------------------------
@@ -183,8 +205,10 @@ def record_verified(s: Session, req: Any, st: ReqState, status: str, digest: int
 
     After an unverified commit a matching digest is the proof the commit lacked: decode's pages hold what
     prefill digested, so the receipt covers the digested tokens and records the transfer's write. A
-    mismatch proves nothing landed as sent: 0 tokens, the pages' writer stays unknown.
+    mismatch proves nothing landed as sent: 0 tokens, the pages' writer stays unknown. Each receipt carries the
+    tokens decode's digest covered (``digest_tokens``), whatever it proves.
     """
+    covered = digested_tokens(req) if digest is not None else None
     if st.unverified:
         if status == "ok" and digest is not None:
             st.landed_tokens, st.unverified = digested_tokens(req), False
@@ -199,6 +223,8 @@ def record_verified(s: Session, req: Any, st: ReqState, status: str, digest: int
                 status,
                 digest,
                 req.origin_input_ids,
+                False,
+                covered,
             )
             return
         s.later(
@@ -213,6 +239,7 @@ def record_verified(s: Session, req: Any, st: ReqState, status: str, digest: int
             digest,
             None,
             True,
+            covered,
         )
         return
     landed = st.landed_tokens if st.landed_tokens is not None else reserved_tokens(req)
@@ -227,6 +254,8 @@ def record_verified(s: Session, req: Any, st: ReqState, status: str, digest: int
         status,
         digest,
         None,
+        False,
+        covered,
     )
 
 
@@ -240,6 +269,7 @@ def _record_landed(
     digest: int | None,
     ids: Any,
     every_page: bool = False,
+    digest_tokens: int | None = None,
 ) -> None:
     """The receipt; with the request's token ids (``ids``; None: a receipt only) the KV written into decode's
     pages, with the pages' content keys, so a later prefix hit on decode's radix cache matches its writer.
@@ -249,7 +279,8 @@ def _record_landed(
     ps = s.page_size
     pages = pages_of(reserved.numpy(), ps) if reserved is not None else np.zeros(0, dtype=np.int64)
     covered = pages if every_page else (pages[: -(-landed // ps)] if landed else pages[:0])
-    s.recorder.transfer_received(ref, covered, landed, status, digest, DIGEST_ALGO if digest is not None else None)
+    algo = DIGEST_ALGO if digest is not None else None
+    s.recorder.transfer_received(ref, covered, landed, status, digest, algo, digest_tokens)
     if ids is not None and len(covered):
         keys = block_hashes(ids, prefix // ps, len(covered), ps)
         s.recorder.kv_written(ref, covered, prefix, prefix + landed, "transfer_in", block_hashes=keys)
