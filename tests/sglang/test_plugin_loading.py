@@ -19,7 +19,7 @@ def test_load_plugins_finds_the_entry_point_and_patches_every_target(plugin):
     assert plugin.missing == []
     paths = [t.path for t in plugin.targets]
     # 0.5.23: every target but Mooncake's own send (it runs the hooked CommonKVSender.send there)
-    assert len(paths) == len(plugin._targets()) - 1 == 26 and set(paths) <= HookRegistry._patched
+    assert len(paths) == len(plugin._targets()) - 1 == 27 and set(paths) <= HookRegistry._patched
     assert hasattr(allocation.alloc_for_extend, "__wrapped__")
     # the registry re-binds `from X import Y` copies: decode.py and prefill.py call the hooked release
     assert decode.release_kv_cache is common.release_kv_cache is prefill.release_kv_cache
