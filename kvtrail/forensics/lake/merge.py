@@ -17,8 +17,9 @@ from kvtrail.forensics.lake.task import PartitionResult
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.event import ReplayEvent
 from kvtrail.forensics.replay.handlers import EventHandlers
-from kvtrail.forensics.replay.joins import CrossNodeJoins, TransferEvents
+from kvtrail.forensics.replay.joins import CrossNodeJoins
 from kvtrail.forensics.replay.state import ReplayState
+from kvtrail.forensics.replay.transfers import TransferEvents
 
 K = TypeVar("K")
 
