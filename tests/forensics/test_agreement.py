@@ -381,9 +381,9 @@ def pd_history(data):
         if kind == "placeholder":
             if len(dst) > 1:
                 expected.append(("F1", rid, rd["wall_ns"]))  # the reserved pages nothing landed in
-            # at 1 token/ns and factor 2, a 1 ns TTFT is implausible for more than 2 tokens; F9 reads the receipt
-            # under the response's own id, so a room's pair (receipt under p<i>) is not judged for it (yet)
-            if tokens > 2 and not room:
+            # at 1 token/ns and factor 2, a 1 ns TTFT is implausible for more than 2 tokens (a room's receipt,
+            # under p<i>, is its decode request's)
+            if tokens > 2:
                 placeholders.append((rid, resp["wall_ns"]))
     # Receipts were moved back in time (to just before their forward pass): restore time order.
     tl.events.sort(key=lambda e: e["wall_ns"])
@@ -403,3 +403,24 @@ def test_cross_node_findings_of_both_engines_are_exactly_the_planted_ones(data):
     for engine in both_engines(events):
         got = [(f.code, f.request_id if f.code != "F8" else None, f.last_ns) for f in engine]
         assert sorted(got, key=repr) == want
+
+
+class _Scripted:
+    """A stand-in for hypothesis' ``data``: each draw takes the next scripted value."""
+
+    def __init__(self, values: list) -> None:
+        self._values = iter(values)
+
+    def draw(self, strategy):
+        return next(self._values)
+
+
+def test_a_rooms_placeholder_is_judged_through_its_prefill_ids_abort_and_receipt():
+    """The incident through a router, where prefill and decode name the request differently: prefill's abort
+    and receipt (under p3) are decode's q3's, so F4 and F9 find the served placeholder, as F2 and F1 do."""
+    kinds = ["clean", "clean", "clean", "room_placeholder"]
+    events, expected = pd_history(_Scripted([False, kinds] + [2, 0] * len(kinds)))
+    assert {c for c, r, _ in expected if r == "q3"} == {"F1", "F2", "F4", "F9"}
+    for engine in both_engines(events):
+        got = [(f.code, f.request_id if f.code != "F8" else None, f.last_ns) for f in engine]
+        assert sorted(got, key=repr) == sorted(expected, key=repr)

@@ -52,6 +52,47 @@ def start_node(plugin, scheduler, sink, node: str):
         plugin.config = base
 
 
+def on_node(plugin, session) -> None:
+    """Make ``session`` the plugin's current node (its resolver drained first)."""
+    session.resolver.drain()
+    plugin.session = session
+
+
+@pytest.fixture
+def checksum_pd(plugin, tmp_path):
+    """A prefill and a decode node with SGLang's KV checksum on, one shared store, and the decode HTTP process's
+    frontend: (plugin, sessions, prefill, decode, tokenizer, db, close). ``close(check=True)`` first drains every
+    session's resolver and asserts each recorder flushed with no failure."""
+    from tests.sglang.pd import tokenizer
+    from tests.sglang.world import Node
+
+    store = SharedStore(tmp_path / "audit.duckdb")
+    pnode, dnode = Node("prefill", checksum=True), Node("decode", checksum=True)
+    sessions = [
+        start_node(plugin, pnode.scheduler, store, "sg-prefill"),
+        start_node(plugin, dnode.scheduler, store, "sg-decode"),
+    ]
+    tm = tokenizer("decode")
+    sessions.append(plugin.start_frontend(tm, sink=store))
+    plugin.session = None
+    closed = []
+
+    def close(check: bool = False) -> None:
+        plugin.session = plugin.frontend = None
+        if not closed:
+            closed.append(True)
+            if check:
+                for s in sessions:
+                    s.resolver.drain()
+                    assert s.recorder.flush(30) and s.resolver.failures == {}, s.resolver.failures
+            for s in sessions:
+                s.close()
+            store.store.close()
+
+    yield plugin, sessions, pnode, dnode, tm, tmp_path / "audit.duckdb", close
+    close()
+
+
 @pytest.fixture(scope="session")
 def plugin(tmp_path_factory):
     """kvtrail's plugin, loaded by SGLang's own load_plugins() from the installed entry point."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import stored_events
-from tests.sglang.conftest import SharedStore, start_node
+from tests.sglang.conftest import on_node
 from tests.sglang.pd import (
     checksum_computer,
     commit,
@@ -18,42 +18,16 @@ from tests.sglang.pd import (
     reserve,
     respond,
     streamer,
-    tokenizer,
     verify,
 )
-from tests.sglang.world import FakeMooncake, Node
+from tests.sglang.world import FakeMooncake
 
 PROMPT = 12  # 3 pages of 4
 
 
 @pytest.fixture
-def pd(plugin, tmp_path):
-    store = SharedStore(tmp_path / "audit.duckdb")
-    pnode, dnode = Node("prefill", checksum=True), Node("decode", checksum=True)
-    sessions = [
-        start_node(plugin, pnode.scheduler, store, "sg-prefill"),
-        start_node(plugin, dnode.scheduler, store, "sg-decode"),
-    ]
-    tm = tokenizer("decode")
-    sessions.append(plugin.start_frontend(tm, sink=store))
-    plugin.session = None
-    closed = []
-
-    def close():
-        plugin.session = plugin.frontend = None
-        if not closed:
-            closed.append(True)
-            for s in sessions:
-                s.close()
-            store.store.close()
-
-    yield plugin, sessions, pnode, dnode, tm, tmp_path / "audit.duckdb", close
-    close()
-
-
-def _on(plugin, session):
-    session.resolver.drain()
-    plugin.session = session
+def pd(checksum_pd):
+    return checksum_pd
 
 
 def test_landed_bytes_that_differ_fail_sglangs_checksum_and_yield_f3(pd, monkeypatch):
@@ -64,12 +38,12 @@ def test_landed_bytes_that_differ_fail_sglangs_checksum_and_yield_f3(pd, monkeyp
     mgr, reqs = FakeMooncake(), {}
     for rid, room, corrupt in (("G", 11, False), ("X", 12, True)):
         tokens = list(range(room * 100, room * 100 + PROMPT))
-        _on(plugin, ds)
+        on_node(plugin, ds)
         r, dst = reserve(dnode, rid, room, tokens)
-        _on(plugin, ps)
+        on_node(plugin, ps)
         _, src = prefill_request(pnode, rid, room, tokens, mgr, dst, digest="bytes")
         land(pnode, dnode, src, dst, flip_byte=corrupt)
-        _on(plugin, ds)
+        on_node(plugin, ds)
         commit(dnode, pnode, r, computer=computer)  # the slot carried prefill's digest: decode keeps it
         sent_digest = digest_of(pnode, src)
         assert r.expected_kv_checksum == sent_digest
@@ -119,13 +93,13 @@ def test_the_incidents_placeholder_fails_sglangs_checksum_when_both_roles_run_it
     plugin, (ps, ds, hs), pnode, dnode, tm, db, close = pd
     computer = checksum_computer(dnode, monkeypatch)
     tokens = list(range(500, 532))  # 8 pages reserved at decode
-    _on(plugin, ds)
+    on_node(plugin, ds)
     r, dst = reserve(dnode, "B", 202, tokens)
-    _on(plugin, ps)
+    on_node(plugin, ps)
     _, src = prefill_request(pnode, "B", 202, tokens, FakeMooncake(), dst, placeholder=True, digest="bytes")
     assert len(src) == 1  # prefill ran the 1-token placeholder and sent 1 page
     land(pnode, dnode, src, dst)
-    _on(plugin, ds)
+    on_node(plugin, ds)
     commit(dnode, pnode, r, computer=computer)
     assert verify(dnode, [r], computer) == []  # decode digests all 8 reserved pages: SGLang drops B
     assert respond(tm, r) == 500

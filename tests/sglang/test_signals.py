@@ -4,13 +4,14 @@ acceptance per response from the meta_info SGLang computes."""
 
 from __future__ import annotations
 
+import functools
 import types
 
 import pytest
 import torch
 
 from tests.conftest import stored_events
-from tests.sglang.conftest import SharedStore, start_node
+from tests.sglang.conftest import SharedStore, on_node, start_node
 from tests.sglang.pd import (
     checksum_computer,
     commit,
@@ -28,36 +29,10 @@ PROMPT = 12  # 3 pages of 4
 
 
 @pytest.fixture
-def pd(plugin, tmp_path):
-    store = SharedStore(tmp_path / "audit.duckdb")
-    pnode, dnode = Node("prefill", checksum=True), Node("decode", checksum=True)
-    sessions = [
-        start_node(plugin, pnode.scheduler, store, "sg-prefill"),
-        start_node(plugin, dnode.scheduler, store, "sg-decode"),
-    ]
-    tm = tokenizer("decode")
-    sessions.append(plugin.start_frontend(tm, sink=store))
-    plugin.session = None
-    closed = []
-
-    def close():
-        plugin.session = plugin.frontend = None
-        if not closed:
-            closed.append(True)
-            for s in sessions:
-                s.resolver.drain()
-                assert s.recorder.flush(30) and s.resolver.failures == {}, s.resolver.failures
-            for s in sessions:
-                s.close()
-            store.store.close()
-
-    yield plugin, sessions, pnode, dnode, tm, tmp_path / "audit.duckdb", close
-    close()
-
-
-def _on(plugin, session):
-    session.resolver.drain()
-    plugin.session = session
+def pd(checksum_pd):
+    """The pair, whose ``close`` also checks every recorder flushed with no failure."""
+    plugin, sessions, pnode, dnode, tm, db, close = checksum_pd
+    return plugin, sessions, pnode, dnode, tm, db, functools.partial(close, check=True)
 
 
 def _ask(db, **kw):
@@ -88,12 +63,12 @@ def test_both_roles_record_the_tokens_their_digest_covers(pd, monkeypatch):
     computer = checksum_computer(dnode, monkeypatch)
     for rid, room, n, placeholder in (("G", 11, PROMPT, False), ("B", 202, 32, True)):
         tokens = list(range(room * 100, room * 100 + n))
-        _on(plugin, ds)
+        on_node(plugin, ds)
         r, dst = reserve(dnode, rid, room, tokens)
-        _on(plugin, ps)
+        on_node(plugin, ps)
         _, src = prefill_request(pnode, rid, room, tokens, FakeMooncake(), dst, placeholder=placeholder, digest="bytes")
         land(pnode, dnode, src, dst)
-        _on(plugin, ds)
+        on_node(plugin, ds)
         commit(dnode, pnode, r, computer=computer)
         verify(dnode, [r], computer)
     close()

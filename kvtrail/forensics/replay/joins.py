@@ -8,7 +8,7 @@ different nodes' batches arrive does not matter. The join keys and each rule are
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -208,7 +208,7 @@ class CrossNodeJoins:
                     evidence=aborts,
                     detail=f"HTTP {resp.http_status} after abort: {what}",
                 )
-            self._check_latency(resp, rates, receipts_by, emit)
+            self._check_latency(resp, rates, receipts_by, paired.get(me, ()), emit)
 
     def prefill_rates(self) -> dict[NodeKey, float]:
         """Per prefill node: the policy's quantile of its forward writes' rates (tokens per ns).
@@ -306,12 +306,21 @@ class CrossNodeJoins:
         resp: ReplayEvent,
         rates: dict[NodeKey, float],
         receipts_by: dict[RequestKey, list[ReplayEvent]],
+        prefill_requests: Sequence[RequestKey],
         emit: Emit,
     ) -> None:
+        """F9 of one response; ``prefill_requests``: its bootstrap rooms' prefill-side requests (their receipts
+        are its own)."""
         if resp.ttft_ns is None or resp.prompt_tokens is None or resp.request_id is None:
             return
         me = self.request_of(resp)
         found = [c for c in receipts_by.get(me, ()) if same_attempt(c, resp)]
+        found += [
+            c
+            for pre in prefill_requests
+            for c in receipts_by.get(pre, ())
+            if same_attempt(c, resp) and c.node_key[0] == resp.node_key[0]
+        ]
         if not found:
             return
         rec = min(found, key=lambda c: c.ord)
@@ -319,7 +328,7 @@ class CrossNodeJoins:
         rate = rates.get(nk)
         if rate is None:
             return
-        need = resp.prompt_tokens - self._hits(nk, me) * self.page_size.get(nk, 0)
+        need = resp.prompt_tokens - self._hits(nk, self.request_of(rec)) * self.page_size.get(nk, 0)
         if need <= 0:
             return
         floor_ns = need / rate / self.policy.latency_factor

@@ -241,7 +241,9 @@ def f11(ctx) -> list[Finding]:
 
 def f9(ctx, policy: ForensicsPolicy) -> list[Finding]:
     """2xx responses faster than their prefill node's own measured rate allows (see ``ForensicsPolicy``)."""
-    ctes = """
+    ctes = (
+        TRANSFER_CTES
+        + """,
     rcv AS (SELECT * FROM ev WHERE kind = 'request_received' AND role IN ('prefill', 'unified')
             QUALIFY row_number() OVER (PARTITION BY cluster, node, request_id ORDER BY ord) = 1),
     rcv_id AS (SELECT cluster, node, rid_text, ord, wall_ns FROM ev
@@ -266,10 +268,17 @@ def f9(ctx, policy: ForensicsPolicy) -> list[Finding]:
               GROUP BY ALL),
     resp AS (SELECT * FROM ev WHERE kind = 'response_sent' AND http_status BETWEEN 200 AND 299
              AND ttft_ns IS NOT NULL AND prompt_tokens IS NOT NULL),
+    rcv_for AS (SELECT r.*, r.request_id AS for_req, NULL AS room_cluster FROM rcv r
+                UNION ALL  -- a bootstrap room's prefill receipt is its decode request's too
+                SELECT r.*, m.d_req, m.cluster FROM rcv r
+                JOIN rooms m ON m.cluster = r.cluster AND m.s_req = r.request_id
+                             AND (r.transfer_id IS NULL OR r.transfer_id = m.transfer_id)),
     matched AS (SELECT x.producer_id, x.seq, min_by(r, r.ord) AS r
-                FROM resp x JOIN rcv r ON r.request_id = x.request_id
+                FROM resp x JOIN rcv_for r ON r.for_req = x.request_id
+                 AND (r.room_cluster IS NULL OR r.room_cluster = x.cluster)
                  AND (r.transfer_id IS NULL OR x.transfer_id IS NULL OR r.transfer_id = x.transfer_id)
                 GROUP BY ALL)"""
+    )
     rates = {}
     for cluster, node, xs in ctx.query("SELECT cluster, node, list(rate) FROM samples GROUP BY ALL", ctes):
         if len(xs) >= policy.min_latency_samples:
