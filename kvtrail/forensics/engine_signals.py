@@ -31,6 +31,7 @@ import polars as pl
 
 from kvtrail.audit.layout import has_kind_tables, kind_rows, table_name
 from kvtrail.forensics.findings import Finding
+from kvtrail.forensics.sql.joins import TRANSFER_CTES
 from kvtrail.forensics.window import Window
 
 CANARY, DIGEST_TOKENS, SPEC_ACCEPTANCE = "kv_canary_violation", "digest_tokens_differ", "spec_acceptance_low"
@@ -148,17 +149,27 @@ def digest_token_differences(con: duckdb.DuckDBPyConnection, w: Window = Window(
     if not _any(con, ("transfer_sent", "transfer_received"), "digest_tokens IS NOT NULL", w):
         return pl.DataFrame(schema=SCHEMA)
     where, params = _in_window(w)
+    # A transfer's events as the engines join them (``TRANSFER_CTES``: a bootstrap room's prefill send under
+    # prefill's own request id is decode's request's), for the transfer ids of the window's digests.
     rows = con.execute(
         f"""
-        WITH d AS (SELECT producer_id, seq, kind, node, wall_ns, transfer_id, request_id, tenant_id, digest,
+        WITH ev AS (SELECT producer_id, seq, kind, node, cluster, wall_ns, transfer_id, request_id,
+                           request_id AS rid_text, tenant_id, num_tokens, digest, digest_tokens
+                    FROM events_v
+                    WHERE kind IN ('transfer_reserved', 'transfer_sent', 'transfer_received')
+                      AND transfer_id IN (SELECT transfer_id FROM events_v
+                                          WHERE kind IN ('transfer_sent', 'transfer_received')
+                                            AND digest_tokens IS NOT NULL AND {where})),
+             {TRANSFER_CTES},
+             d AS (SELECT producer_id, seq, kind, node, wall_ns, transfer_id, treq AS request_id, tenant_id, digest,
                           digest_tokens
-                   FROM events_v WHERE kind IN ('transfer_sent', 'transfer_received') AND digest_tokens IS NOT NULL
+                   FROM txk WHERE kind IN ('transfer_sent', 'transfer_received') AND digest_tokens IS NOT NULL
                     AND {where}),
              keys AS (SELECT DISTINCT transfer_id, request_id FROM d),
-             res AS (SELECT e.transfer_id, e.request_id, arg_max(e.num_tokens, e.wall_ns) AS reserved,
+             res AS (SELECT e.transfer_id, e.treq AS request_id, arg_max(e.num_tokens, e.wall_ns) AS reserved,
                             arg_max(e.node, e.wall_ns) AS node, arg_max(e.producer_id, e.wall_ns) AS pid,
                             arg_max(e.seq, e.wall_ns) AS seq
-                     FROM events_v e SEMI JOIN keys k ON k.transfer_id = e.transfer_id AND k.request_id = e.request_id
+                     FROM txk e SEMI JOIN keys k ON k.transfer_id = e.transfer_id AND k.request_id = e.treq
                      WHERE e.kind = 'transfer_reserved' GROUP BY ALL),
              sent AS (SELECT transfer_id, request_id, arg_max(digest, wall_ns) AS digest,
                              arg_max(digest_tokens, wall_ns) AS tokens, arg_max([producer_id, seq], wall_ns) AS ev
@@ -173,7 +184,7 @@ def digest_token_differences(con: duckdb.DuckDBPyConnection, w: Window = Window(
         FROM res r LEFT JOIN sent s USING (transfer_id, request_id) LEFT JOIN recv rv USING (transfer_id, request_id)
         WHERE (s.tokens IS NOT NULL AND s.tokens <> r.reserved) OR (rv.tokens IS NOT NULL AND rv.tokens <> r.reserved)
         ORDER BY r.transfer_id, r.request_id""",
-        params,
+        params + params,
     ).fetchall()
     out = []
     for tid, rid, tenant, node, reserved, s_tok, r_tok, s_dg, r_dg, ns, res_ev, s_ev, r_ev in rows:

@@ -26,20 +26,23 @@ def judged(store, tl):
     return replay
 
 
-def transfer(tl, *, reserved, sent, landed, sent_digest_tokens, recv_digest_tokens, recv_digest=DIGEST):
+def transfer(
+    tl, *, reserved, sent, landed, sent_digest_tokens, recv_digest_tokens, recv_digest=DIGEST, prefill_rid="b"
+):
     """Decode reserves ``reserved`` tokens (3 pages) for b, prefill sends ``sent``, decode's checksum receipt
-    says ``landed`` with the digests and the tokens each covers; b reads its pages, the client gets 200."""
+    says ``landed`` with the digests and the tokens each covers; b reads its pages, the client gets 200.
+    ``prefill_rid``: the id prefill records the request under (SGLang's PD: its own, the room joins them)."""
     tl.node("p", "prefill")
     tl.node("d", "decode")
     tl.node("router", "router")
     tl.add("d", "transfer_reserved", "b", 77, pages=[1, 2, 3], num_tokens=reserved)
     tl.alloc("d", "b", [1, 2, 3], "decode_reservation")
-    tl.alloc("p", "b", [9, 10, 11])
-    tl.write("p", "b", [9, 10, 11])
+    tl.alloc("p", prefill_rid, [9, 10, 11])
+    tl.write("p", prefill_rid, [9, 10, 11])
     sent_ev = tl.add(
         "p",
         "transfer_sent",
-        "b",
+        prefill_rid,
         77,
         pages=[9, 10, 11],
         dst_pages=[1, 2, 3],
@@ -83,6 +86,20 @@ def test_a_matching_digest_over_fewer_tokens_than_reserved_is_not_clean(mem_stor
     assert [pid(mem_store, "p"), sent["seq"]] in evidence and [pid(mem_store, "d"), recv["seq"]] in evidence
     [note] = [n for n in ask_findings(mem_store.con).notes if "digest_tokens_differ" in n]
     assert "no finding fired for 1 (a symptom to investigate): b:" in note
+
+
+def test_a_rooms_prefill_digest_under_its_own_id_is_compared_with_decodes_reservation(mem_store):
+    """SGLang's PD: prefill names the request by its own id, decode by another, one bootstrap room. Prefill's
+    digest covers 16 of the 40 tokens decode reserved: the signal names decode's request, as the F-rules do."""
+    tl = Timeline()
+    sent, _ = transfer(
+        tl, reserved=40, sent=40, landed=40, sent_digest_tokens=16, recv_digest_tokens=40, prefill_rid="pre-b"
+    )
+    judged(mem_store, tl)
+    sig = engine_signals(mem_store.con)
+    assert sig["signal"].to_list() == ["digest_tokens_differ"] and sig["request_id"].to_list() == ["b"]
+    assert "prefill's digest covers 16 tokens, decode's 40 tokens" in sig["detail"][0]
+    assert [pid(mem_store, "p"), sent["seq"]] in sig["evidence"][0].to_list()
 
 
 def test_digested_tokens_that_differ_corroborate_f2_and_f3(mem_store):
