@@ -17,6 +17,7 @@ import polars as pl
 
 from kvtrail import forensics as fx
 from kvtrail.forensics.questions import findings_frame
+from kvtrail.forensics.sql.joins import TRANSFER_CTES
 
 LOOKBACK_NS = 120 * 10**9  # the page history shown before the request's first event on the node
 AFTER_NS = 10**9  # and after its last read of them: when they were freed and reallocated
@@ -279,26 +280,23 @@ def _page_row(node: str, page: int, read_ns: int, is_foreign: bool, marks: pl.Da
     }
 
 
-# The request's own transfer events, and a bootstrap room's sends by prefill's request for it (the room's one
-# sender, decode's request its one receiver: ``docs/findings.md``, "Cross-node rules").
-_TRANSFERS = """
-WITH tx AS (SELECT * FROM events_v WHERE kind IN ('transfer_reserved', 'transfer_sent', 'transfer_received')),
-mine AS (SELECT * FROM tx WHERE request_id = ? AND (? IS NULL OR tenant_id = ?)),
-rooms AS (SELECT t.cluster, t.transfer_id, any_value(t.request_id) FILTER (WHERE t.request_id <> ?) AS sender
-          FROM tx t SEMI JOIN (SELECT DISTINCT cluster, transfer_id FROM mine WHERE kind <> 'transfer_sent') m
-            ON m.cluster = t.cluster AND m.transfer_id = t.transfer_id
-          GROUP BY ALL
-          HAVING count(DISTINCT t.request_id) = 2
-             AND NOT bool_or(t.request_id = ? AND t.kind = 'transfer_sent')
-             AND NOT bool_or(t.request_id <> ? AND t.kind <> 'transfer_sent')),
-room_sends AS (SELECT t.* FROM tx t JOIN rooms r
-               ON r.cluster = t.cluster AND r.transfer_id = t.transfer_id AND t.request_id = r.sender)
-SELECT kind, node, wall_ns, transfer_id, num_tokens, num_pages, digest, digest_algo, status
-FROM (SELECT * FROM mine UNION ALL SELECT * FROM room_sends) ORDER BY wall_ns, node"""
+# The request's own transfer events, and a bootstrap room's sends by prefill's request for it, joined as the
+# engines join them (``TRANSFER_CTES``: docs/findings.md, "Bootstrap rooms"), over the transfer ids it names.
+_TRANSFERS = f"""
+WITH ev AS (SELECT e.*, e.request_id AS rid_text FROM events_v e
+            SEMI JOIN (SELECT cluster, transfer_id FROM events_v
+                       WHERE kind IN ('transfer_reserved', 'transfer_sent', 'transfer_received')
+                         AND request_id = ? AND (? IS NULL OR tenant_id = ?)) m
+              ON m.cluster = e.cluster AND m.transfer_id = e.transfer_id
+            WHERE e.kind IN ('transfer_reserved', 'transfer_sent', 'transfer_received')),
+{TRANSFER_CTES}
+SELECT kind, node, wall_ns, transfer_id, num_tokens, num_pages, digest, digest_algo, status FROM txk
+WHERE (request_id = ? AND (? IS NULL OR tenant_id = ?)) OR (treq = ? AND request_id <> ?)
+ORDER BY wall_ns, node"""
 
 
 def _transfers(con: duckdb.DuckDBPyConnection, request_id: str, only: str | None) -> pl.DataFrame:
-    params = [request_id, only, only, request_id, request_id, request_id]
+    params = [request_id, only, only, request_id, only, only, request_id, request_id]
     return pl.DataFrame(con.sql(_TRANSFERS, params=params).to_arrow_table()).cast(pl.Schema(TRANSFER_SCHEMA))
 
 

@@ -62,9 +62,8 @@ class Session:
     resolver: Resolver = field(default_factory=Resolver)
     requests: dict[str, ReqState] = field(default_factory=dict)
     rooms: dict[int, RequestRef] = field(default_factory=dict)  # prefill: bootstrap room -> request (for sends)
-    digests: dict[int, tuple[int, int | None]] = field(
-        default_factory=dict
-    )  # prefill: room -> (Adler-32, tokens it covers)
+    # prefill: bootstrap room -> (SGLang's Adler-32 of the transfer, the tokens it covers)
+    digests: dict[int, tuple[int, int | None]] = field(default_factory=dict)
     groups: dict[int, list] = field(default_factory=dict)  # id(allocator) -> frees its open free group postponed
     lock: threading.Lock = field(default_factory=threading.Lock)
     local: threading.local = field(default_factory=threading.local)
