@@ -17,7 +17,7 @@ import polars as pl
 
 from kvtrail import forensics as fx
 from kvtrail.forensics.questions import findings_frame
-from kvtrail.forensics.sql.joins import TRANSFER_CTES
+from kvtrail.forensics.transfer_events import request_transfers
 
 LOOKBACK_NS = 120 * 10**9  # the page history shown before the request's first event on the node
 AFTER_NS = 10**9  # and after its last read of them: when they were freed and reallocated
@@ -280,24 +280,8 @@ def _page_row(node: str, page: int, read_ns: int, is_foreign: bool, marks: pl.Da
     }
 
 
-# The request's own transfer events, and a bootstrap room's sends by prefill's request for it, joined as the
-# engines join them (``TRANSFER_CTES``: docs/findings.md, "Bootstrap rooms"), over the transfer ids it names.
-_TRANSFERS = f"""
-WITH ev AS (SELECT e.*, e.request_id AS rid_text FROM events_v e
-            SEMI JOIN (SELECT cluster, transfer_id FROM events_v
-                       WHERE kind IN ('transfer_reserved', 'transfer_sent', 'transfer_received')
-                         AND request_id = ? AND (? IS NULL OR tenant_id = ?)) m
-              ON m.cluster = e.cluster AND m.transfer_id = e.transfer_id
-            WHERE e.kind IN ('transfer_reserved', 'transfer_sent', 'transfer_received')),
-{TRANSFER_CTES}
-SELECT kind, node, wall_ns, transfer_id, num_tokens, num_pages, digest, digest_algo, status FROM txk
-WHERE (request_id = ? AND (? IS NULL OR tenant_id = ?)) OR (treq = ? AND request_id <> ?)
-ORDER BY wall_ns, node"""
-
-
 def _transfers(con: duckdb.DuckDBPyConnection, request_id: str, only: str | None) -> pl.DataFrame:
-    params = [request_id, only, only, request_id, only, only, request_id, request_id]
-    return pl.DataFrame(con.sql(_TRANSFERS, params=params).to_arrow_table()).cast(pl.Schema(TRANSFER_SCHEMA))
+    return pl.DataFrame(request_transfers(con, request_id, only)).cast(pl.Schema(TRANSFER_SCHEMA))
 
 
 def _response(
