@@ -11,13 +11,36 @@ import pyarrow.compute as pc
 
 from kvtrail.audit.arrowutil import list_array
 from kvtrail.audit.events import KIND_NAMES, KINDS, PAGE_LIST_FIELDS
-from kvtrail.audit.pagelist import decode_runs
 from kvtrail.audit.readback import arrow_query
 from kvtrail.forensics import Window, check_window, coverage_gaps
 from kvtrail.model.monitors import COLUMNS, Monitors, judge_order
 from kvtrail.model.properties import PROPERTIES
 
 _WITH_PAGES = [k for k in KIND_NAMES if "pages" in KINDS[k].required]
+
+
+def _decode_pages(
+    num_rows: int, row: np.ndarray, start: np.ndarray, length: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Page lists (flat int32 values, int64 offsets) from their runs (in row order, then position): the
+    inverse of the store's run encoding, as :func:`~kvtrail.audit.pagelist.decode_runs` but in two passes
+    over one int32 array (each run's first entry is its step from the previous run's last page, every other
+    entry a step of one, summed), so a history of many pages costs no int64 temporaries per page."""
+    ends = np.cumsum(length, dtype=np.int64)
+    offsets = np.zeros(num_rows + 1, np.int64)
+    if len(ends):
+        offsets[1:] = np.concatenate([[0], ends])[np.searchsorted(row, np.arange(num_rows), side="right")]
+    flat = np.ones(int(ends[-1]) if len(ends) else 0, np.int32)
+    keep = length > 0
+    first = np.asarray(start[keep], np.int64)
+    n = np.asarray(length[keep], np.int64)
+    if len(first):
+        step = np.empty(len(first), np.int64)
+        step[0] = first[0]
+        step[1:] = first[1:] - (first[:-1] + n[:-1] - 1)
+        flat[np.cumsum(n) - n] = step.astype(np.int32)  # a step fits: pages are non-negative int32
+        np.cumsum(flat, dtype=np.int32, out=flat)  # each partial sum is a page id: no overflow
+    return flat, offsets
 
 
 def read_for_monitors(con: duckdb.DuckDBPyConnection, where: str, params: list) -> pa.Table:
@@ -40,9 +63,9 @@ def read_for_monitors(con: duckdb.DuckDBPyConnection, where: str, params: list) 
         )
     finally:
         con.commit()
-    flat, offsets = decode_runs(
+    flat, offsets = _decode_pages(
         ev.num_rows,
-        runs.column("row").to_numpy().astype(np.int64),
+        runs.column("row").to_numpy(),
         runs.column("page_start").to_numpy(),
         runs.column("num_pages").to_numpy(),
     )

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
+from kvtrail.audit.pagelist import decode_runs, encode_runs
 from kvtrail.audit.store import AuditStore
 from kvtrail.forensics.questions import findings_of
-from kvtrail.model.validate import validate_store
+from kvtrail.model.validate import _decode_pages, validate_store
 from kvtrail.sim.fleet.run import write_fleet
 from tests.conftest import run_cli
 from tests.sim.test_fleet import SMALL
@@ -89,3 +91,19 @@ def test_validate_agrees_with_the_findings_on_the_reference_stack(stack_runs):
             assert model["no_foreign_read"] and model["aborted_never_sent"] and model["transferred_equals_reserved"]
         else:
             assert model["no_free_before_drain"]
+
+
+def test_the_lean_page_decoder_restores_what_the_run_encoding_holds():
+    rng = np.random.default_rng(7)
+    lists = [[], [5], [0, 1, 2, 9, 10, 3], [], list(range(100, 140)) + [7, 6, 5], [2**31 - 2, 2**31 - 1, 0]]
+    lists += [sorted(rng.choice(5000, size=int(rng.integers(0, 60)), replace=False).tolist()) for _ in range(50)]
+    flat = np.asarray([p for pages in lists for p in pages], np.int32)
+    offsets = np.concatenate([[0], np.cumsum([len(pages) for pages in lists])]).astype(np.int64)
+    row, _, start, length = encode_runs(flat, offsets)
+    got, got_offsets = _decode_pages(len(lists), row, start, length)
+    want, want_offsets = decode_runs(len(lists), row, start, length)
+    assert got.dtype == np.int32
+    assert got_offsets.tolist() == want_offsets.tolist() == offsets.tolist()
+    assert got.tolist() == want.tolist() == flat.tolist()
+    none, none_offsets = _decode_pages(3, row[:0], start[:0], length[:0])
+    assert len(none) == 0 and none_offsets.tolist() == [0, 0, 0, 0]
