@@ -30,30 +30,42 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvtrail.model.pool import FREE, NEVER, NO_HASH, UNKNOWN, Pool, Violation
+from kvtrail.model.pagekernel import (
+    OP_ALLOC,
+    OP_EVICT,
+    OP_FREE,
+    OP_GROWTH,
+    OP_PREFIX,
+    OP_READ,
+    OP_UNVERIFIED,
+    OP_WRITE,
+    OP_WRITE_IN,
+)
+from kvtrail.model.pagesteps import (
+    _SCALARS,
+    COLUMNS,
+    K_CLUSTER,
+    K_INSTANCE,
+    K_IS_LAST_CHUNK,
+    K_KIND,
+    K_NODE,
+    K_NUM_TOKENS,
+    K_PURPOSE,
+    K_REQUEST_ID,
+    K_SEQ,
+    K_SOURCE,
+    K_STATUS,
+    K_TENANT_ID,
+    K_WALL_NS,
+    Event,
+    PageSteps,
+)
+from kvtrail.model.pool import Pool, Violation
 from kvtrail.model.properties import PROPERTIES
 
 __all__ = ["COLUMNS", "Monitors", "Violation", "judge_order"]
 
-_SCALARS = (
-    "kind",
-    "cluster",
-    "node",
-    "instance",
-    "seq",
-    "wall_ns",
-    "request_id",
-    "tenant_id",
-    "purpose",
-    "source",
-    "num_tokens",
-    "status",
-    "is_last_chunk",
-)
-(K_KIND, K_CLUSTER, K_NODE, K_INSTANCE, K_SEQ, K_WALL_NS, K_REQUEST_ID, K_TENANT_ID, K_PURPOSE, K_SOURCE) = range(10)
-K_NUM_TOKENS, K_STATUS, K_IS_LAST_CHUNK, K_PAGES, K_ROW = range(10, 15)
-COLUMNS = (*_SCALARS, "block_hashes")  # what the monitors read of an event, besides its pages
-Event = tuple  # one event as the monitors hold it: the scalars of _SCALARS, its pages, its row
+_ALLOC_OPS = {"prefix_hit": OP_PREFIX, "decode_growth": OP_GROWTH}
 _GONE = np.iinfo(np.int64).max  # the last-seen time of a request code not in use
 
 
@@ -64,27 +76,34 @@ def _column(table: pa.Table, name: str, type_: pa.DataType) -> pa.ChunkedArray:
     return pa.chunked_array([pa.nulls(table.num_rows, type_)])
 
 
-def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, list[bool]]:
-    """A list column as (flat values, offsets from 0, row is not null)."""
+def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A list column as (flat int64 values, offsets from 0, row is not null), each read-only (so the
+    compiled steps see one type of array whichever way Arrow handed them over)."""
     arr = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
     if not len(arr):
-        return np.zeros(0, np.int64), np.zeros(1, np.int64), []
-    offsets = arr.offsets.to_numpy()
-    values = arr.values.to_numpy(zero_copy_only=False)
-    if offsets[0]:  # a slice: its values start part-way
-        values = values[offsets[0] : offsets[-1]]
-        offsets = offsets - offsets[0]
-    return values.astype(np.int64, copy=False), offsets, arr.is_valid().to_pylist()
+        values, offsets, valid = np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, bool)
+    else:
+        offsets = arr.offsets.to_numpy()
+        values = arr.values.to_numpy(zero_copy_only=False)
+        if offsets[0]:  # a slice: its values start part-way
+            values = values[offsets[0] : offsets[-1]]
+            offsets = offsets - offsets[0]
+        values = values.astype(np.int64, copy=False)
+        offsets = offsets.astype(np.int64, copy=False)
+        valid = arr.is_valid().to_numpy(zero_copy_only=False)
+    for a in (values, offsets, valid):
+        a.setflags(write=False)
+    return values, offsets, valid
 
 
-def _row_max(values: np.ndarray, offsets: np.ndarray) -> list[int]:
+def _row_max(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """Per row, the largest value of its list (-1 for an empty or null one), in one pass."""
     out = np.full(len(offsets) - 1, -1, np.int64)
     starts = offsets[:-1]
     full = np.flatnonzero(offsets[1:] > starts)
     if len(full):
         out[full] = np.maximum.reduceat(values, starts[full])
-    return out.tolist()
+    return out
 
 
 def _maybe_repeating(values: np.ndarray, offsets: np.ndarray) -> set[int]:
@@ -100,7 +119,7 @@ def _maybe_repeating(values: np.ndarray, offsets: np.ndarray) -> set[int]:
     return set((np.searchsorted(offsets, pairs + 1, side="right") - 1).tolist())
 
 
-class Monitors:
+class Monitors(PageSteps):
     """The five monitors over one history; ``from_ns``: violations before it are not reported (the
     history before it is still replayed, so the pools' state at ``from_ns`` is right)."""
 
@@ -123,30 +142,41 @@ class Monitors:
         self.reported: set = set()
         self.cannot_tell: dict[tuple[str, str], list] = {}  # -> [events, the first of them]
         self.events = 0
-        # of the table being fed: each row's largest page id, the rows whose page list may repeat a page,
-        # the block hashes (flat values, offsets, row not null)
+        # of the table being fed: its rows, page lists (flat values, offsets as a list), each row's largest
+        # page id, the rows whose page list may repeat a page, the block hashes (flat values, offsets, row
+        # not null); per code, the position from which its tenant is known (set within this table)
+        self._rows: list[tuple] = []
+        self._values = np.zeros(0, np.int64)
+        self._offs: list[int] = [0]
+        self._valid = np.zeros(0, bool)
         self._maxes: list[int] = []
         self._repeats: set[int] = set()
-        self._hash_lists: tuple = (np.zeros(0, np.int64), [0], [])
+        self._hash_lists: tuple = (np.zeros(0, np.int64), [0], np.zeros(0, bool))
+        self._tenant_from: dict[int, int] = {}
+        # the reports of the table being fed, ordered as one pass in order would make them (``_flush``):
+        # (position, 0 for a page step or 1 for the rest), a running number
+        self._found: list[tuple] = []
+        self._at: tuple[int, int] = (0, 0)
 
-    def _code(self, e: Event) -> int:
-        rid, tenant = e[K_REQUEST_ID], e[K_TENANT_ID]
+    def _code(self, row: tuple, pos: int) -> int:
+        rid, tenant = row[K_REQUEST_ID], row[K_TENANT_ID]
         c = self.codes.get(rid)
         if c is None:
             if self._spare:
                 c = self._spare.pop()
-                self.names[c], self.tenants[c], self.last_ns[c] = rid, tenant, e[K_WALL_NS]
+                self.names[c], self.tenants[c], self.last_ns[c] = rid, tenant, row[K_WALL_NS]
             else:
                 c = len(self.names)
                 self.names.append(rid)
                 self.tenants.append(tenant)
-                self.last_ns.append(e[K_WALL_NS])
+                self.last_ns.append(row[K_WALL_NS])
             self.codes[rid] = c
             return c
         if tenant is not None and self.tenants[c] is None:
             self.tenants[c] = tenant
-        if e[K_WALL_NS] > self.last_ns[c]:
-            self.last_ns[c] = e[K_WALL_NS]
+            self._tenant_from[c] = pos
+        if row[K_WALL_NS] > self.last_ns[c]:
+            self.last_ns[c] = row[K_WALL_NS]
         return c
 
     # ---- feeding ---------------------------------------------------------------------------------
@@ -154,63 +184,77 @@ class Monitors:
     def feed(self, table: pa.Table, order: list[int] | None = None) -> None:
         """Judge one table of events, in ``order`` (row numbers; default: as they come).
 
-        What can be done for the whole table at once is (the columns to Python rows, each page list's
-        largest id, which lists may repeat a page); what is left per event is the pools' own steps."""
-        rows = list(zip(*(_column(table, c, pa.null()).to_pylist() for c in _SCALARS)))
+        One pass in order gives each event its request's code and runs what is not a page step (aborts,
+        reservations, receipts, sends, what a read is owed by its reservation); then each pool's page steps
+        run in order, the common ones compiled (:func:`~kvtrail.model.pagekernel.run_pages`), the rest in
+        Python. Pools are apart and the page steps read nothing the first pass writes but a request's
+        tenant (taken as known at the step's position), so this judges as one pass over the events would;
+        reports are put in that pass's order before the first of each is kept (``_flush``)."""
+        self._rows = rows = list(zip(*(_column(table, c, pa.null()).to_pylist() for c in _SCALARS)))
         values, offsets, valid = _flat(_column(table, "pages", pa.list_(pa.int64())))
-        # an event is its row's scalars (``K_*``), then its pages (``K_PAGES``) and row number (``K_ROW``)
         hvalues, hoffsets, hvalid = _flat(_column(table, "block_hashes", pa.list_(pa.int64())))
-        self._maxes = _row_max(values, offsets)
+        maxes = _row_max(values, offsets)
+        self._values, self._offs, self._valid, self._maxes = values, offsets.tolist(), valid, maxes.tolist()
         self._repeats = _maybe_repeating(values, offsets)
         self._hash_lists = (hvalues, hoffsets.tolist(), hvalid)
-        offs = offsets.tolist()
-        handlers = {k: getattr(self, "on_" + k) for k in _HANDLED}
-        for n in range(table.num_rows) if order is None else order:
+        self._tenant_from = {}
+        steps: dict[int, tuple[Pool, list, list, list, list]] = {}  # per pool: rows, positions, codes, ops
+        pools = self.pools
+        for pos, n in enumerate(range(table.num_rows) if order is None else order):
             row = rows[n]
-            handler = handlers.get(row[0])
-            if handler is None:
-                continue
-            handler(row + ((values[offs[n] : offs[n + 1]] if valid[n] else None), n))
+            kind = row[K_KIND]
+            if kind in _PAGE_KINDS:
+                key = (row[K_CLUSTER], row[K_NODE])
+                pool = pools.get(key)
+                if pool is None:
+                    continue
+                if kind == "pages_freed" and row[K_REQUEST_ID] is None:
+                    code, op = -1, OP_EVICT
+                else:
+                    code = self._code(row, pos)
+                    if kind == "kv_written":
+                        op = OP_WRITE_IN if row[K_SOURCE] == "transfer_in" else OP_WRITE
+                    elif kind == "pages_allocated":
+                        op = _ALLOC_OPS.get(row[K_PURPOSE], OP_ALLOC)
+                    elif kind == "kv_read":
+                        op = OP_READ
+                        if key + (code,) in self.reserved:
+                            self._at = (pos, 1)
+                            self._read_reserved(self._event(n, code, pos), code)
+                    else:
+                        op = OP_FREE
+                s = steps.get(id(pool))
+                if s is None:
+                    s = steps[id(pool)] = (pool, [], [], [], [])
+                s[1].append(n)
+                s[2].append(pos)
+                s[3].append(code)
+                s[4].append(op)
+            elif kind in _OTHER_KINDS:
+                if kind == "node_config":
+                    self.on_node_config(row)
+                    continue
+                code = self._code(row, pos)
+                self._at = (pos, 1)
+                if kind == "transfer_received" and row[K_STATUS] == "unverified":
+                    key = (row[K_CLUSTER], row[K_NODE])
+                    pool = pools.get(key)
+                    if pool is not None and valid[n]:
+                        s = steps.get(id(pool))
+                        if s is None:
+                            s = steps[id(pool)] = (pool, [], [], [], [])
+                        s[1].append(n)
+                        s[2].append(pos)
+                        s[3].append(code)
+                        s[4].append(OP_UNVERIFIED)
+                else:
+                    step = _OTHER_KINDS[kind]
+                    if step is not None:
+                        step(self, self._event(n, code, pos), code)
+        for pool, ns, poss, codes, ops in steps.values():
+            self._run_pool(pool, ns, poss, codes, ops, maxes, hvalues, hoffsets, hvalid)
+        self._flush()
         self.events += table.num_rows
-
-    def _hashes(self, e: Event) -> np.ndarray | None:
-        values, offs, valid = self._hash_lists
-        n = e[K_ROW]
-        return values[offs[n] : offs[n + 1]] if valid[n] else None
-
-    def _pool(self, e: Event) -> Pool | None:
-        """The event's node's pool (None before the node's first config)."""
-        return self.pools.get((e[K_CLUSTER], e[K_NODE]))
-
-    def _slots(self, pool: Pool, e: Event) -> np.ndarray:
-        """Where the event's pages live in the pool's arrays."""
-        return pool.slots(e[K_PAGES], self._maxes[e[K_ROW]])
-
-    def _report(self, prop: str, e: Event, detail: str, key=None) -> None:
-        if self.from_ns is not None and e[K_WALL_NS] < self.from_ns:
-            return
-        key = (prop, key if key is not None else (e[K_REQUEST_ID], e[K_NODE]))
-        if key in self.reported:
-            return
-        self.reported.add(key)
-        producer = f"{e[K_CLUSTER]}/{e[K_NODE]}/{e[K_INSTANCE]}"
-        self.violations.append(Violation(prop, producer, e[K_SEQ], e[K_NODE], e[K_REQUEST_ID], detail, e[K_WALL_NS]))
-
-    def _unknown(self, prop: str, why: str, e: Event) -> None:
-        seen = self.cannot_tell.get((prop, why))
-        if seen is None:
-            self.cannot_tell[(prop, why)] = [1, e]
-            return
-        seen[0] += 1
-        first = seen[1]  # the earliest in the judge's order, whichever order the nodes were fed in
-        if (e[K_WALL_NS], e[K_CLUSTER], e[K_NODE], e[K_INSTANCE], e[K_SEQ]) < (
-            first[K_WALL_NS],
-            first[K_CLUSTER],
-            first[K_NODE],
-            first[K_INSTANCE],
-            first[K_SEQ],
-        ):
-            seen[1] = e
 
     def prune(self, before_ns: int) -> int:
         """Forget requests with no event since ``before_ns`` that no page refers to any more (their aborts,
@@ -240,119 +284,25 @@ class Monitors:
                 del d[k]
         return len(old)
 
-    # ---- handlers --------------------------------------------------------------------------------
+    # ---- steps -----------------------------------------------------------------------------------
 
-    def on_node_config(self, e: Event) -> None:
-        key = (e[K_CLUSTER], e[K_NODE])
-        if self.instance_of.get(key) != e[K_INSTANCE]:
-            self.instance_of[key] = e[K_INSTANCE]
+    def on_node_config(self, row: tuple) -> None:
+        key = (row[K_CLUSTER], row[K_NODE])
+        if self.instance_of.get(key) != row[K_INSTANCE]:
+            self.instance_of[key] = row[K_INSTANCE]
             self.pools[key] = Pool()  # a new producer instance: a fresh pool
 
-    def on_request_received(self, e: Event) -> None:
-        self._code(e)
+    def on_request_aborted(self, e: Event, code: int) -> None:
+        self.stopped.setdefault((e[K_CLUSTER], e[K_NODE], code), e)
 
-    def on_request_aborted(self, e: Event) -> None:
-        self.stopped.setdefault((e[K_CLUSTER], e[K_NODE], self._code(e)), e)
-
-    def on_pages_allocated(self, e: Event) -> None:
-        pool = self._pool(e)
-        if pool is None:
-            return
-        rid, pages = e[K_REQUEST_ID], e[K_PAGES]
-        code = self._code(e)
-        if e[K_PURPOSE] == "prefix_hit":
-            hashes = self._hashes(e)
-            for k, p in enumerate(pages.tolist()):
-                pool.hits.setdefault(p, {})[code] = None if hashes is None else int(hashes[k])
-            return
-        ix = self._slots(pool, e)
-        cur = pool.owner[ix]
-        clash = (cur != FREE) & (cur != code)
-        if e[K_ROW] in self._repeats and len(np.unique(pages)) != len(pages):
-            self._report("pages_conserved", e, f"one allocation lists a page twice: {pages.tolist()}")
-        if clash.any():
-            for k in np.flatnonzero(clash).tolist():
-                p, other = int(pages[k]), int(cur[k])
-                self._report("pages_conserved", e, f"page {p} allocated to {rid} while {self.names[other]} holds it")
-                pool.extra.setdefault(p, []).append(other)
-        pool.owner[ix] = code
-        if e[K_PURPOSE] == "decode_growth":
-            pool.writer[ix] = code  # the step that reads it fills it
-            pool.whash[ix] = NO_HASH
-
-    def on_pages_freed(self, e: Event) -> None:
-        pool = self._pool(e)
-        if pool is None:
-            return
-        pages, ix = e[K_PAGES], self._slots(pool, e)
-        if e[K_REQUEST_ID] is None:  # a radix eviction releases every holder
-            pool.owner[ix] = FREE
-            if pool.hits or pool.extra:
-                for p in pages.tolist():
-                    pool.hits.pop(p, None)
-                    pool.extra.pop(p, None)  # every holder released
-            return
-        code = self._code(e)
-        mine = pool.owner[ix] == code
-        freed = pages[mine]
-        if not mine.all():
-            more = []
-            for p in pages[~mine].tolist():
-                if code in pool.extra.get(p, ()):
-                    pool.extra[p].remove(code)
-                    if not pool.extra[p]:
-                        del pool.extra[p]
-                    more.append(p)
-                elif code in pool.hits.get(p, ()):
-                    del pool.hits[p][code]
-                    more.append(p)
-            freed = np.concatenate([freed, np.asarray(more, dtype=freed.dtype)])
-        pool.owner[ix[mine]] = FREE
-        if pool.extra:  # a second owner still holds the page: it becomes the owner
-            for p in set(pool.extra).intersection(pages[mine].tolist()):
-                pool.owner[pool.slot(p)] = pool.extra[p].pop()
-                if not pool.extra[p]:
-                    del pool.extra[p]
-        if len(freed):
-            pool.freed.setdefault(code, []).append((freed, e))
-
-    def on_kv_written(self, e: Event) -> None:
-        pool = self._pool(e)
-        if pool is None:
-            return
-        pages, ix = e[K_PAGES], self._slots(pool, e)
-        code = self._code(e)
-        if e[K_SOURCE] == "transfer_in" and code in pool.freed:
-            for k in np.flatnonzero(~pool.held_mask(ix, pages, code)).tolist():
-                p = int(pages[k])
-                free = pool.freed_by(code, p)
-                if free is not None:
-                    rid = e[K_REQUEST_ID]
-                    self._report(
-                        "no_free_before_drain",
-                        free,
-                        f"{rid}'s write landed on page {p} after {rid} freed it (seq {e[K_SEQ]} of {e[K_NODE]})",
-                    )
-                    break
-        pool.writer[ix] = code
-        hashes = self._hashes(e)
-        pool.whash[ix] = NO_HASH if hashes is None else hashes
-
-    def on_transfer_received(self, e: Event) -> None:
-        code = self._code(e)
-        if e[K_STATUS] == "unverified":
-            pool = self._pool(e)
-            if pool is not None and e[K_PAGES] is not None:
-                pool.writer[self._slots(pool, e)] = UNKNOWN  # writer unknown from now on
-            return
-        if e[K_STATUS] in ("ok", "mismatch"):
+    def on_transfer_received(self, e: Event, code: int) -> None:
+        if e[K_STATUS] in ("ok", "mismatch"):  # an unverified one is a page step (``_unverified``)
             self.received[(e[K_CLUSTER], e[K_NODE], code)] = (e[K_NUM_TOKENS], e)
 
-    def on_transfer_reserved(self, e: Event) -> None:
-        self.reserved[(e[K_CLUSTER], e[K_NODE], self._code(e))] = e[K_NUM_TOKENS]
+    def on_transfer_reserved(self, e: Event, code: int) -> None:
+        self.reserved[(e[K_CLUSTER], e[K_NODE], code)] = e[K_NUM_TOKENS]
 
-    def on_transfer_sent(self, e: Event) -> None:
-        code = self._code(e)
+    def on_transfer_sent(self, e: Event, code: int) -> None:
         sent = self.sent.setdefault(code, [0, False])
         sent[0] += e[K_NUM_TOKENS] or 0
         sent[1] = sent[1] or bool(e[K_IS_LAST_CHUNK])
@@ -378,56 +328,22 @@ class Monitors:
         )
         return False
 
-    def on_kv_read(self, e: Event) -> None:
-        pool = self._pool(e)
-        if pool is None:
-            return
-        rid, pages = e[K_REQUEST_ID], e[K_PAGES]
-        code = self._code(e)
-        ix = self._slots(pool, e)
-        writers = pool.writer[ix]
-        own = pool.owner[ix] == code
-        if own.all() and (writers == code).all():
-            bad: list[int] = []  # its own pages, written by itself: the common case
-        else:
-            held = pool.held_mask(ix, pages, code)
-            bad = np.flatnonzero(~held | (writers != code)).tolist()
-        tenant = self.tenants[code]
-        for k in bad:
-            p = int(pages[k])
-            if not held[k]:
-                self._report("no_foreign_read", e, f"{rid} reads page {p} it does not hold")
-                break
-            w = int(writers[k])
-            if w == NEVER:
-                self._report("no_foreign_read", e, f"{rid} reads page {p}, never written since the pool began")
-                break
-            if w == UNKNOWN:
-                self._unknown("no_foreign_read", "a read of pages an unverified transfer may have written", e)
-                continue
-            hit = pool.hits.get(p, {}).get(code)
-            whash = int(pool.whash[ix[k]])
-            wtenant = self.tenants[w]
-            if hit is not None and hit == whash and wtenant == tenant:
-                continue  # a sealed prefix of its own namespace
-            why = "a prefix of another namespace" if hit is not None and hit == whash else "last written"
-            self._report("no_foreign_read", e, f"{rid} ({tenant}) reads page {p}: {why} by {self.names[w]} ({wtenant})")
-            break
+    def _read_reserved(self, e: Event, code: int) -> None:
+        """What a read on a node that reserved for its request is owed: the receipt, and its tokens."""
         key = (e[K_CLUSTER], e[K_NODE], code)
-        if key in self.reserved:
-            want = self.reserved[key]
-            got = self.received.get(key)
-            if got is None:
-                self._unknown("transferred_equals_reserved", "decode read with no receipt of the transfer", e)
-            elif got[0] != want:
-                sent = self.sent.get(code)
-                self._report(
-                    "transferred_equals_reserved",
-                    got[1],
-                    f"decode committed {rid}: {want} tokens reserved, {sent and sent[0]} sent, {got[0]} landed",
-                )
-            elif self._check_sent(code, want, got):  # the sends may come later (another node's batch)
-                self.pending.setdefault(code, []).append((want, got))
+        want = self.reserved[key]
+        got = self.received.get(key)
+        if got is None:
+            self._unknown("transferred_equals_reserved", "decode read with no receipt of the transfer", e)
+        elif got[0] != want:
+            sent = self.sent.get(code)
+            self._report(
+                "transferred_equals_reserved",
+                got[1],
+                f"decode committed {e[K_REQUEST_ID]}: {want} tokens reserved, {sent and sent[0]} sent, {got[0]} landed",
+            )
+        elif self._check_sent(code, want, got):  # the sends may come later (another node's batch)
+            self.pending.setdefault(code, []).append((want, got))
 
     # ---- result ----------------------------------------------------------------------------------
 
@@ -450,7 +366,16 @@ class Monitors:
         return out
 
 
-_HANDLED = tuple(name[3:] for name in vars(Monitors) if name.startswith("on_"))
+_PAGE_KINDS = frozenset(("pages_allocated", "pages_freed", "kv_written", "kv_read"))
+# the other kinds the monitors read, each with its step (``request_received`` only names its request)
+_OTHER_KINDS = {
+    "node_config": None,
+    "request_received": None,
+    "request_aborted": Monitors.on_request_aborted,
+    "transfer_received": Monitors.on_transfer_received,
+    "transfer_reserved": Monitors.on_transfer_reserved,
+    "transfer_sent": Monitors.on_transfer_sent,
+}
 
 
 def judge_order(table: pa.Table) -> list[int]:
