@@ -47,16 +47,11 @@ from kvtrail.model.pagesteps import (
     K_CLUSTER,
     K_INSTANCE,
     K_IS_LAST_CHUNK,
-    K_KIND,
     K_NODE,
     K_NUM_TOKENS,
-    K_PURPOSE,
     K_REQUEST_ID,
     K_SEQ,
-    K_SOURCE,
     K_STATUS,
-    K_TENANT_ID,
-    K_WALL_NS,
     Event,
     PageSteps,
 )
@@ -119,6 +114,26 @@ def _maybe_repeating(values: np.ndarray, offsets: np.ndarray) -> set[int]:
     return set((np.searchsorted(offsets, pairs + 1, side="right") - 1).tolist())
 
 
+def _indices(table: pa.Table, name: str, fixed: tuple | None = None) -> tuple[np.ndarray, list]:
+    """A string column as (per row, an index into the distinct values, -1 for null; the values); with
+    ``fixed``, the index into ``fixed`` (-1 for null or a value not in it)."""
+    col = _column(table, name, pa.string())
+    arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    d = arr if pa.types.is_dictionary(arr.type) else pc.dictionary_encode(arr)
+    idx = d.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+    values = d.dictionary.to_pylist()
+    if fixed is None:
+        return idx, values
+    lut = np.asarray([fixed.index(v) if v in fixed else -1 for v in values] + [-1], np.int64)
+    return lut[idx], list(fixed)
+
+
+def _equals(table: pa.Table, name: str, word: str) -> np.ndarray:
+    """Per row, whether the string column ``name`` holds ``word``."""
+    col = _column(table, name, pa.string())
+    return pc.fill_null(pc.equal(col, word), False).to_numpy(zero_copy_only=False)
+
+
 class Monitors(PageSteps):
     """The five monitors over one history; ``from_ns``: violations before it are not reported (the
     history before it is still replayed, so the pools' state at ``from_ns`` is right)."""
@@ -133,7 +148,7 @@ class Monitors(PageSteps):
         self.received: dict[tuple, tuple[int, Event]] = {}
         self.sent: dict[int, list] = {}  # request code -> [tokens sent, last chunk seen]
         self.pending: dict[int, list[tuple[int, tuple[int, Event]]]] = {}  # code -> (reserved, receipt) of reads
-        self.codes: dict[str, int] = {}
+        self.codes: dict[str | None, int] = {}
         self.names: list[str | None] = []
         self.tenants: list[str | None] = []
         self.last_ns: list[int] = []  # per code, the wall time of its latest event
@@ -145,7 +160,7 @@ class Monitors(PageSteps):
         # of the table being fed: its rows, page lists (flat values, offsets as a list), each row's largest
         # page id, the rows whose page list may repeat a page, the block hashes (flat values, offsets, row
         # not null); per code, the position from which its tenant is known (set within this table)
-        self._rows: list[tuple] = []
+        self._cols: list[list] = []
         self._values = np.zeros(0, np.int64)
         self._offs: list[int] = [0]
         self._valid = np.zeros(0, bool)
@@ -158,39 +173,20 @@ class Monitors(PageSteps):
         self._found: list[tuple] = []
         self._at: tuple[int, int] = (0, 0)
 
-    def _code(self, row: tuple, pos: int) -> int:
-        rid, tenant = row[K_REQUEST_ID], row[K_TENANT_ID]
-        c = self.codes.get(rid)
-        if c is None:
-            if self._spare:
-                c = self._spare.pop()
-                self.names[c], self.tenants[c], self.last_ns[c] = rid, tenant, row[K_WALL_NS]
-            else:
-                c = len(self.names)
-                self.names.append(rid)
-                self.tenants.append(tenant)
-                self.last_ns.append(row[K_WALL_NS])
-            self.codes[rid] = c
-            return c
-        if tenant is not None and self.tenants[c] is None:
-            self.tenants[c] = tenant
-            self._tenant_from[c] = pos
-        if row[K_WALL_NS] > self.last_ns[c]:
-            self.last_ns[c] = row[K_WALL_NS]
-        return c
-
     # ---- feeding ---------------------------------------------------------------------------------
 
     def feed(self, table: pa.Table, order: list[int] | None = None) -> None:
         """Judge one table of events, in ``order`` (row numbers; default: as they come).
 
-        One pass in order gives each event its request's code and runs what is not a page step (aborts,
-        reservations, receipts, sends, what a read is owed by its reservation); then each pool's page steps
-        run in order, the common ones compiled (:func:`~kvtrail.model.pagekernel.run_pages`), the rest in
-        Python. Pools are apart and the page steps read nothing the first pass writes but a request's
-        tenant (taken as known at the step's position), so this judges as one pass over the events would;
-        reports are put in that pass's order before the first of each is kept (``_flush``)."""
-        self._rows = rows = list(zip(*(_column(table, c, pa.null()).to_pylist() for c in _SCALARS)))
+        Per table: each event's pool (a ``node_config`` of a new instance starts one) and request code, as
+        one pass in order would give them; then, in order, what is not a page step (aborts, reservations,
+        receipts, sends, what a read is owed by its reservation); then each pool's page steps in order, the
+        common ones compiled (:func:`~kvtrail.model.pagekernel.run_pages`), the rest in Python. Pools are
+        apart and the page steps read nothing the other steps write but a request's tenant (taken as known
+        at the step's position), so this judges as one pass over the events would; reports are put in that
+        pass's order before the first of each is kept (``_flush``)."""
+        n_rows = table.num_rows
+        self._cols = [_column(table, c, pa.null()).to_pylist() for c in _SCALARS]
         values, offsets, valid = _flat(_column(table, "pages", pa.list_(pa.int64())))
         hvalues, hoffsets, hvalid = _flat(_column(table, "block_hashes", pa.list_(pa.int64())))
         maxes = _row_max(values, offsets)
@@ -198,63 +194,117 @@ class Monitors(PageSteps):
         self._repeats = _maybe_repeating(values, offsets)
         self._hash_lists = (hvalues, hoffsets.tolist(), hvalid)
         self._tenant_from = {}
-        steps: dict[int, tuple[Pool, list, list, list, list]] = {}  # per pool: rows, positions, codes, ops
-        pools = self.pools
-        for pos, n in enumerate(range(table.num_rows) if order is None else order):
-            row = rows[n]
-            kind = row[K_KIND]
-            if kind in _PAGE_KINDS:
-                key = (row[K_CLUSTER], row[K_NODE])
-                pool = pools.get(key)
-                if pool is None:
-                    continue
-                if kind == "pages_freed" and row[K_REQUEST_ID] is None:
-                    code, op = -1, OP_EVICT
-                else:
-                    code = self._code(row, pos)
-                    if kind == "kv_written":
-                        op = OP_WRITE_IN if row[K_SOURCE] == "transfer_in" else OP_WRITE
-                    elif kind == "pages_allocated":
-                        op = _ALLOC_OPS.get(row[K_PURPOSE], OP_ALLOC)
-                    elif kind == "kv_read":
-                        op = OP_READ
-                        if key + (code,) in self.reserved:
-                            self._at = (pos, 1)
-                            self._read_reserved(self._event(n, code, pos), code)
-                    else:
-                        op = OP_FREE
-                s = steps.get(id(pool))
-                if s is None:
-                    s = steps[id(pool)] = (pool, [], [], [], [])
-                s[1].append(n)
-                s[2].append(pos)
-                s[3].append(code)
-                s[4].append(op)
-            elif kind in _OTHER_KINDS:
-                if kind == "node_config":
-                    self.on_node_config(row)
-                    continue
-                code = self._code(row, pos)
-                self._at = (pos, 1)
-                if kind == "transfer_received" and row[K_STATUS] == "unverified":
-                    key = (row[K_CLUSTER], row[K_NODE])
-                    pool = pools.get(key)
-                    if pool is not None and valid[n]:
-                        s = steps.get(id(pool))
-                        if s is None:
-                            s = steps[id(pool)] = (pool, [], [], [], [])
-                        s[1].append(n)
-                        s[2].append(pos)
-                        s[3].append(code)
-                        s[4].append(OP_UNVERIFIED)
-                else:
-                    step = _OTHER_KINDS[kind]
-                    if step is not None:
-                        step(self, self._event(n, code, pos), code)
-        for pool, ns, poss, codes, ops in steps.values():
-            self._run_pool(pool, ns, poss, codes, ops, maxes, hvalues, hoffsets, hvalid)
+        at = np.arange(n_rows, dtype=np.int64) if order is None else np.asarray(order, np.int64)
+        kind = _indices(table, "kind", _KINDS)[0][at]  # per position: index in _KINDS, -1 for a kind not read
+        pool_at, pools = self._pools_at(table, at, kind)
+        rid, rid_names = _indices(table, "request_id")
+        rid = rid[at]
+        is_page = (kind >= 0) & (kind < _KINDS.index("node_config"))
+        freed = kind == _KINDS.index("pages_freed")
+        # the events that name their request (each of the other kinds; a page event on a node with a pool,
+        # but a radix eviction)
+        names = (~is_page & (kind > _KINDS.index("node_config"))) | (is_page & (pool_at >= 0) & ~(freed & (rid < 0)))
+        code = self._codes_at(table, at, names, rid, rid_names)
+        # page steps: per position its step (-1 for none)
+        op = np.full(len(at), -1, np.int8)
+        for k, page_op in _PAGE_OPS.items():
+            op[kind == _KINDS.index(k)] = page_op
+        for k, col, word, page_op in _OP_WORDS:
+            op[(kind == _KINDS.index(k)) & _equals(table, col, word)[at]] = page_op
+        op[freed & (rid < 0)] = OP_EVICT
+        op[pool_at < 0] = -1
+        op[(kind == _KINDS.index("transfer_received")) & ~valid[at]] = -1
+        # the other steps, in order (a read's only if it is on a node with a pool)
+        cols, reserved = self._cols, self.reserved
+        codes, ats = code.tolist(), at.tolist()
+        for pos in np.flatnonzero(names & ((kind == _KINDS.index("kv_read")) | ~is_page)).tolist():
+            n, c = ats[pos], codes[pos]
+            step = _OTHER_STEPS[cols[0][n]]
+            if step is None:
+                continue
+            if step is Monitors._read_reserved and (cols[K_CLUSTER][n], cols[K_NODE][n], c) not in reserved:
+                continue
+            self._at = (pos, 1)
+            step(self, n, pos, c)
+        for i, pool in enumerate(pools):
+            sel = np.flatnonzero((pool_at == i) & (op >= 0))
+            if len(sel):
+                self._run_pool(pool, at[sel], sel, code[sel], op[sel], offsets, maxes, hvalues, hoffsets, hvalid)
         self._flush()
-        self.events += table.num_rows
+        self.events += n_rows
+
+    def _pools_at(self, table: pa.Table, at: np.ndarray, kind: np.ndarray) -> tuple[np.ndarray, list[Pool]]:
+        """Per position, the index (in the returned list) of the pool its node has there (-1 for none):
+        the pool the node had before the table, or the one its latest ``node_config`` of a new instance
+        started (``on_node_config``, run here in order)."""
+        cluster, clusters = _indices(table, "cluster")
+        node, nodes = _indices(table, "node")
+        key = (cluster[at] + 1) * (len(nodes) + 1) + node[at] + 1
+        keys, key_at = np.unique(key, return_inverse=True)
+        pool_at = np.full(len(at), -1, np.int64)
+        pools: list[Pool] = []
+        config = np.flatnonzero(kind == _KINDS.index("node_config")).tolist()
+        for k, kv in enumerate(keys.tolist()):
+            ci, ni = divmod(kv, len(nodes) + 1)
+            name = (clusters[ci - 1] if ci else None, nodes[ni - 1] if ni else None)
+            mine = np.flatnonzero(key_at == k)
+            starts, index = [0], [-1]
+            if name in self.pools:
+                index[0] = len(pools)
+                pools.append(self.pools[name])
+            for pos in (p for p in config if key_at[p] == k):
+                was = self.pools.get(name)
+                self.on_node_config(self._event(int(at[pos]), -1, pos))
+                if self.pools.get(name) is not was:
+                    starts.append(pos)
+                    index.append(len(pools))
+                    pools.append(self.pools[name])
+            pool_at[mine] = np.asarray(index)[np.searchsorted(starts, mine, side="right") - 1]
+        return pool_at, pools
+
+    def _codes_at(self, table, at, names, rid, rid_names) -> np.ndarray:
+        """Per position, the code of its request where ``names`` (else -1), given as one pass in order
+        would give them (new codes in order of first sight); each request's latest wall time and its
+        tenant, with the position from which the tenant is known (``_tenant``)."""
+        code = np.full(len(at), -1, np.int64)
+        pos = np.flatnonzero(names)
+        if not len(pos):
+            return code
+        r = rid[pos]
+        seen, first, inverse = np.unique(r, return_index=True, return_inverse=True)
+        wall = _column(table, "wall_ns", pa.int64()).to_numpy(zero_copy_only=False)[at[pos]]
+        latest = np.full(len(seen), np.iinfo(np.int64).min, np.int64)
+        np.maximum.at(latest, inverse, wall)
+        tenant, tenant_names = _indices(table, "tenant_id")
+        tenant = tenant[at[pos]]
+        has = np.flatnonzero(tenant >= 0)
+        tseen, tfirst = np.unique(inverse[has], return_index=True)
+        tenant_of = dict(zip(tseen.tolist(), zip(pos[has[tfirst]].tolist(), tenant[has[tfirst]].tolist())))
+        lut = np.empty(len(seen), np.int64)
+        latest_l = latest.tolist()
+        for u in np.argsort(first, kind="stable").tolist():  # in order of first sight
+            ri = int(seen[u])
+            name = rid_names[ri] if ri >= 0 else None
+            c = self.codes.get(name)
+            if c is None:
+                if self._spare:
+                    c = self._spare.pop()
+                    self.names[c], self.tenants[c], self.last_ns[c] = name, None, latest_l[u]
+                else:
+                    c = len(self.names)
+                    self.names.append(name)
+                    self.tenants.append(None)
+                    self.last_ns.append(latest_l[u])
+                self.codes[name] = c
+            elif latest_l[u] > self.last_ns[c]:
+                self.last_ns[c] = latest_l[u]
+            lut[u] = c
+            t = tenant_of.get(u)
+            if t is not None and self.tenants[c] is None:
+                self.tenants[c] = tenant_names[t[1]]
+                self._tenant_from[c] = t[0]
+        code[pos] = lut[inverse]
+        return code
 
     def prune(self, before_ns: int) -> int:
         """Forget requests with no event since ``before_ns`` that no page refers to any more (their aborts,
@@ -292,22 +342,32 @@ class Monitors(PageSteps):
             self.instance_of[key] = row[K_INSTANCE]
             self.pools[key] = Pool()  # a new producer instance: a fresh pool
 
-    def on_request_aborted(self, e: Event, code: int) -> None:
-        self.stopped.setdefault((e[K_CLUSTER], e[K_NODE], code), e)
+    # each step of the others reads its event's columns (row ``n``, position ``pos``) and makes the event
+    # only to keep it or report it
 
-    def on_transfer_received(self, e: Event, code: int) -> None:
-        if e[K_STATUS] in ("ok", "mismatch"):  # an unverified one is a page step (``_unverified``)
-            self.received[(e[K_CLUSTER], e[K_NODE], code)] = (e[K_NUM_TOKENS], e)
+    def on_request_aborted(self, n: int, pos: int, code: int) -> None:
+        key = (self._cols[K_CLUSTER][n], self._cols[K_NODE][n], code)
+        if key not in self.stopped:
+            self.stopped[key] = self._event(n, code, pos)
 
-    def on_transfer_reserved(self, e: Event, code: int) -> None:
-        self.reserved[(e[K_CLUSTER], e[K_NODE], code)] = e[K_NUM_TOKENS]
+    def on_transfer_received(self, n: int, pos: int, code: int) -> None:
+        cols = self._cols
+        if cols[K_STATUS][n] in ("ok", "mismatch"):  # an unverified one is a page step (``_unverified``)
+            e = self._event(n, code, pos)
+            self.received[(cols[K_CLUSTER][n], cols[K_NODE][n], code)] = (e[K_NUM_TOKENS], e)
 
-    def on_transfer_sent(self, e: Event, code: int) -> None:
+    def on_transfer_reserved(self, n: int, pos: int, code: int) -> None:
+        cols = self._cols
+        self.reserved[(cols[K_CLUSTER][n], cols[K_NODE][n], code)] = cols[K_NUM_TOKENS][n]
+
+    def on_transfer_sent(self, n: int, pos: int, code: int) -> None:
+        cols = self._cols
         sent = self.sent.setdefault(code, [0, False])
-        sent[0] += e[K_NUM_TOKENS] or 0
-        sent[1] = sent[1] or bool(e[K_IS_LAST_CHUNK])
-        stop = self.stopped.get((e[K_CLUSTER], e[K_NODE], code))
+        sent[0] += cols[K_NUM_TOKENS][n] or 0
+        sent[1] = sent[1] or bool(cols[K_IS_LAST_CHUNK][n])
+        stop = self.stopped.get((cols[K_CLUSTER][n], cols[K_NODE][n], code))
         if stop is not None:
+            e = self._event(n, code, pos)
             self._report(
                 "aborted_never_sent",
                 e,
@@ -328,19 +388,21 @@ class Monitors(PageSteps):
         )
         return False
 
-    def _read_reserved(self, e: Event, code: int) -> None:
+    def _read_reserved(self, n: int, pos: int, code: int) -> None:
         """What a read on a node that reserved for its request is owed: the receipt, and its tokens."""
-        key = (e[K_CLUSTER], e[K_NODE], code)
+        key = (self._cols[K_CLUSTER][n], self._cols[K_NODE][n], code)
         want = self.reserved[key]
         got = self.received.get(key)
         if got is None:
+            e = self._event(n, code, pos)
             self._unknown("transferred_equals_reserved", "decode read with no receipt of the transfer", e)
         elif got[0] != want:
             sent = self.sent.get(code)
             self._report(
                 "transferred_equals_reserved",
                 got[1],
-                f"decode committed {e[K_REQUEST_ID]}: {want} tokens reserved, {sent and sent[0]} sent, {got[0]} landed",
+                f"decode committed {self._cols[K_REQUEST_ID][n]}: {want} tokens reserved, "
+                f"{sent and sent[0]} sent, {got[0]} landed",
             )
         elif self._check_sent(code, want, got):  # the sends may come later (another node's batch)
             self.pending.setdefault(code, []).append((want, got))
@@ -366,10 +428,29 @@ class Monitors(PageSteps):
         return out
 
 
-_PAGE_KINDS = frozenset(("pages_allocated", "pages_freed", "kv_written", "kv_read"))
-# the other kinds the monitors read, each with its step (``request_received`` only names its request)
-_OTHER_KINDS = {
-    "node_config": None,
+# the kinds the monitors read: the page kinds first, then node_config, then those that only name a request
+_KINDS = (
+    "pages_allocated",
+    "pages_freed",
+    "kv_written",
+    "kv_read",
+    "node_config",
+    "request_received",
+    "request_aborted",
+    "transfer_received",
+    "transfer_reserved",
+    "transfer_sent",
+)
+_PAGE_OPS = {"pages_allocated": OP_ALLOC, "pages_freed": OP_FREE, "kv_written": OP_WRITE, "kv_read": OP_READ}
+_OP_WORDS = (  # (kind, column, value, page step)
+    ("pages_allocated", "purpose", "prefix_hit", OP_PREFIX),
+    ("pages_allocated", "purpose", "decode_growth", OP_GROWTH),
+    ("kv_written", "source", "transfer_in", OP_WRITE_IN),
+    ("transfer_received", "status", "unverified", OP_UNVERIFIED),
+)
+# the steps that are not page steps, per kind (a read's: what its reservation is owed)
+_OTHER_STEPS = {
+    "kv_read": Monitors._read_reserved,
     "request_received": None,
     "request_aborted": Monitors.on_request_aborted,
     "transfer_received": Monitors.on_transfer_received,

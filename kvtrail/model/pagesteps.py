@@ -54,7 +54,7 @@ class PageSteps:
     violations: list[Violation]
     reported: set
     cannot_tell: dict[tuple[str, str], list]
-    _rows: list[tuple]
+    _cols: list[list]
     _values: np.ndarray
     _offs: list[int]
     _valid: np.ndarray
@@ -71,15 +71,17 @@ class PageSteps:
 
     def _event(self, n: int, code: int, pos: int) -> Event:
         pages = self._values[self._offs[n] : self._offs[n + 1]] if self._valid[n] else None
-        return self._rows[n] + (pages, n, code, pos)
+        return tuple([c[n] for c in self._cols]) + (pages, n, code, pos)
 
-    def _run_pool(self, pool: Pool, ns: list, poss: list, codes: list, ops: list, *lists) -> None:
-        """One pool's page steps in order: runs of common ones compiled, each other one in Python."""
-        maxes, hvalues, hoffsets, hvalid = lists
-        offsets = np.asarray(self._offs, np.int64)
+    def _run_pool(
+        self, pool: Pool, ns_a: np.ndarray, poss_a: np.ndarray, codes_a: np.ndarray, ops_a: np.ndarray, *lists
+    ) -> None:
+        """One pool's page steps in order (row numbers, positions, request codes, steps): runs of common
+        ones compiled, each other one in Python."""
+        offsets, maxes, hvalues, hoffsets, hvalid = lists
         repeats = np.zeros(len(offsets) - 1, bool)
         repeats[list(self._repeats)] = True
-        ns_a, codes_a, ops_a = np.asarray(ns, np.int64), np.asarray(codes, np.int64), np.asarray(ops, np.int8)
+        ns, poss, codes, ops = ns_a.tolist(), poss_a.tolist(), codes_a.tolist(), ops_a.tolist()
         freed_flag = np.zeros(len(self.names) + 1, bool)
         freed_flag[list(pool.freed)] = True
         frees = np.zeros(len(ops), np.int64)

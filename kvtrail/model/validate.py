@@ -4,6 +4,8 @@ monitors (:mod:`kvtrail.model.monitors`), violations from its start; the store's
 
 from __future__ import annotations
 
+import threading
+
 import duckdb
 import numpy as np
 import pyarrow as pa
@@ -14,6 +16,7 @@ from kvtrail.audit.events import KIND_NAMES, KINDS, PAGE_LIST_FIELDS
 from kvtrail.audit.readback import arrow_query
 from kvtrail.forensics import Window, check_window, coverage_gaps
 from kvtrail.model.monitors import COLUMNS, Monitors, judge_order
+from kvtrail.model.pagekernel import warm_up
 from kvtrail.model.properties import PROPERTIES
 
 _WITH_PAGES = [k for k in KIND_NAMES if "pages" in KINDS[k].required]
@@ -78,7 +81,10 @@ def validate_store(con: duckdb.DuckDBPyConnection, w: Window | None = None) -> d
     w = w or Window()
     check_window(con, w)
     where, params = ("wall_ns <= ?", [w.to_ns]) if w.to_ns is not None else ("TRUE", [])
+    loading = threading.Thread(target=warm_up, daemon=True)  # while the store is read
+    loading.start()
     table = read_for_monitors(con, where, params)
+    loading.join()
     mon = Monitors(w.from_ns)
     mon.feed(table, judge_order(table))
     coverage = mon.coverage()

@@ -11,7 +11,9 @@ import pytest
 
 from kvtrail.audit.pagelist import decode_runs, encode_runs
 from kvtrail.audit.store import AuditStore
+from kvtrail.forensics import Window
 from kvtrail.forensics.questions import findings_of
+from kvtrail.model import pagesteps
 from kvtrail.model.validate import _decode_pages, validate_store
 from kvtrail.sim.fleet.run import write_fleet
 from tests.conftest import run_cli
@@ -107,3 +109,23 @@ def test_the_lean_page_decoder_restores_what_the_run_encoding_holds():
     assert got.tolist() == want.tolist() == flat.tolist()
     none, none_offsets = _decode_pages(3, row[:0], start[:0], length[:0])
     assert len(none) == 0 and none_offsets.tolist() == [0, 0, 0, 0]
+
+
+def test_the_compiled_page_steps_judge_as_the_python_steps(tmp_path, monkeypatch):
+    """Every planted class at once, judged with the compiled steps and with each event left to Python
+    (the kernel stopping at once), whole and from part-way: the same document, byte for byte."""
+    with AuditStore(tmp_path / "s.duckdb") as store:
+        write_fleet(replace(SMALL, bugs=("placeholder", "use_after_free", "late_write", "double_alloc")), store)
+        mid = store.con.sql("SELECT quantile_disc(wall_ns, 0.5) FROM events").fetchall()[0][0]
+        compiled = [validate_store(store.con), validate_store(store.con, Window(from_ns=mid))]
+        calls = []
+
+        def python_only(*args):
+            calls.append(args[-2])
+            return args[-2], 0  # leave the next event to Python
+
+        monkeypatch.setattr(pagesteps, "run_pages", python_only)
+        by_python = [validate_store(store.con), validate_store(store.con, Window(from_ns=mid))]
+    assert calls  # the Python steps did run every page event
+    assert compiled[0]["violations"] and len(compiled[1]["violations"]) < len(compiled[0]["violations"])
+    assert json.dumps(compiled) == json.dumps(by_python)
