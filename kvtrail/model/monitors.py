@@ -131,6 +131,8 @@ def _indices(table: pa.Table, name: str, fixed: tuple | None = None) -> tuple[np
 def _equals(table: pa.Table, name: str, word: str) -> np.ndarray:
     """Per row, whether the string column ``name`` holds ``word``."""
     col = _column(table, name, pa.string())
+    if pa.types.is_dictionary(col.type):
+        col = col.cast(col.type.value_type)
     return pc.fill_null(pc.equal(col, word), False).to_numpy(zero_copy_only=False)
 
 
@@ -231,6 +233,7 @@ class Monitors(PageSteps):
             if len(sel):
                 self._run_pool(pool, at[sel], sel, code[sel], op[sel], offsets, maxes, hvalues, hoffsets, hvalid)
         self._flush()
+        self._cols = []  # the table's rows are not kept (the events kept are made)
         self.events += n_rows
 
     def _pools_at(self, table: pa.Table, at: np.ndarray, kind: np.ndarray) -> tuple[np.ndarray, list[Pool]]:
