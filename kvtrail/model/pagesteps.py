@@ -250,21 +250,24 @@ class PageSteps:
             return  # its own pages, written by itself: the common case
         held = pool.held_mask(ix, pages, code)
         tenant = self._tenant(code, pos)
-        for k in np.flatnonzero(~held | (writers != code)).tolist():
-            p = int(pages[k])
-            if not held[k]:
+        bad = np.flatnonzero(~held | (writers != code))
+        # as Python values, once per read (a read of a cached prefix goes page by page)
+        page_l, held_l, writer_l, whash_l = (a[bad].tolist() for a in (pages, held, writers, pool.whash[ix]))
+        hits, wtenants = pool.hits, {}
+        for p, is_held, w, whash in zip(page_l, held_l, writer_l, whash_l):
+            if not is_held:
                 self._report("no_foreign_read", e, f"{rid} reads page {p} it does not hold")
                 break
-            w = int(writers[k])
             if w == NEVER:
                 self._report("no_foreign_read", e, f"{rid} reads page {p}, never written since the pool began")
                 break
             if w == UNKNOWN:
                 self._unknown("no_foreign_read", "a read of pages an unverified transfer may have written", e)
                 continue
-            hit = pool.hits.get(p, {}).get(code)
-            whash = int(pool.whash[ix[k]])
-            wtenant = self._tenant(w, pos)
+            hit = hits.get(p, {}).get(code)
+            wtenant = wtenants.get(w, wtenants)
+            if wtenant is wtenants:
+                wtenant = wtenants[w] = self._tenant(w, pos)
             if hit is not None and hit == whash and wtenant == tenant:
                 continue  # a sealed prefix of its own namespace
             why = "a prefix of another namespace" if hit is not None and hit == whash else "last written"

@@ -97,9 +97,9 @@ class Pool:
         """Per page (``ix``: its slots), whether ``code`` holds it: as owner, second owner or prefix hit."""
         held = self.owner[ix] == code
         if (self.extra or self.hits) and not held.all():
-            for k in np.flatnonzero(~held):
-                p = int(pages[k])
-                held[k] = code in self.extra.get(p, ()) or code in self.hits.get(p, ())
+            out = np.flatnonzero(~held)
+            extra, hits = self.extra, self.hits
+            held[out] = [code in extra.get(p, ()) or code in hits.get(p, ()) for p in pages[out].tolist()]
         return held
 
     def freed_by(self, code: int, page: int) -> tuple | None:
