@@ -253,7 +253,8 @@ class PageSteps:
         bad = np.flatnonzero(~held | (writers != code))
         # as Python values, once per read (a read of a cached prefix goes page by page)
         page_l, held_l, writer_l, whash_l = (a[bad].tolist() for a in (pages, held, writers, pool.whash[ix]))
-        hits, wtenants = pool.hits, {}
+        hits = pool.hits
+        wtenants: dict[int, str | None] = {}  # each writer's tenant at this read
         for p, is_held, w, whash in zip(page_l, held_l, writer_l, whash_l):
             if not is_held:
                 self._report("no_foreign_read", e, f"{rid} reads page {p} it does not hold")
@@ -265,9 +266,9 @@ class PageSteps:
                 self._unknown("no_foreign_read", "a read of pages an unverified transfer may have written", e)
                 continue
             hit = hits.get(p, {}).get(code)
-            wtenant = wtenants.get(w, wtenants)
-            if wtenant is wtenants:
-                wtenant = wtenants[w] = self._tenant(w, pos)
+            if w not in wtenants:
+                wtenants[w] = self._tenant(w, pos)
+            wtenant = wtenants[w]
             if hit is not None and hit == whash and wtenant == tenant:
                 continue  # a sealed prefix of its own namespace
             why = "a prefix of another namespace" if hit is not None and hit == whash else "last written"
