@@ -79,7 +79,7 @@ class Retirement:
         self._retired_at_ns = 0
 
     def seen(self, table: pa.Table) -> None:
-        """Note the newest event of every request id in ``table``."""
+        """Note the request ids of ``table`` and its newest event."""
         if not table.num_rows:
             return
         newest = pc.max(table.column("wall_ns")).as_py()
@@ -90,14 +90,14 @@ class Retirement:
         if self.retired:
             wall = table.column("wall_ns")
             self.late_events += pc.sum(pc.less(wall, self.newest_ns - self.horizon_ns)).as_py() or 0
-        ids = table.select(["request_id", "wall_ns"]).filter(pc.is_valid(table.column("request_id")))
-        if not ids.num_rows:
-            return
-        got = ids.group_by("request_id").aggregate([("wall_ns", "max")])
+        # every id of the batch as of the batch's newest event: later than its own by at most the batch's span,
+        # so an id retires at most that much later (never earlier)
+        ids = pc.unique(table.column("request_id")).drop_null().to_pylist()
         last = self.last_seen
-        for rid, wall in zip(got.column("request_id").to_pylist(), got.column("wall_ns_max").to_pylist()):
-            if wall > last.get(rid, -1):
-                last[rid] = wall
+        batch_newest = newest if newest is not None else 0
+        for rid in ids:
+            if last.get(rid, -1) < batch_newest:
+                last[rid] = batch_newest
 
     def due(self) -> bool:
         """Whether the history has moved on by a quarter of the horizon since the last retirement."""
