@@ -29,7 +29,7 @@ online replay's case): a sample, once taken, is final.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -82,22 +82,25 @@ class Retirement:
         """Note the request ids of ``table`` and its newest event."""
         if not table.num_rows:
             return
-        newest = pc.max(table.column("wall_ns")).as_py()
-        if newest is not None and newest > self.newest_ns:
-            self.newest_ns = newest
+        wall = table.column("wall_ns")
+        oldest, newest = (x.as_py() for x in pc.min_max(wall).values())
+        if newest is None:
+            return
         if not self._retired_at_ns:
-            self._retired_at_ns = self.newest_ns  # the first retirement a quarter horizon into the history
+            self._retired_at_ns = oldest  # the first retirement a quarter horizon into the history
+        self.newest_ns = max(self.newest_ns, newest)
         if self.retired:
-            wall = table.column("wall_ns")
             self.late_events += pc.sum(pc.less(wall, self.newest_ns - self.horizon_ns)).as_py() or 0
-        # every id of the batch as of the batch's newest event: later than its own by at most the batch's span,
-        # so an id retires at most that much later (never earlier)
-        ids = pc.unique(table.column("request_id")).drop_null().to_pylist()
         last = self.last_seen
-        batch_newest = newest if newest is not None else 0
-        for rid in ids:
-            if last.get(rid, -1) < batch_newest:
-                last[rid] = batch_newest
+        pairs: Iterable[tuple[str | None, int]]
+        if newest - oldest > self.horizon_ns // 4:  # a long table (the store read at start): each id's own newest
+            got = table.select(["request_id", "wall_ns"]).group_by("request_id").aggregate([("wall_ns", "max")])
+            pairs = zip(got.column("request_id").to_pylist(), got.column("wall_ns_max").to_pylist())
+        else:  # a commit: every id as of its newest event (later than its own by at most the commit's span)
+            pairs = ((rid, newest) for rid in pc.unique(table.column("request_id")).to_pylist())
+        for rid, at in pairs:
+            if rid is not None and last.get(rid, -1) < at:
+                last[rid] = at
 
     def due(self) -> bool:
         """Whether the history has moved on by a quarter of the horizon since the last retirement."""
