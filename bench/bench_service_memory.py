@@ -129,6 +129,7 @@ def main() -> None:
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--quick", action="store_true", help="20 s, a smoke run")
     ap.add_argument("--memory-limit-mb", type=int, default=None, help="kvtrail serve --memory-limit-mb (its default)")
+    ap.add_argument("--judge-horizon-s", type=int, default=None, help="kvtrail serve --judge-horizon-s (its default)")
     ap.add_argument("--series", action="store_true", help="print every RSS sample (seconds, MB)")
     args = ap.parse_args()
     if args.quick:
@@ -142,7 +143,8 @@ def main() -> None:
         )
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvtrail", "serve", "--db", str(db), "--tokens", str(tmp / "tokens.txt")]
-            + ([] if args.memory_limit_mb is None else ["--memory-limit-mb", str(args.memory_limit_mb)]),
+            + ([] if args.memory_limit_mb is None else ["--memory-limit-mb", str(args.memory_limit_mb)])
+            + ([] if args.judge_horizon_s is None else ["--judge-horizon-s", str(args.judge_horizon_s)]),
             stdout=subprocess.PIPE,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

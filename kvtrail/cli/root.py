@@ -156,6 +156,14 @@ _SERVE_DEFAULTS = ServeConfig()
     help="Ed25519 private key (PEM) that signs the log's checkpoints at GET /v1/audit/checkpoint.",
 )
 @click.option(
+    "--judge-horizon-s",
+    default=_SERVE_DEFAULTS.judge_horizon_s,
+    show_default=True,
+    type=click.IntRange(10, 86_400),
+    help="History time after a request's last event when the live judge forgets it (no page naming it); "
+    "bounds its memory (docs/service.md).",
+)
+@click.option(
     "--memory-limit-mb",
     default=_SERVE_DEFAULTS.memory_limit_mb,
     show_default=True,
@@ -178,6 +186,7 @@ def serve(
     metrics_token: bool,
     signing_key: str | None,
     memory_limit_mb: int,
+    judge_horizon_s: int,
 ) -> None:
     """Run the audit service (HTTP ingest, live judge, query API) until SIGINT or SIGTERM.
 
@@ -206,6 +215,7 @@ def serve(
                 metrics_token=metrics_token,
                 signing_key=signing_key,
                 memory_limit_mb=memory_limit_mb,
+                judge_horizon_s=judge_horizon_s,
             ),
             tokens_file=tokens_file,
             ready=lambda url: click.echo(BANNER.format(url=url)),

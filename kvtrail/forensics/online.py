@@ -7,6 +7,11 @@ reported before. Page findings are final when reported. Cross-node findings (F2,
 re-judged on every poll and can be reported again with more evidence once the other node's batch
 lands, so online answers are provisional; a window re-run (``replay_store``) is authoritative.
 
+What the replay holds is bounded by what is live: request ids the history's wall time has left
+``horizon_ns`` behind, and that no page names, are retired (their cross-node findings kept as last
+derived), and each node keeps its latest prefill-rate samples (:mod:`kvtrail.forensics.replay.retire`
+states what that changes for events older than the horizon).
+
 Every poll takes the connection to read through, so a watcher in another process can open the file
 read-only for one poll and close it again (DuckDB lets one process write a store file, and readers in
 other processes only while no writer holds it); in the process that owns the store, pass
@@ -23,9 +28,14 @@ from kvtrail.audit.store import read_events
 from kvtrail.forensics.findings import Finding
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.engine import ReplayEngine
+from kvtrail.forensics.replay.retire import HORIZON_NS, Retirement
 from kvtrail.forensics.results.persist import finding_id
 
 _PRODUCER_NAMES = ", ".join(f.name for f in PRODUCER_FIELDS)
+
+
+def _order(f: Finding) -> tuple:
+    return (f.last_ns, f.first_ns, int(f.code[1:]), f.evidence)  # ReplayEngine.findings' order
 
 
 class StoreTail:
@@ -54,9 +64,10 @@ class StoreTail:
 class OnlineReplay:
     """A replay engine kept warm across polls of a store; :meth:`poll` returns findings new since the last."""
 
-    def __init__(self, policy: ForensicsPolicy = ForensicsPolicy()):
+    def __init__(self, policy: ForensicsPolicy = ForensicsPolicy(), horizon_ns: int = HORIZON_NS):
         self.tail = StoreTail()
         self.engine = ReplayEngine(policy=policy)
+        self.retirement = Retirement(horizon_ns)
         self._reported: set[str] = set()
         self.num_events = 0
         self.found: list[Finding] = []  # every finding as of the last poll
@@ -78,6 +89,7 @@ class OnlineReplay:
             }
             self.engine.producer_ids.update(self.tail.producers)
         self.engine.feed(table)
+        self.retirement.seen(table)
         self.num_events += table.num_rows
         self.tail.watermark.update(batches)
         return True
@@ -92,8 +104,14 @@ class OnlineReplay:
         if table is not None:
             self.engine.producer_ids.update(self.tail.producers)  # evidence must name stored producer ids
             self.engine.feed(table)
+            self.retirement.seen(table)
             self.num_events += table.num_rows
-        self.found = self.engine.findings()
+        found = self.engine.findings()
+        frozen = self.retirement.frozen
+        self.found = sorted(frozen + found, key=_order) if frozen else found
+        self.retirement.bound_samples(self.engine.state)
+        if self.retirement.due():
+            self.retirement.retire(self.engine.state, found, self.engine.fast_path)
         out = []
         for f in self.found:
             fid = finding_id(f)

@@ -12,6 +12,9 @@ from kvtrail.serving.deadlines import ReadTimeouts
 
 BANNER = "kvtrail service listening on {url}"  # the service's first line of stdout
 DEFAULT_MAX_BODY_BYTES = 64 * 2**20
+# History time (wall clock of the events) after a request's newest event when the live judge forgets it, if no page
+# names it (kvtrail serve --judge-horizon-s; docs/service.md, "Memory"): the model's monitors keep the same.
+DEFAULT_JUDGE_HORIZON_S = 600
 DEFAULT_JUDGE_INTERVAL_S = 0.5  # the live judge's least time between two polls (kvtrail serve --judge-interval-s)
 # DuckDB's buffer pool (kvtrail serve --memory-limit-mb): DuckDB's own default is 80 % of the host's RAM; a query
 # needing more spills to the store's temporary directory (or fails with an out-of-memory error, HTTP 503).
@@ -36,6 +39,7 @@ class ServeConfig:
     metrics_token: bool = False  # GET /metrics needs an operator or metrics token (it names every node)
     signing_key: str | None = None  # Ed25519 private key (PEM) signing GET /v1/audit/checkpoint's checkpoints
     memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB  # DuckDB's buffer pool (SET memory_limit)
+    judge_horizon_s: int = DEFAULT_JUDGE_HORIZON_S  # the live judge forgets a request this long after its last event
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -46,6 +50,8 @@ class ServeConfig:
             raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
         if not 0 <= self.judge_interval_s <= 3600:
             raise ValueError(f"judge_interval_s: must be 0..3600, got {self.judge_interval_s}")
+        if not 10 <= self.judge_horizon_s <= 86_400:
+            raise ValueError(f"judge_horizon_s: must be 10..86400 (s), got {self.judge_horizon_s}")
         if not 64 <= self.memory_limit_mb <= 2**24:
             raise ValueError(f"memory_limit_mb: must be 64..{2**24} (MB), got {self.memory_limit_mb}")
         if self.otlp_endpoint is not None:

@@ -42,7 +42,7 @@ from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.results import aggregates
 from kvtrail.forensics.results.persist import save_findings
 from kvtrail.model.live import LiveMonitors
-from kvtrail.service.config import DEFAULT_JUDGE_INTERVAL_S
+from kvtrail.service.config import DEFAULT_JUDGE_HORIZON_S, DEFAULT_JUDGE_INTERVAL_S
 
 log = logging.getLogger("kvtrail.service")
 ENGINE = "online"
@@ -104,13 +104,15 @@ class Judge:
         retry_s: float = 1.0,
         poll_interval_s: float = POLL_INTERVAL_S,
         on_judged: OnJudged | None = None,
+        horizon_ns: int = DEFAULT_JUDGE_HORIZON_S * 1_000_000_000,
     ):
         self.policy = policy
         self.on_judged = on_judged
         self.retry_s = retry_s
         self.poll_interval_s = poll_interval_s
-        self.replay = OnlineReplay(policy)
-        self.model = LiveMonitors()  # the model's properties as monitors (docs/model.md)
+        # what the replay and the monitors hold is bounded by the requests within the horizon (docs/service.md)
+        self.replay = OnlineReplay(policy, horizon_ns)
+        self.model = LiveMonitors(horizon_ns)  # the model's properties as monitors (docs/model.md)
         self.last_run_id: int | None = None  # the forensic run of the judge's latest save
         self.polls = 0
         self.failures = 0
@@ -213,6 +215,8 @@ class Judge:
             "batches_fed_direct": self.fed_direct,
             "events_judged": self.replay.num_events,
             "last_run_id": self.last_run_id,
+            "requests_retired": self.replay.retirement.retired,
+            "events_past_horizon": self.replay.retirement.late_events,
             "lag_p50_s": None if lags is None else float(np.percentile(lags, 50)),
             "lag_p99_s": None if lags is None else float(np.percentile(lags, 99)),
             "lag_max_s": None if lags is None else float(lags.max()),

@@ -67,6 +67,7 @@ def run_service(
             export=export,
             query_limits=config.query_limits,
             memory_limit_mb=config.memory_limit_mb,
+            judge_horizon_s=config.judge_horizon_s,
         )
     except BaseException:
         if export is not None:

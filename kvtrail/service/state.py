@@ -20,6 +20,7 @@ from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.service import tokens
 from kvtrail.service.auth import VerifiedTokens
 from kvtrail.service.committer import Committer
+from kvtrail.service.config import DEFAULT_JUDGE_HORIZON_S
 from kvtrail.service.judge import POLL_INTERVAL_S, Judge
 from kvtrail.service.judged import AnswerCache, SharedSnapshots
 from kvtrail.service.limits import QueryLimiter, QueryLimits
@@ -71,11 +72,13 @@ def open_state(
     export: OtelExport | None = None,
     query_limits: QueryLimits | None = None,
     memory_limit_mb: int | None = None,
+    judge_horizon_s: int = DEFAULT_JUDGE_HORIZON_S,
 ) -> ServiceState:
     """Open (or create) the store at ``db_path`` for writing and start the committer and the judge.
 
     ``export``: where the judge's results go as OpenTelemetry (closed with the state). ``memory_limit_mb``:
     DuckDB's buffer pool for the database (every cursor shares it; None leaves DuckDB's default).
+    ``judge_horizon_s``: history time after its newest event that the judge forgets a request no page names.
     Raises StoreError naming the path when another process holds the store, and ValueError for a bad
     token file (then the store is closed again).
     """
@@ -96,6 +99,7 @@ def open_state(
         store.cursor,
         policy=policy,
         poll_interval_s=judge_interval_s,
+        horizon_ns=judge_horizon_s * 1_000_000_000,
         on_judged=None if export is None else export.judged,
     )
     committer = Committer(store, lock, on_commit=judge.notify)
