@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +59,15 @@ from kvtrail.audit.storefile import (
     wal_path,
 )
 from kvtrail.audit.tlog import TreeWriter
-from kvtrail.audit.validate import Prechecked, ProducerState, ValidatedBatch, merge_validated, validate_batch
+from kvtrail.audit.validate import (
+    Prechecked,
+    ProducerState,
+    ValidatedBatch,
+    merge_validated,
+    sort_batch,
+    validate_batch,
+)
+from kvtrail.errors import ValidationError
 
 log = logging.getLogger(__name__)
 # From this many events a batch's chain digests are computed beside its inserts (a helper thread).
@@ -275,8 +283,15 @@ class AuditStore:
     # ---- writing -------------------------------------------------------------------------------
 
     def append(self, table: pa.Table) -> AppendResult:
-        """Validate and commit a batch (any number of producers). Raises ValidationError, writing nothing."""
-        return self.append_validated([self.validate(table)])
+        """Validate and commit a batch (any number of producers). Raises ValidationError, writing nothing.
+
+        A large batch's rules beyond what sorting its rows needs are checked by the helper thread while
+        DuckDB inserts its rows; a batch that breaks one is rolled back, and its ValidationError raised.
+        """
+        if table.num_rows < _DIGEST_AHEAD_EVENTS:
+            return self.append_validated([self.validate(table)])
+        vb, check = sort_batch(table, self._state)
+        return self._commit(vb, check)
 
     def validate(self, table: pa.Table | Prechecked) -> ValidatedBatch:
         """Check a batch against the store as it is now (ValidationError naming the event and field); a
@@ -291,27 +306,40 @@ class AuditStore:
             return AppendResult(0, 0, 0, ())
         return self._commit(merge_validated(filled))
 
-    def _commit(self, vb: ValidatedBatch) -> AppendResult:
-        t = vb.table
-        n = t.num_rows
-        seq = t.column("seq").to_numpy(zero_copy_only=False).astype(np.uint64, copy=False)
+    def _commit(self, vb: ValidatedBatch, check: Callable[[], None] | None = None) -> AppendResult:
+        """Commit ``vb``; ``check`` (a batch :func:`sort_batch` sorted) runs before its page_runs rows are
+        encoded, and a ValidationError it raises rolls the commit back."""
+        n = vb.table.num_rows
+        seq = vb.table.column("seq").to_numpy(zero_copy_only=False).astype(np.uint64, copy=False)
         parts = commitrows.cut(vb, seq, self._chain)
         signer = self.signer
+
+        def checked_runs() -> commitrows.Runs:
+            if check is not None:
+                check()
+            return commitrows.encode(vb, parts, seq)
+
         # A large batch's run encoding and digests (SHA-256 over its canonical bytes) are computed by a
         # helper thread while DuckDB inserts its event rows: the commit waits for them only where it
         # writes them. The helper runs its jobs in order, so the digests find the runs done.
         if n >= _DIGEST_AHEAD_EVENTS:
             if self._digest_pool is None:
                 self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtrail-digest")
-            runs_job: Future = self._digest_pool.submit(commitrows.encode, vb, parts, seq)
+            runs_job: Future = self._digest_pool.submit(checked_runs)
             digest_job: Future | None = self._digest_pool.submit(
                 lambda: commitrows.digests(parts, runs_job.result(), seq, signer)
             )
         else:
             runs_job, digest_job = Future(), None
-            runs_job.set_result(commitrows.encode(vb, parts, seq))
+            runs_job.set_result(checked_runs())
         try:
             return self._write(vb, seq, parts, runs_job, digest_job)
+        except BaseException:
+            wait([runs_job])
+            exc = runs_job.exception()
+            if isinstance(exc, ValidationError):  # the batch's own fault before whatever it caused in DuckDB
+                raise exc from None
+            raise
         finally:
             if digest_job is not None and not digest_job.done():
                 digest_job.cancel()
