@@ -3,7 +3,7 @@ its page lists run-encoded into ``page_runs`` rows, and its chained digest.
 
 :func:`cut` divides a validated batch by producer on the committing thread (slices, no copies). The
 run encoding (:func:`encode`) and the digests (:func:`digests`) need nothing DuckDB holds, so the store
-hands a large batch's to a helper thread, which works while DuckDB inserts the event rows (DuckDB,
+hands a large batch's to a digest thread, which works while DuckDB inserts the event rows (DuckDB,
 NumPy, Arrow and SHA-256 release the GIL): the commit waits for the runs only when it inserts them,
 and for the digests only at its ``batches`` rows.
 """

@@ -70,7 +70,7 @@ from kvtrail.audit.validate import (
 from kvtrail.errors import ValidationError
 
 log = logging.getLogger(__name__)
-# From this many events a batch's chain digests are computed beside its inserts (a helper thread).
+# From this many events a batch's chain digests are computed beside its inserts (a digest thread).
 _DIGEST_AHEAD_EVENTS = 16_384
 _PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
 
@@ -285,7 +285,7 @@ class AuditStore:
     def append(self, table: pa.Table) -> AppendResult:
         """Validate and commit a batch (any number of producers). Raises ValidationError, writing nothing.
 
-        A large batch's rules beyond what sorting its rows needs are checked by the helper thread while
+        A large batch's rules beyond what sorting its rows needs are checked by the digest thread while
         DuckDB inserts its rows; a batch that breaks one is rolled back, and its ValidationError raised.
         """
         if table.num_rows < _DIGEST_AHEAD_EVENTS:
@@ -320,8 +320,8 @@ class AuditStore:
             return commitrows.encode(vb, parts, seq)
 
         # A large batch's run encoding and digests (SHA-256 over its canonical bytes) are computed by a
-        # helper thread while DuckDB inserts its event rows: the commit waits for them only where it
-        # writes them. The helper runs its jobs in order, so the digests find the runs done.
+        # digest thread while DuckDB inserts its event rows: the commit waits for them only where it
+        # writes them. That thread runs its jobs in order, so the digests find the runs done.
         if n >= _DIGEST_AHEAD_EVENTS:
             if self._digest_pool is None:
                 self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtrail-digest")
@@ -343,7 +343,7 @@ class AuditStore:
         finally:
             if digest_job is not None and not digest_job.done():
                 digest_job.cancel()
-                wait([runs_job, digest_job])  # a failed commit: the helper is not left working on it
+                wait([runs_job, digest_job])  # a failed commit: the digest thread is not left working on it
 
     def _write(
         self, vb: ValidatedBatch, seq: np.ndarray, parts: list, runs_job: Future, digest_job: Future | None

@@ -1,4 +1,4 @@
-"""Large batches have their chain digests, run encoding and most validation rules computed by a helper thread
+"""Large batches have their chain digests, run encoding and most validation rules computed by a digest thread
 beside the inserts: the digests and signatures are the same as computed inline, a commit that fails leaves
 the chain where it was, and a batch that breaks a rule raises what validation raises and writes nothing."""
 
