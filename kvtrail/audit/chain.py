@@ -25,32 +25,57 @@ _ADDED = frozenset(ADDED_FIELDS)
 assert sys.byteorder == "little", "canonical encoding assumes a little-endian host"
 
 
+# Each byte value with its bits in reverse order: Arrow's validity bitmap holds the first row in a byte's
+# low bit, the canonical form (numpy's packbits) in its high bit.
+_REVERSED_BITS = np.array([int(f"{i:08b}"[::-1], 2) for i in range(256)], np.uint8)
+
+
+def _validity_bytes(arr: pa.Array) -> bytes:
+    """``np.packbits`` of the column's validity, read from Arrow's bitmap in place where it starts on a byte."""
+    n = len(arr)
+    bitmap = arr.buffers()[0]
+    if bitmap is None or arr.offset % 8:
+        return np.packbits(pc.is_valid(arr).to_numpy(zero_copy_only=False)).tobytes()
+    packed = _REVERSED_BITS[np.frombuffer(bitmap, np.uint8, count=(n + 7) // 8, offset=arr.offset // 8)]
+    if n % 8:  # the bits past the last row are undefined in Arrow, zero in packbits
+        packed[-1] &= (0xFF << (8 - n % 8)) & 0xFF
+    return packed.tobytes()
+
+
+def _null_slots_hold_data(arr: pa.Array, lengths: np.ndarray) -> bool:
+    """Whether a null string or list of ``arr`` (``lengths`` from its offsets) spans values."""
+    valid_total = pc.sum(pc.list_value_length(arr) if _is_list(arr.type) else pc.binary_length(arr)).as_py() or 0
+    return int(valid_total) != int(lengths.sum())
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
 def _column_bytes(h, arr: pa.Array) -> None:
     # Validity first: a tag for "all null" (most payload columns of a batch), "no null", or the bitmap.
     n, nulls = len(arr), arr.null_count
     if n and nulls == n:
         h.update(b"N")
         return
-    valid = None
     if nulls:
-        valid = pc.is_valid(arr).to_numpy(zero_copy_only=False)
-        h.update(b"V" + np.packbits(valid).tobytes())
+        h.update(b"V" + _validity_bytes(arr))
     else:
         h.update(b"A")
     t = arr.type
     if n == 0:  # nothing but the tag; a list column still tags its (empty) values
-        if pa.types.is_list(t) or pa.types.is_large_list(t):
+        if _is_list(t):
             _column_bytes(h, pa.array([], t.value_type))
         return
     # The canonical bytes are those of the column with nulls filled (0, "", an empty list); the fast paths
     # read Arrow's buffers in place and produce the same bytes without the filled copy.
     if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
-        if not _offsets_bytes(h, arr, valid, pa.types.is_large_string(t) or pa.types.is_large_binary(t)):
+        if not _offsets_bytes(h, arr, nulls > 0, pa.types.is_large_string(t) or pa.types.is_large_binary(t)):
             _filled_bytes(h, arr)
-    elif pa.types.is_list(t) or pa.types.is_large_list(t):
+    elif _is_list(t):
         offsets = _offsets(arr, pa.types.is_large_list(t))
         lengths = np.diff(offsets).astype(np.int64)
-        if valid is not None and lengths[~valid].any():  # a null list over values: flatten drops them
+        if nulls and _null_slots_hold_data(arr, lengths):  # a null list over values: flatten drops them
             h.update(pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False).astype(np.int64))
             _column_bytes(h, pc.list_flatten(arr))
             return
@@ -60,8 +85,9 @@ def _column_bytes(h, arr: pa.Array) -> None:
         h.update(pc.fill_null(arr, False).to_numpy(zero_copy_only=False).astype(np.uint8).tobytes())
     else:
         dtype = np.dtype(t.to_pandas_dtype())
-        values = np.frombuffer(arr.buffers()[1], dtype=dtype)[arr.offset : arr.offset + n]
-        h.update(values if valid is None else np.where(valid, values, dtype.type(0)))
+        if nulls:  # the nulls filled with 0 in one Arrow pass
+            arr = pc.fill_null(arr, pa.scalar(0, t))
+        h.update(np.frombuffer(arr.buffers()[1], dtype=dtype)[arr.offset : arr.offset + n])
 
 
 def _offsets(arr: pa.Array, large: bool) -> np.ndarray:
@@ -71,11 +97,11 @@ def _offsets(arr: pa.Array, large: bool) -> np.ndarray:
     ]
 
 
-def _offsets_bytes(h, arr: pa.Array, valid: np.ndarray | None, large: bool) -> bool:
+def _offsets_bytes(h, arr: pa.Array, has_nulls: bool, large: bool) -> bool:
     """Lengths (int64) and values of a string column in place; False if a null slot holds bytes."""
     offsets = _offsets(arr, large)
     lengths = np.diff(offsets).astype(np.int64)
-    if valid is not None and lengths[~valid].any():
+    if has_nulls and _null_slots_hold_data(arr, lengths):
         return False
     h.update(lengths)
     data = arr.buffers()[2]
@@ -86,7 +112,7 @@ def _offsets_bytes(h, arr: pa.Array, valid: np.ndarray | None, large: bool) -> b
 
 def _filled_bytes(h, arr: pa.Array) -> None:
     filled = pc.fill_null(arr, "" if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type) else b"")
-    _offsets_bytes(h, filled.cast(pa.large_binary()), None, True)
+    _offsets_bytes(h, filled.cast(pa.large_binary()), False, True)
 
 
 def table_digest(h, table: pa.Table, schema: pa.Schema, added: frozenset[str] = frozenset()) -> None:

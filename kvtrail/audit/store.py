@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,14 +36,15 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from kvtrail import __version__
-from kvtrail.audit import chain, layout
-from kvtrail.audit.arrowutil import flat_list, pick_rows, row_selection
-from kvtrail.audit.events import ADDED_FIELDS, ADDED_KINDS, KINDS, PAGE_LIST_FIELDS, PRODUCER_FIELDS
-from kvtrail.audit.layout import EVENT_VALUE_FIELDS, EVENTS_SCHEMA, REQUESTS_TABLE, append_kinds, column_type
-from kvtrail.audit.pagelist import encode_runs
+from kvtrail.audit import chain, commitrows, layout
+from kvtrail.audit.arrowutil import pick_rows
+from kvtrail.audit.commitrows import RUN_COLUMNS as RUN_COLUMNS  # the page_runs rows live in commitrows.py;
+from kvtrail.audit.commitrows import RUNS_SCHEMA as RUNS_SCHEMA  # importers of these from the store keep them
+from kvtrail.audit.events import ADDED_FIELDS, ADDED_KINDS, KINDS, PRODUCER_FIELDS
+from kvtrail.audit.layout import EVENTS_SCHEMA as EVENTS_SCHEMA
+from kvtrail.audit.layout import REQUESTS_TABLE, append_kinds, column_type
 from kvtrail.audit.readback import arrow_query as arrow_query  # read-back lives in readback.py; importers
 from kvtrail.audit.readback import read_events as read_events  # of these names from the store keep them
 from kvtrail.audit.requests import RequestNumbers
@@ -58,24 +59,20 @@ from kvtrail.audit.storefile import (
     wal_path,
 )
 from kvtrail.audit.tlog import TreeWriter
-from kvtrail.audit.validate import Prechecked, ProducerState, ValidatedBatch, merge_validated, validate_batch
+from kvtrail.audit.validate import (
+    Prechecked,
+    ProducerState,
+    ValidatedBatch,
+    merge_validated,
+    sort_batch,
+    validate_batch,
+)
+from kvtrail.errors import ValidationError
 
 log = logging.getLogger(__name__)
-# From this many events a batch's chain digests are computed beside its inserts (a helper thread).
+# From this many events a batch's chain digests are computed beside its inserts (a digest thread).
 _DIGEST_AHEAD_EVENTS = 16_384
 _PRODUCER_NAMES = tuple(f.name for f in PRODUCER_FIELDS)
-RUNS_SCHEMA = pa.schema(
-    [
-        pa.field("producer_id", pa.int64()),
-        pa.field("batch_no", pa.int64()),
-        pa.field("seq", pa.uint64()),
-        pa.field("list", pa.int8()),
-        pa.field("pos", pa.int32()),
-        pa.field("page_start", pa.int32()),
-        pa.field("num_pages", pa.int32()),
-    ]
-)
-RUN_COLUMNS = ", ".join(f.name for f in RUNS_SCHEMA)
 
 
 def schema_ddl() -> list[str]:
@@ -286,8 +283,15 @@ class AuditStore:
     # ---- writing -------------------------------------------------------------------------------
 
     def append(self, table: pa.Table) -> AppendResult:
-        """Validate and commit a batch (any number of producers). Raises ValidationError, writing nothing."""
-        return self.append_validated([self.validate(table)])
+        """Validate and commit a batch (any number of producers). Raises ValidationError, writing nothing.
+
+        A large batch's rules beyond what sorting its rows needs are checked by the digest thread while
+        DuckDB inserts its rows; a batch that breaks one is rolled back, and its ValidationError raised.
+        """
+        if table.num_rows < _DIGEST_AHEAD_EVENTS:
+            return self.append_validated([self.validate(table)])
+        vb, check = sort_batch(table, self._state)
+        return self._commit(vb, check)
 
     def validate(self, table: pa.Table | Prechecked) -> ValidatedBatch:
         """Check a batch against the store as it is now (ValidationError naming the event and field); a
@@ -302,111 +306,65 @@ class AuditStore:
             return AppendResult(0, 0, 0, ())
         return self._commit(merge_validated(filled))
 
-    def _runs(self, vb: ValidatedBatch) -> tuple[np.ndarray, ...]:
-        """Run-encode both page-list columns: (row, list, pos, start, length), ordered by row, list, pos."""
-        parts = []
-        for list_no, name in enumerate(PAGE_LIST_FIELDS):
-            flat, offsets = flat_list(vb.table.column(name))
-            row, pos, start, length = encode_runs(flat, offsets)
-            if len(row):
-                parts.append((row, np.full(len(row), list_no, np.int8), pos, start, length))
-        if not parts:
-            empty = np.empty(0, np.int32)
-            return np.empty(0, np.int64), np.empty(0, np.int8), empty, empty, empty
-        if len(parts) == 1:  # each list's runs already come in (row, pos) order
-            return parts[0]
-        row, lst, pos, start, length = (np.concatenate(x) for x in zip(*parts))
-        # Two runs sorted by row, list 0's first: a stable sort by row alone yields (row, list, pos).
-        order = np.argsort(row, kind="stable")
-        return row[order], lst[order], pos[order], start[order], length[order]
+    def _commit(self, vb: ValidatedBatch, check: Callable[[], None] | None = None) -> AppendResult:
+        """Commit ``vb``; ``check`` (a batch :func:`sort_batch` sorted) runs before its page_runs rows are
+        encoded, and a ValidationError it raises rolls the commit back."""
+        n = vb.table.num_rows
+        seq = vb.table.column("seq").to_numpy(zero_copy_only=False).astype(np.uint64, copy=False)
+        parts = commitrows.cut(vb, seq, self._chain)
+        signer = self.signer
 
-    def _digests(self, jobs: list[tuple]) -> list[tuple[bytes, bytes | None]]:
-        """(digest, signature) of each producer's part of a batch, in the chain's order."""
-        out = []
-        for prev, header, ev, runs in jobs:
-            digest = chain.batch_digest(prev, header, ev, EVENTS_SCHEMA, runs, RUNS_SCHEMA)
-            out.append((digest, self.signer.sign(digest) if self.signer else None))
-        return out
+        def checked_runs() -> commitrows.Runs:
+            if check is not None:
+                check()
+            return commitrows.encode(vb, parts, seq)
 
-    def _commit(self, vb: ValidatedBatch) -> AppendResult:
+        # A large batch's run encoding and digests (SHA-256 over its canonical bytes) are computed by a
+        # digest thread while DuckDB inserts its event rows: the commit waits for them only where it
+        # writes them. That thread runs its jobs in order, so the digests find the runs done.
+        if n >= _DIGEST_AHEAD_EVENTS:
+            if self._digest_pool is None:
+                self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtrail-digest")
+            runs_job: Future = self._digest_pool.submit(checked_runs)
+            digest_job: Future | None = self._digest_pool.submit(
+                lambda: commitrows.digests(parts, runs_job.result(), seq, signer)
+            )
+        else:
+            runs_job, digest_job = Future(), None
+            runs_job.set_result(checked_runs())
+        try:
+            return self._write(vb, seq, parts, runs_job, digest_job)
+        except BaseException:
+            wait([runs_job])
+            exc = runs_job.exception()
+            if isinstance(exc, ValidationError):  # the batch's own fault before whatever it caused in DuckDB
+                raise exc from None
+            raise
+        finally:
+            if digest_job is not None and not digest_job.done():
+                digest_job.cancel()
+                wait([runs_job, digest_job])  # a failed commit: the digest thread is not left working on it
+
+    def _write(
+        self, vb: ValidatedBatch, seq: np.ndarray, parts: list, runs_job: Future, digest_job: Future | None
+    ) -> AppendResult:
         t = vb.table
-        n = t.num_rows
-        seq = t.column("seq").to_numpy(zero_copy_only=False).astype(np.uint64, copy=False)
         wall = t.column("wall_ns").to_numpy(zero_copy_only=False)
-        run_row, run_list, run_pos, run_start, run_len = self._runs(vb)
         request_no, new_requests, new_idents = self.requests.number(t)
-        num_pages = pc.fill_null(pc.list_value_length(t.column("pages")), 0).cast(pa.int32())
-        num_dst = pc.fill_null(pc.list_value_length(t.column("dst_pages")), 0).cast(pa.int32())
         # Strictly increasing from commit to commit: the transparency log's leaves are in this order.
         now = max(time.time_ns(), self.last_commit_ns + 1)
-        batch_rows, new_producers, new_pools = [], [], {}
-        ev_parts, run_parts, committed, code_parts, rq_parts, jobs = [], [], [], [], [], []
-        state_after = {}
-        single = len(vb.producer_ids) == 1  # the common batch: no per-producer copies
-        for g, pid in enumerate(vb.producer_ids):
-            rows = np.arange(n) if single else np.flatnonzero(vb.producer_index == g)
-            last_no, prev = self._chain.get(pid, (-1, chain.GENESIS))
-            batch_no = last_no + 1
-            # A producer's rows in one stretch (batches committed together) are sliced, not copied.
-            take = row_selection(rows, n)
-            cols = {
-                "producer_id": pa.repeat(pa.scalar(pid, pa.int64()), len(rows)),
-                "batch_no": pa.repeat(pa.scalar(batch_no, pa.int64()), len(rows)),
-            }
-            sub = pick_rows(t, take)
-            for f in EVENT_VALUE_FIELDS:
-                cols[f.name] = sub.column(f.name)
-            cols["num_pages"] = pick_rows(num_pages, take)
-            cols["num_dst_pages"] = pick_rows(num_dst, take)
-            ev = pa.table(cols, schema=EVENTS_SCHEMA)
-            rsel = None if single else row_selection(np.flatnonzero(vb.producer_index[run_row] == g), len(run_row))
-
-            def pick(x: np.ndarray, rsel=rsel) -> np.ndarray:
-                return x if rsel is None else x[rsel]
-
-            my_runs = pick(run_row)
-            nr = len(my_runs)
-            runs = pa.table(
-                {
-                    "producer_id": pa.repeat(pa.scalar(pid, pa.int64()), nr),
-                    "batch_no": pa.repeat(pa.scalar(batch_no, pa.int64()), nr),
-                    "seq": seq[my_runs],
-                    "list": pick(run_list),
-                    "pos": pick(run_pos),
-                    "page_start": pick(run_start),
-                    "num_pages": pick(run_len),
-                },
-                schema=RUNS_SCHEMA,
-            )
-            first_seq, last_seq = int(seq[rows[0]]), int(seq[rows[-1]])
-            npe = int(pick(run_len).sum(dtype=np.int64))
-            header = (pid, batch_no, first_seq, last_seq, len(rows), nr)
-            jobs.append((prev, header, ev, runs))
-            w = wall if single else wall[rows]
-            batch_rows.append(
-                (pid, batch_no, first_seq, last_seq, len(rows), nr, npe, int(w.min()), int(w.max()), now, prev)
-            )
-            ev_parts.append(ev)
+        new_producers, new_pools = [], {}
+        code_parts, rq_parts = [], []
+        for g, part in enumerate(parts):
+            pid, rows, take = part.pid, part.rows, part.take
             code_parts.append(vb.kind_code if take is None else vb.kind_code[take])
             rq_parts.append(pick_rows(request_no, take))
-            run_parts.append(runs)
-            committed.append((pid, batch_no))
             if pid not in self._state:
                 new_producers.append((pid, *(getattr(vb.producers[g], k) for k in _PRODUCER_NAMES), now))
             cfg_rows = rows[vb.kind_code[rows] == 0]
             if len(cfg_rows):
                 new_pools[pid] = int(t.column("pool_pages")[int(cfg_rows[-1])].as_py())
-            state_after[pid] = (last_seq, batch_no)
-        events_tbl = pa.concat_tables(ev_parts) if len(ev_parts) > 1 else ev_parts[0]
-        runs_tbl = pa.concat_tables(run_parts) if len(run_parts) > 1 else run_parts[0]
-        # A large batch's digests (SHA-256 over its canonical bytes, which releases the GIL) are computed
-        # by a helper thread while DuckDB inserts its rows; only the batches rows need them.
-        if n >= _DIGEST_AHEAD_EVENTS:
-            if self._digest_pool is None:
-                self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtrail-digest")
-            pending: Future | None = self._digest_pool.submit(self._digests, jobs)
-        else:
-            pending, digests = None, self._digests(jobs)
+        events_tbl = pa.concat_tables([p.events for p in parts]) if len(parts) > 1 else parts[0].events
         con = self.con
         con.begin()
         try:
@@ -423,37 +381,38 @@ class AuditStore:
                 pa.concat_arrays(rq_parts) if len(rq_parts) > 1 else rq_parts[0],
                 new_requests,
             )
-            con.register("_kv_runs", runs_tbl)
+            runs: commitrows.Runs = runs_job.result()
+            con.register("_kv_runs", runs.table)
             con.execute(f"INSERT INTO page_runs ({RUN_COLUMNS}) SELECT {RUN_COLUMNS} FROM _kv_runs")
-            if pending is not None:
-                digests = pending.result()
-                pending = None
+            digests = (
+                digest_job.result() if digest_job is not None else commitrows.digests(parts, runs, seq, self.signer)
+            )
             key_id = self.signer.key_id if self.signer else None
-            for row, (digest, sig) in zip(batch_rows, digests):  # one execute per row: executemany costs
-                con.execute(
+            for part, (part_runs, npe), (digest, sig) in zip(parts, runs.parts, digests):
+                w = wall if part.take is None else wall[part.rows]
+                con.execute(  # one execute per row: executemany costs ~1.5 ms even for one row
                     "INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
-                    (*row, digest, sig, key_id),
-                )  # ~1.5 ms even for one row
+                    (*commitrows.header(part, part_runs, seq), npe, int(w.min()), int(w.max()), now, part.prev)
+                    + (digest, sig, key_id),
+                )
             con.commit()
         except BaseException:
             con.rollback()
             raise
         finally:
             con.unregister("_kv_runs")
-            if pending is not None and not pending.cancel():
-                wait([pending])  # a failed commit: the helper is not left working on its digests
         self.requests.remember(new_idents)
+        committed = tuple((p.pid, p.batch_no) for p in parts)
         self.tree.frontier = self.tree.stage([(pid, no, d) for (pid, no), (d, _s) in zip(committed, digests)])
         self.last_commit_ns = now
-        for (pid, (last_seq, batch_no)), (digest, _sig) in zip(state_after.items(), digests):
-            link = (batch_no, digest)
-            st = self._state.setdefault(pid, ProducerState())
-            st.last_seq = last_seq
-            if pid in new_pools:
-                st.pool_pages = new_pools[pid]
-            self._chain[pid] = link
+        for part, (digest, _sig) in zip(parts, digests):
+            st = self._state.setdefault(part.pid, ProducerState())
+            st.last_seq = int(seq[part.rows[-1]])
+            if part.pid in new_pools:
+                st.pool_pages = new_pools[part.pid]
+            self._chain[part.pid] = (part.batch_no, digest)
         self.maybe_checkpoint()
-        return AppendResult(n, int(run_len.sum(dtype=np.int64)), len(run_row), tuple(committed), t)
+        return AppendResult(t.num_rows, runs.num_page_events, runs.num_runs, committed, t)
 
     def checkpoint(self) -> None:
         """Write the WAL into the main file now."""

@@ -8,7 +8,7 @@ the field and the reason. A batch is accepted whole or not at all.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,9 +152,8 @@ def _fail(mask: np.ndarray, field: str, reason: str, t: pa.Table) -> None:
 
 def _check_envelope(t: pa.Table) -> np.ndarray:
     for name in ENVELOPE_NAMES:
-        valid = _valid_mask(t.column(name))
-        if not valid.all():
-            _fail(~valid, name, "missing (required on every event)", t)
+        if t.column(name).null_count:  # the mask only for a column that has a null
+            _fail(~_valid_mask(t.column(name)), name, "missing (required on every event)", t)
     versions = t.column("schema_version").to_numpy()
     bad = ~np.isin(versions, SUPPORTED_SCHEMA_VERSIONS)
     if bad.any():
@@ -336,7 +335,33 @@ def validate_batch(table: pa.Table | Prechecked, state: dict[int, ProducerState]
     size from its latest node_config). It is not modified.
     """
     pre = table if isinstance(table, Prechecked) else precheck_batch(table)
-    t, codes, pids, producers, pindex = pre.table, pre.kind_code, pre.producer_ids, pre.producers, pre.producer_index
+    total_pages = _check_store_rules(pre, state)
+    return ValidatedBatch(pre.table, pre.kind_code, pre.producer_ids, pre.producers, pre.producer_index, total_pages)
+
+
+def sort_batch(table: pa.Table, state: dict[int, ProducerState]) -> tuple[ValidatedBatch, Callable[[], None]]:
+    """A batch as :func:`validate_batch` returns it, having checked only what sorting its rows needs
+    (schema, envelope, kinds, producers), and the check of every other rule, to run before it commits.
+
+    The check raises the ValidationError :func:`validate_batch` would have raised (the rules run in the
+    same order). ``state`` is read when the check runs: it must not change before then.
+    """
+    t = _normalise(table)
+    codes = _check_envelope(t)
+    pids, producers, pindex = _group_producers(t)
+    pre = Prechecked(t, codes, pids, producers, pindex)
+
+    def check() -> None:
+        _check_kind_fields(t, codes)
+        _check_values(t, codes)
+        _check_store_rules(pre, state)
+
+    return ValidatedBatch(t, codes, pids, producers, pindex, int(list_lengths(t.column("pages")).sum())), check
+
+
+def _check_store_rules(pre: Prechecked, state: dict[int, ProducerState]) -> int:
+    """The rules that read ``state`` (sequence numbers, pool bounds of page ids); the batch's page-events."""
+    t, codes, pids, pindex = pre.table, pre.kind_code, pre.producer_ids, pre.producer_index
     seq = t.column("seq").to_numpy(zero_copy_only=False).astype(np.uint64, copy=False)
     is_config = codes == KIND_CODES["node_config"]
     # Read as float with NaN for null: only rows of a node_config are looked at, and those carry one.
@@ -412,4 +437,4 @@ def validate_batch(table: pa.Table | Prechecked, state: dict[int, ProducerState]
                     f"page id {int(hi[i])} out of pool (pool has {int(row_bound[i])} pages)",
                     t,
                 )
-    return ValidatedBatch(t, codes, pids, producers, pindex, total_pages)
+    return total_pages

@@ -58,6 +58,19 @@ def _null_over_data() -> list[pa.Array]:
     return [strings, lists, ints]
 
 
+def _validity_edges() -> list[pa.Array]:
+    """Bitmaps read in place: slices starting on a byte and off it, a length not a multiple of 8, and set
+    bits past the last row (Arrow leaves them undefined)."""
+    values = [None if i % 3 == 0 else i for i in range(40)]
+    ints = pa.array(values, pa.int64())
+    junk = pa.py_buffer(bytes([0b11111010, 0xFF]))  # rows 0 and 2 null; bits past row 9 set
+    tail = pa.Array.from_buffers(
+        pa.int32(), 10, [junk, pa.py_buffer(np.arange(10, dtype=np.int32).tobytes())], null_count=2
+    )
+    strings = pa.array([None if i % 4 == 1 else f"s{i}" for i in range(30)], pa.string())
+    return [ints, ints.slice(8, 13), ints.slice(16, 8), ints.slice(5, 20), tail, strings.slice(8, 11)]
+
+
 CASES = [
     pa.array([1, None, 3, 2**40], pa.int64()),
     pa.array([0, 2**64 - 1, None], pa.uint64()),
@@ -76,6 +89,7 @@ CASES = [
     pa.nulls(5, pa.string()),
     pa.nulls(4, pa.list_(pa.int32())),
     *_null_over_data(),
+    *_validity_edges(),
 ]
 
 
