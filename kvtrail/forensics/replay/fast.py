@@ -200,7 +200,8 @@ class FastReplay:
         which it is named (both set when the batch's requests were registered)."""
         state, old = self.state, len(self.tenant_code)
         if len(state.requests) > old:
-            codes = [-1 if t is None else self._tenant(t) for t in state.request_tenants[old:]]
+            tc = self.tenant_codes
+            codes = [-1 if t is None else tc.setdefault(t, len(tc)) for t in state.request_tenants[old:]]  # _tenant
             self.tenant_code = np.concatenate([self.tenant_code, np.array(codes, np.int32)])
             self.tenant_ord = np.concatenate([self.tenant_ord, np.array(state.tenant_since[old:], np.int64)])
         for r in state.renamed:
