@@ -257,7 +257,7 @@ class PageState:
             lo = hi
             while total > RELEASED_CAP_PAGES and len(released) > 1:
                 _, old = released.popitem(last=False)
-                total -= sum(len(a) for a in old)
+                total -= sum(map(len, old))
         self.released_pages = total
 
     def released_by(self, r: int, pages: np.ndarray) -> np.ndarray:

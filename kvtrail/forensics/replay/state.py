@@ -172,13 +172,14 @@ class ReplayState:
         """``_index`` of each (distinct) key, in order: new keys get the next indices."""
         index = self.request_index
         got = list(map(index.get, keys))
-        new = list(dict.fromkeys(k for k, r in zip(keys, got) if r is None))
+        new = list(dict.fromkeys([k for k, r in zip(keys, got) if r is None]))
         if not new:
             return got  # type: ignore[return-value]  # every key is indexed
         first = len(self.requests)
         index.update(zip(new, range(first, first + len(new))))
-        self.requests.extend(k[0] for k in new)
-        self.request_tenants.extend(k[1] for k in new)
+        ids, tenants = zip(*new)
+        self.requests.extend(ids)
+        self.request_tenants.extend(tenants)
         named = self.named
-        self.tenant_since.extend(_NEVER if k[1] is None else named.get(k, _NEVER) for k in new)
+        self.tenant_since.extend([_NEVER if k[1] is None else named.get(k, _NEVER) for k in new])
         return list(map(index.__getitem__, keys))
