@@ -308,8 +308,8 @@ class PageState:
     def _dense_allowed(self, num_new: int) -> int:
         """How far the dense part may reach: twice the pages used (allocated, written or shared in the
         dense part, plus the sparse pages and ``num_new`` more), at least DENSE_FLOOR, and the whole declared
-        pool where that is at most DECLARED_DENSE_MAX pages. The dense part's
-        count is taken again when it has grown or the sparse pages have doubled since."""
+        pool where that is at most DECLARED_DENSE_MAX pages. The dense part's count is taken again when it
+        has grown or the sparse pages have doubled since."""
         d, num_sparse = self.slots.dense_n, len(self.slots)
         at_d, at_sparse, used = self._used
         if at_d != d or num_sparse > 2 * at_sparse + 64:
