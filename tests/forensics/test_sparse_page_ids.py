@@ -174,3 +174,24 @@ def test_a_pickled_sparse_pool_indexes_by_page_id():
     assert back.owner[HIGH] == 7 and back.owner[2] == -1
     back.writer[np.array([HIGH])] = 3
     assert back.raw("writer")[back.slots.one(HIGH)] == 3 and pool.writer[HIGH] == -1
+
+
+def test_a_declared_pool_of_moderate_size_stays_dense_wherever_its_pages_lie():
+    """An allocator handing out pages from all over a declared pool (few used yet) keeps the pool dense, so the
+    compiled path replays its events; beyond the declared pool, or in a larger one, the used-pages rule holds."""
+    from kvtrail.forensics.replay.pagestate import DECLARED_DENSE_MAX
+
+    pool = PageState.for_pool(100_000)
+    pool.fit(np.array([3, 99_999]))  # two pages used, the second far beyond DENSE_FLOOR: dense all the same
+    assert pool.dense_n == 100_001 and not len(pool.slots) and type(pool.owner) is np.ndarray  # at once, whole
+    pool.fit(np.array([100_000 + DENSE_FLOOR]))  # outside the pool it declares: sparse
+    assert pool.dense_n == 100_001 and len(pool.slots) == 1
+    large = PageState.for_pool(DECLARED_DENSE_MAX + 1)
+    large.fit(np.array([DECLARED_DENSE_MAX]))  # a pool declared above the limit: sparse while few pages are used
+    assert large.dense_n <= DENSE_FLOOR and len(large.slots) == 1
+    small = PageState.for_pool(100_000)
+    small.fit(np.array([INITIAL_PAGES + 1]))  # outgrowing the first arrays: the declared pool in one step
+    assert small.dense_n == 100_001
+    restored = PageState.empty(4)  # a pool whose declared size is not known (0): the used-pages rule
+    restored.fit(np.array([99_999]))
+    assert len(restored.slots) == 1

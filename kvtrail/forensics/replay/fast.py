@@ -200,8 +200,12 @@ class FastReplay:
         which it is named (both set when the batch's requests were registered)."""
         state, old = self.state, len(self.tenant_code)
         if len(state.requests) > old:
-            codes = [-1 if t is None else self._tenant(t) for t in state.request_tenants[old:]]
-            self.tenant_code = np.concatenate([self.tenant_code, np.array(codes, np.int32)])
+            # each new request's tenant code (-1: none), codes given in order of first appearance (as _tenant)
+            enc = pa.array(state.request_tenants[old:], pa.string()).dictionary_encode()
+            tc = self.tenant_codes
+            by_name = np.array([tc.setdefault(t, len(tc)) for t in enc.dictionary.to_pylist()] + [-1], np.int32)
+            codes = by_name[pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False)]
+            self.tenant_code = np.concatenate([self.tenant_code, codes])
             self.tenant_ord = np.concatenate([self.tenant_ord, np.array(state.tenant_since[old:], np.int64)])
         for r in state.renamed:
             if r < old:

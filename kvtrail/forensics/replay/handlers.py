@@ -193,13 +193,17 @@ class EventHandlers:
         # Radix eviction: the page leaves every holder (the set built as always: its order decides the
         # order of the drops). Dropping a page its holder does not hold changes nothing, and a drop does
         # not change whether another request holds the page: only the pages each one held are dropped.
-        pl = pages.tolist()
+        # A plain page's one holder is its owner (already in the set): it is cleared at once, the other
+        # pages are dropped holder by holder as always (drops of different pages do not interact).
         everyone = {int(o) for o in pool.owner[pages] if o >= 0}
-        holders_of = [pool.holders(p) for p in pl]
+        plain = pool.plain(pages)
+        shared = pages[~plain].tolist()
+        holders_of = [pool.holders(p) for p in shared]
         for h in holders_of:
             everyone |= h
+        pool.owner[pages[plain]] = -1
         for r in everyone:
-            for p, h in zip(pl, holders_of):
+            for p, h in zip(shared, holders_of):
                 if r in h:
                     pool.drop(p, r)
             pool.remember_release(r, pages)
@@ -260,9 +264,7 @@ class EventHandlers:
         held = pool.held_by(pages, r)
         if not held.all():
             outside = pages[~held]
-            victims: set[int] = set()
-            for p in outside.tolist():
-                victims |= pool.holders(p)
+            victims = pool.holders_of(outside)
             self.emit(
                 "F5",
                 ev,

@@ -12,12 +12,14 @@ the compiled path replays hits and their reads.
 The arrays cost memory in proportion to the pages events use, not to the pool the node_config declares
 nor to the highest page id named. A pool starts small (:meth:`PageState.for_pool`); a page beyond its
 arrays either extends the *dense* part (entry p is page p, grown doubling) while that part stays at most
-twice the pages the pool has used (or below :data:`DENSE_FLOOR`), or gets an entry of its own in a
-*sparse* part after it (:mod:`kvtrail.forensics.replay.pagemap`): a node declaring 2^25 pages that uses a
-few hundred costs kilobytes, and so does one event naming page 2^30 - 1. Entries therefore number at
-most ``max(DENSE_FLOOR, 2 * U) + 2 * S + 16``, U the pages allocated, written or shared and S the pages
-placed sparse. The dense part grows over sparse pages it comes to cover (they move to their own entry),
-so an ordinary pool keeps plain arrays and the compiled path (which sees the dense part only).
+twice the pages the pool has used (or below :data:`DENSE_FLOOR`, or inside a declared pool of at most
+:data:`DECLARED_DENSE_MAX` pages), or gets an entry of its own in a *sparse* part after it
+(:mod:`kvtrail.forensics.replay.pagemap`): a node declaring 2^25 pages that uses a few hundred costs
+kilobytes, and so does one event naming page 2^30 - 1. Entries therefore number at most
+``max(DENSE_FLOOR, 2 * U, P + 1) + 2 * S + 16``, U the pages allocated, written or shared, S the pages
+placed sparse and P the pages the node_config declares where at most DECLARED_DENSE_MAX (else 0). The
+dense part grows over sparse pages it comes to cover (they move to their own entry), so an ordinary pool
+keeps plain arrays and the compiled path (which sees the dense part only).
 
 Each page array is declared once, as a field of :class:`PageState` carrying its dtype and the value of
 an unused page; :data:`PAGE_ARRAYS` lists those declarations in order, and allocation, growth and the
@@ -44,6 +46,11 @@ INITIAL_PAGES = 1 << 10
 # The dense part may always grow to this many entries (~7 MB with the kernel's scratch); beyond it only while
 # it stays at most twice the pages used.
 DENSE_FLOOR = 1 << 16
+# A pool whose node_config declares at most this many pages may have them all dense (~25 MB at most with the
+# kernel's scratch) once its events name pages anywhere in it: an allocator handing out pages from all over
+# the pool would otherwise leave the compiled path for Python on every event naming a high page while the
+# pool fills up. Larger declared pools, and page ids beyond the declared pool, follow the rule above.
+DECLARED_DENSE_MAX = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,7 @@ class PageState:
     # where each page id lives in the arrays (dense part, sparse part); see pagemap
     slots: PageSlots = field(default_factory=lambda: PageSlots(0), init=False)
     _used: tuple[int, int, int] = field(default=(-1, 0, 0), init=False)  # (dense_n, sparse pages, used) at a count
+    declared: int = field(default=0, init=False)  # pages the node_config declares (0: not known, e.g. restored)
 
     def __post_init__(self) -> None:
         self.slots = PageSlots(len(self.owner))
@@ -117,7 +125,9 @@ class PageState:
     def for_pool(cls, pool_pages: int) -> PageState:
         """The state of a new pool of ``pool_pages`` pages: its arrays start small and grow to the highest
         page id the events use (``reserve``), whatever the pool declares."""
-        return cls.empty(max(0, min(pool_pages, INITIAL_PAGES)))
+        pool = cls.empty(max(0, min(pool_pages, INITIAL_PAGES)))
+        pool.declared = pool_pages
+        return pool
 
     @property
     def num_entries(self) -> int:
@@ -185,12 +195,26 @@ class PageState:
         if not self.extra.get(p, True):
             del self.extra[p]
 
-    def drop_all(self, pages: np.ndarray, r: int) -> None:
-        """``drop(p, r)`` for every p of ``pages`` in order: a page no prefix-cache hit and no second
-        holder shares (most of them) needs only its owner cleared, for all such pages at once."""
+    def plain(self, pages: np.ndarray) -> np.ndarray:
+        """Per page: no prefix-cache hit and no second holder shares it (its owner, if any, is its only holder)."""
         plain = self.nshared[pages] == 0
         if self.extra:
             plain &= ~np.fromiter(map(self.extra.__contains__, pages.tolist()), dtype=bool, count=len(pages))
+        return plain
+
+    def holders_of(self, pages: np.ndarray) -> set[int]:
+        """The union of ``holders(p)`` over ``pages``; plain pages' owners taken at once."""
+        plain = self.plain(pages)
+        out = set(self.owner[pages[plain]].tolist())
+        out.discard(-1)
+        for p in pages[~plain].tolist():
+            out |= self.holders(p)
+        return out
+
+    def drop_all(self, pages: np.ndarray, r: int) -> None:
+        """``drop(p, r)`` for every p of ``pages`` in order: a page no prefix-cache hit and no second
+        holder shares (most of them) needs only its owner cleared, for all such pages at once."""
+        plain = self.plain(pages)
         mine = pages[plain]
         self.owner[mine[self.owner[mine] == r]] = -1
         for p in pages[~plain].tolist():  # drops of different pages do not interact: order kept per page
@@ -233,7 +257,7 @@ class PageState:
             lo = hi
             while total > RELEASED_CAP_PAGES and len(released) > 1:
                 _, old = released.popitem(last=False)
-                total -= sum(len(a) for a in old)
+                total -= sum(map(len, old))
         self.released_pages = total
 
     def released_by(self, r: int, pages: np.ndarray) -> np.ndarray:
@@ -263,8 +287,10 @@ class PageState:
             return
         allowed = self._dense_allowed(len(new))
         near = new[new < allowed]
-        if len(near):  # the dense part grows (doubling, within what is allowed) to cover them
-            self._layout(max(int(near[-1]) + 1, min(2 * self.slots.dense_n, allowed)))
+        if len(near):  # the dense part grows (doubling, within what is allowed; a moderate declared pool whole)
+            top = self._declared_top()
+            grow_to = top if int(near[-1]) < top else min(2 * self.slots.dense_n, allowed)
+            self._layout(max(int(near[-1]) + 1, grow_to))
             new = new[new >= self.slots.dense_n]
         if len(new):
             self._add_sparse(new.tolist())
@@ -281,15 +307,21 @@ class PageState:
 
     def _dense_allowed(self, num_new: int) -> int:
         """How far the dense part may reach: twice the pages used (allocated, written or shared in the
-        dense part, plus the sparse pages and ``num_new`` more), at least DENSE_FLOOR. The dense part's
-        count is taken again when it has grown or the sparse pages have doubled since."""
+        dense part, plus the sparse pages and ``num_new`` more), at least DENSE_FLOOR, and the whole declared
+        pool where that is at most DECLARED_DENSE_MAX pages. The dense part's count is taken again when it
+        has grown or the sparse pages have doubled since."""
         d, num_sparse = self.slots.dense_n, len(self.slots)
         at_d, at_sparse, used = self._used
         if at_d != d or num_sparse > 2 * at_sparse + 64:
             gen, ev, shared = (np.asarray(getattr(self, n))[:d] for n in ("gen", "write_ev", "nshared"))
             used = int(np.count_nonzero((gen > 0) | (ev[:, 0] >= 0) | (shared > 0)))
             self._used = (d, num_sparse, used)
-        return min(max(DENSE_FLOOR, 2 * (used + num_sparse + num_new)), MAX_POOL_PAGES + 1)
+        return min(max(DENSE_FLOOR, 2 * (used + num_sparse + num_new), self._declared_top()), MAX_POOL_PAGES + 1)
+
+    def _declared_top(self) -> int:
+        """Entries of the whole declared pool (pages 0..declared) where it is at most DECLARED_DENSE_MAX
+        pages, else 0."""
+        return self.declared + 1 if self.declared <= DECLARED_DENSE_MAX else 0
 
     def _layout(self, dense_n: int, sparse_cap: int | None = None) -> None:
         """Move the arrays to a dense part of ``dense_n`` entries and room for ``sparse_cap`` sparse pages

@@ -124,27 +124,62 @@ class ReplayState:
         if len(named):
             combo = rcode[named].astype(np.int64) * (len(tnames) + 1) + tcode[named]
             _, first = np.unique(combo, return_index=True)
-            for row in np.sort(named[first]).tolist():
-                self.name_tenant(request_ids[rcode[row]], tnames[tcode[row]], ord0 + row)
+            at = np.sort(named[first])
+            rids = map(request_ids.__getitem__, rcode[at].tolist())
+            self._name_tenants(list(zip(rids, map(tnames.__getitem__, tcode[at].tolist()))), (at + ord0).tolist())
         out = np.full(n, -1, np.int64)
         rows = np.flatnonzero(is_page_event & (rcode >= 0))
         if not len(rows):
             return out
         # each row's tenant: its own, else the first named for its id (-1: none)
         codes = {t: k for k, t in enumerate(tnames)}
-        by_id = np.array(
-            [codes.setdefault(self.tenants[rid], len(codes)) if rid in self.tenants else -1 for rid in request_ids],
-            np.int64,
-        )
-        names = list(codes)
-        own = tcode[rows]
-        rt = np.where(own >= 0, own, by_id[rcode[rows]])
+        rt = tcode[rows]
+        if (rt < 0).any():  # rows naming no tenant: their ids' first tenants
+            bare = np.flatnonzero(rt < 0)
+            ids = np.unique(rcode[rows[bare]])
+            first_tenant = self.tenants.get
+            by_id = [
+                -1 if (t := first_tenant(request_ids[c])) is None else codes.setdefault(t, len(codes))
+                for c in ids.tolist()
+            ]
+            rt[bare] = np.array(by_id, np.int64)[np.searchsorted(ids, rcode[rows[bare]])]
+        names: list[str | None] = [*codes, None]  # code -1: no tenant
         combo = rcode[rows].astype(np.int64) * (len(names) + 1) + (rt + 1)
         uniq, first, inverse = np.unique(combo, return_index=True, return_inverse=True)
         index = np.empty(len(uniq), np.int64)
-        for k in np.argsort(first, kind="stable").tolist():
-            row = rows[first[k]]
-            t = int(rt[first[k]])
-            index[k] = self._index((request_ids[rcode[row]], names[t] if t >= 0 else None))
+        order = np.argsort(first, kind="stable")
+        at = first[order]
+        keys: list[RequestKey] = list(
+            zip(map(request_ids.__getitem__, rcode[rows[at]].tolist()), map(names.__getitem__, rt[at].tolist()))
+        )
+        index[order] = self._indices(keys)
         out[rows] = index[inverse.reshape(-1)]
         return out
+
+    def _name_tenants(self, keys: list[tuple[str, str]], ords: list[int]) -> None:
+        """``name_tenant`` for each (distinct) key at its order number, in order. A key not named yet, neither
+        indexed nor its id's tenant-less request (the common case), is only recorded: in bulk."""
+        named, index, tenants = self.named, self.request_index, self.tenants
+        fresh = [(k, o) for k, o in zip(keys, ords) if k not in named]
+        if any(k in index or (k[0], None) in index for k, _ in fresh):
+            for (request_id, tenant_id), o in zip(keys, ords):
+                self.name_tenant(request_id, tenant_id, o)
+            return
+        named.update(reversed(fresh))  # (reversed: a repeated key keeps its first order number)
+        tenants.update({rid: t for (rid, t), _ in reversed(fresh) if rid not in tenants})  # the first naming wins
+
+    def _indices(self, keys: list[RequestKey]) -> list[int]:
+        """``_index`` of each (distinct) key, in order: new keys get the next indices."""
+        index = self.request_index
+        got = list(map(index.get, keys))
+        new = list(dict.fromkeys([k for k, r in zip(keys, got) if r is None]))
+        if not new:
+            return got  # type: ignore[return-value]  # every key is indexed
+        first = len(self.requests)
+        index.update(zip(new, range(first, first + len(new))))
+        ids, tenants = zip(*new)
+        self.requests.extend(ids)
+        self.request_tenants.extend(tenants)
+        named = self.named
+        self.tenant_since.extend([_NEVER if k[1] is None else named.get(k, _NEVER) for k in new])
+        return list(map(index.__getitem__, keys))
