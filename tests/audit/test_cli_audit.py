@@ -234,7 +234,7 @@ def test_export_writes_readable_partitioned_parquet(capsys, db, tmp_path):
     assert pq.read_table(out_dir / "batches" / "part-E000001.parquet").num_rows == 3
     # the export is a lake: its verify passes and it has a checkpoint beside each partition
     assert _run(capsys, "lake", "verify", str(out_dir))[0] == 0
-    assert len(list((out_dir / "events").glob("*/*/*/*/_checkpoint-E000001.npz"))) == 3
+    assert len(list((out_dir / "events").glob("*/*/*/*/_checkpoint-E000001.ckpt"))) == 3
 
 
 def test_import_round_trips_and_the_chain_still_verifies(capsys, db, tmp_path):

@@ -2,7 +2,8 @@
 
 ``events/cluster=C/node=N/date=YYYY-MM-DD/hour=HH/`` holds the partition's event files (every column
 of the store's ``events`` view), ``page_runs/...`` (same partition path) their page runs, and the
-events folder the checkpoint ``_checkpoint-E<export>.npz``: the node's page state at the hour's start.
+events folder the checkpoint ``_checkpoint-E<export>.ckpt`` (``.npz`` before checkpoint format 3): the node's
+page state at the hour's start.
 """
 
 from __future__ import annotations

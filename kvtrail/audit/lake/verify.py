@@ -2,9 +2,11 @@
 batches' hash chain recomputed from the files.
 
 A file the manifest lists that is gone (deleted), whose SHA-256 differs (edited) or that the manifest
-does not list (extra) is named; so is a manifest whose predecessor is missing or altered, an unsigned or
-badly signed manifest when a public key is given, and every break of a producer's chain (the store's
-own check, :func:`kvtrail.audit.verify.verify_store`, run on the lake's files).
+does not list (extra) is named; so is a checkpoint that does not read whole (its header and every array
+decompressed, in any checkpoint format) or that describes another partition than the manifest says, a
+manifest whose predecessor is missing or altered, an unsigned or badly signed manifest when a public key
+is given, and every break of a producer's chain (the store's own check,
+:func:`kvtrail.audit.verify.verify_store`, run on the lake's files).
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import hashlib
 from dataclasses import dataclass, field
 
 from kvtrail.audit.chain import SignatureChecker
+from kvtrail.audit.lake import arrayfile
 from kvtrail.audit.lake.catalog import STORE_TABLES, open_catalog
 from kvtrail.audit.lake.fs import LakeFS
 from kvtrail.audit.lake.manifest import (
     MANIFEST_DIR,
+    FileEntry,
     LakeManifest,
     check_signature,
     manifest_name,
@@ -24,6 +28,7 @@ from kvtrail.audit.lake.manifest import (
     parse_manifest,
     require_manifest,
 )
+from kvtrail.audit.lake.partition import HOUR_NS
 from kvtrail.audit.verify import verify_store
 
 
@@ -51,12 +56,31 @@ def check_files(lake: LakeFS, m: LakeManifest, report: LakeVerifyReport, *, extr
             report.damaged.add(rel)
             continue
         report.files_checked += 1
-        if hashlib.sha256(lake.read(rel)).hexdigest() != entry.sha256:
+        data = lake.read(rel)
+        if hashlib.sha256(data).hexdigest() != entry.sha256:
             report.problems.append(f"altered file: {rel} (SHA-256 differs from the manifest)")
             report.damaged.add(rel)
+        elif entry.table == "checkpoint":
+            bad = _checkpoint_problem(data, entry)
+            if bad:
+                report.problems.append(f"unreadable checkpoint: {rel} ({bad})")
+                report.damaged.add(rel)
     if extras:
         for rel in sorted(present - set(m.files)):
             report.problems.append(f"extra file: {rel} (not in the manifest)")
+
+
+def _checkpoint_problem(data: bytes, entry: FileEntry) -> str | None:
+    """What is wrong with a checkpoint whose bytes match the manifest (None: nothing): it must read whole and
+    name the partition's node and the hour's start."""
+    info, bad = arrayfile.check(data)
+    if info is None:
+        return bad
+    want = {"cluster": entry.cluster, "node": entry.node, "boundary_ns": (entry.hour or 0) * HOUR_NS}
+    got = {k: info.get(k) for k in want}
+    if got != want:
+        return f"it describes {got}, the manifest {want}"
+    return None
 
 
 def _check_manifests(lake: LakeFS, report: LakeVerifyReport) -> None:

@@ -8,8 +8,11 @@ and tenants those name. Loading it into a fresh :class:`~kvtrail.forensics.repla
 lets a task judge the hour's partition without replaying the history before it.
 
 Request indices are compacted to the requests the pool still names (in their original order, so the
-relative order of indices is kept) and the prefix-cache holders are re-inserted page by page in hit
-order. The file is an ``.npz`` (no pickles) with the ids in a JSON member.
+relative order of indices is kept) and the prefix-cache holders are laid out again page by page in hit
+order (slot k holds the k-th hit, each page's chain newest first, as inserting them one by one would).
+From format 3 the file is :mod:`kvtrail.audit.lake.arrayfile`'s (each array zstd-compressed on its own,
+restored without a copy; released page lists as 32-bit page ids where they fit); formats 1 and 2 are an
+``.npz`` (no pickles) with the ids in a JSON member, and still restore.
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtrail.audit.lake import arrayfile
+from kvtrail.forensics.lake.sharesfile import restore_shares
 from kvtrail.forensics.replay.event import NodeKey
 from kvtrail.forensics.replay.pagestate import PAGE_ARRAYS, PageState
-from kvtrail.forensics.replay.shares import INITIAL_SLOTS, PrefixShares
 from kvtrail.forensics.replay.state import ReplayState
 
-FORMAT_VERSION = 2  # 2: each request's tenant (requests are (id, tenant), not the id alone)
-_READS = (1, FORMAT_VERSION)  # 1 keyed a request by its id: its tenant is the first one named for the id
+# 2: each request's tenant (requests are (id, tenant), not the id alone); 3: the array file, not an .npz
+FORMAT_VERSION = 3
+_READS = (1, 2, FORMAT_VERSION)  # 1 keyed a request by its id: its tenant is the first one named for the id
 _REQUEST_ARRAYS = ("owner", "alloc_req", "writer")  # page arrays that hold request indices
 
 
@@ -53,7 +58,7 @@ def _referenced(pool: PageState) -> np.ndarray:
 
 
 def capture(state: ReplayState, key: NodeKey, boundary_ns: int) -> bytes:
-    """The checkpoint of node ``key``'s pool in ``state`` (bytes of an .npz file)."""
+    """The checkpoint of node ``key``'s pool in ``state`` (bytes of an array file)."""
     pool = state.pools.get(key)
     info = {
         "format_version": FORMAT_VERSION,
@@ -82,35 +87,43 @@ def capture(state: ReplayState, key: NodeKey, boundary_ns: int) -> bytes:
         rel = [(remap[r], a) for r, lists in pool.released.items() for a in lists]
         arrays["released_req"] = np.array([r for r, _ in rel], np.int64)
         arrays["released_len"] = np.array([len(a) for _, a in rel], np.int64)
-        arrays["released_pages"] = (
-            np.concatenate([np.asarray(a, np.int64) for _, a in rel]) if rel else np.zeros(0, np.int64)
-        )
+        flat = np.concatenate([np.asarray(a, np.int64) for _, a in rel]) if rel else np.zeros(0, np.int64)
+        arrays["released_pages"] = flat.astype(np.int32) if not len(flat) or flat.max() < 2**31 else flat
         late = [(p, k[0], k[1], remap[w], g) for p, (k, w, g) in pool.late.items()]
         arrays["late"] = np.array(late, np.int64).reshape(-1, 5)
         ids = [state.requests[r] for r in used.tolist()]
         info["requests"] = ids
         info["tenants"] = {rid: state.tenants[rid] for rid in ids if rid is not None and rid in state.tenants}
         info["request_tenants"] = [state.request_tenants[r] for r in used.tolist()]
-    buf = io.BytesIO()
-    arrays["info"] = np.frombuffer(json.dumps(info).encode(), np.uint8)
-    np.savez_compressed(buf, allow_pickle=False, **arrays)
-    return buf.getvalue()
+    return arrayfile.pack(info, arrays)
+
+
+def _load(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
+    """(info, arrays) of a checkpoint of any format it reads."""
+    if arrayfile.is_array_file(data):
+        info, arrays = arrayfile.unpack(data)
+    else:  # formats 1 and 2: an .npz
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            info = json.loads(bytes(z["info"]).decode())
+            arrays = {name: z[name] for name in z.files if name != "info"}
+    if info.get("format_version") not in _READS:
+        raise ValueError(f"checkpoint: format_version {info.get('format_version')!r}, expected one of {_READS}")
+    return info, arrays
 
 
 def read_info(data: bytes) -> CheckpointInfo:
-    with np.load(io.BytesIO(data), allow_pickle=False) as z:
-        info = json.loads(bytes(z["info"]).decode())
+    if arrayfile.is_array_file(data):
+        info = arrayfile.read_info(data)
+    else:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            info = json.loads(bytes(z["info"]).decode())
     return CheckpointInfo(info["cluster"], info["node"], info["boundary_ns"], info["has_pool"], info["instance"])
 
 
 def restore(data: bytes, state: ReplayState) -> CheckpointInfo:
     """Load a checkpoint into a fresh ``state`` (no requests registered yet): its pool, ids and tenants."""
     assert not state.requests, "a checkpoint is restored into a fresh replay state"
-    with np.load(io.BytesIO(data), allow_pickle=False) as z:
-        info = json.loads(bytes(z["info"]).decode())
-        if info.get("format_version") not in _READS:
-            raise ValueError(f"checkpoint: format_version {info.get('format_version')!r}, expected one of {_READS}")
-        arrays = {name: z[name] for name in z.files if name != "info"}
+    info, arrays = _load(data)
     key = (info["cluster"], info["node"])
     out = CheckpointInfo(info["cluster"], info["node"], info["boundary_ns"], info["has_pool"], info["instance"])
     if not info["has_pool"]:
@@ -123,24 +136,18 @@ def restore(data: bytes, state: ReplayState) -> CheckpointInfo:
         if tenant is not None:
             state.named[(rid, tenant)] = -1  # named before anything the restored replay reads
         state.req(rid, tenant)
-    raw = {spec.name: arrays[spec.name].copy() for spec in PAGE_ARRAYS}
+    raw = {spec.name: arrays[spec.name] for spec in PAGE_ARRAYS}  # each array its own (writable) buffer
     if "dense_n" in arrays:  # where the sparse pages live (a checkpoint without them: every page dense)
         pool = PageState.restore(raw, int(arrays["dense_n"][0]), arrays["sparse_pages"].tolist())
     else:
         pool = PageState(**raw)
-    hits = arrays["shares"]
-    slots = INITIAL_SLOTS
-    while slots < len(hits):
-        slots *= 2
-    pool.shares = PrefixShares(slots)
-    for p, r, h in hits.tolist():  # hit order per page: the chains come out as they were
-        pool.share(p, r, h)
+    restore_shares(pool, arrays["shares"])
     for p, r in arrays["extra"].tolist():
         pool.extra.setdefault(p, set()).add(r)
-    offsets = np.concatenate([[0], np.cumsum(arrays["released_len"])])
+    flat, ends = arrays["released_pages"], np.cumsum(arrays["released_len"]).tolist()
     released: OrderedDict[int, list[np.ndarray]] = OrderedDict()
-    for k, r in enumerate(arrays["released_req"].tolist()):
-        released.setdefault(r, []).append(arrays["released_pages"][offsets[k] : offsets[k + 1]])
+    for r, lo, hi in zip(arrays["released_req"].tolist(), [0, *ends], ends):
+        released.setdefault(r, []).append(flat[lo:hi])  # views of one array, in release order
     pool.released = released
     pool.released_pages = int(arrays["released_len"].sum())
     pool.late = {p: ((k0, k1), w, g) for p, k0, k1, w, g in arrays["late"].tolist()}

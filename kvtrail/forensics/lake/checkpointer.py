@@ -62,7 +62,7 @@ def write_checkpoints(
         if hour != start or start not in have:
             data = checkpoint.capture(engine.state, key, part.start_ns)
             old = have.get(hour)
-            rel = f"{part.path('events')}/_checkpoint-E{doc.export_no:06d}.npz"
+            rel = f"{part.path('events')}/_checkpoint-E{doc.export_no:06d}.ckpt"
             w.put(rel, data, table="checkpoint", rows=0, cluster=key[0], node=key[1], hour=hour)
             if old is not None and old != rel:
                 del doc.files[old]

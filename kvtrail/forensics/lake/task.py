@@ -14,10 +14,11 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvtrail.audit.lake.catalog import LAKE_TABLES, open_memory_catalog
+from kvtrail.audit.lake.catalog import LAKE_TABLES, memory_catalog
 from kvtrail.audit.lake.fs import LakeFS
 from kvtrail.audit.lake.partition import HOUR_NS
 from kvtrail.audit.store import read_events
@@ -129,35 +130,37 @@ def run_task(task: PartitionTask) -> PartitionResult:
     """Run one task (in a worker process or in-process)."""
     lake = LakeFS.open(task.url)
     threads = worker_threads()
-    con = open_memory_catalog(read_tables(lake, task, threads), threads)
-    try:
-        producer_ids = {
-            tuple(r[1:]): r[0]
-            for r in con.execute(f"SELECT producer_id, {', '.join(PRODUCER_NAMES)} FROM producers").fetchall()
-        }
-        out = PartitionResult(task.cluster, task.node, task.hours)
-        if task.mode == "joins":
-            _collect_joins(con, task, producer_ids, out)
-            return out
-        engine = ReplayEngine(producer_ids, task.policy, codes=task.codes)
-        if task.checkpoint is not None:
-            checkpoint.restore(read_checked(lake, *task.checkpoint), engine.state)
-        for hour in task.hours:
-            where, params = task_filter(task, hour * HOUR_NS, (hour + 1) * HOUR_NS)
-            if engine.fast_path is not None:
-                for batch in store_batches(con, where, params, read_ahead=threads is None or threads > 1):
-                    out.events += batch.num_rows
-                    engine.feed_batch(batch)
-            else:
-                table = read_events(con, where, params)
-                out.events += table.num_rows
-                engine.feed(table)
-        out.found = list(engine.state.found)
-        out.joins = engine.state.joins
-        out.tenants = dict(engine.state.tenants)
+    with memory_catalog(read_tables(lake, task, threads), threads) as con:
+        return _run(con, lake, task, threads)
+
+
+def _run(con: duckdb.DuckDBPyConnection, lake: LakeFS, task: PartitionTask, threads: int | None) -> PartitionResult:
+    """The task on the catalog ``con`` of its tables."""
+    producer_ids = {
+        tuple(r[1:]): r[0]
+        for r in con.execute(f"SELECT producer_id, {', '.join(PRODUCER_NAMES)} FROM producers").fetchall()
+    }
+    out = PartitionResult(task.cluster, task.node, task.hours)
+    if task.mode == "joins":
+        _collect_joins(con, task, producer_ids, out)
         return out
-    finally:
-        con.close()
+    engine = ReplayEngine(producer_ids, task.policy, codes=task.codes)
+    if task.checkpoint is not None:
+        checkpoint.restore(read_checked(lake, *task.checkpoint), engine.state)
+    for hour in task.hours:
+        where, params = task_filter(task, hour * HOUR_NS, (hour + 1) * HOUR_NS)
+        if engine.fast_path is not None:
+            for batch in store_batches(con, where, params, read_ahead=threads is None or threads > 1):
+                out.events += batch.num_rows
+                engine.feed_batch(batch)
+        else:
+            table = read_events(con, where, params)
+            out.events += table.num_rows
+            engine.feed(table)
+    out.found = list(engine.state.found)
+    out.joins = engine.state.joins
+    out.tenants = dict(engine.state.tenants)
+    return out
 
 
 def _collect_joins(con, task: PartitionTask, producer_ids: dict, out: PartitionResult) -> None:
