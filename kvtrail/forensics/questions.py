@@ -49,6 +49,7 @@ from kvtrail.forensics.findings import AFFECTED_CODES, CODES, NEVER_WRITTEN, Fin
 from kvtrail.forensics.options import ReportOptions
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.engine import replay_store
+from kvtrail.forensics.responses import response_of, responses_by_request
 from kvtrail.forensics.sql.engine import sql_findings
 from kvtrail.forensics.symptoms import (
     empty_after_abort,
@@ -172,11 +173,11 @@ def affected_responses(
     else:
         check_window(con, w)
     found = [f for f in found if f.code in AFFECTED_CODES]
-    by_request: dict[str, dict] = {}
+    by_request: dict[tuple[str, str | None], dict] = {}  # a request is its (id, tenant), not its id text
     for f in found:
         assert f.request_id is not None, f"{f.code} finding without a recipient request: {f.detail}"
         row = by_request.setdefault(
-            f.request_id,
+            (f.request_id, f.tenant_id),
             {
                 "request_id": f.request_id,
                 "tenant_id": f.tenant_id,
@@ -193,20 +194,14 @@ def affected_responses(
         row["victim_request_ids"].update(v for v in f.victim_request_ids if v)
         row["victim_tenant_ids"].update(v if v else NEVER_WRITTEN for v in f.victim_tenant_ids)
         row["first_ns"], row["last_ns"] = min(row["first_ns"], f.first_ns), max(row["last_ns"], f.last_ns)
-    responses = {
-        r[0]: r[1:]
-        for r in con.execute(
-            "SELECT request_id, http_status, prompt_tokens, completion_tokens FROM events_v "
-            "WHERE kind = 'response_sent' AND request_id IS NOT NULL"
-        ).fetchall()
-    }
+    responses = responses_by_request(con)
     rows = []
-    for rid, row in by_request.items():
+    for (rid, tenant), row in by_request.items():
         if w.tenant is not None and row["tenant_id"] != w.tenant and w.tenant not in row["victim_tenant_ids"]:
             continue
         if w.node is not None and w.node not in {n for n, _ in row["foreign_pages"]}:
             continue
-        status, prompt, completion = responses.get(rid, (None, None, None))
+        status, prompt, completion = response_of(responses, rid, tenant)
         rows.append(
             {
                 "request_id": rid,

@@ -206,3 +206,24 @@ def test_a_rooms_prefill_abort_and_decodes_served_response_are_one_requests_f4(t
     assert [(f.request_id, f.tenant_id) for f in f4] == [("decode-rid-1", "acme")]  # not the unpaired abort
     assert "after abort: prefill: input too long (400)" in f4[0].detail
     assert answer.warnings == ()
+
+
+def test_two_tenants_affected_requests_sharing_an_id_are_two_responses_each_with_its_own(store_db):
+    """The affected-responses answer keys a request by (id, tenant): if acme's ``dup-7`` had read foreign
+    pages too, it is its own row with acme's response (its own prompt), never merged into mallory's row."""
+    from dataclasses import replace
+
+    from kvtrail.forensics.questions import affected_responses
+
+    with AuditStore(store_db) as store:
+        found = replay_store(store.con, fast=False)
+        f1 = next(f for f in found if f.code == "F1" and f.request_id == DUP)
+        as_acme = replace(f1, tenant_id="acme", victim_tenant_ids=("mallory",), victim_request_ids=(DUP,))
+        for pair in ([f1, as_acme], [as_acme, f1]):  # whichever the findings name first
+            rows = affected_responses(store.con, found=pair).to_dicts()
+            by_tenant = {r["tenant_id"]: r for r in rows}
+            assert len(rows) == 2 and set(by_tenant) == {"acme", "mallory"}
+            assert by_tenant["acme"]["prompt_tokens"] == SHORT_ACME
+            assert by_tenant["mallory"]["prompt_tokens"] == LONG
+            assert by_tenant["acme"]["victim_tenants"] == ["mallory"]
+            assert by_tenant["mallory"]["victim_tenants"] == ["acme"]
