@@ -2,7 +2,8 @@
 
 After each commit the ingest writer calls :meth:`Judge.notify` with the committed events; the judge's
 thread then feeds them to one warm :class:`~kvtrail.forensics.OnlineReplay` (reading back from the store
-only what it was not handed: at start, or after it fell more than ``MAX_HELD_EVENTS`` behind) and saves
+only what it was not handed: at start, or after it fell more than ``MAX_HELD_EVENTS`` events or
+``MAX_HELD_BYTES`` of them behind) and saves
 what it reports with :func:`~kvtrail.forensics.save_findings` (and the poll's commits to the minute
 aggregates) on its own cursor, beside the ingest writer rather than under its lock (the judge is the only
 writer of those tables), so the ``findings`` table (stable ids, ``first_run_id``) is fresh without
@@ -47,8 +48,10 @@ from kvtrail.service.config import DEFAULT_JUDGE_HORIZON_S, DEFAULT_JUDGE_INTERV
 log = logging.getLogger("kvtrail.service")
 ENGINE = "online"
 _LAG_SAMPLES = 4096
-# Committed events the judge holds for direct feeding; past this it drops them and reads from the store.
+# Committed events the judge holds for direct feeding; past either bound (events, or their Arrow bytes) it
+# drops them and reads them from the store: a judge that lags holds at most this much of the stream.
 MAX_HELD_EVENTS = 2_000_000
+MAX_HELD_BYTES = 128 * 2**20
 # The minute aggregates take the fed commits at most this often while commits keep coming (and at once when
 # the judge goes idle or is waited for): adding them costs about the same for one commit as for twenty, and
 # readers count the minutes not yet added from their events, so the dashboard loses nothing meanwhile.
@@ -121,7 +124,8 @@ class Judge:
         self._con = cursor()
         self._unsaved: list[Finding] = []
         self._held: list[tuple[pa.Table, dict[int, int]]] = []  # committed, not yet fed, in commit order
-        self._held_events = 0
+        self._held_events = self._held_bytes = 0
+        self.dropped_held = 0  # times the held commits passed a bound and were left to the store
         self.fed_direct = 0  # batches fed as committed, not read back
         # The per-(node, minute) aggregates: counted from each handed batch; rebuilt where the judge read
         # batches back from the store instead (its first poll, a fallback, a failed poll).
@@ -155,8 +159,11 @@ class Judge:
             if table is not None and batches:
                 self._held.append((table, dict(batches)))
                 self._held_events += table.num_rows
-                if self._held_events > MAX_HELD_EVENTS:  # fell behind: let the store hold them
-                    self._held, self._held_events, self._read_store = [], 0, True
+                self._held_bytes += table.nbytes
+                if self._held_events > MAX_HELD_EVENTS or self._held_bytes > MAX_HELD_BYTES:
+                    # fell behind: let the store hold them
+                    self._held, self._held_events, self._held_bytes, self._read_store = [], 0, 0, True
+                    self.dropped_held += 1
             elif batches is None or table is None:
                 self._read_store = True  # a commit it was not handed: the next poll reads the store
             self._cv.notify_all()
@@ -213,6 +220,7 @@ class Judge:
             "failures": self.failures,
             "findings_saved": self.findings_saved,
             "batches_fed_direct": self.fed_direct,
+            "held_dropped": self.dropped_held,
             "events_judged": self.replay.num_events,
             "last_run_id": self.last_run_id,
             "requests_retired": self.replay.retirement.retired,
@@ -240,7 +248,7 @@ class Judge:
                     return
                 next_poll = time.monotonic() + self.poll_interval_s
                 since, self._oldest_ns = self._oldest_ns, None
-                held, self._held, self._held_events = self._held, [], 0
+                held, self._held, self._held_events, self._held_bytes = self._held, [], 0, 0
                 read_store, self._read_store = self._read_store, False
                 self._busy = True
             ok = self._poll(held, read_store)

@@ -244,3 +244,26 @@ def test_the_aggregates_take_commits_on_their_interval_and_readers_see_those_min
     finally:
         cur.close()
     assert sum(r[2] for r in kept) == sum(t.num_rows for t in tables)
+
+
+def test_a_lagging_judge_holds_at_most_its_byte_bound_and_reads_the_rest_from_the_store(
+    client, service_state, producer_token, fleet, monkeypatch
+):
+    """The commits handed to a judge that lags are bounded by their bytes too (not only by their count): past
+    the bound it drops them and reads them back from the store, and judges exactly what a replay judges."""
+    from kvtrail.service import judge as judge_mod
+
+    tables, _ = fleet
+    judge = service_state.judge
+    assert judge.wait_idle(30)
+    monkeypatch.setattr(judge_mod, "MAX_HELD_BYTES", 0)  # every commit passes it
+    dropped, fed = judge.stats()["held_dropped"], judge.stats()["batches_fed_direct"]
+    for table in tables:
+        assert client.post("/v1/events", content=arrow_body(table), headers=auth(producer_token)).status_code == 200
+    assert judge.wait_idle(60)
+    assert judge.stats()["held_dropped"] - dropped == len(tables)  # each one left to the store ...
+    assert judge.stats()["batches_fed_direct"] == fed  # ... none fed as handed
+    cur = service_state.cursor()
+    expected = replay_store(cur)  # the authoritative window re-run over the same store
+    cur.close()
+    assert expected and {r["finding_id"] for r in _persisted(service_state)} == {finding_id(f) for f in expected}
