@@ -61,13 +61,15 @@ def main() -> None:
         while fed < args.events:
             for g in gens:
                 res = store.append(next(g))
+                assert res.table is not None
                 judge.notify(table=res.table, batches=dict(res.batches))
                 fed += res.table.num_rows
             if fed >= mark or fed >= args.events:
                 mark += step
                 judge.wait_idle(300)
                 state, ret = judge.replay.engine.state, judge.replay.retirement
-                duck = store.con.execute("SELECT sum(memory_usage_bytes) FROM duckdb_memory()").fetchone()[0]
+                row = store.con.execute("SELECT sum(memory_usage_bytes) FROM duckdb_memory()").fetchone()
+                duck = row[0] if row else 0
                 print(
                     f"{fed:>9,}  {_rss_mb():>6.0f}  {duck / 1e6:>9.0f}  {len(state.requests):>5}  "
                     f"{len(state.request_index):>8}  {ret.retired:>7}  {len(state.joins.forward_writes):>14}  "

@@ -46,7 +46,7 @@ def _feed_in_time(online: OnlineReplay, commits: list[list[pa.Table]]):
         for t in commit:
             online.engine.feed(t)
             online.retirement.seen(t)
-        online.poll(None, read_store=False)
+        online.poll(None, read_store=False)  # type: ignore[arg-type]  # nothing is read from a store
         yield
 
 

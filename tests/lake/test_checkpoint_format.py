@@ -125,7 +125,8 @@ def _as_format2(data: bytes) -> bytes:
     if "released_pages" in arrays:
         arrays["released_pages"] = arrays["released_pages"].astype(np.int64)
     buf = io.BytesIO()
-    np.savez_compressed(buf, info=np.frombuffer(json.dumps(info).encode(), np.uint8), **arrays)
+    members = {"info": np.frombuffer(json.dumps(info).encode(), np.uint8), **arrays}
+    np.savez_compressed(buf, **members)  # type: ignore[arg-type]  # numpy's stub types the keyword ``allow_pickle``
     return buf.getvalue()
 
 
