@@ -17,7 +17,9 @@ rounds, alternating (bench/rounds.py):
 
 Printed: ingest events/s and page-events/s of both (min / median / max over rounds) and their ratio per
 round (goal >= 0.8x direct, judged on the worst round), what both sides do per batch and the CPU each
-spends per batch (the direct process; the service process, all its threads, over the ingest), the
+spends per batch (the direct process; the service process, all its threads, to the last acknowledgement
+and until the live judge has judged every commit, read from /metrics), the service's CPU per page-event
+over direct append's per round (goal <= 1.5x, judge and aggregates included, worst round), the
 load average, p50/p99 ingest latency, p50/p99 query latency (the 1-hour window covers the whole
 stream, so the service answers from the live judge: docs/service.md), the live judge's lag (commit ->
 findings persisted, p50/p99 from /healthz) and lost events.
@@ -43,7 +45,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from rounds import Spread, at_least, check_rounds, per_round_ratios, rotated  # noqa: E402
+from rounds import MIN_ROUNDS, Spread, at_least, check_rounds, per_round_ratios, rotated  # noqa: E402
 
 from kvtrail.audit.batch import read_ipc, write_ipc  # noqa: E402
 from kvtrail.audit.events import Producer, RequestRef  # noqa: E402
@@ -54,6 +56,7 @@ from kvtrail.service.tokens import new_token, token_line  # noqa: E402
 from kvtrail.sim.synth import synth_batches  # noqa: E402
 
 GOAL_RATIO = 0.8
+GOAL_CPU_RATIO = 1.5  # service CPU per page-event, judge and aggregates included, over direct append's
 HOUR_NS = 3600 * 10**9
 _BANNER = re.compile(r"kvtrail service listening on (http://\S+)")
 
@@ -220,6 +223,8 @@ def run_http(
         p.join()
     import httpx
 
+    caught_up_s = _judge_caught_up(url, otoken[1])
+    judged_cpu = _cpu_s(proc.pid) - cpu0  # ... and until the live judge has judged every commit
     health = httpx.get(f"{url}/healthz", timeout=30).json()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(120) == 0
@@ -238,6 +243,8 @@ def run_http(
         "lag_p50_s": health.get("judge_lag_p50_s"),
         "lag_p99_s": health.get("judge_lag_p99_s"),
         "cpu_s": service_cpu,
+        "judged_cpu_s": judged_cpu,
+        "caught_up_s": caught_up_s,
         "batches": sum(map(len, bodies)),
         "load": load0,
         "transactions": health.get("commit_transactions"),
@@ -269,6 +276,24 @@ def run_direct(bodies: list[list[bytes]], tmp: Path, round_no: int) -> dict:
         "checkpoints": checkpoints,
         "checkpoint_s": checkpoint_s,
     }
+
+
+_JUDGE_LAG = re.compile(r"^kvtrail_judge_lag_seconds\{[^}]*\} (\S+)$", re.M)
+
+
+def _judge_caught_up(url: str, token: str, timeout_s: float = 300.0) -> float:
+    """Seconds until the live judge has no committed batch left to judge (every producer's
+    ``kvtrail_judge_lag_seconds`` is 0), polled every 0.25 s after the last acknowledgement."""
+    import httpx
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=30).text
+        lags = [float(x) for x in _JUDGE_LAG.findall(text)]
+        if lags and max(lags) == 0.0:
+            return time.perf_counter() - t0
+        time.sleep(0.25)
+    raise AssertionError(f"the live judge did not catch up within {timeout_s:g} s")
 
 
 def _cpu_s(pid: int) -> float:
@@ -358,11 +383,26 @@ def report(runs: dict[str, list[dict]], args) -> None:
         "judge and writes the access log"
     )
     cpu = {name: [r["cpu_s"] / r["batches"] * 1e3 for r in rs] for name, rs in (("http", http), ("direct", direct))}
+    judged = [r["judged_cpu_s"] / r["batches"] * 1e3 for r in http]
     print(
         f"CPU per batch: direct {Spread.of(cpu['direct']).text(1, '.1f')} ms (one process), service "
-        f"{Spread.of(cpu['http']).text(1, '.1f')} ms (its process, all threads; min / median / max); "
+        f"{Spread.of(cpu['http']).text(1, '.1f')} ms to the last acknowledgement, "
+        f"{Spread.of(judged).text(1, '.1f')} ms until the live judge had judged every commit "
+        f"({Spread.of([r['caught_up_s'] for r in http]).text(2, '.2f')} s after the last acknowledgement) "
+        f"(its process, all threads; min / median / max); "
         f"load average at the start of the rounds {min(r['load'] for r in http + direct):.1f} to "
         f"{max(r['load'] for r in http + direct):.1f} on {os.cpu_count()} cores"
+    )
+    # CPU per page-event, service (judge and aggregates included) over direct append, round by round
+    cpu_ratios = [
+        (h["judged_cpu_s"] / h["page_events"]) / (d["cpu_s"] / d["page_events"]) for h, d in zip(http, direct)
+    ]
+    worst = max(cpu_ratios)
+    word = "no verdict" if len(cpu_ratios) < MIN_ROUNDS else ("PASS" if worst <= GOAL_CPU_RATIO else "MISS")
+    print(
+        f"service CPU per page-event / direct append's, per round (judge included): "
+        f"{', '.join(f'{x:.2f}' for x in cpu_ratios)}  -> goal <= {GOAL_CPU_RATIO}x with "
+        f"{args.queries} query clients: {word} (worst {worst:.2f})"
     )
     if all(r.get("transactions") is not None for r in http):
         print(

@@ -1,6 +1,7 @@
 """The store keeps every event exactly: fields, page lists (order included), producers."""
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -184,3 +185,27 @@ def test_read_events_after_an_open_result_on_the_same_connection(store):
     store.append(from_dicts([config(0), alloc(1, [1, 2])]))
     store.con.execute("SELECT count(*) FROM events").fetchone()  # leaves a result open (DuckDB 2)
     assert len(to_dicts(read_events(store.con))) == 2
+
+
+def test_events_v_rows_holds_the_views_rows_for_the_columns_asked(tmp_path):
+    """The narrow union the store reader queries: events_v's rows (of the kinds asked, if any) with the
+    producer identity and the columns asked; a column events does not hold is refused by name."""
+    from kvtrail.audit.layout import events_v_rows
+    from kvtrail.sim.fleet import FleetConfig, fleet_batches
+
+    cfg = FleetConfig(seed=2, hours=0.002, rate_per_s=10, prefill_nodes=1, decode_nodes=1, events_per_batch=400)
+    with AuditStore(tmp_path / "s.duckdb") as store:
+        for t in fleet_batches(cfg):
+            store.append(t)
+        cols = "node, producer_id, seq, kind, request_id, tenant_id, num_pages, block_hashes"
+        key = "ORDER BY producer_id, seq"
+        want = store.con.execute(f"SELECT {cols} FROM events_v {key}").fetchall()
+        narrow = events_v_rows(("seq", "kind", "request_id", "tenant_id", "num_pages", "block_hashes"))
+        got = store.con.execute(f"SELECT {cols} FROM {narrow} v {key}").fetchall()
+        assert len(want) > 100 and got == want
+        sent = store.con.execute(
+            f"SELECT DISTINCT kind FROM {events_v_rows(('kind',), ['transfer_sent', 'node_config'])} v"
+        ).fetchall()
+        assert sorted(sent) == [("node_config",), ("transfer_sent",)]
+        with pytest.raises(ValueError, match="not a column of events: pages_of"):
+            events_v_rows(("seq", "pages_of"))

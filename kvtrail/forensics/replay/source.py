@@ -17,6 +17,7 @@ turn; the connection must not be used by anything else until the slices are cons
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
@@ -27,6 +28,7 @@ import pyarrow.compute as pc
 from kvtrail.audit.arrowutil import flat_list, offsets_from_lengths
 from kvtrail.audit.batch import BATCH_SCHEMA
 from kvtrail.audit.events import KINDS
+from kvtrail.audit.layout import EVENTS_SCHEMA, events_v_rows, has_kind_tables
 from kvtrail.forensics.progress import advance
 from kvtrail.forensics.replay.batch import PAGE_KINDS, PRODUCER_NAMES, ReplayBatch, request_codes
 from kvtrail.forensics.replay.event import SCALARS
@@ -52,7 +54,8 @@ def _slice_bounds(
     fleet's store is one slice, not as many as the whole fleet's hour would need).
     """
     lo, hi, pids = con.execute(
-        f"SELECT min(wall_ns), max(wall_ns), list(DISTINCT producer_id) FROM events_v WHERE {where}", params
+        f"SELECT min(wall_ns), max(wall_ns), list(DISTINCT producer_id) FROM {_events_v(con, (where,))} WHERE {where}",
+        params,
     ).fetchone()
     if lo is None:
         return []
@@ -80,6 +83,17 @@ def _slice_bounds(
     return sorted({lo, *cuts.tolist(), hi + 1})
 
 
+def _events_v(con, cols, narrow: bool | None = None, kinds: list[str] | None = None) -> str:
+    """``events_v`` as a FROM item for a query of ``cols`` (names, expressions or filters over them; time,
+    kind and producer always included): in a store of kind tables, a union of those columns alone
+    (:func:`~kvtrail.audit.layout.events_v_rows`), whose planning costs a fraction of the whole view's; the
+    view elsewhere (a lake's Parquet, a format-1 catalog). ``kinds``: only events of these kinds are wanted."""
+    if not (has_kind_tables(con) if narrow is None else narrow):
+        return "events_v"
+    names = [n for n in EVENTS_SCHEMA.names if any(re.search(rf"\b{n}\b", c) for c in cols)]
+    return f"{events_v_rows(('wall_ns', 'seq', 'kind', *names), kinds)} events_v"
+
+
 # The columns a page event can have (validation refuses other fields on page kinds); events of the
 # other kinds are read with every column the handlers read, in a second query.
 _PAGE_EVENT_COLS = tuple(
@@ -102,6 +116,7 @@ class _SliceReader:
         self.con = con
         self.where, self.params = where, params
         self.con.begin()
+        self.narrow = has_kind_tables(con)
         rows = self.con.execute(
             f"SELECT producer_id, {', '.join(PRODUCER_NAMES)} FROM producers "
             "ORDER BY cluster, node, instance, producer_id"
@@ -115,14 +130,16 @@ class _SliceReader:
     def close(self) -> None:
         self.con.commit()
 
-    def _events(self, cols, lo: int, hi: int, extra: str = "") -> pa.Table:
+    def _events(self, cols, lo: int, hi: int, extra: str = "", kinds: list[str] | None = None) -> pa.Table:
         # Producers rank by (cluster, node, instance) as in the engine's sort; ties keep (producer_id, seq)
         # order, as the sort of read_events' rows does.
         return (
             self.con.sql(
                 "WITH pr AS (SELECT producer_id, rank() OVER (ORDER BY cluster, node, instance) AS prank "
                 "FROM producers) "
-                f"SELECT producer_id, {', '.join(cols)} FROM events_v JOIN pr USING (producer_id) "
+                f"SELECT producer_id, {', '.join(cols)} "
+                f"FROM {_events_v(self.con, (*cols, self.where, extra), self.narrow, kinds)} "
+                "JOIN pr USING (producer_id) "
                 f"WHERE {self.where} AND wall_ns >= ? AND wall_ns < ? {extra} "
                 "ORDER BY wall_ns, prank, producer_id, seq",
                 params=[*self.params, lo, hi],
@@ -133,7 +150,8 @@ class _SliceReader:
 
     def _some_rows(self, ev: pa.Table, rows: np.ndarray, cols, lo: int, hi: int, extra: str) -> pa.Table:
         """``cols`` of the slice's events matching ``extra`` (``rows`` of ``ev``), in the same order."""
-        part = self._events(("seq",) + tuple(cols), lo, hi, extra)
+        kinds = pc.unique(ev.column("kind").take(pa.array(rows))).to_pylist()  # the union of those kinds alone
+        part = self._events(("seq",) + tuple(cols), lo, hi, extra, None if None in kinds else kinds)
         assert (
             part.num_rows == len(rows)
             and np.array_equal(part.column("producer_id").to_numpy(), ev.column("producer_id").to_numpy()[rows])
