@@ -43,7 +43,12 @@ _GRID_POINTS = 4096
 
 
 def _slice_bounds(
-    con, where: str, params: list, page_events_per_slice: int, events_per_slice: int = EVENTS_PER_SLICE
+    con,
+    where: str,
+    params: list,
+    page_events_per_slice: int,
+    events_per_slice: int = EVENTS_PER_SLICE,
+    narrow: bool | None = None,
 ) -> list[int]:
     """Cut points in wall_ns such that each slice holds about page_events_per_slice page-events, or
     events_per_slice events, or a mix in that proportion.
@@ -51,10 +56,12 @@ def _slice_bounds(
     Committed batches know their time span, events and page-events; each batch's are taken as spread
     evenly over its span, which is close enough for sizing slices. Only the batches of the producers
     ``where`` selects count, and only their part inside the window's time span (one node's hour of a
-    fleet's store is one slice, not as many as the whole fleet's hour would need).
+    fleet's store is one slice, not as many as the whole fleet's hour would need). ``narrow``: whether the
+    store has kind tables, if the caller knows (:func:`_events_v`).
     """
     lo, hi, pids = con.execute(
-        f"SELECT min(wall_ns), max(wall_ns), list(DISTINCT producer_id) FROM {_events_v(con, (where,))} WHERE {where}",
+        f"SELECT min(wall_ns), max(wall_ns), list(DISTINCT producer_id) FROM {_events_v(con, (where,), narrow)} "
+        f"WHERE {where}",
         params,
     ).fetchone()
     if lo is None:
@@ -350,7 +357,7 @@ def store_batches(
     con.complete()
     reader = _SliceReader(con, where, params)
     try:
-        bounds = _slice_bounds(con, where, params, page_events_per_slice, events_per_slice)
+        bounds = _slice_bounds(con, where, params, page_events_per_slice, events_per_slice, reader.narrow)
         if not read_ahead:
             if meanwhile is not None:
                 meanwhile()
