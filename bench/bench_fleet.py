@@ -50,6 +50,10 @@ AFFECTED = ("F1", "F5")
 # The issue's fleet: ~120 M page-events per simulated hour of an 8-node deployment.
 PAGE_EVENTS_PER_NODE_HOUR = 120_000_000 / 8
 SPEEDUP_GOAL = 1.7
+# Issue 34's goal 1: a lake task per core at least this fraction of the single store's replay (the single
+# store on one core is the per-core figure; beside it, the single store with the whole machine).
+PER_CORE_GOAL = 0.8
+SINGLE_1 = "single, 1 core"
 WORKER_MB_GOAL = 2048
 
 
@@ -95,11 +99,15 @@ class PlainProcesses:
     def __init__(self, n: int):
         import multiprocessing as mp
 
+        self.n = n
         self.pool = mp.get_context("spawn").Pool(n, initializer=_one_core)
         self.pool.map(_peak_rss_of, range(n))  # started and imported before the clock
 
     def map(self, fn, items, label="tasks"):
         return self.pool.map(fn, items, chunksize=1)
+
+    def slots(self) -> int:
+        return self.n
 
     def close(self) -> None:
         self.pool.close()
@@ -170,8 +178,8 @@ def main() -> int:
             f"machine: {os.cpu_count()} CPUs, shared with other jobs; {rounds} rounds ({whole_rounds} of the whole "
             "history), methods alternating"
         )
-        methods = ["single store"] + [f"lake, {n} worker{'s' if n > 1 else ''}" for n in args.workers]
-        for n, name in zip(args.workers, methods[1:]):
+        methods = ["single store", SINGLE_1] + [f"lake, {n} worker{'s' if n > 1 else ''}" for n in args.workers]
+        for n, name in zip(args.workers, methods[2:]):
             executors[name] = DaskExecutor(workers=n, progress=False)
         if not args.no_limit:
             for n in (1, 2):
@@ -197,6 +205,10 @@ def main() -> int:
                         t = time.perf_counter()
                         if m == "single store":
                             got = replay_store(con, f, to, codes=AFFECTED)
+                        elif m == SINGLE_1:  # as a one-thread lake worker runs: no read-ahead, one DuckDB thread
+                            con.execute("SET threads = 1")
+                            got = replay_store(con, f, to, codes=AFFECTED, read_ahead=False)
+                            con.execute("RESET threads")
                         else:
                             got = lake_findings(lake, fx.Window(f, to), codes=AFFECTED, executor=executors[m])
                         walls[(q, m)].append(time.perf_counter() - t)
@@ -210,7 +222,7 @@ def main() -> int:
                     ),
                     flush=True,
                 )
-        peaks = {"single store": _peak_rss_mb()}
+        peaks = {"single store": _peak_rss_mb(), SINGLE_1: _peak_rss_mb()}
         for name, ex in executors.items():
             if isinstance(ex, DaskExecutor):
                 peaks[name] = max(ex.client.run(_peak_rss_mb).values())
@@ -256,6 +268,17 @@ def _report(questions, methods, walls, same, pe, peaks, parts, total, workers) -
                     f"{Spread.of(lim).text()} x; Dask's speed-up as a fraction of it per round: "
                     + ", ".join(f"{a / b:.2f}" for a, b in zip(ratios, lim))
                 )
+    if 1 in workers:
+        for q in questions:
+            for single in (SINGLE_1, "single store"):
+                ratios = per_round_ratios(walls[(q, single)], walls[(q, "lake, 1 worker")])
+                v = at_least("lake per core", ratios, PER_CORE_GOAL)
+                tail = (
+                    f"; goal >= {PER_CORE_GOAL} on the worst round: {v.worst:.2f} -> {v.word}"
+                    if single == SINGLE_1
+                    else " (the single store on both cores: for reference)"
+                )
+                print(f"{single} / lake, 1 worker ({q}), per round: {', '.join(f'{r:.2f}' for r in ratios)}{tail}")
     worker_peaks = [peaks[m] for m in methods if m.startswith("lake")]
     if worker_peaks:
         v = at_most("memory per worker", worker_peaks, WORKER_MB_GOAL)

@@ -50,6 +50,11 @@ class Executor(Protocol):
 
     def map(self, fn: Callable[[Any], Any], items: Sequence[Any], label: str = "tasks") -> list[Any]: ...
 
+    def slots(self) -> int:
+        """How many tasks it runs at once (the threads of all its workers): how finely a question's
+        partitions are worth cutting (:func:`~kvtrail.forensics.lake.groups.group_tasks`)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -78,6 +83,9 @@ class LocalExecutor:
 
     def map(self, fn: Callable[[Any], Any], items: Sequence[Any], label: str = "tasks") -> list[Any]:
         return [fn(item) for item in items]
+
+    def slots(self) -> int:
+        return 1
 
     def close(self) -> None:
         pass
@@ -156,6 +164,9 @@ class DaskExecutor:
             ) from exc
         finally:
             self.client.cancel(futures)
+
+    def slots(self) -> int:
+        return max(1, sum(self.client.nthreads().values()))
 
     def close(self) -> None:
         self.client.close()

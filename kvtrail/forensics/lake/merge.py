@@ -48,7 +48,9 @@ class _Renumber:
 
 def _events_of(j: CrossNodeJoins) -> Iterable[ReplayEvent]:
     for t in j.transfers.values():
-        yield from (e for e in (t.reserved, t.received) if e is not None)
+        # with the node_config in force at each leg: a task replaying several hours (or a node configured
+        # twice in an hour) may have had another config in force there than the latest it saw
+        yield from (e for e in (t.reserved, t.received, t.reserved_cfg, t.received_cfg) if e is not None)
         yield from t.sent
     for evs in j.aborts.values():
         yield from evs
@@ -67,14 +69,27 @@ def _earliest(into: dict[K, ReplayEvent], receipts: dict[K, ReplayEvent], num: _
             into[key] = ev
 
 
+def first_tenants(results: list[PartitionResult]) -> dict[str, str]:
+    """Each request id's first tenant named, in hour order (as one store's replay names them): ``results``
+    sorted by (first hour, cluster, node), an id a group of hours first named in a later hour counted at
+    that hour (:attr:`~kvtrail.forensics.lake.task.PartitionResult.tenant_hours`)."""
+    named = []
+    for i, r in enumerate(results):
+        for k, (rid, tenant) in enumerate(r.tenants.items()):
+            named.append(((r.tenant_hours.get(rid, r.hours[0]), r.cluster, r.node, i, k), rid, tenant))
+    named.sort(key=lambda n: n[0])
+    out: dict[str, str] = {}
+    for _, rid, tenant in named:
+        out.setdefault(rid, tenant)
+    return out
+
+
 def merge_joins(results: list[PartitionResult], policy: ForensicsPolicy) -> CrossNodeJoins:
     """One CrossNodeJoins holding every task's collections, renumbered into one order."""
     results = sorted(results, key=lambda r: (r.hours[0], r.cluster, r.node))
     num = _Renumber(results)
     out = CrossNodeJoins(policy)
-    for r in results:  # the first tenant named for each id, in hour order (as one store's replay)
-        for named, tenant in r.tenants.items():
-            out.tenants.setdefault(named, tenant)
+    out.tenants.update(first_tenants(results))
     # Each task's latest node_config per node: a task that starts from a checkpoint has fed none, so the
     # config in force at one of its events is the latest one before it in any task (F11).
     configs: dict[tuple[str, str], list[ReplayEvent]] = {}
@@ -136,9 +151,7 @@ def merged_findings(
     """Every finding of the window, as :func:`kvtrail.forensics.replay.engine.replay_store` returns them."""
     ordered = sorted(results, key=lambda r: (r.hours[0], r.cluster, r.node))
     state = ReplayState(CrossNodeJoins(policy))
-    for r in ordered:
-        for rid, tenant in r.tenants.items():
-            state.tenants.setdefault(rid, tenant)
+    state.tenants.update(first_tenants(ordered))
     handlers = EventHandlers(state, policy)
     found = [f for r in ordered for f in r.found]
     if need_joins:

@@ -27,7 +27,7 @@ import duckdb
 from kvtrail.audit.lake.fs import LakeFS
 from kvtrail.audit.lake.manifest import LakeManifest
 from kvtrail.audit.lake.partition import HOUR_NS, hour_of
-from kvtrail.forensics.lake.task import LakeCoverageError, PartitionTask
+from kvtrail.forensics.lake.task import SHARED_TABLES, LakeCoverageError, PartitionTask
 from kvtrail.forensics.policy import ForensicsPolicy
 
 NodeKey = tuple[str, str]
@@ -58,9 +58,7 @@ def plan_tasks(
 ) -> list[PartitionTask]:
     """The tasks for the window [from_ns, to_ns] (see the module doc)."""
     files = m.files
-    shared = tuple(
-        (t, tuple((p, f.sha256) for p, f in sorted(files.items()) if f.table == t)) for t in ("producers", "batches")
-    )
+    shared = tuple((t, tuple((p, f.sha256) for p, f in sorted(files.items()) if f.table == t)) for t in SHARED_TABLES)
     by_part: dict[tuple[NodeKey, int], dict[str, list[tuple[str, str]]]] = defaultdict(lambda: defaultdict(list))
     producers_in: dict[tuple[NodeKey, int], set[int]] = defaultdict(set)
     checkpoints: dict[tuple[NodeKey, int], tuple[str, str]] = {}

@@ -32,10 +32,11 @@ from kvtrail.forensics.analysis.exclusions import Exclusions, excluded_mask
 from kvtrail.forensics.engine_signals import SignalPolicy, engine_signals, signal_notes
 from kvtrail.forensics.findings import AFFECTED_CODES, CODES, Finding
 from kvtrail.forensics.lake.executor import Executor, LocalExecutor, map_largest_first
+from kvtrail.forensics.lake.groups import group_tasks, run_planned
 from kvtrail.forensics.lake.merge import merged_findings
 from kvtrail.forensics.lake.plan import plan_tasks
 from kvtrail.forensics.lake.sqltask import sql_lake_findings
-from kvtrail.forensics.lake.task import LakeCoverageError, run_task
+from kvtrail.forensics.lake.task import LakeCoverageError
 from kvtrail.forensics.options import ReportOptions
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.questions import (
@@ -107,7 +108,9 @@ def lake_findings(
         raise KvtrailError(f"--engine: unknown findings engine {engine!r}; known: replay, sql")
     need_joins = wanted is None or bool(set(wanted) & JOIN_CODES)
     tasks = plan_tasks(lake.fs, lake.manifest, lake.con, w.from_ns, w.to_ns, policy, wanted, need_joins=need_joins)
-    results = map_largest_first(executor or LocalExecutor(), run_task, tasks, lambda t: t.cost, label="partitions")
+    executor = executor or LocalExecutor()
+    planned = group_tasks(tasks, executor.slots())
+    results = map_largest_first(executor, run_planned, planned, lambda t: t.cost, label="partitions")
     return merged_findings(results, policy, wanted, w.from_ns, need_joins=need_joins)
 
 

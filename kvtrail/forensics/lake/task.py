@@ -33,6 +33,8 @@ from kvtrail.forensics.replay.joins import CrossNodeJoins
 from kvtrail.forensics.replay.source import store_batches
 
 MODES = ("pages", "joins", "chain")
+# The tables whose files every task of a question lists alike (the lake's own); the others are a partition's.
+SHARED_TABLES = ("producers", "batches")
 
 
 class LakeCoverageError(KvtrailError):
@@ -74,6 +76,9 @@ class PartitionResult:
     found: list[Finding] = field(default_factory=list)
     joins: CrossNodeJoins | None = None
     tenants: dict[str, str] = field(default_factory=dict)
+    # request id -> the hour its tenant was first named in, where that is later than hours[0] (a group of
+    # hours, kvtrail.forensics.lake.groups): the merge takes each id's first naming in hour order
+    tenant_hours: dict[str, int] = field(default_factory=dict)
     # joins mode: ((cluster, node), request_id, tenant_id) -> prefix-hit pages
     hit_pages: dict[tuple[tuple[str, str], str | None, str | None], int] = field(default_factory=dict)
     events: int = 0
@@ -105,19 +110,28 @@ def task_filter(task: PartitionTask, lo: int, hi: int) -> tuple[str, list]:
     return " AND ".join(where), params
 
 
-def read_tables(lake: LakeFS, task: PartitionTask, threads: int | None = None) -> dict[str, pa.Table]:
+def read_tables(
+    lake: LakeFS, task: PartitionTask, threads: int | None = None, cache: dict | None = None
+) -> dict[str, pa.Table]:
     """The task's files as tables, each read once: the bytes whose SHA-256 matched are the ones judged.
-    ``threads``: the task's thread budget (:func:`~kvtrail.forensics.lake.executor.worker_threads`)."""
+    ``threads``: the task's thread budget (:func:`~kvtrail.forensics.lake.executor.worker_threads`);
+    ``cache``: the :data:`SHARED_TABLES` read before, by their file lists (a group of tasks reads them once)."""
     many = threads is None or threads > 1
-    tables = {
+
+    def table_of(name: str, entries: tuple[tuple[str, str], ...]) -> pa.Table:
+        key = (name, entries)
+        if cache is not None and key in cache:
+            return cache[key]
         # files written before an event field was added lack its column: null there (promoted)
-        table: pa.concat_tables(
+        table = pa.concat_tables(
             [pq.read_table(pa.BufferReader(read_checked(lake, path, sha)), use_threads=many) for path, sha in entries],
             promote_options="default",
         )
-        for table, entries in task.files
-        if entries
-    }
+        if cache is not None and name in SHARED_TABLES:
+            cache[key] = table
+        return table
+
+    tables = {table: table_of(table, entries) for table, entries in task.files if entries}
     if set(tables) != set(LAKE_TABLES):
         raise LakeCoverageError(
             f"lake {lake.url}: no {', '.join(sorted(set(LAKE_TABLES) - set(tables)))} files "
@@ -134,19 +148,18 @@ def run_task(task: PartitionTask) -> PartitionResult:
         return _run(con, lake, task, threads)
 
 
-def _run(con: duckdb.DuckDBPyConnection, lake: LakeFS, task: PartitionTask, threads: int | None) -> PartitionResult:
-    """The task on the catalog ``con`` of its tables."""
-    producer_ids = {
+def producer_ids(con: duckdb.DuckDBPyConnection) -> dict[tuple, int]:
+    """The catalog's producers: identity -> producer id (what a ReplayEngine is made with)."""
+    return {
         tuple(r[1:]): r[0]
         for r in con.execute(f"SELECT producer_id, {', '.join(PRODUCER_NAMES)} FROM producers").fetchall()
     }
-    out = PartitionResult(task.cluster, task.node, task.hours)
-    if task.mode == "joins":
-        _collect_joins(con, task, producer_ids, out)
-        return out
-    engine = ReplayEngine(producer_ids, task.policy, codes=task.codes)
-    if task.checkpoint is not None:
-        checkpoint.restore(read_checked(lake, *task.checkpoint), engine.state)
+
+
+def replay_hours(
+    con: duckdb.DuckDBPyConnection, task: PartitionTask, engine: ReplayEngine, out: PartitionResult, threads: int | None
+) -> None:
+    """Feed ``engine`` the task's events, hour by hour, from the catalog ``con`` of its tables."""
     for hour in task.hours:
         where, params = task_filter(task, hour * HOUR_NS, (hour + 1) * HOUR_NS)
         if engine.fast_path is not None:
@@ -157,13 +170,25 @@ def _run(con: duckdb.DuckDBPyConnection, lake: LakeFS, task: PartitionTask, thre
             table = read_events(con, where, params)
             out.events += table.num_rows
             engine.feed(table)
+
+
+def _run(con: duckdb.DuckDBPyConnection, lake: LakeFS, task: PartitionTask, threads: int | None) -> PartitionResult:
+    """The task on the catalog ``con`` of its tables."""
+    out = PartitionResult(task.cluster, task.node, task.hours)
+    if task.mode == "joins":
+        _collect_joins(con, task, producer_ids(con), out)
+        return out
+    engine = ReplayEngine(producer_ids(con), task.policy, codes=task.codes)
+    if task.checkpoint is not None:
+        checkpoint.restore(read_checked(lake, *task.checkpoint), engine.state)
+    replay_hours(con, task, engine, out, threads)
     out.found = list(engine.state.found)
     out.joins = engine.state.joins
     out.tenants = dict(engine.state.tenants)
     return out
 
 
-def _collect_joins(con, task: PartitionTask, producer_ids: dict, out: PartitionResult) -> None:
+def _collect_joins(con, task: PartitionTask, pids: dict, out: PartitionResult) -> None:
     """The joins' inputs of hours before the window: join kinds, node configs and forward writes, no pages."""
     hour = task.hours[0]
     where, params = task_filter(task, hour * HOUR_NS, (hour + 1) * HOUR_NS)
@@ -179,7 +204,7 @@ def _collect_joins(con, task: PartitionTask, producer_ids: dict, out: PartitionR
         col = pa.array([[]] * writes.num_rows, typ) if name == "pages" else pa.nulls(writes.num_rows, typ)
         writes = writes.set_column(i, writes.schema.field(name), col)
     table = pa.concat_tables([joined, writes])
-    engine = ReplayEngine(producer_ids, task.policy, codes=task.codes, fast=False)
+    engine = ReplayEngine(pids, task.policy, codes=task.codes, fast=False)
     engine.feed(table)
     out.events = table.num_rows
     out.joins = engine.state.joins

@@ -1,0 +1,132 @@
+"""Consecutive hours of one node as one task, where the cluster has fewer slots than the plan has tasks.
+
+A ``pages`` task (:mod:`kvtrail.forensics.lake.plan`) replays one node's hour from the checkpoint at the
+hour's start. Every task pays fixed costs besides its replay: restoring the checkpoint, reading the
+lake's ``producers`` and ``batches`` files, a catalog, sizing its slices, registering its requests,
+the scheduler's round trip. Where a question has many more partitions than the cluster has slots
+(threads over all workers), :func:`group_tasks` joins runs of one node's consecutive ``pages`` tasks
+into a :class:`TaskGroup`: :func:`run_group` restores only the first hour's checkpoint (or starts empty,
+as that task would) and replays the hours in order with one engine, so each later hour continues from
+the state one store's replay has there, which is what its checkpoint holds (each later checkpoint is
+still checked against the manifest: a question never answers over an altered file). The hours are still read
+one at a time (a group's memory is one hour's files and the node's page state, as a single task's), and
+the tables every hour shares are read once.
+
+How much is joined: a group holds at most :data:`MAX_GROUP_HOURS` hours (a day: what a worker that dies
+costs to run again) and, on more than one slot, at most a ``1 / (TASKS_PER_SLOT * slots)`` share of the
+plan's file bytes, so a cluster still gets several tasks per slot, largest first, and its workers finish
+together. On one slot (tasks run one after another) a node's day is one task.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import islice
+from typing import Sequence
+
+from kvtrail.audit.lake.catalog import memory_catalog
+from kvtrail.audit.lake.fs import LakeFS
+from kvtrail.forensics.lake import checkpoint
+from kvtrail.forensics.lake.executor import worker_threads
+from kvtrail.forensics.lake.task import (
+    PartitionResult,
+    PartitionTask,
+    producer_ids,
+    read_checked,
+    read_tables,
+    replay_hours,
+    run_task,
+)
+from kvtrail.forensics.replay.engine import ReplayEngine
+
+TASKS_PER_SLOT = 4
+MAX_GROUP_HOURS = 24
+
+
+@dataclass(frozen=True)
+class TaskGroup:
+    """``pages`` tasks of one node's consecutive hours, replayed in order by one engine."""
+
+    tasks: tuple[PartitionTask, ...]
+
+    def __post_init__(self) -> None:
+        assert len(self.tasks) > 1 and all(_joins(a, b) for a, b in zip(self.tasks, self.tasks[1:])), "task group"
+
+    @property
+    def cost(self) -> int:
+        return sum(t.cost for t in self.tasks)
+
+    def label(self) -> str:
+        first, last = self.tasks[0], self.tasks[-1]
+        return f"pages {first.cluster}/{first.node} hours {first.hours[0]}..{last.hours[-1]}"
+
+
+Planned = PartitionTask | TaskGroup
+
+
+def _joins(a: PartitionTask, b: PartitionTask) -> bool:
+    """Whether ``b`` continues ``a``: the same node and question, the next hour, both page replays."""
+    return (
+        a.mode == b.mode == "pages"
+        and (a.url, a.cluster, a.node) == (b.url, b.cluster, b.node)
+        and b.hours[0] == a.hours[-1] + 1
+        and (a.starts, a.to_ns, a.policy, a.codes) == (b.starts, b.to_ns, b.policy, b.codes)
+    )
+
+
+def group_tasks(tasks: Sequence[PartitionTask], slots: int | None) -> list[Planned]:
+    """``tasks`` (a plan, each node's hours in order) with runs of one node's consecutive ``pages`` tasks
+    joined (see the module doc); ``slots``: the cluster's, None to leave every task alone."""
+    if not slots or slots < 1:
+        return list(tasks)
+    # one slot runs the tasks one after another: nothing to balance, only the day's bound
+    share = sum(t.cost for t in tasks) / (TASKS_PER_SLOT * slots) if slots > 1 else float("inf")
+    out: list[Planned] = []
+    run: list[PartitionTask] = []
+
+    def flush() -> None:
+        if run:
+            out.append(run[0] if len(run) == 1 else TaskGroup(tuple(run)))
+
+    for t in tasks:
+        if run and _joins(run[-1], t) and len(run) < MAX_GROUP_HOURS and sum(r.cost for r in run) + t.cost <= share:
+            run.append(t)
+            continue
+        flush()
+        run = [t]
+    flush()
+    return out
+
+
+def run_group(group: TaskGroup) -> PartitionResult:
+    """Replay the group's hours in order from its first task's start (in a worker process or in-process)."""
+    first = group.tasks[0]
+    lake = LakeFS.open(first.url)
+    threads = worker_threads()
+    out = PartitionResult(first.cluster, first.node, tuple(h for t in group.tasks for h in t.hours))
+    engine: ReplayEngine | None = None
+    shared: dict = {}  # the files every hour lists alike (producers, batches): read once
+    named = 0
+    for t in group.tasks:
+        with memory_catalog(read_tables(lake, t, threads, shared), threads) as con:
+            if engine is None:
+                engine = ReplayEngine(producer_ids(con), t.policy, codes=t.codes)
+                if t.checkpoint is not None:
+                    checkpoint.restore(read_checked(lake, *t.checkpoint), engine.state)
+                named = len(engine.state.tenants)
+            elif t.checkpoint is not None:  # not needed, but a question never answers over an altered file
+                read_checked(lake, *t.checkpoint)
+            replay_hours(con, t, engine, out, threads)
+        if t is not first:  # ids first named in this hour: the merge orders namings by hour
+            out.tenant_hours.update(dict.fromkeys(islice(engine.state.tenants, named, None), t.hours[0]))
+        named = len(engine.state.tenants)
+    assert engine is not None
+    out.found = list(engine.state.found)
+    out.joins = engine.state.joins
+    out.tenants = dict(engine.state.tenants)
+    return out
+
+
+def run_planned(item: Planned) -> PartitionResult:
+    """A planned item: a group of hours or a single task."""
+    return run_group(item) if isinstance(item, TaskGroup) else run_task(item)
