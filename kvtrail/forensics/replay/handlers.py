@@ -202,10 +202,13 @@ class EventHandlers:
         for h in holders_of:
             everyone |= h
         pool.owner[pages[plain]] = -1
-        for r in everyone:
-            for p, h in zip(shared, holders_of):
-                if r in h:
-                    pool.drop(p, r)
+        held: dict[int, list[int]] = {r: [] for r in everyone}  # per holder, its shared pages in page order
+        for p, h in zip(shared, holders_of):
+            for r in h:
+                held[r].append(p)
+        for r in everyone:  # the same drops in the same order, without testing every page for every holder
+            for p in held[r]:
+                pool.drop(p, r)
             pool.remember_release(r, pages)
 
     def on_kv_written(self, ev: ReplayEvent) -> None:

@@ -33,7 +33,7 @@ import numpy as np
 from numba import njit
 
 from kvtrail.forensics.replay.pagestate import PAGE_ARRAYS, ArraySpec
-from kvtrail.forensics.replay.shares import PrefixShares
+from kvtrail.forensics.replay.shares import PrefixShares, register_compiled
 
 # Event operations (the caller maps kinds and purposes to these).
 OP_PYTHON = 0  # always handled in Python (non-page kinds, node_config, ...)
@@ -423,3 +423,10 @@ def warm_up() -> None:
         *(spec.allocate(0) for spec in KERNEL_ARRAYS),
         i64[:0],
     )
+    # the Python path's calls (PrefixShares' methods): Python ints, a pool's plain int32 arrays
+    shares, head, count = PrefixShares(2), np.full(2, -1, np.int32), np.zeros(2, np.int32)
+    shares.insert(head, count, 1, 1, 0)
+    shares.remove(head, count, shares.find(1, 1))
+
+
+register_compiled(share_find, share_insert, share_remove)
