@@ -42,9 +42,12 @@ def _plan(lake, window=(None, None)) -> list[PartitionTask]:
     return plan_tasks(lake.fs, lake.manifest, lake.con, window[0], window[1], ForensicsPolicy(), None, need_joins=True)
 
 
-@pytest.mark.parametrize("slots", [1, 10_000])
+@pytest.mark.parametrize("slots,chunk", [(1, None), (1, 1), (10_000, None)])
 @pytest.mark.parametrize("window", WINDOWS)
-def test_grouped_and_hour_by_hour_equal_the_store(lake, fleet_con, window, slots):
+def test_grouped_and_hour_by_hour_equal_the_store(lake, fleet_con, window, slots, chunk, monkeypatch):
+    # one slot: a node's hours one task, read at once (chunk None) or an hour at a time (chunk 1)
+    if chunk is not None:
+        monkeypatch.setattr(groups, "CHUNK_EVENTS", chunk)
     want = replay_store(fleet_con, *window)
     got = lake_findings(lake, fx.Window(*window), executor=Slots(slots))
     assert got == want
@@ -133,3 +136,25 @@ def test_first_tenants_count_a_groups_later_namings_at_their_hour():
     }
     group.tenant_hours.clear()  # counted at the group's first hour, node b's naming would win
     assert first_tenants([group, alone])["r1"] == "t-b"
+
+
+def test_chunks_hold_at_most_the_bound_of_events(lake):
+    tasks = [t for t in _plan(lake) if t.mode == "pages"]
+    assert all(t.rows > 0 for t in tasks)
+    assert [len(c) for c in groups.chunks(tasks, 0)] == [1] * len(tasks)  # an hour over the bound is read alone
+    bound = max(t.rows for t in tasks) * 2
+    cut = groups.chunks(tasks, bound)
+    assert [t for c in cut for t in c] == tasks
+    assert all(len(c) == 1 or sum(t.rows for t in c) <= bound for c in cut)
+    assert all(len(c) > 1 or k == len(cut) - 1 or c[0].rows + cut[k + 1][0].rows > bound for k, c in enumerate(cut))
+
+
+def test_a_chunks_later_namings_keep_their_hour(lake, monkeypatch):
+    """An id a chunk of two hours first names in its second hour counts at that hour, as hour by hour."""
+    group = next(g for g in group_tasks(_plan(lake, WINDOWS[2]), 1) if isinstance(g, TaskGroup))
+    whole = run_group(group)
+    monkeypatch.setattr(groups, "CHUNK_EVENTS", 0)
+    hourly = run_group(group)
+    assert whole.tenants == hourly.tenants and whole.found == hourly.found
+    assert whole.tenant_hours == hourly.tenant_hours
+    assert set(whole.tenant_hours.values()) == {group.tasks[-1].hours[0]}

@@ -20,27 +20,36 @@ together. On one slot (tasks run one after another) a node's day is one task.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from itertools import islice
 from typing import Sequence
 
 from kvtrail.audit.lake.catalog import memory_catalog
 from kvtrail.audit.lake.fs import LakeFS
+from kvtrail.audit.lake.partition import HOUR_NS, hour_of
 from kvtrail.forensics.lake import checkpoint
 from kvtrail.forensics.lake.executor import worker_threads
 from kvtrail.forensics.lake.task import (
+    SHARED_TABLES,
     PartitionResult,
     PartitionTask,
     producer_ids,
     read_checked,
     read_tables,
-    replay_hours,
+    replay_span,
     run_task,
+    task_filter,
 )
 from kvtrail.forensics.replay.engine import ReplayEngine
+from kvtrail.forensics.replay.source import EVENTS_PER_SLICE
 
 TASKS_PER_SLOT = 4
 MAX_GROUP_HOURS = 24
+# A group reads consecutive hours at once while their events number at most this together (one store_batches
+# over them: its slices' set-up, the catalog and the reader's fixed costs paid once); the reader still slices
+# what it reads, and a worker holds at most this many events' rows besides one slice's page lists.
+CHUNK_EVENTS = 2 * EVENTS_PER_SLICE
 
 
 @dataclass(frozen=True)
@@ -98,6 +107,46 @@ def group_tasks(tasks: Sequence[PartitionTask], slots: int | None) -> list[Plann
     return out
 
 
+def chunks(tasks: Sequence[PartitionTask], max_rows: int | None = None) -> list[list[PartitionTask]]:
+    """A group's tasks in runs read at once: as many hours as hold at most ``max_rows`` events together
+    (:data:`CHUNK_EVENTS`), at least one hour each."""
+    limit = CHUNK_EVENTS if max_rows is None else max_rows
+    out: list[list[PartitionTask]] = []
+    for t in tasks:
+        if out and sum(u.rows for u in out[-1]) + t.rows <= limit:
+            out[-1].append(t)
+        else:
+            out.append([t])
+    return out
+
+
+def _span(tasks: list[PartitionTask]) -> PartitionTask:
+    """The hours of ``tasks`` as one task: their partition files together, the shared files once."""
+    first = tasks[0]
+
+    def joined(name: str, entries: tuple) -> tuple:
+        if name in SHARED_TABLES:
+            return entries
+        return tuple(e for t in tasks for n, es in t.files if n == name for e in es)
+
+    files = tuple((name, joined(name, entries)) for name, entries in first.files)
+    return dataclasses.replace(first, hours=tuple(h for t in tasks for h in t.hours), files=files)
+
+
+def _naming_hours(con, span: PartitionTask, ids: list[str]) -> dict[str, int]:
+    """The hour of each id's first event naming a tenant among the span's events (engine order is time)."""
+    if len(span.hours) == 1 or not ids:
+        return dict.fromkeys(ids, span.hours[0])
+    where, params = task_filter(span, span.hours[0] * HOUR_NS, (span.hours[-1] + 1) * HOUR_NS)
+    rows = con.execute(
+        f"SELECT request_id, min(wall_ns) FROM events_v WHERE {where} AND tenant_id IS NOT NULL "
+        "AND request_id IN (SELECT unnest(?)) GROUP BY request_id",
+        [*params, ids],
+    ).fetchall()
+    first = {rid: hour_of(int(wall)) for rid, wall in rows}
+    return {rid: first.get(rid, span.hours[0]) for rid in ids}
+
+
 def run_group(group: TaskGroup) -> PartitionResult:
     """Replay the group's hours in order from its first task's start (in a worker process or in-process)."""
     first = group.tasks[0]
@@ -107,18 +156,21 @@ def run_group(group: TaskGroup) -> PartitionResult:
     engine: ReplayEngine | None = None
     shared: dict = {}  # the files every hour lists alike (producers, batches): read once
     named = 0
-    for t in group.tasks:
-        with memory_catalog(read_tables(lake, t, threads, shared), threads) as con:
+    for chunk in chunks(group.tasks):
+        span = _span(chunk)
+        with memory_catalog(read_tables(lake, span, threads, shared), threads) as con:
             if engine is None:
-                engine = ReplayEngine(producer_ids(con), t.policy, codes=t.codes)
-                if t.checkpoint is not None:
-                    checkpoint.restore(read_checked(lake, *t.checkpoint), engine.state)
+                engine = ReplayEngine(producer_ids(con), first.policy, codes=first.codes)
+                if first.checkpoint is not None:
+                    checkpoint.restore(read_checked(lake, *first.checkpoint), engine.state)
                 named = len(engine.state.tenants)
-            elif t.checkpoint is not None:  # not needed, but a question never answers over an altered file
-                read_checked(lake, *t.checkpoint)
-            replay_hours(con, t, engine, out, threads)
-        if t is not first:  # ids first named in this hour: the merge orders namings by hour
-            out.tenant_hours.update(dict.fromkeys(islice(engine.state.tenants, named, None), t.hours[0]))
+            for t in chunk:  # not needed, but a question never answers over an altered file
+                if t is not first and t.checkpoint is not None:
+                    read_checked(lake, *t.checkpoint)
+            replay_span(con, span, engine, out, threads, span.hours[0] * HOUR_NS, (span.hours[-1] + 1) * HOUR_NS)
+            # ids first named in a later hour than the group's first: the merge orders namings by hour
+            fresh = list(islice(engine.state.tenants, named, None))
+            out.tenant_hours.update({r: h for r, h in _naming_hours(con, span, fresh).items() if h != out.hours[0]})
         named = len(engine.state.tenants)
     assert engine is not None
     out.found = list(engine.state.found)

@@ -77,6 +77,7 @@ def plan_tasks(
         tables = tuple((t, tuple(e for p in parts for e in p.get(t, ()))) for t in ("events", "page_runs"))
         cost = sum(files[path].bytes for _, entries in tables for path, _ in entries)
         cost += files[ckpt[0]].bytes if ckpt is not None else 0
+        rows = sum(files[path].rows for table, entries in tables if table == "events" for path, _ in entries)
         return PartitionTask(
             lake.url,
             mode,
@@ -90,6 +91,7 @@ def plan_tasks(
             policy,
             codes,
             cost,
+            rows,
         )
 
     for node in sorted({k for k, _ in by_part}):

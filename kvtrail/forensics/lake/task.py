@@ -58,6 +58,7 @@ class PartitionTask:
     policy: ForensicsPolicy = ForensicsPolicy()
     codes: tuple[str, ...] | None = None
     cost: int = 0  # bytes of its files: what the fan-out orders tasks by (largest first)
+    rows: int = 0  # events in its events files (what a group reads at once is bounded by)
 
     def __post_init__(self) -> None:
         assert self.mode in MODES, f"task mode {self.mode!r}"
@@ -156,20 +157,33 @@ def producer_ids(con: duckdb.DuckDBPyConnection) -> dict[tuple, int]:
     }
 
 
+def replay_span(
+    con: duckdb.DuckDBPyConnection,
+    task: PartitionTask,
+    engine: ReplayEngine,
+    out: PartitionResult,
+    threads: int | None,
+    lo: int,
+    hi: int,
+) -> None:
+    """Feed ``engine`` the task's events in [lo, hi) from the catalog ``con`` of its tables."""
+    where, params = task_filter(task, lo, hi)
+    if engine.fast_path is not None:
+        for batch in store_batches(con, where, params, read_ahead=threads is None or threads > 1):
+            out.events += batch.num_rows
+            engine.feed_batch(batch)
+    else:
+        table = read_events(con, where, params)
+        out.events += table.num_rows
+        engine.feed(table)
+
+
 def replay_hours(
     con: duckdb.DuckDBPyConnection, task: PartitionTask, engine: ReplayEngine, out: PartitionResult, threads: int | None
 ) -> None:
     """Feed ``engine`` the task's events, hour by hour, from the catalog ``con`` of its tables."""
     for hour in task.hours:
-        where, params = task_filter(task, hour * HOUR_NS, (hour + 1) * HOUR_NS)
-        if engine.fast_path is not None:
-            for batch in store_batches(con, where, params, read_ahead=threads is None or threads > 1):
-                out.events += batch.num_rows
-                engine.feed_batch(batch)
-        else:
-            table = read_events(con, where, params)
-            out.events += table.num_rows
-            engine.feed(table)
+        replay_span(con, task, engine, out, threads, hour * HOUR_NS, (hour + 1) * HOUR_NS)
 
 
 def _run(con: duckdb.DuckDBPyConnection, lake: LakeFS, task: PartitionTask, threads: int | None) -> PartitionResult:
