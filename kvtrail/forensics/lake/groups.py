@@ -8,9 +8,10 @@ the scheduler's round trip. Where a question has many more partitions than the c
 into a :class:`TaskGroup`: :func:`run_group` restores only the first hour's checkpoint (or starts empty,
 as that task would) and replays the hours in order with one engine, so each later hour continues from
 the state one store's replay has there, which is what its checkpoint holds (each later checkpoint is
-still checked against the manifest: a question never answers over an altered file). The hours are still read
-one at a time (a group's memory is one hour's files and the node's page state, as a single task's), and
-the tables every hour shares are read once.
+still checked against the manifest: a question never answers over an altered file). Consecutive hours
+are read at once while they hold at most :data:`CHUNK_EVENTS` events (one catalog, slice sizing and reader
+per chunk; a worker holds those rows, one slice's page lists and the node's page state), and the tables
+every hour shares are read once.
 
 How much is joined: a group holds at most :data:`MAX_GROUP_HOURS` hours (a day: what a worker that dies
 costs to run again) and, on more than one slot, at most a ``1 / (TASKS_PER_SLOT * slots)`` share of the
