@@ -222,7 +222,7 @@ def main() -> int:
                     ),
                     flush=True,
                 )
-        peaks = {"single store": _peak_rss_mb(), SINGLE_1: _peak_rss_mb()}
+        peaks = dict.fromkeys(("single store", SINGLE_1), _peak_rss_mb())  # both ran in this process
         for name, ex in executors.items():
             if isinstance(ex, DaskExecutor):
                 peaks[name] = max(ex.client.run(_peak_rss_mb).values())

@@ -84,12 +84,13 @@ def first_tenants(results: list[PartitionResult]) -> dict[str, str]:
     return out
 
 
-def merge_joins(results: list[PartitionResult], policy: ForensicsPolicy) -> CrossNodeJoins:
-    """One CrossNodeJoins holding every task's collections, renumbered into one order."""
+def merge_joins(results: list[PartitionResult], policy: ForensicsPolicy, tenants: dict[str, str]) -> CrossNodeJoins:
+    """One CrossNodeJoins holding every task's collections, renumbered into one order; ``tenants``: the
+    first tenant named for each id (:func:`first_tenants`), which the joins resolve unnamed events by."""
     results = sorted(results, key=lambda r: (r.hours[0], r.cluster, r.node))
     num = _Renumber(results)
     out = CrossNodeJoins(policy)
-    out.tenants.update(first_tenants(results))
+    out.tenants = tenants
     # Each task's latest node_config per node: a task that starts from a checkpoint has fed none, so the
     # config in force at one of its events is the latest one before it in any task (F11).
     configs: dict[tuple[str, str], list[ReplayEvent]] = {}
@@ -155,8 +156,7 @@ def merged_findings(
     handlers = EventHandlers(state, policy)
     found = [f for r in ordered for f in r.found]
     if need_joins:
-        joins = merge_joins(ordered, policy)
-        joins.tenants = state.tenants
+        joins = merge_joins(ordered, policy, state.tenants)
         joins.evaluate(lambda code, ev, **kw: found.append(handlers.finding(code, ev, **kw)))
     wanted = None if codes is None else frozenset(codes)
     out = [f for f in found if wanted is None or f.code in wanted]
