@@ -35,6 +35,7 @@ from kvtrail.forensics.lake.task import (
     SHARED_TABLES,
     PartitionResult,
     PartitionTask,
+    events_columns,
     producer_ids,
     read_checked,
     read_tables,
@@ -159,7 +160,7 @@ def run_group(group: TaskGroup) -> PartitionResult:
     named = 0
     for chunk in chunks(group.tasks):
         span = _span(chunk)
-        with memory_catalog(read_tables(lake, span, threads, shared), threads) as con:
+        with memory_catalog(read_tables(lake, span, threads, shared, events_columns(first)), threads) as con:
             if engine is None:
                 engine = ReplayEngine(producer_ids(con), first.policy, codes=first.codes)
                 if first.checkpoint is not None:

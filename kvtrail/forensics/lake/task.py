@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 from kvtrail.audit.lake.catalog import LAKE_TABLES, memory_catalog
 from kvtrail.audit.lake.fs import LakeFS
 from kvtrail.audit.lake.partition import HOUR_NS
+from kvtrail.audit.layout import EVENTS_SCHEMA
 from kvtrail.audit.store import read_events
 from kvtrail.errors import KvtrailError
 from kvtrail.forensics.findings import Finding
@@ -28,11 +29,14 @@ from kvtrail.forensics.lake import checkpoint
 from kvtrail.forensics.lake.executor import worker_threads
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.batch import JOIN_KINDS, PRODUCER_NAMES
-from kvtrail.forensics.replay.engine import ReplayEngine
+from kvtrail.forensics.replay.engine import ReplayEngine, fast_by_default
 from kvtrail.forensics.replay.joins import CrossNodeJoins
-from kvtrail.forensics.replay.source import store_batches
+from kvtrail.forensics.replay.source import STORE_BATCH_COLUMNS, store_batches
 
 MODES = ("pages", "joins", "chain")
+# The events columns a replay task reads (its reader's and the chunk namings' query), and the strings among them.
+REPLAY_COLUMNS = STORE_BATCH_COLUMNS
+_DICTIONARY_COLUMNS = [f.name for f in EVENTS_SCHEMA if f.name in REPLAY_COLUMNS and pa.types.is_string(f.type)]
 # The tables whose files every task of a question lists alike (the lake's own); the others are a partition's.
 SHARED_TABLES = ("producers", "batches")
 
@@ -111,13 +115,30 @@ def task_filter(task: PartitionTask, lo: int, hi: int) -> tuple[str, list]:
     return " AND ".join(where), params
 
 
+def _read_events(data: bytes, columns: tuple[str, ...], many: bool) -> pa.Table:
+    """``columns`` of one events file (those it has), strings as dictionaries: a replay's read decodes about
+    half the bytes of the whole file, and a string column keeps its dictionary (DuckDB scans it as is)."""
+    f = pq.ParquetFile(pa.BufferReader(data), read_dictionary=_DICTIONARY_COLUMNS)
+    return f.read(columns=[c for c in columns if c in f.schema_arrow.names], use_threads=many)
+
+
 def read_tables(
-    lake: LakeFS, task: PartitionTask, threads: int | None = None, cache: dict | None = None
+    lake: LakeFS,
+    task: PartitionTask,
+    threads: int | None = None,
+    cache: dict | None = None,
+    events_columns: tuple[str, ...] | None = None,
 ) -> dict[str, pa.Table]:
     """The task's files as tables, each read once: the bytes whose SHA-256 matched are the ones judged.
     ``threads``: the task's thread budget (:func:`~kvtrail.forensics.lake.executor.worker_threads`);
-    ``cache``: the :data:`SHARED_TABLES` read before, by their file lists (a group of tasks reads them once)."""
+    ``cache``: the :data:`SHARED_TABLES` read before, by their file lists (a group of tasks reads them once);
+    ``events_columns``: the only ``events`` columns the caller reads (None: all of them)."""
     many = threads is None or threads > 1
+
+    def read(name: str, data: bytes) -> pa.Table:
+        if name == "events" and events_columns is not None:
+            return _read_events(data, events_columns, many)
+        return pq.read_table(pa.BufferReader(data), use_threads=many)
 
     def table_of(name: str, entries: tuple[tuple[str, str], ...]) -> pa.Table:
         key = (name, entries)
@@ -125,9 +146,14 @@ def read_tables(
             return cache[key]
         # files written before an event field was added lack its column: null there (promoted)
         table = pa.concat_tables(
-            [pq.read_table(pa.BufferReader(read_checked(lake, path, sha)), use_threads=many) for path, sha in entries],
-            promote_options="default",
+            [read(name, read_checked(lake, path, sha)) for path, sha in entries], promote_options="default"
         )
+        if name == "events" and events_columns is not None:  # a field none of the files has: null
+            for col in events_columns:
+                if col not in table.schema.names:
+                    table = table.append_column(
+                        EVENTS_SCHEMA.field(col), pa.nulls(table.num_rows, EVENTS_SCHEMA.field(col).type)
+                    )
         if cache is not None and name in SHARED_TABLES:
             cache[key] = table
         return table
@@ -141,11 +167,17 @@ def read_tables(
     return tables
 
 
+def events_columns(task: PartitionTask) -> tuple[str, ...] | None:
+    """The events columns ``task`` reads: a replay on the fast path :data:`REPLAY_COLUMNS`; the joins' inputs
+    and the reference engine every column (None)."""
+    return REPLAY_COLUMNS if task.mode != "joins" and fast_by_default() else None
+
+
 def run_task(task: PartitionTask) -> PartitionResult:
     """Run one task (in a worker process or in-process)."""
     lake = LakeFS.open(task.url)
     threads = worker_threads()
-    with memory_catalog(read_tables(lake, task, threads), threads) as con:
+    with memory_catalog(read_tables(lake, task, threads, events_columns=events_columns(task)), threads) as con:
         return _run(con, lake, task, threads)
 
 

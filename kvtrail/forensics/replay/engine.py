@@ -48,6 +48,11 @@ if TYPE_CHECKING:
 _SEQ = SCALARS.index("seq")
 
 
+def fast_by_default() -> bool:
+    """Whether a ReplayEngine made without ``fast`` takes the compiled fast path (numba installed)."""
+    return importlib.util.find_spec("numba") is not None
+
+
 class ReplayEngine:
     """Replays audit events (wire-shaped Arrow batches, in time order) and collects findings.
 
@@ -76,7 +81,7 @@ class ReplayEngine:
         self.state = ReplayState(CrossNodeJoins(policy))
         self.handlers = EventHandlers(self.state, policy)
         self.fast_path: FastReplay | None = None
-        if fast or (fast is None and importlib.util.find_spec("numba") is not None):
+        if fast or (fast is None and fast_by_default()):
             from kvtrail.forensics.replay.fast import FastReplay  # numba is imported only when used
 
             self.fast_path = FastReplay(self.state, self.handlers, self.need_joins)

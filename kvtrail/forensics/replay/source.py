@@ -110,6 +110,8 @@ _PAGE_KINDS_SQL = "('pages_allocated', 'pages_freed', 'kv_written', 'kv_read')"
 _HAS_LISTS = "(page_digests IS NOT NULL OR block_hashes IS NOT NULL)"
 _RARE_SQL = f"AND ({_HAS_LISTS} OR kind IS NULL OR kind NOT IN {_PAGE_KINDS_SQL})"
 _REST_COLS = tuple(name for name in SCALARS if name not in _PAGE_EVENT_COLS)
+# Every ``events`` column :func:`store_batches` reads (a reader of Parquet files may decode these alone).
+STORE_BATCH_COLUMNS = ("producer_id", *SCALARS, "page_digests", "block_hashes")
 
 
 class _SliceReader:
