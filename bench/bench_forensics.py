@@ -27,6 +27,14 @@ Before each part's clock starts, its modules are imported and its compiled code 
 loop compiled, kvtrail's kernels loaded from numba's cache): a process's start-up, printed beside the
 part's time, not the question's cost.
 
+Every part runs with numpy's transparent huge pages off (``NUMPY_MADVISE_HUGEPAGE=0``; ``--numpy-hugepages``
+keeps numpy's default). numpy advises the kernel to back each array of 4 MB or more with huge pages, and
+where the kernel compacts memory on such advice (``/sys/kernel/mm/transparent_hugepage/defrag`` =
+``madvise``) an allocation can stall in that compaction: on the development machine the floor's 400 MB page
+array cost 0.4 s of system time in some rounds and 1.0-1.15 s in others, so the floor took 0.46-1.43 s from
+round to round, the same work, and the verdict on the worst round was set by which rounds stalled. With
+the advice off the floor took 0.57-0.67 s in every round. Both sides run the same way.
+
 Rates are page-events of the whole questioned history (entries of events' ``pages`` lists, every kind)
 per second of the part's wall time, so ratios between parts are ratios of time. Every part's
 "affected" count is set against the ground truth: "same question: no" means it answers another one.
@@ -98,6 +106,11 @@ def parse_args(argv):
         help="history prefix the SQL engine questions (0: all; 100 M did not finish in 15 minutes)",
     )
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument(
+        "--numpy-hugepages",
+        action="store_true",
+        help="keep numpy's madvise(MADV_HUGEPAGE) of large arrays in every part (default: off, see above)",
+    )
     ap.add_argument("--part-timeout", type=float, default=900, help="seconds before a part is given up")
     ap.add_argument(
         "--rounds",
@@ -128,6 +141,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.part:
         return child(args)
+    if not args.numpy_hugepages:  # every part is a child process: they all inherit it
+        os.environ["NUMPY_MADVISE_HUGEPAGE"] = "0"
     params = {"format": 3, "source": args.source, "page_events": int(args.page_events), "seed": args.seed}
     if args.source == "fleet":
         params.update(fleet_rate=args.fleet_rate)

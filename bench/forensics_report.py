@@ -144,7 +144,8 @@ def report(meta: dict, runs: dict[str, list[dict]], failed: dict[str, dict], arg
     total = meta["page_events"]
     print(
         f"machine: {os.cpu_count()} CPUs, Python {platform.python_version()}, duckdb {duckdb.__version__}, "
-        f"numba {numba.__version__}"
+        f"numba {numba.__version__}; numpy's huge-page advice "
+        f"{'off' if os.environ.get('NUMPY_MADVISE_HUGEPAGE') == '0' else 'as numpy defaults'}"
     )
     print()
     _table(meta, runs, failed)
