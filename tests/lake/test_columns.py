@@ -96,3 +96,29 @@ def test_a_file_altered_after_the_manifest_is_still_refused(fleet_lake, tmp_path
     fs.write(path, fs.read(path) + b"\0")
     with pytest.raises(lake_task.LakeCoverageError, match="does not match the manifest"):
         read_tables(fs, t, 1, events_columns=REPLAY_COLUMNS)
+
+
+def test_an_older_file_beside_a_newer_one_reads_its_missing_strings_as_nulls(fleet_lake, tmp_path):
+    # the newer file's string columns come as dictionaries; the older file's lack must not clash with them
+    lake_dir = str(tmp_path / "lake")
+    shutil.copytree(fleet_lake, lake_dir)
+    fs = LakeFS.open(lake_dir)
+    t = next(t for t in _tasks(lake_dir) if t.mode == "pages")
+    files = dict(t.files)
+    path, sha = files["events"][0]
+    new = pq.read_table(pa.BufferReader(fs.read(path)))
+    dropped = ("stage", "purpose")
+    buf = pa.BufferOutputStream()
+    pq.write_table(new.drop_columns(list(dropped)), buf)
+    data = buf.getvalue().to_pybytes()
+    fs.write("events/older-file.parquet", data)
+    files["events"] = (("events/older-file.parquet", hashlib.sha256(data).hexdigest()), (path, sha))
+    t = PartitionTask(**{**t.__dict__, "files": tuple(files.items())})
+
+    events = read_tables(fs, t, 1, events_columns=REPLAY_COLUMNS)["events"]
+    assert events.num_rows == 2 * new.num_rows
+    for col in dropped:
+        assert pa.types.is_dictionary(events.schema.field(col).type)
+        values = _plain(events.select([col])).column(col)
+        assert values.slice(0, new.num_rows).null_count == new.num_rows
+        assert values.slice(new.num_rows).equals(new.column(col))

@@ -118,8 +118,11 @@ def task_filter(task: PartitionTask, lo: int, hi: int) -> tuple[str, list]:
 def _read_events(data: bytes, columns: tuple[str, ...], many: bool) -> pa.Table:
     """``columns`` of one events file (those it has), strings as dictionaries: a replay's read decodes about
     half the bytes of the whole file, and a string column keeps its dictionary (DuckDB scans it as is)."""
-    f = pq.ParquetFile(pa.BufferReader(data), read_dictionary=_DICTIONARY_COLUMNS)
-    return f.read(columns=[c for c in columns if c in f.schema_arrow.names], use_threads=many)
+    meta = pq.read_metadata(pa.BufferReader(data))
+    have = set(meta.schema.to_arrow_schema().names)  # a file written before a field was added lacks its column
+    strings = [c for c in _DICTIONARY_COLUMNS if c in have]  # (naming one it lacks is an error)
+    f = pq.ParquetFile(pa.BufferReader(data), metadata=meta, read_dictionary=strings)
+    return f.read(columns=[c for c in columns if c in have], use_threads=many)
 
 
 def read_tables(
