@@ -60,23 +60,30 @@ def test_joins_and_the_reference_engine_read_every_column(fleet_lake, monkeypatc
     assert all(events_columns(t) is None for t in tasks)
 
 
-def test_a_column_an_older_file_lacks_is_null_of_its_type(fleet_lake, tmp_path):
+def _with_older_file(fleet_lake, tmp_path, dropped: tuple[str, ...], keep_newer: bool):
+    """A copy of the lake, one of its pages tasks, and that task's first events file as read. The task
+    reads instead that file written again without the ``dropped`` columns (an older file; with
+    ``keep_newer`` beside the file itself, after it)."""
     lake_dir = str(tmp_path / "lake")
     shutil.copytree(fleet_lake, lake_dir)
     fs = LakeFS.open(lake_dir)
     t = next(t for t in _tasks(lake_dir) if t.mode == "pages")
     files = dict(t.files)
-    path, _sha = files["events"][0]
-    old = pq.read_table(pa.BufferReader(fs.read(path)))
-    dropped = ("block_hashes", "page_digests")
-    assert all(c in old.column_names for c in dropped)
+    path, sha = files["events"][0]
+    table = pq.read_table(pa.BufferReader(fs.read(path)))
+    assert all(c in table.column_names for c in dropped)
     buf = pa.BufferOutputStream()
-    pq.write_table(old.drop_columns(list(dropped)), buf)
+    pq.write_table(table.drop_columns(list(dropped)), buf)
     data = buf.getvalue().to_pybytes()
     older = "events/older-file.parquet"
     fs.write(older, data)
-    files["events"] = ((older, hashlib.sha256(data).hexdigest()),)
-    t = PartitionTask(**{**t.__dict__, "files": tuple(files.items())})
+    files["events"] = ((older, hashlib.sha256(data).hexdigest()),) + (((path, sha),) if keep_newer else ())
+    return fs, PartitionTask(**{**t.__dict__, "files": tuple(files.items())}), table
+
+
+def test_a_column_an_older_file_lacks_is_null_of_its_type(fleet_lake, tmp_path):
+    dropped = ("block_hashes", "page_digests")
+    fs, t, old = _with_older_file(fleet_lake, tmp_path, dropped, keep_newer=False)
 
     events = read_tables(fs, t, 1, events_columns=REPLAY_COLUMNS)["events"]
     assert events.num_rows == old.num_rows
@@ -85,6 +92,20 @@ def test_a_column_an_older_file_lacks_is_null_of_its_type(fleet_lake, tmp_path):
         assert events.column(col).null_count == events.num_rows
     kept = [c for c in REPLAY_COLUMNS if c not in dropped]
     assert _plain(events.select(kept)).equals(old.select(kept))
+
+
+def test_an_older_file_beside_a_newer_one_reads_its_missing_strings_as_nulls(fleet_lake, tmp_path):
+    # the newer file's string columns come as dictionaries; the older file's lack must not clash with them
+    dropped = ("stage", "purpose")
+    fs, t, new = _with_older_file(fleet_lake, tmp_path, dropped, keep_newer=True)
+
+    events = read_tables(fs, t, 1, events_columns=REPLAY_COLUMNS)["events"]
+    assert events.num_rows == 2 * new.num_rows
+    for col in dropped:
+        assert pa.types.is_dictionary(events.schema.field(col).type)
+        values = _plain(events.select([col])).column(col)
+        assert values.slice(0, new.num_rows).null_count == new.num_rows
+        assert values.slice(new.num_rows).equals(new.column(col))
 
 
 def test_a_file_altered_after_the_manifest_is_still_refused(fleet_lake, tmp_path):
@@ -96,29 +117,3 @@ def test_a_file_altered_after_the_manifest_is_still_refused(fleet_lake, tmp_path
     fs.write(path, fs.read(path) + b"\0")
     with pytest.raises(lake_task.LakeCoverageError, match="does not match the manifest"):
         read_tables(fs, t, 1, events_columns=REPLAY_COLUMNS)
-
-
-def test_an_older_file_beside_a_newer_one_reads_its_missing_strings_as_nulls(fleet_lake, tmp_path):
-    # the newer file's string columns come as dictionaries; the older file's lack must not clash with them
-    lake_dir = str(tmp_path / "lake")
-    shutil.copytree(fleet_lake, lake_dir)
-    fs = LakeFS.open(lake_dir)
-    t = next(t for t in _tasks(lake_dir) if t.mode == "pages")
-    files = dict(t.files)
-    path, sha = files["events"][0]
-    new = pq.read_table(pa.BufferReader(fs.read(path)))
-    dropped = ("stage", "purpose")
-    buf = pa.BufferOutputStream()
-    pq.write_table(new.drop_columns(list(dropped)), buf)
-    data = buf.getvalue().to_pybytes()
-    fs.write("events/older-file.parquet", data)
-    files["events"] = (("events/older-file.parquet", hashlib.sha256(data).hexdigest()), (path, sha))
-    t = PartitionTask(**{**t.__dict__, "files": tuple(files.items())})
-
-    events = read_tables(fs, t, 1, events_columns=REPLAY_COLUMNS)["events"]
-    assert events.num_rows == 2 * new.num_rows
-    for col in dropped:
-        assert pa.types.is_dictionary(events.schema.field(col).type)
-        values = _plain(events.select([col])).column(col)
-        assert values.slice(0, new.num_rows).null_count == new.num_rows
-        assert values.slice(new.num_rows).equals(new.column(col))
