@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvtrail.forensics.online import StoreTail
-from kvtrail.model.monitors import Monitors, Violation, judge_order
+from kvtrail.model.monitors import Monitors, Violation, judge_positions
 
 # A request with no event for this long (wall time of the history) and no page naming it is forgotten; a
 # write of it landing later is not seen as late. Far above any release timeout or transfer duration.
@@ -66,7 +66,7 @@ class LiveMonitors:
         """Feed one table of events (in the judge's order within it), then prune if it is time."""
         if not table.num_rows:
             return
-        order = judge_order(table)
+        order = judge_positions(table)
         with self._lock:
             self.monitors.feed(table, order)
         newest = pc.max(table.column("wall_ns")).as_py()

@@ -58,7 +58,7 @@ from kvtrail.model.pagesteps import (
 from kvtrail.model.pool import Pool, Violation
 from kvtrail.model.properties import PROPERTIES
 
-__all__ = ["COLUMNS", "Monitors", "Violation", "judge_order"]
+__all__ = ["COLUMNS", "Monitors", "Violation", "judge_order", "judge_positions"]
 
 _ALLOC_OPS = {"prefix_hit": OP_PREFIX, "decode_growth": OP_GROWTH}
 _GONE = np.iinfo(np.int64).max  # the last-seen time of a request code not in use
@@ -72,8 +72,10 @@ def _column(table: pa.Table, name: str, type_: pa.DataType) -> pa.ChunkedArray:
 
 
 def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A list column as (flat int64 values, offsets from 0, row is not null), each read-only (so the
-    compiled steps see one type of array whichever way Arrow handed them over)."""
+    """A list column as (flat values, offsets from 0, row is not null), each read-only (so the compiled
+    steps see one type of array whichever way Arrow handed them over). Values are int32 where the column
+    holds int32 (the audit schema's page ids: a commit's ~600,000 are not copied into a wider array),
+    else int64; offsets are int64."""
     arr = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
     if not len(arr):
         values, offsets, valid = np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, bool)
@@ -83,12 +85,30 @@ def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if offsets[0]:  # a slice: its values start part-way
             values = values[offsets[0] : offsets[-1]]
             offsets = offsets - offsets[0]
-        values = values.astype(np.int64, copy=False)
+        values = values.astype(np.int32 if values.dtype == np.int32 else np.int64, copy=False)
         offsets = offsets.astype(np.int64, copy=False)
         valid = arr.is_valid().to_numpy(zero_copy_only=False)
     for a in (values, offsets, valid):
         a.setflags(write=False)
     return values, offsets, valid
+
+
+def _pylist(column: pa.ChunkedArray) -> list:
+    """A scalar column as Python values (``to_pylist``'s), cheaper for the shapes a commit has: an all-null
+    column as Nones, a string column through its distinct values (a commit repeats a few kinds, nodes
+    and purposes, and each request's id, thousands of times), an integer column with no nulls
+    through numpy."""
+    arr = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    n, type_ = len(arr), arr.type
+    if arr.null_count == n:
+        return [None] * n
+    if pa.types.is_string(type_) or pa.types.is_large_string(type_) or pa.types.is_dictionary(type_):
+        d = arr if pa.types.is_dictionary(type_) else arr.dictionary_encode()
+        distinct = np.array([*d.dictionary.to_pylist(), None], dtype=object)  # index -1: null
+        return distinct[d.indices.fill_null(-1).to_numpy(zero_copy_only=False)].tolist()
+    if pa.types.is_integer(type_) and not arr.null_count:
+        return arr.to_numpy().tolist()
+    return arr.to_pylist()
 
 
 def _row_max(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -177,7 +197,7 @@ class Monitors(PageSteps):
 
     # ---- feeding ---------------------------------------------------------------------------------
 
-    def feed(self, table: pa.Table, order: list[int] | None = None) -> None:
+    def feed(self, table: pa.Table, order: list[int] | np.ndarray | None = None) -> None:
         """Judge one table of events, in ``order`` (row numbers; default: as they come).
 
         Per table: each event's pool (a ``node_config`` of a new instance starts one) and request code, as
@@ -188,7 +208,7 @@ class Monitors(PageSteps):
         at the step's position), so this judges as one pass over the events would; reports are put in that
         pass's order before the first of each is kept (``_flush``)."""
         n_rows = table.num_rows
-        self._cols = [_column(table, c, pa.null()).to_pylist() for c in _SCALARS]
+        self._cols = [_pylist(_column(table, c, pa.null())) for c in _SCALARS]
         values, offsets, valid = _flat(_column(table, "pages", pa.list_(pa.int64())))
         hvalues, hoffsets, hvalid = _flat(_column(table, "block_hashes", pa.list_(pa.int64())))
         maxes = _row_max(values, offsets)
@@ -462,10 +482,19 @@ _OTHER_STEPS = {
 }
 
 
+_JUDGE_KEYS = [(c, "ascending") for c in ("wall_ns", "cluster", "node", "instance", "seq")]
+
+
 def judge_order(table: pa.Table) -> list[int]:
     """Row numbers in the judge's order: wall time, then cluster, node, instance, seq."""
-    keys = [(c, "ascending") for c in ("wall_ns", "cluster", "node", "instance", "seq")]
-    return pc.sort_indices(table.select([k for k, _ in keys]), sort_keys=keys).to_pylist()
+    return pc.sort_indices(table.select([k for k, _ in _JUDGE_KEYS]), sort_keys=_JUDGE_KEYS).to_pylist()
+
+
+def judge_positions(table: pa.Table) -> np.ndarray | None:
+    """:func:`judge_order` as an array, or None where the rows already are in that order (a table the
+    live judge sorted once for the replay and the monitors both)."""
+    order = pc.sort_indices(table.select([k for k, _ in _JUDGE_KEYS]), sort_keys=_JUDGE_KEYS).to_numpy()
+    return None if bool(np.all(np.diff(order) == 1)) else order
 
 
 assert set(PROPERTIES) >= {"no_foreign_read", "aborted_never_sent", "no_free_before_drain"}

@@ -40,9 +40,11 @@ import pyarrow as pa
 from kvtrail.audit.batch import from_dicts
 from kvtrail.forensics import Finding, OnlineReplay
 from kvtrail.forensics.policy import ForensicsPolicy
+from kvtrail.forensics.replay.batch import FEED_COLUMNS, in_engine_order
 from kvtrail.forensics.results import aggregates
 from kvtrail.forensics.results.persist import save_findings
 from kvtrail.model.live import LiveMonitors
+from kvtrail.model.monitors import COLUMNS as MONITOR_COLUMNS
 from kvtrail.service.config import DEFAULT_JUDGE_HORIZON_S, DEFAULT_JUDGE_INTERVAL_S
 
 log = logging.getLogger("kvtrail.service")
@@ -94,6 +96,14 @@ _WARM_UP_EVENTS = [
 # it holds); e.g. kvtrail.alerts.otel.OtelExport.judged. It must return at once; what it raises is logged only.
 OnJudged = Callable[[list[Finding], list[pa.Table], list[Finding]], None]
 POLL_INTERVAL_S = DEFAULT_JUDGE_INTERVAL_S  # least time between two polls while commits keep coming (bounds the lag)
+# What the replay and the model's monitors read of a committed table: a commit is cut to these and sorted
+# once, for both (a group commit interleaves producers, and each reader would otherwise sort every column)
+_JUDGED_COLUMNS = tuple(dict.fromkeys((*FEED_COLUMNS, *MONITOR_COLUMNS, "pages")))
+
+
+def _judged_rows(table: pa.Table) -> pa.Table:
+    """A committed table as the judge's readers take it: their columns only, in engine order."""
+    return in_engine_order(table.select([c for c in _JUDGED_COLUMNS if c in table.column_names]))
 
 
 class Judge:
@@ -265,11 +275,12 @@ class Judge:
     def _poll(self, held: list[tuple[pa.Table, dict[int, int]]], read_store: bool) -> bool:
         try:
             fed: list[tuple[pa.Table, dict[int, int]]] = []
+            rows = [_judged_rows(table) for table, _ in held]  # sorted once for the replay and the monitors
             with self._replay_lock:
                 self._judged = None
                 before = self.replay.num_events
-                for table, batches in held:
-                    if not self.replay.feed_committed(self._con, table, batches):
+                for (table, batches), judged in zip(held, rows):
+                    if not self.replay.feed_committed(self._con, judged, batches):
                         read_store = True  # not the next batches: read them (and what follows) from the store
                         break
                     self.fed_direct += len(batches)
@@ -306,8 +317,8 @@ class Judge:
             self._refresh_aggregates = False
             # after the findings are saved: the model's monitors never hold them up
             model_reads = read_store
-            for table, batches in held:
-                if not self.model.feed_committed(table, batches):
+            for (_, batches), judged in zip(held, rows):
+                if not self.model.feed_committed(judged, batches):
                     model_reads = True
                     break
             self.model.poll(self._con, read_store=model_reads)

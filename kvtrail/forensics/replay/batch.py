@@ -34,6 +34,8 @@ JOIN_KINDS = (
 )
 JOIN_CODES = frozenset({"F2", "F3", "F4", "F9", "F11"})
 _SEQ = SCALARS.index("seq")
+# Every column ReplayEngine.feed reads of a table (either path): a caller may select these before sorting
+FEED_COLUMNS = (*SCALARS, *PRODUCER_NAMES, "producer_id", "pages", "page_digests", "block_hashes", "dst_pages")
 ENGINE_ORDER = [
     ("wall_ns", "ascending"),
     ("cluster", "ascending"),
@@ -144,18 +146,25 @@ def codes_of(col, names: tuple[str, ...]) -> np.ndarray:
 
 
 def in_engine_order(table: pa.Table) -> pa.Table:
-    """The table sorted in engine order, one chunk per column; an already sorted batch of one producer
-    (what a recorder sends) is taken as it is, without the sort."""
-    table = table.combine_chunks()
+    """The table sorted in engine order, one chunk per column; a table already in that order (a recorder's
+    batch, or one this sorted before) is taken as it is, without moving its rows."""
+    keys = table.select([k for k, _ in ENGINE_ORDER])
     one_producer = all(
-        pc.count_distinct(table.column(n), mode="all").as_py() <= 1 for n in ("cluster", "node", "instance")
+        pc.count_distinct(keys.column(n), mode="all").as_py() <= 1 for n in ("node", "instance", "cluster")
     )
-    if one_producer and table.column("wall_ns").null_count == 0 and table.column("seq").null_count == 0:
-        wall = table.column("wall_ns").to_numpy()
-        seq = table.column("seq").to_numpy()
+    if one_producer and keys.column("wall_ns").null_count == 0 and keys.column("seq").null_count == 0:
+        wall = keys.column("wall_ns").to_numpy()
+        seq = keys.column("seq").to_numpy()
         if np.all((wall[1:] > wall[:-1]) | ((wall[1:] == wall[:-1]) & (seq[1:] > seq[:-1]))):
-            return table
-    return table.sort_by(ENGINE_ORDER).combine_chunks()
+            return table.combine_chunks()
+    # the order is found from the keys alone; the rows move only if it differs, and a column with no
+    # value in any row (most of a commit's: each kind fills a few) is made afresh rather than moved
+    order = pc.sort_indices(keys, sort_keys=ENGINE_ORDER)
+    if bool(np.all(np.diff(order.to_numpy()) == 1)):
+        return table.combine_chunks()
+    n = table.num_rows
+    columns = [pa.nulls(n, col.type) if col.null_count == n else _chunk(col.take(order)) for col in table.itercolumns()]
+    return pa.Table.from_arrays(columns, schema=table.schema)
 
 
 def _identity_codes(table: pa.Table) -> np.ndarray:
