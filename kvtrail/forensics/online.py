@@ -72,11 +72,14 @@ class OnlineReplay:
         self.num_events = 0
         self.found: list[Finding] = []  # every finding as of the last poll
 
-    def feed_committed(self, con: duckdb.DuckDBPyConnection, table: pa.Table, batches: dict[int, int]) -> bool:
+    def feed_committed(
+        self, con: duckdb.DuckDBPyConnection, table: pa.Table, batches: dict[int, int], *, ordered: bool = False
+    ) -> bool:
         """Feed batches the caller just committed (``batches``: producer_id -> batch_no, one each; ``table``:
         their events as validated) without reading them back. Only when each is the next batch of its
         producer after what was read (or all were read already: True, nothing fed); else nothing is fed,
-        False is returned, and :meth:`poll` reads them.
+        False is returned, and :meth:`poll` reads them. ``ordered``: ``table`` is already in engine order
+        (:func:`~kvtrail.forensics.replay.batch.in_engine_order`), so it is not sorted again.
         """
         if all(no <= self.tail.watermark.get(pid, -1) for pid, no in batches.items()):
             return True  # a poll already read them
@@ -88,7 +91,7 @@ class OnlineReplay:
                 for r in con.execute(f"SELECT producer_id, {_PRODUCER_NAMES} FROM producers").fetchall()
             }
             self.engine.producer_ids.update(self.tail.producers)
-        self.engine.feed(table)
+        self.engine.feed(table, ordered=ordered)
         self.retirement.seen(table)
         self.num_events += table.num_rows
         self.tail.watermark.update(batches)

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvtrail.forensics.online import StoreTail
-from kvtrail.model.monitors import Monitors, Violation, judge_positions
+from kvtrail.model.monitors import Monitors, Violation, judge_order
 
 # A request with no event for this long (wall time of the history) and no page naming it is forgotten; a
 # write of it landing later is not seen as late. Far above any release timeout or transfer duration.
@@ -42,16 +42,17 @@ class LiveMonitors:
         self._pruned_at_ns = 0
         self._lock = threading.Lock()
 
-    def feed_committed(self, table: pa.Table, batches: dict[int, int]) -> bool:
+    def feed_committed(self, table: pa.Table, batches: dict[int, int], *, ordered: bool = False) -> bool:
         """Feed batches just committed (``batches``: producer_id -> batch_no) if each is the next of its
         producer (True; True too when all were read already); else False and nothing is fed: the next
-        :meth:`poll` with ``read_store`` reads them."""
+        :meth:`poll` with ``read_store`` reads them. ``ordered``: the rows already are in the judge's order
+        (the caller sorted them), so they are not sorted again."""
         mark = self.tail.watermark
         if all(no <= mark.get(pid, -1) for pid, no in batches.items()):
             return True
         if any(no != mark.get(pid, -1) + 1 for pid, no in batches.items()):
             return False
-        self.feed(table)
+        self.feed(table, ordered=ordered)
         mark.update(batches)
         self.fed_direct += len(batches)
         return True
@@ -62,11 +63,12 @@ class LiveMonitors:
         if table is not None:
             self.feed(table)
 
-    def feed(self, table: pa.Table) -> None:
-        """Feed one table of events (in the judge's order within it), then prune if it is time."""
+    def feed(self, table: pa.Table, *, ordered: bool = False) -> None:
+        """Feed one table of events (in the judge's order within it; ``ordered``: as it comes, already in
+        that order), then prune if it is time."""
         if not table.num_rows:
             return
-        order = judge_positions(table)
+        order = None if ordered else judge_order(table)
         with self._lock:
             self.monitors.feed(table, order)
         newest = pc.max(table.column("wall_ns")).as_py()

@@ -58,7 +58,7 @@ from kvtrail.model.pagesteps import (
 from kvtrail.model.pool import Pool, Violation
 from kvtrail.model.properties import PROPERTIES
 
-__all__ = ["COLUMNS", "Monitors", "Violation", "judge_order", "judge_positions"]
+__all__ = ["COLUMNS", "Monitors", "Violation", "judge_order"]
 
 _ALLOC_OPS = {"prefix_hit": OP_PREFIX, "decode_growth": OP_GROWTH}
 _GONE = np.iinfo(np.int64).max  # the last-seen time of a request code not in use
@@ -197,7 +197,7 @@ class Monitors(PageSteps):
 
     # ---- feeding ---------------------------------------------------------------------------------
 
-    def feed(self, table: pa.Table, order: list[int] | np.ndarray | None = None) -> None:
+    def feed(self, table: pa.Table, order: list[int] | None = None) -> None:
         """Judge one table of events, in ``order`` (row numbers; default: as they come).
 
         Per table: each event's pool (a ``node_config`` of a new instance starts one) and request code, as
@@ -482,19 +482,10 @@ _OTHER_STEPS = {
 }
 
 
-_JUDGE_KEYS = [(c, "ascending") for c in ("wall_ns", "cluster", "node", "instance", "seq")]
-
-
 def judge_order(table: pa.Table) -> list[int]:
     """Row numbers in the judge's order: wall time, then cluster, node, instance, seq."""
-    return pc.sort_indices(table.select([k for k, _ in _JUDGE_KEYS]), sort_keys=_JUDGE_KEYS).to_pylist()
-
-
-def judge_positions(table: pa.Table) -> np.ndarray | None:
-    """:func:`judge_order` as an array, or None where the rows already are in that order (a table the
-    live judge sorted once for the replay and the monitors both)."""
-    order = pc.sort_indices(table.select([k for k, _ in _JUDGE_KEYS]), sort_keys=_JUDGE_KEYS).to_numpy()
-    return None if bool(np.all(np.diff(order) == 1)) else order
+    keys = [(c, "ascending") for c in ("wall_ns", "cluster", "node", "instance", "seq")]
+    return pc.sort_indices(table.select([k for k, _ in keys]), sort_keys=keys).to_pylist()
 
 
 assert set(PROPERTIES) >= {"no_foreign_read", "aborted_never_sent", "no_free_before_drain"}

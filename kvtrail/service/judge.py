@@ -280,7 +280,7 @@ class Judge:
                 self._judged = None
                 before = self.replay.num_events
                 for (table, batches), judged in zip(held, rows):
-                    if not self.replay.feed_committed(self._con, judged, batches):
+                    if not self.replay.feed_committed(self._con, judged, batches, ordered=True):
                         read_store = True  # not the next batches: read them (and what follows) from the store
                         break
                     self.fed_direct += len(batches)
@@ -318,7 +318,7 @@ class Judge:
             # after the findings are saved: the model's monitors never hold them up
             model_reads = read_store
             for (_, batches), judged in zip(held, rows):
-                if not self.model.feed_committed(judged, batches):
+                if not self.model.feed_committed(judged, batches, ordered=True):
                     model_reads = True
                     break
             self.model.poll(self._con, read_store=model_reads)

@@ -88,11 +88,13 @@ class ReplayEngine:
 
     # ---- input -------------------------------------------------------------------------------------
 
-    def feed(self, table: pa.Table) -> None:
-        """Replay one batch; rows are taken in (wall_ns, cluster, node, instance, seq) order."""
+    def feed(self, table: pa.Table, *, ordered: bool = False) -> None:
+        """Replay one batch; rows are taken in (wall_ns, cluster, node, instance, seq) order (``ordered``:
+        the caller sorted them so, with :func:`~kvtrail.forensics.replay.batch.in_engine_order`)."""
         if table.num_rows == 0:
             return
-        table = in_engine_order(table)
+        if not ordered:
+            table = in_engine_order(table)
         if self.fast_path is not None:
             self.fast_path.feed(from_table(table, self._producer_id))
             return
