@@ -27,6 +27,7 @@ from kvtrail.audit.events import PRODUCER_FIELDS
 from kvtrail.audit.store import read_events
 from kvtrail.forensics.findings import Finding
 from kvtrail.forensics.policy import ForensicsPolicy
+from kvtrail.forensics.replay.batch import FEED_COLUMNS, in_engine_order
 from kvtrail.forensics.replay.engine import ReplayEngine
 from kvtrail.forensics.replay.retire import HORIZON_NS, Retirement
 from kvtrail.forensics.results.persist import finding_id
@@ -72,6 +73,14 @@ class OnlineReplay:
         self.num_events = 0
         self.found: list[Finding] = []  # every finding as of the last poll
 
+    @staticmethod
+    def in_feed_order(table: pa.Table, also: tuple[str, ...] = ()) -> pa.Table:
+        """``table`` cut to the columns the replay reads (and ``also``, where it has them), in engine order:
+        what :meth:`feed_committed` takes with ``ordered=True``. A caller with other readers of the same
+        commit sorts it once here, for all of them."""
+        keep = dict.fromkeys((*FEED_COLUMNS, *also))
+        return in_engine_order(table.select([c for c in keep if c in table.column_names]))
+
     def feed_committed(
         self, con: duckdb.DuckDBPyConnection, table: pa.Table, batches: dict[int, int], *, ordered: bool = False
     ) -> bool:
@@ -79,7 +88,7 @@ class OnlineReplay:
         their events as validated) without reading them back. Only when each is the next batch of its
         producer after what was read (or all were read already: True, nothing fed); else nothing is fed,
         False is returned, and :meth:`poll` reads them. ``ordered``: ``table`` is already in engine order
-        (:func:`~kvtrail.forensics.replay.batch.in_engine_order`), so it is not sorted again.
+        (:meth:`in_feed_order`), so it is not sorted again.
         """
         if all(no <= self.tail.watermark.get(pid, -1) for pid, no in batches.items()):
             return True  # a poll already read them

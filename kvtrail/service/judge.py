@@ -40,7 +40,6 @@ import pyarrow as pa
 from kvtrail.audit.batch import from_dicts
 from kvtrail.forensics import Finding, OnlineReplay
 from kvtrail.forensics.policy import ForensicsPolicy
-from kvtrail.forensics.replay.batch import FEED_COLUMNS, in_engine_order
 from kvtrail.forensics.results import aggregates
 from kvtrail.forensics.results.persist import save_findings
 from kvtrail.model.live import LiveMonitors
@@ -96,14 +95,14 @@ _WARM_UP_EVENTS = [
 # it holds); e.g. kvtrail.alerts.otel.OtelExport.judged. It must return at once; what it raises is logged only.
 OnJudged = Callable[[list[Finding], list[pa.Table], list[Finding]], None]
 POLL_INTERVAL_S = DEFAULT_JUDGE_INTERVAL_S  # least time between two polls while commits keep coming (bounds the lag)
-# What the replay and the model's monitors read of a committed table: a commit is cut to these and sorted
-# once, for both (a group commit interleaves producers, and each reader would otherwise sort every column)
-_JUDGED_COLUMNS = tuple(dict.fromkeys((*FEED_COLUMNS, *MONITOR_COLUMNS, "pages")))
+# What the model's monitors read of a committed table beside the replay's columns: a commit is cut to both
+# and sorted once (a group commit interleaves producers, and each reader would otherwise sort every column)
+_MONITORED_COLUMNS = (*MONITOR_COLUMNS, "pages")
 
 
 def _judged_rows(table: pa.Table) -> pa.Table:
     """A committed table as the judge's readers take it: their columns only, in engine order."""
-    return in_engine_order(table.select([c for c in _JUDGED_COLUMNS if c in table.column_names]))
+    return OnlineReplay.in_feed_order(table, _MONITORED_COLUMNS)
 
 
 class Judge:
