@@ -9,6 +9,9 @@ noise on a shared machine hits them alike:
   kvtrail       AuditStore.append(batch): validation, run encoding into page_runs, all event columns,
                 hash-chained batch record, one transaction per batch; checkpoints by CheckpointPolicy
                 (default 64 MB of WAL or 10 s; --max-wal-mb, --checkpoint-interval-s), timed inside append
+  kvtrail-free  the bound on any faster kvtrail (ingest_free.py; not in the default set): the same store
+                writing the same rows, with its own computation (validation, request numbering, run
+                encoding, SHA-256 chain) done for it before the rounds; every round's store is verified
   recorder      the recorder's path: the same events as the recorder's buffered tuples (built untimed), turned
                 into a batch by its writer's build_batch and committed by AuditStore.append, timed together
   kv-wal        the same, checkpointing only at 256 MB of WAL and never by time (the policy before
@@ -30,6 +33,8 @@ taken within a round, and the goal is judged on the worst round.
     .venv/bin/python bench/bench_ingest.py                      # 150M page-events, 5 rounds
     .venv/bin/python bench/bench_ingest.py --decode-fraction 0  # a PD prefill node's shape
     .venv/bin/python bench/bench_ingest.py --quick              # 4M page-events in 50k-event batches, 2 rounds
+    .venv/bin/python bench/bench_ingest.py --page-events 3e7 --methods kvtrail,kvtrail-free,limit-kinds
+                                                                # how close kvtrail could come to limit-kinds
     .venv/bin/python bench/bench_ingest.py --page-events 3e7 --events-per-batch 20000 --methods kvtrail,kv-wal
                                                                 # small commits: what the checkpoint policy costs
 """
@@ -50,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import duckdb  # noqa: E402
 import pyarrow as pa  # noqa: E402
+from ingest_free import KvtrailFreeSink, Precomputed  # noqa: E402
 from ingest_report import GOAL_DECODE_PAGE_EVENTS_PER_S, GOAL_PREFILL_PAGE_EVENTS_PER_S, report  # noqa: E402
 from ingest_sinks import (  # noqa: E402
     Encoded,
@@ -71,7 +77,17 @@ from kvtrail.audit.store import DEFAULT_CHECKPOINT, CheckpointPolicy  # noqa: E4
 from kvtrail.audit.validate import producer_id  # noqa: E402
 from kvtrail.sim.synth import runs_per_event, synth_batches  # noqa: E402
 
-METHODS = ("kvtrail", "recorder", "kv-wal", "naive", "list", "limit-kinds", "limit-wide", "limit-narrow")
+METHODS = (
+    "kvtrail",
+    "kvtrail-free",
+    "recorder",
+    "kv-wal",
+    "naive",
+    "list",
+    "limit-kinds",
+    "limit-wide",
+    "limit-narrow",
+)
 DEFAULT_METHODS = "kvtrail,recorder,naive,list,limit-kinds,limit-wide,limit-narrow"
 LIMITS = ("limit-kinds", "limit-wide", "limit-narrow")
 
@@ -247,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                     "payload)"
                 )
         enc = encoded
+        # kvtrail-free: every batch's own computation made once, untimed, by a real store (ingest_free.py).
+        pre = Precomputed(os.path.join(tmp, "free.duckdb"), batches, args.policy) if "kvtrail-free" in methods else None
         # The recorder's tuples, built untimed (what its hot path leaves in the buffer).
         items = [recorder_items(b) for b in batches] if "recorder" in methods else []
         factories: dict[str, Callable[[str], Sink]] = {
@@ -256,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
             "list": ListSink,
             "recorder": lambda path: RecorderSink(path, items, producer, args.policy),
         }
+        if pre is not None:
+            factories["kvtrail-free"] = lambda path: KvtrailFreeSink(path, pre, args.policy)
         if enc is not None:
             factories.update(
                 {
@@ -269,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         warm = _synth(args, warm_producer, args.seed + 1000, min(target, 3_000_000), warmup_page_events=args.num_pages)
         for m in methods:
             s = factories[m](os.path.join(tmp, f"warm-{m}.duckdb"))
-            for i, b in enumerate(batches[:1] if m in LIMITS or m == "recorder" else warm):
+            for i, b in enumerate(batches[:1] if m in LIMITS or m in ("recorder", "kvtrail-free") else warm):
                 s.append(i, b, producer_id(warm_producer))
             s.checkpoint()
             s.close()
