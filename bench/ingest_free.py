@@ -44,6 +44,8 @@ class Precomputed:
     def __init__(self, path: str, batches: list[pa.Table], policy: CheckpointPolicy) -> None:
         self.done: list[_Done] = []
         with AuditStore(path, checkpoint=policy) as store:
+            known = _KnownNumbers(store)
+            store.requests = known
             for b in batches:
                 vb, check = sort_batch(b, store._state)
                 check()
@@ -51,7 +53,8 @@ class Precomputed:
                 parts = commitrows.cut(vb, seq, store._chain)
                 runs = commitrows.encode(vb, parts, seq)
                 digests = commitrows.digests(parts, runs, seq, None)
-                numbers = store.requests.number(vb.table)
+                numbers = known.store_numbers.number(vb.table)
+                known.next = numbers  # numbered once: _write takes these
                 store._write(vb, seq, parts, _ready(runs), _ready(digests))
                 self.done.append(_Done(vb, seq, parts, numbers, runs, digests))
 
