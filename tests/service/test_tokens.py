@@ -29,7 +29,7 @@ def test_a_token_authenticates_until_revoked_and_only_its_hash_is_stored(con):
     who = tokens.authenticate(con, secret)
     assert who == tokens.Principal(token_id, "tenant", "acme", ())
     stored = con.execute("SELECT hash FROM api_tokens").fetchone()[0]
-    assert secret not in stored and secret.split("_")[2] not in stored and stored.startswith("pbkdf2-sha256$")
+    assert secret not in stored and secret.split("_", 2)[2] not in stored and stored.startswith("pbkdf2-sha256$")
     assert tokens.authenticate(con, secret[:-1] + ("A" if secret[-1] != "A" else "B")) is None
     assert tokens.authenticate(con, "kvt_000000000000_nothing") is None
     assert tokens.authenticate(con, "") is None and tokens.authenticate(con, "Bearer x y") is None
@@ -38,6 +38,18 @@ def test_a_token_authenticates_until_revoked_and_only_its_hash_is_stored(con):
     assert tokens.revoke_token(con, token_id) is False
     with pytest.raises(ValueError, match="token_id"):
         tokens.revoke_token(con, "ffffffffffff")
+
+
+@pytest.mark.parametrize("random_part", ["_leading", "mid_dle_", "__", "-_-"])
+def test_a_secret_whose_random_part_holds_underscores_authenticates(con, monkeypatch, random_part):
+    # token_urlsafe draws from A-Z a-z 0-9 - _, so a fresh secret may begin with or hold "_"
+    monkeypatch.setattr(tokens.secrets, "token_urlsafe", lambda n: random_part * 8)
+    token_id, secret = tokens.add_token(con, "operator")
+    assert secret == f"kvt_{token_id}_{random_part * 8}"
+    assert tokens.authenticate(con, secret).token_id == token_id
+    stored = con.execute("SELECT hash FROM api_tokens").fetchone()[0]
+    assert random_part * 8 not in stored
+    assert tokens.authenticate(con, f"kvt_{token_id}_{random_part * 7}") is None
 
 
 def test_two_tokens_of_one_role_have_different_salts(con):
