@@ -102,8 +102,13 @@ def test_a_stopped_service_never_blocks_the_recorder_and_the_gap_reaches_the_sto
     while rec.stats()["writer_errors_total"] == 0:
         assert time.monotonic() < deadline, rec.stats()
         time.sleep(0.05)
+    # Every event recorded while down is committed or counted lost before the service comes back.
+    # Without this, events still buffered would reach the store ahead of the re-reported configuration
+    # and be refused there as invalid (pool size unknown), which is right but not this test's case.
+    assert rec.flush(60)
     down = rec.stats()
     assert down["dropped_events_total"] > 0 and down["committed_events_total"] == 0
+    assert down["buffered_events"] == 0
     with served_in_thread(service_state, sock):  # the service comes back on the same address
         # the lost batches held the node's configuration too: a node re-reports it (as after a restart)
         rec.node_config(pool_tokens=1024, pool_pages=64, page_size=16, context_tokens=4096)
