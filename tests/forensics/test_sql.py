@@ -7,9 +7,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtrail.audit.batch import from_dicts
-from kvtrail.audit.store import AuditStore
+from kvtrail.audit.store import AuditStore, connect_readonly
 from kvtrail.forensics.policy import ForensicsPolicy
 from kvtrail.forensics.replay.engine import replay_store
+from kvtrail.forensics.sql import engine as sql_engine
 from kvtrail.forensics.sql.engine import sql_findings
 from tests.conftest import T0
 from tests.forensics import test_replay
@@ -139,6 +140,39 @@ def test_restart_and_windows(mem_store):
     assert {f.code for f in compare(mem_store)} == {"F1", "F2", "F5", "F6", "F7"}
     for lo, hi in [(mid, end), (None, mid), (mid, None), (mid + 3000, end - 2000), (end, None)]:
         compare(mem_store, lo, hi)
+
+
+def _temporary_tables(con) -> list[str]:
+    return [r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE temporary").fetchall()]
+
+
+def test_the_engine_leaves_nothing_on_the_callers_connection(mem_store, monkeypatch, tmp_path):
+    """The relations every question shares are the call's own temporary tables: gone when it returns or
+    fails, the connection out of its transaction, a read-only store read the same way."""
+    stored(mem_store, history_f5_f6_f7())
+    con = mem_store.con
+    first = compare(mem_store)
+    assert first and _temporary_tables(con) == []
+    assert compare(mem_store) == first  # a second call on the same connection asks the same
+    con.begin()  # no transaction left open
+    con.rollback()
+
+    def broken(ctx):
+        assert len(_temporary_tables(ctx.con)) == 3  # what the failure below has to clean up
+        raise RuntimeError("a query failed half way")
+
+    with monkeypatch.context() as m:
+        m.setattr(sql_engine, "f6", broken)
+        with pytest.raises(RuntimeError, match="half way"):
+            sql_findings(con)
+    assert _temporary_tables(con) == []
+    assert [f.code for f in sql_findings(con)] == [f.code for f in first]
+
+    with AuditStore(str(tmp_path / "s.duckdb")) as store:
+        stored(store, history_f5_f6_f7())
+    with connect_readonly(str(tmp_path / "s.duckdb")) as ro:
+        assert [f.code for f in sql_findings(ro)] == [f.code for f in first]
+        assert _temporary_tables(ro) == []
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -10,6 +10,7 @@ expanded to single pages. A lake runs the page queries per (node, hour) from eac
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from kvtrail.forensics.findings import UNVERIFIED, Finding, make_finding
@@ -57,35 +58,59 @@ REQUEST_KEY = (
 )
 
 
-def _base(where: str, order: str) -> str:
-    """CTEs shared by every query: windowed events (ev), pool epochs, page runs of page events (pr)."""
+def _ev_sql(where: str, order: str) -> str:
+    """Windowed events (``ev``): the engine's order numbers and request keys."""
     return f"""
-    ev0 AS (SELECT {_EVENT_COLS},
-                   row_number() OVER (ORDER BY {order}) AS ord
-            FROM events_v WHERE {where}),
+    WITH ev0 AS (SELECT {_EVENT_COLS},
+                        row_number() OVER (ORDER BY {order}) AS ord
+                 FROM events_v WHERE {where}),
     first_tenant AS (SELECT request_id AS ft_id, arg_min(tenant_id, ord) AS ft_tenant FROM ev0
-                     WHERE request_id IS NOT NULL AND tenant_id IS NOT NULL GROUP BY request_id),
-    ev AS (SELECT e.* REPLACE ({REQUEST_KEY} AS request_id), e.request_id AS rid_text,
-                  coalesce(e.tenant_id, f.ft_tenant) AS rtenant
-           FROM ev0 e LEFT JOIN first_tenant f ON f.ft_id = e.request_id),
-    cfg AS (SELECT cluster, node, ord,
-                   sum(CASE WHEN instance IS DISTINCT FROM prev THEN 1 ELSE 0 END)
-                       OVER (PARTITION BY cluster, node ORDER BY ord) AS epoch
-            FROM (SELECT cluster, node, ord, instance,
-                         lag(instance) OVER (PARTITION BY cluster, node ORDER BY ord) AS prev
-                  FROM ev WHERE kind = 'node_config')),
-    pe AS (SELECT e.*, c.epoch FROM ev e ASOF JOIN cfg c
-           ON e.cluster = c.cluster AND e.node = c.node AND e.ord >= c.ord
-           WHERE e.kind IN {_PAGE_KINDS} OR (e.kind = 'transfer_received' AND e.status = '{UNVERIFIED}')),
-    runs AS (SELECT pe.cluster, pe.node, pe.epoch, pe.ord, pe.producer_id, pe.seq, pe.wall_ns, pe.kind,
-                    pe.request_id, pe.purpose, pe.num_pages AS ev_pages, r.pos AS run_pos, r.page_start AS run_start,
-                    r.page_start::BIGINT + r.num_pages - 1 AS run_end
-             FROM pe JOIN page_runs r ON r.producer_id = pe.producer_id AND r.seq = pe.seq AND r.list = 0),
-    pr AS (SELECT x.* EXCLUDE (run_pos, run_start, run_end), b.bucket,
-                  greatest(x.run_start, b.bucket * {PAGE_BUCKET}) AS page_start,
-                  least(x.run_end, b.bucket * {PAGE_BUCKET} + {PAGE_BUCKET - 1}) AS page_end,
-                  x.run_pos + greatest(x.run_start, b.bucket * {PAGE_BUCKET}) - x.run_start AS pos
-           FROM runs x, generate_series(x.run_start // {PAGE_BUCKET}, x.run_end // {PAGE_BUCKET}) AS b(bucket)),
+                     WHERE request_id IS NOT NULL AND tenant_id IS NOT NULL GROUP BY request_id)
+    SELECT e.* REPLACE ({REQUEST_KEY} AS request_id), e.request_id AS rid_text,
+           coalesce(e.tenant_id, f.ft_tenant) AS rtenant
+    FROM ev0 e LEFT JOIN first_tenant f ON f.ft_id = e.request_id"""
+
+
+def _pe_sql(ev: str) -> str:
+    """Page events (``pe``) of the events in ``ev``, each with its node's pool epoch."""
+    return f"""
+    WITH cfg AS (SELECT cluster, node, ord,
+                        sum(CASE WHEN instance IS DISTINCT FROM prev THEN 1 ELSE 0 END)
+                            OVER (PARTITION BY cluster, node ORDER BY ord) AS epoch
+                 FROM (SELECT cluster, node, ord, instance,
+                              lag(instance) OVER (PARTITION BY cluster, node ORDER BY ord) AS prev
+                       FROM {ev} WHERE kind = 'node_config'))
+    SELECT e.*, c.epoch FROM {ev} e ASOF JOIN cfg c
+    ON e.cluster = c.cluster AND e.node = c.node AND e.ord >= c.ord
+    WHERE e.kind IN {_PAGE_KINDS} OR (e.kind = 'transfer_received' AND e.status = '{UNVERIFIED}')"""
+
+
+def _pr_sql(pe: str) -> str:
+    """Page runs (``pr``) of the page events in ``pe``, cut at ``PAGE_BUCKET`` boundaries."""
+    return f"""
+    WITH runs AS (SELECT pe.cluster, pe.node, pe.epoch, pe.ord, pe.producer_id, pe.seq, pe.wall_ns, pe.kind,
+                         pe.request_id, pe.purpose, pe.num_pages AS ev_pages, r.pos AS run_pos,
+                         r.page_start AS run_start, r.page_start::BIGINT + r.num_pages - 1 AS run_end
+                  FROM {pe} AS pe JOIN page_runs r ON r.producer_id = pe.producer_id AND r.seq = pe.seq AND r.list = 0)
+    SELECT x.* EXCLUDE (run_pos, run_start, run_end), b.bucket,
+           greatest(x.run_start, b.bucket * {PAGE_BUCKET}) AS page_start,
+           least(x.run_end, b.bucket * {PAGE_BUCKET} + {PAGE_BUCKET - 1}) AS page_end,
+           x.run_pos + greatest(x.run_start, b.bucket * {PAGE_BUCKET}) - x.run_start AS pos
+    FROM runs x, generate_series(x.run_start // {PAGE_BUCKET}, x.run_end // {PAGE_BUCKET}) AS b(bucket)"""
+
+
+# Each call of the engine builds the relations every question shares once, as temporary tables of its own
+# connection inside its one read transaction, and drops them with the transaction (one name per call).
+_CALLS = itertools.count()
+
+
+def _shared(ev: str, pe: str, pr: str) -> str:
+    """CTEs every query starts with: windowed events (ev), page events (pe), page runs (pr), and
+    allocations and releases by page run (mem)."""
+    return f"""
+    ev AS (SELECT * FROM {ev}),
+    pe AS (SELECT * FROM {pe}),
+    pr AS (SELECT * FROM {pr}),
     mem AS (SELECT *, kind = 'pages_allocated' AS is_alloc,
                    kind = 'pages_allocated' AND purpose IS DISTINCT FROM 'prefix_hit'
                        AND purpose IS DISTINCT FROM '{HOLD_PURPOSE}' AS exclusive
@@ -102,9 +127,18 @@ def _keys(items) -> tuple[tuple[int, int], ...]:
 
 
 class Ctx:
+    """One engine call's questions on ``con``: call inside the call's transaction (the shared relations
+    are temporary tables that end with it)."""
+
     def __init__(self, con, where: str, params: list, order: str = EVENT_ORDER):
-        self.con, self.where, self.params, self.order = con, where, params, order
+        self.con = con
         self.keys: dict[str, tuple[str, str | None]] = {}  # request key -> (request id, tenant)
+        tag = f"_kvtrail_sql_{next(_CALLS)}"
+        ev, pe, pr = f"{tag}_ev", f"{tag}_pe", f"{tag}_pr"
+        con.execute(f"CREATE TEMPORARY TABLE {ev} AS {_ev_sql(where, order)}", list(params))
+        con.execute(f"CREATE TEMPORARY TABLE {pe} AS {_pe_sql(ev)}")
+        con.execute(f"CREATE TEMPORARY TABLE {pr} AS {_pr_sql(pe)}")
+        self._with = "WITH " + _shared(ev, pe, pr)
 
     def rid(self, key: str | None) -> str | None:
         """The request id of a request key (None: none)."""
@@ -114,8 +148,8 @@ class Ctx:
         return None if key is None else self.keys[key][1]
 
     def query(self, body: str, extra_ctes: str = "", params=()) -> list[tuple]:
-        sql = "WITH " + _base(self.where, self.order) + ("," + extra_ctes if extra_ctes else "") + "\n" + body
-        return self.con.execute(sql, self.params + list(params)).fetchall()
+        sql = self._with + ("," + extra_ctes if extra_ctes else "") + "\n" + body
+        return self.con.execute(sql, list(params)).fetchall()
 
     def finding(
         self,
@@ -194,7 +228,7 @@ def sql_findings(
     where, params = window_filter(from_ns, to_ns) if scope is None else (scope.where, list(scope.params))
     order = EVENT_ORDER if scope is None else scope.order
     con.complete()
-    con.begin()  # one snapshot for every query
+    con.begin()  # one snapshot for every query; the shared relations end with it
     try:
         ctx = Ctx(con, where, params, order)
         ctx.keys = {
@@ -205,6 +239,6 @@ def sql_findings(
         }
         found = [f for part_codes, fn in parts if want is None or part_codes & want for f in fn(ctx)]
     finally:
-        con.commit()
+        con.rollback()  # the call only reads: this ends its snapshot and drops its temporary tables
     found = [f for f in found if (from_ns is None or f.last_ns >= from_ns) and (want is None or f.code in want)]
     return sorted(found, key=lambda f: (f.last_ns, f.first_ns, int(f.code[1:]), f.evidence))
