@@ -108,18 +108,22 @@ class Prelude:
 
 
 def _groups(pages: np.ndarray, *cols: np.ndarray):
-    """Split ascending ``pages`` by equal values of ``cols`` (per page): (values, pages) per group."""
+    """Split ``pages`` by equal values of ``cols`` (per page): (values, pages) per group, the groups in
+    ascending order of their values, each group's pages in their order in ``pages``."""
     if not len(pages):
         return
-    keys = np.stack([np.asarray(c, np.int64) for c in cols], axis=1)
-    uniq, inv = np.unique(keys, axis=0, return_inverse=True)
-    inv = inv.ravel()
-    order = np.argsort(inv, kind="stable")
-    bounds = np.cumsum(np.bincount(inv, minlength=len(uniq)))
-    start = 0
-    for g, end in enumerate(bounds.tolist()):
-        yield tuple(uniq[g].tolist()), pages[order[start:end]]
-        start = end
+    keys = [np.asarray(c, np.int64) for c in cols]
+    # np.lexsort's last key sorts first; the position breaks ties, so each group keeps the pages' order
+    order = np.lexsort([np.arange(len(pages))] + keys[::-1])
+    by = [k[order] for k in keys]
+    starts = np.zeros(len(order), bool)
+    starts[0] = True
+    for k in by:
+        starts[1:] |= k[1:] != k[:-1]
+    first = np.flatnonzero(starts)
+    bounds = np.append(first[1:], len(order)).tolist()
+    for start, end in zip(first.tolist(), bounds):
+        yield tuple(int(k[start]) for k in by), pages[order[start:end]]
 
 
 class _Builder:
@@ -139,9 +143,14 @@ class _Builder:
     def holds(self, pages: np.ndarray, reqs: np.ndarray) -> np.ndarray:
         """Whether request reqs[i] holds pages[i] in the checkpoint (owner, further holder or hit)."""
         out = self.pool.owner[pages] == reqs
-        for i in np.flatnonzero(~out & (reqs >= 0)).tolist():
-            p, r = int(pages[i]), int(reqs[i])
-            out[i] = r in self.pool.extra.get(p, ()) or r in self.shared.get(p, {})
+        rest = np.flatnonzero(~out & (reqs >= 0))
+        held = [(p, r) for p, rs in self.pool.extra.items() for r in rs]
+        held += [(p, r) for p, hits in self.shared.items() for r in hits]
+        if len(rest) and held:
+            pairs = np.array(held, np.int64).reshape(-1, 2)
+            # a (page, request) pair as one integer: page ids are 32-bit, request numbers in [0, 2**32)
+            want = (pages[rest].astype(np.int64) << 32) | reqs[rest].astype(np.int64)
+            out[rest] = np.isin(want, (pairs[:, 0] << 32) | pairs[:, 1])
         return out
 
     def emit(self, kind: str, pages: np.ndarray, reqs: np.ndarray, *, purpose=None, real=None, extra=()) -> None:
