@@ -144,9 +144,11 @@ class _Builder:
         """Whether request reqs[i] holds pages[i] in the checkpoint (owner, further holder or hit)."""
         out = self.pool.owner[pages] == reqs
         rest = np.flatnonzero(~out & (reqs >= 0))
+        if not len(rest):
+            return out
         held = [(p, r) for p, rs in self.pool.extra.items() for r in rs]
         held += [(p, r) for p, hits in self.shared.items() for r in hits]
-        if len(rest) and held:
+        if held:
             pairs = np.array(held, np.int64).reshape(-1, 2)
             # a (page, request) pair as one integer: page ids are 32-bit, request numbers in [0, 2**32)
             want = (pages[rest].astype(np.int64) << 32) | reqs[rest].astype(np.int64)
