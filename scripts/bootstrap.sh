@@ -45,7 +45,10 @@ case "$what" in
     # requirements are unchanged); in ./.venv only the release-wheel checks of tests/sglang run.
     sglang_latest=$(bash scripts/sglang-env.sh 0.5.23 | tail -n 1)
     sglang_incident=$(bash scripts/sglang-env.sh 0.5.19 | tail -n 1)
-    .venv/bin/python -m pytest -q "$@"
+    # The main suite on one worker per core (pytest-xdist; tests that wait on servers and subprocesses
+    # leave a core idle when run one at a time). Flags given after `test` come last and win: `-n 0` runs
+    # it in this process.
+    .venv/bin/python -m pytest -q -n auto --dist worksteal "$@"
     "$sglang_latest" -m pytest -q -p no:cacheprovider tests/sglang
     exec "$sglang_incident" -m pytest -q -p no:cacheprovider tests/sglang
     ;;

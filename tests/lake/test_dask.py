@@ -6,12 +6,14 @@ either the full answer (Dask re-runs its tasks on the other worker) or a clear e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -39,10 +41,9 @@ def _wait_for(what: str, check, deadline_s: float = DEADLINE_S):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-@pytest.fixture(scope="module")
-def dask_cluster(tmp_path_factory):
+@contextlib.contextmanager
+def _cluster(base: Path):
     """(scheduler address, worker processes): ``dask scheduler --port 0`` and two ``dask worker``s."""
-    base = tmp_path_factory.mktemp("dask")
     sched_file = base / "scheduler.json"
     common = ["--no-dashboard"]
     procs = [
@@ -99,6 +100,20 @@ def dask_cluster(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+@pytest.fixture(scope="module")
+def dask_cluster(tmp_path_factory):
+    """A cluster the module's tests share."""
+    with _cluster(tmp_path_factory.mktemp("dask")) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster_to_kill(tmp_path_factory):
+    """A cluster of the test's own: it leaves one worker short, whichever tests run after it and where."""
+    with _cluster(tmp_path_factory.mktemp("dask-kill")) as cluster:
+        yield cluster
 
 
 def test_same_answer_through_scheduler(dask_cluster, fleet_lake, fleet_db, capsys):
@@ -165,9 +180,8 @@ def _threads_here(_: int) -> tuple[int | None, str]:
         con.close()
 
 
-def test_worker_killed_mid_query_gives_all_or_a_clear_error(dask_cluster, fleet_lake, fleet_con):
-    """Last in this module: it leaves the cluster one worker short."""
-    addr, workers = dask_cluster
+def test_worker_killed_mid_query_gives_all_or_a_clear_error(cluster_to_kill, fleet_lake, fleet_con):
+    addr, workers = cluster_to_kill
     want = replay_store(fleet_con)
     outcome: dict = {}
 

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -38,22 +39,27 @@ def wheel(version: str) -> Path:
     if found:
         return found[0]
     cache.mkdir(parents=True, exist_ok=True)
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            f"sglang=={version}",
-            "-d",
-            cache,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    # Into a folder of this call's own, then renamed into the cache whole: a test on another worker reading
+    # the cache at the same time sees no wheel or a complete one, never a part.
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as part:
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                f"sglang=={version}",
+                "-d",
+                part,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        for got in Path(part).glob(f"sglang-{version}-*.whl"):
+            os.replace(got, cache / got.name)
     found = sorted(cache.glob(f"sglang-{version}-*.whl"))
     if run.returncode != 0 or not found:
         if NETWORK.search(run.stdout + run.stderr):
