@@ -46,9 +46,11 @@ case "$what" in
     sglang_latest=$(bash scripts/sglang-env.sh 0.5.23 | tail -n 1)
     sglang_incident=$(bash scripts/sglang-env.sh 0.5.19 | tail -n 1)
     # The main suite on one worker per core (pytest-xdist; tests that wait on servers and subprocesses
-    # leave a core idle when run one at a time). Flags given after `test` come last and win: `-n 0` runs
-    # it in this process.
-    .venv/bin/python -m pytest -q -n auto --dist worksteal "$@"
+    # leave a core idle when run one at a time): the cores this process may run on, fewer where a cgroup
+    # quota allows fewer, and at most one worker per 3 GiB of available memory. Flags given after `test`
+    # come last and win: `-n 0` runs the suite in this process.
+    workers=$(.venv/bin/python scripts/test-workers.py)
+    .venv/bin/python -m pytest -q -n "$workers" --dist worksteal "$@"
     "$sglang_latest" -m pytest -q -p no:cacheprovider tests/sglang
     exec "$sglang_incident" -m pytest -q -p no:cacheprovider tests/sglang
     ;;

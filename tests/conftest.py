@@ -2,9 +2,30 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+
 import pytest
 
 T0 = 1_788_960_120_000_000_000  # 2026-09-09T13:22:00Z
+
+
+@pytest.fixture(autouse=True)
+def _alone_when_marked(request, tmp_path_factory):
+    """Under pytest-xdist, a test marked ``alone`` runs while no other worker runs a test, and no worker
+    starts one while it runs: an exclusive lock on a file the workers share, every other test holding it
+    shared. Its scenario depends on the relative timing of live processes (two requests through a stack),
+    which a busy neighbour on the same cores stretches. In one process the lock is not taken."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(tmp_path_factory.getbasetemp().parent / "kvtrail-alone.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def producer(node="prefill-0", role="prefill", instance="i1", cluster="c1"):

@@ -11,7 +11,8 @@ from kvtrail.audit.verify import verify_store
 from kvtrail.serving.config import Faults, StackConfig
 from kvtrail.serving.stack import Stack
 
-pytestmark = pytest.mark.slow
+# Scenarios of two requests whose timing decides what happens in a live stack: run with no other test beside them.
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 KEYS = {"acme": "key-acme", "globex": "key-globex", "initech": "key-initech"}
 CANARY = re.compile(r"CANARY-(acme|globex|initech)-[0-9a-f]{4}")
