@@ -15,7 +15,9 @@ def _alone_when_marked(request, tmp_path_factory):
     """Under pytest-xdist, a test marked ``alone`` runs while no other worker runs a test, and no worker
     starts one while it runs: an exclusive lock on a file the workers share, every other test holding it
     shared. Its scenario depends on the relative timing of live processes (two requests through a stack),
-    which a busy neighbour on the same cores stretches. In one process the lock is not taken."""
+    which a busy neighbour on the same cores stretches. The lock covers a test's body and its function-scoped
+    fixtures; a module- or session-scoped fixture another worker sets up meanwhile is outside it. In one
+    process the lock is not taken."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         yield
         return
