@@ -311,7 +311,10 @@ class Recorder:
     # ---- control -------------------------------------------------------------------------------
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Block until every event recorded before this call is committed (or counted as lost).
+        """Block until every event recorded before this call is committed, counted as lost, or held.
+
+        Held are the ``recorder_started`` and latest ``node_config`` of a batch the sink lost: they go
+        first in the next batch the writer sends (``held_events`` in :meth:`stats`).
 
         Returns False if ``timeout`` (seconds) passed first or the writer has stopped.
         """
@@ -333,6 +336,7 @@ class Recorder:
         return {
             "recorded_events": b.next_seq,
             "buffered_events": len(b),
+            "held_events": len(w.held),
             "dropped_events_total": b.total_dropped,
             "invalid_events_total": w.invalid_total,
             "writer_errors_total": w.error_total,

@@ -6,6 +6,16 @@ back with :data:`kvtrail.audit.events.PAYLOAD_LAYOUT_BY_CODE`, the table the rec
 An event the store rejects is taken out of its batch and counted (the rest of the batch still
 lands); the count becomes a ``recorder_gap`` event. A sink that fails (disk full, I/O error) is
 retried, then the batch is counted as lost: the serving path is never blocked by the store.
+
+Two events of a lost batch are held instead and go first in the next batch: the instance's
+``recorder_started`` and its latest ``node_config``. The store checks every later page id against
+the pool size that configuration reports, so without it everything the node sends after an outage
+at its start would be refused as invalid until the node reported its configuration again; and
+without ``recorder_started`` the instance would no longer frame its events. They keep their
+sequence numbers and clocks (what the node reported, when it reported it); a held ``node_config``
+that a newer one follows in a lost batch is lost with that batch. Held events count as lost only
+if the writer stops with the sink still failing. (A batch sent event by event, after the sink refused
+it without naming the event, holds nothing: the events after a lost one may land before it could.)
 """
 
 from __future__ import annotations
@@ -22,9 +32,10 @@ import pyarrow as pa
 
 from kvtrail.audit.arrowutil import INT32_MAX, list_array, pack_lists
 from kvtrail.audit.batch import BATCH_SCHEMA, NULLABLE_BATCH_SCHEMA, first_bad_index
-from kvtrail.audit.buffer import GAP_CODE, GAP_EVENTS_AT, GAP_PAGES_AT, EventBuffer, GapRow
+from kvtrail.audit.buffer import GAP_CODE, GAP_EVENTS_AT, GAP_PAGES_AT, STARTED_CODE, EventBuffer, GapRow
 from kvtrail.audit.contract import Sink
 from kvtrail.audit.events import (
+    KIND_CODES,
     KIND_NAMES,
     NO_REQUEST,
     PAYLOAD_LAYOUT_BY_CODE,
@@ -42,6 +53,8 @@ _RETRY_DELAYS_S = (0.05, 0.25, 1.0)
 # converted once: cheaper than converting each kind's part and reordering them with a take, which
 # wins on large batches. A serving process's writer commits a few hundred events per flush.
 _SCATTER_MAX_EVENTS = 2048
+# The kinds a lost batch does not take with it (the module's docstring says why).
+_HELD_CODES = (STARTED_CODE, KIND_CODES["node_config"])
 
 
 def _list_column(values: Sequence, type_: pa.DataType, field: str) -> pa.Array:
@@ -224,6 +237,7 @@ class Writer(threading.Thread):
         self._wake = threading.Event()
         self._stopping = False
         self._pending_gaps: list[GapRow] = []
+        self.held: list[tuple] = []  # framing events of lost batches, in sequence order, for the next batch
         self._offset = wall_offset_ns()
         self.invalid_total = 0
         self.error_total = 0
@@ -252,6 +266,10 @@ class Writer(threading.Thread):
                 self._wake.clear()
                 self._safe_cycle()
             self._safe_cycle()
+            if self.held:  # the sink still failed on the last try: nothing will send them now
+                self.error_total += len(self.held)
+                log.error("kvtrail recorder: %d held events lost at stop, store failed", len(self.held))
+                self.held = []
         finally:
             close = getattr(self._sink, "close", None)
             if close is not None:
@@ -275,6 +293,8 @@ class Writer(threading.Thread):
         for _ in range(2):
             items, new_markers = self._buffer.drain(self._pending_gaps)
             markers += new_markers
+            if self.held and not items:  # nothing else to send: the held events go on their own
+                self._commit([])
             step = self._max_batch_events
             for i in range(0, len(items), step):
                 self._commit(items[i : i + step])
@@ -285,6 +305,9 @@ class Writer(threading.Thread):
 
     def _commit(self, items: list) -> None:
         invalid: list[str] = []
+        if self.held:  # they are older than anything drained since: they go first
+            items = self.held + items
+            self.held = []
         while items:
             try:
                 result = self._append(items)
@@ -301,10 +324,14 @@ class Writer(threading.Thread):
             except Exception as exc:  # noqa: BLE001 - sink failure: retried, then counted as lost
                 if self._retry(items, exc):
                     break
-                lost, lost_pages, own = _lost_counts(items)
-                self.error_total += own
-                self._pending_gaps.append(("writer_error", lost, lost_pages, f"{type(exc).__name__}: {exc}"))
-                log.error("kvtrail recorder: %d events lost, store failed: %s", own, exc)
+                items = self._hold(items)
+                if items:
+                    lost, lost_pages, own = _lost_counts(items)
+                    self.error_total += own
+                    self._pending_gaps.append(("writer_error", lost, lost_pages, f"{type(exc).__name__}: {exc}"))
+                    log.error("kvtrail recorder: %d events lost, store failed: %s", own, exc)
+                else:
+                    log.warning("kvtrail recorder: store failed (%s); %d events held", exc, len(self.held))
                 break
             self._count(result)
             break
@@ -322,6 +349,20 @@ class Writer(threading.Thread):
         except Exception as exc:  # noqa: BLE001 - garbage from the caller is invalid input, not a store failure
             raise ValidationError("(event)", f"cannot encode: {type(exc).__name__}: {exc}") from None
         return self._sink.append(table)
+
+    def _hold(self, items: list) -> list:
+        """Keep the lost batch's ``recorder_started`` and latest ``node_config`` for the next batch; the
+        rest of ``items`` is returned (the lost events)."""
+        last: dict[int, int] = {}
+        for i, it in enumerate(items):
+            if it[0] in _HELD_CODES:
+                last[it[0]] = i
+        if not last:
+            return items
+        keep = sorted(last.values())
+        self.held = [items[i] for i in keep]
+        kept = set(keep)
+        return [it for i, it in enumerate(items) if i not in kept]
 
     def _count(self, result) -> None:
         self.committed_events += result.num_events

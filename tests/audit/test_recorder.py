@@ -272,3 +272,69 @@ def test_gap_accounting_after_an_outage_counts_each_lost_event_once(tmp_path, mo
     assert "recorder_gap" in stored
     assert cov.missing_events == sent + 3  # the 8 allocations and the 3 gap events lost with them
     assert stats["writer_errors_total"] == sent  # the caller's own events lost: each once
+
+
+def test_an_outage_at_start_keeps_the_configuration_so_later_events_land(tmp_path, monkeypatch):
+    """The first batch (recorder_started, node_config, allocations) is lost: the framing and the
+    configuration are held and go first in the next batch, so nothing after the outage is refused for an
+    unknown pool size, and the store's count of missing events is exactly what the gap events explain."""
+    monkeypatch.setattr("kvtrail.audit.writer._RETRY_DELAYS_S", (0.0,))
+    path = tmp_path / "a.duckdb"
+    # Four failed commits, each a try and one retry: a flush's batch, then its gap event, twice over.
+    sink = OutageSink(path, ok_first=0, failures=8)
+    rec = Recorder(sink, PROD, RecorderConfig(flush_interval_s=3600))
+    _config(rec, pool_pages=96)
+    for i in range(3):
+        rec.pages_allocated(RequestRef(f"lost{i}"), [1 + i], "decode_growth")
+    assert rec.flush(10)
+    assert rec.stats()["held_events"] == 2 and rec.stats()["writer_errors_total"] == 3
+    _config(rec, pool_pages=128)  # a newer configuration supersedes the held one; both lost with it
+    rec.pages_allocated(RequestRef("lost3"), [4], "decode_growth")
+    assert rec.flush(10)
+    assert rec.stats()["held_events"] == 2 and rec.stats()["writer_errors_total"] == 5
+    rec.pages_allocated(REQ, [120], "decode_growth")  # within the held pool of 128, not the first one's 96
+    assert rec.flush(10)
+    stats = rec.stats()
+    rec.close()
+    assert stats["invalid_events_total"] == 0 and stats["held_events"] == 0, stats
+    assert stats["writer_errors_total"] == 5  # the 4 allocations and the superseded configuration
+    events = stored_events(path)
+    kinds = [e["kind"] for e in events]
+    assert kinds[:2] == ["recorder_started", "node_config"], kinds
+    assert events[0]["seq"] == 0 and events[1]["pool_pages"] == 128 and events[1]["seq"] == 6
+    assert [e["pages"] for e in events if e["kind"] == "pages_allocated"] == [[120]]
+    report = verify_store(path)
+    (cov,) = report.coverage
+    # Missing: the 5 events above and the three gap events lost with the second to fourth commits.
+    assert cov.unexplained == 0 and cov.missing_events == cov.explained_by_gaps == 5 + 3, cov
+
+
+def test_held_events_go_alone_when_nothing_else_is_buffered(tmp_path, monkeypatch):
+    """An idle node whose only batch was lost: its framing and configuration land at the next cycle that
+    finds the store up, without waiting for the node's next event."""
+    monkeypatch.setattr("kvtrail.audit.writer._RETRY_DELAYS_S", (0.0,))
+    path = tmp_path / "a.duckdb"
+    sink = OutageSink(path, ok_first=0, failures=2)
+    rec = Recorder(sink, PROD, RecorderConfig(flush_interval_s=3600))
+    _config(rec)
+    assert rec.flush(10)
+    assert rec.stats()["held_events"] == 2 and rec.stats()["committed_events_total"] == 0
+    assert rec.flush(10)  # a cycle with nothing buffered: the held events alone
+    stats = rec.stats()
+    rec.close()
+    assert stats["held_events"] == 0 and stats["committed_events_total"] == 2 and stats["writer_errors_total"] == 0
+    assert [e["kind"] for e in stored_events(path)] == ["recorder_started", "node_config", "recorder_closed"]
+
+
+def test_held_events_count_as_lost_when_the_writer_stops_with_the_store_down(monkeypatch):
+    monkeypatch.setattr("kvtrail.audit.writer._RETRY_DELAYS_S", (0.0,))
+    sink = FailingSink()
+    rec = Recorder(sink, PROD, RecorderConfig(flush_interval_s=3600))
+    _config(rec)
+    rec.pages_allocated(REQ, [1], "decode_growth")
+    assert rec.flush(10)
+    assert rec.stats()["held_events"] == 2 and rec.stats()["writer_errors_total"] == 1
+    rec.close()
+    stats = rec.stats()
+    # Lost: the allocation, recorder_closed, and the two held events, counted when the writer stopped.
+    assert stats["held_events"] == 0 and stats["writer_errors_total"] == 4 and stats["committed_events_total"] == 0

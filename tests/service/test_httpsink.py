@@ -102,23 +102,26 @@ def test_a_stopped_service_never_blocks_the_recorder_and_the_gap_reaches_the_sto
     while rec.stats()["writer_errors_total"] == 0:
         assert time.monotonic() < deadline, rec.stats()
         time.sleep(0.05)
-    # Every event recorded while down is committed or counted lost before the service comes back.
-    # Without this, events still buffered would reach the store ahead of the re-reported configuration
-    # and be refused there as invalid (pool size unknown), which is right but not this test's case.
+    # Every event recorded while down is committed, counted lost or held before the service comes back.
     assert rec.flush(60)
     down = rec.stats()
     assert down["dropped_events_total"] > 0 and down["committed_events_total"] == 0
     assert down["buffered_events"] == 0
+    # The lost batches held the node's configuration, and the writer holds it (with recorder_started) to
+    # go first when the service is back: the node does not report it again, and nothing is refused for
+    # an unknown pool size.
+    assert down["held_events"] == 2
     with served_in_thread(service_state, sock):  # the service comes back on the same address
-        # the lost batches held the node's configuration too: a node re-reports it (as after a restart)
-        rec.node_config(pool_tokens=1024, pool_pages=64, page_size=16, context_tokens=4096)
         deadline = time.monotonic() + 30
         while not [r for r in _events(service_state) if r[0] == "recorder_gap"]:
             assert time.monotonic() < deadline, rec.stats()
             _record(rec, 1, start=5000)
             time.sleep(0.1)
         rec.close()
+    up = rec.stats()
+    assert up["invalid_events_total"] == 0 and up["held_events"] == 0, up
     rows = _events(service_state)
+    assert [r[0] for r in rows[:2]] == ["recorder_started", "node_config"], rows[:3]
     gaps = [r for r in rows if r[0] == "recorder_gap"]
     assert {r[2] for r in gaps} <= {"buffer_full", "writer_error"} and "writer_error" in {r[2] for r in gaps}
     stored_allocs = sum(1 for r in rows if r[0] == "pages_allocated")
