@@ -20,16 +20,28 @@ class ValidationError(KvtrailError, ValueError):
     ``event`` is the position of the offending event in its batch (or ``None`` for batch-level
     problems), ``kind`` its kind, ``line`` its line in the JSON-lines file it came from (when known),
     ``field`` the field at fault (its name in the event schema), ``reason`` a short human explanation.
+    ``events``: the positions, ascending, of every event of the batch that breaks the same rule on its
+    own (``event`` first), where the check could tell; else ``(event,)``. ``reason`` quotes the first.
     """
 
     def __init__(
-        self, field: str, reason: str, *, event: int | None = None, kind: str | None = None, line: int | None = None
+        self,
+        field: str,
+        reason: str,
+        *,
+        event: int | None = None,
+        kind: str | None = None,
+        line: int | None = None,
+        events: tuple[int, ...] | None = None,
     ):
         self.field = field
         self.reason = reason
         self.event = event
         self.kind = kind
         self.line = line
+        if events is None or event is None or not events or events[0] != event:
+            events = () if event is None else (event,)
+        self.events = events
         where = f"event {event}" if event is not None else "batch"
         if kind:
             where += f" ({kind})"
@@ -39,10 +51,18 @@ class ValidationError(KvtrailError, ValueError):
         """The same error naming its event's input line; ``lines[i]`` is the line number of event ``i``."""
         if self.event is None or self.line is not None or not 0 <= self.event < len(lines):
             return self
-        return ValidationError(self.field, self.reason, event=self.event, kind=self.kind, line=lines[self.event])
+        return ValidationError(
+            self.field, self.reason, event=self.event, kind=self.kind, line=lines[self.event], events=self.events
+        )
 
     def to_dict(self) -> dict:
-        return {"event": self.event, "kind": self.kind, "field": self.field, "reason": self.reason}
+        return {
+            "event": self.event,
+            "kind": self.kind,
+            "field": self.field,
+            "reason": self.reason,
+            "events": list(self.events),
+        }
 
 
 class StoreError(KvtrailError):

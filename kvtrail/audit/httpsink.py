@@ -59,6 +59,16 @@ def _detail(reply: httpx.Response) -> str:
     return str(body.get("detail", body))[:200] if isinstance(body, dict) else str(body)[:200]
 
 
+def _positions(value: object, rows: int) -> tuple[int, ...] | None:
+    """A refusal's ``events`` list, if it is what the service sends (positions in the batch, ascending);
+    else None, and the refusal names its one ``event``."""
+    if not isinstance(value, list) or not all(type(v) is int for v in value):
+        return None
+    if any(not 0 <= a < b < rows for a, b in zip(value, value[1:])) or (value and not 0 <= value[0] < rows):
+        return None
+    return tuple(value)
+
+
 class HttpSink:
     """A :class:`~kvtrail.audit.contract.Sink` posting batches to a kvtrail service (``url`` is its base URL).
 
@@ -108,6 +118,7 @@ class HttpSink:
                 str(e.get("reason", "refused by the service")),
                 event=e.get("event"),
                 kind=e.get("kind"),
+                events=_positions(e.get("events"), table.num_rows),
             )
         if reply.status_code == 413 and table.num_rows > 1:
             half = table.num_rows // 2

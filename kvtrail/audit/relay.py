@@ -29,7 +29,8 @@ from kvtrail.errors import StoreError, ValidationError
 
 log = logging.getLogger("kvtrail.audit")
 # Replies, one per batch: ("ok", events, page_events, runs, [(producer_id, batch_no), ...]),
-# ("invalid", field, reason, event, kind) when the store refused the batch (nothing of it stored),
+# ("invalid", field, reason, event, kind, events) when the store refused the batch (nothing of it stored;
+# events: every event breaking the same rule, as ValidationError.events),
 # ("error", message) when the store failed.
 Reply = tuple
 
@@ -82,7 +83,7 @@ class RelayServer:
             try:
                 table = read_ipc(data)
             except ValidationError as exc:
-                self._reply(conn, ("invalid", exc.field, exc.reason, exc.event, exc.kind))
+                self._reply(conn, ("invalid", exc.field, exc.reason, exc.event, exc.kind, exc.events))
                 continue
             self._queue.put((table, conn))
 
@@ -131,7 +132,7 @@ class RelayServer:
                     res = self.store.append(table)
                 reply = ("ok", res.num_events, res.num_page_events, res.num_runs, list(res.batches))
             except ValidationError as exc:
-                reply = ("invalid", exc.field, exc.reason, exc.event, exc.kind)
+                reply = ("invalid", exc.field, exc.reason, exc.event, exc.kind, exc.events)
             except Exception as exc:  # noqa: BLE001 - reported to the sender, which counts the loss
                 log.exception("kvtrail relay: append failed")
                 reply = ("error", f"{type(exc).__name__}: {exc}")
@@ -206,8 +207,8 @@ class RelaySink:
             _, events, pages, runs, batches = reply
             return AppendResult(events, pages, runs, tuple(tuple(b) for b in batches))
         if reply[0] == "invalid":
-            _, field, reason, event, kind = reply
-            raise ValidationError(field, reason, event=event, kind=kind)
+            _, field, reason, event, kind, events = reply
+            raise ValidationError(field, reason, event=event, kind=kind, events=tuple(events))
         raise StoreError(f"relay: store failed: {reply[1]}")
 
     def close(self) -> None:

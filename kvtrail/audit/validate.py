@@ -146,8 +146,11 @@ def _kind_at(t: pa.Table, idx: int) -> str | None:
 
 
 def _fail(mask: np.ndarray, field: str, reason: str, t: pa.Table) -> None:
-    idx = int(np.flatnonzero(mask)[0])
-    raise ValidationError(field, reason, event=idx, kind=_kind_at(t, idx))
+    """Refuse the batch, naming the first event of ``mask`` (the rows that break this rule, each on its own)
+    and listing them all: a recorder's writer takes them out of its batch at once."""
+    rows = np.flatnonzero(mask)
+    idx = int(rows[0])
+    raise ValidationError(field, reason, event=idx, kind=_kind_at(t, idx), events=tuple(rows.tolist()))
 
 
 def _check_envelope(t: pa.Table) -> np.ndarray:
@@ -393,7 +396,6 @@ def _check_store_rules(pre: Prechecked, state: dict[int, ProducerState]) -> int:
         b = np.where(last_cfg >= 0, pool[rows[np.maximum(last_cfg, 0)]], known)
         bound[rows] = np.nan_to_num(b.astype(np.float64), nan=-1).astype(np.int64)
     total_pages = 0
-    rows_idx = np.arange(t.num_rows)
     for name in ("pages", "dst_pages"):
         flat, offsets = flat_list(t.column(name))
         lengths = np.diff(offsets)
@@ -408,9 +410,10 @@ def _check_store_rules(pre: Prechecked, state: dict[int, ProducerState]) -> int:
         if flat.min() < 1:
             lo = np.minimum.reduceat(flat, starts)
             low = lo < 1
-            r = nonempty[np.flatnonzero(low)[0]]
+            mask = np.zeros(t.num_rows, dtype=bool)
+            mask[nonempty[low]] = True
             _fail(
-                rows_idx == r,
+                mask,
                 name,
                 f"page id {int(lo[low][0])} out of pool (page ids start at 1; 0 is the padding page)",
                 t,
@@ -421,8 +424,10 @@ def _check_store_rules(pre: Prechecked, state: dict[int, ProducerState]) -> int:
                 continue  # every page within the smallest pool bound of the batch
             unknown = row_bound < 0
             if unknown.any():
+                mask = np.zeros(t.num_rows, dtype=bool)
+                mask[nonempty[unknown]] = True  # each row's bound is its own: every one of them is refused
                 _fail(
-                    rows_idx == nonempty[np.flatnonzero(unknown)[0]],
+                    mask,
                     name,
                     "pool size unknown: the producer has no node_config event before this one",
                     t,
@@ -431,8 +436,10 @@ def _check_store_rules(pre: Prechecked, state: dict[int, ProducerState]) -> int:
             high = hi > row_bound
             if high.any():
                 i = np.flatnonzero(high)[0]
+                mask = np.zeros(t.num_rows, dtype=bool)
+                mask[nonempty[high]] = True
                 _fail(
-                    rows_idx == nonempty[i],
+                    mask,
                     name,
                     f"page id {int(hi[i])} out of pool (pool has {int(row_bound[i])} pages)",
                     t,

@@ -4,7 +4,9 @@ It drains the recorder's :class:`~kvtrail.audit.buffer.EventBuffer` every ``flus
 once on ``flush``), turns the tuples into one columnar batch and commits it. Payload tuples are read
 back with :data:`kvtrail.audit.events.PAYLOAD_LAYOUT_BY_CODE`, the table the recorder built them by.
 An event the store rejects is taken out of its batch and counted (the rest of the batch still
-lands); the count becomes a ``recorder_gap`` event. A sink that fails (disk full, I/O error) is
+lands); the count becomes a ``recorder_gap`` event. A refusal lists every event that breaks the rule
+it names, and all of them are taken out at once: a batch costs one more try per rule broken, not one
+per bad event. A sink that fails (disk full, I/O error) is
 retried, then the batch is counted as lost: the serving path is never blocked by the store.
 
 Two events of a lost batch are held instead and go first in the next batch: the instance's
@@ -315,11 +317,18 @@ class Writer(threading.Thread):
                 if len(items) == 1:
                     invalid.append(str(exc))
                     break
-                if exc.event is None:  # cannot tell which event: isolate them one at a time
+                # Every event the refusal lists breaks its rule on its own: all go at once (one more try
+                # per rule broken, not one per bad event).
+                gone = [i for i in exc.events if 0 <= i < len(items)]
+                if not gone:  # cannot tell which event: isolate them one at a time
                     self._one_by_one(items, invalid)
                     break
-                invalid.append(str(exc))
-                items = items[: exc.event] + items[exc.event + 1 :]
+                invalid.extend([str(exc)] * len(gone))
+                if len(gone) == 1:
+                    items = items[: gone[0]] + items[gone[0] + 1 :]
+                else:
+                    drop = set(gone)
+                    items = [it for i, it in enumerate(items) if i not in drop]
                 continue
             except Exception as exc:  # noqa: BLE001 - sink failure: retried, then counted as lost
                 if self._retry(items, exc):

@@ -338,3 +338,43 @@ def test_held_events_count_as_lost_when_the_writer_stops_with_the_store_down(mon
     stats = rec.stats()
     # Lost: the allocation, recorder_closed, and the two held events, counted when the writer stopped.
     assert stats["held_events"] == 0 and stats["writer_errors_total"] == 4 and stats["committed_events_total"] == 0
+
+
+class CountingSink:
+    """An AuditStore that counts the batches it is asked to append (refused ones included)."""
+
+    def __init__(self, path):
+        self.store = AuditStore(path)
+        self.calls = 0
+
+    def append(self, table):
+        self.calls += 1
+        return self.store.append(table)
+
+    def close(self):
+        self.store.close()
+
+
+def test_a_node_whose_every_page_event_is_refused_costs_the_writer_one_more_try_not_one_per_event(tmp_path):
+    """A producer that never reports its configuration: the store refuses every event with pages. The
+    refusal lists them all, so the writer takes them out together; the rest of the batch still lands."""
+    path = tmp_path / "a.duckdb"
+    sink = CountingSink(path)
+    rec = Recorder(sink, PROD, RecorderConfig(flush_interval_s=3600))
+    for i in range(3000):
+        rec.pages_allocated(RequestRef(f"r{i}"), [1 + i % 50], "decode_growth")
+        if i % 1000 == 0:
+            rec.request_received(RequestRef(f"q{i}", tenant_id="acme"), prompt_tokens=8)
+    assert rec.flush(60)
+    stats = rec.stats()
+    calls = sink.calls
+    rec.close()
+    # The batch refused, the batch without them, then the gap event counting them (one per bad event: 3002).
+    assert stats["invalid_events_total"] == 3000 and calls == 3, (stats, calls)
+    evs = stored_events(path)
+    assert [e["kind"] for e in evs].count("request_received") == 3
+    (gap,) = [e for e in evs if e["kind"] == "recorder_gap"]
+    assert gap["gap_reason"] == "invalid" and gap["dropped_events"] == 3000
+    assert "pool size unknown" in gap["detail"]
+    (cov,) = verify_store(path).coverage
+    assert cov.unexplained == 0 and cov.missing_events == 3000

@@ -112,8 +112,9 @@ def test_refused_batch_gets_an_invalid_reply_and_nothing_is_stored(relay):
     sink = RelaySink(server.address, server.authkey)
     sink.append(from_dicts([config(0, P0)]))
     with pytest.raises(ValidationError) as err:
-        sink.append(from_dicts([alloc(1, [1], prod=P0), alloc(2, [999], prod=P0)]))
+        sink.append(from_dicts([alloc(1, [1], prod=P0), alloc(2, [999], prod=P0), alloc(3, [998], prod=P0)]))
     assert (err.value.field, err.value.event, err.value.kind) == ("pages", 1, "pages_allocated")
+    assert err.value.events == (1, 2)  # every event the rule refuses, for the writer to take out at once
     assert "out of pool" in err.value.reason
     assert _count(store) == 1  # neither event of the refused batch
     assert sink.append(from_dicts([alloc(1, [1], prod=P0)])).num_events == 1  # the connection still works
@@ -125,8 +126,8 @@ def test_bytes_that_are_no_batch_get_an_invalid_reply_and_the_connection_survive
     server = start()
     conn = Client(server.address, authkey=server.authkey)
     conn.send_bytes(b"certainly not Arrow")
-    kind, field, reason, event, _ = conn.recv()
-    assert (kind, field, event) == ("invalid", "(arrow)", None) and "not a valid Arrow IPC stream" in reason
+    kind, field, reason, event, _, events = conn.recv()
+    assert (kind, field, event, events) == ("invalid", "(arrow)", None, ()) and "not a valid Arrow IPC stream" in reason
     conn.send_bytes(write_ipc(from_dicts([config(0, P0)])))
     assert conn.recv()[:3] == ("ok", 1, 0)
     conn.close()

@@ -149,3 +149,45 @@ def test_node_config_in_same_batch_sets_the_pool_bound(store):
     with pytest.raises(ValidationError, match="pool has 8 pages"):
         store.append(from_dicts([alloc(2, [9])]))
     store.append(from_dicts([config(3, pool_pages=16), alloc(4, [9])]))  # pool grown by a new config
+
+
+REQUEST = {"request_id": "r", "tenant_id": "t1"}
+
+
+@pytest.mark.parametrize(
+    "events, field, listed",
+    [
+        # no node_config yet: every event with pages breaks the rule, the config-free request event does not
+        (
+            lambda: (
+                [alloc(0, [1]), event(1, "request_received", request=REQUEST, prompt_tokens=3)]
+                + [alloc(s, [s]) for s in (2, 3)]
+            ),
+            "pages",
+            [0, 2, 3],
+        ),
+        (lambda: [config(0, pool_pages=8), alloc(1, [9]), alloc(2, [3]), alloc(3, [4, 12])], "pages", [1, 3]),
+        (lambda: [config(0), alloc(1, [0]), alloc(2, [3]), alloc(3, [-2, 4])], "pages", [1, 3]),
+        (lambda: [config(0), alloc(1, [1], purpose="x"), alloc(2, [2]), alloc(3, [3], purpose="y")], "purpose", [1, 3]),
+    ],
+    ids=["pool unknown", "beyond the pool", "below the pool", "enum"],
+)
+def test_a_refusal_lists_every_event_that_breaks_its_rule(store, events, field, listed):
+    with pytest.raises(ValidationError) as err:
+        store.append(from_dicts(events()))
+    exc = err.value
+    assert exc.field == field and exc.event == listed[0] and exc.events == tuple(listed), (exc, exc.events)
+    assert exc.to_dict()["events"] == listed
+    assert _count(store) == 0  # refused whole, as before
+    # Without the listed events the same batch breaks this rule no more.
+    rest = [e for i, e in enumerate(events()) if i not in set(listed)]
+    store.append(from_dicts(rest))
+    assert store.con.execute("SELECT count(*) FROM events").fetchone()[0] == len(rest)
+
+
+def test_a_refusal_without_a_list_names_its_event_alone():
+    assert ValidationError("pages", "r", event=3).events == (3,)
+    assert ValidationError("pages", "r").events == ()
+    # a list that does not start at the named event is not believed
+    assert ValidationError("pages", "r", event=3, events=(1, 3)).events == (3,)
+    assert ValidationError("pages", "r", event=3).at_lines([10, 11, 12, 13]).events == (3,)

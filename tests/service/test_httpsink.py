@@ -177,7 +177,50 @@ def test_422_is_a_validation_error_naming_the_field():
     with pytest.raises(ValidationError) as err:
         sink.append(from_dicts([config(0)]))
     assert (err.value.event, err.value.kind, err.value.field) == (1, "pages_allocated", "pages")
+    assert err.value.events == (1,)  # no list in the reply: the one event it names
     assert sink.sent_requests == 1  # a refused batch is not retried
+
+
+@pytest.mark.parametrize(
+    "listed, believed",
+    [([1, 3], (1, 3)), ([1, 9], (1,)), ([1, 1], (1,)), ([3, 1], (1,)), ([1, "3"], (1,)), ("1,3", (1,)), ([2], (1,))],
+)
+def test_a_refusal_lists_its_events_only_as_positions_of_the_batch(listed, believed):
+    """The list comes back as the writer's positions to take out: one that is not ascending positions of
+    this batch, starting at the named event, is not believed (the named event alone is taken out)."""
+
+    def handler(request):
+        error = {"event": 1, "kind": "pages_allocated", "field": "pages", "reason": "r", "events": listed}
+        return httpx.Response(422, json={"errors": [error]})
+
+    sink = HttpSink("http://svc", "t", FAST, transport=_mock(handler))
+    with pytest.raises(ValidationError) as err:
+        sink.append(from_dicts([config(0), alloc(1, [1]), alloc(2, [2]), alloc(3, [3])]))
+    assert err.value.events == believed
+
+
+def test_the_service_lists_every_refused_event_and_a_writer_takes_them_out_at_once(service_state):
+    token = make_token(service_state)
+    with served_in_thread(service_state, free_socket()) as url:
+        sink = HttpSink(url, token, FAST)
+        with pytest.raises(ValidationError) as err:
+            sink.append(from_dicts([config(0, pool_pages=8), alloc(1, [9]), alloc(2, [1]), alloc(3, [10])]))
+        assert err.value.events == (1, 3) and "pool has 8 pages" in err.value.reason
+        writer_sink = HttpSink(url, token, FAST)
+        rec = Recorder(writer_sink, PRODUCER, RecorderConfig(flush_interval_s=3600))
+        rec.node_config(pool_tokens=1024, pool_pages=64, page_size=16, context_tokens=4096)
+        for i in range(500):
+            rec.pages_allocated(RequestRef(f"r{i}", tenant_id="acme"), [1 + i % 2 * 100], "decode_growth")
+        assert rec.flush(60)
+        stats = rec.stats()
+        rec.close()
+    assert stats["invalid_events_total"] == 250, stats
+    # refused, committed without them, the gap event, recorder_closed (one try per bad event: 253)
+    assert writer_sink.sent_requests == 4
+    rows = _events(service_state)
+    assert sum(1 for r in rows if r[0] == "pages_allocated") == 250
+    (gap,) = [r for r in rows if r[0] == "recorder_gap"]
+    assert gap[2:] == ("invalid", 250)
 
 
 def test_5xx_and_transport_errors_are_retried_then_a_store_error():
