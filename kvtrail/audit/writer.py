@@ -6,8 +6,8 @@ back with :data:`kvtrail.audit.events.PAYLOAD_LAYOUT_BY_CODE`, the table the rec
 An event the store rejects is taken out of its batch and counted (the rest of the batch still
 lands); the count becomes a ``recorder_gap`` event. A refusal lists every event that breaks the rule
 it names, and all of them are taken out at once: a batch costs one more try per rule broken, not one
-per bad event. A sink that fails (disk full, I/O error) is
-retried, then the batch is counted as lost: the serving path is never blocked by the store.
+per bad event. A sink that fails (disk full, I/O error) is retried, then the batch is counted as
+lost: the serving path is never blocked by the store.
 
 Two events of a lost batch are held instead and go first in the next batch: the instance's
 ``recorder_started`` and its latest ``node_config``. The store checks every later page id against
