@@ -4,11 +4,16 @@
 Arrow IPC ``POST /v1/events`` and returns once the service has committed it. Transport errors and 5xx
 replies are retried a few times with backoff; a retry of a batch that was in fact committed (its
 reply was lost) is acknowledged by the service as a duplicate, so nothing is stored twice. A 422
-becomes :class:`~kvtrail.errors.ValidationError` (the writer takes the bad event out and counts it);
-413 splits the batch in two. Any other failure is a :class:`~kvtrail.errors.StoreError`: the writer
-retries, then counts the batch as lost and reports it as a ``recorder_gap`` event, which reaches the
-store with the first batch the service accepts again. The serving path never waits for any of this:
-only the writer thread does.
+becomes :class:`~kvtrail.errors.ValidationError` (the writer takes out the events it lists and counts
+them); 413 splits the batch in two. Any other failure is a :class:`~kvtrail.errors.StoreError`: the
+writer retries, then counts the batch as lost and reports it as a ``recorder_gap`` event, which
+reaches the store with the first batch the service accepts again. The serving path never waits for
+any of this: only the writer thread does.
+
+When the first part of a split batch is committed and a later part is refused or fails, the sink
+remembers the committed part's sequence numbers and leaves those events out when the writer sends
+the batch again (without its refused events, or as a retry): they are stored once, never counted as
+lost, and the next commit's result reports them to the writer.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import time
 from dataclasses import dataclass
 
 import httpx
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from kvtrail.audit.batch import wire_table, write_ipc
 from kvtrail.audit.store import AppendResult
@@ -69,6 +76,21 @@ def _positions(value: object, rows: int) -> tuple[int, ...] | None:
     return tuple(value)
 
 
+def _sum(a: AppendResult, b: AppendResult) -> AppendResult:
+    return AppendResult(a.num_events + b.num_events, a.num_page_events + b.num_page_events, 0, a.batches + b.batches)
+
+
+@dataclass(frozen=True)
+class _Committed:
+    """Parts of split batches the service committed before a later part failed: one producer instance's
+    events in the ``(first_seq, last_seq)`` ranges (a part's rows are the batch's rows in that range),
+    and the commits' result not yet reported to the writer."""
+
+    instance: str
+    ranges: tuple[tuple[int, int], ...]
+    result: AppendResult
+
+
 class HttpSink:
     """A :class:`~kvtrail.audit.contract.Sink` posting batches to a kvtrail service (``url`` is its base URL).
 
@@ -87,6 +109,7 @@ class HttpSink:
             raise ValueError(f"url: {url!r} is not an http:// or https:// URL")
         self.url = url.rstrip("/")
         self.config = config
+        self._done: _Committed | None = None
         self.sent_requests = 0
         self.retried_requests = 0
         self._client = httpx.Client(
@@ -105,6 +128,37 @@ class HttpSink:
         return cls(url, token)
 
     def append(self, table: pa.Table) -> AppendResult:
+        done = self._done
+        sent: np.ndarray | None = None  # the rows sent, where some were left out
+        if done is not None and table.num_rows:  # leave out what a split already committed
+            seq = table.column("seq")
+            stored = pa.repeat(pa.scalar(False), table.num_rows)
+            for first, last in done.ranges:
+                stored = pc.or_(stored, pc.and_(pc.greater_equal(seq, first), pc.less_equal(seq, last)))
+            stored = pc.and_(stored, pc.equal(table.column("instance"), done.instance))
+            keep = pc.invert(stored).to_numpy(zero_copy_only=False)
+            if not keep.all():
+                table, sent = table.filter(pa.array(keep)), np.flatnonzero(keep)
+        try:
+            result = self._send(table) if table.num_rows else AppendResult(0, 0, 0, ())
+        except ValidationError as exc:
+            if sent is None or exc.event is None:
+                raise
+            # Its positions are the sent table's: give them as the caller's batch has them.
+            at = exc.event if 0 <= exc.event < len(sent) else None
+            raise ValidationError(
+                exc.field,
+                exc.reason,
+                event=None if at is None else int(sent[at]),
+                kind=exc.kind,
+                events=None if at is None else tuple(sent[list(exc.events)].tolist()),
+            ) from None
+        if done is not None and self._done is done:  # the writer is told of the earlier part now
+            self._done = None
+            result = _sum(done.result, result)
+        return result
+
+    def _send(self, table: pa.Table) -> AppendResult:
         reply = self._post(write_ipc(wire_table(table)))
         if reply.status_code == 200:
             j = reply.json()
@@ -122,14 +176,36 @@ class HttpSink:
             )
         if reply.status_code == 413 and table.num_rows > 1:
             half = table.num_rows // 2
-            first, second = self.append(table.slice(0, half)), self.append(table.slice(half))
-            return AppendResult(
-                first.num_events + second.num_events,
-                first.num_page_events + second.num_page_events,
-                0,
-                first.batches + second.batches,
-            )
+            first = self._send(table.slice(0, half))
+            try:
+                second = self._send(table.slice(half))
+            except ValidationError as exc:
+                self._committed(table.slice(0, half), first)
+                if exc.event is None:
+                    raise
+                raise ValidationError(
+                    exc.field,
+                    exc.reason,
+                    event=exc.event + half,
+                    kind=exc.kind,
+                    events=tuple(e + half for e in exc.events),
+                ) from None
+            except Exception:
+                self._committed(table.slice(0, half), first)
+                raise
+            return _sum(first, second)
         raise StoreError(f"service {self.url}: HTTP {reply.status_code}: {_detail(reply)}")
+
+    def _committed(self, part: pa.Table, result: AppendResult) -> None:
+        """Remember ``part`` of a split batch as committed (with what was already remembered, the part
+        before it), until a later append reports it to the writer."""
+        seq = part.column("seq")
+        span = ((pc.min(seq).as_py(), pc.max(seq).as_py()),)
+        instance = part.column("instance")[0].as_py()
+        done = self._done
+        if done is not None and done.instance == instance:
+            span, result = done.ranges + span, _sum(done.result, result)
+        self._done = _Committed(instance, span, result)
 
     def _post(self, body: bytes) -> httpx.Response:
         delay = self.config.backoff_s

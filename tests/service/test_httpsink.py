@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from kvtrail.audit.batch import from_dicts, wire_table, write_ipc
+from kvtrail.audit.batch import from_dicts, read_ipc, wire_table, write_ipc
 from kvtrail.audit.events import Producer, RequestRef
 from kvtrail.audit.httpsink import HttpSink, HttpSinkConfig
 from kvtrail.audit.recorder import Recorder, RecorderConfig
@@ -281,6 +281,65 @@ def test_413_splits_the_batch(service_state):
         sink.close()
     assert res.num_events == 40 and len(res.batches) == 2 and sizes[0] > limit
     assert len(_events(service_state)) == 40
+
+
+class _RowLimit(httpx.BaseTransport):
+    """A service whose body limit holds ``limit`` events (413 above it); the next ``fail`` requests after
+    the first one it passes on fail as a connection refused."""
+
+    def __init__(self, limit: int, fail: int = 0):
+        self.inner = httpx.HTTPTransport()
+        self.limit, self.fail = limit, fail
+        self.rows: list[int] = []
+        self.passed = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        rows = read_ipc(request.content).num_rows
+        self.rows.append(rows)
+        if rows > self.limit:
+            return httpx.Response(413, json={"detail": "too large"})
+        if self.passed and self.fail:
+            self.fail -= 1
+            raise httpx.ConnectError("refused", request=request)
+        self.passed += 1
+        return self.inner.handle_request(request)
+
+
+def _split_scenario(service_state, transport: _RowLimit, bad_at: int | None) -> dict:
+    """A recorder whose one batch (recorder_started, node_config, 100 allocations) is split in two by 413."""
+    token = make_token(service_state)
+    with served_in_thread(service_state, free_socket()) as url:
+        rec = Recorder(HttpSink(url, token, FAST, transport=transport), PRODUCER, RecorderConfig(flush_interval_s=3600))
+        rec.node_config(pool_tokens=1024, pool_pages=64, page_size=16, context_tokens=4096)
+        for i in range(100):
+            page = 200 if i == bad_at else 1 + i % 60  # 200: beyond the pool
+            rec.pages_allocated(RequestRef(f"r{i}", tenant_id="acme"), [page], "decode_growth")
+        assert rec.flush(60)
+        stats = rec.stats()
+        rec.close()
+    return stats
+
+
+def test_a_split_batch_whose_second_part_is_refused_is_stored_once_without_its_bad_event(service_state):
+    transport = _RowLimit(60)
+    stats = _split_scenario(service_state, transport, bad_at=80)
+    rows = _events(service_state)
+    allocs = [r[1] for r in rows if r[0] == "pages_allocated"]
+    assert len(allocs) == len(set(allocs)) == 99 and 82 not in allocs  # seq 82: allocation 80
+    assert stats["invalid_events_total"] == 1 and stats["writer_errors_total"] == 0, stats
+    # 102 events, split 51 / 51; the second refused; sent again without its bad event and without the
+    # committed first half (50); then the gap event counting the refusal, and recorder_closed.
+    assert transport.rows == [102, 51, 51, 50, 1, 1], transport.rows
+    assert stats["committed_events_total"] == 102 == len(rows) - 1  # every stored event but recorder_closed
+
+
+def test_a_split_batch_whose_second_part_fails_is_retried_without_the_committed_part(service_state):
+    transport = _RowLimit(60, fail=FAST.retries + 1)  # the second half fails every attempt of the sink
+    stats = _split_scenario(service_state, transport, bad_at=None)
+    rows = _events(service_state)
+    assert [r[1] for r in rows] == list(range(103)), rows  # every event once, recorder_closed last
+    assert stats["writer_errors_total"] == 0 and stats["committed_events_total"] == 102, stats
+    assert transport.rows[:5] == [102, 51, 51, 51, 51] and transport.rows[5] == 51, transport.rows
 
 
 def test_a_url_is_required():
