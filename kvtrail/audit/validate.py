@@ -382,7 +382,7 @@ def _check_store_rules(pre: Prechecked, state: dict[int, ProducerState]) -> int:
             _fail(mask, "seq", f"sequence number going backwards or repeated ({int(seq[bad_at])})", t)
         if st.last_seq is not None and len(s) and int(s[0]) <= st.last_seq:
             mask = np.zeros(t.num_rows, dtype=bool)
-            mask[rows[0]] = True
+            mask[rows[s <= st.last_seq]] = True  # every event numbered at or below what is stored
             _fail(mask, "seq", f"sequence number going backwards: {int(s[0])} <= last stored {st.last_seq}", t)
         # Pool bound per row: the latest node_config at or before it, else what the store knows.
         known = st.pool_pages if st.pool_pages is not None else -1

@@ -191,3 +191,12 @@ def test_a_refusal_without_a_list_names_its_event_alone():
     # a list that does not start at the named event is not believed
     assert ValidationError("pages", "r", event=3, events=(1, 3)).events == (3,)
     assert ValidationError("pages", "r", event=3).at_lines([10, 11, 12, 13]).events == (3,)
+
+
+def test_a_refusal_for_numbers_already_stored_lists_every_one_of_them(seeded):
+    # seeded holds seq 0 and 1: a batch sent again after its reply was lost, with a new event after it
+    batch = [config(0), alloc(1, [1, 2, 3]), alloc(2, [4])]
+    with pytest.raises(ValidationError) as err:
+        seeded.append(from_dicts(batch))
+    assert (err.value.field, err.value.events) == ("seq", (0, 1)) and "<= last stored 1" in err.value.reason
+    seeded.append(from_dicts(batch[2:]))  # the rest is taken
