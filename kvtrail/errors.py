@@ -55,6 +55,22 @@ class ValidationError(KvtrailError, ValueError):
             self.field, self.reason, event=self.event, kind=self.kind, line=lines[self.event], events=self.events
         )
 
+    def moved(self, rows) -> ValidationError:
+        """The same error for the batch a part of it came from: event ``i`` of the part is event ``rows[i]``
+        of the batch (``rows``: a sequence of ints, such as a range or an integer array)."""
+        if self.event is None:
+            return self
+        if not 0 <= self.event < len(rows):
+            return ValidationError(self.field, self.reason, kind=self.kind, line=self.line)
+        return ValidationError(
+            self.field,
+            self.reason,
+            event=int(rows[self.event]),
+            kind=self.kind,
+            line=self.line,
+            events=tuple(int(rows[i]) for i in self.events if 0 <= i < len(rows)),
+        )
+
     def to_dict(self) -> dict:
         return {
             "event": self.event,

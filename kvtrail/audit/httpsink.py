@@ -142,17 +142,9 @@ class HttpSink:
         try:
             result = self._send(table) if table.num_rows else AppendResult(0, 0, 0, ())
         except ValidationError as exc:
-            if sent is None or exc.event is None:
+            if sent is None:
                 raise
-            # Its positions are the sent table's: give them as the caller's batch has them.
-            at = exc.event if 0 <= exc.event < len(sent) else None
-            raise ValidationError(
-                exc.field,
-                exc.reason,
-                event=None if at is None else int(sent[at]),
-                kind=exc.kind,
-                events=None if at is None else tuple(sent[list(exc.events)].tolist()),
-            ) from None
+            raise exc.moved(sent) from None  # its positions were the sent table's
         if done is not None and self._done is done:  # the writer is told of the earlier part now
             self._done = None
             result = _sum(done.result, result)
@@ -181,15 +173,7 @@ class HttpSink:
                 second = self._send(table.slice(half))
             except ValidationError as exc:
                 self._committed(table.slice(0, half), first)
-                if exc.event is None:
-                    raise
-                raise ValidationError(
-                    exc.field,
-                    exc.reason,
-                    event=exc.event + half,
-                    kind=exc.kind,
-                    events=tuple(e + half for e in exc.events),
-                ) from None
+                raise exc.moved(range(half, table.num_rows)) from None
             except Exception:
                 self._committed(table.slice(0, half), first)
                 raise

@@ -142,7 +142,7 @@ def _convert(values, f: pa.Field, rows: np.ndarray | None) -> pa.Array:
     except ValidationError as exc:
         if rows is None or exc.event is None:
             raise
-        raise ValidationError(exc.field, exc.reason, event=int(rows[exc.event])) from None
+        raise exc.moved(rows) from None
 
 
 def _payload_columns(codes: tuple, payloads: tuple, layouts: tuple, n: int, done: set) -> dict[str, pa.Array]:

@@ -191,6 +191,11 @@ def test_a_refusal_without_a_list_names_its_event_alone():
     # a list that does not start at the named event is not believed
     assert ValidationError("pages", "r", event=3, events=(1, 3)).events == (3,)
     assert ValidationError("pages", "r", event=3).at_lines([10, 11, 12, 13]).events == (3,)
+    # moved to the batch a part came from: positions through the part's rows, out of range named nowhere
+    moved = ValidationError("pages", "r", event=1, kind="kv_read", events=(1, 2)).moved(range(10, 13))
+    assert (moved.event, moved.events, moved.kind, moved.field) == (11, (11, 12), "kv_read", "pages")
+    assert ValidationError("pages", "r", event=5).moved(range(3)).events == ()
+    assert ValidationError("(batch)", "r").moved(range(3)).event is None
 
 
 def test_a_refusal_for_numbers_already_stored_lists_every_one_of_them(seeded):
