@@ -22,7 +22,7 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from kvtrail.audit.layout import has_kind_tables, kind_rows
+from kvtrail.audit.layout import has_kind_tables
 from kvtrail.audit.store import connect_readonly
 from kvtrail.audit.verify import UncleanEnd
 from kvtrail.errors import KvtrailError
@@ -54,8 +54,10 @@ from kvtrail.forensics.sql.engine import sql_findings
 from kvtrail.forensics.symptoms import (
     empty_after_abort,
     empty_after_abort_note,
+    gap_rows,
     incomplete_requests,
     integrity_warnings,
+    reported_losses,
     shared_transfer_ids,
     unverified_landings,
     unverified_landings_note,
@@ -71,26 +73,19 @@ def coverage_gaps(con: duckdb.DuckDBPyConnection, w: Window = Window(), *, kinds
     With a window's ``from_ns``/``to_ns``: only the batches whose events overlap it count (the missing
     numbers between them, and the recorder_gap events they hold); without one, the whole store.
     ``kinds``: whether the store has its kind tables (``layout.has_kind_tables``; None: look)."""
-    bounds = [("max_wall_ns >= ?", w.from_ns), ("min_wall_ns <= ?", w.to_ns)]
-    where = " AND ".join(cond for cond, v in bounds if v is not None) or "true"
-    in_window = "SEMI JOIN sel USING (producer_id, batch_no)" if where != "true" else ""
-    if has_kind_tables(con) if kinds is None else kinds:
-        gaps, is_gap = kind_rows("recorder_gap", "e"), "TRUE"
-    else:
-        gaps, is_gap = "events e", "e.kind = 'recorder_gap'"
+    sel, gaps, params = gap_rows(con, w, kinds)
     rows = con.execute(
         f"""
-        WITH sel AS (SELECT * FROM batches WHERE {where})
+        WITH {sel}
         SELECT p.node, p.instance, b.first_seq, b.last_seq, b.num_events, b.pruned,
                coalesce(g.dropped, 0) AS reported
         FROM (SELECT producer_id, min(first_seq) AS first_seq, max(last_seq) AS last_seq,
                      sum(num_events) AS num_events, sum(num_events) FILTER (pruned_by IS NOT NULL) AS pruned
               FROM sel GROUP BY producer_id) b
         JOIN producers p USING (producer_id)
-        LEFT JOIN (SELECT e.producer_id, sum(e.dropped_events) AS dropped FROM {gaps}
-                   {in_window}
-                   WHERE {is_gap} GROUP BY e.producer_id) g USING (producer_id)""",
-        [v for _, v in bounds if v is not None],
+        LEFT JOIN (SELECT producer_id, sum(dropped_events) AS dropped FROM {gaps} GROUP BY producer_id) g
+            USING (producer_id)""",
+        params,
     ).fetchall()
     out = []
     for node, instance, first, last, stored, _pruned, reported in rows:
@@ -346,17 +341,25 @@ def ask_affected(
 class WindowContext:
     """What every answer over a window carries besides its rows, from one store state: the store's coverage
     gaps, the symptom notes, and the pieces of the integrity warnings (shared transfer ids, unclean ends and
-    the requests they leave incomplete). Questions asked of the same state can share one."""
+    the requests they leave incomplete, the recorders' reported losses). Questions asked of the same state
+    can share one."""
 
     gaps: pl.DataFrame
     notes: tuple[str, ...]
     shared: pl.DataFrame
     ends: list[UncleanEnd]
     incomplete: pl.DataFrame
+    losses: pl.DataFrame
 
     def warnings(self, con: duckdb.DuckDBPyConnection, w: Window, withheld: int = 0) -> tuple[str, ...]:
         return integrity_warnings(
-            con, w, ends=self.ends, incomplete=self.incomplete, withheld=withheld, shared=self.shared
+            con,
+            w,
+            ends=self.ends,
+            incomplete=self.incomplete,
+            withheld=withheld,
+            shared=self.shared,
+            losses=self.losses,
         )
 
 
@@ -370,6 +373,7 @@ def window_context(con: duckdb.DuckDBPyConnection, w: Window) -> WindowContext:
         shared_transfer_ids(con, w, kinds=kinds),
         ends,
         incomplete_requests(con, w, ends),
+        reported_losses(con, w, kinds=kinds),
     )
 
 

@@ -15,6 +15,11 @@
   bound, may be lost. Requests in flight then (events of their cluster reaching past that last event,
   starting before the gap closes) are incomplete: their transfer comparisons (F2, F3) may lack the
   other side, so those findings are withheld and the requests named as a coverage gap instead.
+* **Reported losses** - events a producer's recorder numbered but could not store, and said so in a
+  ``recorder_gap`` event (its buffer was full, the store refused them, the store was unreachable).
+  ``kvtrail audit verify`` counts them as explained, but an answer over the window could not check what
+  they recorded: it may miss findings and its counts may be low, so every answer and report says so, per
+  producer instance and reason.
 """
 
 from __future__ import annotations
@@ -118,6 +123,61 @@ def empty_after_abort(
             "response_ns": pl.Int64,
             "aborts": pl.List(pl.Utf8),
         },
+    )
+
+
+def gap_rows(con: duckdb.DuckDBPyConnection, w: Window, kinds: bool | None) -> tuple[str, str, list]:
+    """The ``recorder_gap`` rows of the batches that overlap window ``w`` (every batch without bounds), as
+    (CTE ``sel`` of those batches, a relation ``e`` of the gap rows restricted to them, parameters)."""
+    bounds = [("max_wall_ns >= ?", w.from_ns), ("min_wall_ns <= ?", w.to_ns)]
+    where = " AND ".join(cond for cond, v in bounds if v is not None) or "true"
+    in_window = "SEMI JOIN sel USING (producer_id, batch_no)" if where != "true" else ""
+    if has_kind_tables(con) if kinds is None else kinds:
+        gaps = f"(SELECT e.* FROM {kind_rows('recorder_gap', 'e')} {in_window}) e"
+    else:
+        gaps = f"(SELECT e.* FROM events e {in_window} WHERE e.kind = 'recorder_gap') e"
+    return f"sel AS (SELECT * FROM batches WHERE {where})", gaps, [v for _, v in bounds if v is not None]
+
+
+def reported_losses(con: duckdb.DuckDBPyConnection, w: Window = Window(), *, kinds: bool | None = None) -> pl.DataFrame:
+    """Per producer instance and reason: the events (and their page entries) its recorder reported lost in
+    ``recorder_gap`` events of the batches that overlap the window, as :func:`coverage_gaps` counts them."""
+    sel, gaps, params = gap_rows(con, w, kinds)
+    rows = con.execute(
+        f"""WITH {sel}, g AS (SELECT producer_id, gap_reason, sum(dropped_events) AS events,
+                                   sum(coalesce(dropped_pages, 0)) AS pages FROM {gaps} GROUP BY ALL)
+            SELECT p.node, p.instance, g.gap_reason, g.events::BIGINT, g.pages::BIGINT
+            FROM g JOIN producers p USING (producer_id) WHERE g.events > 0 ORDER BY ALL""",
+        params,
+    ).fetchall()
+    schema = {"node": pl.Utf8, "instance": pl.Utf8, "gap_reason": pl.Utf8, "events": pl.Int64, "pages": pl.Int64}
+    return pl.DataFrame(rows, schema=schema, orient="row")
+
+
+# How a recorder_gap's reason reads in a warning.
+_LOSS_WORDS = {
+    "buffer_full": "buffer full",
+    "invalid": "refused as invalid",
+    "encode_error": "not encodable",
+    "writer_error": "store unreachable",
+    "transport": "lost in transport",
+    "hook_error": "engine hook failed",
+}
+
+
+def reported_loss_warning(losses: pl.DataFrame) -> str | None:
+    """The coverage warning for :func:`reported_losses` (None when there are none)."""
+    if losses.is_empty():
+        return None
+    per: dict[tuple[str, str], list[str]] = {}
+    for node, instance, reason, events, _pages in losses.iter_rows():
+        per.setdefault((node, instance), []).append(f"{events} {_LOSS_WORDS.get(reason, reason)}")
+    shown = "; ".join(f"{n} ({i}): {', '.join(r)}" for (n, i), r in list(per.items())[:SHOWN_IDS])
+    more = f"; and {len(per) - SHOWN_IDS} more producer(s)" if len(per) > SHOWN_IDS else ""
+    return (
+        f"coverage: recorders reported {int(losses['events'].sum())} event(s) lost before they were stored "
+        f"({shown}{more}); what those events recorded cannot be checked, so findings may be missing and "
+        "counts too low"
     )
 
 
@@ -261,13 +321,16 @@ def integrity_warnings(
     incomplete: pl.DataFrame | None = None,
     withheld: int = 0,
     shared: pl.DataFrame | None = None,
+    losses: pl.DataFrame | None = None,
 ) -> tuple[str, ...]:
     """The warnings every answer over the window carries: shared transfer ids, unclean ends and the
-    requests they leave incomplete (``ends``/``incomplete``/``shared``: when the caller has them already;
-    ``withheld``: how many findings the caller withheld for them)."""
+    requests they leave incomplete, events the recorders reported lost (``ends``/``incomplete``/``shared``/
+    ``losses``: when the caller has them already; ``withheld``: how many findings the caller withheld for
+    them)."""
     text = shared_transfer_warning(shared_transfer_ids(con, w) if shared is None else shared)
     if ends is None:
         ends = window_ends(con, w)
     if incomplete is None:
         incomplete = incomplete_requests(con, w, ends)
-    return ((text,) if text else ()) + unclean_end_warnings(ends, incomplete, withheld)
+    lost = reported_loss_warning(reported_losses(con, w) if losses is None else losses)
+    return ((text,) if text else ()) + unclean_end_warnings(ends, incomplete, withheld) + ((lost,) if lost else ())

@@ -36,6 +36,8 @@ from kvtrail.forensics.questions import (
 from kvtrail.forensics.symptoms import (
     empty_after_abort,
     incomplete_requests,
+    reported_loss_warning,
+    reported_losses,
     shared_transfer_ids,
     shared_transfer_warning,
     unclean_end_warnings,
@@ -77,6 +79,7 @@ class Report:
     unclean_ends: tuple[UncleanEnd, ...] = ()
     incomplete: pl.DataFrame = field(default_factory=pl.DataFrame)  # requests in flight at an unclean end
     withheld_findings: int = 0  # their F2/F3, withheld as incomplete
+    reported_losses: pl.DataFrame = field(default_factory=pl.DataFrame)  # symptoms.reported_losses
     # for a report on an audit lake: the lake manifest it was built from (kvtrail.report.lake)
     lake: dict | None = None
 
@@ -84,8 +87,11 @@ class Report:
     def warnings(self) -> tuple[str, ...]:
         """Integrity and coverage warnings about the record, as every answer carries them."""
         text = shared_transfer_warning(self.shared_transfer_ids)
-        return ((text,) if text else ()) + unclean_end_warnings(
-            list(self.unclean_ends), self.incomplete, self.withheld_findings
+        lost = reported_loss_warning(self.reported_losses)
+        return (
+            ((text,) if text else ())
+            + unclean_end_warnings(list(self.unclean_ends), self.incomplete, self.withheld_findings)
+            + ((lost,) if lost else ())
         )
 
     @property
@@ -224,6 +230,7 @@ def build_report(
         unclean_ends=tuple(ends),
         incomplete=incomplete,
         withheld_findings=len(withheld),
+        reported_losses=reported_losses(con, w),
         lake=lake,
     )
 
