@@ -22,6 +22,7 @@ from kvtrail.answers import pages
 from kvtrail.answers.ask import ServiceAnswers, window_params
 from kvtrail.answers.client import Client
 from kvtrail.answers.store import SourceError, Thresholds
+from kvtrail.answers.text import coverage_lines
 from kvtrail.answers.transfers import SCHEMA as TRANSFER_SCHEMA
 from kvtrail.errors import KvtrailError
 from kvtrail.timeutil import format_utc
@@ -85,6 +86,14 @@ class RemoteSource:
 
     def found(self, w: fx.Window) -> tuple[list[fx.Finding], str]:
         return [], f"the service at {self.client.url}"
+
+    def coverage(self, w: fx.Window) -> list[str]:
+        """As :meth:`StoreSource.coverage`, from the service's answer; a tenant's answers carry none (its
+        warnings would name other requests)."""
+        if self.role == "tenant":
+            return []
+        answer = self.answers.affected(fx.Window(w.from_ns, w.to_ns))
+        return coverage_lines(answer.gaps, answer.warnings)
 
     def findings(self, w: fx.Window) -> pl.DataFrame:
         return self.answers.findings(w).rows

@@ -29,6 +29,7 @@ import polars as pl
 
 from kvtrail import forensics as fx
 from kvtrail.answers import fleet, pages, persisted, transfers
+from kvtrail.answers.text import coverage_lines
 from kvtrail.audit.store import connect_readonly
 from kvtrail.audit.storefile import wal_path
 from kvtrail.errors import KvtrailError, StoreError
@@ -40,8 +41,15 @@ from kvtrail.forensics.analysis import (
     threshold_sentence,
 )
 from kvtrail.forensics.options import ReportOptions
-from kvtrail.forensics.questions import affected_with_exclusions, exploitation_for, findings_frame, thresholds_of
+from kvtrail.forensics.questions import (
+    affected_with_exclusions,
+    coverage_gaps,
+    exploitation_for,
+    findings_frame,
+    thresholds_of,
+)
 from kvtrail.forensics.results import window_counts
+from kvtrail.forensics.symptoms import integrity_warnings
 
 PERSISTED = "persisted findings"  # how found() names findings read from a saved run
 MEMO_WINDOWS = 16  # heavy answers kept per (question, window, store state); a few windows of one session
@@ -188,6 +196,17 @@ class StoreSource:
             return list(fx.ask_findings(con, span).found), "replay of the window"
 
         return self._memoised("found", span, compute)
+
+    def coverage(self, w: fx.Window) -> list[str]:
+        """What every answer over the window says of the record it could not see (coverage gaps, integrity
+        and coverage warnings), a line each, as the CLI prints them."""
+        span = fx.Window(w.from_ns, w.to_ns)
+
+        def compute(con: duckdb.DuckDBPyConnection) -> list[str]:
+            fx.check_window(con, span)
+            return coverage_lines(coverage_gaps(con), integrity_warnings(con, span))
+
+        return self._memoised("coverage", span, compute)
 
     def findings(self, w: fx.Window) -> pl.DataFrame:
         found = self.found(w)[0]

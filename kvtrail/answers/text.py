@@ -19,6 +19,19 @@ def printable(value: object) -> str:
     return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)
 
 
+def coverage_lines(gaps, warnings: Iterable[str]) -> list[str]:
+    """What an answer says of the record it could not see, a printable line each: its coverage gaps (a frame
+    of ``coverage_gaps``' columns) in one line, then its integrity and coverage warnings."""
+    out = []
+    if len(gaps):
+        nodes = ", ".join(printable(n) for n in gaps["node"].to_list()[:5])
+        out.append(
+            f"coverage gap: {int(gaps['unexplained'].sum())} events missing from {len(gaps)} producer(s) without "
+            f"a recorder_gap explaining them ({nodes}); answers may be incomplete"
+        )
+    return out + [printable(text) for text in warnings]
+
+
 def _escape(ch: str) -> str:
     code = ord(ch)
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"

@@ -27,7 +27,7 @@ from kvtrail.answers.tables import (
     view_for,
     window_scope,
 )
-from kvtrail.answers.text import terminal_text
+from kvtrail.answers.text import coverage_lines, terminal_text
 from kvtrail.cli.options import exclusion_options, exclusions, probe_options, report_options
 from kvtrail.cli.progress import replaying, step
 from kvtrail.cli.report import report, verify_notice_cmd, verify_report_cmd
@@ -66,16 +66,8 @@ def _window(from_: str | None, to: str | None, tenant: str | None = None, node: 
 
 def _warn(answer) -> None:
     """Coverage gaps and integrity warnings go to stderr, whatever the format."""
-    gaps = answer.gaps
-    if len(gaps):
-        click.echo(
-            f"warning: coverage gap: {int(gaps['unexplained'].sum())} events missing from "
-            f"{len(gaps)} producer(s) without a recorder_gap explaining them "
-            f"({', '.join(printable(n) for n in gaps['node'].to_list()[:5])}); answers may be incomplete",
-            err=True,
-        )
-    for text in answer.warnings:
-        click.echo(f"warning: {printable(text)}", err=True)
+    for line in coverage_lines(answer.gaps, answer.warnings):
+        click.echo(f"warning: {line}", err=True)
 
 
 def _terminal() -> tuple[int, bool]:

@@ -31,6 +31,7 @@ VICTIM_IDS = ("tenant_id", "victim_tenants")  # a tenant token's rows have count
 
 def render(src, w: fx.Window) -> None:
     st.header("Affected responses")
+    widgets.coverage(src.coverage(w))
     rows = src.affected(w)
     c = st.columns(3)
     c[0].metric("affected responses", len(rows))

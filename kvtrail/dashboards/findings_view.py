@@ -28,6 +28,7 @@ COLUMNS = [
 
 def render(src, w: fx.Window) -> None:
     st.header("Findings over time")
+    widgets.coverage(src.coverage(w))
     found = src.findings(w)
     tally, counted = findings_tally(src, w, found)
     st.caption(f"source: {src.found(w)[1]}; {counted}")

@@ -69,3 +69,9 @@ def chart(spec: Any, key: str) -> None:
 def empty(text: str) -> None:
     """A view's clear empty state."""
     st.info(text, icon=":material/inbox:")
+
+
+def coverage(lines: list[str]) -> None:
+    """What the answers say of the record they could not see, one warning each, above a view's figures."""
+    for line in lines:
+        st.warning(line, icon=":material/warning:")
