@@ -146,9 +146,13 @@ def _kind_at(t: pa.Table, idx: int) -> str | None:
 
 
 def _fail(mask: np.ndarray, field: str, reason: str, t: pa.Table) -> None:
-    """Refuse the batch, naming the first event of ``mask`` (the rows that break this rule, each on its own)
-    and listing them all: a recorder's writer takes them out of its batch at once."""
-    rows = np.flatnonzero(mask)
+    """Refuse the batch for the rows of ``mask`` (the rows that break this rule, each on its own)."""
+    _fail_rows(np.flatnonzero(mask), field, reason, t)
+
+
+def _fail_rows(rows: np.ndarray, field: str, reason: str, t: pa.Table) -> None:
+    """Refuse the batch, naming the first of ``rows`` (ascending) and listing them all: a recorder's writer
+    takes them out of its batch at once."""
     idx = int(rows[0])
     raise ValidationError(field, reason, event=idx, kind=_kind_at(t, idx), events=tuple(rows.tolist()))
 
@@ -381,9 +385,8 @@ def _check_store_rules(pre: Prechecked, state: dict[int, ProducerState]) -> int:
             mask[bad_at] = True
             _fail(mask, "seq", f"sequence number going backwards or repeated ({int(seq[bad_at])})", t)
         if st.last_seq is not None and len(s) and int(s[0]) <= st.last_seq:
-            mask = np.zeros(t.num_rows, dtype=bool)
-            mask[rows[s <= st.last_seq]] = True  # every event numbered at or below what is stored
-            _fail(mask, "seq", f"sequence number going backwards: {int(s[0])} <= last stored {st.last_seq}", t)
+            reason = f"sequence number going backwards: {int(s[0])} <= last stored {st.last_seq}"
+            _fail_rows(rows[s <= st.last_seq], "seq", reason, t)  # every event numbered at or below it
         # Pool bound per row: the latest node_config at or before it, else what the store knows.
         known = st.pool_pages if st.pool_pages is not None else -1
         cfg = is_config if single else is_config[rows]
@@ -410,10 +413,8 @@ def _check_store_rules(pre: Prechecked, state: dict[int, ProducerState]) -> int:
         if flat.min() < 1:
             lo = np.minimum.reduceat(flat, starts)
             low = lo < 1
-            mask = np.zeros(t.num_rows, dtype=bool)
-            mask[nonempty[low]] = True
-            _fail(
-                mask,
+            _fail_rows(
+                nonempty[low],
                 name,
                 f"page id {int(lo[low][0])} out of pool (page ids start at 1; 0 is the padding page)",
                 t,
@@ -424,10 +425,8 @@ def _check_store_rules(pre: Prechecked, state: dict[int, ProducerState]) -> int:
                 continue  # every page within the smallest pool bound of the batch
             unknown = row_bound < 0
             if unknown.any():
-                mask = np.zeros(t.num_rows, dtype=bool)
-                mask[nonempty[unknown]] = True  # each row's bound is its own: every one of them is refused
-                _fail(
-                    mask,
+                _fail_rows(  # each row's bound is its own: every one of them is refused
+                    nonempty[unknown],
                     name,
                     "pool size unknown: the producer has no node_config event before this one",
                     t,
@@ -436,10 +435,8 @@ def _check_store_rules(pre: Prechecked, state: dict[int, ProducerState]) -> int:
             high = hi > row_bound
             if high.any():
                 i = np.flatnonzero(high)[0]
-                mask = np.zeros(t.num_rows, dtype=bool)
-                mask[nonempty[high]] = True
-                _fail(
-                    mask,
+                _fail_rows(
+                    nonempty[high],
                     name,
                     f"page id {int(hi[i])} out of pool (pool has {int(row_bound[i])} pages)",
                     t,

@@ -324,11 +324,8 @@ class Writer(threading.Thread):
                     self._one_by_one(items, invalid)
                     break
                 invalid.extend([str(exc)] * len(gone))
-                if len(gone) == 1:
-                    items = items[: gone[0]] + items[gone[0] + 1 :]
-                else:
-                    drop = set(gone)
-                    items = [it for i, it in enumerate(items) if i not in drop]
+                drop = set(gone)
+                items = [it for i, it in enumerate(items) if i not in drop]
                 continue
             except Exception as exc:  # noqa: BLE001 - sink failure: retried, then counted as lost
                 if self._retry(items, exc):

@@ -327,10 +327,22 @@ def integrity_warnings(
     requests they leave incomplete, events the recorders reported lost (``ends``/``incomplete``/``shared``/
     ``losses``: when the caller has them already; ``withheld``: how many findings the caller withheld for
     them)."""
-    text = shared_transfer_warning(shared_transfer_ids(con, w) if shared is None else shared)
     if ends is None:
         ends = window_ends(con, w)
-    if incomplete is None:
-        incomplete = incomplete_requests(con, w, ends)
-    lost = reported_loss_warning(reported_losses(con, w) if losses is None else losses)
+    return warning_texts(
+        shared_transfer_ids(con, w) if shared is None else shared,
+        ends,
+        incomplete_requests(con, w, ends) if incomplete is None else incomplete,
+        withheld,
+        reported_losses(con, w) if losses is None else losses,
+    )
+
+
+def warning_texts(
+    shared: pl.DataFrame, ends: list[UncleanEnd], incomplete: pl.DataFrame, withheld: int, losses: pl.DataFrame
+) -> tuple[str, ...]:
+    """The warnings of :func:`integrity_warnings` from its pieces, in the order every answer and report
+    gives them: shared transfer ids, unclean ends and what they leave incomplete, reported losses."""
+    text = shared_transfer_warning(shared)
+    lost = reported_loss_warning(losses)
     return ((text,) if text else ()) + unclean_end_warnings(ends, incomplete, withheld) + ((lost,) if lost else ())

@@ -36,11 +36,9 @@ from kvtrail.forensics.questions import (
 from kvtrail.forensics.symptoms import (
     empty_after_abort,
     incomplete_requests,
-    reported_loss_warning,
     reported_losses,
     shared_transfer_ids,
-    shared_transfer_warning,
-    unclean_end_warnings,
+    warning_texts,
     window_ends,
     withhold_incomplete,
 )
@@ -86,12 +84,12 @@ class Report:
     @property
     def warnings(self) -> tuple[str, ...]:
         """Integrity and coverage warnings about the record, as every answer carries them."""
-        text = shared_transfer_warning(self.shared_transfer_ids)
-        lost = reported_loss_warning(self.reported_losses)
-        return (
-            ((text,) if text else ())
-            + unclean_end_warnings(list(self.unclean_ends), self.incomplete, self.withheld_findings)
-            + ((lost,) if lost else ())
+        return warning_texts(
+            self.shared_transfer_ids,
+            list(self.unclean_ends),
+            self.incomplete,
+            self.withheld_findings,
+            self.reported_losses,
         )
 
     @property
