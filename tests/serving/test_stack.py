@@ -177,8 +177,10 @@ FAULT_CFG = dict(
 )
 
 
-async def _two_requests(url, first, second, delay_s, first_headers=None):
-    """Start ``first``, wait ``delay_s``, start ``second``; both run concurrently."""
+async def _two_requests(url, first, second, delay_s, first_headers=None, after_first=False):
+    """Start ``first``, wait ``delay_s``, start ``second``; both run concurrently. With ``after_first`` the second
+    starts no sooner than the first's answer (an aborted first: its pages were freed before the answer; on a loaded
+    machine the abort can take longer than ``delay_s``, and the second would find the pool still held)."""
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
 
         async def go(tenant, text, headers=None):
@@ -188,6 +190,8 @@ async def _two_requests(url, first, second, delay_s, first_headers=None):
 
         t1 = asyncio.create_task(go(*first, first_headers))
         await asyncio.sleep(delay_s)
+        if after_first:
+            await asyncio.wait([t1])
         t2 = asyncio.create_task(go(*second))
         return await t1, await t2
 
@@ -223,6 +227,7 @@ def test_late_write_after_abort_lands_in_reused_pages(tmp_path):
                 ("globex", prompt("globex", 300 * 16)),
                 0.2,
                 first_headers={"x-kvtrail-abort-after-ms": "50"},
+                after_first=True,
             )
         )
     assert s1 == 499 and s2 == 200

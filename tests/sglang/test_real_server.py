@@ -126,9 +126,10 @@ def test_a_sigkill_is_still_an_unclean_end(servers):
     from kvtrail.audit.verify import unclean_ends
 
     server = servers["kill"]
+    sent = time.time()
     status, body = server.generate("the tenant asked for pages", "tenant-a")
     assert status == 200
-    time.sleep(1.0)  # the recorder's flush interval is 0.2 s: the request's events are stored
+    TIMINGS["sigkill_commit_wait_s"] = server.wait_committed(sent)  # the request's events are stored
     TIMINGS["sigkill_stop_s"] = server.stop(signal.SIGKILL)
     events = stored_events(server.db)
     assert any(e["kind"] == "response_sent" for e in events)
