@@ -328,16 +328,8 @@ class Writer(threading.Thread):
                 items = [it for i, it in enumerate(items) if i not in drop]
                 continue
             except Exception as exc:  # noqa: BLE001 - sink failure: retried, then counted as lost
-                if self._retry(items, exc):
-                    break
-                items = self._hold(items)
-                if items:
-                    lost, lost_pages, own = _lost_counts(items)
-                    self.error_total += own
-                    self._pending_gaps.append(("writer_error", lost, lost_pages, f"{type(exc).__name__}: {exc}"))
-                    log.error("kvtrail recorder: %d events lost, store failed: %s", own, exc)
-                else:
-                    log.warning("kvtrail recorder: store failed (%s); %d events held", exc, len(self.held))
+                if not self._retry(items, exc):
+                    self._lose(items, exc)
                 break
             self._count(result)
             break
@@ -355,6 +347,18 @@ class Writer(threading.Thread):
         except Exception as exc:  # noqa: BLE001 - garbage from the caller is invalid input, not a store failure
             raise ValidationError("(event)", f"cannot encode: {type(exc).__name__}: {exc}") from None
         return self._sink.append(table)
+
+    def _lose(self, items: list, exc: Exception) -> None:
+        """The store failed ``items`` after its retries: the framing and configuration are held, the rest
+        counted lost (a gap event reports them in a later batch)."""
+        items = self._hold(items)
+        if items:
+            lost, lost_pages, own = _lost_counts(items)
+            self.error_total += own
+            self._pending_gaps.append(("writer_error", lost, lost_pages, f"{type(exc).__name__}: {exc}"))
+            log.error("kvtrail recorder: %d events lost, store failed: %s", own, exc)
+        else:
+            log.warning("kvtrail recorder: store failed (%s); %d events held", exc, len(self.held))
 
     def _hold(self, items: list) -> list:
         """Keep the lost batch's ``recorder_started`` and latest ``node_config`` for the next batch; the
@@ -376,15 +380,18 @@ class Writer(threading.Thread):
         self.committed_batches += len(result.batches)
 
     def _one_by_one(self, items: list, invalid: list[str]) -> None:
-        for item in items:
+        """A refusal that did not say which events broke its rule: each event on its own. Should the store
+        fail meanwhile (after its retries), the events not yet sent go the way of a failed batch: the
+        framing and configuration held, the rest counted lost."""
+        for k, item in enumerate(items):
             try:
                 self._count(self._append([item]))
             except ValidationError as exc:
                 invalid.append(str(exc))
-            except Exception as exc:  # noqa: BLE001 - counted like any store failure
-                lost, lost_pages, own = _lost_counts([item])
-                self.error_total += own
-                self._pending_gaps.append(("writer_error", lost, lost_pages, f"{type(exc).__name__}: {exc}"))
+            except Exception as exc:  # noqa: BLE001 - a store failure, as in _commit
+                if not self._retry([item], exc):
+                    self._lose(items[k:], exc)
+                    return
 
     def _retry(self, items: list, first_exc: Exception) -> bool:
         log.warning("kvtrail recorder: store append failed (%s); retrying", first_exc)

@@ -9,6 +9,7 @@ from kvtrail.audit.events import Producer, RequestRef
 from kvtrail.audit.recorder import Recorder, RecorderConfig
 from kvtrail.audit.store import AuditStore
 from kvtrail.audit.verify import verify_store
+from kvtrail.errors import ValidationError
 from tests.conftest import stored_events
 
 PROD = Producer("c1", "decode-0", "decode", "kvtrail-reference", "0.1", "inst-1")
@@ -324,6 +325,46 @@ def test_held_events_go_alone_when_nothing_else_is_buffered(tmp_path, monkeypatc
     rec.close()
     assert stats["held_events"] == 0 and stats["committed_events_total"] == 2 and stats["writer_errors_total"] == 0
     assert [e["kind"] for e in stored_events(path)] == ["recorder_started", "node_config", "recorder_closed"]
+
+
+class UnsaidRefusalSink(OutageSink):
+    """Refuses its first batch without saying which events broke the rule (a service of an older release),
+    then fails ``failures`` appends (the store goes down meanwhile), then commits."""
+
+    def __init__(self, path, failures: int):
+        super().__init__(path, ok_first=0, failures=failures)
+        self.refused = False
+
+    def append(self, table):
+        if not self.refused:
+            self.refused = True
+            raise ValidationError("(batch)", "refused, positions not said")
+        return super().append(table)
+
+
+def test_an_outage_while_isolating_a_refused_batch_keeps_the_configuration(tmp_path, monkeypatch):
+    """A refusal that names no event sends the batch's events one at a time; the store fails on the first
+    (and its retry): the rest is a failed batch, the framing and configuration held, the allocations lost,
+    and what the node records afterwards lands (not refused for an unknown pool size)."""
+    monkeypatch.setattr("kvtrail.audit.writer._RETRY_DELAYS_S", (0.0,))
+    path = tmp_path / "a.duckdb"
+    sink = UnsaidRefusalSink(path, failures=2)
+    rec = Recorder(sink, PROD, RecorderConfig(flush_interval_s=3600))
+    _config(rec)
+    for i in range(2):
+        rec.pages_allocated(RequestRef(f"lost{i}"), [1 + i], "decode_growth")
+    assert rec.flush(10)
+    rec.pages_allocated(REQ, [7], "decode_growth")
+    assert rec.flush(10)
+    stats = rec.stats()
+    rec.close()
+    assert stats["held_events"] == 0 and stats["invalid_events_total"] == 0, stats
+    assert stats["writer_errors_total"] == 2  # the two allocations, counted once each
+    events = stored_events(path)
+    assert [e["kind"] for e in events][:2] == ["recorder_started", "node_config"]
+    assert [e["pages"] for e in events if e["kind"] == "pages_allocated"] == [[7]]
+    (cov,) = verify_store(path).coverage
+    assert cov.unexplained == 0 and cov.missing_events == cov.explained_by_gaps == 2, cov
 
 
 def test_held_events_count_as_lost_when_the_writer_stops_with_the_store_down(monkeypatch):
