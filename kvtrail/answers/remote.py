@@ -10,6 +10,7 @@ other requests, tenants and nodes as pseudonyms).
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import replace
 from typing import Any
@@ -37,6 +38,7 @@ class RemoteSource:
         self.client = Client(url, token, transport=transport)
         self.answers = ServiceAnswers(url, token, client=self.client)  # the questions, asked as the CLI asks them
         self.label = f"service {self.client.url}"
+        self._answers: dict[fx.Window, Any] | None = None  # one render's affected answers (see rendering)
         try:
             self._nodes = self.client.table("/v1/nodes", {})[0]
             self.role = "operator"
@@ -45,6 +47,22 @@ class RemoteSource:
                 raise SourceError("invalid", str(exc)) from None
             self._nodes = pl.DataFrame()
             self.role = "tenant"
+
+    def rendering(self) -> RemoteSource:
+        """This source for one render of a view: a copy that keeps the affected answers it is given during
+        the render, so the view's coverage warnings and its rows come from one request where they ask the
+        same window. The next render asks the service again: no answer outlives a render (new events, a
+        revoked token)."""
+        view = copy.copy(self)
+        view._answers = {}
+        return view
+
+    def _affected(self, w: fx.Window) -> Any:
+        if self._answers is None:
+            return self.answers.affected(w)
+        if w not in self._answers:
+            self._answers[w] = self.answers.affected(w)
+        return self._answers[w]
 
     @staticmethod
     def _params(w: fx.Window, tenant_ok: bool = True) -> dict[str, Any]:
@@ -92,14 +110,14 @@ class RemoteSource:
         warnings would name other requests)."""
         if self.role == "tenant":
             return []
-        answer = self.answers.affected(fx.Window(w.from_ns, w.to_ns))
+        answer = self._affected(fx.Window(w.from_ns, w.to_ns))
         return coverage_lines(answer.gaps, answer.warnings)
 
     def findings(self, w: fx.Window) -> pl.DataFrame:
         return self.answers.findings(w).rows
 
     def affected(self, w: fx.Window) -> pl.DataFrame:
-        rows = self.answers.affected(w if self.role != "tenant" else replace(w, tenant=None)).rows
+        rows = self._affected(w if self.role != "tenant" else replace(w, tenant=None)).rows
         if self.role == "tenant":  # victims come as counts: the view's columns, without other tenants' ids
             rows = rows.with_columns(
                 pl.lit(None, pl.Utf8).alias("tenant_id"), pl.lit([], pl.List(pl.Utf8)).alias("victim_tenants")

@@ -197,6 +197,10 @@ class StoreSource:
 
         return self._memoised("found", span, compute)
 
+    def rendering(self) -> StoreSource:
+        """This source for one render of a view: itself (its answers are memoised by the store's state)."""
+        return self
+
     def coverage(self, w: fx.Window) -> list[str]:
         """What every answer over the window says of the record it could not see (coverage gaps, integrity
         and coverage warnings), a line each, as the CLI prints them."""

@@ -101,7 +101,7 @@ def main() -> None:
 
 def _render(src, view: str, w: fx.Window) -> None:
     try:
-        VIEWS[view](src, w)
+        VIEWS[view](src.rendering(), w)
     except SourceError as exc:
         error_page(exc)
     except KvtrailError as exc:  # a bad filter value: named by the forensics API, shown, not raised

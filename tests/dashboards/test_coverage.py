@@ -73,3 +73,51 @@ def test_an_operator_gets_the_same_lines_through_the_service_and_a_tenant_none(l
             assert RemoteSource("http://testserver", tenant, transport=client._transport).coverage(lossy_window) == []
     finally:
         state.close()
+
+
+class _Counting:
+    """The test client's transport, counting the paths asked."""
+
+    def __init__(self, inner):
+        self.inner, self.paths = inner, []
+
+    def handle_request(self, request):
+        self.paths.append(request.url.path)
+        return self.inner.handle_request(request)
+
+    def close(self):
+        pass
+
+
+def test_one_render_asks_the_service_once_for_the_warnings_and_the_rows(lossy, lossy_window, tmp_path):
+    """The Affected view's warnings and rows over one window: one request in a render (the service replays
+    the window for each); the next render asks again, and a filtered window is its own question."""
+    db = tmp_path / "svc.duckdb"
+    shutil.copy(lossy, db)
+    state = open_state(db)
+    try:
+        with state.write_lock:
+            operator = add_token(state.store.con, "operator")[1]
+        with TestClient(create_app(state)) as client:
+            counting = _Counting(client._transport)
+            remote = RemoteSource("http://testserver", operator, transport=counting)
+
+            def asked() -> int:
+                n = counting.paths.count("/v1/affected")
+                counting.paths.clear()
+                return n
+
+            for _ in range(2):
+                render = remote.rendering()
+                assert render.coverage(lossy_window) == StoreSource(lossy).coverage(lossy_window)
+                assert render.affected(lossy_window).equals(StoreSource(lossy).affected(lossy_window))
+                assert asked() == 1
+            render = remote.rendering()
+            render.coverage(lossy_window)
+            render.affected(fx.Window(lossy_window.from_ns, lossy_window.to_ns, node="decode-0"))
+            assert asked() == 2
+            remote.coverage(lossy_window)  # outside a render (the CLI's way): every call asks
+            remote.affected(lossy_window)
+            assert asked() == 2
+    finally:
+        state.close()
