@@ -126,16 +126,18 @@ class Server(_Http):
             time.sleep(1)
         raise AssertionError(f"{self.node} not ready in {timeout} s:\n{self.tail()}")
 
-    def wait_committed(self, since: float, quiet: float = 2.0, timeout: float = 60) -> float:
-        """After a request sent at ``since`` (``time.time()``) was answered: wait until the store file (or its WAL)
-        changed after ``since`` and then rested ``quiet`` seconds, counted from this call at the earliest: the
-        recorder's writer (it wakes every 0.2 s) committed what the node recorded. DuckDB keeps the file locked,
-        so another process cannot read it to check. Returns the seconds waited.
+    def wait_committed(self, since: float, quiet: float = 2.0, timeout: float = 60, db: Path | None = None) -> float:
+        """After a request sent at ``since`` (``time.time()``) was answered: wait until the store file ``db``
+        (the server's by default; or its WAL) changed after ``since`` and then rested ``quiet`` seconds, counted
+        from this call at the earliest: the recorder's writer (it wakes every 0.2 s) committed what the node
+        recorded. DuckDB keeps the file locked, so another process cannot read it to check. Returns the seconds
+        waited.
 
         A fixed sleep is not enough on a loaded machine: the scheduler's busy loop and the other tests' processes
         can starve the writer's thread past a second."""
         t0, called = time.monotonic(), time.time()
-        files = (self.db, self.db.with_name(self.db.name + ".wal"))
+        db = self.db if db is None else db
+        files = (db, db.with_name(db.name + ".wal"))
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
                 raise AssertionError(f"{self.node} exited {self.proc.returncode}:\n{self.tail()}")

@@ -156,3 +156,35 @@ def test_a_scheduler_built_without_init_disaggregation_records_from_its_first_re
     assert cfg["producer"]["role"] == "unified" and cfg["pool_tokens"] == 64 * PAGE_SIZE
     [got] = [e for e in events if e["kind"] == "request_received"]
     assert got["request"]["request_id"] == "H" and got["prompt_tokens"] == 3
+
+
+def test_with_a_store_file_each_dp_pool_records_into_its_own(plugin, republish, tmp_path):
+    """Each DP pool's scheduler is its own process and a DuckDB file has one writer: with ``KVTRAIL_DB`` the
+    pools write ``node.dp<N>.duckdb`` beside it (one file for two processes: the second could not open it,
+    and its pool would go unrecorded), merged like any two nodes' files."""
+    from kvtrail.audit.export import export_parquet, import_parquet
+    from kvtrail.serving.sglang.plugin import pool_store
+
+    db = tmp_path / "node.duckdb"
+    files = [tmp_path / "node.dp0.duckdb", tmp_path / "node.dp1.duckdb"]
+    assert [pool_store(db, dp) for dp in (0, 1)] == [str(f) for f in files]
+    for dp in (0, 1):
+        publish("null", world_rank=0, dp_rank=dp, dp_size=2)  # DP replicas: each its own world of one
+        node = Node("null")
+        s = plugin.start(node.scheduler, sink=str(db))
+        assert s is not None
+        try:
+            _extend(node, req(f"R{dp}", list(range(100 * dp, 100 * dp + 16)), 10 + dp))
+            s.resolver.drain()
+        finally:
+            plugin.session = None
+            s.close()
+    assert not db.exists()
+    for dp, f in enumerate(files):
+        events = stored_events(f)
+        assert {e["producer"]["node"] for e in events} == {f"sg-node-dp{dp}"}
+        assert [e["request"]["request_id"] for e in events if e["kind"] == "pages_allocated"] == [f"R{dp}"]
+    export_parquet(files[1], tmp_path / "dp1-export")
+    import_parquet(tmp_path / "dp1-export", files[0])
+    allocs = {e["producer"]["node"] for e in stored_events(files[0]) if e["kind"] == "pages_allocated"}
+    assert allocs == {"sg-node-dp0", "sg-node-dp1"}

@@ -2,15 +2,18 @@
 
 Two unified servers are started in parallel on the tiny model made once for the module: one is stopped with
 SIGTERM (SGLang's clean shutdown: the record must end clean, the plugin closes its recorder at SGLang's
-ShutdownReq), the other with SIGKILL (still an unclean end). Traffic from three tenants; a prompt over the
-context is refused 400 by the HTTP process, which records the refusal (into its own file beside the node's).
+ShutdownReq), the other with SIGKILL (still an unclean end; it runs two data-parallel pools, each recording
+into its own file). Traffic from three tenants; a prompt over the context is refused 400 by the HTTP process,
+which records the refusal (into its own file beside the node's).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 
@@ -39,14 +42,31 @@ def model(tmp_path_factory):
     return folder
 
 
+def pools() -> int:
+    """Data-parallel pools of the SIGKILL server: two where the process may run on two cores (SGLang on CPU
+    binds each pool's scheduler to cores of its own), else one."""
+    return 2 if len(os.sched_getaffinity(0)) >= 2 else 1
+
+
 @pytest.fixture(scope="module")
 def servers(model, tmp_path_factory):
     base = tmp_path_factory.mktemp("servers")
     flags = ["--context-length", str(CONTEXT), "--max-total-tokens", "1024"]
-    started = {
-        how: Server(model, base / f"{how}.duckdb", f"unified-{how}", base / f"{how}.log", *flags)
-        for how in ("term", "kill")
-    }
+    term = Server(model, base / "term.duckdb", "unified-term", base / "term.log", *flags)
+    if pools() == 2:
+        cores = sorted(os.sched_getaffinity(0))
+        flags += ["--dp-size", "2", "--load-balance-method", "round_robin"]
+        kill = Server(
+            model,
+            base / "kill.duckdb",
+            "unified-kill",
+            base / "kill.log",
+            *flags,
+            env={"SGLANG_CPU_OMP_THREADS_BIND": f"{cores[0]}|{cores[1]}"},
+        )
+    else:
+        kill = Server(model, base / "kill.duckdb", "unified-kill", base / "kill.log", *flags)
+    started = {"term": term, "kill": kill}
     try:
         for s in started.values():
             s.wait_ready()
@@ -121,22 +141,43 @@ def test_a_sigterm_shutdown_is_a_clean_end_with_every_tenants_pages_and_statuses
     assert by_kind["request_received"]["prompt_tokens"] >= CONTEXT
 
 
-def test_a_sigkill_is_still_an_unclean_end(servers):
+def test_a_sigkill_is_still_an_unclean_end_of_each_data_parallel_pool(servers, tmp_path):
+    """Two data-parallel pools (``--dp-size 2``), a scheduler process each: with a store file each pool records
+    into its own (``kill.dp0.duckdb``, ``kill.dp1.duckdb``), where one file could have one writer only and the
+    second pool would go unrecorded. After a SIGKILL each pool's record keeps what it committed and ends
+    unclean; merged, the two are one record of the node's pools."""
+    from kvtrail.audit.export import export_parquet, import_parquet
     from kvtrail.audit.store import connect_readonly
     from kvtrail.audit.verify import unclean_ends
+    from kvtrail.serving.sglang.plugin import pool_store
 
     server = servers["kill"]
-    sent = time.time()
-    status, body = server.generate("the tenant asked for pages", "tenant-a")
-    assert status == 200
-    TIMINGS["sigkill_commit_wait_s"] = server.wait_committed(sent)  # the request's events are stored
+    n = pools()
+    files = [Path(pool_store(server.db, p)) for p in range(n)] if n > 1 else [server.db]
+    nodes = [f"unified-kill-dp{p}" for p in range(n)] if n > 1 else ["unified-kill"]
+    sent, rids = time.time(), []
+    for i in range(2 * n):  # round robin: two requests a pool
+        status, body = server.generate(f"the tenant asked for pages {i} " * 2, TENANTS[i % 2])
+        assert status == 200, body
+        rids.append(body["meta_info"]["id"])
+    for f in files:  # the requests' events are stored
+        TIMINGS[f"sigkill_commit_wait_{f.stem}_s"] = server.wait_committed(sent, db=f)
     TIMINGS["sigkill_stop_s"] = server.stop(signal.SIGKILL)
-    events = stored_events(server.db)
-    assert any(e["kind"] == "response_sent" for e in events)
-    assert not any(e["kind"] == "recorder_closed" for e in events)
-    con = connect_readonly(server.db)
-    try:
-        ends = unclean_ends(con, resting=True)
-    finally:
-        con.close()
-    assert [e.node for e in ends] == ["unified-kill"], ends
+    if n > 1:
+        assert not server.db.exists()
+    for f, node in zip(files, nodes):
+        events = stored_events(f)
+        assert {e["producer"]["node"] for e in events} == {node}
+        assert len([e for e in events if e["kind"] == "response_sent"]) == 2, (node, events[-3:])
+        assert not any(e["kind"] == "recorder_closed" for e in events)
+        con = connect_readonly(f)
+        try:
+            ends = unclean_ends(con, resting=True)
+        finally:
+            con.close()
+        assert [e.node for e in ends] == [node], ends
+    for k, f in enumerate(files[1:]):
+        export_parquet(f, tmp_path / f"pool{k}")
+        import_parquet(tmp_path / f"pool{k}", files[0])
+    merged = stored_events(files[0])
+    assert sorted(e["request"]["request_id"] for e in merged if e["kind"] == "response_sent") == sorted(rids)

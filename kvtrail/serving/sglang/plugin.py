@@ -200,8 +200,9 @@ class Plugin:
 
         Only the process SGLang's parallel state places at attention-TP rank 0 (and attention-CP rank 0,
         pipeline stage 0) records, as ``<node>-dp<N>`` where the node has several data-parallel pools
-        (:mod:`~kvtrail.serving.sglang.ranks`). ``sink`` overrides the configured store or service (an
-        object with ``append``, as for Recorder).
+        (:mod:`~kvtrail.serving.sglang.ranks`), each pool into its own file where the sink is a store file
+        (:func:`pool_store`). ``sink`` overrides the configured store or service (an object with ``append``,
+        as for Recorder).
         """
         place = ranks.placement()
         if not place.records:
@@ -212,6 +213,8 @@ class Plugin:
         node = place.node(self.config.node)  # each DP pool is its own node
         producer = Producer(self.config.cluster, node, role, "sglang", self.version, instance_id())
         sink = self.config.sink if sink is None else sink
+        if place.pool is not None and _store_file(sink):
+            sink = pool_store(sink, place.pool)  # each pool's scheduler is its own process: one writer a file
         recorder = Recorder(sink, producer, RecorderConfig(flush_interval_s=self.config.flush_interval_s))
         self._scheduler = scheduler
         # the scheduler records the outcomes where the HTTP process will not (nor can: its hook is missing)
@@ -355,6 +358,14 @@ def refusal_store(db: str | os.PathLike) -> str:
     scheduler): ``node.duckdb`` -> ``node.http.duckdb``."""
     p = Path(db)
     return str(p.with_name(f"{p.stem}.http{p.suffix}"))
+
+
+def pool_store(db: str | os.PathLike, pool: int) -> str:
+    """The store file of data-parallel pool ``pool`` of a node with several (``KVTRAIL_DB``): each pool is
+    recorded by its own scheduler process, and a DuckDB file has one writer: ``node.duckdb`` ->
+    ``node.dp1.duckdb``."""
+    p = Path(db)
+    return str(p.with_name(f"{p.stem}.dp{pool}{p.suffix}"))
 
 
 def _store_file(sink: Any) -> bool:
