@@ -6,6 +6,7 @@ responses" without it."""
 from __future__ import annotations
 
 import shutil
+from contextlib import contextmanager
 
 import pytest
 
@@ -59,20 +60,26 @@ def test_the_views_show_the_warning_above_their_figures(monkeypatch, lossy, loss
     assert shown == StoreSource(lossy).coverage(lossy_window) and shown[0].startswith(LOST[:-1]), shown
 
 
-def test_an_operator_gets_the_same_lines_through_the_service_and_a_tenant_none(lossy, lossy_window, tmp_path):
+@contextmanager
+def _service(lossy, tmp_path, *roles: str):
+    """A service on a copy of the lossy store, in process: (its test client, a token per role)."""
     db = tmp_path / "svc.duckdb"
     shutil.copy(lossy, db)
     state = open_state(db)
     try:
         with state.write_lock:
-            operator = add_token(state.store.con, "operator")[1]
-            tenant = add_token(state.store.con, "tenant:acme")[1]
+            tokens = [add_token(state.store.con, role)[1] for role in roles]
         with TestClient(create_app(state)) as client:
-            remote = RemoteSource("http://testserver", operator, transport=client._transport)
-            assert remote.coverage(lossy_window) == StoreSource(lossy).coverage(lossy_window)
-            assert RemoteSource("http://testserver", tenant, transport=client._transport).coverage(lossy_window) == []
+            yield client, tokens
     finally:
         state.close()
+
+
+def test_an_operator_gets_the_same_lines_through_the_service_and_a_tenant_none(lossy, lossy_window, tmp_path):
+    with _service(lossy, tmp_path, "operator", "tenant:acme") as (client, (operator, tenant)):
+        remote = RemoteSource("http://testserver", operator, transport=client._transport)
+        assert remote.coverage(lossy_window) == StoreSource(lossy).coverage(lossy_window)
+        assert RemoteSource("http://testserver", tenant, transport=client._transport).coverage(lossy_window) == []
 
 
 class _Counting:
@@ -92,32 +99,24 @@ class _Counting:
 def test_one_render_asks_the_service_once_for_the_warnings_and_the_rows(lossy, lossy_window, tmp_path):
     """The Affected view's warnings and rows over one window: one request in a render (the service replays
     the window for each); the next render asks again, and a filtered window is its own question."""
-    db = tmp_path / "svc.duckdb"
-    shutil.copy(lossy, db)
-    state = open_state(db)
-    try:
-        with state.write_lock:
-            operator = add_token(state.store.con, "operator")[1]
-        with TestClient(create_app(state)) as client:
-            counting = _Counting(client._transport)
-            remote = RemoteSource("http://testserver", operator, transport=counting)
+    with _service(lossy, tmp_path, "operator") as (client, (operator,)):
+        counting = _Counting(client._transport)
+        remote = RemoteSource("http://testserver", operator, transport=counting)
 
-            def asked() -> int:
-                n = counting.paths.count("/v1/affected")
-                counting.paths.clear()
-                return n
+        def asked() -> int:
+            n = counting.paths.count("/v1/affected")
+            counting.paths.clear()
+            return n
 
-            for _ in range(2):
-                render = remote.rendering()
-                assert render.coverage(lossy_window) == StoreSource(lossy).coverage(lossy_window)
-                assert render.affected(lossy_window).equals(StoreSource(lossy).affected(lossy_window))
-                assert asked() == 1
+        for _ in range(2):
             render = remote.rendering()
-            render.coverage(lossy_window)
-            render.affected(fx.Window(lossy_window.from_ns, lossy_window.to_ns, node="decode-0"))
-            assert asked() == 2
-            remote.coverage(lossy_window)  # outside a render (the CLI's way): every call asks
-            remote.affected(lossy_window)
-            assert asked() == 2
-    finally:
-        state.close()
+            assert render.coverage(lossy_window) == StoreSource(lossy).coverage(lossy_window)
+            assert render.affected(lossy_window).equals(StoreSource(lossy).affected(lossy_window))
+            assert asked() == 1
+        render = remote.rendering()
+        render.coverage(lossy_window)
+        render.affected(fx.Window(lossy_window.from_ns, lossy_window.to_ns, node="decode-0"))
+        assert asked() == 2
+        remote.coverage(lossy_window)  # outside a render (the CLI's way): every call asks
+        remote.affected(lossy_window)
+        assert asked() == 2
