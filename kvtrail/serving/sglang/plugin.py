@@ -356,16 +356,20 @@ def _backend(scheduler: Any) -> str:
 def refusal_store(db: str | os.PathLike) -> str:
     """The store file of an HTTP process's refusals beside the node's (``KVTRAIL_DB``, whose one writer is the
     scheduler): ``node.duckdb`` -> ``node.http.duckdb``."""
-    p = Path(db)
-    return str(p.with_name(f"{p.stem}.http{p.suffix}"))
+    return _beside(db, "http")
 
 
 def pool_store(db: str | os.PathLike, pool: int) -> str:
     """The store file of data-parallel pool ``pool`` of a node with several (``KVTRAIL_DB``): each pool is
     recorded by its own scheduler process, and a DuckDB file has one writer: ``node.duckdb`` ->
     ``node.dp1.duckdb``."""
+    return _beside(db, f"dp{pool}")
+
+
+def _beside(db: str | os.PathLike, tag: str) -> str:
+    """A store file beside ``db`` for one more writing process: ``node.duckdb`` -> ``node.<tag>.duckdb``."""
     p = Path(db)
-    return str(p.with_name(f"{p.stem}.dp{pool}{p.suffix}"))
+    return str(p.with_name(f"{p.stem}.{tag}{p.suffix}"))
 
 
 def _store_file(sink: Any) -> bool:
