@@ -177,10 +177,12 @@ FAULT_CFG = dict(
 )
 
 
-async def _two_requests(url, first, second, delay_s, first_headers=None, after_first=False):
+async def _two_requests(url, first, second, delay_s, first_headers=None, after_first=False, ready=None):
     """Start ``first``, wait ``delay_s``, start ``second``; both run concurrently. With ``after_first`` the second
     starts no sooner than the first's answer (an aborted first: its pages were freed before the answer; on a loaded
-    machine the abort can take longer than ``delay_s``, and the second would find the pool still held)."""
+    machine the abort can take longer than ``delay_s``, and the second would find the pool still held). With
+    ``ready`` (a function of no arguments) the second starts no sooner than ``ready()`` is true, e.g. once the
+    store shows the first's pages freed."""
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
 
         async def go(tenant, text, headers=None):
@@ -192,16 +194,31 @@ async def _two_requests(url, first, second, delay_s, first_headers=None, after_f
         await asyncio.sleep(delay_s)
         if after_first:
             await asyncio.wait([t1])
+        deadline = asyncio.get_running_loop().time() + 30
+        while ready is not None and not await asyncio.to_thread(ready):
+            assert asyncio.get_running_loop().time() < deadline, "timed out waiting to start the second request"
+            await asyncio.sleep(0.01)
         t2 = asyncio.create_task(go(*second))
         return await t1, await t2
 
 
 def test_premature_free_lets_a_running_request_read_anothers_pages(tmp_path):
     db = tmp_path / "uaf.duckdb"
-    cfg = StackConfig(mode="vulnerable", faults=Faults(premature_free=True), **FAULT_CFG)
+    # Both requests fit only once decode freed acme's pages early (the fault, when acme's KV landed): globex starts
+    # when the store shows that free, and acme's slower decode steps (2.4 s of 48) leave it reading when globex lands.
+    cfg = StackConfig(
+        mode="vulnerable", faults=Faults(premature_free=True), **dict(FAULT_CFG, decode_step_delay_s=0.05)
+    )
+    freed = "SELECT count(*) FROM events_v WHERE node = 'decode-0' AND kind = 'pages_freed' AND free_reason = 'finish'"
     with Stack(cfg, db) as st:
         (s1, b1), (s2, b2) = asyncio.run(
-            _two_requests(st.url, ("acme", prompt("acme", 300 * 16)), ("globex", prompt("globex", 300 * 16)), 0.3)
+            _two_requests(
+                st.url,
+                ("acme", prompt("acme", 300 * 16)),
+                ("globex", prompt("globex", 300 * 16)),
+                0.0,
+                ready=lambda: query(st, freed)[0][0] > 0,
+            )
         )
     assert (s1, s2) == (200, 200)
     assert foreign("acme", b1) == ["globex"], b1["choices"][0]["text"]  # it read globex's KV in its freed pages
