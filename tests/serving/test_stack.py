@@ -202,14 +202,21 @@ async def _two_requests(url, first, second, delay_s, first_headers=None, after_f
         return await t1, await t2
 
 
+def _landed(st):
+    """A ``ready`` for :func:`_two_requests`: the store shows the first request's KV landed on decode. Decode's
+    handler ran whole by then (a premature free done, the request running: what the faults act on), however long
+    the first's prefill took on a loaded machine."""
+    sql = "SELECT count(*) FROM events_v WHERE node = 'decode-0' AND kind = 'transfer_received'"
+    return lambda: query(st, sql)[0][0] > 0
+
+
 def test_premature_free_lets_a_running_request_read_anothers_pages(tmp_path):
     db = tmp_path / "uaf.duckdb"
     # Both requests fit only once decode freed acme's pages early (the fault, when acme's KV landed): globex starts
-    # when the store shows that free, and acme's slower decode steps (2.4 s of 48) leave it reading when globex lands.
+    # once that landing is stored, and acme's slower decode steps (2.4 s of 48) leave it reading when globex lands.
     cfg = StackConfig(
         mode="vulnerable", faults=Faults(premature_free=True), **dict(FAULT_CFG, decode_step_delay_s=0.05)
     )
-    freed = "SELECT count(*) FROM events_v WHERE node = 'decode-0' AND kind = 'pages_freed' AND free_reason = 'finish'"
     with Stack(cfg, db) as st:
         (s1, b1), (s2, b2) = asyncio.run(
             _two_requests(
@@ -217,7 +224,7 @@ def test_premature_free_lets_a_running_request_read_anothers_pages(tmp_path):
                 ("acme", prompt("acme", 300 * 16)),
                 ("globex", prompt("globex", 300 * 16)),
                 0.0,
-                ready=lambda: query(st, freed)[0][0] > 0,
+                ready=_landed(st),
             )
         )
     assert (s1, s2) == (200, 200)
@@ -287,7 +294,13 @@ def test_double_allocation_hands_a_held_page_to_a_second_request(tmp_path):
     cfg = StackConfig(mode="vulnerable", faults=Faults(double_alloc=True), **FAULT_CFG)
     with Stack(cfg, db) as st:
         (s1, _), (s2, _) = asyncio.run(
-            _two_requests(st.url, ("acme", prompt("acme", 100 * 16)), ("globex", prompt("globex", 100 * 16)), 0.3)
+            _two_requests(
+                st.url,
+                ("acme", prompt("acme", 100 * 16)),
+                ("globex", prompt("globex", 100 * 16)),
+                0.0,
+                ready=_landed(st),
+            )
         )
     assert (s1, s2) == (200, 200)
     # Evidence: a page allocated to globex while acme held it (no free of it in between).
@@ -334,7 +347,13 @@ def test_patched_page_tags_stop_use_after_free_and_double_allocation(tmp_path):
         cfg = StackConfig(mode="patched", faults=Faults(**{fault: True}), **FAULT_CFG)
         with Stack(cfg, db) as st:
             (s1, b1), (s2, b2) = asyncio.run(
-                _two_requests(st.url, ("acme", prompt("acme", 300 * 16)), ("globex", prompt("globex", 200 * 16)), 0.3)
+                _two_requests(
+                    st.url,
+                    ("acme", prompt("acme", 300 * 16)),
+                    ("globex", prompt("globex", 200 * 16)),
+                    0.0,
+                    ready=_landed(st),
+                )
             )
         # acme's pages changed hands under it: it is stopped before it attends a foreign page.
         assert s1 == 500 and "page ownership tag mismatch" in b1["error"]["message"], (fault, b1)
