@@ -7,6 +7,7 @@ import duckdb
 import httpx
 import pytest
 
+from kvtrail.audit.recorder import RecorderConfig
 from kvtrail.audit.verify import verify_store
 from kvtrail.serving.config import Faults, StackConfig
 from kvtrail.serving.stack import Stack
@@ -45,7 +46,7 @@ def query(db, sql, params=()):
 
 
 def wait_for(st, sql, timeout_s=15.0):
-    """Workers commit their audit asynchronously (every few ms): wait until ``sql`` counts something."""
+    """Workers commit their audit asynchronously (once a second by default): wait until ``sql`` counts something."""
     import time
 
     deadline = time.monotonic() + timeout_s
@@ -202,10 +203,16 @@ async def _two_requests(url, first, second, delay_s, first_headers=None, after_f
         return await t1, await t2
 
 
+# The runs that start their second request on what the store shows (_landed): the recorders drain every 20 ms (the
+# stack's default is once a second, which would leave the first request under 1 s of decode steps nearly done by
+# the time the store shows it running), and decode steps of 0.05 s keep the first reading for about 2.4 s after.
+LANDED_CFG = dict(FAULT_CFG, decode_step_delay_s=0.05, recorder=RecorderConfig(flush_interval_s=0.02))
+
+
 def _landed(st):
     """A ``ready`` for :func:`_two_requests`: the store shows the first request's KV landed on decode. Decode's
     handler ran whole by then (a premature free done, the request running: what the faults act on), however long
-    the first's prefill took on a loaded machine."""
+    the first's prefill took on a loaded machine. For stacks of ``LANDED_CFG``."""
     sql = "SELECT count(*) FROM events_v WHERE node = 'decode-0' AND kind = 'transfer_received'"
     return lambda: query(st, sql)[0][0] > 0
 
@@ -213,10 +220,8 @@ def _landed(st):
 def test_premature_free_lets_a_running_request_read_anothers_pages(tmp_path):
     db = tmp_path / "uaf.duckdb"
     # Both requests fit only once decode freed acme's pages early (the fault, when acme's KV landed): globex starts
-    # once that landing is stored, and acme's slower decode steps (2.4 s of 48) leave it reading when globex lands.
-    cfg = StackConfig(
-        mode="vulnerable", faults=Faults(premature_free=True), **dict(FAULT_CFG, decode_step_delay_s=0.05)
-    )
+    # once that landing is stored, and acme is still reading when globex lands.
+    cfg = StackConfig(mode="vulnerable", faults=Faults(premature_free=True), **LANDED_CFG)
     with Stack(cfg, db) as st:
         (s1, b1), (s2, b2) = asyncio.run(
             _two_requests(
@@ -291,7 +296,7 @@ def test_patched_deferred_release_defeats_the_late_write(tmp_path):
 
 def test_double_allocation_hands_a_held_page_to_a_second_request(tmp_path):
     db = tmp_path / "dbl.duckdb"
-    cfg = StackConfig(mode="vulnerable", faults=Faults(double_alloc=True), **FAULT_CFG)
+    cfg = StackConfig(mode="vulnerable", faults=Faults(double_alloc=True), **LANDED_CFG)
     with Stack(cfg, db) as st:
         (s1, _), (s2, _) = asyncio.run(
             _two_requests(
@@ -344,7 +349,7 @@ def test_a_worker_killed_mid_transfer_fails_its_requests_and_the_other_keeps_run
 def test_patched_page_tags_stop_use_after_free_and_double_allocation(tmp_path):
     for fault in ("premature_free", "double_alloc"):
         db = tmp_path / f"tags-{fault}.duckdb"
-        cfg = StackConfig(mode="patched", faults=Faults(**{fault: True}), **FAULT_CFG)
+        cfg = StackConfig(mode="patched", faults=Faults(**{fault: True}), **LANDED_CFG)
         with Stack(cfg, db) as st:
             (s1, b1), (s2, b2) = asyncio.run(
                 _two_requests(
