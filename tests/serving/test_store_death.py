@@ -31,6 +31,22 @@ _MAX_REQUESTS = 400  # per client: the loop ends when the stack is gone, or here
 _DELIVERY_NS = 2_000_000_000  # how late a client may read a 200 the router decided before the kill
 
 
+def _dead_ns(pid: int, timeout_s: float = 60.0) -> int:
+    """When the process ``pid`` (not this test's child) is seen gone: a zombie or no entry in /proc. A SIGKILL
+    ends a process only when it next leaves the kernel, which on a loaded machine (a commit's fsync) can take
+    seconds; until then the stack rightly sees its store alive."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return time.time_ns()
+        if state in ("Z", "X"):
+            return time.time_ns()
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} still running {timeout_s} s after SIGKILL")
+
+
 def _complete(client: httpx.Client, url: str) -> httpx.Response:
     return client.post(
         f"{url}/v1/completions",
@@ -105,6 +121,7 @@ def test_kvtrail_stack_exits_1_naming_its_killed_store_and_verify_bounds_the_gap
         time.sleep(5.0)  # requests served and recorded (the first commits take seconds on a loaded machine)
         killed_ns = time.time_ns()
         os.kill(store_pid, signal.SIGKILL)
+        dead_ns = _dead_ns(store_pid)
         rc = proc.wait(60)
         for c in clients:
             c.join(60)
@@ -118,9 +135,11 @@ def test_kvtrail_stack_exits_1_naming_its_killed_store_and_verify_bounds_the_gap
     assert "Traceback" not in "".join(err)
     served = [(t, rid) for t, status, rid in answers if status == 200]
     assert served and any(t < killed_ns for t, _ in served)
-    # the kill reaches the process within milliseconds; from then on no 200 is decided (a client reads an
-    # answer decided just before the kill up to _DELIVERY_NS later on a loaded machine)
-    assert all(t < killed_ns + _DELIVERY_NS for t, _ in served), sorted(t - killed_ns for t, _ in served)[-5:]
+    # once the store is gone no 200 is decided (a client reads an answer decided just before up to _DELIVERY_NS
+    # later on a loaded machine); the kill takes effect within milliseconds on a quiet machine, within seconds
+    # on a loaded one (a CI-like run: 200s read 2.8 s after the signal)
+    late = sorted(t - dead_ns for t, _ in served)[-5:]
+    assert all(t < dead_ns + _DELIVERY_NS for t, _ in served), (late, (dead_ns - killed_ns) / 1e9)
     con = duckdb.connect(str(db), read_only=True)
     try:
         recorded = {
@@ -136,7 +155,7 @@ def test_kvtrail_stack_exits_1_naming_its_killed_store_and_verify_bounds_the_gap
     unrecorded = [t for t, rid in served if rid not in recorded]
     # what a client was told but the store lacks was answered between the router's last stored event and the
     # store's death (verify's gap), never after it
-    assert all(last_stored_ns <= t < killed_ns + _DELIVERY_NS for t in unrecorded)
+    assert all(last_stored_ns <= t < dead_ns + _DELIVERY_NS for t in unrecorded)
     # ... and before the end verify proves: the stack, once every process of it stopped, opened the store once
     # (its store_opens row), so every producer's unclean end is ended by then and nothing lost came after it
     assert all(u.ended_by_ns is not None and "owner restarted" in u.reason for u in report.unclean_ends)
