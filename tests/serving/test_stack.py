@@ -182,8 +182,7 @@ async def _two_requests(url, first, second, delay_s, first_headers=None, after_f
     """Start ``first``, wait ``delay_s``, start ``second``; both run concurrently. With ``after_first`` the second
     starts no sooner than the first's answer (an aborted first: its pages were freed before the answer; on a loaded
     machine the abort can take longer than ``delay_s``, and the second would find the pool still held). With
-    ``ready`` (a function of no arguments) the second starts no sooner than ``ready()`` is true, e.g. once the
-    store shows the first's pages freed."""
+    ``ready`` (a blocking function of no arguments) the second starts no sooner than ``ready()`` returns."""
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
 
         async def go(tenant, text, headers=None):
@@ -195,26 +194,24 @@ async def _two_requests(url, first, second, delay_s, first_headers=None, after_f
         await asyncio.sleep(delay_s)
         if after_first:
             await asyncio.wait([t1])
-        deadline = asyncio.get_running_loop().time() + 30
-        while ready is not None and not await asyncio.to_thread(ready):
-            assert asyncio.get_running_loop().time() < deadline, "timed out waiting to start the second request"
-            await asyncio.sleep(0.01)
+        if ready is not None:
+            await asyncio.to_thread(ready)
         t2 = asyncio.create_task(go(*second))
         return await t1, await t2
 
 
-# The runs that start their second request on what the store shows (_landed): the recorders drain every 20 ms (the
+# The runs that start their second request on what the store shows (_on_landing): the recorders drain every 20 ms (the
 # stack's default is once a second, which would leave the first request under 1 s of decode steps nearly done by
 # the time the store shows it running), and decode steps of 0.05 s keep the first reading for about 2.4 s after.
 LANDED_CFG = dict(FAULT_CFG, decode_step_delay_s=0.05, recorder=RecorderConfig(flush_interval_s=0.02))
 
 
-def _landed(st):
-    """A ``ready`` for :func:`_two_requests`: the store shows the first request's KV landed on decode. Decode's
-    handler ran whole by then (a premature free done, the request running: what the faults act on), however long
-    the first's prefill took on a loaded machine. For stacks of ``LANDED_CFG``."""
-    sql = "SELECT count(*) FROM events_v WHERE node = 'decode-0' AND kind = 'transfer_received'"
-    return lambda: query(st, sql)[0][0] > 0
+def _on_landing(st, first, second):
+    """:func:`_two_requests` on a stack of ``LANDED_CFG``, the second started once the store shows the first's KV
+    landed on decode. Decode's handler ran whole by then (a premature free done, the request running: what the
+    faults act on), however long the first's prefill took on a loaded machine."""
+    landed = "SELECT count(*) FROM events_v WHERE node = 'decode-0' AND kind = 'transfer_received'"
+    return asyncio.run(_two_requests(st.url, first, second, 0.0, ready=lambda: wait_for(st, landed, 30.0)))
 
 
 def test_premature_free_lets_a_running_request_read_anothers_pages(tmp_path):
@@ -223,15 +220,7 @@ def test_premature_free_lets_a_running_request_read_anothers_pages(tmp_path):
     # once that landing is stored, and acme is still reading when globex lands.
     cfg = StackConfig(mode="vulnerable", faults=Faults(premature_free=True), **LANDED_CFG)
     with Stack(cfg, db) as st:
-        (s1, b1), (s2, b2) = asyncio.run(
-            _two_requests(
-                st.url,
-                ("acme", prompt("acme", 300 * 16)),
-                ("globex", prompt("globex", 300 * 16)),
-                0.0,
-                ready=_landed(st),
-            )
-        )
+        (s1, b1), (s2, b2) = _on_landing(st, ("acme", prompt("acme", 300 * 16)), ("globex", prompt("globex", 300 * 16)))
     assert (s1, s2) == (200, 200)
     assert foreign("acme", b1) == ["globex"], b1["choices"][0]["text"]  # it read globex's KV in its freed pages
     # Evidence: acme's reservation was freed before acme's first read of its page table.
@@ -298,15 +287,7 @@ def test_double_allocation_hands_a_held_page_to_a_second_request(tmp_path):
     db = tmp_path / "dbl.duckdb"
     cfg = StackConfig(mode="vulnerable", faults=Faults(double_alloc=True), **LANDED_CFG)
     with Stack(cfg, db) as st:
-        (s1, _), (s2, _) = asyncio.run(
-            _two_requests(
-                st.url,
-                ("acme", prompt("acme", 100 * 16)),
-                ("globex", prompt("globex", 100 * 16)),
-                0.0,
-                ready=_landed(st),
-            )
-        )
+        (s1, _), (s2, _) = _on_landing(st, ("acme", prompt("acme", 100 * 16)), ("globex", prompt("globex", 100 * 16)))
     assert (s1, s2) == (200, 200)
     # Evidence: a page allocated to globex while acme held it (no free of it in between).
     shared = query(
@@ -351,14 +332,8 @@ def test_patched_page_tags_stop_use_after_free_and_double_allocation(tmp_path):
         db = tmp_path / f"tags-{fault}.duckdb"
         cfg = StackConfig(mode="patched", faults=Faults(**{fault: True}), **LANDED_CFG)
         with Stack(cfg, db) as st:
-            (s1, b1), (s2, b2) = asyncio.run(
-                _two_requests(
-                    st.url,
-                    ("acme", prompt("acme", 300 * 16)),
-                    ("globex", prompt("globex", 200 * 16)),
-                    0.0,
-                    ready=_landed(st),
-                )
+            (s1, b1), (s2, b2) = _on_landing(
+                st, ("acme", prompt("acme", 300 * 16)), ("globex", prompt("globex", 200 * 16))
             )
         # acme's pages changed hands under it: it is stopped before it attends a foreign page.
         assert s1 == 500 and "page ownership tag mismatch" in b1["error"]["message"], (fault, b1)
