@@ -42,6 +42,7 @@ class Health(BaseModel):
     judge_failures: int
     judge_lag_p50_s: float | None  # commit -> findings persisted, over the judge's latest polls
     judge_lag_p99_s: float | None
+    judge_cpu_s: float  # CPU seconds the live judge's thread has spent judging commits since the service started
 
 
 def create_app(
@@ -86,6 +87,7 @@ def create_app(
             judge_failures=int(judge["failures"] or 0),
             judge_lag_p50_s=None if p50 is None else float(p50),
             judge_lag_p99_s=None if p99 is None else float(p99),
+            judge_cpu_s=round(float(judge["cpu_s"] or 0.0), 6),
         )
 
     # It names nodes and counts, never a tenant or a request (docs/alerts.md); with metrics_token only an

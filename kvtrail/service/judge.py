@@ -127,6 +127,9 @@ class Judge:
         self.model = LiveMonitors(horizon_ns)  # the model's properties as monitors (docs/model.md)
         self.last_run_id: int | None = None  # the forensic run of the judge's latest save
         self.polls = 0
+        # CPU seconds the judge's thread spent in its polls (replay, monitors, saving findings, minute
+        # aggregates; not the kernels' warm-up at start): what judging costs the service, beside ingest
+        self.cpu_s = 0.0
         self.failures = 0
         self.findings_saved = 0
         self.lag_s: deque[float] = deque(maxlen=_LAG_SAMPLES)  # commit -> judged and persisted, per poll
@@ -226,6 +229,7 @@ class Judge:
         lags = np.array(self.lag_s) if self.lag_s else None
         return {
             "polls": self.polls,
+            "cpu_s": self.cpu_s,
             "failures": self.failures,
             "findings_saved": self.findings_saved,
             "batches_fed_direct": self.fed_direct,
@@ -260,7 +264,9 @@ class Judge:
                 held, self._held, self._held_events, self._held_bytes = self._held, [], 0, 0
                 read_store, self._read_store = self._read_store, False
                 self._busy = True
+            cpu0 = time.thread_time()
             ok = self._poll(held, read_store)
+            self.cpu_s += time.thread_time() - cpu0
             with self._cv:
                 self._busy = False
                 if ok and since is not None:

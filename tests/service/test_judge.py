@@ -3,6 +3,7 @@ fail ingest and are retried."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -70,6 +71,10 @@ def test_findings_of_a_planted_incident_are_persisted_as_batches_arrive(client, 
     assert stats["lag_p99_s"] is not None and stats["lag_p99_s"] >= 0
     # Committed batches reach the judge as validated, not read back (the first poll may have read a few).
     assert stats["batches_fed_direct"] >= len(tables) // 2
+    # What judging cost is the judge thread's own CPU: some, and no more than this whole process has used.
+    health = client.get("/healthz").json()
+    assert 0 < health["judge_cpu_s"] <= time.process_time()
+    assert health["judge_cpu_s"] == pytest.approx(service_state.judge.stats()["cpu_s"], abs=1e-5)
 
 
 def test_handed_batches_are_not_read_back_and_an_unhanded_commit_is(
@@ -177,7 +182,9 @@ def test_stats_before_any_poll_has_no_lag():
     con = duckdb.connect()
     j = Judge(con.cursor)
     try:
-        assert j.stats()["lag_p50_s"] is None and j.stats()["polls"] == 0
+        stats = j.stats()
+        # the kernels' warm-up at start is not judging: no CPU is counted before a poll
+        assert stats["lag_p50_s"] is None and stats["polls"] == 0 and stats["cpu_s"] == 0.0
     finally:
         j.close(5)
         con.close()
