@@ -421,9 +421,9 @@ def report(runs: dict[str, list[dict]], args) -> None:
     print(
         f"service CPU per batch split: live judge thread {Spread.of(judge).text(1, '.1f')} ms, the rest "
         f"{Spread.of(rest).text(1, '.1f')} ms; per round, judge / direct append "
-        + ", ".join(f"{j / (d['cpu_s'] / d['batches'] * 1e3):.2f}" for j, d in zip(judge, direct))
+        + ", ".join(f"{j / d:.2f}" for j, d in zip(judge, cpu["direct"]))
         + ", the rest / direct append "
-        + ", ".join(f"{r / (d['cpu_s'] / d['batches'] * 1e3):.2f}" for r, d in zip(rest, direct))
+        + ", ".join(f"{r / d:.2f}" for r, d in zip(rest, cpu["direct"]))
     )
     if all(r.get("transactions") is not None for r in http):
         print(
