@@ -236,7 +236,9 @@ def read_ipc(data: bytes) -> pa.Table:
     not one: random, truncated mid-message, or whose buffers do not hold what the schema says (checked in
     full, offsets and UTF-8 included, before any kernel reads them)."""
     try:
-        table = pa.ipc.open_stream(io.BytesIO(data)).read_all()
+        # read in place (the table's buffers are views of ``data``, which they keep alive): a Python file
+        # object would copy every message out of it first
+        table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
         table.validate(full=True)
         return table
     except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:  # a truncated body: ArrowIOError, an OSError

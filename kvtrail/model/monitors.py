@@ -57,6 +57,7 @@ from kvtrail.model.pagesteps import (
 )
 from kvtrail.model.pool import Pool, Violation
 from kvtrail.model.properties import PROPERTIES
+from kvtrail.model.rows import Rows
 
 __all__ = ["COLUMNS", "Monitors", "Violation", "judge_order"]
 
@@ -91,24 +92,6 @@ def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     for a in (values, offsets, valid):
         a.setflags(write=False)
     return values, offsets, valid
-
-
-def _pylist(column: pa.ChunkedArray) -> list:
-    """A scalar column as Python values (``to_pylist``'s), cheaper for the shapes a commit has: an all-null
-    column as Nones, a string column through its distinct values (a commit repeats a few kinds, nodes
-    and purposes, and each request's id, thousands of times), an integer column with no nulls
-    through numpy."""
-    arr = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    n, type_ = len(arr), arr.type
-    if arr.null_count == n:
-        return [None] * n
-    if pa.types.is_string(type_) or pa.types.is_large_string(type_) or pa.types.is_dictionary(type_):
-        d = arr if pa.types.is_dictionary(type_) else arr.dictionary_encode()
-        distinct = np.array([*d.dictionary.to_pylist(), None], dtype=object)  # index -1: null
-        return distinct[d.indices.fill_null(-1).to_numpy(zero_copy_only=False)].tolist()
-    if pa.types.is_integer(type_) and not arr.null_count:
-        return arr.to_numpy().tolist()
-    return arr.to_pylist()
 
 
 def _row_max(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -182,7 +165,7 @@ class Monitors(PageSteps):
         # of the table being fed: its rows, page lists (flat values, offsets as a list), each row's largest
         # page id, the rows whose page list may repeat a page, the block hashes (flat values, offsets, row
         # not null); per code, the position from which its tenant is known (set within this table)
-        self._cols: list[list] = []
+        self._rows = Rows()
         self._values = np.zeros(0, np.int64)
         self._offs: list[int] = [0]
         self._valid = np.zeros(0, bool)
@@ -208,7 +191,7 @@ class Monitors(PageSteps):
         at the step's position), so this judges as one pass over the events would; reports are put in that
         pass's order before the first of each is kept (``_flush``)."""
         n_rows = table.num_rows
-        self._cols = [_pylist(_column(table, c, pa.null())) for c in _SCALARS]
+        self._rows = Rows(table, _SCALARS)
         values, offsets, valid = _flat(_column(table, "pages", pa.list_(pa.int64())))
         hvalues, hoffsets, hvalid = _flat(_column(table, "block_hashes", pa.list_(pa.int64())))
         maxes = _row_max(values, offsets)
@@ -236,15 +219,19 @@ class Monitors(PageSteps):
         op[freed & (rid < 0)] = OP_EVICT
         op[pool_at < 0] = -1
         op[(kind == _KINDS.index("transfer_received")) & ~valid[at]] = -1
-        # the other steps, in order (a read's only if it is on a node with a pool)
-        cols, reserved = self._cols, self.reserved
-        codes, ats = code.tolist(), at.tolist()
-        for pos in np.flatnonzero(names & ((kind == _KINDS.index("kv_read")) | ~is_page)).tolist():
+        # the other steps, in order (a read's only if it is on a node with a pool, and only while some
+        # request has a reservation); their rows' values made at once
+        rows, reserved = self._rows, self.reserved
+        other = names & ~is_page & (kind > _KINDS.index("request_received"))
+        if reserved or (kind == _KINDS.index("transfer_reserved")).any():
+            other |= names & (kind == _KINDS.index("kv_read"))
+        other_pos = np.flatnonzero(other)
+        rows.fetch(at[other_pos])
+        codes, ats, kinds = code.tolist(), at.tolist(), kind.tolist()
+        for pos in other_pos.tolist():
             n, c = ats[pos], codes[pos]
-            step = _OTHER_STEPS[cols[0][n]]
-            if step is None:
-                continue
-            if step is Monitors._read_reserved and (cols[K_CLUSTER][n], cols[K_NODE][n], c) not in reserved:
+            step = _OTHER_STEPS[_KINDS[kinds[pos]]]
+            if step is Monitors._read_reserved and (rows[n][K_CLUSTER], rows[n][K_NODE], c) not in reserved:
                 continue
             self._at = (pos, 1)
             step(self, n, pos, c)
@@ -253,7 +240,7 @@ class Monitors(PageSteps):
             if len(sel):
                 self._run_pool(pool, at[sel], sel, code[sel], op[sel], offsets, maxes, hvalues, hoffsets, hvalid)
         self._flush()
-        self._cols = []  # the table's rows are not kept (the events kept are made)
+        self._rows = Rows()  # the table's rows are not kept (the events kept are made)
         self.events += n_rows
 
     def _pools_at(self, table: pa.Table, at: np.ndarray, kind: np.ndarray) -> tuple[np.ndarray, list[Pool]]:
@@ -302,30 +289,37 @@ class Monitors(PageSteps):
         tenant = tenant[at[pos]]
         has = np.flatnonzero(tenant >= 0)
         tseen, tfirst = np.unique(inverse[has], return_index=True)
-        tenant_of = dict(zip(tseen.tolist(), zip(pos[has[tfirst]].tolist(), tenant[has[tfirst]].tolist())))
+        order = np.argsort(first, kind="stable")  # the distinct requests in order of first sight
+        ext = [*rid_names, None]  # index -1: no request id
+        names_l = list(map(ext.__getitem__, seen[order].tolist()))
+        latest_l = latest[order].tolist()
+        got: list = list(map(self.codes.get, names_l))
+        last_ns, spare = self.last_ns, self._spare
+        for k, c in enumerate(got):
+            if c is not None:
+                if latest_l[k] > last_ns[c]:
+                    last_ns[c] = latest_l[k]
+                continue
+            name = names_l[k]
+            if spare:
+                c = spare.pop()
+                self.names[c], self.tenants[c], last_ns[c] = name, None, latest_l[k]
+            else:
+                c = len(self.names)
+                self.names.append(name)
+                self.tenants.append(None)
+                last_ns.append(latest_l[k])
+            self.codes[name] = c
+            got[k] = c
         lut = np.empty(len(seen), np.int64)
-        latest_l = latest.tolist()
-        for u in np.argsort(first, kind="stable").tolist():  # in order of first sight
-            ri = int(seen[u])
-            name = rid_names[ri] if ri >= 0 else None
-            c = self.codes.get(name)
-            if c is None:
-                if self._spare:
-                    c = self._spare.pop()
-                    self.names[c], self.tenants[c], self.last_ns[c] = name, None, latest_l[u]
-                else:
-                    c = len(self.names)
-                    self.names.append(name)
-                    self.tenants.append(None)
-                    self.last_ns.append(latest_l[u])
-                self.codes[name] = c
-            elif latest_l[u] > self.last_ns[c]:
-                self.last_ns[c] = latest_l[u]
-            lut[u] = c
-            t = tenant_of.get(u)
-            if t is not None and self.tenants[c] is None:
-                self.tenants[c] = tenant_names[t[1]]
-                self._tenant_from[c] = t[0]
+        lut[order] = got
+        tenants, tenant_from = self.tenants, self._tenant_from
+        # each request's tenant, from its first event that names one (each code is one request's)
+        at_l, t_l = pos[has[tfirst]].tolist(), tenant[has[tfirst]].tolist()
+        for c, p, t in zip(lut[tseen].tolist(), at_l, t_l):
+            if tenants[c] is None:
+                tenants[c] = tenant_names[t]
+                tenant_from[c] = p
         code[pos] = lut[inverse]
         return code
 
@@ -369,26 +363,27 @@ class Monitors(PageSteps):
     # only to keep it or report it
 
     def on_request_aborted(self, n: int, pos: int, code: int) -> None:
-        key = (self._cols[K_CLUSTER][n], self._cols[K_NODE][n], code)
+        row = self._rows[n]
+        key = (row[K_CLUSTER], row[K_NODE], code)
         if key not in self.stopped:
             self.stopped[key] = self._event(n, code, pos)
 
     def on_transfer_received(self, n: int, pos: int, code: int) -> None:
-        cols = self._cols
-        if cols[K_STATUS][n] in ("ok", "mismatch"):  # an unverified one is a page step (``_unverified``)
+        row = self._rows[n]
+        if row[K_STATUS] in ("ok", "mismatch"):  # an unverified one is a page step (``_unverified``)
             e = self._event(n, code, pos)
-            self.received[(cols[K_CLUSTER][n], cols[K_NODE][n], code)] = (e[K_NUM_TOKENS], e)
+            self.received[(row[K_CLUSTER], row[K_NODE], code)] = (e[K_NUM_TOKENS], e)
 
     def on_transfer_reserved(self, n: int, pos: int, code: int) -> None:
-        cols = self._cols
-        self.reserved[(cols[K_CLUSTER][n], cols[K_NODE][n], code)] = cols[K_NUM_TOKENS][n]
+        row = self._rows[n]
+        self.reserved[(row[K_CLUSTER], row[K_NODE], code)] = row[K_NUM_TOKENS]
 
     def on_transfer_sent(self, n: int, pos: int, code: int) -> None:
-        cols = self._cols
+        row = self._rows[n]
         sent = self.sent.setdefault(code, [0, False])
-        sent[0] += cols[K_NUM_TOKENS][n] or 0
-        sent[1] = sent[1] or bool(cols[K_IS_LAST_CHUNK][n])
-        stop = self.stopped.get((cols[K_CLUSTER][n], cols[K_NODE][n], code))
+        sent[0] += row[K_NUM_TOKENS] or 0
+        sent[1] = sent[1] or bool(row[K_IS_LAST_CHUNK])
+        stop = self.stopped.get((row[K_CLUSTER], row[K_NODE], code))
         if stop is not None:
             e = self._event(n, code, pos)
             self._report(
@@ -413,7 +408,8 @@ class Monitors(PageSteps):
 
     def _read_reserved(self, n: int, pos: int, code: int) -> None:
         """What a read on a node that reserved for its request is owed: the receipt, and its tokens."""
-        key = (self._cols[K_CLUSTER][n], self._cols[K_NODE][n], code)
+        row = self._rows[n]
+        key = (row[K_CLUSTER], row[K_NODE], code)
         want = self.reserved[key]
         got = self.received.get(key)
         if got is None:
@@ -424,7 +420,7 @@ class Monitors(PageSteps):
             self._report(
                 "transferred_equals_reserved",
                 got[1],
-                f"decode committed {self._cols[K_REQUEST_ID][n]}: {want} tokens reserved, "
+                f"decode committed {row[K_REQUEST_ID]}: {want} tokens reserved, "
                 f"{sent and sent[0]} sent, {got[0]} landed",
             )
         elif self._check_sent(code, want, got):  # the sends may come later (another node's batch)
@@ -472,9 +468,8 @@ _OP_WORDS = (  # (kind, column, value, page step)
     ("transfer_received", "status", "unverified", OP_UNVERIFIED),
 )
 # the steps that are not page steps, per kind (a read's: what its reservation is owed)
-_OTHER_STEPS = {
+_OTHER_STEPS = {  # (a request_received names its request and has no step of its own)
     "kv_read": Monitors._read_reserved,
-    "request_received": None,
     "request_aborted": Monitors.on_request_aborted,
     "transfer_received": Monitors.on_transfer_received,
     "transfer_reserved": Monitors.on_transfer_reserved,

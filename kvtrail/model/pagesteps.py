@@ -21,6 +21,7 @@ from kvtrail.model.pagekernel import (
     run_pages,
 )
 from kvtrail.model.pool import FREE, NEVER, NO_HASH, UNKNOWN, Pool, Violation
+from kvtrail.model.rows import Rows
 
 _SCALARS = (
     "kind",
@@ -54,7 +55,7 @@ class PageSteps:
     violations: list[Violation]
     reported: set
     cannot_tell: dict[tuple[str, str], list]
-    _cols: list[list]
+    _rows: Rows
     _values: np.ndarray
     _offs: list[int]
     _valid: np.ndarray
@@ -71,7 +72,7 @@ class PageSteps:
 
     def _event(self, n: int, code: int, pos: int) -> Event:
         pages = self._values[self._offs[n] : self._offs[n + 1]] if self._valid[n] else None
-        return tuple([c[n] for c in self._cols]) + (pages, n, code, pos)
+        return self._rows[n] + (pages, n, code, pos)
 
     def _run_pool(
         self, pool: Pool, ns_a: np.ndarray, poss_a: np.ndarray, codes_a: np.ndarray, ops_a: np.ndarray, *lists
@@ -81,11 +82,11 @@ class PageSteps:
         offsets, maxes, hvalues, hoffsets, hvalid = lists
         repeats = np.zeros(len(offsets) - 1, bool)
         repeats[list(self._repeats)] = True
-        ns, poss, codes, ops = ns_a.tolist(), poss_a.tolist(), codes_a.tolist(), ops_a.tolist()
         freed_flag = np.zeros(len(self.names) + 1, bool)
         freed_flag[list(pool.freed)] = True
-        frees = np.zeros(len(ops), np.int64)
-        offs, i = self._offs, 0
+        frees = np.zeros(len(ops_a), np.int64)
+        offs, values, valid, rows, i = self._offs, self._values, self._valid, self._rows, 0
+        rows.fetch(ns_a[(ops_a == OP_FREE) | (ops_a == OP_EVICT)])  # releases: each kept as an event
         while True:
             i, nf = run_pages(
                 pool.owner,
@@ -97,9 +98,9 @@ class PageSteps:
                 ops_a,
                 codes_a,
                 ns_a,
-                self._values,
+                values,
                 offsets,
-                self._valid,
+                valid,
                 maxes,
                 repeats,
                 hvalues,
@@ -108,15 +109,16 @@ class PageSteps:
                 i,
                 frees,
             )
-            for k in frees[:nf].tolist():  # the releases it made, kept as the Python step keeps them
-                n, c = ns[k], codes[k]
-                pages = self._values[offs[n] : offs[n + 1]].copy()
-                pool.freed.setdefault(c, []).append((pages, self._event(n, c, poss[k])))
-            if i >= len(ops):
+            if nf:  # the releases it made, kept as the Python step keeps them (the event holds the same copy)
+                made = frees[:nf]
+                for n, c, pos in zip(ns_a[made].tolist(), codes_a[made].tolist(), poss_a[made].tolist()):
+                    pages = values[offs[n] : offs[n + 1]].copy()
+                    pool.freed.setdefault(c, []).append((pages, rows[n] + (pages if valid[n] else None, n, c, pos)))
+            if i >= len(ops_a):
                 return
-            code = codes[i]
-            self._at = (poss[i], 0)
-            _PAGE_STEPS[ops[i]](self, pool, self._event(ns[i], code, poss[i]))
+            n, code, pos = int(ns_a[i]), int(codes_a[i]), int(poss_a[i])
+            self._at = (pos, 0)
+            _PAGE_STEPS[int(ops_a[i])](self, pool, self._event(n, code, pos))
             if code in pool.freed:
                 freed_flag[code] = True
             i += 1

@@ -88,6 +88,7 @@ class Retirement:
             return
         if not self._retired_at_ns:
             self._retired_at_ns = oldest  # the first retirement a quarter horizon into the history
+        in_order = newest >= self.newest_ns  # then no id was seen later than this table's newest event
         self.newest_ns = max(self.newest_ns, newest)
         if self.retired:
             self.late_events += pc.sum(pc.less(wall, self.newest_ns - self.horizon_ns)).as_py() or 0
@@ -97,7 +98,11 @@ class Retirement:
             got = table.select(["request_id", "wall_ns"]).group_by("request_id").aggregate([("wall_ns", "max")])
             pairs = zip(got.column("request_id").to_pylist(), got.column("wall_ns_max").to_pylist())
         else:  # a commit: every id as of its newest event (later than its own by at most the commit's span)
-            pairs = ((rid, newest) for rid in pc.unique(table.column("request_id")).to_pylist())
+            ids = pc.unique(table.column("request_id")).drop_null().to_pylist()
+            if in_order:
+                last.update(dict.fromkeys(ids, newest))
+                return
+            pairs = ((rid, newest) for rid in ids)
         for rid, at in pairs:
             if rid is not None and last.get(rid, -1) < at:
                 last[rid] = at

@@ -1,0 +1,64 @@
+"""The monitors make an event's scalars as Python values only for the rows their steps read
+(``kvtrail.model.rows.Rows``): each row's values are the ones a whole column's ``to_pylist`` gives."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from kvtrail.model.rows import Rows
+
+NAMES = ("kind", "node", "seq", "num_tokens", "is_last_chunk", "status")
+
+
+def _table() -> pa.Table:
+    kinds = pa.array(["pages_allocated", "transfer_sent", None, "pages_freed", "transfer_sent"]).dictionary_encode()
+    first = pa.table(
+        {
+            "kind": kinds.slice(0, 3),
+            "node": pa.array(["d0", "p0", "d0"]),
+            "seq": pa.array([7, 8, 2**62], pa.int64()),
+            "num_tokens": pa.array([None, 64, None], pa.int64()),
+            "is_last_chunk": pa.array([None, True, None], pa.bool_()),
+            "status": pa.nulls(3, pa.string()),
+        }
+    )
+    second = pa.table(
+        {
+            "kind": kinds.slice(3, 2),
+            "node": pa.array(["p1", None]),
+            "seq": pa.array([9, 10], pa.int64()),
+            "num_tokens": pa.array([None, 32], pa.int64()),
+            "is_last_chunk": pa.array([None, False], pa.bool_()),
+            "status": pa.nulls(2, pa.string()),
+        }
+    )
+    return pa.concat_tables([first, second])  # two chunks per column, a dictionary column among them
+
+
+def test_each_row_holds_the_values_of_the_whole_columns():
+    table = _table()
+    assert table.column("kind").num_chunks == 2
+    whole = list(zip(*(table.column(n).to_pylist() for n in NAMES)))
+    rows = Rows(table, NAMES)
+    rows.fetch([4, 1, 1])  # some at once, one of them twice
+    assert [rows[n] for n in range(table.num_rows)] == whole
+    assert rows[2][2] == 2**62 and type(rows[1][2]) is int and rows[1][4] is True
+    assert rows[4] == ("transfer_sent", None, 10, 32, False, None)
+
+
+def test_a_column_the_table_leaves_out_reads_as_none():
+    table = _table().drop_columns(["status", "num_tokens"])
+    rows = Rows(table, NAMES)
+    assert rows[1] == ("transfer_sent", "p0", 8, None, True, None)
+
+
+def test_only_rows_asked_for_are_made_and_a_row_out_of_range_is_refused():
+    rows = Rows(_table(), NAMES)
+    rows.fetch([3])
+    assert set(rows._made) == {3}
+    with pytest.raises(IndexError, match="row out of range"):
+        rows.fetch([5])
+    with pytest.raises(IndexError):
+        rows[-1]
+    assert len(Rows()) == 0
