@@ -30,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kvtrail.keys import unique_first
 from kvtrail.model.pagekernel import (
     OP_ALLOC,
     OP_EVICT,
@@ -281,14 +282,15 @@ class Monitors(PageSteps):
         if not len(pos):
             return code
         r = rid[pos]
-        seen, first, inverse = np.unique(r, return_index=True, return_inverse=True)
+        seen, first, inverse = unique_first(r + 1, len(rid_names) + 1)  # (-1: no request id)
+        seen = seen - 1
         wall = _column(table, "wall_ns", pa.int64()).to_numpy(zero_copy_only=False)[at[pos]]
         latest = np.full(len(seen), np.iinfo(np.int64).min, np.int64)
         np.maximum.at(latest, inverse, wall)
         tenant, tenant_names = _indices(table, "tenant_id")
         tenant = tenant[at[pos]]
         has = np.flatnonzero(tenant >= 0)
-        tseen, tfirst = np.unique(inverse[has], return_index=True)
+        tseen, tfirst, _ = unique_first(inverse[has], len(seen))
         order = np.argsort(first, kind="stable")  # the distinct requests in order of first sight
         ext = [*rid_names, None]  # index -1: no request id
         names_l = list(map(ext.__getitem__, seen[order].tolist()))

@@ -26,6 +26,7 @@ from kvtrail.forensics.findings import Finding
 from kvtrail.forensics.replay.event import NodeKey
 from kvtrail.forensics.replay.joins import CrossNodeJoins
 from kvtrail.forensics.replay.pagestate import PageState
+from kvtrail.keys import unique_first
 
 RequestKey = tuple[str | None, str | None]  # (request_id, tenant_id): how the replay identifies a request
 _NEVER = 2**62  # tenant_since of a request whose tenant no event has named yet
@@ -123,7 +124,7 @@ class ReplayState:
         named = np.flatnonzero((rcode >= 0) & (tcode >= 0))
         if len(named):
             combo = rcode[named].astype(np.int64) * (len(tnames) + 1) + tcode[named]
-            _, first = np.unique(combo, return_index=True)
+            _, first, _ = unique_first(combo, (len(request_ids) + 1) * (len(tnames) + 1))
             at = np.sort(named[first])
             rids = map(request_ids.__getitem__, rcode[at].tolist())
             self._name_tenants(list(zip(rids, map(tnames.__getitem__, tcode[at].tolist()))), (at + ord0).tolist())
@@ -145,7 +146,7 @@ class ReplayState:
             rt[bare] = np.array(by_id, np.int64)[np.searchsorted(ids, rcode[rows[bare]])]
         names: list[str | None] = [*codes, None]  # code -1: no tenant
         combo = rcode[rows].astype(np.int64) * (len(names) + 1) + (rt + 1)
-        uniq, first, inverse = np.unique(combo, return_index=True, return_inverse=True)
+        uniq, first, inverse = unique_first(combo, (len(request_ids) + 1) * (len(names) + 1))
         index = np.empty(len(uniq), np.int64)
         order = np.argsort(first, kind="stable")
         at = first[order]
