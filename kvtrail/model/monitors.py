@@ -202,7 +202,7 @@ class Monitors(PageSteps):
         self._tenant_from = {}
         at = np.arange(n_rows, dtype=np.int64) if order is None else np.asarray(order, np.int64)
         kind = _indices(table, "kind", _KINDS)[0][at]  # per position: index in _KINDS, -1 for a kind not read
-        pool_at, pools = self._pools_at(table, at, kind)
+        pool_at, pools, (cluster_at, clusters, node_at, nodes) = self._pools_at(table, at, kind)
         rid, rid_names = _indices(table, "request_id")
         rid = rid[at]
         is_page = (kind >= 0) & (kind < _KINDS.index("node_config"))
@@ -222,20 +222,22 @@ class Monitors(PageSteps):
         op[(kind == _KINDS.index("transfer_received")) & ~valid[at]] = -1
         # the other steps, in order (a read's only if it is on a node with a pool, and only while some
         # request has a reservation); their rows' values made at once
-        rows, reserved = self._rows, self.reserved
+        reserved, read = self.reserved, _KINDS.index("kv_read")
         other = names & ~is_page & (kind > _KINDS.index("request_received"))
+        self._rows.fetch(at[np.flatnonzero(other)])
         if reserved or (kind == _KINDS.index("transfer_reserved")).any():
-            other |= names & (kind == _KINDS.index("kv_read"))
-        other_pos = np.flatnonzero(other)
-        rows.fetch(at[other_pos])
+            other |= names & (kind == read)  # a read's key is looked up by name, its row made only if reserved
         codes, ats, kinds = code.tolist(), at.tolist(), kind.tolist()
-        for pos in other_pos.tolist():
+        cl_at, nd_at, cl_names, nd_names = cluster_at.tolist(), node_at.tolist(), [*clusters, None], [*nodes, None]
+        for pos in np.flatnonzero(other).tolist():
             n, c = ats[pos], codes[pos]
-            step = _OTHER_STEPS[_KINDS[kinds[pos]]]
-            if step is Monitors._read_reserved and (rows[n][K_CLUSTER], rows[n][K_NODE], c) not in reserved:
-                continue
             self._at = (pos, 1)
-            step(self, n, pos, c)
+            if kinds[pos] == read:
+                key = (cl_names[cl_at[pos]], nd_names[nd_at[pos]], c)
+                if key in reserved:
+                    self._read_reserved(n, pos, key)
+            else:
+                _OTHER_STEPS[_KINDS[kinds[pos]]](self, n, pos, c)
         for i, pool in enumerate(pools):
             sel = np.flatnonzero((pool_at == i) & (op >= 0))
             if len(sel):
@@ -244,13 +246,15 @@ class Monitors(PageSteps):
         self._rows = Rows()  # the table's rows are not kept (the events kept are made)
         self.events += n_rows
 
-    def _pools_at(self, table: pa.Table, at: np.ndarray, kind: np.ndarray) -> tuple[np.ndarray, list[Pool]]:
+    def _pools_at(self, table: pa.Table, at: np.ndarray, kind: np.ndarray) -> tuple[np.ndarray, list[Pool], tuple]:
         """Per position, the index (in the returned list) of the pool its node has there (-1 for none):
         the pool the node had before the table, or the one its latest ``node_config`` of a new instance
-        started (``on_node_config``, run here in order)."""
+        started (``on_node_config``, run here in order); and per position the index of its cluster and
+        node among the distinct ones (-1: null), with those."""
         cluster, clusters = _indices(table, "cluster")
         node, nodes = _indices(table, "node")
-        key = (cluster[at] + 1) * (len(nodes) + 1) + node[at] + 1
+        cluster, node = cluster[at], node[at]
+        key = (cluster + 1) * (len(nodes) + 1) + node + 1
         keys, key_at = np.unique(key, return_inverse=True)
         pool_at = np.full(len(at), -1, np.int64)
         pools: list[Pool] = []
@@ -271,7 +275,7 @@ class Monitors(PageSteps):
                     index.append(len(pools))
                     pools.append(self.pools[name])
             pool_at[mine] = np.asarray(index)[np.searchsorted(starts, mine, side="right") - 1]
-        return pool_at, pools
+        return pool_at, pools, (cluster, clusters, node, nodes)
 
     def _codes_at(self, table, at, names, rid, rid_names) -> np.ndarray:
         """Per position, the code of its request where ``names`` (else -1), given as one pass in order
@@ -408,10 +412,10 @@ class Monitors(PageSteps):
         )
         return False
 
-    def _read_reserved(self, n: int, pos: int, code: int) -> None:
-        """What a read on a node that reserved for its request is owed: the receipt, and its tokens."""
-        row = self._rows[n]
-        key = (row[K_CLUSTER], row[K_NODE], code)
+    def _read_reserved(self, n: int, pos: int, key: tuple) -> None:
+        """What a read (row ``n``) on a node that reserved for its request is owed: the receipt, and its
+        tokens; ``key``: (cluster, node, request code) of the reservation."""
+        code = key[2]
         want = self.reserved[key]
         got = self.received.get(key)
         if got is None:
@@ -422,7 +426,7 @@ class Monitors(PageSteps):
             self._report(
                 "transferred_equals_reserved",
                 got[1],
-                f"decode committed {row[K_REQUEST_ID]}: {want} tokens reserved, "
+                f"decode committed {self.names[code]}: {want} tokens reserved, "
                 f"{sent and sent[0]} sent, {got[0]} landed",
             )
         elif self._check_sent(code, want, got):  # the sends may come later (another node's batch)
@@ -470,8 +474,7 @@ _OP_WORDS = (  # (kind, column, value, page step)
     ("transfer_received", "status", "unverified", OP_UNVERIFIED),
 )
 # the steps that are not page steps, per kind (a read's: what its reservation is owed)
-_OTHER_STEPS = {  # (a request_received names its request and has no step of its own)
-    "kv_read": Monitors._read_reserved,
+_OTHER_STEPS = {  # (a request_received names its request and has no step of its own; a read's: _read_reserved)
     "request_aborted": Monitors.on_request_aborted,
     "transfer_received": Monitors.on_transfer_received,
     "transfer_reserved": Monitors.on_transfer_reserved,

@@ -53,12 +53,29 @@ def test_a_column_the_table_leaves_out_reads_as_none():
     assert rows[1] == ("transfer_sent", "p0", 8, None, True, None)
 
 
-def test_only_rows_asked_for_are_made_and_a_row_out_of_range_is_refused():
+def _long(n: int) -> pa.Table:
+    return pa.table({"kind": pa.array(["kv_read"] * n), "seq": pa.array(range(n), pa.int64())})
+
+
+def test_a_few_rows_are_made_alone_and_many_from_whole_columns():
+    rows = Rows(_long(100), ("kind", "seq"))
+    rows.fetch([3, 40, 97])
+    assert set(rows._made) == {3, 40, 97} and rows._lists is None  # only those rows, through take
+    rows.fetch(range(50, 70))  # a fifth of the table: whole columns are cheaper
+    assert rows._lists is not None
+    assert [rows[n] for n in (0, 3, 60, 99)] == [("kv_read", 0), ("kv_read", 3), ("kv_read", 60), ("kv_read", 99)]
+    one_by_one = Rows(_long(1000), ("kind", "seq"))
+    for n in range(40):  # rows no fetch asked for: past a few, whole columns too
+        assert one_by_one[n] == ("kv_read", n)
+    assert one_by_one._lists is not None
+
+
+def test_a_row_out_of_range_is_refused():
     rows = Rows(_table(), NAMES)
-    rows.fetch([3])
-    assert set(rows._made) == {3}
     with pytest.raises(IndexError, match="row out of range"):
         rows.fetch([5])
     with pytest.raises(IndexError):
         rows[-1]
+    with pytest.raises(IndexError):
+        rows[5]
     assert len(Rows()) == 0
