@@ -25,7 +25,6 @@ and judge / direct per round. No goal: the figure says how much of goal 2's 1.5x
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import sys
 import tempfile
@@ -34,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_service import _bodies, _prepare  # noqa: E402
+from bench_service import arrival_order, prepared  # noqa: E402
 from rounds import MIN_ROUNDS, Spread, check_rounds, per_round_ratios, rotated  # noqa: E402
 
 from kvtrail.audit.batch import read_ipc  # noqa: E402
@@ -114,16 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmpdir)
         root = tmp / "batches"
         root.mkdir()
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_prepare, args=(i, args.page_events, str(root))) for i in range(args.producers)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-            assert p.exitcode == 0
-        bodies = _bodies(root)
-        order = [b for group in zip(*bodies) for b in group] + [b for p in bodies for b in p[min(map(len, bodies)) :]]
-        tables = [read_ipc(b) for b in order]
+        tables = [read_ipc(b) for b in arrival_order(prepared(root, args.producers, args.page_events))]
         store = AuditStore(tmp / "judged.duckdb")
         commits = []
         for t in tables:

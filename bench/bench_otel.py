@@ -21,7 +21,6 @@ receiver's count after the service's clean stop).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import sys
 import tempfile
@@ -33,7 +32,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_service import CapturingSink, _bodies, _replay, run_http  # noqa: E402
+from bench_service import CapturingSink, _replay, prepared, run_http  # noqa: E402
 from rounds import Spread, at_least, check_rounds, per_round_ratios, rotated  # noqa: E402
 
 from kvtrail.audit.batch import read_ipc  # noqa: E402
@@ -98,14 +97,7 @@ def main() -> None:
         root = tmp / "batches"
         root.mkdir()
         t = time.perf_counter()
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_prepare, args=(i, args.page_events, str(root))) for i in range(args.producers)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-            assert p.exitcode == 0
-        bodies = _bodies(root)
+        bodies = prepared(root, args.producers, args.page_events, _prepare)
         responses = _responses(bodies)
         print(
             f"prepared {sum(map(len, bodies))} recorder batches of {args.producers} producers "

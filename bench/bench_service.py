@@ -118,6 +118,24 @@ def _bodies(root: Path) -> list[list[bytes]]:
     return [[f.read_bytes() for f in sorted(p.iterdir())] for p in sorted(root.glob("p*"))]
 
 
+def prepared(root: Path, producers: int, page_events: int, prepare=_prepare) -> list[list[bytes]]:
+    """Each producer's recorder batches as Arrow IPC bodies: ``prepare`` run for each in its own process,
+    writing under ``root``."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=prepare, args=(i, page_events, str(root))) for i in range(producers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+        assert p.exitcode == 0
+    return _bodies(root)
+
+
+def arrival_order(bodies: list[list[bytes]]) -> list[bytes]:
+    """The producers' batches as they arrive together: one of each in turn, then the rest of the longer ones."""
+    return [b for group in zip(*bodies) for b in group] + [b for p in bodies for b in p[min(map(len, bodies)) :]]
+
+
 def _send(url: str, token: str, bodies: list[bytes], out, ready, go) -> None:
     from kvtrail.audit.httpsink import HttpSink
 
@@ -257,8 +275,7 @@ def run_http(
 
 
 def run_direct(bodies: list[list[bytes]], tmp: Path, round_no: int) -> dict:
-    order = [b for group in zip(*bodies) for b in group] + [b for p in bodies for b in p[min(map(len, bodies)) :]]
-    tables = [read_ipc(b) for b in order]
+    tables = [read_ipc(b) for b in arrival_order(bodies)]
     events = pages = 0
     load0 = os.getloadavg()[0]
     t0, c0 = time.perf_counter(), time.process_time()
@@ -345,14 +362,7 @@ def main() -> None:
         root = tmp / "batches"
         root.mkdir()
         t = time.perf_counter()
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_prepare, args=(i, args.page_events, str(root))) for i in range(args.producers)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-            assert p.exitcode == 0
-        bodies = _bodies(root)
+        bodies = prepared(root, args.producers, args.page_events)
         print(
             f"prepared {sum(map(len, bodies))} recorder batches of {args.producers} producers "
             f"in {time.perf_counter() - t:.1f} s"
