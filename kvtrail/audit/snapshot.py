@@ -78,6 +78,14 @@ def open_snapshot(path: str | Path, heads: list[dict] | None = None) -> tuple[du
     return con, heads
 
 
+def store_tables(cur: duckdb.DuckDBPyConnection, store: str) -> frozenset[str]:
+    """The tables of the store's main schema (``store``: its catalog name), which a snapshot's views show."""
+    rows = cur.execute(
+        "SELECT table_name FROM duckdb_tables() WHERE database_name = ? AND schema_name = 'main'", [store]
+    ).fetchall()
+    return frozenset(r[0] for r in rows)
+
+
 def make_snapshot(cur: duckdb.DuckDBPyConnection, heads: list[dict]) -> tuple[str, str]:
     """Attach a private in-memory catalog of ``cur``'s database instance whose views show the store as of
     ``heads``; returns (its name, the store's). Any connection of the instance may ``USE`` it until
@@ -89,16 +97,31 @@ def make_snapshot(cur: duckdb.DuckDBPyConnection, heads: list[dict]) -> tuple[st
     cur.execute(f"ATTACH ':memory:' AS {snap}")
     try:
         cur.execute(f"USE {snap}")
-        rows = cur.execute(
-            "SELECT table_name FROM duckdb_tables() WHERE database_name = ? AND schema_name = 'main'", [store[0]]
-        ).fetchall()
-        _bind_views(cur, src, {r[0] for r in rows}, heads, store[0])
+        _bind_views(cur, src, set(store_tables(cur, store[0])), heads, store[0])
     except BaseException:
         cur.execute(f'USE "{store[0]}"')
         cur.execute(f"DETACH {snap}")
         raise
     cur.execute(f'USE "{store[0]}"')
     return snap, store[0]
+
+
+def move_snapshot(cur: duckdb.DuckDBPyConnection, snap: str, heads: list[dict]) -> None:
+    """Point a :func:`make_snapshot` catalog that no connection is using at other ``heads``, in one
+    transaction: its views read the heads from its ``_heads`` table, so they show the store as a new
+    snapshot made there would (while the store holds the same tables: :func:`store_tables`). About 2 ms,
+    against tens of milliseconds for making the views again."""
+    cur.execute("BEGIN TRANSACTION")
+    try:
+        cur.execute(f"DELETE FROM {snap}.main._heads")
+        if heads:
+            cur.executemany(
+                f"INSERT INTO {snap}.main._heads VALUES (?, ?)", [(h["producer_id"], h["batch_no"]) for h in heads]
+            )
+        cur.execute("COMMIT")
+    except BaseException:
+        cur.execute("ROLLBACK")
+        raise
 
 
 def drop_snapshot(cur: duckdb.DuckDBPyConnection, snap: str) -> None:

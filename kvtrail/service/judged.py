@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import duckdb
 
-from kvtrail.audit.snapshot import drop_snapshot, make_snapshot, using_snapshot
+from kvtrail.audit.snapshot import drop_snapshot, make_snapshot, move_snapshot, store_tables, using_snapshot
 from kvtrail.forensics import Answer, Exclusions, Finding, Window, ask_affected, ask_findings
 from kvtrail.forensics.questions import WindowContext, window_context
 
@@ -36,6 +36,7 @@ T = TypeVar("T")
 JUDGED_WAIT_S = 5.0  # how long a query waits for the judge to reach the acknowledged batches, else it replays
 CACHED_ANSWERS = 64
 KEPT_SNAPSHOTS = 2  # the latest judged snapshots kept attached for the questions still to come on them
+SPARE_SNAPSHOTS = 2  # snapshots no longer kept, held to be moved to the next judged states
 
 
 class AnswerCache:
@@ -82,6 +83,7 @@ class _Snap:
     def __init__(self) -> None:
         self.name: str | None = None
         self.store = ""
+        self.tables: frozenset[str] = frozenset()  # the store's tables its views show
         self.users = 0
         self.ready = threading.Event()
         self.failed = False
@@ -89,32 +91,36 @@ class _Snap:
 
 class SharedSnapshots:
     """Snapshots of the store as of the batches judged, shared by every answer computed on the same ones:
-    the views are made once per judged state (making them costs tens of milliseconds), kept while
-    questions use them or while they are among the latest ``keep``, then detached. Thread-safe."""
+    one per judged state, kept while questions use them or while they are among the latest ``keep``.
+    Making a snapshot's views costs tens of milliseconds, so up to ``spare`` of those no longer kept are
+    moved to the next judged states instead (``move_snapshot``, about 2 ms) while the store holds the same
+    tables; the rest are detached. Thread-safe."""
 
-    def __init__(self, keep: int = KEPT_SNAPSHOTS):
+    def __init__(self, keep: int = KEPT_SNAPSHOTS, spare: int = SPARE_SNAPSHOTS):
         self.keep = keep
-        self.made = 0
+        self.spare = spare
+        self.made = 0  # judged states given a snapshot (made, or moved from a spare one)
+        self.moved = 0  # ... of them, by moving a spare one
         self._lock = threading.Lock()
         self._snaps: OrderedDict[Hashable, _Snap] = OrderedDict()
+        self._spares: list[_Snap] = []  # no longer kept, no question on them: the next judged states'
 
     @contextmanager
     def use(self, cur: duckdb.DuckDBPyConnection, marks: dict[int, int]) -> Iterator[None]:
         """``cur`` on the store as of ``marks`` ({producer_id: batch_no}) while the block runs."""
         key = tuple(sorted(marks.items()))
+        spare = None
         with self._lock:
             snap = self._snaps.get(key)
             mine = snap is None
             if snap is None:
                 snap = self._snaps[key] = _Snap()
+                spare = self._spares.pop() if self._spares else None
             snap.users += 1
         try:
             if mine:
                 try:
-                    snap.name, snap.store = make_snapshot(
-                        cur, [{"producer_id": p, "batch_no": n} for p, n in marks.items()]
-                    )
-                    self.made += 1
+                    self._provide(cur, snap, spare, [{"producer_id": p, "batch_no": n} for p, n in marks.items()])
                 except BaseException:
                     snap.failed = True
                     raise
@@ -132,10 +138,32 @@ class SharedSnapshots:
                 if snap.failed and self._snaps.get(key) is snap:
                     del self._snaps[key]
                 stale = [k for k in list(self._snaps)[: -self.keep] if self._snaps[k].users == 0]
-                gone = [self._snaps.pop(k) for k in stale]
+                gone = [s for s in (self._snaps.pop(k) for k in stale) if s.name is not None and not s.failed]
+                room = max(0, self.spare - len(self._spares))
+                self._spares += gone[:room]
+                gone = gone[room:]
             for old in gone:
-                if old.name is not None:
-                    drop_snapshot(cur, old.name)
+                assert old.name is not None
+                drop_snapshot(cur, old.name)
+
+    def _provide(self, cur: duckdb.DuckDBPyConnection, snap: _Snap, spare: _Snap | None, heads: list[dict]) -> None:
+        """Give ``snap`` its views as of ``heads``: ``spare``'s moved there while the store holds the tables it
+        was made for, else made afresh (``spare`` then detached)."""
+        if spare is not None and spare.name is not None:
+            try:
+                if store_tables(cur, spare.store) == spare.tables:
+                    move_snapshot(cur, spare.name, heads)
+                    snap.name, snap.store, snap.tables = spare.name, spare.store, spare.tables
+                    self.made += 1
+                    self.moved += 1
+                    return
+            except BaseException:
+                drop_snapshot(cur, spare.name)
+                raise
+            drop_snapshot(cur, spare.name)
+        snap.name, snap.store = make_snapshot(cur, heads)
+        snap.tables = store_tables(cur, snap.store)
+        self.made += 1
 
 
 @contextmanager

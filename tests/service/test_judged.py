@@ -188,13 +188,65 @@ def test_questions_on_one_judged_snapshot_share_its_views_and_old_ones_are_detac
         finally:
             cur.close()
 
-    assert attached() <= snaps.keep
+    assert attached() <= snaps.keep + snaps.spare
+    moved = snaps.moved
     cur = served.state.cursor()
-    try:  # snapshots of other judged states push the oldest out; none stays attached beyond the latest few
-        for n in range(snaps.keep + 2):
+    try:  # snapshots of other judged states push the oldest out: moved to the next states, or detached
+        for n in range(snaps.keep + snaps.spare + 2):
             marks = {pid: 0 for pid in served.state.committer.heads} | {-1 - n: 0}
             with snaps.use(cur, marks):
                 assert cur.execute("SELECT current_database()").fetchone()[0].startswith("kvtrail_snapshot_")
     finally:
         cur.close()
-    assert attached() == snaps.keep
+    assert snaps.moved > moved  # the views were not made again for every state
+    assert attached() <= snaps.keep + snaps.spare
+
+
+def _counts(cur) -> tuple:
+    return cur.execute(
+        "SELECT (SELECT count(*) FROM events), (SELECT count(*) FROM batches), (SELECT count(*) FROM producers),"
+        " (SELECT count(*) FROM page_runs)"
+    ).fetchone()
+
+
+def test_a_moved_snapshot_shows_what_a_snapshot_made_afresh_shows(served):
+    heads = list(served.state.committer.heads.items())
+    assert len(heads) >= 2
+    states = [dict(heads), dict(heads[:1]), dict(heads[1:]), {}, dict(heads)]  # a producer's batches in or out
+    fresh = judged.SharedSnapshots(keep=1, spare=0)  # every state made afresh
+    reused = judged.SharedSnapshots(keep=1, spare=1)  # later states moved from the spare
+    seen = set()
+    cur = served.state.cursor()
+    try:
+        for marks in states:
+            with fresh.use(cur, marks):
+                want = _counts(cur)
+            with reused.use(cur, marks):
+                assert _counts(cur) == want, marks
+            seen.add(want)
+        assert len(seen) >= 3  # the states show different stores
+        assert fresh.moved == 0 and fresh.made == len(states)
+        # the first two made (the first is kept while the second is made), every later one moved
+        assert reused.moved == len(states) - 2 and reused.made == len(states)
+    finally:
+        cur.close()
+
+
+def test_a_spare_snapshot_is_made_again_once_the_store_has_another_table(served):
+    snaps = judged.SharedSnapshots(keep=1, spare=1)
+    heads = dict(served.state.committer.heads)
+    cur = served.state.cursor()
+    try:
+        with snaps.use(cur, heads):
+            pass
+        with snaps.use(cur, {p: 0 for p in heads}):  # the first becomes the spare
+            pass
+        cur.execute("CREATE TABLE test_added_later (x INTEGER)")
+        cur.execute("INSERT INTO test_added_later VALUES (7)")
+        moved = snaps.moved
+        with snaps.use(cur, {next(iter(heads)): 0}):
+            assert snaps.moved == moved  # made afresh: a moved one would not show the new table
+            assert cur.execute("SELECT x FROM test_added_later").fetchone() == (7,)
+    finally:
+        cur.execute("DROP TABLE IF EXISTS test_added_later")
+        cur.close()
