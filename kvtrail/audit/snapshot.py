@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Set
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from kvtrail.errors import StoreError
 _BATCHED = (*KIND_TABLES, "page_runs", "batches")
 
 
-def _bind_views(con: duckdb.DuckDBPyConnection, src: str, tables: set[str], heads: list[dict], source: str) -> None:
+def _bind_views(con: duckdb.DuckDBPyConnection, src: str, tables: Set[str], heads: list[dict], source: str) -> None:
     """In ``con``'s current catalog: the store's tables in ``src`` (a catalog.schema holding ``tables``)
     as views that keep only batches up to ``heads``, and the store's own ``events``/``events_v``
     definitions re-bound to them (``source``: the store's catalog name, where those definitions live)."""
@@ -86,10 +86,11 @@ def store_tables(cur: duckdb.DuckDBPyConnection, store: str) -> frozenset[str]:
     return frozenset(r[0] for r in rows)
 
 
-def make_snapshot(cur: duckdb.DuckDBPyConnection, heads: list[dict]) -> tuple[str, str]:
+def make_snapshot(cur: duckdb.DuckDBPyConnection, heads: list[dict], tables: Set[str] | None = None) -> tuple[str, str]:
     """Attach a private in-memory catalog of ``cur``'s database instance whose views show the store as of
     ``heads``; returns (its name, the store's). Any connection of the instance may ``USE`` it until
-    :func:`drop_snapshot`. ``cur`` is left on the store."""
+    :func:`drop_snapshot`. ``cur`` is left on the store. ``tables``: the store's tables to show (what
+    :func:`store_tables` read; default: read here)."""
     store = cur.execute("SELECT current_database()").fetchone()
     assert store is not None
     src = f'"{store[0]}".main'
@@ -97,7 +98,7 @@ def make_snapshot(cur: duckdb.DuckDBPyConnection, heads: list[dict]) -> tuple[st
     cur.execute(f"ATTACH ':memory:' AS {snap}")
     try:
         cur.execute(f"USE {snap}")
-        _bind_views(cur, src, set(store_tables(cur, store[0])), heads, store[0])
+        _bind_views(cur, src, store_tables(cur, store[0]) if tables is None else tables, heads, store[0])
     except BaseException:
         cur.execute(f'USE "{store[0]}"')
         cur.execute(f"DETACH {snap}")

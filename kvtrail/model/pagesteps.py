@@ -86,7 +86,7 @@ class PageSteps:
         freed_flag[list(pool.freed)] = True
         frees = np.zeros(len(ops_a), np.int64)
         offs, values, valid, rows, i = self._offs, self._values, self._valid, self._rows, 0
-        rows.fetch(ns_a[(ops_a == OP_FREE) | (ops_a == OP_EVICT)])  # releases: each kept as an event
+        rows.fetch(ns_a[ops_a == OP_FREE])  # a request's releases: each kept as an event
         while True:
             i, nf = run_pages(
                 pool.owner,

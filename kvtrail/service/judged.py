@@ -161,8 +161,10 @@ class SharedSnapshots:
                 drop_snapshot(cur, spare.name)
                 raise
             drop_snapshot(cur, spare.name)
-        snap.name, snap.store = make_snapshot(cur, heads)
-        snap.tables = store_tables(cur, snap.store)
+        store = cur.execute("SELECT current_database()").fetchone()
+        assert store is not None
+        snap.tables = store_tables(cur, store[0])  # read once: the views shown are exactly these
+        snap.name, snap.store = make_snapshot(cur, heads, snap.tables)
         self.made += 1
 
 
