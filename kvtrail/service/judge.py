@@ -54,8 +54,9 @@ _LAG_SAMPLES = 4096
 MAX_HELD_EVENTS = 2_000_000
 MAX_HELD_BYTES = 128 * 2**20
 # The minute aggregates take the fed commits at most this often while commits keep coming (and at once when
-# the judge goes idle or is waited for): adding them costs about the same for one commit as for twenty, and
-# readers count the minutes not yet added from their events, so the dashboard loses nothing meanwhile.
+# a poll finds no new commit, or the judge is waited for): adding them costs about the same for one commit as
+# for twenty, and readers count the minutes not yet added from their events, so the dashboard loses nothing
+# meanwhile. A judge that keeps up is idle between most polls, so "idle" means a whole poll with no commit.
 AGGREGATE_INTERVAL_S = 2.0
 _WARM_UP_PRODUCER = {
     "cluster": "warm-up",
@@ -315,7 +316,7 @@ class Judge:
                 aggregates.refresh(self._con)
                 self._agg_pending, self._agg_at = [], time.monotonic()
             elif self._agg_pending and (
-                self._hurry or self._oldest_ns is None or time.monotonic() - self._agg_at >= AGGREGATE_INTERVAL_S
+                self._hurry or not held or time.monotonic() - self._agg_at >= AGGREGATE_INTERVAL_S
             ):
                 aggregates.add_batches(self._con, self._agg_pending)  # one transaction for them all
                 self._agg_pending, self._agg_at = [], time.monotonic()

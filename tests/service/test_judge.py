@@ -253,6 +253,41 @@ def test_the_aggregates_take_commits_on_their_interval_and_readers_see_those_min
     assert sum(r[2] for r in kept) == sum(t.num_rows for t in tables)
 
 
+def test_a_judge_that_keeps_up_adds_aggregates_on_their_interval_and_once_a_poll_finds_no_commit(
+    client, service_state, producer_token, fleet, monkeypatch
+):
+    """A judge that keeps up has nothing waiting after most polls; that alone does not add the minute
+    aggregates (each add has a fixed cost): they wait for their interval, or for a poll with no commit."""
+    import time
+
+    from kvtrail.forensics.results import aggregates
+    from kvtrail.service import judge as judge_module
+
+    tables, _ = fleet
+    judge = service_state.judge
+    half = len(tables) // 2
+    for table in tables[:half]:
+        assert client.post("/v1/events", content=arrow_body(table), headers=auth(producer_token)).status_code == 200
+    assert judge.wait_idle(60)
+    monkeypatch.setattr(judge_module, "AGGREGATE_INTERVAL_S", 3600.0)
+    judge._agg_at = time.monotonic()
+    cur = service_state.cursor()
+    try:
+        with service_state.write_lock:
+            commits = [service_state.store.append(t) for t in tables[half:]]
+        judge._oldest_ns = None  # caught up: no commit waits behind these
+        assert judge._poll([(c.table, dict(c.batches)) for c in commits], False)
+        assert len(judge._agg_pending) == len(commits)  # judged, not yet added
+        assert aggregates.uncovered_minutes(cur, aggregates.MIN_NS, aggregates.MAX_NS - aggregates.MINUTE_NS)
+        assert judge._poll([], False)  # a whole poll with no new commit: added, nobody waiting for it
+        assert not judge._agg_pending
+        assert not aggregates.uncovered_minutes(cur, aggregates.MIN_NS, aggregates.MAX_NS - aggregates.MINUTE_NS)
+        kept = cur.execute("SELECT sum(events) FROM minute_events").fetchone()[0]
+    finally:
+        cur.close()
+    assert kept == sum(t.num_rows for t in tables)
+
+
 def test_a_lagging_judge_holds_at_most_its_byte_bound_and_reads_the_rest_from_the_store(
     client, service_state, producer_token, fleet, monkeypatch
 ):
