@@ -143,11 +143,13 @@ def connect_readonly(path: str | Path) -> duckdb.DuckDBPyConnection:
 
 @dataclass(frozen=True)
 class CheckpointPolicy:
-    """When :class:`AuditStore` checkpoints its WAL into the main file: after a commit, once the WAL
-    holds more than ``max_wal_bytes`` or ``max_interval_s`` have passed since the last checkpoint.
+    """When :class:`AuditStore` checkpoints its WAL into the main file: after a commit (or a writer's idle
+    tick), once the WAL holds more than ``max_wal_bytes`` or has held data for ``max_interval_s``.
 
     Until a checkpoint, committed data lives only in ``<db>.wal``: these bound how much a copy of the
-    main file alone can miss, and how long a crash leaves the store needing its WAL.
+    main file alone can miss, and how long a crash leaves the store needing its WAL. The time counts from
+    the first commit the store saw in an empty WAL, not from the last checkpoint: a store that was idle
+    does not checkpoint its first new commit at once, alone.
     """
 
     max_wal_bytes: int = 64 * 2**20
@@ -192,7 +194,7 @@ class AuditStore:
         self.checkpoints = 0  # done by the policy or close(), and the seconds they took
         self.checkpoint_s = 0.0
         self.checkpoint_error: str | None = None  # the last failed policy checkpoint (retried after the next commit)
-        self._last_checkpoint = time.monotonic()
+        self._wal_since: float | None = None  # when the store first saw the WAL hold data since a checkpoint
         try:
             # Row order inside a table carries no meaning here (every reader orders by key), so DuckDB
             # may insert with both cores. The policy checkpoints by itself (and counts it); DuckDB's own
@@ -421,7 +423,7 @@ class AuditStore:
         self.con.execute("CHECKPOINT")
         self.checkpoint_s += time.perf_counter() - t
         self.checkpoints += 1
-        self._last_checkpoint = time.monotonic()
+        self._wal_since = None
 
     def wal_bytes(self) -> int:
         try:
@@ -431,9 +433,11 @@ class AuditStore:
 
     def maybe_checkpoint(self) -> bool:
         """Checkpoint if the policy says so (also for a writer's idle tick); True if it did."""
-        due = (
-            time.monotonic() - self._last_checkpoint > self.policy.max_interval_s
-            or self.wal_bytes() > self.policy.max_wal_bytes
+        size, now = self.wal_bytes(), time.monotonic()
+        if size and self._wal_since is None:
+            self._wal_since = now
+        due = size > self.policy.max_wal_bytes or (
+            self._wal_since is not None and now - self._wal_since > self.policy.max_interval_s
         )
         if not due:
             return False

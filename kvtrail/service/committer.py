@@ -10,6 +10,10 @@ alone) and a re-sent batch can be recognised by its sequence range.
 A batch whose producer and seq range equal a stored batch's is a re-send (a retry after a lost
 reply): it is acknowledged with the stored batch's numbers and stored nothing. A range that overlaps
 stored batches in any other way is a :class:`ConflictError`.
+
+When nothing arrives for ``IDLE_TICK_S`` the thread asks the store's checkpoint policy once more (under
+the write lock): the last commits before a quiet spell, and what the other writers wrote (tokens, the
+access log, the judge's tables), reach the main file within the policy's interval, not at the next batch.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from kvtrail.errors import KvtrailError, ValidationError
 
 log = logging.getLogger("kvtrail.service")
 MAX_GROUP_EVENTS = 1_000_000  # bounds one transaction's memory when many producers send at once
+IDLE_TICK_S = 1.0  # the writer's idle tick: how often a quiet writer asks the checkpoint policy
 
 
 class ConflictError(KvtrailError):
@@ -149,7 +154,11 @@ class Committer:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=IDLE_TICK_S)
+            except queue.Empty:
+                self._idle_tick()
+                continue
             if item is None:
                 return
             group, held, stop = [item], [], False
@@ -173,6 +182,13 @@ class Committer:
                 self._commit_group([h])
             if stop:
                 return
+
+    def _idle_tick(self) -> None:
+        try:
+            with self.write_lock:
+                self.store.maybe_checkpoint()  # a failed checkpoint is logged there and tried again later
+        except Exception:  # noqa: BLE001 - a closed or failed store: the next commit says so
+            log.debug("kvtrail service: idle checkpoint check failed", exc_info=True)
 
     def _commit_group(self, group: list[_Pending]) -> None:
         try:

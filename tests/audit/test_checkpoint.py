@@ -76,6 +76,28 @@ def test_time_bound_checkpoints_the_first_commit_after_the_interval(tmp_path, mo
         assert s.checkpoints == 1 and s.wal_bytes() == 0 and s.checkpoint_s > 0
 
 
+def test_the_interval_counts_from_the_first_commit_in_the_wal_not_from_the_last_checkpoint(tmp_path, monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr("kvtrail.audit.store.time", clock)
+    path = tmp_path / "a.duckdb"
+    with AuditStore(path, checkpoint=CheckpointPolicy(max_wal_bytes=2**30, max_interval_s=1.0)) as s:
+        s.append(from_dicts([config(0)]))
+        clock.now += 1.1
+        s.append(_batch(1))
+        assert s.checkpoints == 1 and s.wal_bytes() == 0
+        clock.now += 60.0  # idle, nothing only in the WAL
+        assert not s.maybe_checkpoint()
+        s.append(_batch(21))  # the first commit after the idle hour is not checkpointed alone, at once
+        assert s.checkpoints == 1 and s.wal_bytes() > 0
+        clock.now += 0.9
+        s.append(_batch(41))
+        assert s.checkpoints == 1
+        clock.now += 0.2  # the WAL has held data for 1.1 s: an idle tick checkpoints it
+        assert s.maybe_checkpoint()
+        assert s.checkpoints == 2 and s.wal_bytes() == 0
+    assert verify_store(path).events_checked == 61
+
+
 def test_without_bounds_the_main_file_lags_until_close_checkpoints(tmp_path):
     path = tmp_path / "a.duckdb"
     s = AuditStore(path, checkpoint=NEVER)
