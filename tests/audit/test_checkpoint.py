@@ -62,11 +62,19 @@ class _Clock:
         return getattr(time, name)
 
 
-def test_time_bound_checkpoints_the_first_commit_after_the_interval(tmp_path, monkeypatch):
+@pytest.fixture
+def clock(monkeypatch) -> _Clock:
+    """The store module's clock, moved by the test; the store opened under it bounds its WAL to 1 s."""
     clock = _Clock()
     monkeypatch.setattr("kvtrail.audit.store.time", clock)
-    path = tmp_path / "a.duckdb"
-    with AuditStore(path, checkpoint=CheckpointPolicy(max_wal_bytes=2**30, max_interval_s=1.0)) as s:
+    return clock
+
+
+ONE_SECOND = CheckpointPolicy(max_wal_bytes=2**30, max_interval_s=1.0)
+
+
+def test_time_bound_checkpoints_the_first_commit_after_the_interval(tmp_path, clock):
+    with AuditStore(tmp_path / "a.duckdb", checkpoint=ONE_SECOND) as s:
         s.append(from_dicts([config(0)]))
         assert s.checkpoints == 0 and s.wal_bytes() > 0  # committed, still only in the WAL
         clock.now += 0.9
@@ -76,11 +84,9 @@ def test_time_bound_checkpoints_the_first_commit_after_the_interval(tmp_path, mo
         assert s.checkpoints == 1 and s.wal_bytes() == 0 and s.checkpoint_s > 0
 
 
-def test_the_interval_counts_from_the_first_commit_in_the_wal_not_from_the_last_checkpoint(tmp_path, monkeypatch):
-    clock = _Clock()
-    monkeypatch.setattr("kvtrail.audit.store.time", clock)
+def test_the_interval_counts_from_the_first_commit_in_the_wal_not_from_the_last_checkpoint(tmp_path, clock):
     path = tmp_path / "a.duckdb"
-    with AuditStore(path, checkpoint=CheckpointPolicy(max_wal_bytes=2**30, max_interval_s=1.0)) as s:
+    with AuditStore(path, checkpoint=ONE_SECOND) as s:
         s.append(from_dicts([config(0)]))
         clock.now += 1.1
         s.append(_batch(1))
