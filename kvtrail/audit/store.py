@@ -434,7 +434,9 @@ class AuditStore:
     def maybe_checkpoint(self) -> bool:
         """Checkpoint if the policy says so (also for a writer's idle tick); True if it did."""
         size, now = self.wal_bytes(), time.monotonic()
-        if size and self._wal_since is None:
+        if not size:  # nothing only in the WAL (DuckDB's own size trigger may have checkpointed it)
+            self._wal_since = None
+        elif self._wal_since is None:
             self._wal_since = now
         due = size > self.policy.max_wal_bytes or (
             self._wal_since is not None and now - self._wal_since > self.policy.max_interval_s

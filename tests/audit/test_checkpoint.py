@@ -104,6 +104,18 @@ def test_the_interval_counts_from_the_first_commit_in_the_wal_not_from_the_last_
     assert verify_store(path).events_checked == 61
 
 
+def test_a_wal_emptied_outside_the_policy_restarts_its_clock(tmp_path, clock):
+    with AuditStore(tmp_path / "a.duckdb", checkpoint=ONE_SECOND) as s:
+        s.append(from_dicts([config(0)]))  # the WAL's clock starts
+        s.con.execute("CHECKPOINT")  # as DuckDB's own size trigger would: the WAL is empty again
+        assert not s.maybe_checkpoint()  # an idle tick sees it empty
+        clock.now += 5.0
+        s.append(_batch(1))  # a fresh WAL: its clock starts now, not at the first commit
+        assert s.checkpoints == 0 and s.wal_bytes() > 0
+        clock.now += 1.1
+        assert s.maybe_checkpoint() and s.checkpoints == 1
+
+
 def test_without_bounds_the_main_file_lags_until_close_checkpoints(tmp_path):
     path = tmp_path / "a.duckdb"
     s = AuditStore(path, checkpoint=NEVER)
