@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 
 import pytest
 
@@ -126,3 +127,15 @@ def delete_stored(con, where: str, params: list | None = None, *, tables: tuple[
 
     for table in (*KIND_TABLES, *tables):
         con.execute(f"DELETE FROM {table} WHERE {where}", params)
+
+
+def wait_for(what: str, check, deadline_s: float, every_s: float = 0.05):
+    """``check()``'s first truthy value, polled every ``every_s``; AssertionError naming ``what`` once
+    ``deadline_s`` passes without one."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        got = check()
+        if got:
+            return got
+        time.sleep(every_s)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -26,19 +25,14 @@ from kvtrail.forensics.lake.executor import DaskExecutor, worker_environ, worker
 from kvtrail.forensics.lake.questions import lake_findings, open_lake
 from kvtrail.forensics.replay.batch import PRODUCER_NAMES
 from kvtrail.forensics.replay.engine import replay_store
+from tests.conftest import wait_for
 
 distributed = pytest.importorskip("distributed")
 DEADLINE_S = 120
 
 
-def _wait_for(what: str, check, deadline_s: float = DEADLINE_S):
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+def _wait_for(what: str, check):
+    return wait_for(what, check, DEADLINE_S, every_s=0.1)
 
 
 @contextlib.contextmanager

@@ -12,17 +12,8 @@ from kvtrail.audit.verify import verify_store
 from kvtrail.service import committer as committer_module
 from kvtrail.service.app import create_app
 from kvtrail.service.state import open_state
-from tests.conftest import alloc, config
+from tests.conftest import alloc, config, wait_for
 from tests.service.conftest import arrow_body, auth, make_token
-
-
-def _wait(cond, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_a_quiet_service_checkpoints_its_last_commits_and_then_nothing(tmp_path, monkeypatch):
@@ -37,7 +28,7 @@ def test_a_quiet_service_checkpoints_its_last_commits_and_then_nothing(tmp_path,
                 assert r.status_code == 200, r.text
         assert state.judge.wait_idle(30)
         # no batch follows: the idle tick checkpoints what the WAL holds once it has held it for the interval
-        assert _wait(lambda: state.store.wal_bytes() == 0), "the WAL still holds the last commits"
+        wait_for("the WAL to be checkpointed", lambda: state.store.wal_bytes() == 0, 10.0, every_s=0.02)
         done = state.store.checkpoints
         assert done >= 1
         time.sleep(0.6)  # twice the interval, a dozen ticks: an empty WAL is not checkpointed again
