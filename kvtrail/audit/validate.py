@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvtrail.audit.arrowutil import flat_list, list_lengths
+from kvtrail.audit.arrowutil import INT32_MAX, flat_list, list_lengths
 from kvtrail.audit.batch import BATCH_SCHEMA, NULLABLE_BATCH_SCHEMA
 from kvtrail.audit.events import (
     ENVELOPE_NAMES,
@@ -101,7 +101,9 @@ def _first_uncastable(col, type_: pa.DataType) -> np.ndarray:
     return mask
 
 
-def _normalise(table: pa.Table) -> pa.Table:
+def _normalise(table: pa.Table) -> tuple[pa.Table, dict[str, str]]:
+    """The batch in BATCH_SCHEMA, and the text columns that hold one value on every event (a producer's
+    wire batch sends them as one-entry dictionaries: its identity, often its kind), with that value."""
     names = set(table.column_names)
     for name in table.column_names:
         if name not in FIELDS:
@@ -110,13 +112,19 @@ def _normalise(table: pa.Table) -> pa.Table:
         if name not in names:
             raise _column_error(table, name, "missing (required on every event)", np.ones(table.num_rows, bool))
     arrays = []
+    constant: dict[str, str] = {}
     for f in BATCH_SCHEMA:
         if f.name not in names:
-            arrays.append(pa.nulls(table.num_rows, type=f.type))
+            arrays.append(_nulls(table.num_rows, f.type))
             continue
         col = table.column(f.name)
         if col.type != f.type:
             if pa.types.is_dictionary(col.type):
+                repeated = _repeated(col) if f.type == pa.string() else None
+                if repeated is not None:
+                    arrays.append(repeated[0])
+                    constant[f.name] = repeated[1]
+                    continue
                 col = col.cast(col.type.value_type)
             try:
                 col = col.cast(f.type)
@@ -130,7 +138,45 @@ def _normalise(table: pa.Table) -> pa.Table:
         if isinstance(col, pa.ChunkedArray):
             col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
         arrays.append(col)
-    return pa.Table.from_arrays(arrays, schema=NULLABLE_BATCH_SCHEMA)
+    return pa.Table.from_arrays(arrays, schema=NULLABLE_BATCH_SCHEMA), constant
+
+
+# All-null columns (those a wire batch leaves out) are slices of one kept per type, up to this many rows:
+# no allocation per batch, and no call that lets the interpreter switch threads on a busy service.
+_NULLS_KEPT_ROWS = 1 << 16
+_NULLS: dict[pa.DataType, pa.Array] = {}
+
+
+def _nulls(n: int, type_: pa.DataType) -> pa.Array:
+    if n > _NULLS_KEPT_ROWS:
+        return pa.nulls(n, type_)
+    kept = _NULLS.get(type_)
+    if kept is None:
+        kept = _NULLS[type_] = pa.nulls(_NULLS_KEPT_ROWS, type_)
+    return kept.slice(0, n)
+
+
+def _repeated(col) -> tuple[pa.Array, str] | None:
+    """A string dictionary column of one entry and no null as plain strings, and that string; None for
+    any other column. Built from its bytes (what a cast computes, without a kernel call per column)."""
+    arr = col.chunk(0) if isinstance(col, pa.ChunkedArray) and col.num_chunks == 1 else col
+    if (
+        isinstance(col, pa.ChunkedArray)
+        and col.num_chunks != 1
+        or not pa.types.is_string(arr.type.value_type)
+        or len(arr.dictionary) != 1
+        or arr.null_count
+        or not len(arr)
+    ):
+        return None
+    value = arr.dictionary[0].as_py()
+    data = value.encode()
+    n = len(arr)
+    if n * len(data) > INT32_MAX:
+        return None
+    offsets = np.arange(n + 1, dtype=np.int32) * np.int32(len(data))
+    strings = pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data * n)])
+    return strings, value
 
 
 def _valid_mask(col) -> np.ndarray:
@@ -202,10 +248,12 @@ def _check_kind_fields(t: pa.Table, codes: np.ndarray) -> None:
             _fail(~allowed[codes] & valid, name, "not allowed for this kind", t)
 
 
-def _check_values(t: pa.Table, codes: np.ndarray) -> None:
+def _check_values(t: pa.Table, codes: np.ndarray, constant: dict[str, str] | None = None) -> None:
     # Each rule first asks a cheap whole-column question (distinct values, minimum); only a batch that
-    # fails it pays for the per-row mask that names the first bad event.
+    # fails it pays for the per-row mask that names the first bad event. A column of one value on every
+    # event (``constant``) is asked of that value.
     n = t.num_rows
+    constant = constant or {}
     distinct: dict[str, set] = {}  # each enum column's values, for the rules below
     for name in ENVELOPE_NAMES + OPTIONAL_NAMES:
         spec = FIELDS[name]
@@ -213,7 +261,7 @@ def _check_values(t: pa.Table, codes: np.ndarray) -> None:
         if col.null_count == n:
             continue
         if spec.type == "enum" and spec.choices:
-            distinct[name] = set(pc.unique(col).drop_null().to_pylist())
+            distinct[name] = {constant[name]} if name in constant else set(pc.unique(col).drop_null().to_pylist())
             if distinct[name] <= set(spec.choices):
                 continue
             bad = pc.is_valid(col).to_numpy(zero_copy_only=False) & ~pc.fill_null(
@@ -222,7 +270,9 @@ def _check_values(t: pa.Table, codes: np.ndarray) -> None:
             value = col[int(np.flatnonzero(bad)[0])].as_py()
             _fail(bad, name, f"{value!r} is not one of {', '.join(spec.choices)}", t)
         elif spec.type == "str" and name in PRODUCER_NAMES:
-            if pc.min(pc.binary_length(col)).as_py() == 0:  # lengths, not a hash of every value
+            # lengths, not a hash of every value
+            empty = constant[name] == "" if name in constant else pc.min(pc.binary_length(col)).as_py() == 0
+            if empty:
                 _fail(
                     pc.equal(pc.utf8_length(col), 0).to_numpy(zero_copy_only=False),
                     name,
@@ -297,7 +347,12 @@ def _check_pool(t: pa.Table, codes: np.ndarray) -> None:
         )
 
 
-def _group_producers(t: pa.Table) -> tuple[list[int], list[Producer], np.ndarray]:
+def _group_producers(
+    t: pa.Table, constant: dict[str, str] | None = None
+) -> tuple[list[int], list[Producer], np.ndarray]:
+    if t.num_rows and constant and all(n in constant for n in PRODUCER_NAMES):  # one identity, sent once
+        p = Producer(*(constant[n] for n in PRODUCER_NAMES))
+        return [producer_id(p)], [p], np.zeros(t.num_rows, np.int64)
     if t.num_rows:
         # The common batch has one producer: compare each identity column with its first value (no
         # hashing of joined keys). Nulls were refused by the envelope check.
@@ -327,11 +382,11 @@ def precheck_batch(table: pa.Table) -> Prechecked:
     """The rules that need nothing of the store: schema, envelope, kind fields and values (ValidationError
     naming the event and field). A service runs them where the request arrives, so the store's one writer
     only checks what depends on the store (sequence numbers, pool bounds)."""
-    t = _normalise(table)
+    t, constant = _normalise(table)
     codes = _check_envelope(t)
     _check_kind_fields(t, codes)
-    _check_values(t, codes)
-    return Prechecked(t, codes, *_group_producers(t))
+    _check_values(t, codes, constant)
+    return Prechecked(t, codes, *_group_producers(t, constant))
 
 
 def validate_batch(table: pa.Table | Prechecked, state: dict[int, ProducerState]) -> ValidatedBatch:
@@ -353,14 +408,14 @@ def sort_batch(table: pa.Table, state: dict[int, ProducerState]) -> tuple[Valida
     The check raises the ValidationError :func:`validate_batch` would have raised (the rules run in the
     same order). ``state`` is read when the check runs: it must not change before then.
     """
-    t = _normalise(table)
+    t, constant = _normalise(table)
     codes = _check_envelope(t)
-    pids, producers, pindex = _group_producers(t)
+    pids, producers, pindex = _group_producers(t, constant)
     pre = Prechecked(t, codes, pids, producers, pindex)
 
     def check() -> None:
         _check_kind_fields(t, codes)
-        _check_values(t, codes)
+        _check_values(t, codes, constant)
         _check_store_rules(pre, state)
 
     return ValidatedBatch(t, codes, pids, producers, pindex, int(list_lengths(t.column("pages")).sum())), check

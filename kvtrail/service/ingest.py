@@ -14,7 +14,6 @@ from typing import Annotated
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
@@ -87,40 +86,37 @@ def _kind_at(table: pa.Table, i: int) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def batch_identity(table: pa.Table) -> tuple[Producer, np.ndarray]:
-    """The one producer instance a batch comes from and its events' seq numbers; ValidationError if the
-    batch is empty, lacks them, or mixes producers (one request is one producer's batch)."""
+def require_events(table: pa.Table) -> pa.Table:
+    """``table``, or ValidationError if it holds no event (a batch holds at least one)."""
     if table.num_rows == 0:
         raise ValidationError("(batch)", "no events: a batch holds at least one event")
-    values = {}
-    for name in (*PRODUCER_NAMES, "seq"):
-        if name not in table.column_names:
-            raise ValidationError(name, "missing (required on every event)", event=0, kind=_kind_at(table, 0))
-        col = table.column(name)
-        if col.null_count:
-            i = int(np.flatnonzero(~pc.is_valid(col).to_numpy(zero_copy_only=False))[0])
-            raise ValidationError(name, "missing (required on every event)", event=i, kind=_kind_at(table, i))
-        target = pa.uint64() if name == "seq" else pa.string()
-        try:
-            col = col.cast(target)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-            raise ValidationError(name, f"wrong type: expected {target}, got {col.type} ({exc})") from None
-        if name == "seq":
-            values[name] = col.to_numpy()
-            continue
-        first = col[0].as_py()
-        other = pc.not_equal(col, first).to_numpy(zero_copy_only=False)
-        if other.any():
-            i = int(np.flatnonzero(other)[0])
-            raise ValidationError(
-                name,
-                f"one request is one producer instance's batch: {col[i].as_py()!r} here, {first!r} at event 0",
-                event=i,
-                kind=_kind_at(table, i),
-            )
-        values[name] = first
-    seq = values.pop("seq")
-    return Producer(**values), seq
+    return table
+
+
+def prechecked_identity(pre: Prechecked) -> tuple[Producer, np.ndarray]:
+    """The one producer instance a prechecked batch comes from and its events' seq numbers; ValidationError
+    if it mixes producers (one request is one producer's batch), naming the first event of another one and
+    the first identity field where it differs from event 0."""
+    t = pre.table
+    if len(pre.producers) > 1:
+        i = int(np.flatnonzero(pre.producer_index != 0)[0])
+        first, other = pre.producers[0], pre.producers[pre.producer_index[i]]
+        name = next(n for n in PRODUCER_NAMES if getattr(first, n) != getattr(other, n))
+        raise ValidationError(
+            name,
+            f"one request is one producer instance's batch: {getattr(other, name)!r} here, "
+            f"{getattr(first, name)!r} at event 0",
+            event=i,
+            kind=_kind_at(t, i),
+        )
+    seq = t.column("seq")
+    return pre.producers[0], (seq.chunk(0) if seq.num_chunks == 1 else seq.combine_chunks()).to_numpy()
+
+
+def batch_identity(table: pa.Table) -> tuple[Producer, np.ndarray]:
+    """The one producer instance a batch comes from and its events' seq numbers, once the batch passed the
+    rules that need nothing of the store (:func:`precheck_batch`; ValidationError otherwise)."""
+    return prechecked_identity(precheck_batch(require_events(table)))
 
 
 def decode_body(content_type: str, body: bytes) -> pa.Table:
@@ -172,10 +168,10 @@ def router(state: ServiceState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES)
         body = await read_body(request, max_body_bytes)
 
         def parse() -> tuple[Prechecked, Producer, np.ndarray]:
-            table = decode_body(ctype, body)
-            producer, seq = batch_identity(table)
-            # The rules that need nothing of the store run here, beside other requests, not in the writer.
-            return precheck_batch(table), producer, seq
+            # The rules that need nothing of the store run here, beside other requests, not in the writer;
+            # the batch's producer and seq numbers come out of them, not out of a second pass.
+            pre = precheck_batch(require_events(decode_body(ctype, body)))
+            return pre, *prechecked_identity(pre)
 
         pre, producer, seq = await run_in_threadpool(parse)
         check_ingest(who, [producer])

@@ -68,3 +68,35 @@ def test_the_envelope_stays_on_the_wire_and_a_bad_event_is_still_named(tmp_path)
         assert s.con.execute("SELECT count(*) FROM batches").fetchone() == (0,)
     finally:
         s.close()
+
+
+def test_a_wire_body_prechecks_to_the_full_batch_with_its_identity_read_once(monkeypatch):
+    """One-entry dictionaries (the producer's identity) become the same plain strings a cast gives, and
+    the left-out columns the same nulls, whether or not the batch is longer than the nulls kept per type."""
+    from kvtrail.audit import validate
+
+    t = _synth()[1]
+    full = validate.precheck_batch(t)
+    for kept in (validate._NULLS_KEPT_ROWS, 10):
+        monkeypatch.setattr(validate, "_NULLS_KEPT_ROWS", kept)
+        monkeypatch.setattr(validate, "_NULLS", {})
+        w = read_ipc(write_ipc(wire_table(t)))
+        normalised, constant = validate._normalise(w)
+        assert set(constant) >= {"cluster", "node", "role", "engine", "engine_version", "instance"}
+        assert normalised.equals(full.table) and normalised.schema == full.table.schema
+        pre = validate.precheck_batch(w)
+        assert pre.producers == full.producers == [PRODUCER] and pre.producer_ids == full.producer_ids
+        assert (pre.kind_code == full.kind_code).all() and (pre.producer_index == full.producer_index).all()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [("node", "", "non-empty"), ("role", "janitor", "'janitor' is not one of"), ("kind", "pages_stolen", "unknown")],
+)
+def test_a_bad_value_sent_once_as_a_dictionary_is_named(tmp_path, field, value, reason):
+    t = from_dicts([alloc(1, [1]), alloc(2, [2])])
+    w = wire_table(t.set_column(t.column_names.index(field), field, pa.array([value] * t.num_rows)))
+    assert pa.types.is_dictionary(w.column(field).type)
+    with AuditStore(tmp_path / "a.duckdb") as store, pytest.raises(ValidationError, match=reason) as err:
+        store.append(read_ipc(write_ipc(w)))
+    assert (err.value.field, err.value.event) == (field, 0)

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from kvtrail.audit.batch import from_dicts
+from kvtrail.audit.batch import from_dicts, read_ipc, write_ipc
 from kvtrail.audit.store import read_events
 from kvtrail.audit.validate import producer_id
 from kvtrail.errors import ValidationError
@@ -92,7 +92,23 @@ def test_a_batch_is_one_producer_instances(client, service_state, producer_token
     assert r.status_code == 422
     [err] = r.json()["errors"]
     assert (err["event"], err["field"]) == (1, "instance")
+    assert "'i2' here" in err["reason"] and err["kind"] == "node_config"
+    # the first identity field, in the envelope's order, that differs at the first event of another producer
+    third = producer(node="decode-7", instance="i3")
+    body = arrow_body([config(0), alloc(1, [1]), alloc(2, [2], prod=third), config(3, prod=other)])
+    r = client.post("/v1/events", content=body, headers=auth(producer_token))
+    assert r.status_code == 422
+    [err] = r.json()["errors"]
+    assert (err["event"], err["kind"], err["field"]) == (2, "pages_allocated", "node")
     assert _count(service_state, "SELECT count(*) FROM events") == 0
+
+
+def test_a_batch_with_no_events_is_422(client, producer_token):
+    body = arrow_body([config(0)])
+    empty = read_ipc(body).slice(0, 0)
+    r = client.post("/v1/events", content=write_ipc(empty), headers=auth(producer_token))
+    assert r.status_code == 422, r.text
+    assert r.json()["errors"][0]["field"] == "(batch)"
 
 
 def test_a_resent_batch_is_acknowledged_once_and_stored_once(client, service_state, producer_token):
