@@ -159,19 +159,15 @@ def _nulls(n: int, type_: pa.DataType) -> pa.Array:
 def _repeated(col) -> tuple[pa.Array, str] | None:
     """A string dictionary column of one entry and no null as plain strings, and that string; None for
     any other column. Built from its bytes (what a cast computes, without a kernel call per column)."""
-    arr = col.chunk(0) if isinstance(col, pa.ChunkedArray) and col.num_chunks == 1 else col
-    if (
-        isinstance(col, pa.ChunkedArray)
-        and col.num_chunks != 1
-        or not pa.types.is_string(arr.type.value_type)
-        or len(arr.dictionary) != 1
-        or arr.null_count
-        or not len(arr)
-    ):
+    if isinstance(col, pa.ChunkedArray):
+        if col.num_chunks != 1:
+            return None
+        col = col.chunk(0)
+    if not pa.types.is_string(col.type.value_type) or len(col.dictionary) != 1 or col.null_count or not len(col):
         return None
-    value = arr.dictionary[0].as_py()
+    value = col.dictionary[0].as_py()
     data = value.encode()
-    n = len(arr)
+    n = len(col)
     if n * len(data) > INT32_MAX:
         return None
     offsets = np.arange(n + 1, dtype=np.int32) * np.int32(len(data))
