@@ -85,9 +85,56 @@ def list_from_items(items: Sequence, value_type: pa.DataType, dtype, *, field: s
     return list_array(flat, offsets, value_type, absent, field=field)
 
 
+def _one_chunk(col: pa.Array | pa.ChunkedArray) -> pa.Array:
+    if isinstance(col, pa.ChunkedArray):
+        return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    return col
+
+
+def _bits(buf: pa.Buffer | None, offset: int, n: int) -> np.ndarray:
+    """``n`` bits of an Arrow bitmap from bit ``offset``, as bools (a missing bitmap: all set)."""
+    if buf is None:
+        return np.ones(n, bool)
+    start, skip = divmod(offset, 8)
+    raw = np.frombuffer(buf, np.uint8, count=(skip + n + 7) // 8, offset=start)
+    return np.unpackbits(raw, count=skip + n, bitorder="little")[skip:].view(bool)
+
+
+def valid_mask(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Per row, whether it is not null (``is_valid`` read from the validity bitmap, without a kernel)."""
+    arr = _one_chunk(col)
+    if pa.types.is_null(arr.type):
+        return np.zeros(len(arr), bool)
+    if not arr.null_count:
+        return np.ones(len(arr), bool)
+    return _bits(arr.buffers()[0], arr.offset, len(arr))
+
+
+def filled(col: pa.Array | pa.ChunkedArray, value) -> np.ndarray:
+    """A boolean or integer column as numpy, nulls as ``value``: what ``fill_null(col, value).to_numpy()``
+    gives, read from the buffers in place (the kernel costs ~0.1 ms a call on a commit of a few thousand
+    rows, the judge makes dozens of these calls per commit). Read-only where it is a view of the column."""
+    arr = _one_chunk(col)
+    n = len(arr)
+    if pa.types.is_null(arr.type):
+        return np.full(n, value)
+    if pa.types.is_boolean(arr.type):
+        out = _bits(arr.buffers()[1], arr.offset, n)
+    elif pa.types.is_integer(arr.type):
+        dtype = np.dtype(arr.type.to_pandas_dtype())
+        buf = arr.buffers()[1]
+        at = arr.offset * dtype.itemsize
+        out = np.zeros(0, dtype) if buf is None else np.frombuffer(buf, dtype, count=n, offset=at)
+    else:
+        raise TypeError(f"filled: a boolean or integer column, not {arr.type}")
+    if arr.null_count:
+        out = np.where(_bits(arr.buffers()[0], arr.offset, n), out, np.asarray(value, out.dtype))
+    return out
+
+
 def list_lengths(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """int64 length of every list of a list column (null lists count as empty)."""
-    return pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    return filled(pc.list_value_length(col), 0).astype(np.int64)
 
 
 def flat_list(col: pa.Array | pa.ChunkedArray, dtype=None) -> tuple[np.ndarray, np.ndarray]:

@@ -115,8 +115,18 @@ class AppendResult:
     num_runs: int
     batches: tuple[tuple[int, int], ...]  # (producer_id, batch_no) committed
     # The committed events as validated (wire-shaped, as read_events returns them), for a consumer in
-    # the same process that would otherwise read them back (the service's live judge).
+    # the same process that would otherwise read them back (the service's live judge); with each row's
+    # ``producer_id`` beside its identity, so a reader groups producers by one integer column.
     table: pa.Table | None = field(default=None, repr=False, compare=False)
+
+
+def _with_producer_ids(vb: ValidatedBatch) -> pa.Table:
+    """The validated table with a ``producer_id`` column: each row's producer, as committed."""
+    t = vb.table
+    if "producer_id" in t.schema.names:
+        return t
+    ids = np.asarray(vb.producer_ids, np.int64)
+    return t.append_column("producer_id", pa.array(ids[vb.producer_index] if len(ids) > 1 else np.full(len(t), ids[0])))
 
 
 def fetch_row(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> tuple:
@@ -414,7 +424,7 @@ class AuditStore:
                 st.pool_pages = new_pools[part.pid]
             self._chain[part.pid] = (part.batch_no, digest)
         self.maybe_checkpoint()
-        return AppendResult(t.num_rows, runs.num_page_events, runs.num_runs, committed, t)
+        return AppendResult(t.num_rows, runs.num_page_events, runs.num_runs, committed, _with_producer_ids(vb))
 
     def checkpoint(self) -> None:
         """Write the WAL into the main file now."""

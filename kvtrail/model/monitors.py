@@ -30,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kvtrail.audit.arrowutil import filled, valid_mask
 from kvtrail.keys import unique_first
 from kvtrail.model.pagekernel import (
     OP_ALLOC,
@@ -68,7 +69,7 @@ _GONE = np.iinfo(np.int64).max  # the last-seen time of a request code not in us
 
 def _column(table: pa.Table, name: str, type_: pa.DataType) -> pa.ChunkedArray:
     """A column of ``table``; all null when the batch leaves it out (a producer's wire batch may)."""
-    if name in table.column_names:
+    if table.schema.get_field_index(name) >= 0:
         return table.column(name)
     return pa.chunked_array([pa.nulls(table.num_rows, type_)])
 
@@ -89,7 +90,7 @@ def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             offsets = offsets - offsets[0]
         values = values.astype(np.int32 if values.dtype == np.int32 else np.int64, copy=False)
         offsets = offsets.astype(np.int64, copy=False)
-        valid = arr.is_valid().to_numpy(zero_copy_only=False)
+        valid = valid_mask(arr)
     for a in (values, offsets, valid):
         a.setflags(write=False)
     return values, offsets, valid
@@ -124,7 +125,7 @@ def _indices(table: pa.Table, name: str, fixed: tuple | None = None) -> tuple[np
     col = _column(table, name, pa.string())
     arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     d = arr if pa.types.is_dictionary(arr.type) else pc.dictionary_encode(arr)
-    idx = d.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+    idx = filled(d.indices, -1).astype(np.int64)
     values = d.dictionary.to_pylist()
     if fixed is None:
         return idx, values
@@ -135,9 +136,11 @@ def _indices(table: pa.Table, name: str, fixed: tuple | None = None) -> tuple[np
 def _equals(table: pa.Table, name: str, word: str) -> np.ndarray:
     """Per row, whether the string column ``name`` holds ``word``."""
     col = _column(table, name, pa.string())
-    if pa.types.is_dictionary(col.type):
-        col = col.cast(col.type.value_type)
-    return pc.fill_null(pc.equal(col, word), False).to_numpy(zero_copy_only=False)
+    arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    if pa.types.is_dictionary(arr.type):  # compared once per distinct value
+        hit = np.array([v == word for v in arr.dictionary.to_pylist()] + [False])
+        return hit[filled(arr.indices, -1)]
+    return filled(pc.equal(arr, word), False)
 
 
 class Monitors(PageSteps):

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
+from kvtrail.audit.arrowutil import filled
+
 # Rows made one at a time (ones no fetch asked for) before whole columns are cheaper; and the share of
 # a table one fetch may ask for before they are.
 _SINGLE_MISSES = 32
@@ -33,7 +35,7 @@ def pylist(arr: pa.Array) -> list:
     if pa.types.is_string(type_) or pa.types.is_large_string(type_) or pa.types.is_dictionary(type_):
         d = arr if pa.types.is_dictionary(type_) else arr.dictionary_encode()
         distinct = np.array([*d.dictionary.to_pylist(), None], dtype=object)  # index -1: null
-        return distinct[d.indices.fill_null(-1).to_numpy(zero_copy_only=False)].tolist()
+        return distinct[filled(d.indices, -1)].tolist()
     if pa.types.is_integer(type_) and not arr.null_count:
         return arr.to_numpy().tolist()
     return arr.to_pylist()
@@ -49,7 +51,7 @@ class Rows:
         self._num_rows = 0 if table is None else table.num_rows
         if table is not None:
             for name in names:
-                col = table.column(name) if name in table.column_names else None
+                col = table.column(name) if table.schema.get_field_index(name) >= 0 else None
                 if col is None or col.null_count == len(col):
                     self._arrays.append(None)
                 else:

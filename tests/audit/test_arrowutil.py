@@ -60,3 +60,32 @@ def test_nullable_schema():
     assert all(f.nullable for f in NULLABLE_BATCH_SCHEMA)
     assert NULLABLE_BATCH_SCHEMA.names == BATCH_SCHEMA.names and NULLABLE_BATCH_SCHEMA.types == BATCH_SCHEMA.types
     assert nullable(pa.schema([pa.field("a", pa.int8(), nullable=False)])).field("a").nullable
+
+
+@pytest.mark.parametrize("type_", [pa.int8(), pa.int32(), pa.int64(), pa.uint64(), pa.bool_()])
+def test_filled_and_valid_mask_agree_with_arrow_kernels(type_):
+    """``filled`` is ``fill_null(...).to_numpy()`` and ``valid_mask`` is ``is_valid``, read from the buffers:
+    sliced at every bit offset (bitmaps not byte-aligned), chunked, with and without nulls."""
+    import pyarrow.compute as pc
+
+    from kvtrail.audit.arrowutil import filled, valid_mask
+
+    rng = np.random.default_rng(7)
+    boolean = type_ == pa.bool_()
+    fill = False if boolean else 5
+    for n in (0, 1, 8, 9, 70):
+        for null_share in (0.0, 0.4):
+            values = rng.integers(0, 2 if boolean else 100, n).tolist()
+            nulls = rng.random(n) < null_share
+            arr = pa.array([None if z else (bool(v) if boolean else v) for v, z in zip(values, nulls)], type_)
+            for offset in range(min(n, 10) + 1):
+                part = arr.slice(offset)
+                for col in (part, pa.chunked_array([part], type_), pa.chunked_array([part, arr], type_)):
+                    want = pc.fill_null(col, pa.scalar(fill, type_)).to_numpy(zero_copy_only=False)
+                    got = filled(col, fill)
+                    assert got.dtype == want.dtype and got.tolist() == want.tolist()
+                    assert valid_mask(col).tolist() == pc.is_valid(col).to_numpy(zero_copy_only=False).tolist()
+    assert filled(pa.nulls(3), -1).tolist() == [-1, -1, -1]
+    assert valid_mask(pa.nulls(2)).tolist() == [False, False]
+    with pytest.raises(TypeError, match="not string"):
+        filled(pa.array(["a"]), 0)

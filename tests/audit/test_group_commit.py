@@ -15,6 +15,8 @@ from kvtrail.audit.verify import verify_store
 from kvtrail.errors import ValidationError
 from kvtrail.sim.synth import synth_batches
 
+PRODUCER_NAMES = ["cluster", "node", "role", "engine", "engine_version", "instance"]
+NAMES = ", ".join(PRODUCER_NAMES)
 PRODUCERS = [Producer("c1", f"decode-{i}", "decode", "kvtrail-synth", "0", f"i{i}") for i in range(3)]
 
 
@@ -59,6 +61,12 @@ def test_batches_committed_together_are_stored_as_if_appended_one_by_one(tmp_pat
             res = st.append_validated([st.validate(s[k]) for s in streams])
             assert len(res.batches) == len(PRODUCERS)
             assert res.num_events == sum(s[k].num_rows for s in streams)
+            # the committed table names each row's producer by the id it was stored under
+            assert res.table is not None
+            ids = {r[1:]: r[0] for r in st.con.execute(f"SELECT producer_id, {NAMES} FROM producers").fetchall()}
+            want = [ids[tuple(row[n] for n in PRODUCER_NAMES)] for row in res.table.select(PRODUCER_NAMES).to_pylist()]
+            assert res.table.column("producer_id").to_pylist() == want
+            assert sorted(set(want)) == sorted(pid for pid, _ in res.batches)
         together = _stored(st.con)
     assert together[0] == alone[0]  # batch numbers, seq ranges, counts and the chain's digests
     assert together[1] == alone[1]

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvtrail.audit.arrowutil import flat_list
+from kvtrail.audit.arrowutil import filled, flat_list
 from kvtrail.audit.events import PRODUCER_FIELDS
 from kvtrail.forensics.replay.event import SCALARS, ReplayEvent
 
@@ -80,7 +80,7 @@ class ReplayBatch:
 
     def ints(self, name: str) -> np.ndarray:
         """An integer column as int64 (nulls as 0; uint64 values wrap)."""
-        return pc.fill_null(self.column(name), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        return filled(self.column(name), 0).astype(np.int64)
 
     def event(self, i: int, ord_: int) -> ReplayEvent:
         """Row ``i`` as the handlers take it (the same values the pure path builds)."""
@@ -137,12 +137,12 @@ def request_codes(col) -> tuple[np.ndarray, list[str]]:
     """(index per row, -1 where null; the distinct request ids) of a request_id column."""
     col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     enc = col.dictionary_encode()
-    return pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False).astype(np.int32), enc.dictionary.to_pylist()
+    return filled(enc.indices, -1).astype(np.int32), enc.dictionary.to_pylist()
 
 
 def codes_of(col, names: tuple[str, ...]) -> np.ndarray:
     """Index of each value in ``names`` (-1: null or not among them)."""
-    return pc.fill_null(pc.index_in(col, value_set=pa.array(names)), -1).to_numpy(zero_copy_only=False)
+    return filled(pc.index_in(col, value_set=pa.array(names)), -1)
 
 
 def in_engine_order(table: pa.Table) -> pa.Table:
@@ -168,21 +168,30 @@ def in_engine_order(table: pa.Table) -> pa.Table:
 
 
 def _identity_codes(table: pa.Table) -> np.ndarray:
-    """A code per row, equal for rows of the same producer identity (codes in any order)."""
+    """A code per row, equal for rows of the same producer identity (codes in any order). A table with a
+    ``producer_id`` in every row (what a store committed or holds: one id per identity) is coded by it,
+    one integer column instead of the six identity strings."""
+    if "producer_id" in table.schema.names and table.column("producer_id").null_count == 0:
+        return _compact(table.column("producer_id").to_numpy().astype(np.int64, copy=False))
     key = np.zeros(table.num_rows, np.int64)
     for name in PRODUCER_NAMES:
         enc = table.column(name).combine_chunks().dictionary_encode()
         if len(enc.dictionary) <= 1 and not enc.null_count:
             continue
-        codes = pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64) + 1
-        key = key * (len(enc.dictionary) + 1) + codes
-        if key.max(initial=0) < 1 << 24:  # compact through a lookup table: O(rows), no sort
-            present = np.zeros(int(key.max(initial=0)) + 1, np.int64)
-            present[key] = 1
-            key = (np.cumsum(present) - 1)[key]
-        else:
-            key = np.unique(key, return_inverse=True)[1].astype(np.int64)
+        codes = filled(enc.indices, -1).astype(np.int64) + 1
+        key = _compact(key * (len(enc.dictionary) + 1) + codes)
     return key
+
+
+def _compact(key: np.ndarray) -> np.ndarray:
+    """Non-negative ``key`` renumbered 0..k-1, equal keys equal codes."""
+    if not len(key):
+        return key
+    if key.min() >= 0 and key.max() < 1 << 24:  # through a lookup table: O(rows), no sort
+        present = np.zeros(int(key.max()) + 1, np.int64)
+        present[key] = 1
+        return (np.cumsum(present) - 1)[key]
+    return np.unique(key, return_inverse=True)[1].astype(np.int64).reshape(-1)
 
 
 def _chunk(col) -> pa.Array:
@@ -211,7 +220,7 @@ def from_table(table: pa.Table, producer_id: Callable[[tuple], int]) -> ReplayBa
     pages, poff = flat_list(table.column("pages"), np.int32)
     digests, doff = flat_list(table.column("page_digests"), np.uint64)
     hashes, hoff = flat_list(table.column("block_hashes"), np.int64)
-    ndst = pc.fill_null(pc.list_value_length(table.column("dst_pages")), 0).to_numpy(zero_copy_only=False)
+    ndst = filled(pc.list_value_length(table.column("dst_pages")), 0)
     scalars = pa.table({name: _chunk(table.column(name)) for name in SCALARS})
     return ReplayBatch(
         scalars,

@@ -22,8 +22,8 @@ import heapq
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from kvtrail.audit.arrowutil import filled, valid_mask
 from kvtrail.forensics.findings import UNVERIFIED
 from kvtrail.forensics.replay import kernels as K
 from kvtrail.forensics.replay.batch import JOIN_KINDS, PAGE_KINDS, ReplayBatch, codes_of, first_rows
@@ -127,11 +127,9 @@ class FastReplay:
         op[kind == 3] = K.OP_READ
         # Prefill-rate samples need both token bounds (the handler raises without them).
         forward = codes_of(b.column("source"), ("forward",)) == 0
-        no_tokens = b.column("token_start").is_null().to_numpy(zero_copy_only=False) | b.column(
-            "token_end"
-        ).is_null().to_numpy(zero_copy_only=False)
+        no_tokens = ~valid_mask(b.column("token_start")) | ~valid_mask(b.column("token_end"))
         op[(kind == 2) & forward & no_tokens] = K.OP_PYTHON
-        op[pc.fill_null(b.column("seq"), 0).to_numpy(zero_copy_only=False) > _INT64_MAX] = K.OP_PYTHON  # int64 keys
+        op[filled(b.column("seq"), 0) > _INT64_MAX] = K.OP_PYTHON  # int64 keys
         op[_unverified(b, kind)] = K.OP_PYTHON  # its handler changes page state: judged even without the joins
         return op
 
@@ -204,7 +202,7 @@ class FastReplay:
             enc = pa.array(state.request_tenants[old:], pa.string()).dictionary_encode()
             tc = self.tenant_codes
             by_name = np.array([tc.setdefault(t, len(tc)) for t in enc.dictionary.to_pylist()] + [-1], np.int32)
-            codes = by_name[pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False)]
+            codes = by_name[filled(enc.indices, -1)]
             self.tenant_code = np.concatenate([self.tenant_code, codes])
             self.tenant_ord = np.concatenate([self.tenant_ord, np.array(state.tenant_since[old:], np.int64)])
         for r in state.renamed:

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from kvtrail.audit.arrowutil import filled
 from kvtrail.forensics.findings import Finding
 from kvtrail.forensics.replay.event import NodeKey
 from kvtrail.forensics.replay.joins import CrossNodeJoins
@@ -119,7 +119,7 @@ class ReplayState:
         n = len(rcode)
         tenant_col = tenant_col.combine_chunks() if isinstance(tenant_col, pa.ChunkedArray) else tenant_col
         enc = tenant_col.dictionary_encode()
-        tcode = pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+        tcode = filled(enc.indices, -1).astype(np.int64)
         tnames: list[str] = enc.dictionary.to_pylist()
         named = np.flatnonzero((rcode >= 0) & (tcode >= 0))
         if len(named):
