@@ -79,3 +79,23 @@ def test_a_row_out_of_range_is_refused():
     with pytest.raises(IndexError):
         rows[5]
     assert len(Rows()) == 0
+
+
+def test_pylist_gives_to_pylist_values_and_types_for_every_column_shape():
+    """Whichever way a column is read (through its distinct values, through numpy, or Arrow's own), the
+    values and Python types are ``to_pylist``'s (an unsigned 64-bit value past int64 included), at any
+    slice offset."""
+    from kvtrail.model.rows import pylist
+
+    columns = [
+        pa.array([None, 3, None, 2**63 + 5, 0, None, 7, 8, 9], pa.uint64()),
+        pa.array([-1, None, 2, None, None, None, None, 5, None], pa.int32()),
+        pa.array([True, None, False, None, True, True, None, False, True], pa.bool_()),
+        pa.array([1, 2, 3, 4, 5, 6, 7, 8, 9], pa.int64()),
+        pa.array(["a", None, "b", "a", None, "c", "a", "b", None]),
+    ]
+    for col in columns:
+        for offset in range(len(col)):
+            part = col.slice(offset)
+            got, want = pylist(part), part.to_pylist()
+            assert got == want and [type(v) for v in got] == [type(v) for v in want]
