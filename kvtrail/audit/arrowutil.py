@@ -86,6 +86,7 @@ def list_from_items(items: Sequence, value_type: pa.DataType, dtype, *, field: s
 
 
 def _one_chunk(col: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """The column as one array: a single chunk read in place (``combine_chunks`` would copy it)."""
     if isinstance(col, pa.ChunkedArray):
         return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
     return col
@@ -139,9 +140,7 @@ def list_lengths(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
 
 def flat_list(col: pa.Array | pa.ChunkedArray, dtype=None) -> tuple[np.ndarray, np.ndarray]:
     """Flat values (cast to ``dtype`` if given) and int64 offsets of a list column; null lists count as empty."""
-    arr = col
-    if isinstance(col, pa.ChunkedArray):  # one chunk read in place: combine_chunks would copy it
-        arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    arr = _one_chunk(col)
     if pa.types.is_list(arr.type) and arr.values.null_count == 0:
         # Read the list's own offsets in place; a null list spanning values (legal Arrow, which pyarrow
         # never builds) takes the general path, which leaves those values out.

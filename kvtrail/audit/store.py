@@ -121,12 +121,8 @@ class AppendResult:
 
 
 def _with_producer_ids(vb: ValidatedBatch) -> pa.Table:
-    """The validated table with a ``producer_id`` column: each row's producer, as committed."""
-    t = vb.table
-    if "producer_id" in t.schema.names:
-        return t
-    ids = np.asarray(vb.producer_ids, np.int64)
-    return t.append_column("producer_id", pa.array(ids[vb.producer_index] if len(ids) > 1 else np.full(len(t), ids[0])))
+    """The validated table (BATCH_SCHEMA, which has no ``producer_id``) with each row's producer, as committed."""
+    return vb.table.append_column("producer_id", pa.array(np.asarray(vb.producer_ids, np.int64)[vb.producer_index]))
 
 
 def fetch_row(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> tuple:

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvtrail.audit.arrowutil import INT32_MAX, flat_list, list_lengths
+from kvtrail.audit.arrowutil import INT32_MAX, flat_list, list_lengths, valid_mask
 from kvtrail.audit.batch import BATCH_SCHEMA, NULLABLE_BATCH_SCHEMA
 from kvtrail.audit.events import (
     ENVELOPE_NAMES,
@@ -107,7 +107,7 @@ def _normalise(table: pa.Table) -> tuple[pa.Table, dict[str, str]]:
     names = set(table.column_names)
     for name in table.column_names:
         if name not in FIELDS:
-            raise _column_error(table, name, "unknown field", _valid_mask(table.column(name)))
+            raise _column_error(table, name, "unknown field", valid_mask(table.column(name)))
     for name in ENVELOPE_NAMES:
         if name not in names:
             raise _column_error(table, name, "missing (required on every event)", np.ones(table.num_rows, bool))
@@ -175,10 +175,6 @@ def _repeated(col) -> tuple[pa.Array, str] | None:
     return strings, value
 
 
-def _valid_mask(col) -> np.ndarray:
-    return pc.is_valid(col).to_numpy(zero_copy_only=False)
-
-
 def _kind_at(t: pa.Table, idx: int) -> str | None:
     """The kind the event at ``idx`` claims (as sent, so an unknown kind is still named)."""
     if "kind" not in t.column_names:
@@ -202,7 +198,7 @@ def _fail_rows(rows: np.ndarray, field: str, reason: str, t: pa.Table) -> None:
 def _check_envelope(t: pa.Table) -> np.ndarray:
     for name in ENVELOPE_NAMES:
         if t.column(name).null_count:  # the mask only for a column that has a null
-            _fail(~_valid_mask(t.column(name)), name, "missing (required on every event)", t)
+            _fail(~valid_mask(t.column(name)), name, "missing (required on every event)", t)
     versions = t.column("schema_version").to_numpy()
     bad = ~np.isin(versions, SUPPORTED_SCHEMA_VERSIONS)
     if bad.any():
@@ -235,7 +231,7 @@ def _check_kind_fields(t: pa.Table, codes: np.ndarray) -> None:
             continue
         if col.null_count == 0 and allowed[present].all():  # present everywhere and allowed for every kind here
             continue
-        valid = _valid_mask(col)
+        valid = valid_mask(col)
         # Counts per kind decide; the per-row masks that name the first bad event only on a failure.
         have = np.bincount(codes[valid], minlength=nkinds)
         if (required & (have < counts)).any():
@@ -293,7 +289,7 @@ def _check_values(t: pa.Table, codes: np.ndarray, constant: dict[str, str] | Non
         prefix_hit = (codes == KIND_CODES["pages_allocated"]) & (
             pc.fill_null(pc.equal(t.column("purpose"), "prefix_hit"), False).to_numpy(zero_copy_only=False)
         )
-        no_hashes = prefix_hit & ~_valid_mask(t.column("block_hashes"))
+        no_hashes = prefix_hit & ~valid_mask(t.column("block_hashes"))
         if no_hashes.any():
             _fail(no_hashes, "block_hashes", "required when purpose is prefix_hit", t)
     if t.column("token_end").null_count < n:
@@ -307,7 +303,7 @@ def _check_values(t: pa.Table, codes: np.ndarray, constant: dict[str, str] | Non
         if flat.null_count:
             lengths = list_lengths(col)
             row_of = np.repeat(np.arange(t.num_rows), lengths)
-            r = row_of[np.flatnonzero(~_valid_mask(flat))[0]]
+            r = row_of[np.flatnonzero(~valid_mask(flat))[0]]
             _fail(np.arange(t.num_rows) == r, name, "list entries must not be null", t)
 
 
